@@ -1,0 +1,12 @@
+"""hf_contbatch: continuous batching over a paged KV cache for Hugging Face text generation."""
+
+from .config import CacheConfig, EngineConfig, SchedulerConfig
+from .engine import EngineError, EngineStats, LLMEngine, RequestHandle, RequestOutput
+from .request import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheConfig", "EngineConfig", "SchedulerConfig", "EngineError", "EngineStats", "LLMEngine",
+    "RequestHandle", "RequestOutput", "SamplingParams", "__version__",
+]

@@ -1,0 +1,95 @@
+"""Attention that reads the paged KV cache, plugged in through ``transformers.AttentionInterface``.
+
+The registered function is stateless: the step's cache and metadata travel in the forward's keyword
+arguments (``paged_cache``), so any number of engines can share the one global registration.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+ATTENTION_NAME = "hf_contbatch_paged"  # no "sdpa"/"flash"/"flex" in it: transformers substring-checks names
+
+_BACKENDS = ("auto", "torch", "triton")
+
+
+def resolve_backend(requested: str, device: torch.device) -> str:
+    """Pick "torch" or "triton" for ``device``.
+
+    ``HF_CONTBATCH_ATTENTION_BACKEND`` overrides an "auto" request. "triton" needs CUDA tensors, or the
+    interpreter (``TRITON_INTERPRET=1``) on CPU; otherwise a ValueError says why.
+    """
+    if requested not in _BACKENDS:
+        raise ValueError(f"`attention_backend` must be one of {_BACKENDS}, got {requested!r}")
+    if requested == "auto":
+        env = os.environ.get("HF_CONTBATCH_ATTENTION_BACKEND", "auto")
+        if env not in _BACKENDS:
+            raise ValueError(f"HF_CONTBATCH_ATTENTION_BACKEND must be one of {_BACKENDS}, got {env!r}")
+        requested = env
+    if requested == "auto":
+        from .triton_kernels import TRITON_AVAILABLE
+
+        return "triton" if device.type == "cuda" and TRITON_AVAILABLE else "torch"
+    if requested == "triton":
+        from .triton_kernels import TRITON_AVAILABLE
+
+        if not TRITON_AVAILABLE:
+            raise ValueError("attention_backend='triton' but triton is not importable; use 'torch'")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "attention_backend='triton' on a CPU device needs TRITON_INTERPRET=1 (slow; for tests); use 'torch'"
+            )
+    return requested
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    paged_cache=None,
+    **kwargs,
+):
+    """The ``AttentionInterface`` entry: ``query`` ``[1, H, T, D]`` -> ``([1, T, H, D], None)``.
+
+    ``key``/``value`` are this step's rows, already stored by ``PagedKVCache.update``; the context
+    is read from the pool. Raises RuntimeError if called without an engine step's cache.
+    """
+    if paged_cache is None or paged_cache.metadata is None:
+        raise RuntimeError(
+            f"attention implementation {ATTENTION_NAME!r} only runs inside an hf_contbatch engine step"
+        )
+    layer_idx = module.layer_idx
+    k_pool = paged_cache.key_cache[layer_idx]
+    v_pool = paged_cache.value_cache[layer_idx]
+    meta = paged_cache.metadata.to(k_pool.device)
+    head_dim = query.shape[-1]
+    scale = scaling if scaling is not None else head_dim**-0.5
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    if paged_cache.attention_backend == "triton":
+        from .triton_kernels import paged_attention
+
+        out = paged_attention(
+            q.contiguous(), k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            meta.max_query_len, scale, sliding_window=sliding_window, softcap=softcap,
+        )
+    else:
+        from .torch_paged import torch_paged_attention
+
+        out = torch_paged_attention(q, k_pool, v_pool, meta, scale, sliding_window=sliding_window, softcap=softcap)
+    return out.unsqueeze(0), None
+
+
+def register_attention() -> str:
+    """Register the paged attention function (idempotent) and return its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    return ATTENTION_NAME

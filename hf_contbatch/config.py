@@ -1,0 +1,143 @@
+"""Configuration dataclasses for the engine, validated on construction.
+
+Every check raises ``ValueError`` naming the argument and its allowed values, in the manner of
+``transformers.GenerationConfig``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+_PREEMPTION_MODES = ("recompute", "swap", "auto")
+_ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        allowed = "a positive int or None" if allow_none else "a positive int"
+        raise ValueError(f"`{name}` must be {allowed}, got {value!r}")
+
+
+@dataclass
+class CacheConfig:
+    """Size and layout of the paged KV cache.
+
+    Args:
+        block_size: tokens per KV block (a power of two, 1..256). Default 16, as in vLLM.
+        num_blocks: blocks in the pool. When ``None`` the pool is sized from memory: on CUDA from
+            ``gpu_memory_utilization`` of the free device memory after the weights, on CPU from
+            ``cpu_cache_gib``.
+        cpu_cache_gib: GiB of host memory for the KV pool when running on CPU and ``num_blocks`` is None.
+        gpu_memory_utilization: fraction (0, 1] of device memory the engine may fill (weights included)
+            on CUDA when ``num_blocks`` is None.
+        swap_space_gib: GiB of host memory for the swap pool used by swap preemption.
+        enable_prefix_caching: reuse the KV blocks of identical full-block prompt prefixes.
+        dtype: KV cache dtype name ("float32", "float16", "bfloat16") or None for the model's dtype.
+    """
+
+    block_size: int = 16
+    num_blocks: Optional[int] = None
+    cpu_cache_gib: float = 1.0
+    gpu_memory_utilization: float = 0.9
+    swap_space_gib: float = 1.0
+    enable_prefix_caching: bool = False
+    dtype: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        _check_positive_int("block_size", self.block_size)
+        if self.block_size & (self.block_size - 1) or self.block_size > 256:
+            raise ValueError(f"`block_size` must be a power of two between 1 and 256, got {self.block_size}")
+        _check_positive_int("num_blocks", self.num_blocks, allow_none=True)
+        if not (isinstance(self.cpu_cache_gib, (int, float)) and self.cpu_cache_gib > 0):
+            raise ValueError(f"`cpu_cache_gib` must be a positive number of GiB, got {self.cpu_cache_gib!r}")
+        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(
+                f"`gpu_memory_utilization` must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if not (isinstance(self.swap_space_gib, (int, float)) and self.swap_space_gib >= 0):
+            raise ValueError(f"`swap_space_gib` must be a number >= 0, got {self.swap_space_gib!r}")
+        if self.dtype not in (None, "float32", "float16", "bfloat16"):
+            raise ValueError(
+                f"`dtype` must be one of None, 'float32', 'float16', 'bfloat16', got {self.dtype!r}"
+            )
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits that shape each scheduler iteration.
+
+    Args:
+        max_num_seqs: most requests running at once (decode batch size).
+        max_num_batched_tokens: token budget of one forward (decode tokens plus prefill chunks).
+            A prompt longer than the remaining budget is prefilled in chunks (chunked prefill).
+        watermark: fraction [0, 1) of the pool kept free at admission so running requests can grow
+            without immediate preemption (vLLM's watermark).
+        preemption_mode: "recompute" (free the KV, recompute it on resumption), "swap" (copy the KV
+            to a host pool and back) or "auto" (choose per request by estimated cost).
+        long_prefill_token_threshold: most prefill tokens one request may take in a step, so a long
+            prompt does not starve short ones; None means no limit beyond the token budget.
+        max_preemptions: after this many preemptions a request is no longer chosen as a victim
+            (it escalates to the highest effective priority), so it cannot be preempted forever.
+        aging_seconds: waiting time after which a request's effective priority improves by one level,
+            so no request waits forever behind a stream of higher-priority arrivals. None disables.
+    """
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 1024
+    watermark: float = 0.01
+    preemption_mode: Literal["recompute", "swap", "auto"] = "recompute"
+    long_prefill_token_threshold: Optional[int] = None
+    max_preemptions: int = 8
+    aging_seconds: Optional[float] = 30.0
+
+    def __post_init__(self) -> None:
+        _check_positive_int("max_num_seqs", self.max_num_seqs)
+        _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if not (isinstance(self.watermark, (int, float)) and 0 <= self.watermark < 1):
+            raise ValueError(f"`watermark` must be in [0, 1), got {self.watermark!r}")
+        if self.preemption_mode not in _PREEMPTION_MODES:
+            raise ValueError(
+                f"`preemption_mode` must be one of {_PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
+        _check_positive_int("long_prefill_token_threshold", self.long_prefill_token_threshold, allow_none=True)
+        _check_positive_int("max_preemptions", self.max_preemptions)
+        if self.aging_seconds is not None and not (
+            isinstance(self.aging_seconds, (int, float)) and self.aging_seconds > 0
+        ):
+            raise ValueError(f"`aging_seconds` must be a positive number or None, got {self.aging_seconds!r}")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs besides the model.
+
+    Args:
+        cache: the KV cache configuration.
+        scheduler: the scheduler limits.
+        attention_backend: "auto" (Triton on CUDA, plain torch on CPU), "torch" or "triton". The
+            environment variable ``HF_CONTBATCH_ATTENTION_BACKEND`` overrides "auto".
+        num_threads: torch intra-op threads for the engine thread on CPU; None keeps torch's setting.
+        seed: seed of the engine's own sampling generator (no global RNG is touched).
+        record_phases: keep the per-iteration phase log (used by tests and the dashboard).
+    """
+
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    num_threads: Optional[int] = None
+    seed: Optional[int] = None
+    record_phases: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cache, CacheConfig):
+            raise ValueError(f"`cache` must be a CacheConfig, got {type(self.cache).__name__}")
+        if not isinstance(self.scheduler, SchedulerConfig):
+            raise ValueError(f"`scheduler` must be a SchedulerConfig, got {type(self.scheduler).__name__}")
+        if self.attention_backend not in _ATTENTION_BACKENDS:
+            raise ValueError(
+                f"`attention_backend` must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        _check_positive_int("num_threads", self.num_threads, allow_none=True)

@@ -1,0 +1,221 @@
+"""The paged KV pool (tensors), the host swap pool, and one step's attention metadata.
+
+The pool of each layer is ``[num_blocks, block_size, num_kv_heads, head_dim]`` (vLLM's layout, one
+token's heads contiguous), on that layer's device. It implements the part of ``transformers.Cache``
+that decoder layers call: ``update()`` scatters this step's K/V into their slots (slot mapping) and
+returns them unchanged; the registered attention function then reads each request's context back
+through its block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs about one flattened, unpadded step.
+
+    Requests are ordered decodes first (one query token each), then prefill chunks.
+
+    Attributes:
+        slot_mapping: int64 ``[T]``; flat slot ``block * block_size + offset`` of each new token.
+        query_start_loc: int32 ``[B + 1]``; cumulative query lengths.
+        seq_lens: int32 ``[B]``; context length of each request including this step's tokens.
+        block_tables: int32 ``[B, max_blocks]``; padded with 0 (never read past ``seq_lens``).
+        num_decodes: the first ``num_decodes`` requests have exactly one query token.
+        max_query_len, max_seq_len: maxima over the batch (ints, for kernel grids).
+        query_start_loc_cpu, seq_lens_cpu: the same as Python lists (the torch path loops on them).
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    num_decodes: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    block_size: int
+    # Per-step derived tensors shared by every layer (built lazily once, then reused).
+    _derived: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    def derived(self, key, builder):
+        """Memoise a per-step tensor (masks, gather indices) across layers."""
+        value = self._derived.get(key)
+        if value is None:
+            value = builder()
+            self._derived[key] = value
+        return value
+
+    def to(self, device: torch.device) -> "AttentionMetadata":
+        """This metadata with its tensors on ``device`` (memoised; for models spread by device_map)."""
+        if self.slot_mapping.device == device:
+            return self
+        return self.derived(
+            ("to", str(device)),
+            lambda: AttentionMetadata(
+                slot_mapping=self.slot_mapping.to(device),
+                query_start_loc=self.query_start_loc.to(device),
+                seq_lens=self.seq_lens.to(device),
+                block_tables=self.block_tables.to(device),
+                num_decodes=self.num_decodes,
+                max_query_len=self.max_query_len,
+                max_seq_len=self.max_seq_len,
+                query_start_loc_cpu=self.query_start_loc_cpu,
+                seq_lens_cpu=self.seq_lens_cpu,
+                block_size=self.block_size,
+            ),
+        )
+
+
+def kv_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes one block takes over all layers, K and V together."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+
+class PagedKVCache:
+    """Per-layer K/V block tensors plus the step's metadata; passed to the model as its cache.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: from the model config.
+        num_blocks, block_size: pool geometry.
+        dtype: cache dtype.
+        layer_devices: device of each layer's pool (one entry per layer).
+        num_swap_blocks: blocks in the host swap pool (0 disables swapping).
+        attention_backend: "torch" or "triton"; decides how ``update`` stores K/V.
+
+    Only what decoder layers call is implemented (``update``, ``get_seq_length`` and the mask-size
+    queries), which is why this is duck-typed rather than a ``transformers.Cache`` subclass: the
+    mask builders skip custom attention implementations, so nothing else is consulted.
+    """
+
+    is_compileable = False
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        layer_devices: Sequence[torch.device],
+        num_swap_blocks: int = 0,
+        attention_backend: str = "torch",
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        self.attention_backend = attention_backend
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.key_cache = [torch.zeros(shape, dtype=dtype, device=d) for d in layer_devices]
+        self.value_cache = [torch.zeros(shape, dtype=dtype, device=d) for d in layer_devices]
+        self.num_swap_blocks = num_swap_blocks
+        self.swap_key_cache: list[torch.Tensor] = []
+        self.swap_value_cache: list[torch.Tensor] = []
+        if num_swap_blocks:
+            swap_shape = (num_swap_blocks,) + shape[1:]
+            pin = torch.cuda.is_available() and any(torch.device(d).type == "cuda" for d in layer_devices)
+            self.swap_key_cache = [torch.zeros(swap_shape, dtype=dtype, pin_memory=pin) for _ in layer_devices]
+            self.swap_value_cache = [torch.zeros(swap_shape, dtype=dtype, pin_memory=pin) for _ in layer_devices]
+        self.metadata: Optional[AttentionMetadata] = None
+        self.is_sliding = [False] * num_layers
+
+    # --- the transformers.Cache surface used by decoder layers -----------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Store this step's K/V (``[1, num_kv_heads, T, head_dim]``) into their slots.
+
+        Returns the inputs unchanged: the attention function reads the context from the pool.
+        """
+        meta = self.metadata
+        if meta is None:
+            raise RuntimeError(
+                "PagedKVCache.update called outside an engine step (no attention metadata is set)"
+            )
+        k_pool = self.key_cache[layer_idx]
+        meta = meta.to(k_pool.device)
+        # [1, KVH, T, D] -> [T, KVH, D]
+        key = key_states[0].transpose(0, 1)
+        value = value_states[0].transpose(0, 1)
+        if self.attention_backend == "triton":
+            from ..attention.triton_kernels import store_kv
+
+            store_kv(key, value, k_pool, self.value_cache[layer_idx], meta.slot_mapping)
+        else:
+            flat_k = k_pool.view(-1, self.num_kv_heads, self.head_dim)
+            flat_v = self.value_cache[layer_idx].view(-1, self.num_kv_heads, self.head_dim)
+            flat_k.index_copy_(0, meta.slot_mapping, key.to(self.dtype))
+            flat_v.index_copy_(0, meta.slot_mapping, value.to(self.dtype))
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        # Positions are always passed explicitly; models that ask (OPT) get 0 as "no dense past".
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+    # --- swapping (block contents between device pool and host pool) ---------------------------
+    def swap_out(self, mapping: Sequence[tuple[int, int]]) -> None:
+        """Copy device blocks to host blocks; ``mapping`` holds (device_block, host_block) pairs."""
+        self._copy_blocks(mapping, to_host=True)
+
+    def swap_in(self, mapping: Sequence[tuple[int, int]]) -> None:
+        """Copy host blocks to device blocks; ``mapping`` holds (host_block, device_block) pairs."""
+        self._copy_blocks(mapping, to_host=False)
+
+    def copy_blocks(self, mapping: Sequence[tuple[int, int]]) -> None:
+        """Copy device blocks within the pool (copy-on-write); pairs of (src, dst)."""
+        if not mapping:
+            return
+        for layer in range(self.num_layers):
+            dev = self.key_cache[layer].device
+            src = torch.tensor([s for s, _ in mapping], device=dev)
+            dst = torch.tensor([d for _, d in mapping], device=dev)
+            self.key_cache[layer][dst] = self.key_cache[layer][src]
+            self.value_cache[layer][dst] = self.value_cache[layer][src]
+
+    def _copy_blocks(self, mapping: Sequence[tuple[int, int]], to_host: bool) -> None:
+        if not mapping:
+            return
+        if not self.num_swap_blocks:
+            raise RuntimeError("swap requested but the swap pool is empty (swap_space_gib=0)")
+        for layer in range(self.num_layers):
+            dev = self.key_cache[layer].device
+            src_idx = torch.tensor([s for s, _ in mapping])
+            dst_idx = torch.tensor([d for _, d in mapping])
+            if to_host:
+                self.swap_key_cache[layer][dst_idx] = self.key_cache[layer][src_idx.to(dev)].to("cpu")
+                self.swap_value_cache[layer][dst_idx] = self.value_cache[layer][src_idx.to(dev)].to("cpu")
+            else:
+                self.key_cache[layer][dst_idx.to(dev)] = self.swap_key_cache[layer][src_idx].to(dev)
+                self.value_cache[layer][dst_idx.to(dev)] = self.swap_value_cache[layer][src_idx].to(dev)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.key_cache + self.value_cache)
+
+    def release(self) -> None:
+        """Drop every tensor (``close()``)."""
+        self.key_cache.clear()
+        self.value_cache.clear()
+        self.swap_key_cache.clear()
+        self.swap_value_cache.clear()
+        self.metadata = None

@@ -1,0 +1,138 @@
+"""Request state, the single source of truth the scheduler reasons about.
+
+Following vLLM v1, a request is its token ids plus ``num_computed_tokens`` (how many of them have KV
+in the cache). Prefill, chunked prefill, prefix-cache hits and resumption after preemption are all
+"schedule ``num_tokens - num_computed_tokens`` more tokens"; no special cases.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "finished_stopped"  # EOS or a stop string
+    FINISHED_LENGTH = "finished_length"  # max_new_tokens or the model's context
+    FINISHED_CANCELLED = "finished_cancelled"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value.startswith("finished")
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_CANCELLED: "cancelled",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation parameters (names follow ``transformers.GenerationConfig``).
+
+    Attributes:
+        max_new_tokens: tokens to generate at most (>= 1).
+        min_new_tokens: EOS is suppressed until this many tokens exist (as transformers'
+            ``MinNewTokensLengthLogitsProcessor``).
+        do_sample: sample (True) or take the argmax (False).
+        temperature, top_k, top_p, repetition_penalty: as in transformers; applied with
+            transformers' own logits processors.
+        eos_token_ids: token ids that finish the request; empty when ``ignore_eos``.
+        ignore_eos: keep generating past EOS (benchmarks).
+        seed: seed of this request's sampling generator; None draws from the engine's generator.
+    """
+
+    max_new_tokens: int = 256
+    min_new_tokens: int = 0
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    eos_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: Optional[int] = None
+
+    @property
+    def is_greedy_plain(self) -> bool:
+        """True when the next token is a plain argmax (no processor changes the ranking)."""
+        return not self.do_sample and (self.repetition_penalty in (None, 1.0)) and self.min_new_tokens == 0
+
+
+@dataclass
+class Request:
+    """One generation request.
+
+    Attributes:
+        request_id: unique within its engine.
+        prompt_token_ids: the prompt, as token ids.
+        output_token_ids: tokens generated so far (kept across preemption).
+        num_computed_tokens: tokens whose KV is in the cache (0 after recompute preemption).
+        priority: lower value is served first (vLLM convention); ties go by arrival.
+        stop_checker: called with the request after each new token; True finishes it as "stop"
+            (the pipeline uses it for stop strings, since only it has the tokenizer).
+    """
+
+    request_id: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    stop_checker: Optional[Callable[["Request"], bool]] = None
+    on_tokens: Optional[Callable[["Request", Sequence[int]], None]] = None
+    on_finish: Optional[Callable[["Request"], None]] = None
+    max_total_tokens: Optional[int] = None  # the model's context; reaching it finishes with "length"
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    cancel_requested: bool = False
+    error: Optional[BaseException] = None
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
+    num_cached_prompt_tokens: int = 0  # prefix-cache hits at first admission
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while more than one token lacks KV (prompt, or a recomputed prefix)."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return FINISH_REASONS.get(self.status)
+
+    def sort_key(self) -> tuple:
+        return (self.priority, self.arrival_time, self.request_id)
+
+
+class RequestIdCounter:
+    """Per-engine id source (no class-level counters: two engines may live in one process)."""
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def __call__(self) -> int:
+        return next(self._counter)

@@ -1,0 +1,84 @@
+"""Naive paged-attention reference: the specification the kernels are tested against.
+
+Deliberately slow and plain: one query token at a time, keys gathered position by position
+through the block table, softmax over the visible keys in float32. Shares no code with
+``hf_contbatch.attention``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def reference_store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key[t]`` / ``value[t]`` (``[T, num_kv_heads, head_dim]``) into slot ``slot_mapping[t]``
+    of ``k_cache`` / ``v_cache`` (``[num_blocks, block_size, num_kv_heads, head_dim]``), in place,
+    cast to the cache dtype. Negative slots (padding tokens) are skipped."""
+    block_size = k_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        k_cache[slot // block_size, slot % block_size] = key[t].to(k_cache.dtype)
+        v_cache[slot // block_size, slot % block_size] = value[t].to(v_cache.dtype)
+
+
+def reference_paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """Attention of a flattened, unpadded batch over the paged KV cache.
+
+    Args:
+        query: ``[T, num_heads, head_dim]``.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        block_tables: ``[B, max_blocks_per_seq]``.
+        seq_lens: ``[B]``, context length including this step's tokens.
+        query_start_loc: ``[B + 1]``, cumulative query lengths (``arange(B + 1)`` for pure decode).
+        scale: multiplies ``q . k``.
+        sliding_window: a query at position ``pos`` sees keys ``max(0, pos - sliding_window + 1) .. pos``.
+        softcap: scores become ``softcap * tanh(scores / softcap)``.
+
+    Returns:
+        ``[T, num_heads, head_dim]`` in the query dtype.
+    """
+    num_heads = query.shape[1]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.zeros(query.shape, dtype=torch.float32)
+    starts = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        q_begin, q_end = starts[b], starts[b + 1]
+        q_len = q_end - q_begin
+        for i in range(q_len):
+            pos = seq_len - q_len + i
+            first = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            keys, values = [], []
+            for key_pos in range(first, pos + 1):
+                block = int(block_tables[b, key_pos // block_size])
+                keys.append(k_cache[block, key_pos % block_size].float())  # [num_kv_heads, head_dim]
+                values.append(v_cache[block, key_pos % block_size].float())
+            keys = torch.stack(keys)  # [n, num_kv_heads, head_dim]
+            values = torch.stack(values)
+            for h in range(num_heads):
+                q = query[q_begin + i, h].float()
+                scores = (keys[:, h // group] @ q) * scale
+                if softcap is not None:
+                    scores = softcap * torch.tanh(scores / softcap)
+                probs = torch.softmax(scores, dim=0)
+                out[q_begin + i, h] = probs @ values[:, h // group]
+    return out.to(query.dtype)
