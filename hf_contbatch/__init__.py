@@ -10,3 +10,7 @@ __all__ = [
     "CacheConfig", "EngineConfig", "SchedulerConfig", "EngineError", "EngineStats", "LLMEngine",
     "RequestHandle", "RequestOutput", "SamplingParams", "__version__",
 ]
+
+from .pipeline import ContinuousBatchingPipeline, GenerationHandle, pipeline  # noqa: E402
+
+__all__ += ["ContinuousBatchingPipeline", "GenerationHandle", "pipeline"]

@@ -1,0 +1,81 @@
+"""Shared fixtures: tiny random-weight models of several families, built from configs (no hub)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+VOCAB = 512
+
+
+def _common(**kw):
+    base = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=None,
+    )
+    base.update(kw)
+    return base
+
+
+def build_model(family: str, seed: int = 0, **overrides):
+    """A tiny float32 random model of ``family`` in eval mode."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if family == "llama":
+        cfg = tf.LlamaConfig(**_common(**overrides))
+        cls = tf.LlamaForCausalLM
+    elif family == "llama-mqa":
+        cfg = tf.LlamaConfig(**_common(num_key_value_heads=1, **overrides))
+        cls = tf.LlamaForCausalLM
+    elif family == "mistral":
+        cfg = tf.MistralConfig(**_common(sliding_window=8, **overrides))
+        cls = tf.MistralForCausalLM
+    elif family == "qwen2":
+        cfg = tf.Qwen2Config(**_common(**overrides))
+        cls = tf.Qwen2ForCausalLM
+    elif family == "qwen3":
+        cfg = tf.Qwen3Config(**_common(head_dim=16, **overrides))
+        cls = tf.Qwen3ForCausalLM
+    elif family == "gemma":
+        cfg = tf.GemmaConfig(**_common(head_dim=16, **overrides))
+        cls = tf.GemmaForCausalLM
+    elif family == "gemma2":
+        cfg = tf.Gemma2Config(**_common(head_dim=16, sliding_window=8, attn_logit_softcapping=50.0,
+                                        final_logit_softcapping=30.0, query_pre_attn_scalar=16, **overrides))
+        cls = tf.Gemma2ForCausalLM
+    elif family == "phi3":
+        cfg = tf.Phi3Config(**_common(**overrides))
+        cls = tf.Phi3ForCausalLM
+    else:
+        raise ValueError(family)
+    model = cls(cfg).eval()
+    return model
+
+
+def random_prompts(lengths, seed: int = 1, vocab: int = VOCAB):
+    g = torch.Generator().manual_seed(seed)
+    # Avoid special ids 0-2 so EOS never appears in a prompt.
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def reference_greedy(model, prompt, max_new_tokens: int):
+    """transformers' own greedy generate on the prompt alone (no padding), EOS ignored."""
+    # The tiny models have no EOS token (eos_token_id=None), so generate runs the full length
+    # without masking any logit (min_new_tokens would mask EOS and change the argmax).
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+        )
+    assert out.shape[1] == len(prompt) + max_new_tokens
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="session")
+def llama_model():
+    return build_model("llama")
