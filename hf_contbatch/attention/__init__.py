@@ -64,7 +64,8 @@ def paged_attention_forward(
     """
     if paged_cache is None or paged_cache.metadata is None:
         raise RuntimeError(
-            f"attention implementation {ATTENTION_NAME!r} only runs inside an hf_contbatch engine step"
+            f"attention implementation {ATTENTION_NAME!r} only runs inside an hf_contbatch engine step; "
+            "close the pipeline (which restores the model's attention) before calling model.generate"
         )
     layer_idx = module.layer_idx
     k_pool = paged_cache.key_cache[layer_idx]

@@ -1,0 +1,114 @@
+"""Engine lifecycle: cancellation frees everything, impossible requests are rejected at submit,
+engine errors reach callers and the engine keeps serving, two engines live side by side."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from conftest import build_model, random_prompts, reference_greedy
+from hf_contbatch import CacheConfig, EngineConfig, EngineError, LLMEngine, SamplingParams
+
+
+@pytest.mark.timeout(120)
+def test_cancel_in_any_state_frees_every_block_and_returns_partial_output(llama_model):
+    from hf_contbatch import SchedulerConfig
+
+    # max_num_seqs=2 keeps the third request waiting while the first two run.
+    eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=40),
+                                              scheduler=SchedulerConfig(max_num_seqs=2)))
+    try:
+        prompts = random_prompts([10, 12, 8, 30])
+        hs = [eng.submit(p, SamplingParams(max_new_tokens=140 if i < 3 else 5)) for i, p in enumerate(prompts)]
+        # wait until the first request has produced a few tokens, then cancel everything long
+        stream = hs[0].token_stream()
+        for _ in range(3):
+            next(stream)
+        for h in hs[:3]:
+            h.cancel()
+        outs = [h.result(60) for h in hs]
+        assert eng.wait_idle(10)
+        assert [o.finish_reason for o in outs[:3]] == ["cancelled"] * 3
+        assert len(outs[0].output_token_ids) >= 3
+        assert outs[3].finish_reason == "length"
+        assert eng.stats().num_free_blocks == 40
+        eng.block_manager.check_invariants()
+    finally:
+        eng.close()
+
+
+@pytest.mark.timeout(60)
+def test_request_that_can_never_fit_is_rejected_at_submit_with_numbers(llama_model):
+    eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=10)))
+    try:
+        with pytest.raises(ValueError, match=r"40 tokens"):
+            eng.submit(list(range(3, 40)), SamplingParams(max_new_tokens=8))
+        with pytest.raises(ValueError, match="context of 512"):
+            eng.submit([5] * 512, SamplingParams(max_new_tokens=1))
+        with pytest.raises(ValueError, match="empty"):
+            eng.submit([], SamplingParams(max_new_tokens=1))
+        # and the engine still serves the next request
+        assert len(eng.submit([5, 6, 7], SamplingParams(max_new_tokens=3)).result(30).output_token_ids) == 3
+    finally:
+        eng.close()
+
+
+@pytest.mark.timeout(120)
+def test_engine_error_reaches_the_caller_and_the_engine_keeps_serving():
+    model = build_model("llama")
+    prompt = random_prompts([6])[0]
+    ref = reference_greedy(model, prompt, 5)  # before the engine switches the model's attention
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(num_blocks=32)))
+    original = eng.runner.execute
+    fail_once = threading.Event()
+    fail_once.set()
+
+    def flaky(out):
+        if fail_once.is_set() and not out.is_empty:
+            fail_once.clear()
+            raise RuntimeError("injected failure")
+        return original(out)
+
+    eng.runner.execute = flaky
+    try:
+        h = eng.submit([5, 6, 7], SamplingParams(max_new_tokens=4))
+        with pytest.raises(EngineError, match="injected failure"):
+            h.result(30)
+        assert eng.wait_idle(10)
+        assert eng.stats().num_free_blocks == 32
+        assert eng.submit(prompt, SamplingParams(max_new_tokens=5)).result(30).output_token_ids == ref
+    finally:
+        eng.close()
+
+
+@pytest.mark.timeout(120)
+def test_two_engines_side_by_side_and_close_restores_attention():
+    m1, m2 = build_model("llama", seed=0), build_model("qwen2", seed=1)
+    before = m1.config._attn_implementation
+    p = random_prompts([7])[0]
+    refs = [reference_greedy(m, p, 6) for m in (m1, m2)]
+    e1 = LLMEngine(m1, EngineConfig(cache=CacheConfig(num_blocks=16)))
+    e2 = LLMEngine(m2, EngineConfig(cache=CacheConfig(num_blocks=16)))
+    try:
+        h1 = e1.submit(p, SamplingParams(max_new_tokens=6))
+        h2 = e2.submit(p, SamplingParams(max_new_tokens=6))
+        assert [h1.result(60).output_token_ids, h2.result(60).output_token_ids] == refs
+    finally:
+        e1.close()
+        e2.close()
+    assert m1.config._attn_implementation == before
+    assert not e1._thread.is_alive() and not e2._thread.is_alive()
+    assert e1.cache.key_cache == []
+    with pytest.raises(RuntimeError, match="closed"):
+        e1.submit(p, SamplingParams(max_new_tokens=1))
+
+
+@pytest.mark.timeout(60)
+def test_unsupported_model_family_gets_a_clear_error():
+    import transformers as tf
+
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2)).eval()
+    with pytest.raises(ValueError, match="supported families: llama"):
+        LLMEngine(model)
