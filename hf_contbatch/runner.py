@@ -93,6 +93,7 @@ class ModelRunner:
             query_start_loc_cpu=query_start_loc_cpu,
             seq_lens_cpu=seq_lens,
             block_size=bs,
+            num_kv_heads=self.cache.num_kv_heads,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         return ids, positions.to(dev), meta, sample_rows
@@ -103,6 +104,7 @@ class ModelRunner:
         if out.is_empty:
             return {}
         ids, positions, meta, sample_rows = self.build_metadata(out)
+        score_rows, score_slots = self._prompt_logprob_rows(out)
         self.cache.metadata = meta
         try:
             kwargs = {
@@ -112,7 +114,7 @@ class ModelRunner:
                 "use_cache": True,
                 "paged_cache": self.cache,
             }
-            rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+            rows = torch.tensor(sample_rows + score_rows, dtype=torch.long, device=self.device)
             if self._supports_logits_to_keep:
                 kwargs["logits_to_keep"] = rows
             logits = self.model(**kwargs).logits[0]
@@ -121,8 +123,52 @@ class ModelRunner:
         finally:
             self.cache.metadata = None
         sampled_reqs = [s.request for s in out.scheduled if s.samples]
+        if score_rows or any(r.sampling.score_token_id is not None for r in sampled_reqs):
+            self._record_prompt_logprobs(logits, sampled_reqs, score_slots)
+            logits = logits[: len(sample_rows)]
         tokens = self.sampler.sample(logits, sampled_reqs)
         return {r.request_id: t for r, t in zip(sampled_reqs, tokens)}
+
+    # --- prompt log-probs (SamplingParams.prompt_logprobs; lm-eval scoring) ----------------------
+    def _prompt_logprob_rows(self, out: SchedulerOutput) -> tuple[list[int], list[tuple]]:
+        """Extra LM-head rows for requests scoring their prompt: the flattened row of each position
+        ``p`` this step computes whose next prompt token ``p + 1`` is requested, with that target."""
+        rows: list[int] = []
+        slots: list[tuple] = []
+        offset = 0
+        for s in out.scheduled:
+            req, n = s.request, s.num_new_tokens
+            k = int(req.sampling.prompt_logprobs)
+            if k:
+                start = req.num_computed_tokens
+                # position p predicts prompt token p + 1, for p + 1 in [k, num_prompt_tokens)
+                for p in range(max(start, k - 1), min(start + n, req.num_prompt_tokens - 1)):
+                    rows.append(offset + p - start)
+                    slots.append((req, p + 1, req.prompt_token_ids[p + 1]))
+            offset += n
+        return rows, slots
+
+    @staticmethod
+    def _record_prompt_logprobs(logits: torch.Tensor, sampled_reqs, score_slots) -> None:
+        """Store (log-prob, is_argmax) per scored position in ``Request.prompt_logprobs``; rows after
+        the sampling rows are the prompt rows, and a sampling row scores ``score_token_id``."""
+        # A sampling row of a request with no output yet is its prompt's last row.
+        targets = [(req, req.num_prompt_tokens, req.sampling.score_token_id, i)
+                   for i, req in enumerate(sampled_reqs)
+                   if req.sampling.score_token_id is not None and not req.output_token_ids]
+        n_sample = len(sampled_reqs)
+        targets += [(req, t, tok, n_sample + j) for j, (req, t, tok) in enumerate(score_slots)]
+        if not targets:
+            return
+        idx = torch.tensor([row for *_, row in targets], device=logits.device)
+        sel = logits.index_select(0, idx).float()
+        tok = torch.tensor([t for _, _, t, _ in targets], device=logits.device)
+        logprobs = torch.log_softmax(sel, dim=-1).gather(1, tok[:, None])[:, 0].tolist()
+        argmax_ok = (sel.argmax(dim=-1) == tok).tolist()
+        for (req, t, _, _), lp, ok in zip(targets, logprobs, argmax_ok):
+            if req.prompt_logprobs is None:
+                req.prompt_logprobs = [None] * (req.num_prompt_tokens + 1)
+            req.prompt_logprobs[t] = (lp, bool(ok))
 
     def sampled_requests(self, out: SchedulerOutput) -> Sequence:
         return [s.request for s in out.scheduled if s.samples]

@@ -40,20 +40,47 @@ def _attend(q, k, v, mask, scale: float, softcap: Optional[float], is_causal: bo
     return torch.matmul(probs, v)
 
 
-def _decode_gather(meta: AttentionMetadata, sliding_window: Optional[int]):
-    """Slot indices ``[Bd * L]`` and key mask ``[Bd, 1, 1, L]`` for the decode requests."""
+def _decode_buckets(meta: AttentionMetadata, sliding_window: Optional[int]):
+    """Gather plans for the decode requests, grouped by context length to bound padding.
+
+    Returns a list of ``(rows, head_index, mask, length)``: ``rows`` the decode rows of the bucket,
+    ``head_index`` ``[b * KVH * L]`` indices into the pool viewed as ``[slots * KVH, D]`` in
+    ``[b, KVH, L]`` order (so one ``index_select`` yields SDPA's contiguous layout), ``mask``
+    ``[b, 1, 1, L]`` (None when no key is masked).
+    """
     nd = meta.num_decodes
-    seq_lens = meta.seq_lens[:nd].to(torch.long)
-    max_len = max(meta.seq_lens_cpu[:nd])
-    num_blocks = -(-max_len // meta.block_size)
-    tables = meta.block_tables[:nd, :num_blocks].to(torch.long)
-    offsets = torch.arange(meta.block_size, device=tables.device)
-    slots = (tables.unsqueeze(-1) * meta.block_size + offsets).reshape(nd, -1)[:, :max_len]
-    pos = torch.arange(max_len, device=tables.device)
-    mask = pos.unsqueeze(0) < seq_lens.unsqueeze(1)
-    if sliding_window is not None:
-        mask &= pos.unsqueeze(0) > (seq_lens.unsqueeze(1) - 1 - sliding_window)
-    return slots.reshape(-1), mask[:, None, None, :], max_len
+    lens = meta.seq_lens_cpu[:nd]
+    order = sorted(range(nd), key=lens.__getitem__)
+    buckets: list[list[int]] = []
+    for i in order:
+        # Start a new bucket when this context is much longer than the bucket's shortest: padding
+        # then stays under about half of the gathered keys; tiny buckets are not worth a call.
+        if buckets and not (lens[i] > 2 * lens[buckets[-1][0]] and len(buckets[-1]) >= 8 and len(buckets) < 4):
+            buckets[-1].append(i)
+        else:
+            buckets.append([i])
+    if len(buckets) == 1:
+        buckets = [list(range(nd))]  # keep batch order so the caller can skip the scatter
+    kvh = meta.num_kv_heads
+    plans = []
+    device = meta.block_tables.device
+    offsets = torch.arange(meta.block_size, device=device)
+    heads = torch.arange(kvh, device=device).view(1, kvh, 1)
+    for rows in buckets:
+        max_len = max(lens[i] for i in rows)
+        num_blocks = -(-max_len // meta.block_size)
+        rows_t = torch.tensor(rows, device=device)
+        tables = meta.block_tables.index_select(0, rows_t)[:, :num_blocks].to(torch.long)
+        slots = (tables.unsqueeze(-1) * meta.block_size + offsets).reshape(len(rows), -1)[:, :max_len]
+        head_index = (slots.unsqueeze(1) * kvh + heads).reshape(-1)
+        seq = torch.tensor([lens[i] for i in rows], device=device).unsqueeze(1)
+        pos = torch.arange(max_len, device=device).unsqueeze(0)
+        mask = pos < seq
+        if sliding_window is not None:
+            mask &= pos > seq - 1 - sliding_window
+        mask = None if bool(mask.all()) else mask[:, None, None, :]
+        plans.append((rows_t, head_index, mask, max_len))
+    return plans
 
 
 def _prefill_gather(meta: AttentionMetadata, i: int, sliding_window: Optional[int]):
@@ -103,12 +130,20 @@ def torch_paged_attention(
     out = torch.empty_like(query)
     nd = meta.num_decodes
     if nd:
-        slots, mask, max_len = meta.derived(("decode", sliding_window), lambda: _decode_gather(meta, sliding_window))
-        k = flat_k.index_select(0, slots).view(nd, max_len, kvh, head_dim).transpose(1, 2)
-        v = flat_v.index_select(0, slots).view(nd, max_len, kvh, head_dim).transpose(1, 2)
-        q = query[:nd].unsqueeze(2)  # [Bd, H, 1, D]
-        o = _attend(q, k.to(query.dtype), v.to(query.dtype), mask, scale, softcap)
-        out[:nd] = o.squeeze(2)
+        plans = meta.derived(("decode", sliding_window, kvh), lambda: _decode_buckets(meta, sliding_window))
+        rows_k = k_pool.view(-1, head_dim)
+        rows_v = v_pool.view(-1, head_dim)
+        single = len(plans) == 1
+        for rows, head_index, mask, max_len in plans:
+            b = rows.numel()
+            k = rows_k.index_select(0, head_index).view(b, kvh, max_len, head_dim).to(query.dtype)
+            v = rows_v.index_select(0, head_index).view(b, kvh, max_len, head_dim).to(query.dtype)
+            q = (query[:nd] if single else query.index_select(0, rows)).unsqueeze(2)  # [b, H, 1, D]
+            o = _attend(q, k, v, mask, scale, softcap).squeeze(2)
+            if single:
+                out[:nd] = o
+            else:
+                out.index_copy_(0, rows, o)
     for i in range(nd, meta.num_requests):
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         slots, mask = meta.derived(("prefill", i, sliding_window), lambda: _prefill_gather(meta, i, sliding_window))

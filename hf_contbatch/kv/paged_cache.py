@@ -41,6 +41,7 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    num_kv_heads: int = 0
     # Per-step derived tensors shared by every layer (built lazily once, then reused).
     _derived: dict = field(default_factory=dict, repr=False)
 
@@ -73,6 +74,7 @@ class AttentionMetadata:
                 query_start_loc_cpu=self.query_start_loc_cpu,
                 seq_lens_cpu=self.seq_lens_cpu,
                 block_size=self.block_size,
+                num_kv_heads=self.num_kv_heads,
             ),
         )
 

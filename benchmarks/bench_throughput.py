@@ -1,0 +1,160 @@
+"""Throughput on the standard mixed workload: transformers' pipeline vs transformers' continuous
+batching vs hf_contbatch, in one run, with ratios.
+
+    python benchmarks/bench_throughput.py --model tiny            # all three engines
+    python benchmarks/bench_throughput.py --model small --engines generate_batch,ours
+
+Throughput = generated tokens (the ones asked for) / wall time of the whole workload, model build
+excluded. Engines run one after another in this process, nothing else running; each gets a warm-up
+request first. Greedy outputs of the engines are compared token for token and the agreement printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from workload import build_model, build_tokenizer, make_workload  # noqa: E402
+
+
+def run_pipeline(model, tok, prompts, new_tokens, batch_size=16):
+    """(a) transformers.pipeline("text-generation"), static batches of 16 in arrival order; each
+    batch runs to its longest max_new_tokens (one max_new_tokens per call, as the pipeline allows)."""
+    from transformers import pipeline
+
+    pipe = pipeline("text-generation", model=model, tokenizer=tok, device="cpu")
+    texts = [tok.decode(p) for p in prompts]
+    pipe(texts[0], max_new_tokens=2, do_sample=False)  # warm-up
+    outs = []
+    t0 = time.perf_counter()
+    for i in range(0, len(texts), batch_size):
+        chunk = texts[i : i + batch_size]
+        n = max(new_tokens[i : i + batch_size])
+        res = pipe(chunk, max_new_tokens=n, do_sample=False, batch_size=batch_size, return_full_text=False,
+                   return_tensors=True)
+        outs += [r[0]["generated_token_ids"] for r in res]
+    wall = time.perf_counter() - t0
+    # keep only what each request asked for
+    outs = [o[-n_all:] if False else o for o, n_all in zip(outs, new_tokens)]
+    return wall, None
+
+
+def run_generate_batch(model, prompts, new_tokens, num_blocks=512, block_size=64, max_batch_tokens=1024):
+    """(b) transformers' own continuous batching, per-request max_new_tokens, fair CPU settings."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model.set_attn_implementation("sdpa")
+    gen_cfg = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=max(new_tokens))
+    cb_cfg = ContinuousBatchingConfig(page_size=block_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens)
+    outs = {}
+    with model.continuous_batching_context_manager(
+        generation_config=gen_cfg, continuous_batching_config=cb_cfg, block=True, timeout=30, warmup=False
+    ) as manager:
+        manager.add_request([1, 2, 3], request_id="warmup", max_new_tokens=2)
+        while True:
+            r = manager.get_result(timeout=30)
+            if r is not None and r.is_finished():
+                break
+        t0 = time.perf_counter()
+        for i, (p, n) in enumerate(zip(prompts, new_tokens)):
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
+        done = 0
+        while done < len(prompts):
+            r = manager.get_result(timeout=60)
+            if r is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching manager stopped")
+                continue
+            if r.is_finished():
+                outs[r.request_id] = list(r.generated_tokens)
+                done += 1
+        wall = time.perf_counter() - t0
+    return wall, [outs[f"r{i}"] for i in range(len(prompts))]
+
+
+def run_ours(model, prompts, new_tokens, args):
+    """(c) hf_contbatch, every request submitted at once with its own max_new_tokens."""
+    from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+
+    cfg = EngineConfig(
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+        attention_backend=args.attention_backend,
+    )
+    engine = LLMEngine(model, cfg)
+    try:
+        engine.submit([1, 2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True)).result(60)  # warm-up
+        t0 = time.perf_counter()
+        handles = [engine.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, new_tokens)]
+        outs = [h.result().output_token_ids for h in handles]
+        wall = time.perf_counter() - t0
+        stats = engine.stats()
+    finally:
+        engine.close()
+    return wall, outs, stats
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny", choices=["tiny", "small"])
+    ap.add_argument("--engines", default="pipeline,generate_batch,ours")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--num-blocks", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model = build_model(args.model)
+    vocab = model.config.vocab_size
+    prompts, new_tokens = make_workload(args.requests, vocab, args.seed)
+    asked = sum(new_tokens)
+    print(f"workload: {len(prompts)} requests, prompt tokens {sum(map(len, prompts))}, "
+          f"new tokens asked {asked}; model {args.model}, torch threads {torch.get_num_threads()}")
+    results = {}
+    outputs = {}
+    engines = args.engines.split(",")
+    for name in engines:
+        if name == "pipeline":
+            tok = build_tokenizer(vocab)
+            wall, outs = run_pipeline(model, tok, prompts, new_tokens)
+        elif name == "generate_batch":
+            wall, outs = run_generate_batch(model, prompts, new_tokens)
+        elif name == "ours":
+            wall, outs, stats = run_ours(model, prompts, new_tokens, args)
+            results["ours_stats"] = {"preemptions": stats.num_preemptions, "peak_used_blocks": stats.peak_used_blocks}
+        else:
+            raise SystemExit(f"unknown engine {name!r}; choose from pipeline, generate_batch, ours")
+        results[name] = {"seconds": round(wall, 3), "tokens_per_s": round(asked / wall, 1)}
+        if outs is not None:
+            outputs[name] = outs
+        print(f"{name:>15}: {wall:7.2f} s  {asked / wall:8.1f} tok/s", flush=True)
+    if "ours" in results:
+        for base in ("pipeline", "generate_batch"):
+            if base in results:
+                ratio = results[base]["seconds"] / results["ours"]["seconds"]
+                results[f"ours_vs_{base}"] = round(ratio, 2)
+                print(f"ours / {base}: {ratio:.2f}x")
+    if "ours" in outputs and "generate_batch" in outputs:
+        same = sum(a == b for a, b in zip(outputs["ours"], outputs["generate_batch"]))
+        results["identical_greedy_vs_generate_batch"] = f"{same}/{len(prompts)}"
+        print(f"identical greedy outputs (ours vs generate_batch): {same}/{len(prompts)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
