@@ -12,17 +12,16 @@ Usage (from the repository root)::
     python scripts/train_default_model.py --minutes 2     # shorter budget
     python scripts/train_default_model.py --steps 300     # fixed step count (bit-for-bit repeatable)
 
-With ``--minutes`` the number of optimisation steps is fixed up front from a timing of a
-few throw-away steps, so the LR schedule is a function of the step index only; the
-script prints that step count, and passing it back with ``--steps`` repeats the run
-exactly (same seed, same data order) on the same Python / torch versions.
+Data order and initialisation are seeded. With ``--minutes`` the cosine LR decay follows
+the elapsed fraction of the wall budget (robust to a busy machine), so the number of steps
+depends on CPU speed; ``--steps N`` uses a step-indexed schedule instead and repeats a run
+exactly on the same Python / torch / tokenizers versions.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import copy
 import math
 import os
 import random
@@ -235,10 +234,16 @@ def build_model(tok, args):
     return model
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float = 0.1) -> float:
+def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float = 0.1,
+          progress: float | None = None) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_ratio * peak``.
+
+    The decay follows ``step / total``, or ``progress`` (a 0..1 fraction) when given.
+    """
     if step < warmup:
         return peak * (step + 1) / warmup
-    prog = min(1.0, (step - warmup) / max(1, total - warmup))
+    prog = progress if progress is not None else (step - warmup) / max(1, total - warmup)
+    prog = min(1.0, max(0.0, prog))
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * prog)))
 
 
@@ -289,7 +294,7 @@ def make_optimizer(model, lr, wd):
 
 
 def folder_size_mb(path: Path) -> float:
-    return sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 1e6
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file() and f.suffix != ".py") / 1e6
 
 
 # --------------------------------------------------------------------------- main
@@ -347,41 +352,39 @@ def main(argv=None) -> int:
     print(f"model: LlamaForCausalLM, {n_params / 1e6:.2f} M parameters (tied embeddings)", flush=True)
     model.train()
 
-    # ---- decide the number of steps
-    if args.steps is None:
-        probe = copy.deepcopy(model)
-        probe_opt = make_optimizer(probe, args.lr, args.weight_decay)
-        pg = torch.Generator().manual_seed(args.seed + 1)
-        train_step(probe, probe_opt, make_batch(train_data, pg, args.batch, args.seq), 1e-4)  # warm-up
-        tp = time.time()
-        n_probe = 3
-        for _ in range(n_probe):
-            train_step(probe, probe_opt, make_batch(train_data, pg, args.batch, args.seq), 1e-4)
-        per_step = (time.time() - tp) / n_probe
-        del probe, probe_opt
-        # leave ~6% headroom for evaluation and logging
-        total_steps = max(args.warmup + 10, int(args.minutes * 60 * 0.94 / per_step))
-        print(f"timing: {per_step:.2f} s/step -> {total_steps} steps for {args.minutes} min "
-              f"(repeat exactly with --steps {total_steps})", flush=True)
-    else:
-        total_steps = args.steps
-
     # ---- train
+    # --steps N: a step-indexed schedule, bit-for-bit repeatable (same seed, same versions).
+    # --minutes M (default): train until the wall budget is spent; the LR schedule follows
+    # the elapsed fraction of the budget, so the run ends on a fully decayed LR even when
+    # other processes slow the CPU down (the step count reached is printed at the end).
+    budget_s = args.minutes * 60.0
     opt = make_optimizer(model, args.lr, args.weight_decay)
     g = torch.Generator().manual_seed(args.seed)
     init_val = eval_loss(model, val_data, args.seq)
-    print(f"step 0: val loss {init_val:.3f}", flush=True)
+    mode = f"{args.steps} steps" if args.steps else f"{args.minutes:g} min wall budget"
+    print(f"step 0: val loss {init_val:.3f}; training for {mode}", flush=True)
     t_train = time.time()
     recent: list[float] = []
-    log_every = max(1, total_steps // 20)
-    for step in range(total_steps):
-        lr = lr_at(step, total_steps, args.lr, args.warmup)
+    step, last_log = 0, t_train
+    while True:
+        elapsed = time.time() - t_train
+        if args.steps is not None:
+            if step >= args.steps:
+                break
+            lr = lr_at(step, args.steps, args.lr, args.warmup)
+        else:
+            if elapsed >= budget_s:
+                break
+            lr = lr_at(step, 0, args.lr, args.warmup, progress=elapsed / budget_s)
         loss = train_step(model, opt, make_batch(train_data, g, args.batch, args.seq), lr)
         recent = (recent + [loss])[-20:]
-        if (step + 1) % log_every == 0 or step + 1 == total_steps:
-            el = time.time() - t_train
-            print(f"step {step + 1}/{total_steps}: loss {loss:.3f} (avg20 {sum(recent) / len(recent):.3f}) "
-                  f"lr {lr:.2e} {el:.0f}s", flush=True)
+        step += 1
+        now = time.time()
+        if now - last_log >= 20 or step == args.steps:
+            last_log = now
+            print(f"step {step}: loss {loss:.3f} (avg20 {sum(recent) / len(recent):.3f}) "
+                  f"lr {lr:.2e} {now - t_train:.0f}s", flush=True)
+    total_steps = step
     train_time = time.time() - t_train
     final_train = sum(recent) / len(recent)
     final_val = eval_loss(model, val_data, args.seq)
@@ -393,8 +396,12 @@ def main(argv=None) -> int:
     # ---- save
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    for f in out.iterdir():  # keep the hand-written model card, replace everything else
-        if f.is_file() and f.name != "README.md":
+    # Replace only the generated artefacts; README.md, __init__.py etc. stay.
+    generated = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "chat_template.jinja", "chat_template.json"}
+    for f in out.iterdir():
+        if f.is_file() and (f.name in generated or f.suffix == ".safetensors"
+                            or f.name == "model.safetensors.index.json"):
             f.unlink()
     model.eval()
     model.generation_config = GenerationConfig(

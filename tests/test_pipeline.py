@@ -1,0 +1,145 @@
+"""ContinuousBatchingPipeline against transformers' own text-generation pipeline on the embedded
+model (float32, greedy): same inputs, same output records; bad input gets a clear error and the
+pipeline keeps serving."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+import hf_contbatch
+from hf_contbatch import CacheConfig, ContinuousBatchingPipeline, SchedulerConfig
+from hf_contbatch.default_model import default_model_path
+
+PROMPTS = ["The for statement", "A class is a", "Exceptions are raised when", "import"]
+
+
+@pytest.fixture(scope="module")
+def hf_pipe():
+    return transformers.pipeline("text-generation", model=default_model_path(), dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    p = hf_contbatch.pipeline(
+        "text-generation", model=default_model_path(), dtype=torch.float32,
+        cache_config=CacheConfig(block_size=8, num_blocks=64), scheduler_config=SchedulerConfig(max_num_batched_tokens=32),
+    )
+    yield p
+    p.close()
+
+
+@pytest.mark.timeout(180)
+def test_greedy_records_equal_transformers_pipeline_for_string_list_and_chat(hf_pipe, pipe):
+    kw = dict(do_sample=False, max_new_tokens=12)
+    assert pipe(PROMPTS[0], **kw) == hf_pipe(PROMPTS[0], **kw)
+    assert pipe(PROMPTS, **kw) == hf_pipe(PROMPTS, **kw)
+    assert pipe(PROMPTS, return_full_text=False, **kw) == hf_pipe(PROMPTS, return_full_text=False, **kw)
+    chat = [{"role": "user", "content": "What is a generator?"}]
+    assert pipe(chat, **kw) == hf_pipe(chat, **kw)
+    assert pipe([chat, chat], **kw) == hf_pipe([chat, chat], **kw)
+
+
+@pytest.mark.timeout(120)
+def test_generator_input_yields_records_in_input_order(hf_pipe, pipe):
+    kw = dict(do_sample=False, max_new_tokens=6)
+    got = list(pipe((p for p in PROMPTS), **kw))
+    assert got == [hf_pipe(p, **kw) for p in PROMPTS]
+
+
+@pytest.mark.timeout(120)
+def test_stop_strings_stop_where_transformers_generate_stops(pipe):
+    model = transformers.AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
+    tok = pipe.tokenizer
+    free = pipe(PROMPTS[1], do_sample=False, max_new_tokens=24, return_full_text=False)[0]["generated_text"]
+    stop = free.strip().split()[1] if len(free.split()) > 1 else free[:2]  # a word it will generate
+    ids = tok(PROMPTS[1], return_tensors="pt")
+    ref = model.generate(**ids, do_sample=False, max_new_tokens=24, stop_strings=[stop], tokenizer=tok)
+    ref_text = tok.decode(ref[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    got = pipe(PROMPTS[1], do_sample=False, max_new_tokens=24, stop_strings=[stop], return_full_text=False)
+    assert got[0]["generated_text"] == ref_text
+    assert stop in ref_text
+
+
+@pytest.mark.timeout(120)
+def test_submit_streams_deltas_that_join_to_the_result(pipe):
+    handle = pipe.submit(PROMPTS[2], do_sample=False, max_new_tokens=16, return_full_text=False)
+    deltas = list(handle)
+    assert "".join(deltas) == handle.result(30)[0]["generated_text"]
+    assert "\ufffd" not in "".join(deltas)
+
+
+@pytest.mark.timeout(120)
+def test_sampling_with_seed_is_reproducible_and_returns_n_sequences(pipe):
+    kw = dict(do_sample=True, temperature=0.9, top_k=20, top_p=0.9, max_new_tokens=8, num_return_sequences=3, seed=7)
+    a, b = pipe(PROMPTS[0], **kw), pipe(PROMPTS[0], **kw)
+    assert len(a) == 3 and a == b
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda p: p("x", max_new_tokens=0), "max_new_tokens"),
+        (lambda p: p("x", max_new_tokens="5"), "max_new_tokens"),
+        (lambda p: p(123), "text_inputs"),
+        (lambda p: p(["ok", 5]), "string or a chat"),
+        (lambda p: p([]), "empty"),
+        (lambda p: p("x", do_sample=True, temperature=0.0), "temperature"),
+        (lambda p: p("x", top_p=1.5, do_sample=True), "top_p"),
+        (lambda p: p("x", frobnicate=1), "frobnicate"),
+        (lambda p: p("x", num_beams=4), "num_beams"),
+        (lambda p: p("x", num_return_sequences=2, do_sample=False), "num_return_sequences"),
+        (lambda p: p("x", priority="high"), "priority"),
+        (lambda p: p("word " * 2000, max_new_tokens=4), "context"),
+        (lambda p: p("x", stop_strings=[""]), "stop_strings"),
+        (lambda p: p("x", return_full_text="yes"), "return_full_text"),
+    ],
+)
+def test_bad_input_gets_a_clear_error_and_the_pipeline_keeps_serving(pipe, hf_pipe, call, match):
+    with pytest.raises(ValueError, match=match):
+        call(pipe)
+    kw = dict(do_sample=False, max_new_tokens=4)
+    assert pipe(PROMPTS[3], **kw) == hf_pipe(PROMPTS[3], **kw)
+    pipe.engine.wait_idle(10)
+    assert pipe.stats().num_free_blocks == pipe.stats().num_blocks
+
+
+@pytest.mark.timeout(120)
+def test_defaults_follow_the_transformers_pipeline_resolution(pipe, hf_pipe):
+    # transformers adds its pipeline defaults (max_new_tokens=256, do_sample=True, temperature=0.7)
+    # only where the model's generation_config is silent, and sampling defaults only when sampling.
+    def resolved(kwargs):
+        ours = pipe.resolve_generation_config(kwargs)
+        # what transformers' pipeline passes to generate, then what generate makes of it
+        theirs = hf_pipe._prepare_generate_kwargs(dict(kwargs))
+        gen, _ = hf_pipe.model._prepare_generation_config(theirs.pop("generation_config", None), **theirs)
+        return ours, gen
+
+    saved = copy.deepcopy(pipe.model.generation_config), copy.deepcopy(hf_pipe.model.generation_config)
+    try:
+        for silent in (False, True):
+            if silent:  # a model whose generation_config says nothing about these
+                for m in (pipe.model, hf_pipe.model):
+                    m.generation_config.do_sample = None
+                    m.generation_config.max_new_tokens = None
+            for kwargs in ({}, {"do_sample": True}, {"max_new_tokens": 5}, {"do_sample": False, "top_k": 3}):
+                ours, theirs = resolved(kwargs)
+                for key in ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p"):
+                    assert getattr(ours, key) == getattr(theirs, key), (silent, kwargs, key)
+        assert (ours.max_new_tokens, ours.do_sample, ours.temperature) != (None, None, None)
+    finally:
+        pipe.model.generation_config, hf_pipe.model.generation_config = saved
+
+
+@pytest.mark.timeout(60)
+def test_context_manager_closes_the_engine():
+    with ContinuousBatchingPipeline(default_model_path(), dtype=torch.float32,
+                                    cache_config=CacheConfig(num_blocks=16)) as p:
+        p("import", do_sample=False, max_new_tokens=2)
+    assert not p.engine._thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        p("import", max_new_tokens=2)
