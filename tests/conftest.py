@@ -8,6 +8,10 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton reads TRITON_INTERPRET when a kernel is decorated (at import of our kernels module), so it
+# must be set before any test imports hf_contbatch: on CPU the kernels run under the interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 VOCAB = 512
 

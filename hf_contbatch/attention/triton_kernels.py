@@ -22,10 +22,14 @@ from memory once per KV head rather than once per query head.
 
 The module imports without Triton; ``TRITON_AVAILABLE`` says whether the kernels exist. Kernels run
 on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` was set before this module was imported.
+Shapes, dtypes and devices are checked (ValueError naming the argument); the contents of the index
+tensors (block ids in range, ``seq_lens`` within the block table) are the caller's contract, since
+checking them would cost a device sync per call.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -53,7 +57,7 @@ __all__ = [
     "decode_num_splits",
 ]
 
-SUPPORTED_HEAD_SIZES = (32, 64, 80, 96, 128, 256)
+SUPPORTED_HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)  # 16/32: the tiny test and default models
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -63,10 +67,6 @@ _MAX_GQA_GROUP = 64
 # Flash-decoding never makes a partition shorter than this many tokens: below it the reduce
 # costs more than the parallelism gains.
 _MIN_PARTITION_TOKENS = 256
-_LOG2E = 1.4426950408889634
-# Finite "minus infinity" for the running max: a row whose keys are all masked keeps m = -1e30,
-# so exp2(s - m) is 0 instead of exp2(-inf - -inf) = NaN.
-_NEG_BIG = -1.0e30
 
 
 if TRITON_AVAILABLE:
@@ -120,6 +120,8 @@ if TRITON_AVAILABLE:
 
         ``row_pos`` / ``row_lo`` ([rows]) bound the keys each query row may see (causal + window).
         Scores and the running max are in the log2 domain (scaled by log2(e)) so exp2 can be used.
+        Callers start the running max at -1e30, not -inf: a row with no visible key in a tile (a
+        padding row, a window edge) then gets exp2(-inf - -1e30) = 0 rather than NaN.
         """
         keys = start + tl.arange(0, BLOCK_N)
         dims = tl.arange(0, BLOCK_D)
@@ -187,7 +189,9 @@ if TRITON_AVAILABLE:
         end = seq_len
         if SPLIT:
             start = tl.maximum(start, split * partition_size)
-            end = tl.minimum(end, (split + 1) * partition_size)
+            # The last partition runs to seq_len, so an underestimated max_seq_len costs speed, not keys.
+            if split < num_splits - 1:
+                end = tl.minimum(end, (split + 1) * partition_size)
 
         g = tl.arange(0, BLOCK_G)
         dims = tl.arange(0, BLOCK_D)
@@ -448,16 +452,30 @@ def _dot_in_fp32(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and _is_interpreted())
 
 
-def _tile_sizes(block_d: int, dtype: torch.dtype) -> tuple:
-    """(BLOCK_M rows of the prefill kernel, BLOCK_N keys per tile, num_warps), kept within shared memory."""
-    wide = block_d > 128 or dtype == torch.float32
-    return (64, 32, 4) if wide else (128, 64, 8)
+def _keys_per_tile(block_d: int, dtype: torch.dtype) -> int:
+    """BLOCK_N: K and V tiles, double-buffered (num_stages=2), stay within 64 KiB of shared memory."""
+    row_bytes = block_d * torch.finfo(dtype).bits // 8
+    return max(16, min(64, (64 * 1024) // (4 * row_bytes)))
+
+
+def _prefill_rows_and_warps(block_d: int, dtype: torch.dtype) -> tuple:
+    """(BLOCK_M query rows per prefill program, num_warps): the FlashAttention-2 shapes for <= 128
+    bf16/fp16 dims, smaller for wider rows (head_dim 256, fp32) so shared memory stays under ~100 KiB."""
+    row_bytes = block_d * torch.finfo(dtype).bits // 8
+    if row_bytes <= 256:
+        return 128, 8
+    return (64, 4) if row_bytes <= 512 else (32, 4)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _target_programs(device: torch.device) -> int:
     """How many decode programs keep the device busy (used to decide on flash-decoding splits)."""
     if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        return 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     return 16
 
 
@@ -553,8 +571,9 @@ def paged_decode_attention(
         sliding_window: keys at positions ``> pos - sliding_window`` only, or None.
         softcap: scores become ``softcap * tanh(scores / softcap)``, or None.
         out: optional ``[B, num_heads, head_dim]`` tensor to write into.
-        max_seq_len: upper bound on ``seq_lens`` known to the caller (avoids a device sync);
-            default ``block_tables.shape[1] * block_size``. Only sizes the split heuristic.
+        max_seq_len: ``max(seq_lens)`` if the caller knows it on the host (avoids a device sync);
+            default ``block_tables.shape[1] * block_size``. Only sizes the context partitions: an
+            underestimate makes the last partition longer, never drops keys.
         num_splits: force the number of context partitions (1 = single pass); default automatic
             (:func:`decode_num_splits`).
 
@@ -583,7 +602,7 @@ def paged_decode_attention(
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     block_d = _next_power_of_2(head_dim)
-    _, block_n, num_warps = _tile_sizes(block_d, query.dtype)
+    block_n = _keys_per_tile(block_d, query.dtype)
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
     if num_splits is None:
@@ -611,7 +630,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None, SPLIT=split,
         DOT_FP32=_dot_in_fp32(query.dtype),
-        num_warps=num_warps,
+        num_warps=4, num_stages=2,
     )
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
@@ -684,7 +703,8 @@ def paged_prefill_attention(
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     block_d = _next_power_of_2(head_dim)
-    block_m, block_n, num_warps = _tile_sizes(block_d, query.dtype)
+    block_n = _keys_per_tile(block_d, query.dtype)
+    block_m, num_warps = _prefill_rows_and_warps(block_d, query.dtype)
     block_m = max(block_m, _next_power_of_2(group))
     block_q = block_m // group
     target = out if out.stride(-1) == 1 else torch.empty_like(query)
@@ -699,7 +719,7 @@ def paged_prefill_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None,
         DOT_FP32=_dot_in_fp32(query.dtype),
-        num_warps=num_warps,
+        num_warps=num_warps, num_stages=2,
     )
     if target is not out:
         out.copy_(target)
