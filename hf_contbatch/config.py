@@ -76,13 +76,20 @@ class SchedulerConfig:
         watermark: fraction [0, 1) of the pool kept free at admission so running requests can grow
             without immediate preemption (vLLM's watermark).
         preemption_mode: "recompute" (free the KV, recompute it on resumption), "swap" (copy the KV
-            to a host pool and back) or "auto" (choose per request by estimated cost).
+            to a host pool of ``CacheConfig.swap_space_gib`` and back) or "auto" (per victim, swap
+            when ``swap_cost_per_block * blocks`` is below the tokens a recompute would redo).
+            Swap falls back to recompute when the host pool is full.
         long_prefill_token_threshold: most prefill tokens one request may take in a step, so a long
             prompt does not starve short ones; None means no limit beyond the token budget.
-        max_preemptions: after this many preemptions a request is no longer chosen as a victim
-            (it escalates to the highest effective priority), so it cannot be preempted forever.
-        aging_seconds: waiting time after which a request's effective priority improves by one level,
-            so no request waits forever behind a stream of higher-priority arrivals. None disables.
+        max_preemptions: after this many preemptions a request escalates ahead of every other
+            priority and is chosen as a victim only when nothing else is left to preempt, so it
+            cannot be preempted forever.
+        aging_seconds: every ``aging_seconds`` of age is worth one priority level (continuously:
+            the effective level is ``priority - age / aging_seconds``), so no request waits forever
+            behind a stream of higher-priority arrivals. None disables.
+        swap_cost_per_block: cost of moving one block to the host and back, in tokens of recompute,
+            for ``preemption_mode="auto"``; None lets the engine estimate it from the model size,
+            the block bytes and the device (see ``LLMEngine``).
     """
 
     max_num_seqs: int = 128
@@ -92,6 +99,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: Optional[int] = None
     max_preemptions: int = 8
     aging_seconds: Optional[float] = 30.0
+    swap_cost_per_block: Optional[float] = None
 
     def __post_init__(self) -> None:
         _check_positive_int("max_num_seqs", self.max_num_seqs)
@@ -108,6 +116,13 @@ class SchedulerConfig:
             isinstance(self.aging_seconds, (int, float)) and self.aging_seconds > 0
         ):
             raise ValueError(f"`aging_seconds` must be a positive number or None, got {self.aging_seconds!r}")
+        if self.swap_cost_per_block is not None and not (
+            isinstance(self.swap_cost_per_block, (int, float)) and not isinstance(self.swap_cost_per_block, bool)
+            and self.swap_cost_per_block >= 0
+        ):
+            raise ValueError(
+                f"`swap_cost_per_block` must be a number >= 0 or None, got {self.swap_cost_per_block!r}"
+            )
 
 
 @dataclass

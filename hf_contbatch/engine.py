@@ -9,6 +9,7 @@ serving; ``close()`` stops the thread, frees the KV pool and restores the model'
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import queue
@@ -26,7 +27,7 @@ from .kv.paged_cache import PagedKVCache, kv_bytes_per_block
 from .request import Request, RequestIdCounter, RequestStatus, SamplingParams
 from .runner import ModelRunner
 from .sampler import Sampler
-from .scheduler import PHASES, Scheduler, SchedulerOutput
+from .scheduler import PHASES, ScheduledRequest, Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +164,31 @@ class EngineStats:
     recent_phases: tuple = ()  # ((phase, seconds), ...) for recent iterations
     block_owner: tuple = ()  # request id (or -1) per block
     extra: dict = field(default_factory=dict)
+    # Memory management (issue 4). Counters are cumulative since the engine started.
+    watermark_blocks: int = 0
+    budget_blocks: int = 0  # last iteration: free - reservations - watermark, as measured in the budget step
+    reserved_blocks: int = 0  # last iteration: running requests' blocks for the step + swap-ins + forks
+    num_swap_blocks: int = 0  # host swap pool size
+    swap_capacity_tokens: int = 0
+    num_swapped_blocks: int = 0  # host blocks holding swapped-out KV now
+    num_preemptions_swap: int = 0
+    num_preemptions_recompute: int = 0
+    num_swap_fallbacks: int = 0  # swap wanted but the host pool was full: recomputed instead
+    num_blocks_swapped_out: int = 0
+    num_blocks_swapped_in: int = 0
+    swap_seconds: float = 0.0  # time spent executing swap and copy mappings
+    prefix_caching: bool = False
+    num_cached_blocks: int = 0  # free blocks still holding a reusable prefix (evictable)
+    prefix_cache_hit_rate: float = 0.0  # prompt tokens served from the cache / prompt tokens looked up
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    num_prefix_evictions: int = 0
+    num_forks: int = 0  # parallel-sampling sequences forked off a parent (blocks shared)
+    num_fork_fallbacks: int = 0  # sequences that could not be forked and recompute their prompt
+    block_ref_counts: tuple = ()  # per block; > 1 means shared (prefix cache or fork)
+    phase_seconds: tuple = ()  # ((phase, total seconds), ...) over all iterations, in PHASES order
+    last_phases: tuple = ()  # ((phase, seconds), ...) of the latest iteration
+    num_kv_tokens: int = 0  # tokens whose KV the running requests hold (dashboard's tokens bar)
 
 
 def _text_config(model):
@@ -218,16 +244,18 @@ class LLMEngine:
         self.backend = resolve_backend(self.config.attention_backend, self.device)
         layer_devices = _layer_devices(model, self.num_layers)
         block_bytes = kv_bytes_per_block(self.num_layers, cache_cfg.block_size, self.num_kv_heads, self.head_dim, dtype)
-        num_blocks = cache_cfg.num_blocks or self._blocks_from_memory(block_bytes)
-        swap_blocks = 0
-        if self.config.scheduler.preemption_mode in ("swap", "auto"):
-            swap_blocks = int(cache_cfg.swap_space_gib * 2**30 // block_bytes)
+        num_blocks = cache_cfg.num_blocks or self._blocks_from_memory(block_bytes, layer_devices, dtype)
+        swap_blocks = self._swap_blocks(block_bytes, num_blocks)
         self.cache = PagedKVCache(
             self.num_layers, self.num_kv_heads, self.head_dim, num_blocks, cache_cfg.block_size, dtype,
             layer_devices, num_swap_blocks=swap_blocks, attention_backend=self.backend,
         )
-        self.block_manager = BlockManager(num_blocks, cache_cfg.block_size)
-        self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
+        self.block_manager = BlockManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
+        self.host_block_manager = BlockManager(swap_blocks, cache_cfg.block_size)
+        self.scheduler = Scheduler(
+            self.config.scheduler, self.block_manager, host_block_manager=self.host_block_manager,
+            swap_cost_per_block=self._estimate_swap_cost_per_block(block_bytes),
+        )
         gen = torch.Generator(device="cpu")
         gen.manual_seed(self.config.seed if self.config.seed is not None else int.from_bytes(os.urandom(4), "little"))
         self.sampler = Sampler(gen)
@@ -254,23 +282,24 @@ class LLMEngine:
         self._busy_time = 0.0
         self._ttfts: collections.deque = collections.deque(maxlen=1024)
         self._itls: collections.deque = collections.deque(maxlen=4096)
+        self._phase_totals = dict.fromkeys(PHASES, 0.0)
+        self._swap_seconds = 0.0
+        self._last_budget = (0, 0)  # (budget_blocks, reserved_blocks) of the latest iteration
         self._thread = threading.Thread(target=self._loop, name="hf_contbatch-engine", daemon=True)
         self._thread.start()
 
     # --- sizing ------------------------------------------------------------------------------
-    def _blocks_from_memory(self, block_bytes: int) -> int:
+    def _blocks_from_memory(self, block_bytes: int, layer_devices: Sequence[torch.device], dtype) -> int:
+        """Pool size when ``num_blocks`` is None: ``gpu_memory_utilization`` on CUDA (after a
+        profiling forward), ``cpu_cache_gib`` on CPU (checked against the available RAM).
+
+        Raises:
+            ValueError: the memory left cannot hold one block, or ``cpu_cache_gib`` exceeds the
+                available host memory.
+        """
         cache_cfg = self.config.cache
-        if self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-            _, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = total * cache_cfg.gpu_memory_utilization - used
-            if budget <= block_bytes:
-                raise ValueError(
-                    f"no device memory left for the KV cache: gpu_memory_utilization="
-                    f"{cache_cfg.gpu_memory_utilization} of {total / 2**30:.1f} GiB, {used / 2**30:.1f} GiB in use"
-                )
-            return int(budget // block_bytes)
+        if any(d.type == "cuda" for d in layer_devices):
+            return self._blocks_from_device_memory(layer_devices, dtype)
         want = cache_cfg.cpu_cache_gib * 2**30
         available = _available_host_memory()
         if available is not None and want > available:
@@ -279,6 +308,114 @@ class LLMEngine:
                 f"({available / 2**30:.1f} GiB); lower it or pass `num_blocks`"
             )
         return max(1, int(want // block_bytes))
+
+    def _blocks_from_device_memory(self, layer_devices: Sequence[torch.device], dtype) -> int:
+        """vLLM's ``gpu_memory_utilization`` sizing, per CUDA device holding layers.
+
+        KV budget of a device = total * utilization - memory in use before profiling (weights, the
+        CUDA context, other processes) - the activation peak of one forward over
+        ``max_num_batched_tokens`` tokens (measured, minus the probe's own small KV pool). The
+        pool gets the smallest count of blocks any device can hold (a block spans every layer, each
+        layer's slice on that layer's device).
+        """
+        util = self.config.cache.gpu_memory_utilization
+        layers_on = collections.Counter(d for d in layer_devices if d.type == "cuda")
+        before = {}
+        for d in layers_on:
+            torch.cuda.synchronize(d)
+            torch.cuda.empty_cache()  # cached-but-unused blocks would read as "in use"
+            torch.cuda.reset_peak_memory_stats(d)
+            free, total = torch.cuda.mem_get_info(d)
+            before[d] = (total, total - free, torch.cuda.memory_allocated(d))
+        probe_bytes = self._profile_forward(layer_devices, dtype)
+        per_layer_block = kv_bytes_per_block(1, self.config.cache.block_size, self.num_kv_heads, self.head_dim, dtype)
+        counts = []
+        for d, num_layers in layers_on.items():
+            total, used, allocated = before[d]
+            activation = max(0, torch.cuda.max_memory_allocated(d) - allocated - probe_bytes.get(d, 0))
+            budget = total * util - used - activation
+            blocks = int(budget // (per_layer_block * num_layers))
+            if blocks < 1:
+                raise ValueError(
+                    f"no device memory left for the KV cache on {d}: gpu_memory_utilization={util} of "
+                    f"{total / 2**30:.1f} GiB, {used / 2**30:.1f} GiB in use before profiling, "
+                    f"{activation / 2**30:.2f} GiB activation peak at max_num_batched_tokens="
+                    f"{self.config.scheduler.max_num_batched_tokens}; raise gpu_memory_utilization, lower "
+                    "max_num_batched_tokens, or pass `num_blocks`"
+                )
+            counts.append(blocks)
+        torch.cuda.empty_cache()
+        return min(counts)
+
+    @torch.inference_mode()
+    def _profile_forward(self, layer_devices: Sequence[torch.device], dtype) -> dict:
+        """One forward over ``max_num_batched_tokens`` dummy prompt tokens through the real step path
+        (paged attention, a throwaway pool just big enough); returns that pool's bytes per device."""
+        bs = self.config.cache.block_size
+        budget = self.config.scheduler.max_num_batched_tokens
+        per_request = min(budget, self.max_model_len or budget)
+        lengths = [per_request] * (budget // per_request) + ([budget % per_request] if budget % per_request else [])
+        num_blocks = sum(-(-n // bs) for n in lengths)
+        probe = PagedKVCache(
+            self.num_layers, self.num_kv_heads, self.head_dim, num_blocks, bs, dtype, layer_devices,
+            attention_backend=self.backend,
+        )
+        probe_bm = BlockManager(num_blocks, bs)
+        out = SchedulerOutput(iteration=-1)
+        for i, n in enumerate(lengths):
+            req = Request(request_id=-1 - i, prompt_token_ids=[0] * n, sampling=SamplingParams(max_new_tokens=1))
+            probe_bm.allocate(req.request_id, n)
+            out.scheduled.append(ScheduledRequest(req, n, True))
+        previous = getattr(self.model.config, "_attn_implementation", None)
+        register_attention()
+        self.model.set_attn_implementation(ATTENTION_NAME)
+        try:
+            sampler = Sampler(torch.Generator(device="cpu"))
+            ModelRunner(self.model, probe, probe_bm, self.device, sampler).execute(out)
+            for d in {d for d in layer_devices if d.type == "cuda"}:
+                torch.cuda.synchronize(d)
+        finally:
+            if previous is not None:
+                self.model.set_attn_implementation(previous)
+        sizes: dict = collections.Counter()
+        for k, v in zip(probe.key_cache, probe.value_cache):
+            sizes[k.device] += k.numel() * k.element_size() + v.numel() * v.element_size()
+        probe.release()
+        return dict(sizes)
+
+    def _swap_blocks(self, block_bytes: int, num_blocks: int) -> int:
+        """Host swap pool size in blocks (0 unless a swapping preemption mode is on).
+
+        Raises:
+            ValueError: the swap pool (plus the KV pool, when that is on the host too) exceeds the
+                available host memory.
+        """
+        if self.config.scheduler.preemption_mode not in ("swap", "auto"):
+            return 0
+        gib = self.config.cache.swap_space_gib
+        swap_blocks = int(gib * 2**30 // block_bytes)
+        host_kv = num_blocks * block_bytes if self.device.type == "cpu" else 0
+        available = _available_host_memory()
+        if available is not None and swap_blocks * block_bytes + host_kv > available:
+            raise ValueError(
+                f"`swap_space_gib`={gib} plus the {host_kv / 2**30:.2f} GiB KV pool exceeds the available host "
+                f"memory ({available / 2**30:.1f} GiB); lower swap_space_gib or use preemption_mode='recompute'"
+            )
+        return swap_blocks
+
+    def _estimate_swap_cost_per_block(self, block_bytes: int) -> float:
+        """Cost of moving one block to the host and back, in tokens of recompute ("auto" mode).
+
+        Recomputing a token costs about ``2 * parameters`` FLOPs; a swap round trip moves
+        ``2 * block_bytes``. Nominal rates: CPU ~50 GFLOP/s against ~5 GB/s memcpy; CUDA ~50 TFLOP/s
+        against ~12 GB/s pinned PCIe. So swapping wins on CPU for any model, and on CUDA for all but
+        tiny models with large blocks. ``SchedulerConfig.swap_cost_per_block`` overrides this.
+        """
+        num_params = sum(p.numel() for p in self.model.parameters())
+        flops, bandwidth = (5e13, 1.2e10) if self.device.type == "cuda" else (5e10, 5e9)
+        seconds_per_token = 2 * num_params / flops
+        seconds_per_block = 2 * block_bytes / bandwidth
+        return seconds_per_block / max(seconds_per_token, 1e-12)
 
     @property
     def capacity_tokens(self) -> int:
@@ -291,7 +428,8 @@ class LLMEngine:
         sampling: SamplingParams,
         priority: int = 0,
         stop_checker: Optional[Callable[[Request], bool]] = None,
-    ) -> RequestHandle:
+        num_return_sequences: Optional[int] = None,
+    ) -> "RequestHandle | list[RequestHandle]":
         """Queue a request; returns at once.
 
         Args:
@@ -299,14 +437,27 @@ class LLMEngine:
             sampling: its sampling parameters.
             priority: lower is served first.
             stop_checker: called after each new token (engine thread); True finishes with "stop".
+            num_return_sequences: None for one sequence (returns a handle); an int n >= 1 returns a
+                list of n handles. The n sequences share the prompt's KV: the first one prefills
+                it, the others are forked off it before the last prompt token (full blocks shared
+                by ref count, the partial block copied), so each samples its own first token. With
+                ``sampling.seed`` set, sequence k uses seed ``seed + k``. A fork that finds no room
+                degrades to independent requests (they recompute the prompt, or hit the prefix cache).
+
+        Returns:
+            a ``RequestHandle``, or a list of them when ``num_return_sequences`` is given.
 
         Raises:
             ValueError: empty prompt, or a request that can never fit (prompt + 1 token beyond the
-                model's context, or prompt + max_new_tokens beyond the whole KV pool).
+                model's context, or prompt + max_new_tokens beyond the whole KV pool), or
+                ``num_return_sequences`` not a positive int.
             RuntimeError: the engine is closed.
         """
         if self._closed:
             raise RuntimeError("the engine is closed")
+        nrs = 1 if num_return_sequences is None else num_return_sequences
+        if isinstance(nrs, bool) or not isinstance(nrs, int) or nrs < 1:
+            raise ValueError(f"`num_return_sequences` must be an int >= 1 or None, got {num_return_sequences!r}")
         ids = list(prompt_token_ids)
         if not ids:
             raise ValueError("the prompt is empty (0 tokens); give at least one token")
@@ -315,7 +466,10 @@ class LLMEngine:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"`priority` must be an int (lower runs first), got {priority!r}")
         n = len(ids)
-        if self.max_model_len is not None and n + 1 > self.max_model_len:
+        # A one-token scoring request (prompt log-probs) never feeds its sampled token, so its prompt
+        # may fill the whole context (lm-eval scores windows of exactly the model's length).
+        scoring = bool(sampling.prompt_logprobs) and sampling.max_new_tokens == 1
+        if self.max_model_len is not None and n + (0 if scoring else 1) > self.max_model_len:
             raise ValueError(
                 f"prompt of {n} tokens + 1 new token exceeds the model's context of {self.max_model_len} tokens"
             )
@@ -332,13 +486,21 @@ class LLMEngine:
             request_id=self._ids(), prompt_token_ids=ids, sampling=sampling, priority=priority,
             stop_checker=stop_checker, max_total_tokens=self.max_model_len,
         )
-        handle = RequestHandle(self, req)
+        for k in range(1, nrs):
+            sampling_k = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + k)
+            req.pending_forks.append(Request(
+                request_id=self._ids(), prompt_token_ids=list(ids), sampling=sampling_k, priority=priority,
+                arrival_time=req.arrival_time, stop_checker=stop_checker, max_total_tokens=self.max_model_len,
+                parent_id=req.request_id,
+            ))
+        handles = [RequestHandle(self, r) for r in [req, *req.pending_forks]]
         with self._cv:
-            self._handles[req.request_id] = handle
+            for h in handles:
+                self._handles[h.request_id] = h
             self._inbox.append(("add", req))
             self._idle.clear()
             self._cv.notify()
-        return handle
+        return handles[0] if num_return_sequences is None else handles
 
     def cancel(self, request_id: int) -> None:
         with self._cv:
@@ -379,6 +541,30 @@ class LLMEngine:
                 mean_itl_s=sum(itl) / len(itl) if itl else None,
                 recent_phases=recent,
                 block_owner=tuple(owners),
+                watermark_blocks=sched.watermark_blocks,
+                budget_blocks=self._last_budget[0],
+                reserved_blocks=self._last_budget[1],
+                num_swap_blocks=self.host_block_manager.num_blocks,
+                swap_capacity_tokens=self.host_block_manager.num_blocks * bm.block_size,
+                num_swapped_blocks=self.host_block_manager.num_used_blocks,
+                num_preemptions_swap=sched.num_swap_preemptions,
+                num_preemptions_recompute=sched.num_recompute_preemptions,
+                num_swap_fallbacks=sched.num_swap_fallbacks,
+                num_blocks_swapped_out=sched.num_blocks_swapped_out,
+                num_blocks_swapped_in=sched.num_blocks_swapped_in,
+                swap_seconds=self._swap_seconds,
+                prefix_caching=bm.enable_prefix_caching,
+                num_cached_blocks=bm.num_cached_free_blocks,
+                prefix_cache_hit_rate=bm.prefix_hit_rate,
+                prefix_cache_query_tokens=bm.num_prefix_query_tokens,
+                prefix_cache_hit_tokens=bm.num_prefix_hit_tokens,
+                num_prefix_evictions=bm.num_evictions,
+                num_forks=sched.num_forks,
+                num_fork_fallbacks=sched.num_fork_fallbacks,
+                block_ref_counts=tuple(bm.ref_counts),
+                phase_seconds=tuple(self._phase_totals.items()),
+                last_phases=recent[-1][1] if recent else (),
+                num_kv_tokens=sum(r.num_computed_tokens for r in list(sched.running)),
             )
 
     def close(self) -> None:
@@ -395,7 +581,8 @@ class LLMEngine:
             self._fail(req, err, status=RequestStatus.FINISHED_CANCELLED)
         for kind, item in list(self._inbox):
             if kind == "add":
-                self._fail(item, err, status=RequestStatus.FINISHED_CANCELLED)
+                for req in [item, *item.pending_forks]:
+                    self._fail(req, err, status=RequestStatus.FINISHED_CANCELLED)
         self._inbox.clear()
         self.cache.release()
         if self._previous_attn is not None and getattr(self.model.config, "_attn_implementation", None) == ATTENTION_NAME:
@@ -442,6 +629,8 @@ class LLMEngine:
         for req in out.preempted:
             logger.debug("preempted request %s", req.request_id)
         t1 = time.monotonic()
+        self._move_blocks(out)
+        t_moved = time.monotonic()
         sampled = self.runner.execute(out)
         advanced = self.scheduler.update_from_output(out, sampled)
         now = time.monotonic()
@@ -454,8 +643,24 @@ class LLMEngine:
             if not out.is_empty:
                 self._busy_time += t2 - t0
             self.phase_log.append((out.iteration, tuple(out.phases)))
+            for name, seconds in out.phases:
+                self._phase_totals[name] += seconds
+            if out.blocks_to_swap_in or out.blocks_to_swap_out or out.blocks_to_copy:
+                self._swap_seconds += t_moved - t1
+            self._last_budget = (out.budget_blocks, out.reserved_blocks)
         # Finished requests are released by the next reap; make sure there is a next iteration.
         return out
+
+    def _move_blocks(self, out: SchedulerOutput) -> None:
+        """Execute the plan's KV moves before the forward, in the order the scheduler relies on:
+        swap in (its host blocks may be reused by this step's swap-outs), swap out (its device
+        blocks may be reused as this step's copy targets), then copy-on-write of forked blocks."""
+        if out.blocks_to_swap_in:
+            self.cache.swap_in(out.blocks_to_swap_in)
+        if out.blocks_to_swap_out:
+            self.cache.swap_out(out.blocks_to_swap_out)
+        if out.blocks_to_copy:
+            self.cache.copy_blocks(out.blocks_to_copy)
 
     def _on_new_token(self, req: Request, now: float) -> None:
         token = req.output_token_ids[-1]
@@ -492,6 +697,7 @@ class LLMEngine:
         req.error = exc
         req.status = status
         self.block_manager.free(req.request_id)
+        self.host_block_manager.free(req.request_id)
         self._complete(req)
 
     def _fail_all(self, exc: BaseException) -> None:
@@ -500,6 +706,7 @@ class LLMEngine:
             self._fail(req, exc)
         self.scheduler.running.clear()
         self.scheduler.waiting.clear()
+        self.scheduler.swapped.clear()
         self.cache.metadata = None
 
 

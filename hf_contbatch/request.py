@@ -50,6 +50,13 @@ class SamplingParams:
         eos_token_ids: token ids that finish the request; empty when ``ignore_eos``.
         ignore_eos: keep generating past EOS (benchmarks).
         seed: seed of this request's sampling generator; None draws from the engine's generator.
+        prompt_logprobs: 0 (off), or k >= 1 (``True`` means 1): record the log-prob of every prompt
+            token from position k on, given the tokens before it, in ``Request.prompt_logprobs``
+            (scoring, e.g. lm-eval's loglikelihood). Rows before k - 1 are not needed, so a
+            prefix-cache hit may cover at most k - 1 prompt tokens of such a request.
+        score_token_id: with ``prompt_logprobs``, also score this token as the continuation of the
+            whole prompt (at the prompt's last row, never fed to the model), so a scored sequence
+            can fill the model's whole context.
     """
 
     max_new_tokens: int = 256
@@ -62,6 +69,8 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: Optional[int] = None
+    prompt_logprobs: int = 0
+    score_token_id: Optional[int] = None
 
     @property
     def is_greedy_plain(self) -> bool:
@@ -81,6 +90,10 @@ class Request:
         priority: lower value is served first (vLLM convention); ties go by arrival.
         stop_checker: called with the request after each new token; True finishes it as "stop"
             (the pipeline uses it for stop strings, since only it has the tokenizer).
+        block_hashes: chained hashes of its full blocks of tokens (prefix caching), grown lazily.
+        pending_forks: the other sequences of a ``num_return_sequences > 1`` request, not yet
+            forked; they are forked off this one once its prompt, minus the last token, has KV.
+        parent_id: for a forked sequence, the request it was forked from.
     """
 
     request_id: int
@@ -102,6 +115,12 @@ class Request:
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
     num_cached_prompt_tokens: int = 0  # prefix-cache hits at first admission
+    block_hashes: list[int] = field(default_factory=list)
+    pending_forks: list["Request"] = field(default_factory=list)
+    parent_id: Optional[int] = None
+    # With SamplingParams.prompt_logprobs: entry t is (log-prob, is_argmax) of prompt token t given
+    # the tokens before it (None where not requested); entry len(prompt) scores score_token_id.
+    prompt_logprobs: Optional[list] = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -119,6 +138,12 @@ class Request:
     def is_prefill(self) -> bool:
         """True while more than one token lacks KV (prompt, or a recomputed prefix)."""
         return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def at_fork_point(self) -> bool:
+        """True when its forks are due: every prompt token but the last has KV (parallel sampling
+        forks here so each sequence samples its own first token from the shared prefix)."""
+        return bool(self.pending_forks) and self.num_computed_tokens == self.num_prompt_tokens - 1
 
     @property
     def finish_reason(self) -> Optional[str]:

@@ -1,12 +1,21 @@
 """The five-step scheduler iteration: reap -> budget -> admit -> preempt -> (decode, run by the engine).
 
 Each step is its own short method; ``schedule()`` runs the first four in order and returns a plain
-``SchedulerOutput`` that the model runner turns into one flattened forward (step five). The order is
-the specification (DESIGN.md): free before measuring, measure before handing out, and leave the
-expensive forward to the end so it sees the densest legal batch.
+``SchedulerOutput`` that the engine executes (swap-in, swap-out and copy mappings) and the model
+runner turns into one flattened forward (step five). The order is the specification (DESIGN.md):
+free before measuring, measure before handing out, and leave the expensive forward to the end so it
+sees the densest legal batch.
 
 Request state follows vLLM v1: a request needs ``num_tokens - num_computed_tokens`` more tokens of
-KV; prefill, chunked prefill and resumption after recompute preemption are that one rule.
+KV; prefill, chunked prefill, prefix-cache hits (``num_computed_tokens`` set at admission) and
+resumption after recompute or swap preemption are that one rule.
+
+Ordering ("rank"): priority (lower first), then arrival, both folded into one number when aging is on
+(``priority + arrival / aging_seconds``: waiting ``aging_seconds`` is worth one priority level). The
+rank of a request never changes while it waits, so queues stay sorted by insertion, two requests
+never swap places over time (no priority ping-pong), and a request is overtaken only by the bounded
+set of arrivals that rank before it. Requests preempted ``max_preemptions`` times escalate ahead of
+everything and are preempted only when nothing else is left to preempt.
 """
 
 from __future__ import annotations
@@ -32,16 +41,29 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    """One iteration's plan, plain data for the runner.
+    """One iteration's plan, plain data for the engine and the runner.
+
+    The engine applies the block mappings in this order before the forward: swap in, swap out, copy
+    (see ``LLMEngine.step``); the scheduler only hands out blocks that this order makes safe.
 
     Attributes:
         iteration: the iteration number.
         scheduled: requests to run, decodes (one token) first, then prefill chunks.
         num_batched_tokens: sum of ``num_new_tokens`` (never above ``max_num_batched_tokens``).
-        reaped: requests freed in the reap step.
-        preempted: requests preempted in the preempt step.
-        admitted: requests admitted in the admit step.
-        budget_blocks: the block budget measured in the budget step.
+        reaped: requests freed in the reap step (finished, cancelled, and cancelled pending forks).
+        preempted: requests preempted this step (by either mode, for memory or for priority).
+        swapped_out / swapped_in: requests whose KV moves to / from the host pool this step.
+        forked: sequences forked off a parent this step (parallel sampling).
+        admitted: requests admitted from the waiting queue.
+        blocks_to_swap_out: (device block, host block) pairs.
+        blocks_to_swap_in: (host block, device block) pairs.
+        blocks_to_copy: (src, dst) device block pairs (copy-on-write of a forked partial block).
+        budget_blocks: what the budget step left for admissions: free blocks - reserved_blocks -
+            watermark (negative when running requests already need more than is free: step 4
+            then preempts).
+        reserved_blocks: running requests' blocks for this step's tokens, plus the reserved forks
+            and swap-ins.
+        num_prefix_hit_tokens: prompt tokens served from the prefix cache at this step's admissions.
         phases: (phase name, seconds) in the order they ran.
     """
 
@@ -50,8 +72,16 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     reaped: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    swapped_out: list[Request] = field(default_factory=list)
+    swapped_in: list[Request] = field(default_factory=list)
+    forked: list[Request] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     budget_blocks: int = 0
+    reserved_blocks: int = 0
+    num_prefix_hit_tokens: int = 0
     phases: list[tuple[str, float]] = field(default_factory=list)
 
     @property
@@ -63,44 +93,104 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass
+class _StepState:
+    """What the budget step hands to admit and preempt (private to one ``schedule()`` call)."""
+
+    plan: list[ScheduledRequest]
+    token_budget: int
+    block_budget: int = 0
+    forks: list[Request] = field(default_factory=list)  # parents whose forks are reserved
+    swap_ins: list[tuple[Request, int]] = field(default_factory=list)  # (swapped request, tokens) to resume
+    barrier: Optional[tuple] = None  # rank of the first swapped request that stays out: nobody after it enters
+
+
 class Scheduler:
     """Decides, each iteration, which requests run and with how many tokens.
 
     Args:
         config: the scheduler limits.
-        block_manager: the block bookkeeping it allocates from.
+        block_manager: the device pool's bookkeeping.
         clock: time source (seconds), injectable for tests.
+        host_block_manager: the host swap pool's bookkeeping; None (or 0 blocks) means swap
+            preemption falls back to recompute.
+        swap_cost_per_block: cost of swapping one block out and back in, in tokens of recompute
+            (``preemption_mode="auto"``); ``config.swap_cost_per_block`` overrides it. The engine
+            estimates it from the model size and the block bytes.
     """
 
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, clock: Callable[[], float] = time.monotonic
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        clock: Callable[[], float] = time.monotonic,
+        host_block_manager: Optional[BlockManager] = None,
+        swap_cost_per_block: float = 1.0,
     ) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.host_block_manager = host_block_manager or BlockManager(0, block_manager.block_size)
         self.clock = clock
-        self.waiting: list[Request] = []  # kept sorted by Request.sort_key()
+        self.swap_cost_per_block = (
+            config.swap_cost_per_block if config.swap_cost_per_block is not None else swap_cost_per_block
+        )
+        self.waiting: list[Request] = []  # sorted by rank
         self.running: list[Request] = []
+        self.swapped: list[Request] = []  # sorted by rank
         self.iteration = 0
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0
+        self.num_recompute_preemptions = 0
+        self.num_swap_fallbacks = 0  # swap wanted, host pool full (or KV not yet valid): recomputed instead
+        self.num_blocks_swapped_out = 0
+        self.num_blocks_swapped_in = 0
+        self.num_forks = 0
+        self.num_fork_fallbacks = 0  # sequences that could not be forked and recompute their prompt
         self._watermark_blocks = int(config.watermark * block_manager.num_blocks)
+        self._epoch = clock()
+        self._fresh: set[int] = set()  # got their KV by swap-in or fork copy this step: not swappable yet
 
     # --- queue management ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        """Queue ``request`` (new, or preempted for recompute) by rank."""
+        if request.pending_forks and (
+            request.num_prompt_tokens < 2 or 1 + len(request.pending_forks) > self.config.max_num_seqs
+        ):
+            # Nothing to share before the first token, or never room for all of them at once:
+            # the sequences are independent requests.
+            forks, request.pending_forks = request.pending_forks, []
+            for child in forks:
+                self.add_request(child)
         request.status = RequestStatus.WAITING
-        bisect.insort(self.waiting, request, key=Request.sort_key)
+        bisect.insort(self.waiting, request, key=self.rank)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def all_requests(self) -> list[Request]:
-        return self.running + self.waiting
+        """Every unfinished request, pending forks included."""
+        queued = self.running + self.swapped + self.waiting
+        return queued + [c for r in queued for c in r.pending_forks]
+
+    def rank(self, req: Request) -> tuple:
+        """Sort key, smaller first: escalated, then priority level (aged), arrival, id."""
+        level: float = req.priority
+        if self.config.aging_seconds is not None:
+            level = req.priority + (req.arrival_time - self._epoch) / self.config.aging_seconds
+        escalated = req.num_preemptions >= self.config.max_preemptions
+        return (0 if escalated else 1, level, req.arrival_time, req.request_id)
+
+    @property
+    def watermark_blocks(self) -> int:
+        return self._watermark_blocks
 
     # --- the iteration -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Run reap, budget, admit and preempt; return the plan for the decode step."""
         out = SchedulerOutput(iteration=self.iteration)
         self.iteration += 1
+        self._fresh.clear()
         t = self.clock()
 
         def mark(name: str) -> None:
@@ -111,52 +201,83 @@ class Scheduler:
 
         out.reaped = self._reap()
         mark("reap")
-        token_budget, plan = self._plan_running()
-        out.budget_blocks = self._block_budget(plan)
+        step = self._budget(out)
         mark("budget")
-        token_budget = self._admit(out, plan, token_budget)
+        self._admit(out, step)
         mark("admit")
-        self._preempt(out, plan)
-        self._allocate(plan)
+        self._preempt(out, step)
+        self._allocate(step.plan)
         mark("preempt")
         # Decodes first, then prefill chunks: the layout attention metadata expects.
-        plan.sort(key=lambda s: 0 if (s.num_new_tokens == 1 and not s.request.is_prefill) else 1)
-        out.scheduled = plan
-        out.num_batched_tokens = sum(s.num_new_tokens for s in plan)
+        step.plan.sort(key=lambda s: 0 if (s.num_new_tokens == 1 and not s.request.is_prefill) else 1)
+        out.scheduled = step.plan
+        out.num_batched_tokens = sum(s.num_new_tokens for s in step.plan)
         assert out.num_batched_tokens <= self.config.max_num_batched_tokens, "token budget exceeded"
         assert len(self.running) <= self.config.max_num_seqs, "max_num_seqs exceeded"
         return out
 
+    # --- step 1: reap ---------------------------------------------------------------------------
     def _reap(self) -> list[Request]:
-        """Step 1: drop finished and cancelled requests and free their blocks at once."""
-        reaped = []
-        for queue in (self.running, self.waiting):
+        """Step 1: drop finished and cancelled requests (any queue) and free their blocks at once."""
+        reaped: list[Request] = []
+        for queue in (self.running, self.swapped, self.waiting):
             keep = []
             for req in queue:
-                if req.cancel_requested and not req.status.is_finished:
+                if req.pending_forks:
+                    reaped += self._reap_pending_forks(req)
+                if req.cancel_requested and not req.status.is_finished and not req.pending_forks:
                     req.status = RequestStatus.FINISHED_CANCELLED
                 if req.status.is_finished:
                     self.block_manager.free(req.request_id)
+                    self.host_block_manager.free(req.request_id)
                     reaped.append(req)
                 else:
                     keep.append(req)
             queue[:] = keep
         return reaped
 
-    def _plan_running(self) -> tuple[int, list[ScheduledRequest]]:
+    def _reap_pending_forks(self, req: Request) -> list[Request]:
+        """Cancelled not-yet-forked sequences go now; the others go with a finished parent.
+        A cancelled parent with live pending forks keeps computing the prefix they share."""
+        gone = [c for c in req.pending_forks if c.cancel_requested or req.status.is_finished]
+        for c in gone:
+            if not c.status.is_finished:
+                c.status = RequestStatus.FINISHED_CANCELLED if c.cancel_requested else req.status
+        req.pending_forks = [c for c in req.pending_forks if c not in gone]
+        return gone
+
+    # --- step 2: budget -----------------------------------------------------------------------
+    def _budget(self, out: SchedulerOutput) -> _StepState:
+        """Step 2: free blocks - reservations - watermark. Reservations are the blocks the running
+        requests need for this step's tokens, then forks that are due, then swap-ins (swapped
+        requests resume before any waiting request they rank before)."""
+        step = self._plan_running()
+        free = self.block_manager.num_free_blocks
+        step.block_budget = free - self._reservation(step.plan) - self._watermark_blocks
+        self._reserve_forks(step)
+        self._reserve_swap_ins(step)
+        out.budget_blocks = step.block_budget
+        out.reserved_blocks = free - self._watermark_blocks - step.block_budget
+        return step
+
+    def _plan_running(self) -> _StepState:
         """Token budget for running requests: decodes take one token, ongoing prefills a chunk."""
         budget = self.config.max_num_batched_tokens
         plan = []
-        for req in sorted(self.running, key=lambda r: (r.is_prefill, r.sort_key())):
+        for req in sorted(self.running, key=lambda r: (r.is_prefill, self.rank(r))):
             n = self._num_tokens_to_schedule(req, budget)
             if n == 0:
                 continue
             plan.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
             budget -= n
-        return budget, plan
+        return _StepState(plan=plan, token_budget=budget)
 
-    def _num_tokens_to_schedule(self, req: Request, token_budget: int) -> int:
-        n = min(req.num_tokens - req.num_computed_tokens, token_budget)
+    def _num_tokens_to_schedule(self, req: Request, token_budget: int, computed: Optional[int] = None) -> int:
+        computed = req.num_computed_tokens if computed is None else computed
+        todo = req.num_tokens - computed
+        if req.pending_forks:
+            todo = req.num_prompt_tokens - 1 - computed  # stop at the fork point
+        n = min(todo, token_budget)
         if self.config.long_prefill_token_threshold is not None:
             n = min(n, self.config.long_prefill_token_threshold)
         return max(n, 0)
@@ -169,58 +290,256 @@ class Scheduler:
             for s in plan
         )
 
-    def _block_budget(self, plan: list[ScheduledRequest]) -> int:
-        """Step 2: free blocks minus in-flight reservations minus the watermark."""
-        return self.block_manager.num_free_blocks - self._reservation(plan) - self._watermark_blocks
+    def _block_limit(self, step: _StepState, alone: bool = False) -> int:
+        # With nothing else running the watermark has nobody to protect: what is free may be used.
+        alone = alone or not (self.running or step.forks or step.swap_ins)
+        return step.block_budget + (self._watermark_blocks if alone else 0)
 
-    def _admit(self, out: SchedulerOutput, plan: list[ScheduledRequest], token_budget: int) -> int:
-        """Step 3: admit waiting requests by priority, then arrival, while blocks and tokens allow."""
-        budget = out.budget_blocks
-        bm = self.block_manager
-        while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _seats_left(self, step: _StepState) -> int:
+        """``max_num_seqs`` minus running requests, the forks they are owed, and reserved swap-ins."""
+        owed = sum(len(r.pending_forks) for r in self.running)
+        reserved = sum(1 + len(r.pending_forks) for r, _ in step.swap_ins)
+        return self.config.max_num_seqs - len(self.running) - owed - reserved
+
+    def _reserve_forks(self, step: _StepState) -> None:
+        """Due forks: each new sequence needs a seat, one token, and one block (the copy of the
+        partial last block, or a fresh block when the prompt minus one ends on a block boundary,
+        in which case the parent needs one too).
+
+        A fork that does not fit now is not postponed: its sequences become ordinary waiting
+        requests (same rank; the prefix cache may still serve their prompt) and the parent goes on
+        alone. A parent idling for room could deadlock against another one doing the same.
+        """
+        for parent in sorted((r for r in self.running if r.at_fork_point), key=self.rank):
+            k = len(parent.pending_forks)
+            need = k + (1 if parent.num_computed_tokens % self.block_manager.block_size == 0 else 0)
+            alone = self.running == [parent] and not step.forks
+            # Seats were reserved at admission (``_seats_left`` counts owed forks).
+            if k + 1 <= step.token_budget and need <= self._block_limit(step, alone):
+                step.forks.append(parent)
+                step.token_budget -= k + 1
+                step.block_budget -= need
+            else:
+                self._detach_forks(step, parent)
+
+    def _detach_forks(self, step: _StepState, parent: Request) -> None:
+        for child in parent.pending_forks:
+            self.add_request(child)
+        self.num_fork_fallbacks += len(parent.pending_forks)
+        parent.pending_forks = []
+        if parent.cancel_requested:
+            self._finish_cancelled_parent(parent)
+            return
+        n = self._num_tokens_to_schedule(parent, step.token_budget)
+        if n:
+            step.plan.append(ScheduledRequest(parent, n, parent.num_computed_tokens + n == parent.num_tokens))
+            step.token_budget -= n
+            step.block_budget -= self._reservation(step.plan[-1:])
+
+    def _reserve_swap_ins(self, step: _StepState) -> None:
+        """Swapped requests in rank order, until one does not fit or a waiting one ranks before it."""
+        for req in self.swapped:
+            if self.waiting and self.rank(self.waiting[0]) < self.rank(req):
+                step.barrier = self.rank(req)
+                return
+            n = self._num_tokens_to_schedule(req, step.token_budget)
+            need = self.block_manager.blocks_for_tokens(req.num_computed_tokens + n)
+            if n == 0 or self._seats_left(step) < 1 + len(req.pending_forks) or need > self._block_limit(step):
+                step.barrier = self.rank(req)
+                return
+            step.swap_ins.append((req, n))
+            step.token_budget -= n
+            step.block_budget -= need
+
+    # --- step 3: admit ---------------------------------------------------------------------------
+    def _admit(self, out: SchedulerOutput, step: _StepState) -> None:
+        """Step 3: carry out the reserved forks and swap-ins, then admit waiting requests by rank
+        while seats, blocks and tokens allow; a waiting request at least one priority level above a
+        running one may preempt it (for a seat or for blocks)."""
+        for parent in step.forks:
+            self._fork(out, step, parent)
+        for req, n in step.swap_ins:
+            self._swap_in(out, step, req, n)
+        while self.waiting and step.token_budget > 0:
             req = self.waiting[0]
-            n = self._num_tokens_to_schedule(req, token_budget)
-            need = bm.num_blocks_needed(req.request_id, req.num_computed_tokens + n)
-            # With nothing running the watermark has nobody to protect: admit if the blocks exist.
-            limit = budget if self.running else self.block_manager.num_free_blocks
-            if n == 0 or need > limit:
-                break  # strict order: a request never overtakes an earlier one of its priority
-            self.waiting.pop(0)
-            bm.allocate(req.request_id, req.num_computed_tokens + n)
-            budget -= need
-            token_budget -= n
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            plan.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
-            out.admitted.append(req)
-        return token_budget
+            if step.barrier is not None and self.rank(req) > step.barrier:
+                break  # a swapped request ranks before it and could not resume
+            if self._try_admit(out, step, req):
+                continue
+            # The seat or blocks go to ``req`` itself, not to whoever is queued first afterwards
+            # (an escalated victim would be, and would take them straight back).
+            while self._preempt_for(out, step, req):
+                if self._try_admit(out, step, req):
+                    break
+            else:
+                break  # strict order: a request never overtakes an earlier one of its rank
 
-    def _preempt(self, out: SchedulerOutput, plan: list[ScheduledRequest]) -> None:
-        """Step 4: while the running requests cannot all get their blocks, preempt the lowest
-        priority (then latest arrived) one, freeing its KV for recompute."""
-        while self._reservation(plan) > self.block_manager.num_free_blocks:
+    def _try_admit(self, out: SchedulerOutput, step: _StepState, req: Request) -> bool:
+        bm = self.block_manager
+        hits = []
+        if bm.enable_prefix_caching and req.num_computed_tokens == 0:
+            hits = bm.match_prefix(req.all_token_ids, req.block_hashes)
+        if req.pending_forks:  # leave the parent at least one token before its fork point
+            hits = hits[: max(0, (req.num_prompt_tokens - 2) // bm.block_size)]
+        if getattr(req.sampling, "prompt_logprobs", 0):  # rows from prompt_logprobs - 1 on must be computed
+            hits = hits[: max(0, int(req.sampling.prompt_logprobs) - 1) // bm.block_size]
+        computed = req.num_computed_tokens + len(hits) * bm.block_size
+        n = self._num_tokens_to_schedule(req, step.token_budget, computed)
+        need = bm.num_blocks_needed_with_prefix(hits, computed + n)
+        need_seats = 1 + len(req.pending_forks)  # its forks get their seats now, so they rarely degrade
+        if n == 0 or need_seats > self._seats_left(step) or need > self._block_limit(step):
+            return False
+        del self.waiting[next(i for i, r in enumerate(self.waiting) if r is req)]
+        if req.num_computed_tokens == 0 and bm.enable_prefix_caching:
+            bm.record_prefix_lookup(req.num_tokens, len(hits) * bm.block_size)
+            out.num_prefix_hit_tokens += len(hits) * bm.block_size
+            if req.num_preemptions == 0:
+                req.num_cached_prompt_tokens = len(hits) * bm.block_size
+        req.num_computed_tokens = computed
+        bm.allocate(req.request_id, computed + n, prefix_blocks=hits)
+        step.block_budget -= need
+        step.token_budget -= n
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        step.plan.append(ScheduledRequest(req, n, computed + n == req.num_tokens))
+        out.admitted.append(req)
+        return True
+
+    def _fork(self, out: SchedulerOutput, step: _StepState, parent: Request) -> None:
+        """Fork the parent's pending sequences: they share its full blocks and get a copy of its
+        partial last block; every sequence then computes the last prompt token and samples."""
+        children, parent.pending_forks = parent.pending_forks, []
+        for child in children:
+            copy = self.block_manager.fork(parent.request_id, child.request_id, parent.num_computed_tokens)
+            if copy is not None:
+                out.blocks_to_copy.append(copy)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+            self._fresh.add(child.request_id)
+            step.plan.append(ScheduledRequest(child, 1, True))
+            out.forked.append(child)
+        self.num_forks += len(children)
+        if parent.cancel_requested:
+            self._finish_cancelled_parent(parent)
+        else:
+            step.plan.append(ScheduledRequest(parent, 1, True))
+
+    def _finish_cancelled_parent(self, parent: Request) -> None:
+        """A cancelled parent lived on only to compute its forks' prefix. Its blocks go now (the
+        shared ones stay with the forks), so nobody waits on them; the next reap reports it."""
+        parent.status = RequestStatus.FINISHED_CANCELLED
+        self.block_manager.free(parent.request_id)
+
+    def _swap_in(self, out: SchedulerOutput, step: _StepState, req: Request, n: int) -> None:
+        host_table = self.host_block_manager.get_block_table(req.request_id)
+        self.block_manager.allocate(req.request_id, req.num_computed_tokens + n)
+        device_table = self.block_manager.get_block_table(req.request_id)
+        out.blocks_to_swap_in.extend(zip(host_table, device_table))
+        # Safe to reuse at once: the engine swaps in before it swaps out (see SchedulerOutput).
+        self.host_block_manager.free(req.request_id)
+        self.num_blocks_swapped_in += len(host_table)
+        self.swapped.remove(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._fresh.add(req.request_id)
+        step.plan.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
+        out.swapped_in.append(req)
+
+    def _preempt_for(self, out: SchedulerOutput, step: _StepState, req: Request) -> bool:
+        """Preempt the lowest-ranked running request if it is at least one priority level below
+        ``req`` (escalated requests are exempt); False if there is none."""
+        level = self.rank(req)[1]
+        victims = [r for r in self._preemptible() if self.rank(r)[0] == 1 and self.rank(r)[1] - level >= 1]
+        if self.rank(req)[0] == 0 or not victims:
+            return False
+        self._preempt_request(out, step, max(victims, key=self.rank))
+        return True
+
+    # --- step 4: preempt ---------------------------------------------------------------------------
+    def _preempt(self, out: SchedulerOutput, step: _StepState) -> None:
+        """Step 4: while the running requests cannot all get their blocks, preempt the lowest-ranked
+        one (swap or recompute, see ``_preemption_mode``)."""
+        while self._reservation(step.plan) > self.block_manager.num_free_blocks:
             victim = self._choose_victim()
             if victim is None:
                 break
-            self._preempt_request(victim)
-            out.preempted.append(victim)
-            plan[:] = [s for s in plan if s.request is not victim]
+            self._preempt_request(out, step, victim)
 
     def _choose_victim(self) -> Optional[Request]:
-        candidates = [r for r in self.running if r.num_preemptions < self.config.max_preemptions]
-        if not candidates:
-            candidates = list(self.running)
-        if len(candidates) <= 1 and len(self.running) <= 1:
+        """The lowest-ranked running request; escalated ones only if nothing else is left. Among
+        escalated ones the best-ranked is never chosen, so it finishes: no livelock."""
+        alive = self._preemptible()
+        if len(alive) <= 1:
             return None
-        return max(candidates, key=Request.sort_key)
+        candidates = [r for r in alive if r.num_preemptions < self.config.max_preemptions]
+        return max(candidates or alive, key=self.rank)
 
-    def _preempt_request(self, req: Request) -> None:
-        self.block_manager.free(req.request_id)
-        req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        self.num_preemptions += 1
+    def _preemptible(self) -> list[Request]:
+        # A parent cancelled at its fork is finished but holds blocks until the next reap.
+        return [r for r in self.running if not r.status.is_finished]
+
+    def _preemption_mode(self, req: Request) -> str:
+        """"swap" or "recompute" for this victim.
+
+        Recompute when nothing is computed (free), when its KV only arrives this step (swap-in or
+        fork copy still pending: the engine swaps out before it copies), or when the host pool
+        cannot take it. "auto" swaps when moving its blocks out and back costs less than
+        recomputing its tokens: ``swap_cost_per_block * blocks < tokens``, where tokens excludes
+        leading blocks shared with a running request and cached (they survive a recompute).
+        """
+        mode = self.config.preemption_mode
+        blocks = self.block_manager.blocks_for_tokens(req.num_computed_tokens)
+        if mode == "recompute" or blocks == 0:
+            return "recompute"
+        if req.request_id in self._fresh or not self.host_block_manager.can_allocate(blocks):
+            self.num_swap_fallbacks += 1
+            return "recompute"
+        if mode == "swap":
+            return "swap"
+        bm = self.block_manager
+        table = bm.get_block_table(req.request_id)
+        shared = 0
+        while shared < blocks and bm.ref_counts[table[shared]] > 1 and bm.is_cached(table[shared]):
+            shared += 1
+        tokens_to_recompute = req.num_computed_tokens - shared * bm.block_size
+        return "swap" if self.swap_cost_per_block * blocks < tokens_to_recompute else "recompute"
+
+    def _preempt_request(self, out: SchedulerOutput, step: _StepState, req: Request) -> None:
+        """Take ``req`` out of running and out of this step's plan; it keeps every generated token."""
+        removed = [s for s in step.plan if s.request is req]
+        step.plan[:] = [s for s in step.plan if s.request is not req]
+        step.token_budget += sum(s.num_new_tokens for s in removed)
+        reserved = self._reservation(removed)
+        before = self.block_manager.num_free_blocks
+        if req.request_id in self._fresh:  # its swap-in or fork copy is moot now
+            table = set(self.block_manager.get_block_table(req.request_id))
+            out.blocks_to_swap_in[:] = [p for p in out.blocks_to_swap_in if p[1] not in table]
+            out.blocks_to_copy[:] = [p for p in out.blocks_to_copy if p[1] not in table]
         self.running.remove(req)
-        self.add_request(req)
+        req.num_preemptions += 1  # before re-queuing: the queue position must see an escalation
+        self.num_preemptions += 1
+        if self._preemption_mode(req) == "swap":
+            self._swap_out(out, req)
+        else:
+            self.block_manager.free(req.request_id)
+            req.num_computed_tokens = 0
+            self.num_recompute_preemptions += 1
+            self.add_request(req)
+        step.block_budget += reserved + self.block_manager.num_free_blocks - before
+        out.preempted.append(req)
+
+    def _swap_out(self, out: SchedulerOutput, req: Request) -> None:
+        blocks = self.block_manager.blocks_for_tokens(req.num_computed_tokens)
+        host_table = self.host_block_manager.allocate(req.request_id, blocks * self.block_manager.block_size)
+        device_table = self.block_manager.get_block_table(req.request_id)[:blocks]
+        out.blocks_to_swap_out.extend(zip(device_table, host_table))
+        self.block_manager.free(req.request_id)
+        self.num_blocks_swapped_out += blocks
+        self.num_swap_preemptions += 1
+        req.status = RequestStatus.SWAPPED
+        bisect.insort(self.swapped, req, key=self.rank)
+        out.swapped_out.append(req)
 
     def _allocate(self, plan: list[ScheduledRequest]) -> None:
         for s in plan:
@@ -230,10 +549,12 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
         """Advance ``num_computed_tokens``, append sampled tokens; return requests that got a token.
 
-        Finishing (EOS, length, stop) is decided by the engine, which marks the status; the blocks
-        are freed by the next iteration's reap step.
+        Blocks that became full and computed enter the prefix cache. Finishing (EOS, length, stop)
+        is decided by the engine, which marks the status; the blocks are freed by the next
+        iteration's reap step.
         """
         advanced = []
+        bm = self.block_manager
         for s in out.scheduled:
             req = s.request
             if req.status.is_finished:
@@ -242,4 +563,6 @@ class Scheduler:
             if s.samples:
                 req.output_token_ids.append(sampled[req.request_id])
                 advanced.append(req)
+            if bm.enable_prefix_caching and req.num_computed_tokens // bm.block_size > bm.num_hashed_blocks(req.request_id):
+                bm.cache_full_blocks(req.request_id, req.all_token_ids, req.block_hashes, req.num_computed_tokens)
         return advanced

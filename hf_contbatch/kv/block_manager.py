@@ -1,96 +1,288 @@
-"""KV block bookkeeping: free block queue, per-request block tables, reference counts.
+"""KV block bookkeeping: free block queue, per-request block tables, reference counts, prefix hashes.
 
 Pure Python, no tensors, so it can be tested without a model (the nano-vllm / vLLM v1 split
-between the block manager and the cache tensors).
+between the block manager and the cache tensors). The same class serves the device pool and the
+host swap pool (the latter without prefix caching).
+
+Prefix caching (vLLM v1 ``BlockPool``, nano-vllm ``BlockManager``): every full, computed block gets a
+chained hash ``hash((parent_hash, tokens))`` and enters a hash -> block map. A freed block keeps its
+hash and stays in the free queue, reusable by a later request with the same prefix until it is
+evicted; the free queue is ordered least-recently-freed first, so eviction is LRU.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from typing import Hashable, Optional, Sequence
+
+
+def hash_block_tokens(parent_hash: Optional[int], token_ids: Sequence[int]) -> int:
+    """Chained hash of one full block: depends on every token before it through ``parent_hash``.
+
+    Python's ``hash`` of a tuple of ints is deterministic across processes (``PYTHONHASHSEED`` only
+    salts str/bytes). A hit is also checked against the stored tokens, so only a 64-bit collision of
+    two *parent* hashes with equal block tokens could alias two prefixes.
+    """
+    return hash((parent_hash, tuple(token_ids)))
 
 
 class BlockManager:
     """Owns which KV block belongs to which request.
 
     Args:
-        num_blocks: blocks in the pool.
+        num_blocks: blocks in the pool (0 is allowed: an empty swap pool).
         block_size: tokens per block.
+        enable_prefix_caching: keep hashes of full blocks and reuse them across requests.
 
     A request's block table maps its token at position ``p`` to block
-    ``table[p // block_size]``, offset ``p % block_size``.
+    ``table[p // block_size]``, offset ``p % block_size``. Tables are keyed by any hashable (the
+    scheduler uses request ids). A block is in the free queue exactly when its ref count is 0;
+    free blocks that still carry a hash are "cached" and are evicted (hash dropped) only when the
+    queue hands them out again.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        # Least recently freed first; OrderedDict so a prefix hit can take a block out of the middle in O(1).
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.ref_counts: list[int] = [0] * num_blocks
-        self.block_tables: dict[int, list[int]] = {}
+        self.block_tables: dict[Hashable, list[int]] = {}
+        self._block_hash: list[Optional[int]] = [None] * num_blocks
+        self._block_content: list[Optional[tuple]] = [None] * num_blocks  # (parent hash, tokens), to verify hits
+        self._cached: dict[int, int] = {}  # hash -> block
+        self._num_hashed: dict[Hashable, int] = {}  # leading blocks of a table already offered to the cache
+        self._num_cached_free = 0  # a counter, so stats never iterate the queue the engine thread mutates
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
+        self.num_evictions = 0
 
     # --- queries -----------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (never-used, freed, and cached-but-unreferenced)."""
         return len(self._free)
 
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a reusable prefix (evictable)."""
+        return self._num_cached_free
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache / prompt tokens looked up (0.0 before any)."""
+        return self.num_prefix_hit_tokens / self.num_prefix_query_tokens if self.num_prefix_query_tokens else 0.0
+
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens (ceil division)."""
         return -(-num_tokens // self.block_size)
 
-    def num_blocks_needed(self, request_id: int, total_tokens: int) -> int:
+    def num_blocks_needed(self, request_id: Hashable, total_tokens: int) -> int:
         """Extra blocks ``request_id`` needs so that ``total_tokens`` of its tokens fit."""
         have = len(self.block_tables.get(request_id, ()))
         return max(0, self.blocks_for_tokens(total_tokens) - have)
 
-    def get_block_table(self, request_id: int) -> list[int]:
+    def get_block_table(self, request_id: Hashable) -> list[int]:
         return self.block_tables.get(request_id, [])
 
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self._free)
+
+    def is_cached(self, block: int) -> bool:
+        """True when ``block`` carries a prefix hash (it serves hits while it is not evicted)."""
+        return self._block_hash[block] is not None
+
+    def num_hashed_blocks(self, request_id: Hashable) -> int:
+        """Leading blocks of ``request_id``'s table already offered to the prefix cache."""
+        return self._num_hashed.get(request_id, 0)
+
+    # --- prefix caching ----------------------------------------------------------------------
+    def update_block_hashes(self, token_ids: Sequence[int], block_hashes: list[int]) -> list[int]:
+        """Extend ``block_hashes`` in place to cover every full block of ``token_ids``; returns it."""
+        bs = self.block_size
+        parent = block_hashes[-1] if block_hashes else None
+        for i in range(len(block_hashes), len(token_ids) // bs):
+            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
+            block_hashes.append(parent)
+        return block_hashes
+
+    def match_prefix(self, token_ids: Sequence[int], block_hashes: list[int]) -> list[int]:
+        """Cached blocks holding the longest full-block prefix of ``token_ids`` (read-only).
+
+        At most ``(len(token_ids) - 1) // block_size`` blocks: at least one token is always
+        recomputed, because the step that computes the last token is the one that samples.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        self.update_block_hashes(token_ids, block_hashes)
+        hits: list[int] = []
+        parent = None
+        for i in range((len(token_ids) - 1) // bs):
+            h = block_hashes[i]
+            b = self._cached.get(h)
+            if b is None or self._block_content[b] != (parent, tuple(token_ids[i * bs : (i + 1) * bs])):
+                break
+            hits.append(b)
+            parent = h
+        return hits
+
+    def num_blocks_needed_with_prefix(self, prefix_blocks: Sequence[int], total_tokens: int) -> int:
+        """Free-queue blocks a new table needs for ``total_tokens`` when it starts with ``prefix_blocks``:
+        fresh blocks for the rest, plus every hit that is itself sitting free (cached, ref count 0)."""
+        fresh = max(0, self.blocks_for_tokens(total_tokens) - len(prefix_blocks))
+        return fresh + sum(1 for b in prefix_blocks if self.ref_counts[b] == 0)
+
+    def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.num_prefix_query_tokens += num_query_tokens
+        self.num_prefix_hit_tokens += num_hit_tokens
+
+    def cache_full_blocks(
+        self, request_id: Hashable, token_ids: Sequence[int], block_hashes: list[int], num_computed_tokens: int
+    ) -> None:
+        """Register the blocks of ``request_id`` that are full and computed in the hash map.
+
+        A block whose content is already cached under another block stays unhashed (no dedup, as in
+        vLLM); its twin keeps serving hits.
+        """
+        if not self.enable_prefix_caching:
+            return
+        table = self.block_tables.get(request_id)
+        if table is None:
+            return
+        full = min(num_computed_tokens // self.block_size, len(table))
+        start = self._num_hashed.get(request_id, 0)
+        if full <= start:
+            return
+        self.update_block_hashes(token_ids[: full * self.block_size], block_hashes)
+        bs = self.block_size
+        for i in range(start, full):
+            b = table[i]
+            h = block_hashes[i]
+            if self._block_hash[b] is not None or h in self._cached:
+                continue
+            self._cached[h] = b
+            self._block_hash[b] = h
+            self._block_content[b] = (block_hashes[i - 1] if i else None, tuple(token_ids[i * bs : (i + 1) * bs]))
+        self._num_hashed[request_id] = full
+
     # --- mutations ---------------------------------------------------------------------------
-    def allocate(self, request_id: int, total_tokens: int) -> list[int]:
+    def _pop_free_block(self) -> int:
+        b, _ = self._free.popitem(last=False)
+        h = self._block_hash[b]
+        if h is not None:  # eviction: the block is reused, its prefix is gone
+            self._num_cached_free -= 1
+            del self._cached[h]
+            self._block_hash[b] = None
+            self._block_content[b] = None
+            self.num_evictions += 1
+        self.ref_counts[b] = 1
+        return b
+
+    def allocate(self, request_id: Hashable, total_tokens: int, prefix_blocks: Sequence[int] = ()) -> list[int]:
         """Grow ``request_id``'s block table to hold ``total_tokens`` tokens.
 
-        Returns the newly allocated block ids. Raises ``RuntimeError`` if the pool is short
-        (the scheduler checks ``num_blocks_needed`` against its budget first).
+        Args:
+            prefix_blocks: cached blocks (from ``match_prefix``) a *new* table starts with; they are
+                shared (ref count + 1), not copied.
+
+        Returns the newly allocated (fresh) block ids. Raises ``RuntimeError`` if the pool is short
+        (the scheduler checks its budget first) or if ``prefix_blocks`` is given for an existing table.
         """
-        need = self.num_blocks_needed(request_id, total_tokens)
+        if prefix_blocks and request_id in self.block_tables:
+            raise RuntimeError(f"prefix blocks given for request {request_id}, which already has a block table")
+        need = (
+            self.num_blocks_needed_with_prefix(prefix_blocks, total_tokens)
+            if prefix_blocks else self.num_blocks_needed(request_id, total_tokens)
+        )
         if need > len(self._free):
             raise RuntimeError(
                 f"KV pool exhausted: request {request_id} needs {need} blocks, {len(self._free)} free"
             )
         table = self.block_tables.setdefault(request_id, [])
-        new_blocks = [self._free.popleft() for _ in range(need)]
-        for b in new_blocks:
-            self.ref_counts[b] = 1
+        for b in prefix_blocks:
+            if self.ref_counts[b] == 0:
+                del self._free[b]
+                self._num_cached_free -= 1
+            self.ref_counts[b] += 1
+            table.append(b)
+        if prefix_blocks:
+            self._num_hashed[request_id] = len(prefix_blocks)
+        new_blocks = [self._pop_free_block() for _ in range(self.blocks_for_tokens(total_tokens) - len(table))]
         table.extend(new_blocks)
         return new_blocks
 
-    def free(self, request_id: int) -> int:
+    def fork(self, parent_id: Hashable, child_id: Hashable, num_computed_tokens: int) -> Optional[tuple[int, int]]:
+        """Give ``child_id`` the parent's first ``num_computed_tokens`` tokens of KV.
+
+        Full blocks are shared (ref count + 1). A partial last block is copied at once into a fresh
+        block, because the child's very next token is written into it (copy-on-write, done eagerly:
+        every child writes in the step it is forked). Returns that ``(src, dst)`` copy, or None.
+        Raises ``RuntimeError`` if the child already has a table or the pool is empty.
+        """
+        if child_id in self.block_tables:
+            raise RuntimeError(f"fork target {child_id} already has a block table")
+        parent = self.block_tables[parent_id]
+        num_full, partial = divmod(num_computed_tokens, self.block_size)
+        if partial and not self._free:
+            raise RuntimeError(f"KV pool exhausted: fork of request {parent_id} needs 1 block, 0 free")
+        table = list(parent[:num_full])
+        for b in table:
+            self.ref_counts[b] += 1
+        self.block_tables[child_id] = table
+        self._num_hashed[child_id] = min(self._num_hashed.get(parent_id, 0), num_full)
+        if not partial:
+            return None
+        dst = self._pop_free_block()
+        table.append(dst)
+        return parent[num_full], dst
+
+    def free(self, request_id: Hashable) -> int:
         """Release every block of ``request_id``; returns how many returned to the free queue."""
         table = self.block_tables.pop(request_id, None)
+        self._num_hashed.pop(request_id, None)
         if not table:
             return 0
         released = 0
-        # Freed in reverse so the tail blocks (least likely shared) are reused first.
+        # Reverse order: a sequence's tail blocks are evicted before its head, which more requests share.
         for b in reversed(table):
             self.ref_counts[b] -= 1
             if self.ref_counts[b] < 0:
                 raise RuntimeError(f"block {b} double-freed")
             if self.ref_counts[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
+                if self._block_hash[b] is None:  # nothing worth keeping: hand it out first
+                    self._free.move_to_end(b, last=False)
+                else:
+                    self._num_cached_free += 1
                 released += 1
         return released
 
     def check_invariants(self) -> None:
-        """Assert the bookkeeping is consistent (used by tests after every iteration)."""
+        """Assert the bookkeeping is consistent (used by tests after every iteration).
+
+        Ref counts equal table memberships; a block is free exactly when unreferenced; no table
+        holds a block twice; the hash -> block map and the per-block hashes agree both ways.
+        """
         counted = [0] * self.num_blocks
-        for table in self.block_tables.values():
+        for rid, table in self.block_tables.items():
+            assert len(set(table)) == len(table), f"table of {rid} holds a block twice"
             for b in table:
                 counted[b] += 1
-        free = set(self._free)
-        assert len(free) == len(self._free), "a block is twice in the free queue"
         for b in range(self.num_blocks):
             assert counted[b] == self.ref_counts[b], f"block {b}: ref count {self.ref_counts[b]} != {counted[b]}"
-            assert (b in free) == (counted[b] == 0), f"block {b}: free-queue membership disagrees with use"
+            assert (b in self._free) == (counted[b] == 0), f"block {b}: free-queue membership disagrees with use"
+        for h, b in self._cached.items():
+            assert self._block_hash[b] == h, f"hash map sends {h} to block {b}, which carries {self._block_hash[b]}"
+        for b, h in enumerate(self._block_hash):
+            if h is not None:
+                assert self._cached.get(h) == b, f"block {b} carries hash {h} missing from the hash map"
+                assert self._block_content[b] is not None, f"hashed block {b} has no recorded content"
+        assert self.enable_prefix_caching or not self._cached, "hashes recorded with prefix caching off"
+        cached_free = sum(1 for b in self._free if self._block_hash[b] is not None)
+        assert cached_free == self._num_cached_free, f"cached-free counter {self._num_cached_free} != {cached_free}"

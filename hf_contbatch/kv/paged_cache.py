@@ -132,9 +132,12 @@ class PagedKVCache:
         self.swap_value_cache: list[torch.Tensor] = []
         if num_swap_blocks:
             swap_shape = (num_swap_blocks,) + shape[1:]
+            # Pinned only where there is a device to DMA from (transformers' CPU offload pins
+            # unconditionally and crashes on CPU-only torch). ``empty``: on CPU the pages are
+            # committed only when a swap first writes them, so an unused pool costs no RAM.
             pin = torch.cuda.is_available() and any(torch.device(d).type == "cuda" for d in layer_devices)
-            self.swap_key_cache = [torch.zeros(swap_shape, dtype=dtype, pin_memory=pin) for _ in layer_devices]
-            self.swap_value_cache = [torch.zeros(swap_shape, dtype=dtype, pin_memory=pin) for _ in layer_devices]
+            self.swap_key_cache = [torch.empty(swap_shape, dtype=dtype, pin_memory=pin) for _ in layer_devices]
+            self.swap_value_cache = [torch.empty(swap_shape, dtype=dtype, pin_memory=pin) for _ in layer_devices]
         self.metadata: Optional[AttentionMetadata] = None
         self.is_sliding = [False] * num_layers
 
@@ -185,31 +188,47 @@ class PagedKVCache:
         self._copy_blocks(mapping, to_host=False)
 
     def copy_blocks(self, mapping: Sequence[tuple[int, int]]) -> None:
-        """Copy device blocks within the pool (copy-on-write); pairs of (src, dst)."""
+        """Copy device blocks within the pool (copy-on-write of a forked partial block).
+
+        ``mapping`` holds (src, dst) pairs; every src is read before any dst is written, so a
+        block freed and reused as a dst in the same step is safe.
+        """
         if not mapping:
             return
+        src_cpu = torch.tensor([s for s, _ in mapping])
+        dst_cpu = torch.tensor([d for _, d in mapping])
+        indices: dict = {}
         for layer in range(self.num_layers):
             dev = self.key_cache[layer].device
-            src = torch.tensor([s for s, _ in mapping], device=dev)
-            dst = torch.tensor([d for _, d in mapping], device=dev)
-            self.key_cache[layer][dst] = self.key_cache[layer][src]
-            self.value_cache[layer][dst] = self.value_cache[layer][src]
+            if dev not in indices:
+                indices[dev] = (src_cpu.to(dev), dst_cpu.to(dev))
+            src, dst = indices[dev]
+            self.key_cache[layer].index_copy_(0, dst, self.key_cache[layer].index_select(0, src))
+            self.value_cache[layer].index_copy_(0, dst, self.value_cache[layer].index_select(0, src))
 
     def _copy_blocks(self, mapping: Sequence[tuple[int, int]], to_host: bool) -> None:
+        """Gather the source blocks, move them across in one transfer per layer and tensor, scatter."""
         if not mapping:
             return
         if not self.num_swap_blocks:
             raise RuntimeError("swap requested but the swap pool is empty (swap_space_gib=0)")
+        src_cpu = torch.tensor([s for s, _ in mapping])
+        dst_cpu = torch.tensor([d for _, d in mapping])
+        on_device: dict = {}
         for layer in range(self.num_layers):
             dev = self.key_cache[layer].device
-            src_idx = torch.tensor([s for s, _ in mapping])
-            dst_idx = torch.tensor([d for _, d in mapping])
+            if dev not in on_device:
+                on_device[dev] = (src_cpu if to_host else dst_cpu).to(dev)
+            pools = ((self.key_cache[layer], self.swap_key_cache[layer]), (self.value_cache[layer], self.swap_value_cache[layer]))
             if to_host:
-                self.swap_key_cache[layer][dst_idx] = self.key_cache[layer][src_idx.to(dev)].to("cpu")
-                self.swap_value_cache[layer][dst_idx] = self.value_cache[layer][src_idx.to(dev)].to("cpu")
+                src = on_device[dev]
+                for device_pool, host_pool in pools:
+                    # Synchronous: a later swap-in reads the host pool on the CPU side at once.
+                    host_pool.index_copy_(0, dst_cpu, device_pool.index_select(0, src).to("cpu"))
             else:
-                self.key_cache[layer][dst_idx.to(dev)] = self.swap_key_cache[layer][src_idx].to(dev)
-                self.value_cache[layer][dst_idx.to(dev)] = self.swap_value_cache[layer][src_idx].to(dev)
+                dst = on_device[dev]
+                for device_pool, host_pool in pools:
+                    device_pool.index_copy_(0, dst, host_pool.index_select(0, src_cpu).to(dev))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.key_cache + self.value_cache)
