@@ -14,3 +14,7 @@ __all__ = [
 from .pipeline import ContinuousBatchingPipeline, GenerationHandle, pipeline  # noqa: E402
 
 __all__ += ["ContinuousBatchingPipeline", "GenerationHandle", "pipeline"]
+
+from .integrations.transformers import register_pipeline  # noqa: E402  (explicit call; no import side effect)
+
+__all__ += ["register_pipeline"]

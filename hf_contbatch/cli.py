@@ -105,6 +105,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    """``lm_eval``'s own command line with the ``hf-contbatch`` model type registered (the stock
+    ``lm_eval`` command cannot see a plugin model). ``--model`` defaults to ``hf-contbatch``."""
+    try:
+        import lm_eval.__main__ as lm_eval_main
+    except ImportError:
+        raise SystemExit('hf-contbatch eval needs lm-eval: pip install "hf_contbatch[eval]"') from None
+    from .integrations import lm_eval as _plugin  # noqa: F401  (registers the model type)
+
+    rest = list(args.lm_eval_args)
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    is_run = not rest or rest[0] not in ("ls", "validate")
+    if is_run and not any(a == "--model" or a.startswith("--model=") for a in rest) and "-h" not in rest and "--help" not in rest:
+        rest = ["--model", _plugin.MODEL_TYPE] + rest
+    if is_run and (not rest or rest[0] != "run"):
+        rest = ["run"] + rest
+    saved = sys.argv
+    sys.argv = ["hf-contbatch eval"] + rest
+    try:
+        lm_eval_main.cli_evaluate()
+    finally:
+        sys.argv = saved
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-contbatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -129,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     g.add_argument("--quiet", action="store_true")
     g.set_defaults(func=cmd_generate)
+    e = sub.add_parser(
+        "eval", add_help=False, prefix_chars="\0",
+        help="lm-eval with the hf-contbatch model type (arguments as for lm_eval; --model defaults to hf-contbatch)",
+    )
+    e.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
+    e.set_defaults(func=cmd_eval)
     return parser
 
 

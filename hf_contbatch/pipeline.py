@@ -10,6 +10,7 @@ transformers resolves them.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import queue
 import threading
@@ -23,20 +24,44 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from .config import CacheConfig, EngineConfig, SchedulerConfig
 from .engine import LLMEngine, RequestHandle
 from .request import Request, SamplingParams
+from .streaming import text_deltas
 
 # transformers.TextGenerationPipeline._default_generation_config
 PIPELINE_GENERATION_DEFAULTS = {"max_new_tokens": 256, "do_sample": True, "temperature": 0.7}
 _SAMPLING_ONLY = {"temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h"}
 
-PREPROCESS_KWARGS = ("prefix", "add_special_tokens", "continue_final_message", "tokenizer_encode_kwargs", "tools", "documents")
-POSTPROCESS_KWARGS = ("return_full_text", "return_text", "return_tensors", "clean_up_tokenization_spaces", "skip_special_tokens")
-ENGINE_KWARGS = ("priority", "progress_bar", "batch_size", "ignore_eos", "seed")
+PREPROCESS_KWARGS = (
+    "prefix", "add_special_tokens", "continue_final_message", "tokenizer_encode_kwargs", "tools", "documents",
+    "truncation", "padding", "handle_long_generation",
+)
+POSTPROCESS_KWARGS = (
+    "return_full_text", "return_text", "return_tensors", "return_type", "clean_up_tokenization_spaces",
+    "skip_special_tokens",
+)
+# batch_size/num_workers size transformers' static batches; the engine batches continuously.
+ENGINE_KWARGS = ("priority", "progress_bar", "batch_size", "num_workers", "ignore_eos", "seed")
+# Generation settings the engine does not implement, with the values that leave generation unchanged
+# (after transformers' global defaults); any other value, from the call or from the model's
+# generation_config, is rejected instead of silently ignored.
+_NEUTRAL_GENERATION = {
+    "num_beams": (None, 1), "num_beam_groups": (None, 1), "penalty_alpha": (None,), "dola_layers": (None,),
+    "diversity_penalty": (None, 0.0), "max_time": (None,), "min_p": (None, 0.0), "top_h": (None,),
+    "typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0),
+    "no_repeat_ngram_size": (None, 0), "encoder_no_repeat_ngram_size": (None, 0), "bad_words_ids": (None, []),
+    "renormalize_logits": (None, False), "forced_bos_token_id": (None,), "forced_eos_token_id": (None,),
+    "exponential_decay_length_penalty": (None,), "suppress_tokens": (None, []), "begin_suppress_tokens": (None, []),
+    "sequence_bias": (None, {}), "token_healing": (None, False), "guidance_scale": (None, 1.0),
+    "watermarking_config": (None,), "constraints": (None, []), "force_words_ids": (None, []),
+    "prompt_lookup_num_tokens": (None,), "use_mtp": (None, False), "output_scores": (None, False),
+    "output_logits": (None, False), "return_dict_in_generate": (None, False),
+    "output_attentions": (None, False), "output_hidden_states": (None, False),
+}
 # Generation parameters the engine honours; anything else a GenerationConfig knows is rejected
 # with a clear error instead of being silently ignored.
 SUPPORTED_GENERATION_KWARGS = (
     "max_new_tokens", "max_length", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
     "repetition_penalty", "eos_token_id", "pad_token_id", "bos_token_id", "stop_strings",
-    "num_return_sequences", "generation_config",
+    "num_return_sequences", "generation_config", "min_length",
 )
 
 Chat = list  # a list of {"role": ..., "content": ...} dicts
@@ -44,8 +69,163 @@ Chat = list  # a list of {"role": ..., "content": ...} dicts
 _TextInput = Union[str, Chat]
 
 
+def _as_device(device) -> Optional[torch.device]:
+    """transformers' pipeline device convention: -1 is CPU, an int >= 0 an accelerator index."""
+    if device is None or isinstance(device, torch.device):
+        return device
+    if isinstance(device, int) and not isinstance(device, bool):
+        if device < 0:
+            return torch.device("cpu")
+        return torch.device(f"cuda:{device}" if torch.cuda.is_available() else f"{_accelerator_type()}:{device}")
+    if isinstance(device, str):
+        return torch.device(device)
+    raise ValueError(f"`device` must be an int, a string or a torch.device, got {device!r}")
+
+
+def _accelerator_type() -> str:
+    acc = getattr(torch, "accelerator", None)
+    dev = acc.current_accelerator() if acc is not None and acc.is_available() else None
+    return dev.type if dev is not None else "cuda"
+
+
+def resolve_generate_config(model, generation_config: Optional[GenerationConfig] = None, **kwargs) -> GenerationConfig:
+    """The config ``model.generate(generation_config=..., **kwargs)`` would run with: the kwargs over
+    the given config over the model's generation config over transformers' global defaults.
+
+    Raises:
+        ValueError: a setting the engine does not implement (beam search, min_p, bad_words_ids...)
+            has a non-neutral value; the message says whether the call or the model set it.
+    """
+    prepare = getattr(model, "_prepare_generation_config", None)
+    if prepare is not None:
+        cfg, _ = prepare(copy.deepcopy(generation_config) if generation_config is not None else None, **kwargs)
+    else:  # the same rule, for a transformers without the helper
+        cfg = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
+        cfg.update(**model.generation_config.to_dict(), defaults_only=True)
+        cfg.update(**cfg._get_default_generation_params(), defaults_only=True)
+        cfg.update(**kwargs)
+    for name, neutral in _NEUTRAL_GENERATION.items():
+        value = getattr(cfg, name, None)
+        if value not in neutral:
+            source = "this call" if name in kwargs or (generation_config is not None and name in generation_config.to_diff_dict()) else "the model's generation_config"
+            raise ValueError(
+                f"generation setting `{name}`={value!r} (from {source}) is not supported by hf_contbatch; "
+                f"supported: {', '.join(SUPPORTED_GENERATION_KWARGS)}"
+            )
+    return cfg
+
+
+def sampling_params_from_config(
+    cfg: GenerationConfig, prompt_len: int, *, ignore_eos: bool = False, seed: Optional[int] = None, prefix_len: int = 0
+) -> SamplingParams:
+    """The engine's ``SamplingParams`` for a resolved generation config and a ``prompt_len``-token prompt.
+
+    ``prefix_len``: tokens of the pipeline ``prefix`` in the prompt, which transformers adds to
+    ``max_length``/``min_length`` (they count the user's text, not the prefix).
+
+    Raises:
+        ValueError: a parameter out of range, or ``max_length`` leaving no room for new tokens.
+    """
+    def check_int(name, value, low):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}")
+
+    if getattr(cfg, "num_beams", 1) not in (None, 1):
+        raise ValueError(f"`num_beams` must be 1 (beam search is not supported), got {cfg.num_beams}")
+    max_new = cfg.max_new_tokens
+    if max_new is None:
+        if cfg.max_length is None:
+            raise ValueError("set `max_new_tokens` (an int >= 1)")
+        check_int("max_length", cfg.max_length, 1)
+        max_new = cfg.max_length + prefix_len - prompt_len
+        if max_new < 1:
+            raise ValueError(
+                f"`max_length`={cfg.max_length} leaves no room after a {prompt_len}-token prompt; use `max_new_tokens` >= 1"
+            )
+    check_int("max_new_tokens", max_new, 1)
+    min_new = cfg.min_new_tokens or 0
+    check_int("min_new_tokens", min_new, 0)
+    if cfg.min_length:  # MinLengthLogitsProcessor, as a count of new tokens
+        check_int("min_length", cfg.min_length, 0)
+        min_new = max(min_new, cfg.min_length + prefix_len - prompt_len)
+    do_sample = cfg.do_sample
+    if not isinstance(do_sample, bool):
+        raise ValueError(f"`do_sample` must be True or False, got {do_sample!r}")
+    temperature = cfg.temperature if cfg.temperature is not None else 1.0
+    if do_sample and (not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature <= 0):
+        raise ValueError(f"`temperature` must be a float > 0 when do_sample=True, got {temperature!r}")
+    top_k = cfg.top_k
+    if top_k is not None:
+        check_int("top_k", top_k, 0)
+    top_p = cfg.top_p
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"`top_p` must be in (0, 1], got {top_p!r}")
+    rp = cfg.repetition_penalty
+    if rp is not None and not (isinstance(rp, (int, float)) and rp > 0):
+        raise ValueError(f"`repetition_penalty` must be a float > 0, got {rp!r}")
+    eos = cfg.eos_token_id
+    eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+    if not all(isinstance(e, int) for e in eos_ids):
+        raise ValueError(f"`eos_token_id` must be an int or a list of ints, got {eos!r}")
+    if seed is not None:
+        check_int("seed", seed, 0)
+    return SamplingParams(
+        max_new_tokens=max_new, min_new_tokens=min_new, do_sample=do_sample, temperature=float(temperature),
+        top_k=top_k, top_p=top_p, repetition_penalty=rp, eos_token_ids=() if ignore_eos else eos_ids,
+        ignore_eos=ignore_eos, seed=seed,
+    )
+
+
+def _resolve_return_type(post: dict) -> dict:
+    """``return_full_text`` / ``return_text`` / ``return_tensors`` / ``return_type`` to one
+    ``return_type`` ("full_text", "new_text" or "tensors"), with transformers' exclusivity rules
+    and quirks (``return_text`` alone keeps the default; any ``return_tensors`` value selects tensors)."""
+    post = dict(post)
+    full, tensors, text = post.pop("return_full_text", None), post.pop("return_tensors", None), post.pop("return_text", None)
+    return_type = post.pop("return_type", None)
+    if return_type is not None:
+        name = getattr(return_type, "name", return_type)
+        return_type = str(name).lower()
+        if return_type not in ("full_text", "new_text", "tensors"):
+            raise ValueError(f"`return_type` must be 'full_text', 'new_text', 'tensors' or a transformers ReturnType, got {name!r}")
+    if full is not None and return_type is None:
+        if not isinstance(full, bool):
+            raise ValueError(f"`return_full_text` must be True or False, got {full!r}")
+        if text is not None:
+            raise ValueError("`return_text` is mutually exclusive with `return_full_text`")
+        if tensors is not None:
+            raise ValueError("`return_full_text` is mutually exclusive with `return_tensors`")
+        return_type = "full_text" if full else "new_text"
+    if tensors is not None and return_type is None:
+        if text is not None:
+            raise ValueError("`return_text` is mutually exclusive with `return_tensors`")
+        return_type = "tensors"
+    if return_type is not None:
+        post["return_type"] = return_type
+    return post
+
+
 def _is_chat(x) -> bool:
     return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(m, dict) and "role" in m for m in x)
+
+
+_INT_KWARGS = ("max_new_tokens", "min_new_tokens", "max_length", "top_k", "num_return_sequences")
+_FLOAT_KWARGS = ("temperature", "top_p", "repetition_penalty")
+
+
+def _check_generation_kwarg_types(kwargs: dict) -> None:
+    """Type errors named by argument, before GenerationConfig turns them into TypeErrors."""
+    for key in _INT_KWARGS:
+        v = kwargs.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ValueError(f"`{key}` must be an int, got {v!r}")
+    for key in _FLOAT_KWARGS:
+        v = kwargs.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ValueError(f"`{key}` must be a number, got {v!r}")
+    v = kwargs.get("do_sample")
+    if v is not None and not isinstance(v, bool):
+        raise ValueError(f"`do_sample` must be True or False, got {v!r}")
 
 
 class GenerationHandle:
@@ -81,23 +261,78 @@ class GenerationHandle:
     def finish_reasons(self) -> list[Optional[str]]:
         return [h.request.finish_reason for h in self.handles]
 
+    # --- streaming ---------------------------------------------------------------------------------
+    def stream(self, index: int = 0) -> Iterator[str]:
+        """Text deltas of sequence ``index`` as its tokens arrive (blocking iterator).
+
+        Deltas never split a multi-byte character and never contain any part of a stop string: text
+        that could still become one is held back, and the stream ends before the stop string (the
+        final ``generated_text`` keeps it, as transformers does). Without stop strings the deltas
+        concatenate to the sequence's new text. Each sequence can be streamed once.
+
+        Raises:
+            EngineError: the engine failed the request.
+        """
+        handle = self.handles[index]
+        yield from text_deltas(
+            handle.token_stream(), self._pipe.tokenizer, stop_strings=self._post.get("_stop_strings"),
+            skip_special_tokens=self._pipe._skip_special_tokens(self._post),
+            clean_up_tokenization_spaces=self._post.get("clean_up_tokenization_spaces"),
+        )
+        handle.result()  # surfaces an engine error instead of ending the stream silently
+
     def __iter__(self) -> Iterator[str]:
-        """Text deltas of the first sequence, never splitting a multi-byte character."""
-        tok = self._pipe.tokenizer
-        skip = self._post.get("skip_special_tokens", True)
-        ids: list[int] = []
-        emitted = ""
-        for new in self.handles[0].token_stream():
-            ids.extend(new)
-            text = tok.decode(ids, skip_special_tokens=skip)
-            if text.endswith("\ufffd"):
-                continue  # a character split across tokens: wait for the rest
-            if text.startswith(emitted) and len(text) > len(emitted):
-                yield text[len(emitted):]
-                emitted = text
-        text = tok.decode(ids, skip_special_tokens=skip)
-        if text.startswith(emitted) and len(text) > len(emitted):
-            yield text[len(emitted):]
+        """Text deltas of the first sequence (see ``stream``)."""
+        return self.stream(0)
+
+    async def astream(self, index: int = 0):
+        """``async for delta in handle.astream()``: ``stream(index)`` for asyncio code and notebooks.
+
+        A helper thread waits on the engine so the event loop never blocks.
+        """
+        loop = asyncio.get_running_loop()
+        deltas: "asyncio.Queue[tuple[Optional[str], Optional[BaseException]]]" = asyncio.Queue()
+
+        def put(item) -> None:
+            try:
+                loop.call_soon_threadsafe(deltas.put_nowait, item)
+            except RuntimeError:  # the loop closed while we were still streaming
+                pass
+
+        def pump() -> None:
+            try:
+                for delta in self.stream(index):
+                    put((delta, None))
+                put((None, None))
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+                put((None, exc))
+
+        threading.Thread(target=pump, name="hf_contbatch-astream", daemon=True).start()
+        while True:
+            delta, exc = await deltas.get()
+            if exc is not None:
+                raise exc
+            if delta is None:
+                return
+            yield delta
+
+    async def aresult(self) -> list[dict]:
+        """``await handle.aresult()``: ``result()`` without blocking the event loop."""
+        loop = asyncio.get_running_loop()
+        futures = []
+        for h in self.handles:
+            fut = loop.create_future()
+
+            def done(_h, fut=fut) -> None:
+                try:
+                    loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+                except RuntimeError:
+                    pass
+
+            h.add_done_callback(done)
+            futures.append(fut)
+        await asyncio.gather(*futures)
+        return self.result()
 
 
 class ContinuousBatchingPipeline:
@@ -108,15 +343,29 @@ class ContinuousBatchingPipeline:
         tokenizer: a tokenizer or name/path; defaults to the model's.
         engine_config: full engine configuration; or give ``cache_config`` / ``scheduler_config``.
         dtype: load dtype when ``model`` is a name ("auto", "float32", a ``torch.dtype``...).
-        device: load device when ``model`` is a name (e.g. "cpu", "cuda", 0).
+        device: the model's device ("cpu", "cuda", 0, -1 for CPU, a ``torch.device``): a model loaded
+            here is put there, a given model is moved there unless it was dispatched by ``device_map``
+            (as transformers' pipeline does).
+        device_map: load a named model with this ``device_map`` (e.g. "auto"); each layer's KV pool
+            then lives on that layer's device.
         **kwargs: generation parameters used as call defaults (like transformers' pipeline), and
             transformers pipeline plumbing (``task``, ``framework``...) which is accepted and ignored.
+
+    ``transformers.pipeline("text-generation", model=..., pipeline_class=ContinuousBatchingPipeline)``
+    builds this class with transformers' own loading (it reads the ``_load_*`` flags below), and
+    ``hf_contbatch.register_pipeline()`` adds a task name for it.
 
     Raises:
         ValueError: an unsupported model family or bad configuration.
     """
 
     task = "text-generation"
+    # Read by transformers.pipeline(..., pipeline_class=...): which components it loads for us.
+    _load_tokenizer = True
+    _load_processor = False
+    _load_image_processor = False
+    _load_video_processor = False
+    _load_feature_extractor = False
 
     def __init__(
         self,
@@ -128,6 +377,7 @@ class ContinuousBatchingPipeline:
         scheduler_config: Optional[SchedulerConfig] = None,
         dtype=None,
         device=None,
+        device_map=None,
         **kwargs,
     ) -> None:
         for plumbing in ("task", "framework", "binary_output", "feature_extractor", "image_processor",
@@ -135,13 +385,24 @@ class ContinuousBatchingPipeline:
             value = kwargs.pop(plumbing, None)
             if plumbing == "torch_dtype" and dtype is None:
                 dtype = value
+            if plumbing == "task" and value is not None:
+                self.task = value
+        if kwargs.get("model_kwargs") is not None and not isinstance(kwargs["model_kwargs"], dict):
+            raise ValueError(f"`model_kwargs` must be a dict, got {type(kwargs['model_kwargs']).__name__}")
+        model_kwargs = dict(kwargs.pop("model_kwargs", None) or {})
+        device = _as_device(device)
         if isinstance(model, str):
             model_id = model
-            model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype if dtype is not None else "auto")
-            if device is not None:
-                model = model.to(device if not isinstance(device, int) else f"cuda:{device}")
+            if device_map is not None:
+                model_kwargs["device_map"] = device_map
+            model_kwargs.setdefault("dtype", dtype if dtype is not None else "auto")
+            model = AutoModelForCausalLM.from_pretrained(model_id, **model_kwargs)
             if tokenizer is None:
                 tokenizer = model_id
+        elif device_map is not None:
+            raise ValueError("`device_map` applies when `model` is a name or path; dispatch a loaded model yourself")
+        if device is not None and getattr(model, "hf_device_map", None) is None and model.device != device:
+            model = model.to(device)
         if tokenizer is None:
             name = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
             if not name:
@@ -155,6 +416,9 @@ class ContinuousBatchingPipeline:
             engine_config = EngineConfig(cache=cache_config or CacheConfig(), scheduler=scheduler_config or SchedulerConfig())
         elif cache_config is not None or scheduler_config is not None:
             raise ValueError("pass either `engine_config` or `cache_config`/`scheduler_config`, not both")
+        prefix = getattr(model.config, "prefix", None)
+        if prefix is not None and "prefix" not in kwargs:
+            kwargs["prefix"] = prefix  # transformers' pipeline takes the model's prompt prefix by default
         self._init_kwargs = self._split_kwargs(kwargs)
         self.engine = LLMEngine(model, engine_config)
         self._stop_criteria: "OrderedDict[tuple, Any]" = OrderedDict()
@@ -198,13 +462,15 @@ class ContinuousBatchingPipeline:
                 groups["post"][key] = value
             elif key in ENGINE_KWARGS:
                 groups["engine"][key] = value
-            elif key in SUPPORTED_GENERATION_KWARGS:
-                groups["gen"][key] = value
+            elif key in SUPPORTED_GENERATION_KWARGS or key in _NEUTRAL_GENERATION:
+                groups["gen"][key] = value  # unsupported settings are rejected unless neutral
+                if key == "max_length":
+                    groups["pre"][key] = value  # transformers also passes it to the tokenizer
+            elif key == "use_cache":
+                pass  # the paged cache is always used
             elif key == "stop_sequence":
-                # transformers' pipeline turns stop_sequence into eos_token_id of its first token;
-                # a stop string is the exact version of that intent.
-                groups["gen"].setdefault("stop_strings", value)
-            elif hasattr(GenerationConfig(), key) or key in ("num_beams", "streamer", "assistant_model"):
+                pass  # below
+            elif hasattr(GenerationConfig(), key) or key in ("streamer", "assistant_model", "assistant_tokenizer"):
                 raise ValueError(
                     f"generation parameter `{key}` is not supported by ContinuousBatchingPipeline; supported: "
                     f"{', '.join(SUPPORTED_GENERATION_KWARGS)}"
@@ -215,76 +481,48 @@ class ContinuousBatchingPipeline:
                     f"({', '.join(SUPPORTED_GENERATION_KWARGS)}), preprocessing ({', '.join(PREPROCESS_KWARGS)}), "
                     f"postprocessing ({', '.join(POSTPROCESS_KWARGS)}), engine ({', '.join(ENGINE_KWARGS)})"
                 )
+        if "stop_sequence" in kwargs:
+            # transformers' pipeline (5.x) passes stop_sequence to generate as stop_strings
+            stop = kwargs["stop_sequence"]
+            groups["gen"]["stop_strings"] = [stop] if isinstance(stop, str) else stop
+        groups["post"] = _resolve_return_type(groups["post"])
         return groups
 
     def resolve_generation_config(self, gen_kwargs: dict) -> GenerationConfig:
-        """The generation config ``generate`` would run with, resolved as transformers' pipeline does:
-        the call's parameters over the model's generation config, and the pipeline defaults for what
-        neither sets (sampling defaults only when sampling)."""
+        """The generation config ``generate`` runs with under transformers' text-generation pipeline.
+
+        As ``Pipeline._prepare_generate_kwargs`` then ``generate`` do: the pipeline defaults
+        (max_new_tokens=256, do_sample=True, temperature=0.7; the sampling ones only when sampling)
+        for what neither the call nor the model's generation config sets, then the call's parameters
+        over the model's generation config over transformers' global defaults (e.g. top_k=50).
+
+        Raises:
+            ValueError: a setting the engine does not implement has a non-neutral value.
+        """
         gen_kwargs = dict(gen_kwargs)
+        _check_generation_kwarg_types(gen_kwargs)
         user_config = gen_kwargs.pop("generation_config", None)
         if user_config is not None and not isinstance(user_config, GenerationConfig):
             raise ValueError(f"`generation_config` must be a transformers.GenerationConfig, got {type(user_config).__name__}")
-        base = copy.deepcopy(user_config if user_config is not None else self.model.generation_config)
         set_params = {**self.model.generation_config.to_diff_dict(), **(user_config.to_diff_dict() if user_config else {}), **gen_kwargs}
         added = {
             k: v for k, v in PIPELINE_GENERATION_DEFAULTS.items()
             if k not in set_params and not (k == "max_new_tokens" and "max_length" in set_params)
         }
-        if not {**set_params, **added}.get("do_sample"):
-            added = {k: v for k, v in added.items() if k not in _SAMPLING_ONLY}
         if self.tokenizer is not None and self.tokenizer.pad_token_id is not None and "pad_token_id" not in set_params:
             added["pad_token_id"] = self.tokenizer.pad_token_id
-        base.update(**{**added, **gen_kwargs})
-        return base
+        if not {**set_params, **added}.get("do_sample"):
+            added = {k: v for k, v in added.items() if k not in _SAMPLING_ONLY}
+        if user_config is None:
+            return resolve_generate_config(self.model, None, **{**gen_kwargs, **added})
+        user_config = copy.deepcopy(user_config)
+        user_config.update(**added)
+        return resolve_generate_config(self.model, user_config, **gen_kwargs)
 
-    def _sampling_params(self, cfg: GenerationConfig, prompt_len: int, engine_kw: dict) -> SamplingParams:
-        def check_int(name, value, low):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}")
-
-        if getattr(cfg, "num_beams", 1) not in (None, 1):
-            raise ValueError(f"`num_beams` must be 1 (beam search is not supported), got {cfg.num_beams}")
-        max_new = cfg.max_new_tokens
-        if max_new is None:
-            if cfg.max_length is None:
-                raise ValueError("set `max_new_tokens` (an int >= 1)")
-            check_int("max_length", cfg.max_length, 1)
-            max_new = cfg.max_length - prompt_len
-            if max_new < 1:
-                raise ValueError(
-                    f"`max_length`={cfg.max_length} leaves no room after a {prompt_len}-token prompt; use `max_new_tokens` >= 1"
-                )
-        check_int("max_new_tokens", max_new, 1)
-        min_new = cfg.min_new_tokens or 0
-        check_int("min_new_tokens", min_new, 0)
-        do_sample = cfg.do_sample
-        if not isinstance(do_sample, bool):
-            raise ValueError(f"`do_sample` must be True or False, got {do_sample!r}")
-        temperature = cfg.temperature if cfg.temperature is not None else 1.0
-        if do_sample and (not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature <= 0):
-            raise ValueError(f"`temperature` must be a float > 0 when do_sample=True, got {temperature!r}")
-        top_k = cfg.top_k
-        if top_k is not None:
-            check_int("top_k", top_k, 0)
-        top_p = cfg.top_p
-        if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-            raise ValueError(f"`top_p` must be in (0, 1], got {top_p!r}")
-        rp = cfg.repetition_penalty
-        if rp is not None and not (isinstance(rp, (int, float)) and rp > 0):
-            raise ValueError(f"`repetition_penalty` must be a float > 0, got {rp!r}")
-        eos = cfg.eos_token_id
-        eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
-        if not all(isinstance(e, int) for e in eos_ids):
-            raise ValueError(f"`eos_token_id` must be an int or a list of ints, got {eos!r}")
-        ignore_eos = bool(engine_kw.get("ignore_eos", False))
-        seed = engine_kw.get("seed")
-        if seed is not None:
-            check_int("seed", seed, 0)
-        return SamplingParams(
-            max_new_tokens=max_new, min_new_tokens=min_new, do_sample=do_sample, temperature=float(temperature),
-            top_k=top_k, top_p=top_p, repetition_penalty=rp, eos_token_ids=() if ignore_eos else eos_ids,
-            ignore_eos=ignore_eos, seed=seed,
+    def _sampling_params(self, cfg: GenerationConfig, prompt_len: int, engine_kw: dict, prefix_len: int = 0) -> SamplingParams:
+        return sampling_params_from_config(
+            cfg, prompt_len, ignore_eos=bool(engine_kw.get("ignore_eos", False)), seed=engine_kw.get("seed"),
+            prefix_len=prefix_len,
         )
 
     def _stop_checker(self, stop_strings):
@@ -313,11 +551,11 @@ class ContinuousBatchingPipeline:
         return check
 
     def _tokenize(self, prompt: _TextInput, pre: dict) -> list[int]:
-        extra = dict(pre.get("tokenizer_encode_kwargs") or {})
-        if pre.get("add_special_tokens") is not None:
-            extra["add_special_tokens"] = pre["add_special_tokens"]
+        # As TextGenerationPipeline.preprocess: only the set tokenizer arguments, then tokenizer_encode_kwargs.
+        extra = {k: pre[k] for k in ("add_special_tokens", "truncation", "padding", "max_length") if pre.get(k) is not None}
+        extra.update(pre.get("tokenizer_encode_kwargs") or {})
         if isinstance(prompt, str):
-            return self.tokenizer(pre.get("prefix", "") + prompt, **extra)["input_ids"]
+            return list(self.tokenizer(pre.get("prefix", "") + prompt, **extra)["input_ids"])
         if _is_chat(prompt):
             extra.pop("add_special_tokens", None)
             cont = pre.get("continue_final_message")
@@ -334,44 +572,81 @@ class ContinuousBatchingPipeline:
             f"got {type(prompt).__name__}"
         )
 
+    def _keep_hole(self, ids: list[int], cfg: GenerationConfig) -> list[int]:
+        """``handle_long_generation="hole"``: drop prompt tokens from the left so the prompt plus the
+        new tokens fit ``tokenizer.model_max_length`` (as transformers does)."""
+        new_tokens = cfg.max_new_tokens if cfg.max_new_tokens is not None else cfg.max_length - len(ids)
+        if new_tokens < 0:
+            raise ValueError("We cannot infer how many new tokens are expected")
+        limit = self.tokenizer.model_max_length
+        if len(ids) + new_tokens > limit:
+            keep = limit - new_tokens
+            if keep <= 0:
+                raise ValueError(
+                    "We cannot use `hole` to handle this generation the number of desired tokens exceeds the models max length"
+                )
+            ids = ids[-keep:]
+        return ids
+
+    def _prefix_length(self, pre: dict) -> int:
+        """Tokens transformers counts for ``prefix`` (tokenized without special tokens unless asked)."""
+        prefix = pre.get("prefix")
+        if not prefix:
+            return 0
+        return len(self.tokenizer(prefix, add_special_tokens=bool(pre.get("add_special_tokens", False)))["input_ids"])
+
+    def _skip_special_tokens(self, post: dict) -> bool:
+        if getattr(self.tokenizer, "response_template", None):
+            return False  # as transformers: the response parser needs the special tokens
+        skip = post.get("skip_special_tokens")
+        return True if skip is None else skip
+
     def _record(self, prompt: _TextInput, out, post: dict) -> dict:
-        return_tensors = post.get("return_tensors", False)
-        return_text = post.get("return_text", True)
-        full = post.get("return_full_text", True)
-        rec: dict = {}
-        if return_tensors:
-            rec["generated_token_ids"] = out.prompt_token_ids + out.output_token_ids
-            if not post.get("return_text"):
-                return rec
-        if return_text:
-            text = self.tokenizer.decode(
-                out.output_token_ids, skip_special_tokens=post.get("skip_special_tokens", True),
-                clean_up_tokenization_spaces=post.get("clean_up_tokenization_spaces"),
-            )
-            if full:
-                if isinstance(prompt, str):
-                    text = prompt + text
+        """One output record, as ``TextGenerationPipeline.postprocess`` builds it."""
+        return_type = post.get("return_type", "full_text")
+        if return_type == "tensors":
+            return {"generated_token_ids": out.prompt_token_ids + out.output_token_ids}
+        skip = self._skip_special_tokens(post)
+        clean = post.get("clean_up_tokenization_spaces")
+        text = self.tokenizer.decode(out.output_token_ids, skip_special_tokens=skip, clean_up_tokenization_spaces=clean)
+        if return_type == "full_text":
+            if isinstance(prompt, str):
+                text = prompt + text
+            else:
+                msgs = [dict(m) for m in prompt]
+                cont = post.get("continue_final_message")
+                if cont is None:
+                    cont = msgs[-1]["role"] == "assistant"
+                if cont:
+                    msgs[-1]["content"] = msgs[-1]["content"] + text
+                    text = msgs
+                elif getattr(self.tokenizer, "response_template", None) is not None:
+                    prompt_text = self.tokenizer.decode(
+                        out.prompt_token_ids, skip_special_tokens=skip, clean_up_tokenization_spaces=clean
+                    )
+                    text = msgs + [self.tokenizer.parse_response(text, prefix=prompt_text, tools=post.get("tools"))]
                 else:
-                    msgs = [dict(m) for m in prompt]
-                    if msgs[-1]["role"] == "assistant" and post.get("continue_final_message", None) is not False:
-                        msgs[-1]["content"] = msgs[-1]["content"] + text
-                        text = msgs
-                    else:
-                        text = msgs + [{"role": "assistant", "content": text}]
-            rec["generated_text"] = text
-        return rec
+                    text = msgs + [{"role": "assistant", "content": text}]
+        return {"generated_text": text}
 
     def _prepare(self, prompts: Sequence[_TextInput], kwargs: dict):
         """Tokenize and validate everything before submitting anything (nothing half-submitted)."""
         call = self._split_kwargs(kwargs)
         groups = {k: {**self._init_kwargs[k], **call[k]} for k in call}
+        if "generation_config" in call["gen"]:
+            groups["gen"] = dict(call["gen"])  # as transformers: a call's generation_config replaces init parameters
         pre, post, eng, gen = groups["pre"], groups["post"], groups["engine"], groups["gen"]
-        if not isinstance(post.get("return_full_text", True), bool):
-            raise ValueError(f"`return_full_text` must be True or False, got {post['return_full_text']!r}")
+        if pre.get("handle_long_generation") not in (None, "hole"):
+            raise ValueError(
+                f"{pre['handle_long_generation']} is not a valid value for `handle_long_generation` parameter expected [None, 'hole']"
+            )
+        if pre.get("continue_final_message") is not None:
+            post["continue_final_message"] = pre["continue_final_message"]
         stop_strings = gen.pop("stop_strings", None)
         cfg = self.resolve_generation_config(gen)
         if cfg.stop_strings and stop_strings is None:
             stop_strings = cfg.stop_strings
+        post["_stop_strings"] = [stop_strings] if isinstance(stop_strings, str) else stop_strings
         nrs = cfg.num_return_sequences or 1
         if isinstance(nrs, bool) or not isinstance(nrs, int) or nrs < 1:
             raise ValueError(f"`num_return_sequences` must be an int >= 1, got {nrs!r}")
@@ -389,12 +664,15 @@ class ContinuousBatchingPipeline:
         for p in priorities:
             if isinstance(p, bool) or not isinstance(p, int):
                 raise ValueError(f"`priority` must be an int or a list of ints (lower runs first), got {p!r}")
+        prefix_len = self._prefix_length(pre) if cfg.max_new_tokens is None or cfg.min_length else 0
         jobs = []
         for prompt, prio in zip(prompts, priorities):
             ids = self._tokenize(prompt, pre)
             if len(ids) == 0:
                 raise ValueError("a prompt tokenized to 0 tokens; give a non-empty prompt")
-            sp = self._sampling_params(cfg, len(ids), eng)
+            if pre.get("handle_long_generation") == "hole":
+                ids = self._keep_hole(ids, cfg)
+            sp = self._sampling_params(cfg, len(ids), eng, prefix_len=prefix_len)
             jobs.append((prompt, ids, sp, prio))
         return jobs, nrs, checker, post, eng
 
@@ -402,11 +680,11 @@ class ContinuousBatchingPipeline:
         submitted: list[list[RequestHandle]] = []
         try:
             for prompt, ids, sp, prio in jobs:
-                hs = []
-                for k in range(nrs):
-                    sp_k = sp if sp.seed is None else SamplingParams(**{**sp.__dict__, "seed": sp.seed + k})
-                    hs.append(self.engine.submit(ids, sp_k, priority=prio, stop_checker=checker))
-                submitted.append(hs)
+                # One engine request forked after prefill: the prompt's KV is computed once and
+                # shared; sequence k samples with seed + k when a seed is set.
+                submitted.append(
+                    self.engine.submit(ids, sp, priority=prio, stop_checker=checker, num_return_sequences=nrs)
+                )
         except BaseException:
             for hs in submitted:
                 for h in hs:
@@ -424,6 +702,41 @@ class ContinuousBatchingPipeline:
         jobs, nrs, checker, post, _ = self._prepare([prompt], kwargs)
         return GenerationHandle(self, prompt, self._submit_jobs(jobs, nrs, checker)[0], post)
 
+    async def astream(self, prompt: _TextInput, **kwargs):
+        """``async for delta in pipe.astream(prompt, max_new_tokens=...)``: submit one prompt and
+        stream its text deltas (see ``GenerationHandle.stream``); leaving the loop early cancels it."""
+        handle = self.submit(prompt, **kwargs)
+        finished = False
+        try:
+            async for delta in handle.astream():
+                yield delta
+            finished = True
+        finally:
+            if not finished:
+                handle.cancel()
+
+    def _call_with_streamer(self, text_inputs, streamer, kwargs: dict) -> list[dict]:
+        """``streamer=`` as ``generate`` feeds it: the prompt ids (``[1, L]``) first, then each new
+        token (``[1]``), then ``end()``; one prompt and one sequence only, as in transformers."""
+        if isinstance(text_inputs, (list, tuple)) and len(text_inputs) == 1 and not _is_chat(text_inputs):
+            return [self._call_with_streamer(text_inputs[0], streamer, kwargs)]
+        if not (isinstance(text_inputs, str) or _is_chat(text_inputs)):
+            raise ValueError("`streamer` works with a single prompt (a string or a chat), as in transformers' generate")
+        handle = self.submit(text_inputs, **kwargs)
+        try:
+            if len(handle.handles) != 1:
+                raise ValueError("`streamer` needs num_return_sequences=1, as in transformers' generate")
+            streamer.put(torch.tensor([handle.handles[0].request.prompt_token_ids]))
+            for new in handle.handles[0].token_stream():
+                for token in new:
+                    streamer.put(torch.tensor([token]))
+        except BaseException:
+            handle.cancel()
+            raise
+        finally:
+            streamer.end()  # a TextIteratorStreamer consumer must never hang
+        return handle.result()
+
     def __call__(self, text_inputs, **kwargs):
         """Generate for one input or many; same inputs and output shapes as transformers' pipeline.
 
@@ -433,7 +746,10 @@ class ContinuousBatchingPipeline:
             **kwargs: generation parameters (``max_new_tokens``, ``do_sample``, ``temperature``,
                 ``top_k``, ``top_p``, ``repetition_penalty``, ``eos_token_id``, ``stop_strings``,
                 ``num_return_sequences``...), ``return_full_text``, ``priority`` (int or one per
-                input; lower first), ``progress_bar`` (bool; default on for several inputs).
+                input; lower first), ``progress_bar`` (bool; default on for several inputs),
+                ``streamer`` (a transformers ``TextStreamer``/``TextIteratorStreamer``; one prompt),
+                ``prefix``, ``stop_sequence``, ``continue_final_message``, ``return_tensors``,
+                ``return_text``, ``handle_long_generation`` as in transformers.
 
         Returns:
             For one input, a list of ``{"generated_text": ...}`` (one per returned sequence); for
@@ -443,6 +759,9 @@ class ContinuousBatchingPipeline:
             ValueError: bad inputs or arguments (nothing is submitted then).
             EngineError: the engine failed while generating.
         """
+        streamer = kwargs.pop("streamer", None)
+        if streamer is not None:
+            return self._call_with_streamer(text_inputs, streamer, kwargs)
         if isinstance(text_inputs, str) or _is_chat(text_inputs):
             return self._run([text_inputs], kwargs)[0]
         if isinstance(text_inputs, (list, tuple)):
@@ -506,8 +825,10 @@ def pipeline(task: str = "text-generation", model=None, tokenizer=None, **kwargs
     Raises:
         ValueError: any other task, or no model.
     """
-    if task != "text-generation":
-        raise ValueError(f"`task` must be 'text-generation', got {task!r}")
+    from .integrations.transformers import TASK_NAME
+
+    if task not in ("text-generation", TASK_NAME):
+        raise ValueError(f"`task` must be 'text-generation' (or {TASK_NAME!r}), got {task!r}")
     if model is None:
         from .default_model import default_model_path
 
