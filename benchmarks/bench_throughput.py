@@ -5,8 +5,9 @@ batching vs hf_contbatch, in one run, with ratios.
     python benchmarks/bench_throughput.py --model small --engines generate_batch,ours
 
 Throughput = generated tokens (the ones asked for) / wall time of the whole workload, model build
-excluded. Engines run one after another in this process, nothing else running; each gets a warm-up
-request first. Greedy outputs of the engines are compared token for token and the agreement printed.
+excluded. Each engine runs in its own fresh process, one after another (an engine's leftover worker
+threads would otherwise slow the next one), on the same seeded model and workload; each gets a
+warm-up request first. Greedy outputs are compared token for token and the agreement printed.
 """
 
 from __future__ import annotations
@@ -31,17 +32,12 @@ def run_pipeline(model, tok, prompts, new_tokens, batch_size=16):
     pipe = pipeline("text-generation", model=model, tokenizer=tok, device="cpu")
     texts = [tok.decode(p) for p in prompts]
     pipe(texts[0], max_new_tokens=2, do_sample=False)  # warm-up
-    outs = []
     t0 = time.perf_counter()
     for i in range(0, len(texts), batch_size):
         chunk = texts[i : i + batch_size]
         n = max(new_tokens[i : i + batch_size])
-        res = pipe(chunk, max_new_tokens=n, do_sample=False, batch_size=batch_size, return_full_text=False,
-                   return_tensors=True)
-        outs += [r[0]["generated_token_ids"] for r in res]
+        pipe(chunk, max_new_tokens=n, do_sample=False, batch_size=batch_size, return_full_text=False)
     wall = time.perf_counter() - t0
-    # keep only what each request asked for
-    outs = [o[-n_all:] if False else o for o, n_all in zip(outs, new_tokens)]
     return wall, None
 
 
@@ -101,6 +97,22 @@ def run_ours(model, prompts, new_tokens, args):
     return wall, outs, stats
 
 
+def _strip_option(cmd: list, option: str) -> list:
+    """``cmd`` without ``option`` and its value (the parent keeps --json for itself)."""
+    out, skip = [], False
+    for a in cmd:
+        if skip:
+            skip = False
+            continue
+        if a == option:
+            skip = True
+            continue
+        if a.startswith(option + "="):
+            continue
+        out.append(a)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", choices=["tiny", "small"])
@@ -114,6 +126,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--single", default=None, help=argparse.SUPPRESS)  # internal: run one engine, write here
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = build_model(args.model)
@@ -125,10 +138,10 @@ def main(argv=None) -> int:
     results = {}
     outputs = {}
     engines = args.engines.split(",")
-    for name in engines:
+    if args.single:
+        name = engines[0]
         if name == "pipeline":
-            tok = build_tokenizer(vocab)
-            wall, outs = run_pipeline(model, tok, prompts, new_tokens)
+            wall, outs = run_pipeline(model, build_tokenizer(vocab), prompts, new_tokens)
         elif name == "generate_batch":
             wall, outs = run_generate_batch(model, prompts, new_tokens)
         elif name == "ours":
@@ -137,9 +150,25 @@ def main(argv=None) -> int:
         else:
             raise SystemExit(f"unknown engine {name!r}; choose from pipeline, generate_batch, ours")
         results[name] = {"seconds": round(wall, 3), "tokens_per_s": round(asked / wall, 1)}
-        if outs is not None:
-            outputs[name] = outs
-        print(f"{name:>15}: {wall:7.2f} s  {asked / wall:8.1f} tok/s", flush=True)
+        with open(args.single, "w") as f:
+            json.dump({"results": results, "outputs": outs}, f)
+        return 0
+    import subprocess
+    import tempfile
+
+    for name in engines:
+        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+            parent_args = list(argv if argv is not None else sys.argv[1:])
+            parent_args = _strip_option(_strip_option(parent_args, "--json"), "--engines")
+            cmd = [sys.executable, __file__, "--single", tmp.name, "--engines", name] + parent_args
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            with open(tmp.name) as f:
+                child = json.load(f)
+        results.update(child["results"])
+        if child["outputs"] is not None:
+            outputs[name] = child["outputs"]
+        r = results[name]
+        print(f"{name:>15}: {r['seconds']:7.2f} s  {r['tokens_per_s']:8.1f} tok/s", flush=True)
     if "ours" in results:
         for base in ("pipeline", "generate_batch"):
             if base in results:

@@ -134,9 +134,15 @@ class EngineConfig:
         scheduler: the scheduler limits.
         attention_backend: "auto" (Triton on CUDA, plain torch on CPU), "torch" or "triton". The
             environment variable ``HF_CONTBATCH_ATTENTION_BACKEND`` overrides "auto".
-        num_threads: torch intra-op threads for the engine thread on CPU; None keeps torch's setting.
+        num_threads: if set, ``torch.set_num_threads(num_threads)`` when the background thread starts
+            (torch has one process-wide setting, so this changes it for the caller too); None
+            keeps torch's setting.
         seed: seed of the engine's own sampling generator (no global RNG is touched).
         record_phases: keep the per-iteration phase log (used by tests and the dashboard).
+        drive_in_caller: a blocking call (``pipe(...)``, ``handle.result()``) runs the engine's
+            iterations in the calling thread while the background thread parks; on CPU this is up
+            to 1.5x faster than handing every step to a second thread. False keeps all work on the
+            background thread.
     """
 
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -145,6 +151,7 @@ class EngineConfig:
     num_threads: Optional[int] = None
     seed: Optional[int] = None
     record_phases: bool = True
+    drive_in_caller: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, CacheConfig):

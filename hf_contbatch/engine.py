@@ -90,6 +90,8 @@ class RequestHandle:
     def result(self, timeout: Optional[float] = None) -> RequestOutput:
         """Block until finished; return the output. Raises ``EngineError`` if the engine failed it,
         ``TimeoutError`` after ``timeout`` seconds."""
+        if timeout is None and not self._done.is_set() and self._engine.drives_callers:
+            self._engine.drive(self._done.is_set)
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.request_id} not finished after {timeout} s")
         if self.request.error is not None:
@@ -270,6 +272,9 @@ class LLMEngine:
         self._handles: dict[int, RequestHandle] = {}
         self._inbox: collections.deque = collections.deque()
         self._cv = threading.Condition()
+        self._drive_lock = threading.Lock()  # held for one iteration by whichever thread drives
+        self._num_drivers = 0  # blocking callers currently driving (the background thread parks)
+        self._driver: Optional[int] = None  # thread id inside an iteration
         self._idle = threading.Event()
         self._idle.set()
         self._stop = False
@@ -285,8 +290,11 @@ class LLMEngine:
         self._phase_totals = dict.fromkeys(PHASES, 0.0)
         self._swap_seconds = 0.0
         self._last_budget = (0, 0)  # (budget_blocks, reserved_blocks) of the latest iteration
-        self._thread = threading.Thread(target=self._loop, name="hf_contbatch-engine", daemon=True)
-        self._thread.start()
+        # The background thread runs only while there is work and no blocking caller drives; it
+        # exits when idle. Why: each thread that runs torch ops keeps an OpenMP team, and with two
+        # teams alive on 2 cores libgomp stops spin-waiting, which made every op ~2x slower here.
+        self._thread = threading.Thread(target=lambda: None, name="hf_contbatch-engine")
+        self._worker_alive = False
 
     # --- sizing ------------------------------------------------------------------------------
     def _blocks_from_memory(self, block_bytes: int, layer_devices: Sequence[torch.device], dtype) -> int:
@@ -418,6 +426,11 @@ class LLMEngine:
         return seconds_per_block / max(seconds_per_token, 1e-12)
 
     @property
+    def drives_callers(self) -> bool:
+        """Whether blocking callers run iterations themselves (``EngineConfig.drive_in_caller``)."""
+        return self.config.drive_in_caller and not self._closed
+
+    @property
     def capacity_tokens(self) -> int:
         return self.block_manager.num_blocks * self.block_manager.block_size
 
@@ -499,13 +512,13 @@ class LLMEngine:
                 self._handles[h.request_id] = h
             self._inbox.append(("add", req))
             self._idle.clear()
-            self._cv.notify()
+            self._start_worker_locked()
         return handles[0] if num_return_sequences is None else handles
 
     def cancel(self, request_id: int) -> None:
         with self._cv:
             self._inbox.append(("cancel", request_id))
-            self._cv.notify()
+            self._start_worker_locked()
 
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
         """Block until no request is queued or running."""
@@ -574,8 +587,9 @@ class LLMEngine:
         self._closed = True
         with self._cv:
             self._stop = True
-            self._cv.notify()
-        self._thread.join(timeout=60)
+            self._cv.notify_all()
+        if self._thread.ident is not None:  # the placeholder before any work was never started
+            self._thread.join(timeout=60)
         err = RuntimeError("the engine was closed before the request finished")
         for req in self.scheduler.all_requests():
             self._fail(req, err, status=RequestStatus.FINISHED_CANCELLED)
@@ -592,28 +606,91 @@ class LLMEngine:
                 logger.warning("could not restore attention implementation %r", self._previous_attn)
 
     # --- the engine thread ---------------------------------------------------------------------
+    def _start_worker_locked(self) -> None:
+        """Start the background thread if there is work, nobody drives, and none runs (cv held)."""
+        if self._worker_alive or self._stop or self._num_drivers:
+            return
+        if not (self._inbox or self.scheduler.has_work):
+            return
+        self._worker_alive = True
+        self._thread = threading.Thread(target=self._loop, name="hf_contbatch-engine", daemon=True)
+        self._thread.start()
+
     def _loop(self) -> None:
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
         while True:
             with self._cv:
-                while not self._stop and not self._inbox and not self.scheduler.has_work:
-                    self._idle.set()
-                    self._cv.wait()
-                if self._stop:
+                # Leave when there is nothing to do, when closing, or when a blocking caller drives
+                # (``drive``): the next submit, or the driver leaving with work left, starts a new one.
+                if self._stop or self._num_drivers or not (self._inbox or self.scheduler.has_work):
+                    if not (self._inbox or self.scheduler.has_work):
+                        self._idle.set()
+                    self._worker_alive = False
+                    self._cv.notify_all()
                     return
-                inbox = list(self._inbox)
-                self._inbox.clear()
-            for kind, item in inbox:
-                if kind == "add":
-                    self.scheduler.add_request(item)
-                else:
-                    self._apply_cancel(item)
+            self._iterate()
+
+    def _iterate(self) -> None:
+        """Take new requests and cancellations, then run one iteration (in whichever thread drives)."""
+        with self._drive_lock:
+            self._driver = threading.get_ident()
             try:
-                self.step()
-            except Exception as exc:  # noqa: BLE001 - every error must reach the callers
-                logger.exception("engine step failed")
-                self._fail_all(exc)
+                with self._cv:
+                    inbox = list(self._inbox)
+                    self._inbox.clear()
+                for kind, item in inbox:
+                    if kind == "add":
+                        self.scheduler.add_request(item)
+                    else:
+                        self._apply_cancel(item)
+                if self.scheduler.has_work:
+                    try:
+                        self.step()
+                    except Exception as exc:  # noqa: BLE001 - every error must reach the callers
+                        logger.exception("engine step failed")
+                        self._fail_all(exc)
+                    except BaseException as exc:  # KeyboardInterrupt in a driving caller: stay consistent
+                        self._fail_all(exc)
+                        raise
+                with self._cv:
+                    if not (self._inbox or self.scheduler.has_work):
+                        self._idle.set()
+            finally:
+                self._driver = None
+
+    def drive(self, until: Callable[[], bool], after_iteration: Optional[Callable[[], None]] = None) -> None:
+        """Run iterations in the calling thread until ``until()`` is true.
+
+        Blocking callers (``ContinuousBatchingPipeline.__call__``, ``RequestHandle.result``) lend
+        their thread to the engine instead of sleeping: the background thread parks meanwhile, so
+        exactly one thread runs the model. Measured here, torch ops of a step run up to 2x slower in
+        a second thread than in the thread that first ran torch (its OpenMP team wakes slowly), so
+        a notebook's blocking call runs at main-thread speed; ``submit()`` + streaming keep working
+        through the background thread. Iterations are the same five steps whoever runs them.
+
+        Raises:
+            RuntimeError: called from inside an iteration (e.g. a done-callback), which would nest.
+        """
+        if self._driver == threading.get_ident():
+            raise RuntimeError("drive()/result() called from inside an engine iteration (a callback)")
+        with self._cv:
+            self._num_drivers += 1  # a running background thread leaves after its current iteration
+        try:
+            while not until():
+                if self._closed:
+                    raise RuntimeError("the engine is closed")
+                with self._cv:
+                    busy = bool(self._inbox or self.scheduler.has_work)
+                if not busy:
+                    break  # nothing left that could satisfy ``until``
+                self._iterate()
+                if after_iteration is not None:
+                    after_iteration()
+        finally:
+            with self._cv:
+                self._num_drivers -= 1
+                self._start_worker_locked()  # work left by others (submit()) continues in the background
 
     def _apply_cancel(self, request_id: int) -> None:
         handle = self._handles.get(request_id)

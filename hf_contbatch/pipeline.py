@@ -792,14 +792,31 @@ class ContinuousBatchingPipeline:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(flat), desc="hf_contbatch", unit="req")
+        finished = 0
+
+        def record(h: RequestHandle) -> None:
+            nonlocal tokens, finished
+            finished += 1
+            tokens += len(h.request.output_token_ids)
+            if bar is not None:
+                elapsed = max(time.monotonic() - t0, 1e-9)
+                bar.set_postfix_str(f"{tokens / elapsed:.0f} tok/s", refresh=False)
+                bar.update(1)
+
+        def drain() -> None:
+            while True:
+                try:
+                    record(done_q.get_nowait())
+                except queue.Empty:
+                    return
+
         try:
-            for _ in range(len(flat)):
-                h = done_q.get()  # blocks without spinning
-                tokens += len(h.request.output_token_ids)
-                if bar is not None:
-                    elapsed = max(time.monotonic() - t0, 1e-9)
-                    bar.set_postfix_str(f"{tokens / elapsed:.0f} tok/s", refresh=False)
-                    bar.update(1)
+            if self.engine.drives_callers:
+                # This thread runs the iterations (faster than a second thread on CPU).
+                self.engine.drive(lambda: all(h.done() for h in flat), after_iteration=drain)
+                drain()
+            while finished < len(flat):
+                record(done_q.get())  # blocks without spinning
         except KeyboardInterrupt:
             for h in flat:
                 h.cancel()

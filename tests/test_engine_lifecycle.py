@@ -112,3 +112,57 @@ def test_unsupported_model_family_gets_a_clear_error():
     model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2)).eval()
     with pytest.raises(ValueError, match="supported families: llama"):
         LLMEngine(model)
+
+
+@pytest.mark.timeout(120)
+def test_blocking_caller_drives_iterations_and_background_requests_still_finish():
+    model = build_model("llama")
+    prompts = random_prompts([5, 9, 14], seed=21)
+    refs = [reference_greedy(model, p, 12) for p in prompts]
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=40)))
+    threads = []
+    original = eng.step
+
+    def recording_step():
+        threads.append(threading.get_ident())
+        return original()
+
+    eng.step = recording_step
+    try:
+        streaming = eng.submit(prompts[0], SamplingParams(max_new_tokens=12))
+        collected = []
+        reader = threading.Thread(target=lambda: [collected.extend(t) for t in streaming.token_stream()])
+        reader.start()
+        blocking = [eng.submit(p, SamplingParams(max_new_tokens=12)) for p in prompts[1:]]
+        outs = [h.result().output_token_ids for h in blocking]  # drives in this thread
+        assert streaming.result(60).output_token_ids == refs[0]
+        reader.join(30)
+        assert eng.wait_idle(10)
+        assert eng.stats().num_free_blocks == 40
+    finally:
+        eng.close()
+    assert outs == refs[1:]
+    assert collected == refs[0]
+    assert threading.get_ident() in threads, "the blocking caller should have run iterations"
+
+
+@pytest.mark.timeout(60)
+def test_result_inside_a_done_callback_raises_instead_of_nesting_iterations(llama_model):
+    eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(num_blocks=32)))
+    try:
+        late = eng.submit([5, 6, 7], SamplingParams(max_new_tokens=30))
+        errors = []
+
+        def callback(_):
+            try:
+                late.result()
+            except RuntimeError as exc:
+                errors.append(exc)
+
+        first = eng.submit([8, 9], SamplingParams(max_new_tokens=1))
+        first.add_done_callback(callback)
+        first.result(30)
+        late.result(60)
+    finally:
+        eng.close()
+    assert errors and "inside an engine iteration" in str(errors[0])

