@@ -10,7 +10,7 @@ pool through ``ContinuousBatchingConfig(num_blocks=..., page_size=block_size, ma
 (``num_blocks`` counts whole-model blocks of ``page_size`` tokens, as ours does), driven through the
 manager that ``model.generate_batch`` wraps, because only the manager takes a max_new_tokens per
 request. Throughput = generated tokens asked for / wall time of the whole workload, model build and a
-warm-up request excluded; engines run one after another in this process. A "roomy" run of ours
+warm-up request excluded; each engine runs in its own fresh process, one after another. A "roomy" run of ours
 (no preemption) shows what preemption costs.
 """
 
@@ -25,40 +25,16 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from workload import build_model, make_workload  # noqa: E402
+from workload import build_model, make_workload, run_in_own_process, run_ours, run_transformers_cb  # noqa: E402
 
 
 def run_transformers(model, prompts, new_tokens, num_blocks, block_size, max_batch_tokens):
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    model.set_attn_implementation("sdpa")
-    gen_cfg = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=max(new_tokens))
-    cb_cfg = ContinuousBatchingConfig(page_size=block_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens)
-    outs = {}
-    with model.continuous_batching_context_manager(
-        generation_config=gen_cfg, continuous_batching_config=cb_cfg, block=True, timeout=60, warmup=False
-    ) as manager:
-        manager.add_request([1, 2, 3], request_id="warmup", max_new_tokens=2)
-        while not ((r := manager.get_result(timeout=60)) is not None and r.is_finished()):
-            pass
-        t0 = time.perf_counter()
-        for i, (p, n) in enumerate(zip(prompts, new_tokens)):
-            manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
-        while len(outs) < len(prompts):
-            r = manager.get_result(timeout=120)
-            if r is None:
-                if not manager.is_running():
-                    raise RuntimeError("transformers' continuous batching manager stopped")
-                continue
-            if r.is_finished():
-                outs[r.request_id] = list(r.generated_tokens)
-        wall = time.perf_counter() - t0
-    return wall, [outs[f"r{i}"] for i in range(len(prompts))], {}
+    wall, outs = run_transformers_cb(model, prompts, new_tokens, num_blocks, block_size, max_batch_tokens)
+    return wall, outs, {}
 
 
-def run_ours(model, prompts, new_tokens, mode, num_blocks, args):
-    from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+def run_ours_mode(model, prompts, new_tokens, mode, num_blocks, args):
+    from hf_contbatch import CacheConfig, EngineConfig, SchedulerConfig
 
     cfg = EngineConfig(
         cache=CacheConfig(block_size=args.block_size, num_blocks=num_blocks, swap_space_gib=args.swap_space_gib),
@@ -66,16 +42,7 @@ def run_ours(model, prompts, new_tokens, mode, num_blocks, args):
                                   preemption_mode=mode),
         num_threads=args.threads,
     )
-    engine = LLMEngine(model, cfg)
-    try:
-        engine.submit([1, 2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True)).result(60)  # warm-up
-        t0 = time.perf_counter()
-        handles = [engine.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, new_tokens)]
-        outs = [h.result().output_token_ids for h in handles]
-        wall = time.perf_counter() - t0
-        s = engine.stats()
-    finally:
-        engine.close()
+    wall, outs, s = run_ours(model, prompts, new_tokens, cfg)
     info = {
         "preemptions_swap": s.num_preemptions_swap, "preemptions_recompute": s.num_preemptions_recompute,
         "blocks_swapped_out": s.num_blocks_swapped_out, "swap_seconds": round(s.swap_seconds, 3),
@@ -98,6 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch-tokens", type=int, default=1024)
     ap.add_argument("--swap-space-gib", type=float, default=1.0)
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--single", default=None, help=argparse.SUPPRESS)  # internal: run one engine, write here
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = build_model(args.model)
@@ -108,16 +76,23 @@ def main(argv=None) -> int:
           f"model {args.model}; pool {args.num_blocks} x {args.block_size} = {args.num_blocks * args.block_size} tokens "
           f"(largest request {worst}, all at once {sum(map(len, prompts)) + asked}); torch threads {torch.get_num_threads()}")
     results, outputs = {}, {}
-    for name in args.engines.split(","):
+    if args.single:
+        name = args.engines
         if name == "transformers":
             wall, outs, info = run_transformers(model, prompts, new_tokens, args.num_blocks, args.block_size,
                                                 args.max_batch_tokens)
         elif name in ("recompute", "swap", "auto"):
-            wall, outs, info = run_ours(model, prompts, new_tokens, name, args.num_blocks, args)
+            wall, outs, info = run_ours_mode(model, prompts, new_tokens, name, args.num_blocks, args)
         elif name == "roomy":
-            wall, outs, info = run_ours(model, prompts, new_tokens, "recompute", 4096, args)
+            wall, outs, info = run_ours_mode(model, prompts, new_tokens, "recompute", 4096, args)
         else:
             raise SystemExit(f"unknown engine {name!r}")
+        with open(args.single, "w") as f:
+            json.dump({"wall": wall, "outputs": outs, "info": info}, f)
+        return 0
+    for name in args.engines.split(","):
+        child = run_in_own_process(__file__, name, argv if argv is not None else sys.argv[1:])
+        wall, outs, info = child["wall"], child["outputs"], child["info"]
         results[name] = {"seconds": round(wall, 3), "tokens_per_s": round(asked / wall, 1), **info}
         outputs[name] = outs
         extra = "  ".join(f"{k}={v}" for k, v in info.items())

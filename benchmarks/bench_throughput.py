@@ -21,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from workload import build_model, build_tokenizer, make_workload  # noqa: E402
+from workload import build_model, build_tokenizer, make_workload, run_in_own_process, run_ours, run_transformers_cb  # noqa: E402
 
 
 def run_pipeline(model, tok, prompts, new_tokens, batch_size=16):
@@ -42,75 +42,21 @@ def run_pipeline(model, tok, prompts, new_tokens, batch_size=16):
 
 
 def run_generate_batch(model, prompts, new_tokens, num_blocks=512, block_size=64, max_batch_tokens=1024):
-    """(b) transformers' own continuous batching, per-request max_new_tokens, fair CPU settings."""
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    model.set_attn_implementation("sdpa")
-    gen_cfg = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=max(new_tokens))
-    cb_cfg = ContinuousBatchingConfig(page_size=block_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens)
-    outs = {}
-    with model.continuous_batching_context_manager(
-        generation_config=gen_cfg, continuous_batching_config=cb_cfg, block=True, timeout=30, warmup=False
-    ) as manager:
-        manager.add_request([1, 2, 3], request_id="warmup", max_new_tokens=2)
-        while True:
-            r = manager.get_result(timeout=30)
-            if r is not None and r.is_finished():
-                break
-        t0 = time.perf_counter()
-        for i, (p, n) in enumerate(zip(prompts, new_tokens)):
-            manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
-        done = 0
-        while done < len(prompts):
-            r = manager.get_result(timeout=60)
-            if r is None:
-                if not manager.is_running():
-                    raise RuntimeError("transformers' continuous batching manager stopped")
-                continue
-            if r.is_finished():
-                outs[r.request_id] = list(r.generated_tokens)
-                done += 1
-        wall = time.perf_counter() - t0
-    return wall, [outs[f"r{i}"] for i in range(len(prompts))]
+    """(b) transformers' own continuous batching, per-request max_new_tokens, fair CPU settings
+    (sdpa, page 64, 512 blocks, 1024 batch tokens: its defaults reserve ~14 GB here and run slower)."""
+    return run_transformers_cb(model, prompts, new_tokens, num_blocks, block_size, max_batch_tokens)
 
 
-def run_ours(model, prompts, new_tokens, args):
+def run_ours_configured(model, prompts, new_tokens, args):
     """(c) hf_contbatch, every request submitted at once with its own max_new_tokens."""
-    from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+    from hf_contbatch import CacheConfig, EngineConfig, SchedulerConfig
 
     cfg = EngineConfig(
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
         attention_backend=args.attention_backend,
     )
-    engine = LLMEngine(model, cfg)
-    try:
-        engine.submit([1, 2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True)).result(60)  # warm-up
-        t0 = time.perf_counter()
-        handles = [engine.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, new_tokens)]
-        outs = [h.result().output_token_ids for h in handles]
-        wall = time.perf_counter() - t0
-        stats = engine.stats()
-    finally:
-        engine.close()
-    return wall, outs, stats
-
-
-def _strip_option(cmd: list, option: str) -> list:
-    """``cmd`` without ``option`` and its value (the parent keeps --json for itself)."""
-    out, skip = [], False
-    for a in cmd:
-        if skip:
-            skip = False
-            continue
-        if a == option:
-            skip = True
-            continue
-        if a.startswith(option + "="):
-            continue
-        out.append(a)
-    return out
+    return run_ours(model, prompts, new_tokens, cfg)
 
 
 def main(argv=None) -> int:
@@ -145,7 +91,7 @@ def main(argv=None) -> int:
         elif name == "generate_batch":
             wall, outs = run_generate_batch(model, prompts, new_tokens)
         elif name == "ours":
-            wall, outs, stats = run_ours(model, prompts, new_tokens, args)
+            wall, outs, stats = run_ours_configured(model, prompts, new_tokens, args)
             results["ours_stats"] = {"preemptions": stats.num_preemptions, "peak_used_blocks": stats.peak_used_blocks}
         else:
             raise SystemExit(f"unknown engine {name!r}; choose from pipeline, generate_batch, ours")
@@ -153,17 +99,8 @@ def main(argv=None) -> int:
         with open(args.single, "w") as f:
             json.dump({"results": results, "outputs": outs}, f)
         return 0
-    import subprocess
-    import tempfile
-
     for name in engines:
-        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-            parent_args = list(argv if argv is not None else sys.argv[1:])
-            parent_args = _strip_option(_strip_option(parent_args, "--json"), "--engines")
-            cmd = [sys.executable, __file__, "--single", tmp.name, "--engines", name] + parent_args
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-            with open(tmp.name) as f:
-                child = json.load(f)
+        child = run_in_own_process(__file__, name, argv if argv is not None else sys.argv[1:])
         results.update(child["results"])
         if child["outputs"] is not None:
             outputs[name] = child["outputs"]

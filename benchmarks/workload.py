@@ -57,3 +57,91 @@ def make_workload(num_requests: int = 64, vocab_size: int = 2048, seed: int = 0)
         prompts.append([rng.randrange(1, vocab_size) for _ in range(n)])
         new_tokens.append(rng.choices([16, 32, 64, 256], weights=[0.4, 0.3, 0.2, 0.1])[0])
     return prompts, new_tokens
+
+
+def run_transformers_cb(model, prompts, new_tokens, num_blocks, block_size, max_batch_tokens):
+    """transformers' own continuous batching over the same workload: the manager that
+    ``model.generate_batch`` wraps (only it takes a max_new_tokens per request), sdpa attention.
+
+    Returns (wall seconds, generated token lists in input order).
+    """
+    import time
+
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model.set_attn_implementation("sdpa")
+    gen_cfg = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=max(new_tokens))
+    cb_cfg = ContinuousBatchingConfig(page_size=block_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens)
+    outs = {}
+    with model.continuous_batching_context_manager(
+        generation_config=gen_cfg, continuous_batching_config=cb_cfg, block=True, timeout=60, warmup=False
+    ) as manager:
+        manager.add_request([1, 2, 3], request_id="warmup", max_new_tokens=2)
+        while not ((r := manager.get_result(timeout=60)) is not None and r.is_finished()):
+            pass
+        t0 = time.perf_counter()
+        for i, (p, n) in enumerate(zip(prompts, new_tokens)):
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
+        while len(outs) < len(prompts):
+            r = manager.get_result(timeout=120)
+            if r is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching manager stopped")
+                continue
+            if r.is_finished():
+                outs[r.request_id] = list(r.generated_tokens)
+        wall = time.perf_counter() - t0
+    return wall, [outs[f"r{i}"] for i in range(len(prompts))]
+
+
+def run_ours(model, prompts, new_tokens, engine_config):
+    """hf_contbatch over the workload, every request submitted at once with its own max_new_tokens.
+
+    Returns (wall seconds, generated token lists in input order, final EngineStats).
+    """
+    import time
+
+    from hf_contbatch import LLMEngine, SamplingParams
+
+    engine = LLMEngine(model, engine_config)
+    try:
+        engine.submit([1, 2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True)).result()  # warm-up
+        t0 = time.perf_counter()
+        handles = [engine.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, new_tokens)]
+        outs = [h.result().output_token_ids for h in handles]
+        wall = time.perf_counter() - t0
+        stats = engine.stats()
+    finally:
+        engine.close()
+    return wall, outs, stats
+
+
+def _strip_option(args: list, option: str) -> list:
+    """``args`` without ``option`` and its value."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == option:
+            skip = True
+        elif not a.startswith(option + "="):
+            out.append(a)
+    return out
+
+
+def run_in_own_process(script: str, engine: str, argv: list) -> dict:
+    """Run ``script --single OUT --engines engine <argv minus --json/--engines>`` in a fresh Python
+    and return what it wrote to OUT. Why: an engine that ran torch in a thread leaves an OpenMP team
+    behind, and with two teams alive on 2 cores every op of the next engine runs ~2x slower."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    rest = _strip_option(_strip_option(list(argv), "--json"), "--engines")
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        cmd = [sys.executable, script, "--single", tmp.name, "--engines", engine] + rest
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        with open(tmp.name) as f:
+            return json.load(f)

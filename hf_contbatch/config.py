@@ -140,7 +140,7 @@ class EngineConfig:
         seed: seed of the engine's own sampling generator (no global RNG is touched).
         record_phases: keep the per-iteration phase log (used by tests and the dashboard).
         drive_in_caller: a blocking call (``pipe(...)``, ``handle.result()``) runs the engine's
-            iterations in the calling thread while the background thread parks; on CPU this is up
+            iterations in the calling thread while the background thread leaves; on CPU this is up
             to 1.5x faster than handing every step to a second thread. False keeps all work on the
             background thread.
     """
