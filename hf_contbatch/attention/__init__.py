@@ -84,7 +84,10 @@ def paged_attention_forward(
     else:
         from .torch_paged import torch_paged_attention
 
-        out = torch_paged_attention(q, k_pool, v_pool, meta, scale, sliding_window=sliding_window, softcap=softcap)
+        out = torch_paged_attention(
+            q, k_pool, v_pool, meta, scale, sliding_window=sliding_window, softcap=softcap,
+            key=key[0] if key.shape[0] == 1 else None, value=value[0] if value.shape[0] == 1 else None,
+        )
     return out.unsqueeze(0), None
 
 

@@ -129,6 +129,8 @@ def torch_paged_attention(
     scale: float,
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
+    key: Optional[torch.Tensor] = None,
+    value: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged context.
 
@@ -139,6 +141,8 @@ def torch_paged_attention(
         scale: softmax scale (usually ``D ** -0.5``).
         sliding_window: keys further than this many positions back are masked (Mistral, Gemma 2).
         softcap: logit soft-capping ``softcap * tanh(s / softcap)`` (Gemma 2).
+        key, value: optional ``[KVH, T, D]``, this step's K/V rows (as stored); a prefill chunk
+            that is its request's whole context reads them instead of gathering from the pool.
 
     Returns:
         ``[T, H, D]`` in the query dtype.
@@ -167,8 +171,13 @@ def torch_paged_attention(
     for i in range(nd, meta.num_requests):
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         slots, mask = meta.derived(("prefill", i, sliding_window), lambda: _prefill_gather(meta, i, sliding_window))
-        k = flat_k.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(query.dtype)
-        v = flat_v.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(query.dtype)
+        if key is not None and end - start == meta.seq_lens_cpu[i]:
+            # The whole context is this step's chunk: attend to the step's own K/V, no gather.
+            k = key[:, start:end].unsqueeze(0).to(query.dtype)
+            v = value[:, start:end].unsqueeze(0).to(query.dtype)
+        else:
+            k = flat_k.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(query.dtype)
+            v = flat_v.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(query.dtype)
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
         o = _attend(q, k, v, mask, scale, softcap, is_causal=mask is None)
         out[start:end] = o[0].transpose(0, 1)
