@@ -469,8 +469,9 @@ class Dashboard:
         return self._thread is not None and self._thread.is_alive()
 
     def summary(self) -> str:
-        """The text form of the latest snapshot (``format_stats``)."""
-        stats = self._last_stats if self._last_stats is not None else self.source.stats()
+        """The text form of the latest snapshot (``format_stats``): the refresher's while it runs,
+        else a fresh one (a dashboard that was never displayed would otherwise show its first)."""
+        stats = self._last_stats if (self.running and self._last_stats is not None) else self.source.stats()
         return format_stats(stats, self._rate)
 
     def _repr_mimebundle_(self, **kwargs) -> dict:
