@@ -20,7 +20,10 @@ def _read_prompts(path: str) -> list:
         for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
             if not line.strip():
                 continue
-            obj = json.loads(line)
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise SystemExit(f"--input {path} line {n}: not valid JSON ({exc})") from None
             if isinstance(obj, str):
                 prompts.append(obj)
             elif isinstance(obj, dict) and "prompt" in obj:
@@ -29,9 +32,14 @@ def _read_prompts(path: str) -> list:
                 prompts.append(obj["messages"])
             else:
                 raise SystemExit(f"--input line {n}: expected a string or an object with 'prompt' or 'messages'")
+        if not prompts:
+            raise SystemExit(f"--input {path}: no prompts in the file")
         return prompts
     if p.suffix == ".txt":
-        return [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+        prompts = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if not prompts:
+            raise SystemExit(f"--input {path}: no prompts in the file")
+        return prompts
     raise SystemExit(f"--input must be a .jsonl or .txt file, got {path}")
 
 
@@ -50,7 +58,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    prompts = _read_prompts(args.input) if args.input else _default_prompts()
+    if args.max_new_tokens < 1:
+        raise SystemExit(f"--max-new-tokens must be an int >= 1, got {args.max_new_tokens}")
+    prompts = _read_prompts(args.input) if args.input else _default_prompts()  # fail before loading the model
     cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, cpu_cache_gib=args.cache_gib)
     sched = SchedulerConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

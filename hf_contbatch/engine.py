@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -603,7 +604,8 @@ class LLMEngine:
             try:
                 self.model.set_attn_implementation(self._previous_attn)
             except Exception:  # restoring must not turn close() into an error
-                logger.warning("could not restore attention implementation %r", self._previous_attn)
+                if not sys.is_finalizing():  # at interpreter exit (``__del__``) there is nothing to restore for
+                    logger.warning("could not restore attention implementation %r", self._previous_attn)
 
     # --- the engine thread ---------------------------------------------------------------------
     def _start_worker_locked(self) -> None:
