@@ -484,7 +484,7 @@ class Dashboard:
     # --- internals ------------------------------------------------------------------------------
     def _source_closed(self) -> bool:
         engine = getattr(self.source, "engine", self.source)
-        return bool(getattr(engine, "_closed", False))
+        return bool(getattr(engine, "closed", False))
 
     def _recent_rate(self, now: float, tokens: int, window_s: float = 2.0) -> Optional[float]:
         self._samples.append((now, tokens))

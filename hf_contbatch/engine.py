@@ -374,7 +374,7 @@ class LLMEngine:
         for i, n in enumerate(lengths):
             req = Request(request_id=-1 - i, prompt_token_ids=[0] * n, sampling=SamplingParams(max_new_tokens=1))
             probe_bm.allocate(req.request_id, n)
-            out.scheduled.append(ScheduledRequest(req, n, True))
+            out.scheduled.append(ScheduledRequest.of(req, n))
         previous = getattr(self.model.config, "_attn_implementation", None)
         register_attention()
         self.model.set_attn_implementation(ATTENTION_NAME)
@@ -425,6 +425,15 @@ class LLMEngine:
         seconds_per_token = 2 * num_params / flops
         seconds_per_block = 2 * block_bytes / bandwidth
         return seconds_per_block / max(seconds_per_token, 1e-12)
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` ran: submits raise, the pool is released."""
+        return self._closed
+
+    def _has_work_locked(self) -> bool:
+        """Requests queued in the inbox or held by the scheduler (call with ``_cv`` held)."""
+        return bool(self._inbox or self.scheduler.has_work)
 
     @property
     def drives_callers(self) -> bool:
@@ -612,7 +621,7 @@ class LLMEngine:
         """Start the background thread if there is work, nobody drives, and none runs (cv held)."""
         if self._worker_alive or self._stop or self._num_drivers:
             return
-        if not (self._inbox or self.scheduler.has_work):
+        if not self._has_work_locked():
             return
         self._worker_alive = True
         self._thread = threading.Thread(target=self._loop, name="hf_contbatch-engine", daemon=True)
@@ -625,8 +634,9 @@ class LLMEngine:
             with self._cv:
                 # Leave when there is nothing to do, when closing, or when a blocking caller drives
                 # (``drive``): the next submit, or the driver leaving with work left, starts a new one.
-                if self._stop or self._num_drivers or not (self._inbox or self.scheduler.has_work):
-                    if not (self._inbox or self.scheduler.has_work):
+                has_work = self._has_work_locked()
+                if self._stop or self._num_drivers or not has_work:
+                    if not has_work:
                         self._idle.set()
                     self._worker_alive = False
                     self._cv.notify_all()
@@ -658,7 +668,7 @@ class LLMEngine:
                         self._fail_all(exc)
                         raise
                 with self._cv:
-                    if not (self._inbox or self.scheduler.has_work):
+                    if not self._has_work_locked():
                         self._idle.set()
             finally:
                 self._driver = None
@@ -686,7 +696,7 @@ class LLMEngine:
                 if self._closed:
                     raise RuntimeError("the engine is closed")
                 with self._cv:
-                    busy = bool(self._inbox or self.scheduler.has_work)
+                    busy = self._has_work_locked()
                 if not busy:
                     break  # nothing left that could satisfy ``until``
                 self._iterate()
@@ -750,8 +760,8 @@ class LLMEngine:
             req.first_token_time = now
             self._ttfts.append(now - req.arrival_time)
         else:
-            self._itls.append(now - getattr(req, "_last_token_time", now))
-        req._last_token_time = now  # type: ignore[attr-defined]
+            self._itls.append(now - req.last_token_time)
+        req.last_token_time = now
         self._num_generated += 1
         handle = self._handles.get(req.request_id)
         if handle is not None:

@@ -113,6 +113,7 @@ class Request:
     cancel_requested: bool = False
     error: Optional[BaseException] = None
     first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None  # for inter-token latency
     finish_time: Optional[float] = None
     num_cached_prompt_tokens: int = 0  # prefix-cache hits at first admission
     block_hashes: list[int] = field(default_factory=list)

@@ -9,7 +9,6 @@ no padding and no dense mask. Only the rows that produce a token reach the LM he
 from __future__ import annotations
 
 import inspect
-from typing import Sequence
 
 import torch
 
@@ -54,10 +53,11 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         num_decodes = 0
-        for s in out.scheduled:
+        num_tokens = 0
+        for s in out.scheduled:  # decodes first (the scheduler's order)
             req, n = s.request, s.num_new_tokens
             start = req.num_computed_tokens
-            if n == 1 and not req.is_prefill:
+            if s.is_decode:
                 num_decodes += 1
                 input_ids.append(req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1])
             else:
@@ -66,8 +66,9 @@ class ModelRunner:
             q_lens.append(n)
             seq_lens.append(start + n)
             tables.append(self.block_manager.get_block_table(req.request_id))
+            num_tokens += n
             if s.samples:
-                sample_rows.append(sum(q_lens) - 1)
+                sample_rows.append(num_tokens - 1)
         num_reqs = len(q_lens)
         max_blocks = max(len(t) for t in tables)
         padded = [t + [0] * (max_blocks - len(t)) for t in tables]
@@ -169,6 +170,3 @@ class ModelRunner:
             if req.prompt_logprobs is None:
                 req.prompt_logprobs = [None] * (req.num_prompt_tokens + 1)
             req.prompt_logprobs[t] = (lp, bool(ok))
-
-    def sampled_requests(self, out: SchedulerOutput) -> Sequence:
-        return [s.request for s in out.scheduled if s.samples]

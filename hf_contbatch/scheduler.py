@@ -38,6 +38,18 @@ class ScheduledRequest:
     num_new_tokens: int  # tokens whose KV this step computes
     samples: bool  # True when this step completes the request's known tokens, so a token is sampled
 
+    @classmethod
+    def of(cls, request: Request, num_new_tokens: int) -> "ScheduledRequest":
+        """``num_new_tokens`` more tokens of ``request``; it samples when they complete its known
+        tokens (decided now: ``num_computed_tokens`` advances after the forward)."""
+        return cls(request, num_new_tokens, request.num_computed_tokens + num_new_tokens == request.num_tokens)
+
+    @property
+    def is_decode(self) -> bool:
+        """One query token that is the request's last known token (not a 1-token prefill chunk).
+        Decodes come first in a step's batch; attention serves them batched."""
+        return self.num_new_tokens == 1 and not self.request.is_prefill
+
 
 @dataclass
 class SchedulerOutput:
@@ -86,7 +98,7 @@ class SchedulerOutput:
 
     @property
     def num_decodes(self) -> int:
-        return sum(1 for s in self.scheduled if s.num_new_tokens == 1 and not s.request.is_prefill)
+        return sum(1 for s in self.scheduled if s.is_decode)
 
     @property
     def is_empty(self) -> bool:
@@ -209,7 +221,7 @@ class Scheduler:
         self._allocate(step.plan)
         mark("preempt")
         # Decodes first, then prefill chunks: the layout attention metadata expects.
-        step.plan.sort(key=lambda s: 0 if (s.num_new_tokens == 1 and not s.request.is_prefill) else 1)
+        step.plan.sort(key=lambda s: not s.is_decode)
         out.scheduled = step.plan
         out.num_batched_tokens = sum(s.num_new_tokens for s in step.plan)
         assert out.num_batched_tokens <= self.config.max_num_batched_tokens, "token budget exceeded"
@@ -268,7 +280,7 @@ class Scheduler:
             n = self._num_tokens_to_schedule(req, budget)
             if n == 0:
                 continue
-            plan.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
+            plan.append(ScheduledRequest.of(req, n))
             budget -= n
         return _StepState(plan=plan, token_budget=budget)
 
@@ -332,7 +344,7 @@ class Scheduler:
             return
         n = self._num_tokens_to_schedule(parent, step.token_budget)
         if n:
-            step.plan.append(ScheduledRequest(parent, n, parent.num_computed_tokens + n == parent.num_tokens))
+            step.plan.append(ScheduledRequest.of(parent, n))
             step.token_budget -= n
             step.block_budget -= self._reservation(step.plan[-1:])
 
@@ -381,7 +393,7 @@ class Scheduler:
             hits = bm.match_prefix(req.all_token_ids, req.block_hashes)
         if req.pending_forks:  # leave the parent at least one token before its fork point
             hits = hits[: max(0, (req.num_prompt_tokens - 2) // bm.block_size)]
-        if getattr(req.sampling, "prompt_logprobs", 0):  # rows from prompt_logprobs - 1 on must be computed
+        if req.sampling.prompt_logprobs:  # rows from prompt_logprobs - 1 on must be computed
             hits = hits[: max(0, int(req.sampling.prompt_logprobs) - 1) // bm.block_size]
         computed = req.num_computed_tokens + len(hits) * bm.block_size
         n = self._num_tokens_to_schedule(req, step.token_budget, computed)
@@ -401,7 +413,7 @@ class Scheduler:
         step.token_budget -= n
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        step.plan.append(ScheduledRequest(req, n, computed + n == req.num_tokens))
+        step.plan.append(ScheduledRequest.of(req, n))
         out.admitted.append(req)
         return True
 
@@ -417,13 +429,13 @@ class Scheduler:
             child.status = RequestStatus.RUNNING
             self.running.append(child)
             self._fresh.add(child.request_id)
-            step.plan.append(ScheduledRequest(child, 1, True))
+            step.plan.append(ScheduledRequest.of(child, 1))
             out.forked.append(child)
         self.num_forks += len(children)
         if parent.cancel_requested:
             self._finish_cancelled_parent(parent)
         else:
-            step.plan.append(ScheduledRequest(parent, 1, True))
+            step.plan.append(ScheduledRequest.of(parent, 1))
 
     def _finish_cancelled_parent(self, parent: Request) -> None:
         """A cancelled parent lived on only to compute its forks' prefix. Its blocks go now (the
@@ -443,7 +455,7 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         self._fresh.add(req.request_id)
-        step.plan.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
+        step.plan.append(ScheduledRequest.of(req, n))
         out.swapped_in.append(req)
 
     def _preempt_for(self, out: SchedulerOutput, step: _StepState, req: Request) -> bool:

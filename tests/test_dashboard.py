@@ -55,8 +55,8 @@ class FakeSource:
     def __init__(self, stats: EngineStats) -> None:
         self.snapshot = stats
         self.calls = 0
-        self.engine = self  # Dashboard looks for engine._closed like on a pipeline
-        self._closed = False
+        self.engine = self  # Dashboard looks for engine.closed like on a pipeline
+        self.closed = False
 
     def stats(self) -> EngineStats:
         self.calls += 1
@@ -170,7 +170,7 @@ def test_refresher_polls_once_a_second_after_two_quiet_seconds():
 def test_refresher_ends_by_itself_when_the_engine_closes():
     source = FakeSource(make_stats())
     dash = Dashboard(source, refresh_hz=10).start()
-    source._closed = True
+    source.closed = True
     assert eventually(lambda: not dash.running)
     assert "closed" in dash.header.value
 
