@@ -142,7 +142,7 @@ class EngineConfig:
         drive_in_caller: a blocking call (``pipe(...)``, ``handle.result()``) runs the engine's
             iterations in the calling thread while the background thread leaves; on CPU this is up
             to 1.5x faster than handing every step to a second thread. False keeps all work on the
-            background thread.
+            background thread, as does a running live dashboard (it needs the CPU to render).
     """
 
     cache: CacheConfig = field(default_factory=CacheConfig)

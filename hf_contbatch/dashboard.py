@@ -446,6 +446,9 @@ class Dashboard:
             name="hf_contbatch-dashboard", daemon=True,
         )
         self._thread.start()
+        engine = getattr(self.source, "engine", self.source)
+        if hasattr(engine, "add_live_view"):
+            engine.add_live_view(self)  # blocking calls then leave the CPU time this view needs
         return self
 
     def stop(self) -> None:

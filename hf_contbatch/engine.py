@@ -16,6 +16,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -276,6 +277,7 @@ class LLMEngine:
         self._drive_lock = threading.Lock()  # held for one iteration by whichever thread drives
         self._num_drivers = 0  # blocking callers currently driving (the background thread leaves)
         self._driver: Optional[int] = None  # thread id inside an iteration
+        self._live_views: "weakref.WeakSet" = weakref.WeakSet()  # see add_live_view
         self._idle = threading.Event()
         self._idle.set()
         self._stop = False
@@ -435,10 +437,24 @@ class LLMEngine:
         """Requests queued in the inbox or held by the scheduler (call with ``_cv`` held)."""
         return bool(self._inbox or self.scheduler.has_work)
 
+    def add_live_view(self, view) -> None:
+        """Register a live view (anything with a ``running`` property, held weakly).
+
+        While one is running, blocking callers leave the iterations to the background thread:
+        driving in the caller is fast on 2 cores because torch's OpenMP workers spin-wait on both,
+        which starves the kernel's I/O and the browser that render the view (measured: the
+        dashboard's browser test froze in about half the runs while the caller drove, never
+        otherwise).
+        """
+        self._live_views.add(view)
+
     @property
     def drives_callers(self) -> bool:
-        """Whether blocking callers run iterations themselves (``EngineConfig.drive_in_caller``)."""
-        return self.config.drive_in_caller and not self._closed
+        """Whether blocking callers run iterations themselves (``EngineConfig.drive_in_caller``,
+        and no live view running)."""
+        if not self.config.drive_in_caller or self._closed:
+            return False
+        return not any(view.running for view in list(self._live_views))
 
     @property
     def capacity_tokens(self) -> int:

@@ -166,3 +166,25 @@ def test_result_inside_a_done_callback_raises_instead_of_nesting_iterations(llam
     finally:
         eng.close()
     assert errors and "inside an engine iteration" in str(errors[0])
+
+
+@pytest.mark.timeout(60)
+def test_blocking_callers_leave_iterations_to_the_background_while_a_live_view_runs(llama_model):
+    class View:
+        running = True
+
+    eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(num_blocks=32)))
+    try:
+        assert eng.drives_callers
+        view = View()
+        eng.add_live_view(view)
+        assert not eng.drives_callers
+        threads = []
+        original = eng.step
+        eng.step = lambda: threads.append(threading.get_ident()) or original()
+        eng.submit([5, 6, 7], SamplingParams(max_new_tokens=4)).result(30)
+        assert threads and threading.get_ident() not in threads
+        view.running = False
+        assert eng.drives_callers
+    finally:
+        eng.close()
