@@ -8,6 +8,7 @@ missing; .ci/install-browser.sh and the `dev` extra install them in CI.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 
@@ -24,11 +25,26 @@ pytestmark = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
 # HTML comparisons take the widget element.
 GRID = ".hfcb-block-grid"
 IN_USE_CELL = GRID + " .hfcb-device .hfcb-grid i[title*='request']"
+# A device-pool cell owned by a request, in the grid's HTML (the legend also says "request").
+IN_USE_TITLE = re.compile(r'title="block \d+ · request \d+"')
+# Rounds of the notebook's 32 background requests in the test's copy: enough work that the engine
+# is still busy well after the busy cell returns, however fast the machine (one round lasted about
+# 4 s after it here; the CI machine once finished it before the kernel read idle).
+ROUNDS = 4
 
 
 def _cell_index(tag: str) -> int:
     nb = nbformat.read(NOTEBOOKS / "02_dashboard.ipynb", as_version=4)
     return next(i for i, c in enumerate(nb.cells) if tag in c.metadata.get("tags", []))
+
+
+def _copy_with_rounds(root, rounds: int) -> None:
+    path = copy_notebook("02_dashboard.ipynb", root)
+    nb = nbformat.read(path, as_version=4)
+    cell = nb.cells[_cell_index("background")]
+    assert "rounds = 1 " in cell.source, "the background cell no longer sets `rounds`"
+    cell.source = cell.source.replace("rounds = 1 ", f"rounds = {rounds} ")
+    nbformat.write(nb, path)
 
 
 def _run_cells(page, count: int) -> None:
@@ -45,22 +61,39 @@ def _output(page, index: int, text: str):
     return page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-OutputArea-output", has_text=text).first
 
 
-def _changed_grid(page, before_html: str, path, timeout_s: float = 5.0):
-    """Wait (polling, 200 ms) until the grid's HTML differs from ``before_html``; screenshot it then.
-    Returns (png bytes, html); the HTML is unchanged if it never changed."""
+def _changed_grid(page, before_html: str, before_png: bytes, path, timeout_s: float = 10.0):
+    """Wait (polling, 200 ms) until the grid differs from before in its HTML and in its pixels.
+
+    Both, because either alone misleads: an HTML change can be invisible (a hover title), and
+    the grid can change between a screenshot and the next read of its HTML. Returns (png, html), the
+    last ones seen, so the caller's comparison fails when nothing changed in ``timeout_s``.
+    """
     grid = page.locator(GRID)
     deadline = time.monotonic() + timeout_s
-    html = grid.inner_html()
-    while html == before_html and time.monotonic() < deadline:
-        page.wait_for_timeout(200)
+    html, png = before_html, before_png
+    while True:
         html = grid.inner_html()
-    return grid.screenshot(path=path), html
+        if html != before_html:
+            png = grid.screenshot(path=path)
+            if png != before_png:
+                return png, html
+        if time.monotonic() > deadline:
+            return png, html
+        page.wait_for_timeout(200)
+
+
+def _grid_state(page, path):
+    """(png, html) of the grid: the HTML read after the screenshot, so that a later change of the
+    HTML is also a change since the pixels were taken."""
+    grid = page.locator(GRID)
+    png = grid.screenshot(path=path)
+    return png, grid.inner_html()
 
 
 @pytest.mark.timeout(300)
 def test_block_grid_renders_and_changes_while_busy_and_after_in_jupyterlab(lab_server, browser, tmp_path):
     require_default_model()
-    copy_notebook("02_dashboard.ipynb", lab_server["root"])
+    _copy_with_rounds(lab_server["root"], ROUNDS)
     background, busy, final = _cell_index("background"), _cell_index("busy"), _cell_index("final")
     shots = tmp_path / "screenshots"
     shots.mkdir()
@@ -80,26 +113,24 @@ def test_block_grid_renders_and_changes_while_busy_and_after_in_jupyterlab(lab_s
 
         # While the busy cell runs (kernel busy), the grid changes between two screenshots.
         grid = page.locator(GRID)
-        html_1 = grid.inner_html()
-        busy_1 = grid.screenshot(path=shots / "busy-1.png")
+        busy_1, html_1 = _grid_state(page, shots / "busy-1.png")
+        busy_2, html_2 = _changed_grid(page, html_1, busy_1, shots / "busy-2.png")
         page.screenshot(path=shots / "busy-page.png")
-        busy_2, html_2 = _changed_grid(page, html_1, shots / "busy-2.png")
         assert "*" in _prompt(page, busy), "the busy cell finished before the second screenshot"
         assert html_1 != html_2 and busy_1 != busy_2, "block grid did not change while the cell was busy"
 
         # After it returns (kernel idle), background requests still run and the grid still changes.
         page.locator(".jp-StatusBar-Widget", has_text="| Idle").first.wait_for(timeout=120_000)
         assert "*" not in _prompt(page, busy)
-        html_3 = grid.inner_html()
-        idle_1 = grid.screenshot(path=shots / "idle-1.png")
-        assert "request" in html_3, "no block in use after the busy cell: the background requests ended too soon"
-        idle_2, html_4 = _changed_grid(page, html_3, shots / "idle-2.png")
+        idle_1, html_3 = _grid_state(page, shots / "idle-1.png")
+        assert IN_USE_TITLE.search(html_3), "no block in use after the busy cell: the background requests ended too soon"
+        idle_2, html_4 = _changed_grid(page, html_3, idle_1, shots / "idle-2.png")
         page.screenshot(path=shots / "idle-page.png")
         assert html_3 != html_4 and idle_1 != idle_2, "block grid did not change after the cell returned"
 
         # The rest of the notebook: wait for the background requests, stop, refresh, summary.
         _run_cells(page, final - busy)
-        _output(page, final, "finished 38").wait_for(timeout=120_000)
+        _output(page, final, f"finished {32 * ROUNDS + 6}").wait_for(timeout=120_000)
         assert page.locator(IN_USE_CELL).count() == 0, "blocks still in use after every request finished"
         page.screenshot(path=shots / "final-page.png", full_page=True)
         assert page.get_by_text("Traceback").count() == 0
