@@ -55,6 +55,7 @@ def run_ours_configured(model, prompts, new_tokens, args):
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
         attention_backend=args.attention_backend,
+        linear_backend=args.linear_backend,
     )
     return run_ours(model, prompts, new_tokens, cfg)
 
@@ -71,6 +72,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "onednn"])
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--single", default=None, help=argparse.SUPPRESS)  # internal: run one engine, write here
     args = ap.parse_args(argv)

@@ -11,6 +11,7 @@ from typing import Literal, Optional
 
 _PREEMPTION_MODES = ("recompute", "swap", "auto")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
+_LINEAR_BACKENDS = ("auto", "torch", "onednn")
 
 
 def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
@@ -139,6 +140,10 @@ class EngineConfig:
             keeps torch's setting.
         seed: seed of the engine's own sampling generator (no global RNG is touched).
         record_phases: keep the per-iteration phase log (used by tests and the dashboard).
+        linear_backend: "auto" (pack the model's float32 CPU ``nn.Linear`` weights for oneDNN when
+            the packed copy takes at most a quarter of the available memory), "onednn" (always) or
+            "torch" (never). Packed linears are 1.1-1.4x faster end to end on CPU; they cost a copy
+            of the packed weights and are removed on close (see ``hf_contbatch.cpu_linear``).
         drive_in_caller: a blocking call (``pipe(...)``, ``handle.result()``) runs the engine's
             iterations in the calling thread while the background thread leaves; on CPU this is up
             to 1.5x faster than handing every step to a second thread. False keeps all work on the
@@ -148,6 +153,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    linear_backend: Literal["auto", "torch", "onednn"] = "auto"
     num_threads: Optional[int] = None
     seed: Optional[int] = None
     record_phases: bool = True
@@ -162,4 +168,6 @@ class EngineConfig:
             raise ValueError(
                 f"`attention_backend` must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
+        if self.linear_backend not in _LINEAR_BACKENDS:
+            raise ValueError(f"`linear_backend` must be one of {_LINEAR_BACKENDS}, got {self.linear_backend!r}")
         _check_positive_int("num_threads", self.num_threads, allow_none=True)

@@ -24,6 +24,7 @@ import torch
 
 from .attention import ATTENTION_NAME, register_attention, resolve_backend
 from .config import EngineConfig
+from .cpu_linear import pack_linears
 from .kv.block_manager import BlockManager
 from .kv.paged_cache import PagedKVCache, kv_bytes_per_block
 from .request import Request, RequestIdCounter, RequestStatus, SamplingParams
@@ -265,6 +266,8 @@ class LLMEngine:
         self.sampler = Sampler(gen)
         self.runner = ModelRunner(model, self.cache, self.block_manager, self.device, self.sampler)
 
+        # Before the attention switch: a forced backend that cannot pack raises with nothing changed.
+        self.packed_linears = pack_linears(model, self.config.linear_backend, _available_host_memory)
         self._previous_attn = getattr(model.config, "_attn_implementation", None)
         register_attention()
         model.set_attn_implementation(ATTENTION_NAME)
@@ -625,6 +628,8 @@ class LLMEngine:
                     self._fail(req, err, status=RequestStatus.FINISHED_CANCELLED)
         self._inbox.clear()
         self.cache.release()
+        if self.packed_linears is not None:
+            self.packed_linears.restore()
         if self._previous_attn is not None and getattr(self.model.config, "_attn_implementation", None) == ATTENTION_NAME:
             try:
                 self.model.set_attn_implementation(self._previous_attn)

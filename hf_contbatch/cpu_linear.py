@@ -1,0 +1,145 @@
+"""oneDNN-packed linear layers for CPU serving.
+
+torch's ``F.linear`` on CPU calls a BLAS ``sgemm`` that is slow at the small row counts of a decode
+step (a few to a few dozen tokens): measured here, a 4-layer hidden-256 Llama's 29 linears took
+2.3 ms at 10 rows, and 1.05 ms through oneDNN with the weights reordered once into its blocked
+layout (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``, the ops inductor's CPU
+weight-freezing pass emits). Whole workloads: +13% tokens/s on the tiny model, +40% on the 100M one,
+greedy tokens unchanged.
+
+How it is plugged in: each ``nn.Linear`` *instance* gets a ``forward`` attribute (the class is never
+touched) that calls the packed op; :meth:`PackedLinears.restore` deletes the attributes. Modules that
+already carry an instance ``forward`` or hooks (accelerate's ``device_map`` offload wraps
+``forward`` that way) are left alone. The packed copy costs as much memory as the weights it packs;
+``linear_backend="auto"`` packs only when that fits comfortably (see :func:`pack_linears`). A weight
+changed in place (``load_state_dict``, an optimizer step) or replaced is noticed through the tensor's
+version counter and repacked before its next use, so outputs always follow the current weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_MARK = "_hf_contbatch_packed"
+
+
+def onednn_available() -> bool:
+    """Whether this torch build has the oneDNN packed-linear ops."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight  # noqa: B018 - attribute lookup raises if missing
+        torch.ops.mkldnn._linear_pointwise  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return torch.backends.mkldnn.is_available()
+
+
+class _PackedForward:
+    """The instance ``forward`` of one packed ``nn.Linear``: input ``[..., in_features]`` →
+    ``[..., out_features]``, float32."""
+
+    def __init__(self, module: torch.nn.Linear) -> None:
+        self.module = module
+        self._pack()
+
+    def _pack(self) -> None:
+        weight = self.module.weight
+        self.weight_ref, self.weight_version = weight, weight._version
+        with torch.no_grad():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.module.weight, self.module.bias
+        if weight is not self.weight_ref or weight._version != self.weight_version:
+            self._pack()  # changed since packing: follow the module's current weights
+        if x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled() and weight.requires_grad:
+            return torch.nn.functional.linear(x, weight, bias)  # outside what we packed for
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None if bias is None else bias.detach(), "none", [], "")
+
+
+class PackedLinears:
+    """The packed ``nn.Linear`` modules of one model; :meth:`restore` puts their forwards back."""
+
+    def __init__(self, modules: list[torch.nn.Linear], packed_bytes: int) -> None:
+        self.modules = modules
+        self.packed_bytes = packed_bytes
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+    def restore(self) -> None:
+        """Remove the instance forwards this object installed (idempotent)."""
+        for m in self.modules:
+            fwd = m.__dict__.get("forward")
+            if isinstance(fwd, _PackedForward):
+                del m.__dict__["forward"]
+            m.__dict__.pop(_MARK, None)
+        self.modules = []
+
+
+def _eligible(m: torch.nn.Module) -> bool:
+    return (
+        type(m) is torch.nn.Linear  # subclasses (quantized, LoRA, ...) have their own forward
+        and "forward" not in m.__dict__  # accelerate's hooks and other wrappers live here
+        and not getattr(m, "_hf_hook", None)
+        and not m._forward_hooks and not m._forward_pre_hooks
+        and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+        and _MARK not in m.__dict__
+    )
+
+
+def pack_linears(
+    model: torch.nn.Module, mode: str, available_bytes: Optional[Callable[[], Optional[int]]] = None
+) -> Optional[PackedLinears]:
+    """Pack the model's float32 CPU ``nn.Linear`` weights for oneDNN, or do nothing.
+
+    Args:
+        model: the model (modified only through instance attributes; see the module docstring).
+        mode: ``"torch"`` (do nothing), ``"onednn"`` (pack, raise if impossible) or ``"auto"`` (pack
+            when oneDNN is present, a probe matches ``F.linear``, and the packed copy takes at most
+            a quarter of the available host memory).
+        available_bytes: returns the available host memory in bytes (None when unknown).
+
+    Returns:
+        The packed modules, or None when nothing was packed.
+
+    Raises:
+        RuntimeError: ``mode="onednn"`` on a torch without the oneDNN ops, or when the probe disagrees.
+    """
+    if mode == "torch":
+        return None
+    modules = [m for m in model.modules() if _eligible(m)]
+    if not modules:
+        return None
+    if not onednn_available():
+        if mode == "onednn":
+            raise RuntimeError("linear_backend='onednn' needs a torch build with oneDNN (torch.backends.mkldnn)")
+        return None
+    total = sum(m.weight.numel() * m.weight.element_size() for m in modules)
+    if mode == "auto" and available_bytes is not None:
+        avail = available_bytes()
+        if avail is not None and total > avail // 4:
+            logger.info("not packing %d linear layers for oneDNN: %.1f GiB is over a quarter of the "
+                        "available memory (set linear_backend='onednn' to force)", len(modules), total / 2**30)
+            return None
+    try:
+        probe = modules[0]
+        x = torch.randn(3, probe.in_features, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            want = torch.nn.functional.linear(x, probe.weight, probe.bias)
+            got = _PackedForward(probe)(x)
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()) + 1e-6):
+            raise RuntimeError(f"oneDNN linear disagrees with F.linear by {float((got - want).abs().max()):.3g}")
+    except RuntimeError as exc:
+        if mode == "onednn":
+            raise
+        logger.warning("oneDNN packed linears unavailable (%s); using F.linear", exc)
+        return None
+    for m in modules:
+        m.__dict__["forward"] = _PackedForward(m)
+        m.__dict__[_MARK] = True
+    return PackedLinears(modules, total)

@@ -1,0 +1,98 @@
+"""oneDNN-packed linears (``EngineConfig.linear_backend``): same greedy tokens as transformers'
+generate, forwards restored on close, weights changed in place followed, wrapped modules skipped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import build_model, random_prompts, reference_greedy
+from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from hf_contbatch.cpu_linear import onednn_available, pack_linears
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
+
+NEW = 12
+
+
+def _generate(model, prompts, backend: str):
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=8, num_blocks=64), linear_backend=backend))
+    try:
+        return [eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)).result(timeout=120).output_token_ids
+                for p in prompts]
+    finally:
+        eng.close()
+
+
+def _instance_forwards(model) -> int:
+    return sum("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "gemma2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("backend", ["onednn", "torch"])
+def test_greedy_equals_generate_with_each_linear_backend(family, backend):
+    model = build_model(family)
+    prompts = random_prompts([3, 21, 40], seed=11)
+    refs = [reference_greedy(model, p, NEW) for p in prompts]
+    assert _generate(model, prompts, backend) == refs
+
+
+@pytest.mark.timeout(120)
+def test_close_removes_the_packed_forwards_and_the_model_computes_as_before():
+    model = build_model("llama")
+    ids = torch.tensor([random_prompts([9], seed=2)[0]])
+    with torch.no_grad():
+        before = model(ids).logits
+    num_linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(num_blocks=16), linear_backend="onednn"))
+    assert len(eng.packed_linears) == num_linears
+    assert _instance_forwards(model) == num_linears
+    eng.close()
+    assert _instance_forwards(model) == 0
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)  # F.linear again: bit for bit
+
+
+@pytest.mark.timeout(120)
+def test_weights_changed_in_place_while_open_are_followed():
+    model, other = build_model("llama", seed=0), build_model("llama", seed=1)
+    prompts = random_prompts([7, 30], seed=4)
+    refs_other = [reference_greedy(other, p, NEW) for p in prompts]
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(num_blocks=32), linear_backend="onednn"))
+    try:
+        eng.submit(prompts[0], SamplingParams(max_new_tokens=2)).result(timeout=60)  # packed and used
+        model.load_state_dict(other.state_dict())  # in-place copies into every weight
+        outs = [eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)).result(timeout=60).output_token_ids
+                for p in prompts]
+    finally:
+        eng.close()
+    assert outs == refs_other
+
+
+def test_modules_with_hooks_or_their_own_forward_are_left_alone():
+    model = build_model("llama")
+    layer = model.model.layers[0]
+    layer.self_attn.q_proj.register_forward_hook(lambda *a: None)
+    wrapped = layer.mlp.up_proj
+    original = wrapped.forward
+    wrapped.forward = lambda x: original(x)  # how accelerate's hooks wrap a module
+    packed = pack_linears(model, "onednn")
+    try:
+        assert layer.self_attn.q_proj not in packed.modules and wrapped not in packed.modules
+        assert len(packed) == sum(type(m) is torch.nn.Linear for m in model.modules()) - 2
+    finally:
+        packed.restore()
+    assert "forward" in wrapped.__dict__, "restore() removed a forward it had not installed"
+
+
+def test_auto_leaves_weights_unpacked_when_the_copy_would_not_fit():
+    model = build_model("llama")
+    assert pack_linears(model, "auto", available_bytes=lambda: 4096) is None
+    assert _instance_forwards(model) == 0
+    assert pack_linears(model, "torch") is None
+
+
+def test_bad_linear_backend_names_the_argument_and_the_choices():
+    with pytest.raises(ValueError, match=r"`linear_backend` must be one of \('auto', 'torch', 'onednn'\), got 'mkl'"):
+        EngineConfig(linear_backend="mkl")
