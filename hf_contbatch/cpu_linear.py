@@ -12,8 +12,11 @@ touched) that calls the packed op; :meth:`PackedLinears.restore` deletes the att
 already carry an instance ``forward`` or hooks (accelerate's ``device_map`` offload wraps
 ``forward`` that way) are left alone. The packed copy costs as much memory as the weights it packs;
 ``linear_backend="auto"`` packs only when that fits comfortably (see :func:`pack_linears`). A weight
-changed in place (``load_state_dict``, an optimizer step) or replaced is noticed through the tensor's
-version counter and repacked before its next use, so outputs always follow the current weights.
+changed in place (``load_state_dict``, an optimizer step: the version counter), given new storage
+(``.data = ...``, ``.to(...)``) or replaced by another Parameter is repacked before its next use, so
+outputs follow the current weights. Calls that need autograd (grad enabled and any of input, weight
+or bias requiring grad) run ``F.linear``. A deepcopy or pickle of the model drops the packed copy
+and repacks on first use.
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 _MARK = "_hf_contbatch_packed"
+
+
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    """``[out, in]`` float32 weight → oneDNN's blocked layout (an opaque tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
 
 
 def onednn_available() -> bool:
@@ -44,41 +52,66 @@ class _PackedForward:
 
     def __init__(self, module: torch.nn.Linear) -> None:
         self.module = module
+        self.active = True
+        self.weight_key: Optional[tuple] = None
+        self.packed: Optional[torch.Tensor] = None
         self._pack()
 
     def _pack(self) -> None:
         weight = self.module.weight
-        self.weight_ref, self.weight_version = weight, weight._version
+        # Identity, storage and version: in-place writes bump the version, `.data = ...` and
+        # `.to(...)` change the storage, assigning a new Parameter changes the identity.
+        key = (id(weight), weight.data_ptr(), weight._version, weight.dtype)
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            self.packed = _reorder(weight.detach())
+        self.weight_ref, self.weight_key = weight, key
+
+    def disable(self) -> None:
+        """Plain ``F.linear`` from now on, and the packed copy freed (for references that outlive
+        :meth:`PackedLinears.restore`, e.g. a wrapper installed on top of this forward)."""
+        self.active, self.packed, self.weight_ref, self.weight_key = False, None, None, None
+
+    def __getstate__(self) -> dict:
+        # A deepcopy or pickle of the model carries no opaque oneDNN tensor: the copy packs its
+        # own weights on first use.
+        return {"module": self.module, "active": self.active, "weight_ref": None, "weight_key": None, "packed": None}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.module.weight, self.module.bias
-        if weight is not self.weight_ref or weight._version != self.weight_version:
+        if (not self.active or x.dtype != torch.float32 or weight.dtype != torch.float32
+                or x.device.type != "cpu" or weight.device.type != "cpu"
+                or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                                or bias is not None and bias.requires_grad)):
+            return torch.nn.functional.linear(x, weight, bias)  # outside what we packed for, or autograd
+        if self.weight_key != (id(weight), weight.data_ptr(), weight._version, weight.dtype):
             self._pack()  # changed since packing: follow the module's current weights
-        if x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled() and weight.requires_grad:
-            return torch.nn.functional.linear(x, weight, bias)  # outside what we packed for
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None if bias is None else bias.detach(), "none", [], "")
 
 
 class PackedLinears:
     """The packed ``nn.Linear`` modules of one model; :meth:`restore` puts their forwards back."""
 
-    def __init__(self, modules: list[torch.nn.Linear], packed_bytes: int) -> None:
-        self.modules = modules
+    def __init__(self, forwards: list[_PackedForward], packed_bytes: int) -> None:
+        self.forwards = forwards
         self.packed_bytes = packed_bytes
 
+    @property
+    def modules(self) -> list[torch.nn.Linear]:
+        return [f.module for f in self.forwards]
+
     def __len__(self) -> int:
-        return len(self.modules)
+        return len(self.forwards)
 
     def restore(self) -> None:
-        """Remove the instance forwards this object installed (idempotent)."""
-        for m in self.modules:
-            fwd = m.__dict__.get("forward")
-            if isinstance(fwd, _PackedForward):
+        """Remove the instance forwards this object installed and free the packed copies
+        (idempotent). A forward someone wrapped meanwhile stays wrapped but runs ``F.linear``."""
+        for f in self.forwards:
+            f.disable()
+            m = f.module
+            if m.__dict__.get("forward") is f:
                 del m.__dict__["forward"]
             m.__dict__.pop(_MARK, None)
-        self.modules = []
+        self.forwards = []
 
 
 def _eligible(m: torch.nn.Module) -> bool:
@@ -87,7 +120,7 @@ def _eligible(m: torch.nn.Module) -> bool:
         and "forward" not in m.__dict__  # accelerate's hooks and other wrappers live here
         and not getattr(m, "_hf_hook", None)
         and not m._forward_hooks and not m._forward_pre_hooks
-        and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+        and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 and m.weight.numel() > 0
         and _MARK not in m.__dict__
     )
 
@@ -127,19 +160,21 @@ def pack_linears(
                         "available memory (set linear_backend='onednn' to force)", len(modules), total / 2**30)
             return None
     try:
-        probe = modules[0]
-        x = torch.randn(3, probe.in_features, generator=torch.Generator().manual_seed(0))
+        # Pack every module before installing any: a failure leaves the model untouched.
+        forwards = [_PackedForward(m) for m in modules]
+        probe = forwards[0]
+        x = torch.randn(3, probe.module.in_features, generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
-            want = torch.nn.functional.linear(x, probe.weight, probe.bias)
-            got = _PackedForward(probe)(x)
+            want = torch.nn.functional.linear(x, probe.module.weight, probe.module.bias)
+            got = probe(x)
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()) + 1e-6):
             raise RuntimeError(f"oneDNN linear disagrees with F.linear by {float((got - want).abs().max()):.3g}")
-    except RuntimeError as exc:
+    except RuntimeError as exc:  # oneDNN errors and out-of-memory surface as RuntimeError
         if mode == "onednn":
             raise
         logger.warning("oneDNN packed linears unavailable (%s); using F.linear", exc)
         return None
-    for m in modules:
-        m.__dict__["forward"] = _PackedForward(m)
-        m.__dict__[_MARK] = True
-    return PackedLinears(modules, total)
+    for f in forwards:
+        f.module.__dict__["forward"] = f
+        f.module.__dict__[_MARK] = True
+    return PackedLinears(forwards, total)

@@ -196,6 +196,9 @@ class EngineStats:
     num_kv_tokens: int = 0  # tokens whose KV the running requests hold (dashboard's tokens bar)
 
 
+_ATTN_USERS = "_hf_contbatch_attention_users"  # on the model: its own implementation, open engines
+
+
 def _text_config(model):
     cfg = model.config
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -268,9 +271,20 @@ class LLMEngine:
 
         # Before the attention switch: a forced backend that cannot pack raises with nothing changed.
         self.packed_linears = pack_linears(model, self.config.linear_backend, _available_host_memory)
-        self._previous_attn = getattr(model.config, "_attn_implementation", None)
-        register_attention()
-        model.set_attn_implementation(ATTENTION_NAME)
+        # Engines sharing one model share its attention switch: the first remembers the model's own
+        # implementation, the last to close restores it (closing one must not break the other).
+        users = model.__dict__.setdefault(_ATTN_USERS, {"previous": getattr(model.config, "_attn_implementation", None), "open": 0})
+        self._previous_attn = users["previous"]
+        try:
+            register_attention()
+            model.set_attn_implementation(ATTENTION_NAME)
+        except BaseException:
+            if not users["open"]:
+                model.__dict__.pop(_ATTN_USERS, None)
+            if self.packed_linears is not None:
+                self.packed_linears.restore()
+            raise
+        users["open"] += 1
         model.eval()
 
         self._ids = RequestIdCounter()
@@ -630,6 +644,12 @@ class LLMEngine:
         self.cache.release()
         if self.packed_linears is not None:
             self.packed_linears.restore()
+        users = self.model.__dict__.get(_ATTN_USERS)
+        if users is not None:
+            users["open"] -= 1
+            if users["open"] > 0:
+                return  # another open engine still serves this model through our attention
+            self.model.__dict__.pop(_ATTN_USERS, None)
         if self._previous_attn is not None and getattr(self.model.config, "_attn_implementation", None) == ATTENTION_NAME:
             try:
                 self.model.set_attn_implementation(self._previous_attn)

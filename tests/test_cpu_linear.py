@@ -96,3 +96,75 @@ def test_auto_leaves_weights_unpacked_when_the_copy_would_not_fit():
 def test_bad_linear_backend_names_the_argument_and_the_choices():
     with pytest.raises(ValueError, match=r"`linear_backend` must be one of \('auto', 'torch', 'onednn'\), got 'mkl'"):
         EngineConfig(linear_backend="mkl")
+
+
+def _probe(module, x):
+    with torch.no_grad():
+        return module(x), torch.nn.functional.linear(x, module.weight, module.bias)
+
+
+def test_weights_given_new_storage_are_repacked_and_copies_work():
+    import copy
+    import pickle
+
+    model = build_model("llama")
+    packed = pack_linears(model, "onednn")
+    try:
+        lin = model.model.layers[0].mlp.up_proj
+        x = torch.randn(4, lin.in_features)
+        lin.weight.data = torch.randn_like(lin.weight)  # same Parameter, same version, new storage
+        got, want = _probe(lin, x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            twin_lin = twin.model.layers[0].mlp.up_proj
+            got, want = _probe(twin_lin, x)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    finally:
+        packed.restore()
+
+
+def test_autograd_through_a_packed_module_falls_back_to_f_linear():
+    model = build_model("llama")
+    packed = pack_linears(model, "onednn")
+    try:
+        lin = model.model.layers[0].mlp.up_proj
+        lin.weight.requires_grad_(False)  # frozen base layer, trainable input (LoRA, prompt tuning)
+        x = torch.randn(2, lin.in_features, requires_grad=True)
+        lin(x).sum().backward()
+        torch.testing.assert_close(x.grad, lin.weight.sum(0).expand(2, -1))  # d(sum(W x))/dx = column sums
+    finally:
+        packed.restore()
+
+
+def test_a_failure_while_packing_leaves_the_model_untouched(monkeypatch):
+    import hf_contbatch.cpu_linear as cl
+
+    model = build_model("llama")
+    calls = {"n": 0}
+    real = torch.ops.mkldnn._reorder_linear_weight
+
+    def fail_on_fifth(w, *a):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise RuntimeError("out of memory (simulated)")
+        return real(w, *a)
+
+    monkeypatch.setattr(cl, "_reorder", fail_on_fifth)
+    with pytest.raises(RuntimeError, match="simulated"):
+        pack_linears(model, "onednn")
+    assert _instance_forwards(model) == 0
+    calls["n"] = 0
+    assert pack_linears(model, "auto") is None and _instance_forwards(model) == 0
+
+
+def test_a_wrapper_installed_over_a_packed_forward_runs_f_linear_after_restore():
+    model = build_model("llama")
+    packed = pack_linears(model, "onednn")
+    lin = model.model.layers[0].mlp.up_proj
+    inner = lin.forward
+    lin.forward = lambda x: inner(x)  # wrapped after packing (as accelerate's add_hook_to_module does)
+    packed.restore()
+    assert inner.packed is None, "restore() must free the packed copy even when it cannot unhook it"
+    x = torch.randn(3, lin.in_features)
+    got, want = _probe(lin, x)
+    assert torch.equal(got, want)

@@ -105,6 +105,26 @@ def test_two_engines_side_by_side_and_close_restores_attention():
         e1.submit(p, SamplingParams(max_new_tokens=1))
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("first_closed", ["first_opened", "last_opened"])
+def test_two_engines_on_one_model_keep_serving_until_the_last_closes(first_closed):
+    model = build_model("llama")
+    before = model.config._attn_implementation
+    p = random_prompts([9], seed=6)[0]
+    ref = reference_greedy(model, p, 8)
+    a = LLMEngine(model, EngineConfig(cache=CacheConfig(num_blocks=16)))
+    b = LLMEngine(model, EngineConfig(cache=CacheConfig(num_blocks=16)))
+    closing, staying = (a, b) if first_closed == "first_opened" else (b, a)
+    try:
+        closing.close()
+        out = staying.submit(p, SamplingParams(max_new_tokens=8, ignore_eos=True)).result(60).output_token_ids
+        assert out == ref, "closing one engine changed the other's output"
+    finally:
+        staying.close()
+    assert model.config._attn_implementation == before
+    assert reference_greedy(model, p, 8) == ref  # the model works on its own again
+
+
 @pytest.mark.timeout(60)
 def test_unsupported_model_family_gets_a_clear_error():
     import transformers as tf
