@@ -142,7 +142,7 @@ class EngineConfig:
         record_phases: keep the per-iteration phase log (used by tests and the dashboard).
         linear_backend: "auto" (pack the model's float32 CPU ``nn.Linear`` weights for oneDNN when
             the packed copy takes at most a quarter of the available memory), "onednn" (always) or
-            "torch" (never). Packed linears are 1.1-1.4x faster end to end on CPU; they cost a copy
+            "torch" (never). Packed linears are 1.1-1.5x faster end to end on CPU; they cost a copy
             of the packed weights and are removed on close (see ``hf_contbatch.cpu_linear``).
         drive_in_caller: a blocking call (``pipe(...)``, ``handle.result()``) runs the engine's
             iterations in the calling thread while the background thread leaves; on CPU this is up
