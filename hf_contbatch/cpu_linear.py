@@ -28,12 +28,15 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_MARK = "_hf_contbatch_packed"
-
-
 def _reorder(weight: torch.Tensor) -> torch.Tensor:
     """``[out, in]`` float32 weight → oneDNN's blocked layout (an opaque tensor)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+
+def _weight_key(weight: torch.Tensor) -> tuple:
+    """What identifies the packed values: in-place writes bump the version, ``.data = ...`` and
+    ``.to(...)`` change the storage, assigning a new Parameter changes the identity."""
+    return (id(weight), weight.data_ptr(), weight._version, weight.dtype)
 
 
 def onednn_available() -> bool:
@@ -59,11 +62,10 @@ class _PackedForward:
 
     def _pack(self) -> None:
         weight = self.module.weight
-        # Identity, storage and version: in-place writes bump the version, `.data = ...` and
-        # `.to(...)` change the storage, assigning a new Parameter changes the identity.
-        key = (id(weight), weight.data_ptr(), weight._version, weight.dtype)
+        key = _weight_key(weight)  # before reading: a write during the reorder repacks next call
         with torch.no_grad():
             self.packed = _reorder(weight.detach())
+        # weight_ref keeps the packed weight alive, so its id() in the key cannot be reused.
         self.weight_ref, self.weight_key = weight, key
 
     def disable(self) -> None:
@@ -83,7 +85,7 @@ class _PackedForward:
                 or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                 or bias is not None and bias.requires_grad)):
             return torch.nn.functional.linear(x, weight, bias)  # outside what we packed for, or autograd
-        if self.weight_key != (id(weight), weight.data_ptr(), weight._version, weight.dtype):
+        if self.weight_key != _weight_key(weight):
             self._pack()  # changed since packing: follow the module's current weights
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None if bias is None else bias.detach(), "none", [], "")
 
@@ -110,7 +112,6 @@ class PackedLinears:
             m = f.module
             if m.__dict__.get("forward") is f:
                 del m.__dict__["forward"]
-            m.__dict__.pop(_MARK, None)
         self.forwards = []
 
 
@@ -121,7 +122,6 @@ def _eligible(m: torch.nn.Module) -> bool:
         and not getattr(m, "_hf_hook", None)
         and not m._forward_hooks and not m._forward_pre_hooks
         and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 and m.weight.numel() > 0
-        and _MARK not in m.__dict__
     )
 
 
@@ -176,5 +176,4 @@ def pack_linears(
         return None
     for f in forwards:
         f.module.__dict__["forward"] = f
-        f.module.__dict__[_MARK] = True
     return PackedLinears(forwards, total)

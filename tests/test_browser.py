@@ -112,7 +112,6 @@ def test_block_grid_renders_and_changes_while_busy_and_after_in_jupyterlab(lab_s
         page.locator(IN_USE_CELL).first.wait_for(timeout=60_000)
 
         # While the busy cell runs (kernel busy), the grid changes between two screenshots.
-        grid = page.locator(GRID)
         busy_1, html_1 = _grid_state(page, shots / "busy-1.png")
         busy_2, html_2 = _changed_grid(page, html_1, busy_1, shots / "busy-2.png")
         page.screenshot(path=shots / "busy-page.png")
