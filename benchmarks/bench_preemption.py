@@ -64,9 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-batch-tokens", type=int, default=1024)
     ap.add_argument("--swap-space-gib", type=float, default=1.0)
-    ap.add_argument("--cooldown", type=float, default=15.0,
-                    help="idle seconds before each engine (measured here: right after 15 s of full load "
-                         "the same run is ~9%% slower; after 15 s idle it is back)")
+    ap.add_argument("--cooldown", type=float, default=15.0, help="idle seconds before each engine")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--single", default=None, help=argparse.SUPPRESS)  # internal: run one engine, write here
     args = ap.parse_args(argv)
@@ -94,8 +92,7 @@ def main(argv=None) -> int:
             json.dump({"wall": wall, "outputs": outs, "info": info}, f)
         return 0
     for name in args.engines.split(","):
-        time.sleep(args.cooldown)  # every engine starts from an idle machine, not just the first
-        child = run_in_own_process(__file__, name, argv if argv is not None else sys.argv[1:])
+        child = run_in_own_process(__file__, name, argv if argv is not None else sys.argv[1:], args.cooldown)
         wall, outs, info = child["wall"], child["outputs"], child["info"]
         results[name] = {"seconds": round(wall, 3), "tokens_per_s": round(asked / wall, 1), **info}
         outputs[name] = outs

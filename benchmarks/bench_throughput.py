@@ -73,9 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "onednn"])
-    ap.add_argument("--cooldown", type=float, default=15.0,
-                    help="idle seconds before each engine (measured here: right after 15 s of full load "
-                         "the same run is ~9%% slower; after 15 s idle it is back)")
+    ap.add_argument("--cooldown", type=float, default=15.0, help="idle seconds before each engine")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--single", default=None, help=argparse.SUPPRESS)  # internal: run one engine, write here
     args = ap.parse_args(argv)
@@ -105,8 +103,7 @@ def main(argv=None) -> int:
             json.dump({"results": results, "outputs": outs}, f)
         return 0
     for name in engines:
-        time.sleep(args.cooldown)  # every engine starts from an idle machine, not just the first
-        child = run_in_own_process(__file__, name, argv if argv is not None else sys.argv[1:])
+        child = run_in_own_process(__file__, name, argv if argv is not None else sys.argv[1:], args.cooldown)
         results.update(child["results"])
         if child["outputs"] is not None:
             outputs[name] = child["outputs"]

@@ -130,14 +130,19 @@ def _strip_option(args: list, option: str) -> list:
     return out
 
 
-def run_in_own_process(script: str, engine: str, argv: list) -> dict:
-    """Run ``script --single OUT --engines engine <argv minus --json/--engines>`` in a fresh Python
-    and return what it wrote to OUT. Why: an engine that ran torch in a thread leaves an OpenMP team
-    behind, and with two teams alive on 2 cores every op of the next engine runs ~2x slower."""
+def run_in_own_process(script: str, engine: str, argv: list, cooldown_s: float = 0.0) -> dict:
+    """Sleep ``cooldown_s``, then run ``script --single OUT --engines engine <argv minus
+    --json/--engines>`` in a fresh Python and return what it wrote to OUT. Why: an engine that ran
+    torch in a thread leaves an OpenMP team behind, and with two teams alive on 2 cores every op of
+    the next engine runs ~2x slower. The sleep lets every engine start from an idle machine, not
+    just the first (measured here: right after 15 s of full load the same run is ~9% slower)."""
     import json
     import subprocess
     import sys
     import tempfile
+    import time
+
+    time.sleep(cooldown_s)
 
     rest = _strip_option(_strip_option(list(argv), "--json"), "--engines")
     with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
