@@ -99,6 +99,7 @@ class PackedLinears:
 
     @property
     def modules(self) -> list[torch.nn.Linear]:
+        """The ``nn.Linear`` modules that run packed (empty after :meth:`restore`)."""
         return [f.module for f in self.forwards]
 
     def __len__(self) -> int:
