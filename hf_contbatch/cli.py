@@ -157,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or auto")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=None)
-    g.add_argument("--cache-gib", type=float, default=0.5, help="KV pool size on CPU when --num-blocks is not given")
+    g.add_argument("--cache-gib", type=float, default=None,
+                   help="KV pool size on CPU when --num-blocks is not given (default: --max-num-seqs requests at "
+                        "the model's full context, at most 1 GiB)")
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"])

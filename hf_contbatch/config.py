@@ -30,20 +30,25 @@ class CacheConfig:
         block_size: tokens per KV block (a power of two, 1..256). Default 16, as in vLLM.
         num_blocks: blocks in the pool. When ``None`` the pool is sized from memory: on CUDA from
             ``gpu_memory_utilization`` of the free device memory after the weights, on CPU from
-            ``cpu_cache_gib``.
-        cpu_cache_gib: GiB of host memory for the KV pool when running on CPU and ``num_blocks`` is None.
+            ``cpu_cache_gib``. The engine logs the size it chose (logger ``hf_contbatch.engine``).
+        cpu_cache_gib: GiB of host memory for the KV pool when running on CPU and ``num_blocks`` is
+            None. None (the default) sizes it from what the model can use: ``max_num_seqs`` requests
+            at the model's full context, at most 1 GiB and a quarter of the available memory
+            (``hf_contbatch.kv.pool_size``).
         gpu_memory_utilization: fraction (0, 1] of device memory the engine may fill (weights included)
             on CUDA when ``num_blocks`` is None.
-        swap_space_gib: GiB of host memory for the swap pool used by swap preemption.
+        swap_space_gib: GiB of host memory for the swap pool used by swap preemption. None (the
+            default) gives it as many blocks as the KV pool, at most what the model can use, under
+            the same caps (``hf_contbatch.kv.pool_size``).
         enable_prefix_caching: reuse the KV blocks of identical full-block prompt prefixes.
         dtype: KV cache dtype name ("float32", "float16", "bfloat16") or None for the model's dtype.
     """
 
     block_size: int = 16
     num_blocks: Optional[int] = None
-    cpu_cache_gib: float = 1.0
+    cpu_cache_gib: Optional[float] = None
     gpu_memory_utilization: float = 0.9
-    swap_space_gib: float = 1.0
+    swap_space_gib: Optional[float] = None
     enable_prefix_caching: bool = False
     dtype: Optional[str] = None
 
@@ -52,14 +57,20 @@ class CacheConfig:
         if self.block_size & (self.block_size - 1) or self.block_size > 256:
             raise ValueError(f"`block_size` must be a power of two between 1 and 256, got {self.block_size}")
         _check_positive_int("num_blocks", self.num_blocks, allow_none=True)
-        if not (isinstance(self.cpu_cache_gib, (int, float)) and self.cpu_cache_gib > 0):
-            raise ValueError(f"`cpu_cache_gib` must be a positive number of GiB, got {self.cpu_cache_gib!r}")
+        if self.cpu_cache_gib is not None and not (
+            isinstance(self.cpu_cache_gib, (int, float)) and not isinstance(self.cpu_cache_gib, bool)
+            and self.cpu_cache_gib > 0
+        ):
+            raise ValueError(f"`cpu_cache_gib` must be a positive number of GiB or None, got {self.cpu_cache_gib!r}")
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(
                 f"`gpu_memory_utilization` must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
-        if not (isinstance(self.swap_space_gib, (int, float)) and self.swap_space_gib >= 0):
-            raise ValueError(f"`swap_space_gib` must be a number >= 0, got {self.swap_space_gib!r}")
+        if self.swap_space_gib is not None and not (
+            isinstance(self.swap_space_gib, (int, float)) and not isinstance(self.swap_space_gib, bool)
+            and self.swap_space_gib >= 0
+        ):
+            raise ValueError(f"`swap_space_gib` must be a number >= 0 or None, got {self.swap_space_gib!r}")
         if self.dtype not in (None, "float32", "float16", "bfloat16"):
             raise ValueError(
                 f"`dtype` must be one of None, 'float32', 'float16', 'bfloat16', got {self.dtype!r}"

@@ -27,6 +27,7 @@ from .config import EngineConfig
 from .cpu_linear import pack_linears
 from .kv.block_manager import BlockManager
 from .kv.paged_cache import PagedKVCache, kv_bytes_per_block
+from .kv.pool_size import default_host_kv_blocks, default_swap_blocks
 from .request import Request, RequestIdCounter, RequestStatus, SamplingParams
 from .runner import ModelRunner
 from .sampler import Sampler
@@ -252,8 +253,10 @@ class LLMEngine:
         self.backend = resolve_backend(self.config.attention_backend, self.device)
         layer_devices = _layer_devices(model, self.num_layers)
         block_bytes = kv_bytes_per_block(self.num_layers, cache_cfg.block_size, self.num_kv_heads, self.head_dim, dtype)
+        self.pool_sizing: dict[str, str] = {}  # pool -> why it has its size (logged, shown by the dashboard)
         num_blocks = cache_cfg.num_blocks or self._blocks_from_memory(block_bytes, layer_devices, dtype)
         swap_blocks = self._swap_blocks(block_bytes, num_blocks)
+        self._log_pool_sizes(num_blocks, swap_blocks, block_bytes)
         self.cache = PagedKVCache(
             self.num_layers, self.num_kv_heads, self.head_dim, num_blocks, cache_cfg.block_size, dtype,
             layer_devices, num_swap_blocks=swap_blocks, attention_backend=self.backend,
@@ -327,9 +330,16 @@ class LLMEngine:
         """
         cache_cfg = self.config.cache
         if any(d.type == "cuda" for d in layer_devices):
+            self.pool_sizing["kv"] = f"gpu_memory_utilization {cache_cfg.gpu_memory_utilization}"
             return self._blocks_from_device_memory(layer_devices, dtype)
-        want = cache_cfg.cpu_cache_gib * 2**30
         available = _available_host_memory()
+        if cache_cfg.cpu_cache_gib is None:
+            size = default_host_kv_blocks(block_bytes, cache_cfg.block_size, self.config.scheduler.max_num_seqs,
+                                          self.max_model_len, available)
+            self.pool_sizing["kv"] = size.reason
+            return size.num_blocks
+        self.pool_sizing["kv"] = f"cpu_cache_gib {cache_cfg.cpu_cache_gib:g}"
+        want = cache_cfg.cpu_cache_gib * 2**30
         if available is not None and want > available:
             raise ValueError(
                 f"`cpu_cache_gib`={cache_cfg.cpu_cache_gib} exceeds the available host memory "
@@ -421,15 +431,32 @@ class LLMEngine:
         if self.config.scheduler.preemption_mode not in ("swap", "auto"):
             return 0
         gib = self.config.cache.swap_space_gib
-        swap_blocks = int(gib * 2**30 // block_bytes)
         host_kv = num_blocks * block_bytes if self.device.type == "cpu" else 0
         available = _available_host_memory()
+        if gib is None:
+            size = default_swap_blocks(block_bytes, num_blocks, self.config.cache.block_size,
+                                       self.config.scheduler.max_num_seqs, self.max_model_len, available, host_kv)
+            self.pool_sizing["swap"] = size.reason
+            return size.num_blocks
+        self.pool_sizing["swap"] = f"swap_space_gib {gib:g}"
+        swap_blocks = int(gib * 2**30 // block_bytes)
         if available is not None and swap_blocks * block_bytes + host_kv > available:
             raise ValueError(
                 f"`swap_space_gib`={gib} plus the {host_kv / 2**30:.2f} GiB KV pool exceeds the available host "
                 f"memory ({available / 2**30:.1f} GiB); lower swap_space_gib or use preemption_mode='recompute'"
             )
         return swap_blocks
+
+    def _log_pool_sizes(self, num_blocks: int, swap_blocks: int, block_bytes: int) -> None:
+        """One INFO line per engine: the pools' sizes and why (``pool_sizing``)."""
+        bs = self.config.cache.block_size
+        self.pool_sizing.setdefault("kv", "num_blocks")
+        line = (f"KV pool: {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens, "
+                f"{num_blocks * block_bytes / 2**20:.0f} MiB on {self.device.type}; {self.pool_sizing['kv']})")
+        if swap_blocks:
+            line += (f"; swap pool: {swap_blocks} blocks ({swap_blocks * block_bytes / 2**20:.0f} MiB; "
+                     f"{self.pool_sizing.get('swap', '')})")
+        logger.info(line)
 
     def _estimate_swap_cost_per_block(self, block_bytes: int) -> float:
         """Cost of moving one block to the host and back, in tokens of recompute ("auto" mode).
@@ -641,6 +668,8 @@ class LLMEngine:
                 for req in [item, *item.pending_forks]:
                     self._fail(req, err, status=RequestStatus.FINISHED_CANCELLED)
         self._inbox.clear()
+        for q in (self.scheduler.running, self.scheduler.waiting, self.scheduler.swapped):
+            q.clear()  # the last stats() (the dashboard's final frame) shows nothing in flight
         self.cache.release()
         if self.packed_linears is not None:
             self.packed_linears.restore()

@@ -38,7 +38,7 @@ from ..request import SamplingParams
 MODEL_TYPE = "hf-contbatch"
 
 _ENGINE_ARGS = {
-    "block_size": 16, "num_blocks": None, "cache_gib": 1.0, "max_num_seqs": 256, "max_num_batched_tokens": 2048,
+    "block_size": 16, "num_blocks": None, "cache_gib": None, "max_num_seqs": 256, "max_num_batched_tokens": 2048,
     "enable_prefix_caching": False, "attention_backend": "auto", "engine_seed": None,
 }
 

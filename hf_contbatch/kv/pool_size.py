@@ -1,0 +1,95 @@
+"""Default sizes of the host-memory pools: the KV pool on CPU and the swap pool.
+
+Pure arithmetic (no torch), so the rules are easy to test and to read. A pool much larger than the
+model can ever fill costs memory and makes the dashboard's grid unreadable (a 1 GiB pool is 16,384
+blocks for the 4M-parameter embedded model, whose 128 requests at its 1,024-token context can hold
+8,192 at most), so the defaults are sized from what the model can use:
+
+- **KV pool on CPU** (``CacheConfig.cpu_cache_gib=None``): ``max_num_seqs`` requests each at the
+  model's full context (``max_position_embeddings``), in blocks; capped at ``HOST_CAP_GIB`` and at
+  ``HOST_FRACTION`` of the available host memory. With an unknown context, the cap.
+- **Swap pool** (``CacheConfig.swap_space_gib=None``, swap/auto preemption): as many blocks as the
+  device pool (swapped-out requests held those blocks on the device, and swap falls back to
+  recompute when the host pool is full), at most what the model can use, under the same caps
+  after the host KV pool's bytes.
+
+CUDA pools keep vLLM's ``gpu_memory_utilization`` rule (see ``LLMEngine``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+HOST_CAP_GIB = 1.0  # most a default host pool takes
+HOST_FRACTION = 0.25  # of the available host memory, at most, for a default host pool
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    """A pool size and why: ``num_blocks`` blocks, ``reason`` in words (for the log and the dashboard)."""
+
+    num_blocks: int
+    reason: str
+
+
+def blocks_model_can_use(max_num_seqs: int, max_model_len: Optional[int], block_size: int) -> Optional[int]:
+    """Blocks that ``max_num_seqs`` requests at the full context ``max_model_len`` (tokens) hold;
+    None when the context is unknown."""
+    if not max_model_len:
+        return None
+    return max_num_seqs * math.ceil(max_model_len / block_size)
+
+
+def _cap_blocks(block_bytes: int, available_bytes: Optional[int]) -> tuple[int, str]:
+    cap = HOST_CAP_GIB * 2**30
+    why = f"{HOST_CAP_GIB:g} GiB"
+    if available_bytes is not None and available_bytes * HOST_FRACTION < cap:
+        cap = available_bytes * HOST_FRACTION
+        why = f"{HOST_FRACTION:.0%} of the available host memory ({available_bytes / 2**30:.1f} GiB)"
+    return max(1, int(cap // block_bytes)), why
+
+
+def default_host_kv_blocks(
+    block_bytes: int, block_size: int, max_num_seqs: int, max_model_len: Optional[int],
+    available_bytes: Optional[int],
+) -> PoolSize:
+    """The CPU KV pool's default size.
+
+    Args:
+        block_bytes: bytes of one block over all layers, K and V.
+        block_size: tokens per block.
+        max_num_seqs: most requests running at once (``SchedulerConfig.max_num_seqs``).
+        max_model_len: the model's context in tokens, or None when unknown.
+        available_bytes: available host memory (``MemAvailable``), or None when unknown.
+    """
+    cap, cap_why = _cap_blocks(block_bytes, available_bytes)
+    want = blocks_model_can_use(max_num_seqs, max_model_len, block_size)
+    if want is None:
+        return PoolSize(cap, f"{cap_why} (the model's context is unknown)")
+    if want <= cap:
+        return PoolSize(want, f"max_num_seqs {max_num_seqs} × context {max_model_len} tokens")
+    return PoolSize(cap, f"capped at {cap_why}; max_num_seqs {max_num_seqs} × context {max_model_len} tokens "
+                         f"would take {want * block_bytes / 2**30:.2f} GiB")
+
+
+def default_swap_blocks(
+    block_bytes: int, device_blocks: int, block_size: int, max_num_seqs: int, max_model_len: Optional[int],
+    available_bytes: Optional[int], host_kv_bytes: int = 0,
+) -> PoolSize:
+    """The swap pool's default size: the device pool's block count, at most what the model can use,
+    capped like the KV pool after ``host_kv_bytes`` (the KV pool's bytes when it is on the host too).
+
+    Args: as ``default_host_kv_blocks``, plus ``device_blocks`` (the KV pool's size) and
+    ``host_kv_bytes``.
+    """
+    left = None if available_bytes is None else max(0, available_bytes - host_kv_bytes)
+    cap, cap_why = _cap_blocks(block_bytes, left)
+    want = blocks_model_can_use(max_num_seqs, max_model_len, block_size)
+    target, why = device_blocks, "as many blocks as the KV pool"
+    if want is not None and want < target:
+        target, why = want, f"max_num_seqs {max_num_seqs} × context {max_model_len} tokens"
+    if target <= cap:
+        return PoolSize(target, why)
+    return PoolSize(cap, f"capped at {cap_why}")
