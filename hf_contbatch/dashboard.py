@@ -49,7 +49,8 @@ _STYLE = """<style>
 .hfcb-grid{display:grid;gap:1px}
 .hfcb-grid i{display:block;width:100%;aspect-ratio:1;background:#e5e7eb;border-radius:2px}
 .hfcb-grid i.c{background:#f59e0b}
-.hfcb-legend{display:flex;gap:10px;margin-top:4px;color:#555}
+.hfcb-legend{display:flex;gap:10px;margin-top:4px;color:#555;flex-wrap:wrap;max-width:640px}
+.hfcb-note{color:#666;margin:0 0 3px 0}
 .hfcb-legend span i{display:inline-block;width:9px;height:9px;margin-right:3px;vertical-align:middle}
 .hfcb-tiles{display:flex;gap:6px;flex-wrap:wrap;font:12px sans-serif}
 .hfcb-tile{border:1px solid #ddd;border-radius:4px;padding:3px 8px;min-width:64px}
@@ -166,23 +167,39 @@ def _cell_px(num_cells: int) -> int:
     return 16 if num_cells <= 64 else 13 if num_cells <= 256 else 10
 
 
+def in_use_region(owners: Sequence[int], high_water: int = 0, minimum: int = 64) -> int:
+    """How many leading blocks of a pool the grid draws: a power of two covering every block in use
+    now and the ``high_water`` mark of earlier snapshots, at least ``minimum``, at most the pool.
+
+    Blocks are handed out lowest index first (freed blocks go back to the front of the free queue),
+    so the blocks past the highest ever used have never held KV; drawing them would shrink the
+    in-use cells to specks in a pool sized for the model's full context. Powers of two keep the grid
+    from changing shape at every refresh.
+    """
+    n = len(owners)
+    top = max((i + 1 for i in range(n - 1, -1, -1) if owners[i] >= 0), default=0)
+    need = max(top, high_water, min(minimum, n), 1)
+    return min(n, 1 << (need - 1).bit_length())
+
+
 def render_block_grid(
     owners: Sequence[int], ref_counts: Sequence[int] = (), max_cells: int = 512, lightness: int = 48,
-    colour: Optional[str] = None,
+    colour: Optional[str] = None, region: Optional[int] = None,
 ) -> str:
     """One ``<div>`` with a cell per block (request id on hover), or per group of blocks when the
-    pool has more than ``max_cells`` blocks.
+    drawn region has more than ``max_cells`` blocks.
 
     Args:
         owners: per block, the owning request id or -1 when free.
         ref_counts: per block (optional); above 1 the block is shared (prefix cache or fork).
-        max_cells: most cells drawn; larger pools aggregate ``ceil(n / max_cells)`` blocks a cell.
+        max_cells: most cells drawn; larger regions aggregate ``ceil(n / max_cells)`` blocks a cell.
         lightness: HSL lightness of request colours (the swap pool uses a lighter shade).
         colour: one colour for every block in use instead of one per request (owners unknown).
+        region: draw only the first ``region`` blocks (see ``in_use_region``); None draws all.
     """
-    n = len(owners)
-    refs = ref_counts if len(ref_counts) == n else (1,) * n
-    group = max(1, math.ceil(n / max(1, max_cells)))
+    n = len(owners) if region is None else max(0, min(region, len(owners)))
+    refs = ref_counts if len(ref_counts) == len(owners) else (1,) * len(owners)
+    group = blocks_per_cell(n, max_cells)
     cells = []
     for start in range(0, n, group):
         stop = min(n, start + group)
@@ -225,41 +242,80 @@ def render_block_grid(
             + "".join(cells) + "</div>")
 
 
-def _legend(group: int) -> str:
-    per = "block" if group == 1 else f"{group} blocks"
-    return ('<div class="hfcb-legend">'
-            f'<span><i style="background:{FREE_COLOUR}"></i>free</span>'
-            f'<span><i style="background:{request_colour(1)}"></i><i style="background:{request_colour(2)}"></i>'
-            'in use (colour = request, hover for id)</span>'
-            f'<span><i style="background:{CACHED_COLOUR}"></i>prefix-cached (shared)</span>'
-            f'<span><i style="background:{SWAPPED_COLOUR}"></i>swapped out</span>'
+def blocks_per_cell(num_drawn: int, max_cells: int) -> int:
+    """Blocks one grid cell stands for when ``num_drawn`` blocks are drawn in at most ``max_cells``."""
+    return max(1, math.ceil(num_drawn / max(1, max_cells)))
+
+
+def _legend(group: int, swap: bool = False, by_request: bool = True) -> str:
+    """The legend of one grid (device or swap pool): what its colours and one cell mean."""
+    per = "1 block" if group == 1 else f"{group} blocks (darker = fuller)"
+    if swap:
+        swatches = (f'<i style="background:{request_colour(1, 70)}"></i><i style="background:{request_colour(2, 70)}"></i>'
+                    if by_request else f'<i style="background:{SWAPPED_COLOUR}"></i>')
+        used = f'<span>{swatches}swapped out{" (colour = request)" if by_request else ""}</span>'
+
+        shared = ""
+    else:
+        used = (f'<span><i style="background:{request_colour(1)}"></i><i style="background:{request_colour(2)}"></i>'
+                'in use (colour = request, hover for id)</span>')
+        shared = f'<span><i style="background:{CACHED_COLOUR}"></i>prefix-cached (shared)</span>'
+    return (f'<div class="hfcb-legend"><span><i style="background:{FREE_COLOUR}"></i>free</span>{used}{shared}'
             f'<span>one cell = {per}</span></div>')
 
 
-def render_pools(stats, max_cells: int = 512) -> str:
-    """The device pool grid and, beside it, the CPU swap pool grid (one HTML value)."""
-    owners = tuple(stats.block_owner) or (0,) * stats.num_used_blocks + (-1,) * stats.num_free_blocks
+def _region_note(drawn: int, total: int) -> str:
+    if drawn >= total:
+        return ""
+    return (f'<div class="hfcb-note">blocks 0–{drawn - 1} drawn; the other {total - drawn:,} have never been '
+            'used (free)</div>')
+
+
+def _device_owners(stats) -> tuple:
+    """Per device block its owner (-1 free); used blocks first when the engine publishes only counts."""
+    return tuple(stats.block_owner) or (0,) * stats.num_used_blocks + (-1,) * stats.num_free_blocks
+
+
+def render_pools(stats, max_cells: int = 512, regions: Optional[dict] = None, sizing: Optional[dict] = None) -> str:
+    """The device pool grid and, beside it, the CPU swap pool grid (one HTML value), each with its
+    own legend.
+
+    Args:
+        stats: an ``EngineStats``.
+        max_cells: most cells per grid.
+        regions: leading blocks to draw per pool (``{"kv": n, "swap": m}``); by default the
+            ``in_use_region`` of this snapshot alone.
+        sizing: why each pool has its size (``LLMEngine.pool_sizing``), shown under its title.
+    """
+    regions, sizing = regions or {}, sizing or {}
+    owners = _device_owners(stats)
     refs = tuple(_field(stats, "block_ref_counts", ()))
     cached_free = ""
     if _field(stats, "prefix_caching", False):
         cached_free = f" · {_field(stats, 'num_cached_blocks', 0)} free blocks hold cached prefixes"
-    device = (f'<div class="hfcb-pool hfcb-device"><h4>KV blocks · {stats.num_used_blocks}/{stats.num_blocks} in use'
-              f' · block size {stats.block_size}{cached_free}</h4>{render_block_grid(owners, refs, max_cells)}</div>')
+    drawn = min(len(owners), regions.get("kv") or in_use_region(owners))
+    why = f'<div class="hfcb-note">sized from {html.escape(sizing["kv"])}</div>' if sizing.get("kv") else ""
+    device = (f'<div class="hfcb-pool hfcb-device"><h4>KV blocks · {stats.num_used_blocks}/{stats.num_blocks:,} in use'
+              f' · block size {stats.block_size}{cached_free}</h4>{why}'
+              f'{render_block_grid(owners, refs, max_cells, region=drawn)}{_region_note(drawn, len(owners))}'
+              f'{_legend(blocks_per_cell(drawn, max_cells))}</div>')
     swap_blocks = int(_field(stats, "num_swap_blocks", 0))
     if swap_blocks:
         swap_used = int(_field(stats, "num_swapped_blocks", 0))
         swap_owners = tuple(_field(stats, "swap_block_owner", ()))
-        if len(swap_owners) == swap_blocks:
-            swap_grid = render_block_grid(swap_owners, (), max_cells, lightness=70)
-        else:  # only counts published: the used ones first, in one colour
-            swap_grid = render_block_grid((0,) * swap_used + (-1,) * (swap_blocks - swap_used), (), max_cells,
-                                          colour=SWAPPED_COLOUR)
-        swap = (f'<div class="hfcb-pool hfcb-swap"><h4>CPU swap pool · {swap_used}/{swap_blocks} in use</h4>'
-                f'{swap_grid}</div>')
+        known = len(swap_owners) == swap_blocks
+        if not known:  # only counts published: the used ones first, in one colour
+            swap_owners = (0,) * swap_used + (-1,) * (swap_blocks - swap_used)
+        swap_drawn = min(swap_blocks, regions.get("swap") or in_use_region(swap_owners))
+        swap_grid = (render_block_grid(swap_owners, (), max_cells, lightness=70, region=swap_drawn) if known
+                     else render_block_grid(swap_owners, (), max_cells, colour=SWAPPED_COLOUR, region=swap_drawn))
+        why = f'<div class="hfcb-note">sized {html.escape(sizing["swap"])}</div>' if sizing.get("swap") else ""
+        swap = (f'<div class="hfcb-pool hfcb-swap"><h4>CPU swap pool · {swap_used}/{swap_blocks:,} in use</h4>{why}'
+                f'{swap_grid}{_region_note(swap_drawn, swap_blocks)}'
+                f'{_legend(blocks_per_cell(swap_drawn, max_cells), swap=True, by_request=known)}</div>')
     else:
         swap = '<div class="hfcb-pool hfcb-swap"><h4>CPU swap pool · none</h4></div>'
-    group = max(1, math.ceil(len(owners) / max(1, max_cells)))
-    return _STYLE + f'<div class="hfcb-pools">{device}{swap}</div>' + _legend(group)
+    return _STYLE + f'<div class="hfcb-pools">{device}{swap}</div>'
 
 
 def _tile(label: str, value: str, note: str = "") -> str:
@@ -406,6 +462,7 @@ class Dashboard:
         self._last_key: Optional[tuple] = None
         self._last_stats = None
         self._rate: Optional[float] = None
+        self._regions = {"kv": 0, "swap": 0}  # high-water marks of the drawn grid regions
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
 
@@ -472,10 +529,12 @@ class Dashboard:
         return self._thread is not None and self._thread.is_alive()
 
     def summary(self) -> str:
-        """The text form of the latest snapshot (``format_stats``): the refresher's while it runs,
-        else a fresh one (a dashboard that was never displayed would otherwise show its first)."""
-        stats = self._last_stats if (self.running and self._last_stats is not None) else self.source.stats()
-        return format_stats(stats, self._rate)
+        """The text form of a snapshot taken now (``format_stats``), never the refresher's last one:
+        right after a call returns the refresher may not have run since its requests finished."""
+        with self._lock:
+            stats = self.source.stats()
+            rate = self._recent_rate(time.monotonic(), stats.num_generated_tokens) if _active(stats) else None
+        return format_stats(stats, rate)
 
     def _repr_mimebundle_(self, **kwargs) -> dict:
         data = self.widget._repr_mimebundle_(**kwargs) or {}
@@ -509,10 +568,13 @@ class Dashboard:
             stats = self.source.stats()
             now = time.monotonic()
             rate = self._recent_rate(now, stats.num_generated_tokens)
+            if not _active(stats) or self._source_closed():
+                rate = None  # idle: a rate would be the last burst's, not "now" ("—" is shown)
             key = (stats.num_iterations, stats.num_used_blocks, stats.num_waiting, stats.num_running,
                    stats.num_swapped, stats.num_finished, stats.num_generated_tokens, stats.num_preemptions,
-                   _field(stats, "num_swapped_blocks", 0))
-            if only_if_changed and key == self._last_key and not rate:
+                   _field(stats, "num_swapped_blocks", 0), None if rate is None else round(rate, 1),
+                   self._source_closed())
+            if only_if_changed and key == self._last_key:
                 return stats, False  # nothing moved: render nothing, send nothing
             self._last_key, self._last_stats, self._rate = key, stats, rate
             self._history.append((now, rate or 0.0, stats.num_used_blocks))
@@ -535,8 +597,20 @@ class Dashboard:
             text += f" · watermark {watermark}"
         return text
 
+    def _grid_regions(self, stats) -> dict:
+        """Leading blocks to draw per pool: the in-use region, never shrinking (``in_use_region``)."""
+        self._regions["kv"] = in_use_region(_device_owners(stats), self._regions["kv"])
+        swap_blocks = int(_field(stats, "num_swap_blocks", 0))
+        if swap_blocks:
+            owners = tuple(_field(stats, "swap_block_owner", ()))
+            if len(owners) != swap_blocks:
+                used = int(_field(stats, "num_swapped_blocks", 0))
+                owners = (0,) * used + (-1,) * (swap_blocks - used)
+            self._regions["swap"] = in_use_region(owners, self._regions["swap"])
+        return dict(self._regions)
+
     def _render(self, stats, rate: Optional[float]) -> dict:
-        active = stats.num_waiting + stats.num_running + stats.num_swapped
+        active = _active(stats)
         if self._source_closed():
             state, colour = "closed", "#6b7280"
         elif active:
@@ -554,7 +628,8 @@ class Dashboard:
                        else f"{shown_tokens} / {stats.capacity_tokens} tokens (in {slots} allocated slots)")
         return {
             (self.header, "value"): header,
-            (self.grid, "value"): render_pools(stats, self.max_cells),
+            (self.grid, "value"): render_pools(stats, self.max_cells, self._grid_regions(stats),
+                                               getattr(getattr(self.source, "engine", self.source), "pool_sizing", None)),
             (self.blocks_bar, "max"): max(stats.num_blocks, 1),
             (self.blocks_bar, "value"): stats.num_used_blocks,
             (self.blocks_label, "value"): self._blocks_text(stats),
@@ -564,6 +639,11 @@ class Dashboard:
             (self.tiles, "value"): render_tiles(stats, rate, list(self._history)),
             (self.phases, "value"): render_phases(stats),
         }
+
+
+def _active(stats) -> int:
+    """Requests waiting, running or swapped out in a snapshot."""
+    return stats.num_waiting + stats.num_running + stats.num_swapped
 
 
 def _in_kernel() -> bool:

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from hf_contbatch import CacheConfig, EngineConfig, EngineStats, LLMEngine, SamplingParams, SchedulerConfig
-from hf_contbatch.dashboard import Dashboard, format_stats, phase_rows, render_block_grid, render_pools
+from hf_contbatch.dashboard import (Dashboard, format_stats, in_use_region, phase_rows, render_block_grid,
+                                    render_pools)
 
 from conftest import random_prompts
 
@@ -219,3 +220,91 @@ def test_live_dashboard_follows_a_real_engine_under_preemption(llama_model):
         assert f"finished 12 · preempted {stats.num_preemptions}" in dash.summary()
     finally:
         engine.close()
+
+
+def _tile_value(tiles_html: str, label: str) -> str:
+    return re.search(rf"<small>{re.escape(label)}</small><b>([^<]*)</b>", tiles_html).group(1)
+
+
+def _legends(pools_html: str) -> list[str]:
+    return re.findall(r"one cell = ([^<]*)</span>", pools_html)
+
+
+@pytest.mark.timeout(10)
+def test_grid_draws_the_in_use_region_of_a_large_pool_one_cell_per_block():
+    owners = (3,) * 30 + (-1,) * 8162  # 30 of 8,192 blocks in use, the lowest ones (as allocated)
+    assert in_use_region(owners) == 64  # a power of two >= 30, at least 64
+    assert in_use_region(owners, high_water=200) == 256  # never shrinks below an earlier high-water mark
+    assert in_use_region((-1,) * 20) == 20  # a small pool is drawn whole
+    stats = make_stats(num_blocks=8192, num_used_blocks=30, num_free_blocks=8162, capacity_tokens=8192 * 16,
+                       block_owner=owners)
+    pools = render_pools(stats)
+    device = pools.split("hfcb-swap")[0]
+    grid = re.search(r'<div class="hfcb-grid"[^>]*>(.*?)</div>', device).group(0)
+    assert grid.count("<i") == 64  # one cell per block of the region, not 512 aggregated cells
+    assert len(re.findall(r'title="block \d+ · request 3"', device)) == 30
+    assert ",16px)" in grid  # 64 cells: 16 px each
+    assert "the other 8,128 have never been used" in device
+    assert _legends(pools) == ["1 block"]
+
+
+@pytest.mark.timeout(10)
+def test_each_grid_has_a_legend_true_for_it():
+    # a 48-block device pool beside a 4,096-block swap pool with 600 blocks swapped out
+    stats = with_fields(make_stats(num_blocks=48, num_free_blocks=44, block_owner=(5, 5, 5, 7) + (-1,) * 44),
+                        num_swap_blocks=4096, num_swapped_blocks=600)
+    pools = render_pools(stats)
+    assert _legends(pools) == ["1 block", "2 blocks (darker = fuller)"]  # swap: 1,024 drawn in 512 cells
+    swap = pools.split("hfcb-swap")[1]
+    assert 'data-blocks-per-cell="2"' in swap and "the other 3,072 have never been used" in swap
+    assert "swapped out" in swap and "prefix-cached" not in swap
+
+
+@pytest.mark.timeout(20)
+def test_tokens_per_s_now_reads_a_dash_when_the_engine_is_idle():
+    source = FakeSource(make_stats(num_generated_tokens=40))
+    dash = Dashboard(source)
+    time.sleep(0.3)
+    source.snapshot = dataclasses.replace(source.snapshot, num_generated_tokens=100, num_iterations=20)
+    dash.refresh()
+    busy = _tile_value(dash.tiles.value, "tokens/s now")
+    assert busy != "—" and float(busy) > 0
+    source.snapshot = dataclasses.replace(source.snapshot, num_waiting=0, num_running=0, num_finished=7)
+    dash.refresh()
+    assert _tile_value(dash.tiles.value, "tokens/s now") == "—"
+    assert "tok/s now" not in dash.summary()
+
+
+@pytest.mark.timeout(20)
+def test_summary_takes_a_fresh_snapshot_while_the_refresher_runs():
+    source = FakeSource(make_stats())
+    dash = Dashboard(source, refresh_hz=0.2).start()  # the refresher sleeps 5 s first
+    try:
+        source.snapshot = dataclasses.replace(source.snapshot, num_waiting=0, num_running=0, num_finished=9)
+        assert "waiting 0 · running 0 · swapped 0 · finished 9" in dash.summary()
+    finally:
+        dash.stop()
+
+
+@pytest.mark.timeout(120)
+def test_frame_after_close_shows_nothing_in_flight(llama_model):
+    engine = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(num_blocks=128, block_size=4), linear_backend="torch"))
+    dash = Dashboard(engine)
+    started = threading.Event()
+
+    def slow(request) -> bool:  # engine thread, after each token
+        started.set()
+        time.sleep(0.01)
+        return False
+
+    handles = [engine.submit(p, SamplingParams(max_new_tokens=150), stop_checker=slow)
+               for p in random_prompts([5, 9, 7])]
+    assert started.wait(60)
+    engine.close()
+    stats = dash.refresh()
+    assert all(h.done() for h in handles)
+    assert (stats.num_running, stats.num_waiting, stats.num_swapped, stats.num_used_blocks) == (0, 0, 0, 0)
+    assert stats.num_kv_tokens == 0
+    assert "closed" in dash.header.value
+    assert _tile_value(dash.tiles.value, "running") == "0" and _tile_value(dash.tiles.value, "tokens/s now") == "—"
+    assert dash.tokens_label.value.startswith("0 / ")
