@@ -15,6 +15,7 @@ import copy
 import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
@@ -228,11 +229,26 @@ def _check_generation_kwarg_types(kwargs: dict) -> None:
         raise ValueError(f"`do_sample` must be True or False, got {v!r}")
 
 
+def _cancel_if_abandoned(handles: list[RequestHandle], abandoned: list[bool]) -> None:
+    """Finalizer of a ``GenerationHandle``: nothing can reach its requests any more; if a stream of
+    it was left early, stop them (their KV blocks go to other requests)."""
+    if abandoned[0]:
+        for h in handles:
+            if not h.done():
+                h.cancel()
+
+
 class GenerationHandle:
     """A prompt submitted with ``ContinuousBatchingPipeline.submit``.
 
     Iterating yields text deltas as tokens arrive; ``result()`` returns the same records
     ``__call__`` returns for one prompt; ``cancel()`` stops it (its partial text is kept).
+
+    Leaving an iteration early: a KeyboardInterrupt (the notebook's Stop) while the loop waits for
+    tokens cancels the prompt's requests and re-raises. After a ``break`` the request is cancelled
+    when nothing else holds the handle (``for delta in pipe.submit(...): ... break``: nobody could
+    ever read the rest); a handle you keep (``h = pipe.submit(...)``) keeps generating, and
+    ``h.result()`` or ``h.cancel()`` decide.
     """
 
     def __init__(self, pipe: "ContinuousBatchingPipeline", prompt: _TextInput, handles: list[RequestHandle], post: dict):
@@ -240,6 +256,9 @@ class GenerationHandle:
         self.prompt = prompt
         self.handles = handles
         self._post = post
+        # Set when a stream is left early; the finalizer (run when the last reference goes) reads it.
+        self._abandoned = [False]
+        weakref.finalize(self, _cancel_if_abandoned, handles, self._abandoned)
 
     def done(self) -> bool:
         return all(h.done() for h in self.handles)
@@ -270,15 +289,27 @@ class GenerationHandle:
         final ``generated_text`` keeps it, as transformers does). Without stop strings the deltas
         concatenate to the sequence's new text. Each sequence can be streamed once.
 
+        Leaving early: see the class docstring (Stop cancels; ``break`` cancels when nothing else
+        holds this handle).
+
         Raises:
             EngineError: the engine failed the request.
         """
         handle = self.handles[index]
-        yield from text_deltas(
-            handle.token_stream(), self._pipe.tokenizer, stop_strings=self._post.get("_stop_strings"),
-            skip_special_tokens=self._pipe._skip_special_tokens(self._post),
-            clean_up_tokenization_spaces=self._post.get("clean_up_tokenization_spaces"),
-        )
+        finished = False
+        try:
+            yield from text_deltas(
+                handle.token_stream(), self._pipe.tokenizer, stop_strings=self._post.get("_stop_strings"),
+                skip_special_tokens=self._pipe._skip_special_tokens(self._post),
+                clean_up_tokenization_spaces=self._post.get("clean_up_tokenization_spaces"),
+            )
+            finished = True
+        except KeyboardInterrupt:
+            self.cancel()  # Stop while waiting for tokens: this stream's own prompt stops
+            raise
+        finally:
+            if not finished:
+                self._abandoned[0] = True
         handle.result()  # surfaces an engine error instead of ending the stream silently
 
     def __iter__(self) -> Iterator[str]:
@@ -643,7 +674,8 @@ class ContinuousBatchingPipeline:
         if pre.get("continue_final_message") is not None:
             post["continue_final_message"] = pre["continue_final_message"]
         stop_strings = gen.pop("stop_strings", None)
-        cfg = self.resolve_generation_config(gen)
+        cfgs = self._per_prompt_configs(gen, len(prompts))
+        cfg = cfgs[0]
         if cfg.stop_strings and stop_strings is None:
             stop_strings = cfg.stop_strings
         post["_stop_strings"] = [stop_strings] if isinstance(stop_strings, str) else stop_strings
@@ -666,15 +698,35 @@ class ContinuousBatchingPipeline:
                 raise ValueError(f"`priority` must be an int or a list of ints (lower runs first), got {p!r}")
         prefix_len = self._prefix_length(pre) if cfg.max_new_tokens is None or cfg.min_length else 0
         jobs = []
-        for prompt, prio in zip(prompts, priorities):
+        for prompt, prio, prompt_cfg in zip(prompts, priorities, cfgs):
             ids = self._tokenize(prompt, pre)
             if len(ids) == 0:
                 raise ValueError("a prompt tokenized to 0 tokens; give a non-empty prompt")
             if pre.get("handle_long_generation") == "hole":
-                ids = self._keep_hole(ids, cfg)
-            sp = self._sampling_params(cfg, len(ids), eng, prefix_len=prefix_len)
+                ids = self._keep_hole(ids, prompt_cfg)
+            sp = self._sampling_params(prompt_cfg, len(ids), eng, prefix_len=prefix_len)
             jobs.append((prompt, ids, sp, prio))
         return jobs, nrs, checker, post, eng
+
+    def _per_prompt_configs(self, gen: dict, num_prompts: int) -> list[GenerationConfig]:
+        """One resolved generation config per prompt: ``max_new_tokens`` may be a list with one int
+        per prompt (like ``priority``); everything else is shared.
+
+        Raises:
+            ValueError: a list of the wrong length or with a value that is not an int >= 1.
+        """
+        values = gen.get("max_new_tokens")
+        if not isinstance(values, (list, tuple)):
+            return [self.resolve_generation_config(gen)] * num_prompts
+        if len(values) != num_prompts:
+            raise ValueError(
+                f"`max_new_tokens` has {len(values)} entries for {num_prompts} prompts; give an int or one per prompt"
+            )
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"`max_new_tokens` must be an int >= 1 or a list of them (one per prompt), got {v!r}")
+        resolved = {v: self.resolve_generation_config({**gen, "max_new_tokens": v}) for v in dict.fromkeys(values)}
+        return [resolved[v] for v in values]
 
     def _submit_jobs(self, jobs, nrs, checker) -> list[list[RequestHandle]]:
         submitted: list[list[RequestHandle]] = []
@@ -745,8 +797,8 @@ class ContinuousBatchingPipeline:
                 dataset) of them.
             **kwargs: generation parameters (``max_new_tokens``, ``do_sample``, ``temperature``,
                 ``top_k``, ``top_p``, ``repetition_penalty``, ``eos_token_id``, ``stop_strings``,
-                ``num_return_sequences``...), ``return_full_text``, ``priority`` (int or one per
-                input; lower first), ``progress_bar`` (bool; default on for several inputs),
+                ``num_return_sequences``...; ``max_new_tokens`` may also be a list, one per input),
+                ``return_full_text``, ``priority`` (int or one per input; lower first), ``progress_bar`` (bool; default on for several inputs),
                 ``streamer`` (a transformers ``TextStreamer``/``TextIteratorStreamer``; one prompt),
                 ``prefix``, ``stop_sequence``, ``continue_final_message``, ``return_tensors``,
                 ``return_text``, ``handle_long_generation`` as in transformers.
@@ -791,7 +843,9 @@ class ContinuousBatchingPipeline:
         if show:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(flat), desc="hf_contbatch", unit="req")
+            # Rates in our own words: tqdm writes "3.78s/req" below one request a second.
+            bar = tqdm(total=len(flat), desc="hf_contbatch", unit="req",
+                       bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
         finished = 0
 
         def record(h: RequestHandle) -> None:
@@ -799,8 +853,7 @@ class ContinuousBatchingPipeline:
             finished += 1
             tokens += len(h.request.output_token_ids)
             if bar is not None:
-                elapsed = max(time.monotonic() - t0, 1e-9)
-                bar.set_postfix_str(f"{tokens / elapsed:.0f} tok/s", refresh=False)
+                bar.set_postfix_str(_rates(finished, tokens, time.monotonic() - t0), refresh=False)
                 bar.update(1)
 
         def drain() -> None:
@@ -817,9 +870,18 @@ class ContinuousBatchingPipeline:
                 drain()
             while finished < len(flat):
                 record(done_q.get())  # blocks without spinning
-        except KeyboardInterrupt:
-            for h in flat:
-                h.cancel()
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                for h in flat:
+                    h.cancel()
+            if bar is not None:  # close the bar with the outcome, not a silent 0/N
+                drain()
+                outcome = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"failed ({type(exc).__name__})"
+                unfinished = len(flat) - finished
+                bar.set_description(f"hf_contbatch {outcome}", refresh=False)
+                bar.set_postfix_str(f"{_rates(finished, tokens, time.monotonic() - t0)}, {unfinished} "
+                                    f"{'cancelled' if isinstance(exc, KeyboardInterrupt) else 'unfinished'}",
+                                    refresh=False)
             raise
         finally:
             if bar is not None:
@@ -834,6 +896,12 @@ class ContinuousBatchingPipeline:
         for (prompt, *_), hs in zip(jobs, submitted):
             results.append([self._record(prompt, h.result(), post) for h in hs])
         return results
+
+
+def _rates(requests: int, tokens: int, seconds: float) -> str:
+    """Progress-bar postfix: requests and generated tokens per second."""
+    seconds = max(seconds, 1e-9)
+    return f"{requests / seconds:.2f} req/s, {tokens / seconds:.0f} tok/s"
 
 
 def pipeline(task: str = "text-generation", model=None, tokenizer=None, **kwargs) -> ContinuousBatchingPipeline:

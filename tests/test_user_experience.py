@@ -1,0 +1,127 @@
+"""What a notebook user meets next: per-prompt max_new_tokens, leaving a stream early, Stop, and a
+progress bar that states rates and its outcome. Expected texts come from transformers' pipeline."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+import torch
+import transformers
+
+from hf_contbatch import CacheConfig, ContinuousBatchingPipeline, EngineConfig
+from hf_contbatch.default_model import default_model_path
+
+PROMPTS = ["The for statement", "A class is a", "Exceptions are raised when"]
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    # The background thread does every iteration, so a Stop lands in the caller's wait, not in a step.
+    p = ContinuousBatchingPipeline(
+        default_model_path(), dtype=torch.float32,
+        engine_config=EngineConfig(cache=CacheConfig(num_blocks=256), drive_in_caller=False, linear_backend="torch"),
+    )
+    yield p
+    p.close()
+
+
+def _sigint_after(event: threading.Event) -> threading.Thread:
+    """SIGINT to this process (what Jupyter's Stop sends the kernel) once ``event`` is set."""
+    def fire():
+        if event.wait(60):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    t = threading.Thread(target=fire, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.timeout(180)
+def test_max_new_tokens_per_prompt_equals_transformers_per_prompt(pipe):
+    reference = transformers.pipeline("text-generation", model=default_model_path(), dtype=torch.float32)
+    lengths = [3, 9, 5]
+    got = pipe(PROMPTS, max_new_tokens=lengths, do_sample=False, progress_bar=False)
+    assert got == [reference(p, max_new_tokens=n, do_sample=False) for p, n in zip(PROMPTS, lengths)]
+    handle = pipe.submit(PROMPTS[0], max_new_tokens=[4], do_sample=False, ignore_eos=True)
+    assert len(handle.handles[0].result(timeout=60).output_token_ids) == 4
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("value, message", [([3, 4], "2 entries for 3 prompts"), ([3, 0, 2], "int >= 1"),
+                                            ([3, "4", 2], "int >= 1")])
+def test_bad_per_prompt_max_new_tokens_names_the_argument_and_submits_nothing(pipe, value, message):
+    before = pipe.stats().num_iterations
+    with pytest.raises(ValueError, match=f"max_new_tokens.*{message}"):
+        pipe(PROMPTS, max_new_tokens=value)
+    stats = pipe.stats()
+    assert stats.num_waiting == stats.num_running == 0 and stats.num_iterations == before
+
+
+@pytest.mark.timeout(120)
+def test_breaking_out_of_a_stream_nobody_holds_cancels_the_request(pipe):
+    handle = pipe.submit("Exceptions are", max_new_tokens=300, ignore_eos=True, do_sample=False)
+    request = handle.handles[0]
+    deltas = iter(handle)
+    del handle  # as in `for delta in pipe.submit(...)`: only the loop holds the handle
+    assert next(deltas)
+    del deltas  # `break`: the loop drops its iterator
+    out = request.result(timeout=60)
+    assert out.finish_reason == "cancelled" and 0 < len(out.output_token_ids) < 300
+    assert pipe.engine.wait_idle(30) and pipe.stats().num_used_blocks == 0
+
+    generated = pipe.stats().num_generated_tokens
+    for delta in pipe.submit("Lists are", max_new_tokens=300, ignore_eos=True, do_sample=False):  # the literal form
+        break
+    assert pipe.engine.wait_idle(60)
+    assert pipe.stats().num_generated_tokens - generated < 300
+
+
+@pytest.mark.timeout(120)
+def test_breaking_out_of_a_stream_keeps_a_held_handle_generating(pipe):
+    handle = pipe.submit("Exceptions are", max_new_tokens=40, ignore_eos=True, do_sample=False)
+    for delta in handle:
+        break
+    assert handle.result()[0]["generated_text"].startswith("Exceptions are")
+    assert handle.finish_reasons() == ["length"]
+    assert len(handle.handles[0].request.output_token_ids) == 40
+
+
+@pytest.mark.timeout(120)
+def test_stop_while_streaming_cancels_that_request_and_reraises(pipe):
+    other = pipe.submit("Lists are", max_new_tokens=60, ignore_eos=True, do_sample=False)
+    handle = pipe.submit("Exceptions are", max_new_tokens=400, ignore_eos=True, do_sample=False)
+    first = threading.Event()
+    _sigint_after(first)
+    with pytest.raises(KeyboardInterrupt):
+        for delta in handle:
+            first.set()
+    assert handle.handles[0].result(timeout=60).finish_reason == "cancelled"
+    assert other.result()  # the other request is not affected
+    assert other.finish_reasons() == ["length"] and len(other.handles[0].request.output_token_ids) == 60
+
+
+@pytest.mark.timeout(180)
+def test_progress_bar_states_rates_and_closes_with_the_outcome(pipe, capsys):
+    pipe(PROMPTS, max_new_tokens=6, do_sample=False, progress_bar=True)
+    done = capsys.readouterr().err.strip().split("\r")[-1]
+    assert "3/3" in done and " req/s, " in done and " tok/s" in done and "s/req" not in done
+
+    base = pipe.stats().num_generated_tokens
+    started = threading.Event()
+
+    def watch():  # the call is generating: its tokens show in the engine's stats
+        while not started.is_set():
+            if pipe.stats().num_generated_tokens > base + 8:
+                started.set()
+            threading.Event().wait(0.01)
+
+    threading.Thread(target=watch, daemon=True).start()
+    _sigint_after(started)
+    with pytest.raises(KeyboardInterrupt):
+        pipe(PROMPTS * 4, max_new_tokens=400, ignore_eos=True, do_sample=False, progress_bar=True)
+    line = capsys.readouterr().err.strip().split("\r")[-1]
+    assert "hf_contbatch interrupted" in line and "cancelled" in line, line
+    assert pipe.engine.wait_idle(60) and pipe.stats().num_used_blocks == 0
