@@ -306,7 +306,8 @@ class GenerationHandle:
             finished = True
         except KeyboardInterrupt:
             self.cancel()  # Stop while waiting for tokens: this stream's own prompt stops
-            raise
+            # A fresh exception: its traceback ends here, not deep in a queue wait or a decoder.
+            raise KeyboardInterrupt(f"streaming interrupted; request {handle.request_id} cancelled") from None
         finally:
             if not finished:
                 self._abandoned[0] = True
@@ -871,17 +872,22 @@ class ContinuousBatchingPipeline:
             while finished < len(flat):
                 record(done_q.get())  # blocks without spinning
         except BaseException as exc:
-            if isinstance(exc, KeyboardInterrupt):
+            interrupted = isinstance(exc, KeyboardInterrupt)
+            if interrupted:
                 for h in flat:
                     h.cancel()
+            drain()
+            unfinished = len(flat) - finished
             if bar is not None:  # close the bar with the outcome, not a silent 0/N
-                drain()
-                outcome = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"failed ({type(exc).__name__})"
-                unfinished = len(flat) - finished
-                bar.set_description(f"hf_contbatch {outcome}", refresh=False)
+                bar.set_description(f"hf_contbatch {'interrupted' if interrupted else 'failed'}", refresh=False)
                 bar.set_postfix_str(f"{_rates(finished, tokens, time.monotonic() - t0)}, {unfinished} "
-                                    f"{'cancelled' if isinstance(exc, KeyboardInterrupt) else 'unfinished'}",
-                                    refresh=False)
+                                    f"{'cancelled' if interrupted else 'unfinished'}", refresh=False)
+            if interrupted:
+                # A fresh exception: the traceback a notebook shows ends here instead of running
+                # thousands of characters into torch where the interrupt happened to land.
+                raise KeyboardInterrupt(
+                    f"generation interrupted; {unfinished} of this call's {len(flat)} requests cancelled"
+                ) from None
             raise
         finally:
             if bar is not None:

@@ -95,9 +95,10 @@ def test_stop_while_streaming_cancels_that_request_and_reraises(pipe):
     handle = pipe.submit("Exceptions are", max_new_tokens=400, ignore_eos=True, do_sample=False)
     first = threading.Event()
     _sigint_after(first)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt, match="cancelled") as stopped:
         for delta in handle:
             first.set()
+    assert len(stopped.traceback) <= 2, stopped.traceback  # this frame and stream(): a short traceback
     assert handle.handles[0].result(timeout=60).finish_reason == "cancelled"
     assert other.result()  # the other request is not affected
     assert other.finish_reasons() == ["length"] and len(other.handles[0].request.output_token_ids) == 60
@@ -120,8 +121,9 @@ def test_progress_bar_states_rates_and_closes_with_the_outcome(pipe, capsys):
 
     threading.Thread(target=watch, daemon=True).start()
     _sigint_after(started)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt, match="of this call's 12 requests cancelled") as stopped:
         pipe(PROMPTS * 4, max_new_tokens=400, ignore_eos=True, do_sample=False, progress_bar=True)
+    assert len(stopped.traceback) <= 3, stopped.traceback  # this frame, __call__, _run: a short traceback
     line = capsys.readouterr().err.strip().split("\r")[-1]
     assert "hf_contbatch interrupted" in line and "cancelled" in line, line
     assert pipe.engine.wait_idle(60) and pipe.stats().num_used_blocks == 0
