@@ -294,7 +294,7 @@ def render_pools(stats, max_cells: int = 512, regions: Optional[dict] = None, si
     if _field(stats, "prefix_caching", False):
         cached_free = f" · {_field(stats, 'num_cached_blocks', 0)} free blocks hold cached prefixes"
     drawn = min(len(owners), regions.get("kv") or in_use_region(owners))
-    why = f'<div class="hfcb-note">sized from {html.escape(sizing["kv"])}</div>' if sizing.get("kv") else ""
+    why = f'<div class="hfcb-note">size: {html.escape(sizing["kv"])}</div>' if sizing.get("kv") else ""
     device = (f'<div class="hfcb-pool hfcb-device"><h4>KV blocks · {stats.num_used_blocks}/{stats.num_blocks:,} in use'
               f' · block size {stats.block_size}{cached_free}</h4>{why}'
               f'{render_block_grid(owners, refs, max_cells, region=drawn)}{_region_note(drawn, len(owners))}'
@@ -309,7 +309,7 @@ def render_pools(stats, max_cells: int = 512, regions: Optional[dict] = None, si
         swap_drawn = min(swap_blocks, regions.get("swap") or in_use_region(swap_owners))
         swap_grid = (render_block_grid(swap_owners, (), max_cells, lightness=70, region=swap_drawn) if known
                      else render_block_grid(swap_owners, (), max_cells, colour=SWAPPED_COLOUR, region=swap_drawn))
-        why = f'<div class="hfcb-note">sized {html.escape(sizing["swap"])}</div>' if sizing.get("swap") else ""
+        why = f'<div class="hfcb-note">size: {html.escape(sizing["swap"])}</div>' if sizing.get("swap") else ""
         swap = (f'<div class="hfcb-pool hfcb-swap"><h4>CPU swap pool · {swap_used}/{swap_blocks:,} in use</h4>{why}'
                 f'{swap_grid}{_region_note(swap_drawn, swap_blocks)}'
                 f'{_legend(blocks_per_cell(swap_drawn, max_cells), swap=True, by_request=known)}</div>')

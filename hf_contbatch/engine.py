@@ -330,7 +330,7 @@ class LLMEngine:
         """
         cache_cfg = self.config.cache
         if any(d.type == "cuda" for d in layer_devices):
-            self.pool_sizing["kv"] = f"gpu_memory_utilization {cache_cfg.gpu_memory_utilization}"
+            self.pool_sizing["kv"] = f"gpu_memory_utilization={cache_cfg.gpu_memory_utilization:g}"
             return self._blocks_from_device_memory(layer_devices, dtype)
         available = _available_host_memory()
         if cache_cfg.cpu_cache_gib is None:
@@ -338,7 +338,7 @@ class LLMEngine:
                                           self.max_model_len, available)
             self.pool_sizing["kv"] = size.reason
             return size.num_blocks
-        self.pool_sizing["kv"] = f"cpu_cache_gib {cache_cfg.cpu_cache_gib:g}"
+        self.pool_sizing["kv"] = f"cpu_cache_gib={cache_cfg.cpu_cache_gib:g}"
         want = cache_cfg.cpu_cache_gib * 2**30
         if available is not None and want > available:
             raise ValueError(
@@ -438,7 +438,7 @@ class LLMEngine:
                                        self.config.scheduler.max_num_seqs, self.max_model_len, available, host_kv)
             self.pool_sizing["swap"] = size.reason
             return size.num_blocks
-        self.pool_sizing["swap"] = f"swap_space_gib {gib:g}"
+        self.pool_sizing["swap"] = f"swap_space_gib={gib:g}"
         swap_blocks = int(gib * 2**30 // block_bytes)
         if available is not None and swap_blocks * block_bytes + host_kv > available:
             raise ValueError(
@@ -450,7 +450,7 @@ class LLMEngine:
     def _log_pool_sizes(self, num_blocks: int, swap_blocks: int, block_bytes: int) -> None:
         """One INFO line per engine: the pools' sizes and why (``pool_sizing``)."""
         bs = self.config.cache.block_size
-        self.pool_sizing.setdefault("kv", "num_blocks")
+        self.pool_sizing.setdefault("kv", f"num_blocks={num_blocks}")
         line = (f"KV pool: {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens, "
                 f"{num_blocks * block_bytes / 2**20:.0f} MiB on {self.device.type}; {self.pool_sizing['kv']})")
         if swap_blocks:

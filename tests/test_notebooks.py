@@ -3,6 +3,9 @@ default model; assertions read the saved outputs and the saved widget state (nb.
 
 from __future__ import annotations
 
+import base64
+import io
+import os
 import re
 
 import nbformat
@@ -10,7 +13,7 @@ import pytest
 from nbclient import NotebookClient
 
 from jupyter_fixtures import (
-    NOTEBOOKS, WIDGET_VIEW, cell_by_tag, cell_text, jupyter_env, models_with_class, require_default_model,
+    NOTEBOOKS, ROOT, WIDGET_VIEW, cell_by_tag, cell_text, jupyter_env, models_with_class, require_default_model,
     widget_models,
 )
 
@@ -92,7 +95,15 @@ def test_dashboard_notebook_saves_final_state_with_preemptions_and_no_leaked_blo
 def test_static_vs_continuous_notebook_plots_both_runs(tmp_path, monkeypatch):
     nb = execute("03_static_vs_continuous.ipynb", tmp_path, monkeypatch)
     plot = cell_by_tag(nb, "plot")
-    assert any("image/png" in o.get("data", {}) for o in plot.outputs), "no matplotlib figure"
+    pngs = [o["data"]["image/png"] for o in plot.outputs if "image/png" in o.get("data", {})]
+    assert pngs, "no matplotlib figure"
+    if os.environ.get("HF_CONTBATCH_UPDATE_DOCS") == "1":  # the README's picture, from this run
+        from PIL import Image
+
+        image = Image.open(io.BytesIO(base64.b64decode(pngs[0]))).convert("RGB").quantize(64)
+        (ROOT / "docs").mkdir(exist_ok=True)
+        image.save(ROOT / "docs" / "static_vs_continuous.png", optimize=True)
+        print(cell_text(plot))  # the figures that go beside the picture
     text = cell_text(plot)
     rates = dict(re.findall(r"^(static|continuous):.*?([\d.]+) tokens/s", text, flags=re.M))
     assert set(rates) == {"static", "continuous"}, text
