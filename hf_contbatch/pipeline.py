@@ -846,7 +846,7 @@ class ContinuousBatchingPipeline:
 
             # Rates in our own words: tqdm writes "3.78s/req" below one request a second.
             bar = tqdm(total=len(flat), desc="hf_contbatch", unit="req",
-                       bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
+                       bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
         finished = 0
 
         def record(h: RequestHandle) -> None:

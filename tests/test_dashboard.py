@@ -10,12 +10,24 @@ import threading
 import time
 
 import pytest
-
-from hf_contbatch import CacheConfig, EngineConfig, EngineStats, LLMEngine, SamplingParams, SchedulerConfig
-from hf_contbatch.dashboard import (Dashboard, format_stats, in_use_region, phase_rows, render_block_grid,
-                                    render_pools)
-
 from conftest import random_prompts
+
+from hf_contbatch import (
+    CacheConfig,
+    EngineConfig,
+    EngineStats,
+    LLMEngine,
+    SamplingParams,
+    SchedulerConfig,
+)
+from hf_contbatch.dashboard import (
+    Dashboard,
+    format_stats,
+    in_use_region,
+    phase_rows,
+    render_block_grid,
+    render_pools,
+)
 
 PHASES = ("reap", "budget", "admit", "preempt", "decode")
 

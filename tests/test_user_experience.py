@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,7 +74,7 @@ def test_breaking_out_of_a_stream_nobody_holds_cancels_the_request(pipe):
     assert pipe.engine.wait_idle(30) and pipe.stats().num_used_blocks == 0
 
     generated = pipe.stats().num_generated_tokens
-    for delta in pipe.submit("Lists are", max_new_tokens=300, ignore_eos=True, do_sample=False):  # the literal form
+    for _delta in pipe.submit("Lists are", max_new_tokens=300, ignore_eos=True, do_sample=False):  # the literal form
         break
     assert pipe.engine.wait_idle(60)
     assert pipe.stats().num_generated_tokens - generated < 300
@@ -82,7 +83,7 @@ def test_breaking_out_of_a_stream_nobody_holds_cancels_the_request(pipe):
 @pytest.mark.timeout(120)
 def test_breaking_out_of_a_stream_keeps_a_held_handle_generating(pipe):
     handle = pipe.submit("Exceptions are", max_new_tokens=40, ignore_eos=True, do_sample=False)
-    for delta in handle:
+    for _delta in handle:
         break
     assert handle.result()[0]["generated_text"].startswith("Exceptions are")
     assert handle.finish_reasons() == ["length"]
@@ -96,9 +97,9 @@ def test_stop_while_streaming_cancels_that_request_and_reraises(pipe):
     first = threading.Event()
     _sigint_after(first)
     with pytest.raises(KeyboardInterrupt, match="cancelled") as stopped:
-        for delta in handle:
+        for _delta in handle:
             first.set()
-    assert len(stopped.traceback) <= 2, stopped.traceback  # this frame and stream(): a short traceback
+    assert {Path(str(e.path)).name for e in stopped.traceback} <= {Path(__file__).name, "pipeline.py"}
     assert handle.handles[0].result(timeout=60).finish_reason == "cancelled"
     assert other.result()  # the other request is not affected
     assert other.finish_reasons() == ["length"] and len(other.handles[0].request.output_token_ids) == 60
@@ -123,7 +124,8 @@ def test_progress_bar_states_rates_and_closes_with_the_outcome(pipe, capsys):
     _sigint_after(started)
     with pytest.raises(KeyboardInterrupt, match="of this call's 12 requests cancelled") as stopped:
         pipe(PROMPTS * 4, max_new_tokens=400, ignore_eos=True, do_sample=False, progress_bar=True)
-    assert len(stopped.traceback) <= 3, stopped.traceback  # this frame, __call__, _run: a short traceback
+    # a short traceback: this test and the pipeline's own frames, nothing from torch or a queue wait
+    assert {Path(str(e.path)).name for e in stopped.traceback} <= {Path(__file__).name, "pipeline.py", "progress.py"}
     line = capsys.readouterr().err.strip().split("\r")[-1]
-    assert "hf_contbatch interrupted" in line and "cancelled" in line, line
+    assert "hf_contbatch interrupted: " in line and "cancelled" in line and ": :" not in line, line
     assert pipe.engine.wait_idle(60) and pipe.stats().num_used_blocks == 0
