@@ -426,15 +426,16 @@ class Dashboard:
     """A live ipywidgets view of a pipeline's (or engine's) stats snapshots.
 
     Shows the KV block grid (colour per request, hover for its id; prefix-cached blocks; the CPU
-    swap pool beside it), usage bars in blocks and tokens, queue state, tokens/s, TTFT, ITL and
-    the five phases of recent iterations. Display it (last expression of a cell, or
+    swap pool beside it; each pool drawn up to the highest block it has used, see
+    ``in_use_region``), usage bars in blocks and tokens, queue state, tokens/s ("—" while idle),
+    TTFT, ITL and the five phases of recent iterations. Display it (last expression of a cell, or
     ``display(dash)``) and it refreshes ``refresh_hz`` times a second from a daemon thread, while
     cells run and after; it costs nothing until displayed and sends nothing while nothing changes.
 
     Args:
         pipe: a ``ContinuousBatchingPipeline`` or an ``LLMEngine`` (anything with ``stats()``).
         refresh_hz: refreshes per second once displayed, in (0, 30].
-        max_cells: most grid cells per pool; larger pools aggregate blocks into cells.
+        max_cells: most grid cells per pool; a larger drawn region aggregates blocks into cells.
         history: refreshes kept for the sparklines.
 
     Raises:
