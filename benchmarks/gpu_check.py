@@ -1,4 +1,4 @@
-"""One-shot GPU check of the Triton paged-attention kernels (issue 3). Needs a CUDA device; uses only the
+"""One-shot GPU check of the Triton paged-attention kernels. Needs a CUDA device; uses only the
 torch and triton already installed (no downloads) and finishes in well under 5 minutes.
 
     python benchmarks/gpu_check.py --out gpu_check.json [--skip-tests] [--skip-e2e] [--e2e-model DIR]

@@ -33,6 +33,7 @@ import time
 import weakref
 from typing import Any, Iterable, Optional, Sequence
 
+from .config import check_int, is_int
 from .phases import PHASES
 
 logger = logging.getLogger(__name__)
@@ -384,10 +385,9 @@ class Dashboard:
             raise ValueError(f"`pipe` must have a stats() method (a pipeline or an engine), got {type(pipe).__name__}")
         if isinstance(refresh_hz, bool) or not isinstance(refresh_hz, (int, float)) or not 0 < refresh_hz <= 30:
             raise ValueError(f"`refresh_hz` must be a number in (0, 30], got {refresh_hz!r}")
-        if isinstance(max_cells, bool) or not isinstance(max_cells, int) or max_cells < 1:
+        if not is_int(max_cells) or max_cells < 1:
             raise ValueError(f"`max_cells` must be a positive int, got {max_cells!r}")
-        if isinstance(history, bool) or not isinstance(history, int) or history < 2:
-            raise ValueError(f"`history` must be an int >= 2, got {history!r}")
+        check_int("history", history, 2)
         import ipywidgets as W  # lazily: hf_contbatch must import without ipywidgets
 
         self.source = pipe

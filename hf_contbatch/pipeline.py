@@ -52,7 +52,7 @@ def _as_device(device) -> Optional[torch.device]:
     """transformers' pipeline device convention: -1 is CPU, an int >= 0 an accelerator index."""
     if device is None or isinstance(device, torch.device):
         return device
-    if isinstance(device, int) and not isinstance(device, bool):
+    if is_int(device):
         if device < 0:
             return torch.device("cpu")
         return torch.device(f"cuda:{device}" if torch.cuda.is_available() else f"{_accelerator_type()}:{device}")

@@ -1,6 +1,6 @@
 """Triton kernels for attention over the paged KV cache.
 
-The paged layout is owned by the engine (see DESIGN.md):
+The paged layout is owned by the engine (``hf_contbatch.kv.paged_cache``):
 
 * ``k_cache`` / ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer.
 * ``slot_mapping``: int64 ``[T]``, flat slot ``block_id * block_size + offset`` of each new token.
