@@ -48,7 +48,8 @@ class ContinuousBatchingLM(HFLM):
     """lm-eval's ``HFLM`` whose generation and scoring run on the continuous-batching engine.
 
     Args:
-        pretrained: Hub id, local path or a loaded causal LM (as for lm-eval's ``hf``).
+        pretrained: Hub id, local path or a loaded causal LM (as for lm-eval's ``hf``); None (no
+            ``model_args``) uses the embedded default model, as ``hf-contbatch generate`` does.
         block_size, num_blocks, cache_gib, max_num_seqs, max_num_batched_tokens,
         enable_prefix_caching, attention_backend, engine_seed: engine settings (see ``EngineConfig``).
         **kwargs: every other ``hf`` model argument (``dtype``, ``device``, ``max_length``,
@@ -58,7 +59,11 @@ class ContinuousBatchingLM(HFLM):
         ValueError: a seq2seq model, or a model family the engine does not support.
     """
 
-    def __init__(self, pretrained, **kwargs) -> None:
+    def __init__(self, pretrained=None, **kwargs) -> None:
+        if pretrained is None:
+            from ..default_model import default_model_path
+
+            pretrained = default_model_path()
         engine_args = {k: kwargs.pop(k, default) for k, default in _ENGINE_ARGS.items()}
         if kwargs.get("device") is None:
             kwargs["device"] = "cuda" if torch.cuda.is_available() else "cpu"
