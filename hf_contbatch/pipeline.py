@@ -360,7 +360,7 @@ class ContinuousBatchingPipeline:
     def _submit_jobs(self, jobs, num_sequences, checker) -> list[list[RequestHandle]]:
         submitted: list[list[RequestHandle]] = []
         try:
-            for prompt, ids, sp, prio in jobs:
+            for _prompt, ids, sp, prio in jobs:
                 # One engine request forked after prefill: the prompt's KV is computed once and
                 # shared; sequence k samples with seed + k when a seed is set.
                 submitted.append(

@@ -6,10 +6,10 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
+
+from hf_contbatch import CacheConfig, EngineConfig, EngineError, LLMEngine, SamplingParams
 
 from conftest import build_model, random_prompts, reference_greedy
-from hf_contbatch import CacheConfig, EngineConfig, EngineError, LLMEngine, SamplingParams
 
 
 @pytest.mark.timeout(120)

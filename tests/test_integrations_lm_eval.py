@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import build_model, random_prompts
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from hf_contbatch.default_model import default_model_path
+
+from conftest import build_model, random_prompts
 
 lm_eval = pytest.importorskip("lm_eval")
 

@@ -467,7 +467,7 @@ def _prefill_rows_and_warps(block_d: int, dtype: torch.dtype) -> tuple:
     return (64, 4) if row_bytes <= 512 else (32, 4)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

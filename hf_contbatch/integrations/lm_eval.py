@@ -20,9 +20,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
 import lm_eval.models  # noqa: F401  (first: registering into an empty registry hides lm-eval's own models)
+import torch
 from lm_eval import utils as lm_utils
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
