@@ -41,7 +41,7 @@ from .stopping import finish_status
 __all__ = ["EngineError", "EngineStats", "LLMEngine", "RequestHandle", "RequestOutput", "SUPPORTED_MODEL_TYPES"]
 
 # Families whose attention goes through transformers' AttentionInterface and whose layers call
-# ``cache.update(...)`` right before attention (tests/test_transformers_compat.py runs each).
+# ``cache.update(...)`` right before attention (tests/test_engine_equivalence.py checks greedy equality).
 SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
     "phi3", "granite", "olmo2", "smollm3",
