@@ -8,12 +8,11 @@ machines), takes a snapshot and sets widget values inside ``hold_sync()`` so eac
 most one message per refresh, and only when something changed. ipywidgets is imported only when a
 ``Dashboard`` is built, so ``import hf_contbatch`` and ``format_stats`` work without it.
 
-Fields beyond the core ``EngineStats`` ones are optional -- looked up as attributes, then in
-``stats.extra``, with defaults -- so the view works with engines that publish more or fewer:
+Fields beyond the core ``EngineStats`` ones are optional -- looked up as attributes, with
+defaults -- so the view also reads snapshots that publish fewer:
 
 - ``num_kv_tokens``: tokens whose KV the running requests hold (the tokens bar; else block slots);
-- ``num_swap_blocks``, ``num_swapped_blocks``: the CPU swap pool's size and blocks in use, and
-  ``swap_block_owner`` (request id or -1 per host block) to colour it by request;
+- ``num_swap_blocks``, ``num_swapped_blocks``: the CPU swap pool's size and blocks in use;
 - ``block_ref_counts``: per device block; above 1 the block is shared (prefix cache or fork);
 - ``prefix_caching``, ``num_cached_blocks`` (free blocks still holding a reusable prefix),
   ``prefix_cache_hit_rate``;
@@ -34,13 +33,15 @@ import time
 import weakref
 from typing import Any, Iterable, Optional, Sequence
 
+from .config import check_int, is_int
+from .phases import PHASES
+
 logger = logging.getLogger(__name__)
 
-PHASES = ("reap", "budget", "admit", "preempt", "decode")
 PHASE_COLOURS = {"reap": "#94a3b8", "budget": "#a78bfa", "admit": "#38bdf8", "preempt": "#f87171", "decode": "#34d399"}
 FREE_COLOUR = "#e5e7eb"
 CACHED_COLOUR = "#f59e0b"
-SWAPPED_COLOUR = "#a78bfa"  # host blocks when the engine publishes counts but not owners
+SWAPPED_COLOUR = "#a78bfa"  # host blocks in use (the engine publishes counts, not owners)
 
 # One <style> for every dashboard; class names carry a prefix because JupyterLab applies it page-wide.
 _STYLE = """<style>
@@ -63,11 +64,8 @@ _STYLE = """<style>
 
 # --- reading snapshots ---------------------------------------------------------------------------
 def _field(stats, name: str, default: Any = None) -> Any:
-    """``stats.name``, else ``stats.extra[name]``, else ``default``."""
+    """``stats.name``, else ``default`` (also when it is None)."""
     value = getattr(stats, name, None)
-    if value is None:
-        extra = getattr(stats, "extra", None) or {}
-        value = extra.get(name) if isinstance(extra, dict) else None
     return default if value is None else value
 
 
@@ -247,13 +245,11 @@ def blocks_per_cell(num_drawn: int, max_cells: int) -> int:
     return max(1, math.ceil(num_drawn / max(1, max_cells)))
 
 
-def _legend(group: int, swap: bool = False, by_request: bool = True) -> str:
+def _legend(group: int, swap: bool = False) -> str:
     """The legend of one grid (device or swap pool): what its colours and one cell mean."""
     per = "1 block" if group == 1 else f"{group} blocks (darker = fuller)"
     if swap:
-        swatches = (f'<i style="background:{request_colour(1, 70)}"></i><i style="background:{request_colour(2, 70)}"></i>'
-                    if by_request else f'<i style="background:{SWAPPED_COLOUR}"></i>')
-        used = f'<span>{swatches}swapped out{" (colour = request)" if by_request else ""}</span>'
+        used = f'<span><i style="background:{SWAPPED_COLOUR}"></i>swapped out</span>'
 
         shared = ""
     else:
@@ -302,17 +298,14 @@ def render_pools(stats, max_cells: int = 512, regions: Optional[dict] = None, si
     swap_blocks = int(_field(stats, "num_swap_blocks", 0))
     if swap_blocks:
         swap_used = int(_field(stats, "num_swapped_blocks", 0))
-        swap_owners = tuple(_field(stats, "swap_block_owner", ()))
-        known = len(swap_owners) == swap_blocks
-        if not known:  # only counts published: the used ones first, in one colour
-            swap_owners = (0,) * swap_used + (-1,) * (swap_blocks - swap_used)
+        # The engine publishes the host pool's counts, not owners: the used blocks first, in one colour.
+        swap_owners = (0,) * swap_used + (-1,) * (swap_blocks - swap_used)
         swap_drawn = min(swap_blocks, regions.get("swap") or in_use_region(swap_owners))
-        swap_grid = (render_block_grid(swap_owners, (), max_cells, lightness=70, region=swap_drawn) if known
-                     else render_block_grid(swap_owners, (), max_cells, colour=SWAPPED_COLOUR, region=swap_drawn))
+        swap_grid = render_block_grid(swap_owners, (), max_cells, colour=SWAPPED_COLOUR, region=swap_drawn)
         why = f'<div class="hfcb-note">size: {html.escape(sizing["swap"])}</div>' if sizing.get("swap") else ""
         swap = (f'<div class="hfcb-pool hfcb-swap"><h4>CPU swap pool · {swap_used}/{swap_blocks:,} in use</h4>{why}'
                 f'{swap_grid}{_region_note(swap_drawn, swap_blocks)}'
-                f'{_legend(blocks_per_cell(swap_drawn, max_cells), swap=True, by_request=known)}</div>')
+                f'{_legend(blocks_per_cell(swap_drawn, max_cells), swap=True)}</div>')
     else:
         swap = '<div class="hfcb-pool hfcb-swap"><h4>CPU swap pool · none</h4></div>'
     return _STYLE + f'<div class="hfcb-pools">{device}{swap}</div>'
@@ -447,10 +440,9 @@ class Dashboard:
             raise ValueError(f"`pipe` must have a stats() method (a pipeline or an engine), got {type(pipe).__name__}")
         if isinstance(refresh_hz, bool) or not isinstance(refresh_hz, (int, float)) or not 0 < refresh_hz <= 30:
             raise ValueError(f"`refresh_hz` must be a number in (0, 30], got {refresh_hz!r}")
-        if isinstance(max_cells, bool) or not isinstance(max_cells, int) or max_cells < 1:
+        if not is_int(max_cells) or max_cells < 1:
             raise ValueError(f"`max_cells` must be a positive int, got {max_cells!r}")
-        if isinstance(history, bool) or not isinstance(history, int) or history < 2:
-            raise ValueError(f"`history` must be an int >= 2, got {history!r}")
+        check_int("history", history, 2)
         import ipywidgets as W  # lazily: hf_contbatch must import without ipywidgets
 
         self.source = pipe
@@ -603,10 +595,8 @@ class Dashboard:
         self._regions["kv"] = in_use_region(_device_owners(stats), self._regions["kv"])
         swap_blocks = int(_field(stats, "num_swap_blocks", 0))
         if swap_blocks:
-            owners = tuple(_field(stats, "swap_block_owner", ()))
-            if len(owners) != swap_blocks:
-                used = int(_field(stats, "num_swapped_blocks", 0))
-                owners = (0,) * used + (-1,) * (swap_blocks - used)
+            used = int(_field(stats, "num_swapped_blocks", 0))
+            owners = (0,) * used + (-1,) * (swap_blocks - used)
             self._regions["swap"] = in_use_region(owners, self._regions["swap"])
         return dict(self._regions)
 

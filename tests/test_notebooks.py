@@ -13,7 +13,14 @@ import pytest
 from nbclient import NotebookClient
 
 from jupyter_fixtures import (
-    NOTEBOOKS, ROOT, WIDGET_VIEW, cell_by_tag, cell_text, jupyter_env, models_with_class, require_default_model,
+    NOTEBOOKS,
+    ROOT,
+    WIDGET_VIEW,
+    cell_by_tag,
+    cell_text,
+    jupyter_env,
+    models_with_class,
+    require_default_model,
     widget_models,
 )
 
