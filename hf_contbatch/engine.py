@@ -25,6 +25,7 @@ import torch
 from .attention import ATTENTION_NAME, register_attention, resolve_backend
 from .config import EngineConfig
 from .cpu_linear import pack_linears
+from .fused_linear import fuse_siblings
 from .kv.block_manager import BlockManager
 from .kv.paged_cache import PagedKVCache, kv_bytes_per_block
 from .request import Request, RequestIdCounter, RequestStatus, SamplingParams
@@ -271,6 +272,8 @@ class LLMEngine:
 
         # Before the attention switch: a forced backend that cannot pack raises with nothing changed.
         self.packed_linears = pack_linears(model, self.config.linear_backend, _available_host_memory)
+        if self.config.fuse_linears:
+            fuse_siblings(model, self.packed_linears)
         # Engines sharing one model share its attention switch: the first remembers the model's own
         # implementation, the last to close restores it (closing one must not break the other).
         users = model.__dict__.setdefault(_ATTN_USERS, {"previous": getattr(model.config, "_attn_implementation", None), "open": 0})
