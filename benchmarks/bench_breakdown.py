@@ -37,7 +37,7 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from workload import build_model, make_workload  # noqa: E402
+from workload import build_model, make_workload
 
 PARTS = ("scheduler", "inputs", "linears", "attention", "kv store", "model other", "sampling", "outputs")
 
@@ -84,7 +84,7 @@ class _Timers:
 
 def _instrument(engine, timers: _Timers) -> None:
     """Wrap the parts of a step with timers (instance attributes and module functions only)."""
-    import hf_contbatch.attention.torch_paged as torch_paged
+    from hf_contbatch.attention import torch_paged
 
     sched, runner = engine.scheduler, engine.runner
     sched.schedule = timers.wrap(sched.schedule, "schedule")
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
         base = variants[0]
         for v in variants[1:]:
             same = sum(a == b for a, b in zip(rows[base]["outputs"], rows[v]["outputs"]))
-            med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+            med = lambda xs: sorted(xs)[len(xs) // 2]
             print(f"{v}: {med(walls[base]) / med(walls[v]):.2f}x vs {base}; identical outputs {same}/{args.requests}")
         report[model] = {v: {k: val for k, val in rows[v].items() if k != "outputs"} for v in variants}
     if args.json:

@@ -20,7 +20,6 @@ use. The outputs are column slices of one buffer (views, not copies).
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 import torch
 
@@ -38,11 +37,11 @@ class FusedGroup:
     def __init__(self, members: list[_PackedForward]) -> None:
         self.members = members
         self.sizes = [f.module.out_features for f in members]
-        self.keys: Optional[tuple] = None
-        self.packed: Optional[torch.Tensor] = None
-        self.bias: Optional[torch.Tensor] = None
-        self._pending_input: Optional[torch.Tensor] = None
-        self._pending: list[Optional[torch.Tensor]] = []
+        self.keys: tuple | None = None
+        self.packed: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self._pending_input: torch.Tensor | None = None
+        self._pending: list[torch.Tensor | None] = []
         self._pack()
 
     def _pack(self) -> None:
@@ -93,7 +92,7 @@ class FusedGroup:
         return torch.nn.functional.linear(x, module.weight, module.bias)
 
 
-def fuse_siblings(model: torch.nn.Module, packed: Optional[PackedLinears]) -> int:
+def fuse_siblings(model: torch.nn.Module, packed: PackedLinears | None) -> int:
     """Group the packed sibling projections of ``model`` (see the module docstring).
 
     A group forms when every member of a :data:`FUSED_GROUPS` name tuple is a packed ``nn.Linear``

@@ -7,8 +7,8 @@ import copy
 
 import pytest
 import torch
-
 from conftest import build_model
+
 from hf_contbatch.cpu_linear import onednn_available, pack_linears
 from hf_contbatch.fused_linear import fuse_siblings
 
