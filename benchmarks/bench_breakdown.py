@@ -20,7 +20,9 @@ time and tok/s that count) and once with timers around each part of a step:
 Figures are ms per step and share of the instrumented step. The timers cost a few µs per call
 (about 40 per layer per step), so the instrumented run is a little slower than the plain one;
 shares are what to compare. Variants are ``;``-separated lists of ``EngineConfig`` keyword
-assignments (``key=value,key=value``; "default" for none).
+assignments (``key=value,key=value``; "default" for none); the key ``tree=PATH`` runs that
+variant with ``PYTHONPATH=PATH`` (another checkout of hf_contbatch, e.g. ``tree=/work/main``), for
+before/after comparisons in one command.
 """
 
 from __future__ import annotations
@@ -61,13 +63,14 @@ def _parse_variant(text: str) -> dict:
 
 
 class _Timers:
-    def __init__(self) -> None:
+    def __init__(self, clock) -> None:
         self.total = defaultdict(float)
         self.calls = defaultdict(int)
         self.on = False
+        self.clock = clock
 
     def wrap(self, fn, name):
-        perf = time.perf_counter
+        perf = self.clock
 
         def timed(*args, **kwargs):
             if not self.on:
@@ -99,7 +102,7 @@ def _instrument(engine, timers: _Timers) -> None:
     for name in dir(torch_paged):
         if name.endswith("paged_attention") and callable(getattr(torch_paged, name)):
             setattr(torch_paged, name, timers.wrap(getattr(torch_paged, name), "attention"))
-    perf = time.perf_counter
+    perf = timers.clock
     starts: dict = {}
 
     def pre(mod, args):
@@ -151,9 +154,10 @@ def run_single(args, variant: str) -> dict:
     model = build_model(args.model)
     prompts, new_tokens = make_workload(args.requests, model.config.vocab_size, args.seed)
     kwargs = _parse_variant(variant)
+    kwargs.pop("tree", None)
     t_build = time.perf_counter()
     engine = LLMEngine(model, EngineConfig(**kwargs))
-    timers = _Timers()
+    timers = _Timers(time.thread_time if args.clock == "cpu" else time.perf_counter)
     try:
         _instrument(engine, timers)
         t0 = time.perf_counter()
@@ -161,22 +165,22 @@ def run_single(args, variant: str) -> dict:
         warmup = time.perf_counter() - t0
 
         def workload():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             hs = [engine.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, new_tokens)]
             outs = [h.result().output_token_ids for h in hs]
-            return time.perf_counter() - t0, outs
+            return time.perf_counter() - t0, time.process_time() - c0, outs
 
-        wall, outs = workload()
+        wall, cpu, outs = workload()
         timers.on = True
         calls_before = timers.calls["step"]
-        wall_instr, outs2 = workload()
+        wall_instr, _, outs2 = workload()
         timers.on = False
         steps = timers.calls["step"] - calls_before
     finally:
         engine.close()
     res = _breakdown(timers, steps)
     res.update(
-        variant=variant, wall_s=wall, wall_instrumented_s=wall_instr, tok_per_s=sum(new_tokens) / wall,
+        variant=variant, wall_s=wall, cpu_s=cpu, wall_instrumented_s=wall_instr, tok_per_s=sum(new_tokens) / wall,
         engine_build_s=t0 - t_build, warmup_s=warmup, outputs=outs, same_outputs_twice=outs == outs2,
     )
     return res
@@ -190,6 +194,10 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                    help="time the parts by wall clock or by the driving thread's CPU time (with --threads 1 "
+                         "on a shared machine the CPU time is far less noisy); wall and CPU seconds of the "
+                         "whole workload are reported either way")
     ap.add_argument("--json", default=None)
     ap.add_argument("--single", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -206,8 +214,10 @@ def main(argv=None) -> int:
             for v in variants:  # interleaved: A B A B ... so load drifts hit both
                 with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
                     cmd = [sys.executable, __file__, "--single", tmp.name, "--model", model, "--variants", v,
-                           "--requests", str(args.requests), "--seed", str(args.seed), "--threads", str(args.threads)]
-                    subprocess.run(cmd, check=True)
+                           "--requests", str(args.requests), "--seed", str(args.seed), "--threads", str(args.threads), "--clock", args.clock]
+                    tree = _parse_variant(v).get("tree")
+                    env = dict(os.environ, PYTHONPATH=tree) if tree else None
+                    subprocess.run(cmd, check=True, env=env)
                     with open(tmp.name) as f:
                         runs[v].append(json.load(f))
         print(f"\n== {model}: {args.requests} requests, {args.threads} threads, {args.repeats} round(s) ==")
@@ -215,23 +225,27 @@ def main(argv=None) -> int:
         print(header)
         rows = {}
         for v in variants:
-            rs = sorted(runs[v], key=lambda r: r["wall_s"])
+            rs = sorted(runs[v], key=lambda r: r["cpu_s" if args.clock == "cpu" else "wall_s"])
             rows[v] = rs[len(rs) // 2]  # the median run by wall time
         for part in PARTS:
             cells = [f"{rows[v]['ms_per_step'][part]:7.2f} ms {100 * rows[v]['share'][part]:5.1f}%" for v in variants]
             print(f"{part:>12} " + " ".join(f"{c:>24}" for c in cells))
         for label, key, fmt in (("step ms", "step_ms", "{:.2f}"), ("steps", "steps", "{}"),
                                 ("linears/step", "linear_calls_per_step", "{:.1f}"),
-                                ("wall s", "wall_s", "{:.2f}"), ("tok/s", "tok_per_s", "{:.0f}"),
+                                ("wall s", "wall_s", "{:.2f}"), ("cpu s", "cpu_s", "{:.2f}"),
+                                ("tok/s", "tok_per_s", "{:.0f}"),
                                 ("warm-up s", "warmup_s", "{:.2f}")):
             print(f"{label:>12} " + " ".join(f"{fmt.format(rows[v][key]):>24}" for v in variants))
         walls = {v: [round(r["wall_s"], 2) for r in runs[v]] for v in variants}
+        cpus = {v: [round(r["cpu_s"], 2) for r in runs[v]] for v in variants}
         print(f"{'all walls':>12} {walls}")
+        print(f"{'all cpu s':>12} {cpus}")
         base = variants[0]
         for v in variants[1:]:
             same = sum(a == b for a, b in zip(rows[base]["outputs"], rows[v]["outputs"]))
             med = lambda xs: sorted(xs)[len(xs) // 2]
-            print(f"{v}: {med(walls[base]) / med(walls[v]):.2f}x vs {base}; identical outputs {same}/{args.requests}")
+            print(f"{v}: {med(walls[base]) / med(walls[v]):.2f}x (wall), {med(cpus[base]) / med(cpus[v]):.2f}x (cpu) "
+                  f"vs {base}; identical outputs {same}/{args.requests}")
         report[model] = {v: {k: val for k, val in rows[v].items() if k != "outputs"} for v in variants}
     if args.json:
         with open(args.json, "w") as f:
