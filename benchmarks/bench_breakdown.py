@@ -9,7 +9,7 @@ time and tok/s that count) and once with timers around each part of a step:
 
 - ``scheduler``: ``Scheduler.schedule`` (reap, budget, admit, preempt) plus KV block moves;
 - ``inputs``: ``ModelRunner.build_metadata`` (flattened ids, positions, slot mapping, metadata);
-- ``linears``: every ``nn.Linear`` call (packed or not), LM head included;
+- ``linears``: every ``nn.Linear`` module call (packed or not, fused groups counted per member; "Linear mods" is their number per step), LM head included;
 - ``attention``: the paged attention function (reads the pool);
 - ``kv store``: ``PagedKVCache.update`` (writes this step's K/V into its slots);
 - ``model other``: the rest of the forward (embedding, norms, rotary, activations, transformers'
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
             cells = [f"{rows[v]['ms_per_step'][part]:7.2f} ms {100 * rows[v]['share'][part]:5.1f}%" for v in variants]
             print(f"{part:>12} " + " ".join(f"{c:>24}" for c in cells))
         for label, key, fmt in (("step ms", "step_ms", "{:.2f}"), ("steps", "steps", "{}"),
-                                ("linears/step", "linear_calls_per_step", "{:.1f}"),
+                                ("Linear mods", "linear_calls_per_step", "{:.1f}"),
                                 ("wall s", "wall_s", "{:.2f}"), ("cpu s", "cpu_s", "{:.2f}"),
                                 ("tok/s", "tok_per_s", "{:.0f}"),
                                 ("warm-up s", "warmup_s", "{:.2f}")):
