@@ -40,8 +40,9 @@ class FusedGroup:
         self.keys: tuple | None = None
         self.packed: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
-        self._pending_input: torch.Tensor | None = None
-        self._pending: list[torch.Tensor | None] = []
+        # (input, outputs not yet taken): replaced as one tuple, so a thread that checked the input
+        # reads that input's outputs even if another engine thread shares the model.
+        self._pending: tuple | None = None
         self._pack()
 
     def _pack(self) -> None:
@@ -66,11 +67,10 @@ class FusedGroup:
     def __getstate__(self) -> dict:
         # No opaque oneDNN tensor in a deepcopy/pickle: the copy repacks on first use.
         return {"members": self.members, "sizes": self.sizes, "keys": None, "packed": None, "bias": None,
-                "bias_keys": None, "_weights": [], "_pending_input": None, "_pending": []}
+                "bias_keys": None, "_weights": [], "_pending": None}
 
     def release(self) -> None:
-        self.packed = self.bias = self._pending_input = None
-        self._pending = []
+        self.packed = self.bias = self._pending = None
         self._weights = []
 
     def __call__(self, member: _PackedForward, x: torch.Tensor) -> torch.Tensor:
@@ -80,13 +80,13 @@ class FusedGroup:
                 self._pack()
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             parts = list(out.split(self.sizes, dim=-1))
-            self._pending_input, self._pending = x, [None] + parts[1:]
+            self._pending = (x, [None] + parts[1:])
             return parts[0]
-        if self._pending_input is x and self._pending[index] is not None:
-            part = self._pending[index]
-            self._pending[index] = None
-            if not any(p is not None for p in self._pending):
-                self._pending_input, self._pending = None, []  # all taken: drop the references
+        pending = self._pending
+        if pending is not None and pending[0] is x and pending[1][index] is not None:
+            part, pending[1][index] = pending[1][index], None
+            if not any(p is not None for p in pending[1]) and self._pending is pending:
+                self._pending = None  # all taken: drop the references
             return part
         module = member.module
         return torch.nn.functional.linear(x, module.weight, module.bias)
