@@ -7,7 +7,7 @@ For each model (and each config variant, interleaved over ``--repeats`` rounds, 
 fresh process) the workload of ``workload.py`` runs twice in the same engine: once plain (the wall
 time and tok/s that count) and once with timers around each part of a step:
 
-- ``scheduler``: ``Scheduler.schedule`` (reap, budget, admit, preempt) plus KV block moves;
+- ``scheduler``: the rest of ``LLMEngine.step`` (reap, budget, admit, preempt, KV block moves, stats);
 - ``inputs``: ``ModelRunner.build_metadata`` (flattened ids, positions, slot mapping, metadata);
 - ``linears``: every ``nn.Linear`` module call (packed or not, fused groups counted per member; "Linear mods" is their number per step), LM head included;
 - ``attention``: the paged attention function (reads the pool);
@@ -15,7 +15,8 @@ time and tok/s that count) and once with timers around each part of a step:
 - ``model other``: the rest of the forward (embedding, norms, rotary, activations, transformers'
   Python modules, logits selection);
 - ``sampling``: ``Sampler.sample``;
-- ``outputs``: ``Scheduler.update_from_output`` and the engine's per-token bookkeeping.
+- ``outputs``: ``Scheduler.update_from_output`` and the engine's per-token bookkeeping
+  (``_on_new_token``: timings, streaming, stop checks).
 
 Figures are ms per step and share of the instrumented step. The timers cost a few µs per call
 (about 40 per layer per step), so the instrumented run is a little slower than the plain one;
@@ -90,8 +91,7 @@ def _instrument(engine, timers: _Timers) -> None:
     from hf_contbatch.attention import torch_paged
 
     sched, runner = engine.scheduler, engine.runner
-    sched.schedule = timers.wrap(sched.schedule, "schedule")
-    engine._move_blocks = timers.wrap(engine._move_blocks, "move")
+    engine._on_new_token = timers.wrap(engine._on_new_token, "on token")
     engine.step = timers.wrap(engine.step, "step")
     runner.build_metadata = timers.wrap(runner.build_metadata, "inputs")
     runner.execute = timers.wrap(runner.execute, "execute")
@@ -124,8 +124,11 @@ def _instrument(engine, timers: _Timers) -> None:
 def _breakdown(timers: _Timers, steps: int) -> dict:
     t = timers.total
     forward = t["forward"]
+    outputs = t["update"] + t["on token"]
     parts = {
-        "scheduler": t["schedule"] + t["move"],
+        # Everything in the step outside the model runner and the output handling: reap, budget,
+        # admit, preempt, KV block moves, stats.
+        "scheduler": t["step"] - t["execute"] - outputs,
         "inputs": t["inputs"],
         "linears": t["linears"],
         "attention": t["attention"],
@@ -135,7 +138,7 @@ def _breakdown(timers: _Timers, steps: int) -> dict:
     }
     # execute = inputs + forward + sampling + logits handling; the remainder goes to "model other".
     parts["model other"] += t["execute"] - t["inputs"] - forward - t["sampling"]
-    parts["outputs"] = t["step"] - t["schedule"] - t["move"] - t["execute"]
+    parts["outputs"] = outputs
     total = t["step"]
     return {
         "steps": steps,
@@ -243,7 +246,9 @@ def main(argv=None) -> int:
         base = variants[0]
         for v in variants[1:]:
             same = sum(a == b for a, b in zip(rows[base]["outputs"], rows[v]["outputs"]))
-            med = lambda xs: sorted(xs)[len(xs) // 2]
+            def med(xs):
+                return sorted(xs)[len(xs) // 2]
+
             print(f"{v}: {med(walls[base]) / med(walls[v]):.2f}x (wall), {med(cpus[base]) / med(cpus[v]):.2f}x (cpu) "
                   f"vs {base}; identical outputs {same}/{args.requests}")
         report[model] = {v: {k: val for k, val in rows[v].items() if k != "outputs"} for v in variants}

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 def _single(args) -> dict:
     import torch
+
     from workload import build_model
 
     torch.set_num_threads(args.threads)

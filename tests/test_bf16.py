@@ -7,12 +7,13 @@ import copy
 
 import pytest
 import torch
-from conftest import build_model, random_prompts
-from reference_attention import reference_paged_attention
 from test_torch_attention import _batch
 
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from hf_contbatch.attention.torch_paged import torch_paged_attention
+
+from conftest import build_model, random_prompts
+from reference_attention import reference_paged_attention
 
 
 @pytest.mark.timeout(60)

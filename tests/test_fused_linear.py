@@ -7,10 +7,11 @@ import copy
 
 import pytest
 import torch
-from conftest import build_model
 
 from hf_contbatch.cpu_linear import onednn_available, pack_linears
 from hf_contbatch.fused_linear import fuse_siblings
+
+from conftest import build_model
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
 
