@@ -249,7 +249,10 @@ class LLMEngine:
         self.device = model.get_input_embeddings().weight.device
         cache_cfg = self.config.cache
         dtype = getattr(torch, cache_cfg.dtype) if cache_cfg.dtype else next(model.parameters()).dtype
-        self.backend = resolve_backend(self.config.attention_backend, self.device)
+        self.backend = resolve_backend(
+            self.config.attention_backend, self.device, dtype=dtype, head_dim=self.head_dim,
+            num_heads=text_cfg.num_attention_heads, num_kv_heads=self.num_kv_heads, block_size=cache_cfg.block_size,
+        )
         layer_devices = _layer_devices(model, self.num_layers)
         block_bytes = kv_bytes_per_block(self.num_layers, cache_cfg.block_size, self.num_kv_heads, self.head_dim, dtype)
         num_blocks = cache_cfg.num_blocks or self._blocks_from_memory(block_bytes, layer_devices, dtype)
