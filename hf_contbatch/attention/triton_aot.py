@@ -103,6 +103,8 @@ def plan(name: str, archs: Iterable[int] = ARCHS) -> list:
     "full": every supported head size, GQA groups 1-64 (powers of two), window and softcap off and
     both on, both decode modes, all three dtypes, store_kv from every dtype into every dtype - about
     900 cases per arch, for ``benchmarks/triton_compile_table.py``.
+    "corners": every head size and dtype at GQA groups 1, 7 and 64 with window, softcap and the
+    split decode on (~140 per arch; about 40 minutes for four archs on 2 cores).
     "sampled": the corners that decide shared memory, registers and dtype support, for the test
     suite (about 30 compiles for the four archs, ~2 minutes on 2 cores): on every arch the common
     fp16 prefill (head size 128), the widest bf16 prefill (256, 64 query heads per KV head, window
@@ -115,6 +117,15 @@ def plan(name: str, archs: Iterable[int] = ARCHS) -> list:
     if name == "full":
         cases = _cases((16, 32, 64, 80, 96, 128, 256), (1, 2, 4, 8, 16, 32, 64), tuple(_DTYPES),
                        ((False, False), (True, True)), (16,), (1, 8, 32))
+        return [(c, a) for a in archs for c in cases]
+    if name == "corners":
+        cases = [
+            Case(kernel, dtype, d, g, window=True, softcap=True, num_splits=4 if kernel == "decode" else 1)
+            for dtype in _DTYPES for d in (16, 32, 64, 80, 96, 128, 256) for g in (1, 7, 64)
+            for kernel in ("prefill", "decode")
+        ]
+        cases += [Case("store_kv", dtype, d, num_kv_heads=8, key_dtype=key)
+                  for dtype in _DTYPES for key in _DTYPES for d in (64, 256)]
         return [(c, a) for a in archs for c in cases]
     if name == "sampled":
         every = [
@@ -293,23 +304,36 @@ def _init_worker() -> None:
     torch.set_num_threads(1)
 
 
-def run_plan(jobs: Iterable[tuple], workers: Optional[int] = None) -> list:
-    """Check every ``(case, arch)`` job in a pool of fresh processes and return the results in order.
+def iter_plan(jobs: Iterable[tuple], workers: Optional[int] = None):
+    """Check every ``(case, arch)`` job in a pool of fresh processes, yielding results in job order.
 
     The workers run without ``TRITON_INTERPRET`` and with a new, empty ``TRITON_CACHE_DIR`` that is
-    deleted afterwards. Must not be called from a process whose Triton kernels are interpreted only
-    through this module's own process boundary - use :func:`run_plan_subprocess` from such a process.
+    deleted afterwards, so nothing compiled by an earlier run can hide a failure. From a process
+    that set ``TRITON_INTERPRET=1`` (the interpreter tests) use :func:`run_plan_subprocess`.
     """
+    import multiprocessing
+
     jobs = list(jobs)
     workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
+    saved = {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "TRITON_INTERPRET")}
     with tempfile.TemporaryDirectory(prefix="hf_contbatch_triton_aot_") as cache:
         os.environ["TRITON_CACHE_DIR"] = cache
         os.environ.pop("TRITON_INTERPRET", None)
-        import multiprocessing
+        try:
+            ctx = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker) as pool:
+                yield from pool.map(_worker, jobs, chunksize=1)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker) as pool:
-            return list(pool.map(_worker, jobs, chunksize=1))
+
+def run_plan(jobs: Iterable[tuple], workers: Optional[int] = None) -> list:
+    """:func:`iter_plan` as a list."""
+    return list(iter_plan(jobs, workers))
 
 
 def run_plan_subprocess(plan_name: str, archs: Iterable[int] = ARCHS, workers: Optional[int] = None,
@@ -329,11 +353,11 @@ def run_plan_subprocess(plan_name: str, archs: Iterable[int] = ARCHS, workers: O
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--plan", default="sampled", choices=("sampled", "full"))
+    parser.add_argument("--plan", default="sampled", choices=("sampled", "corners", "full"))
     parser.add_argument("--arch", type=int, nargs="+", default=list(ARCHS))
     parser.add_argument("--workers", type=int, default=None)
     args = parser.parse_args(argv)
-    for result in run_plan(plan(args.plan, args.arch), args.workers):
+    for result in iter_plan(plan(args.plan, args.arch), args.workers):
         print(json.dumps(result), flush=True)
 
 

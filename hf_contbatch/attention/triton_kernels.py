@@ -18,7 +18,14 @@ Massa, Sizov, 2023, "Flash-Decoding for long-context inference").
 Every kernel gathers keys token by token (``block_tables[b, n // block_size]``), so a key tile is
 independent of the block size: any power-of-two block size >= 8 works with the same tile shapes.
 All query heads that share a KV head are processed by one program (GQA), so each K/V tile is read
-from memory once per KV head rather than once per query head.
+from memory once per KV head rather than once per query head - unless the tile would not fit the
+device, when the group is split over a few programs.
+
+Tiles and pipeline stages are sized per device (``_decode_config``, ``_prefill_config``) from its
+compute capability and opt-in shared memory per block: ``torch.cuda.get_device_properties(i)
+.shared_memory_per_block_optin`` on a device, the per-arch table ``ARCH_SHARED_MEMORY`` when
+compiling ahead of time (``triton_aot``, which checks every variant for sm_75/80/86/90 without a
+GPU). bfloat16 needs sm_80 or newer and is refused below.
 
 The module imports without Triton; ``TRITON_AVAILABLE`` says whether the kernels exist. Kernels run
 on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` was set before this module was imported.
