@@ -536,21 +536,25 @@ def _decode_config(block_d: int, group: int, dtype: torch.dtype, limits: "Device
     """Launch shape of the decode kernel for ``group`` query heads per KV head.
 
     Tensor-core path: 64 keys per tile up to 128-wide rows (32 for 256), up to 8192 / block_d heads
-    per program (64 heads at head size 256 spilled 24-64 bytes on sm_80/86). FMA path (fp32; everything on sm_75): at most 2048 / block_d keys and 4096 / block_d heads
-    per program so the score and accumulator tiles stay in registers (measured with ``triton_aot``:
-    wider tiles spill hundreds of bytes per thread). Then keys per tile, pipeline stages and heads
+    per program and rows x keys <= 2048 (64 heads at head size 256, or 64 heads x 64 keys at head
+    size 32, spilled 8-64 bytes per thread on sm_80/86). FMA path (fp32; everything on sm_75): at
+    most 2048 / block_d keys, 4096 / block_d heads and rows x keys <= 1024 per program, so the
+    score and accumulator tiles stay in registers (measured with ``triton_aot``: 64 heads x 64 keys
+    spilled 276-536 bytes per thread in fp16 on sm_75). Then keys per tile, pipeline stages and heads
     per program are halved until the shared-memory estimate fits the device. ``tl.dot`` needs at
     least 16 rows, so BLOCK_G is at least 16.
     """
     if _tensor_cores(dtype, limits):
-        max_n, max_heads = (64 if block_d <= 128 else 32), min(_MAX_GQA_GROUP, 8192 // block_d)
+        max_n, max_heads, score_budget = (64 if block_d <= 128 else 32), min(_MAX_GQA_GROUP, 8192 // block_d), 2048
     else:
-        max_n, max_heads = max(16, min(64, 2048 // block_d)), max(16, 4096 // block_d)
+        max_n, max_heads, score_budget = max(16, min(64, 2048 // block_d)), max(16, 4096 // block_d), 1024
     heads0 = min(group, max_heads)
-    candidates = [
-        (max(16, _next_power_of_2(h)), n, h, 4, stages)
-        for h in _halvings(heads0, 1) for stages in (2, 1) for n in _halvings(max_n, 16)
-    ]
+    candidates = []
+    for h in _halvings(heads0, 1):
+        rows = max(16, _next_power_of_2(h))
+        for stages in (2, 1):
+            for n in _halvings(max(16, min(max_n, score_budget // rows)), 16):
+                candidates.append((rows, n, h, 4, stages))
     return _first_fitting(candidates, block_d, _elem_bytes(dtype), limits, "decode")
 
 
