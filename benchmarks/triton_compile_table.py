@@ -41,8 +41,21 @@ def summarize(results: list) -> list:
             row["regs"] = max(row["regs"], k["registers"] or 0)
             row["spills"] = max(row["spills"], k["spill_stores"])
             row["tc"].add(k["tensor_cores"])
-    return [(name, arch, dtype, v["n"], v["shared"], v["limit"], v["regs"], v["spills"], "/".join(sorted(v["tc"])),
-             v["worst"]) for (name, arch, dtype), v in sorted(rows.items())]
+    return [
+        (
+            name,
+            arch,
+            dtype,
+            v["n"],
+            v["shared"],
+            v["limit"],
+            v["regs"],
+            v["spills"],
+            "/".join(sorted(v["tc"])),
+            v["worst"],
+        )
+        for (name, arch, dtype), v in sorted(rows.items())
+    ]
 
 
 def main() -> None:
@@ -55,8 +68,11 @@ def main() -> None:
 
     start = time.perf_counter()
     jobs = triton_aot.plan(args.plan, args.arch)
-    print(f"compiling {len(jobs)} launcher calls ({args.plan} plan, archs {args.arch}) "
-          f"on {args.workers or os.cpu_count()} processes ...", flush=True)
+    print(
+        f"compiling {len(jobs)} launcher calls ({args.plan} plan, archs {args.arch}) "
+        f"on {args.workers or os.cpu_count()} processes ...",
+        flush=True,
+    )
     results = []
     out = open(args.json, "w") if args.json else None  # noqa: SIM115 - written as results arrive
     try:
@@ -70,20 +86,34 @@ def main() -> None:
             out.close()
     elapsed = time.perf_counter() - start
 
-    header = ("kernel", "arch", "dtype", "variants", "max shared KiB", "limit KiB", "max regs", "max spill B",
-              "tensor cores", "largest-shared variant")
+    header = (
+        "kernel",
+        "arch",
+        "dtype",
+        "variants",
+        "max shared KiB",
+        "limit KiB",
+        "max regs",
+        "max spill B",
+        "tensor cores",
+        "largest-shared variant",
+    )
     print(" | ".join(header))
     print(" | ".join("-" * len(h) for h in header))
     for name, arch, dtype, n, shared, limit, regs, spills, tc, worst in summarize(results):
         flag = "  OVER" if shared > limit else ""
-        print(f"{name} | sm_{arch} | {dtype} | {n} | {shared / 1024:.1f}{flag} | {limit / 1024:.0f} | {regs} | "
-              f"{spills} | {tc} | {worst}")
+        print(
+            f"{name} | sm_{arch} | {dtype} | {n} | {shared / 1024:.1f}{flag} | {limit / 1024:.0f} | {regs} | "
+            f"{spills} | {tc} | {worst}"
+        )
     failures = [r for r in results if "error" in r]
     refused = [r for r in results if "refused" in r]
     over = sum(k["shared"] > r["limit"] for r in results for k in r.get("kernels", []))
     spilling = sum(k["spill_stores"] > 0 for r in results for k in r.get("kernels", []))
-    print(f"\n{len(results)} launcher calls in {elapsed:.0f} s: {len(failures)} compile failures, {over} kernels over "
-          f"shared memory, {spilling} kernels spilling, {len(refused)} refused by the launcher")
+    print(
+        f"\n{len(results)} launcher calls in {elapsed:.0f} s: {len(failures)} compile failures, {over} kernels over "
+        f"shared memory, {spilling} kernels spilling, {len(refused)} refused by the launcher"
+    )
     for r in failures:
         print(f"FAILED sm_{r['arch']} {r['label']}: {r['error'][:500]}")
     for r in refused[:5]:

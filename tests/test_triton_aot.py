@@ -46,8 +46,9 @@ def test_every_sampled_variant_compiles_and_fits_shared_memory(sampled_results):
                 # The estimate tiles are admitted with bounds Triton's real allocation, so variants
                 # outside the sample stay within the limit too.
                 rows = c.get("BLOCK_M", c.get("BLOCK_G"))
-                estimate = tk._shared_estimate(rows, c["BLOCK_N"], c["BLOCK_D"], _ELEM_BYTES[r["case"]["dtype"]],
-                                               k["num_stages"])
+                estimate = tk._shared_estimate(
+                    rows, c["BLOCK_N"], c["BLOCK_D"], _ELEM_BYTES[r["case"]["dtype"]], k["num_stages"]
+                )
                 assert k["shared"] <= estimate + tk._SHARED_MARGIN, (r["arch"], r["label"], k, estimate)
 
 

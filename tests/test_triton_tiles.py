@@ -29,11 +29,14 @@ def test_every_supported_shape_gets_tiles_within_the_arch_shared_memory(arch):
         for head_dim in tk.SUPPORTED_HEAD_SIZES:
             block_d = tk._next_power_of_2(head_dim)
             for group in range(1, tk._MAX_GQA_GROUP + 1):
-                for cfg, min_rows in ((tk._decode_config(block_d, group, dtype, limits), 16),
-                                      (tk._prefill_config(block_d, group, dtype, limits), 16)):
+                for cfg, min_rows in (
+                    (tk._decode_config(block_d, group, dtype, limits), 16),
+                    (tk._prefill_config(block_d, group, dtype, limits), 16),
+                ):
                     assert cfg.shared_bytes + tk._SHARED_MARGIN <= tk.ARCH_SHARED_MEMORY[arch]
-                    assert cfg.shared_bytes == tk._shared_estimate(cfg.rows, cfg.block_n, block_d,
-                                                                   torch.finfo(dtype).bits // 8, cfg.num_stages)
+                    assert cfg.shared_bytes == tk._shared_estimate(
+                        cfg.rows, cfg.block_n, block_d, torch.finfo(dtype).bits // 8, cfg.num_stages
+                    )
                     assert 1 <= cfg.heads <= group and cfg.rows >= max(min_rows, cfg.heads)
                     assert cfg.rows & (cfg.rows - 1) == 0 and 16 <= cfg.block_n <= 64
 
@@ -43,8 +46,13 @@ def test_shared_memory_estimate_bounds_the_allocations_measured_for_triton_3_9()
     # Allocations Triton 3.9 made for these kernels before tiles were sized per device (bytes,
     # compiled with triton_aot): prefill fp16 d128 128x64 on sm_75 / sm_80, fp32 d64 128x64 on sm_80,
     # decode fp16 d128 16x64 on sm_80, fp32 d128 prefill 32x32 on sm_80.
-    measured = [((128, 64, 128, 2, 2), 98304), ((128, 64, 128, 2, 2), 65536), ((128, 64, 64, 4, 2), 98304),
-                ((16, 64, 128, 2, 2), 38912), ((32, 32, 128, 4, 2), 53248)]
+    measured = [
+        ((128, 64, 128, 2, 2), 98304),
+        ((128, 64, 128, 2, 2), 65536),
+        ((128, 64, 64, 4, 2), 98304),
+        ((16, 64, 128, 2, 2), 38912),
+        ((32, 32, 128, 4, 2), 53248),
+    ]
     for args, shared in measured:
         assert tk._shared_estimate(*args) >= shared
 
@@ -87,11 +95,14 @@ def test_auto_takes_triton_on_ampere_and_torch_below_sm80_without_warning(monkey
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("shape, message", [
-    (dict(dtype=torch.float16, head_dim=72), "head size 72 is not one of"),
-    (dict(dtype=torch.float16, head_dim=64, block_size=12), "block size 12 is not one of"),
-    (dict(dtype=torch.float16, head_dim=64, num_heads=130, num_kv_heads=1), "130 query heads over 1 KV heads"),
-])
+@pytest.mark.parametrize(
+    "shape, message",
+    [
+        (dict(dtype=torch.float16, head_dim=72), "head size 72 is not one of"),
+        (dict(dtype=torch.float16, head_dim=64, block_size=12), "block size 12 is not one of"),
+        (dict(dtype=torch.float16, head_dim=64, num_heads=130, num_kv_heads=1), "130 query heads over 1 KV heads"),
+    ],
+)
 def test_auto_falls_back_to_torch_with_one_warning_where_triton_cannot_serve(monkeypatch, shape, message):
     monkeypatch.delenv("HF_CONTBATCH_ATTENTION_BACKEND", raising=False)
     _on(monkeypatch, 86)

@@ -89,8 +89,18 @@ def _cases(head_dims, groups, dtypes, flags, block_sizes, kv_heads) -> list:
                     for bs in block_sizes:
                         cases.append(Case("prefill", dtype, d, g, block_size=bs, window=window, softcap=softcap))
                         for splits in (1, 4):
-                            cases.append(Case("decode", dtype, d, g, block_size=bs, window=window,
-                                              softcap=softcap, num_splits=splits))
+                            cases.append(
+                                Case(
+                                    "decode",
+                                    dtype,
+                                    d,
+                                    g,
+                                    block_size=bs,
+                                    window=window,
+                                    softcap=softcap,
+                                    num_splits=splits,
+                                )
+                            )
             for kvh in kv_heads:
                 for key_dtype in dtypes:
                     cases.append(Case("store_kv", dtype, d, num_kv_heads=kvh, key_dtype=key_dtype))
@@ -115,17 +125,29 @@ def plan(name: str, archs: Iterable[int] = ARCHS) -> list:
     """
     archs = tuple(archs)
     if name == "full":
-        cases = _cases((16, 32, 64, 80, 96, 128, 256), (1, 2, 4, 8, 16, 32, 64), tuple(_DTYPES),
-                       ((False, False), (True, True)), (16,), (1, 8, 32))
+        cases = _cases(
+            (16, 32, 64, 80, 96, 128, 256),
+            (1, 2, 4, 8, 16, 32, 64),
+            tuple(_DTYPES),
+            ((False, False), (True, True)),
+            (16,),
+            (1, 8, 32),
+        )
         return [(c, a) for a in archs for c in cases]
     if name == "corners":
         cases = [
             Case(kernel, dtype, d, g, window=True, softcap=True, num_splits=4 if kernel == "decode" else 1)
-            for dtype in _DTYPES for d in (16, 32, 64, 80, 96, 128, 256) for g in (1, 7, 64)
+            for dtype in _DTYPES
+            for d in (16, 32, 64, 80, 96, 128, 256)
+            for g in (1, 7, 64)
             for kernel in ("prefill", "decode")
         ]
-        cases += [Case("store_kv", dtype, d, num_kv_heads=8, key_dtype=key)
-                  for dtype in _DTYPES for key in _DTYPES for d in (64, 256)]
+        cases += [
+            Case("store_kv", dtype, d, num_kv_heads=8, key_dtype=key)
+            for dtype in _DTYPES
+            for key in _DTYPES
+            for d in (64, 256)
+        ]
         return [(c, a) for a in archs for c in cases]
     if name == "sampled":
         every = [
@@ -210,14 +232,24 @@ def _call_launcher(tk, case: Case) -> None:
     seq_lens = torch.tensor([3, 2], dtype=torch.int32)
     if case.kernel == "decode":
         query = torch.zeros(2, heads, d, dtype=dtype)
-        tk.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, d**-0.5,
-                                  sliding_window=window, softcap=softcap, max_seq_len=4 * bs,
-                                  num_splits=case.num_splits)
+        tk.paged_decode_attention(
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            d**-0.5,
+            sliding_window=window,
+            softcap=softcap,
+            max_seq_len=4 * bs,
+            num_splits=case.num_splits,
+        )
     elif case.kernel == "prefill":
         query = torch.zeros(5, heads, d, dtype=dtype)
         qsl = torch.tensor([0, 3, 5], dtype=torch.int32)
-        tk.paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, qsl, 3, d**-0.5,
-                                   sliding_window=window, softcap=softcap)
+        tk.paged_prefill_attention(
+            query, k_cache, v_cache, block_tables, seq_lens, qsl, 3, d**-0.5, sliding_window=window, softcap=softcap
+        )
     else:
         raise ValueError(f"unknown kernel {case.kernel!r}")
 
@@ -277,8 +309,12 @@ def check_case(case: Case, arch: int) -> dict:
     or ``error`` (a compile failure)."""
     from . import triton_kernels as tk
 
-    result = {"case": dataclasses.asdict(case), "label": case.label(), "arch": arch,
-              "limit": tk.arch_limits(arch).shared_memory_per_block}
+    result = {
+        "case": dataclasses.asdict(case),
+        "label": case.label(),
+        "arch": arch,
+        "limit": tk.arch_limits(arch).shared_memory_per_block,
+    }
     try:
         launches = record_launches(case, arch)
     except ValueError as e:
@@ -336,13 +372,13 @@ def run_plan(jobs: Iterable[tuple], workers: Optional[int] = None) -> list:
     return list(iter_plan(jobs, workers))
 
 
-def run_plan_subprocess(plan_name: str, archs: Iterable[int] = ARCHS, workers: Optional[int] = None,
-                        timeout: Optional[float] = None) -> list:
+def run_plan_subprocess(
+    plan_name: str, archs: Iterable[int] = ARCHS, workers: Optional[int] = None, timeout: Optional[float] = None
+) -> list:
     """:func:`run_plan` for plan ``plan_name`` in a child Python process with a clean environment
     (safe to call from a process that set ``TRITON_INTERPRET=1``). Returns the results."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRITON_")}
-    cmd = [sys.executable, "-m", "hf_contbatch.attention.triton_aot", "--plan", plan_name,
-           "--arch", *map(str, archs)]
+    cmd = [sys.executable, "-m", "hf_contbatch.attention.triton_aot", "--plan", plan_name, "--arch", *map(str, archs)]
     if workers:
         cmd += ["--workers", str(workers)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -1,6 +1,6 @@
 """Triton kernels for attention over the paged KV cache.
 
-The paged layout is owned by the engine (see DESIGN.md):
+The paged layout is owned by the engine (``hf_contbatch.kv.paged_cache``):
 
 * ``k_cache`` / ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer.
 * ``slot_mapping``: int64 ``[T]``, flat slot ``block_id * block_size + offset`` of each new token.
@@ -621,7 +621,7 @@ def arch_limits(arch: int) -> DeviceLimits:
                         ARCH_SHARED_MEMORY[max(known)])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_limits(device_index: int) -> DeviceLimits:
     props = torch.cuda.get_device_properties(device_index)
     return DeviceLimits(f"{props.name} (sm_{props.major}{props.minor})", (props.major, props.minor),
@@ -698,7 +698,7 @@ def unsupported_reason(
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
