@@ -562,13 +562,19 @@ def _prefill_config(block_d: int, group: int, dtype: torch.dtype, limits: "Devic
     """Launch shape of the prefill kernel for ``group`` query heads per KV head.
 
     Tensor-core path: the FlashAttention-2 shapes, 128 rows x 64 keys with 8 warps up to 128-wide
-    rows, 64 x 32 with 4 warps for 256. FMA path (fp32; everything on sm_75): rows x block_d <= 4096,
+    rows, 64 x 32 with 8 warps for 256 (4 warps spilled on sm_86). FMA path (fp32; everything on sm_75): rows x block_d <= 4096,
     rows x keys <= 512 and keys x block_d <= 2048 per 4 warps, so accumulator and scores stay in registers (wider tiles
     measured 16 KB of spill stores per thread at head size 64). A group wider than the rows is
     split over programs. Then keys, stages, heads per program and rows are halved until the
     shared-memory estimate fits the device.
     """
-    if _tensor_cores(dtype, limits):
+    tensor = _tensor_cores(dtype, limits)
+
+    def warps(rows: int) -> int:
+        # 64 x 256 tensor-core tiles spilled 120-128 bytes per thread with 4 warps on sm_86, none with 8.
+        return 8 if rows >= 128 or (tensor and block_d >= 256 and rows >= 64) else 4
+
+    if tensor:
         max_rows, max_n = (128, 64) if block_d <= 128 else (64, 32)
     else:
         max_rows = max(16, min(64, 4096 // block_d))
@@ -579,7 +585,7 @@ def _prefill_config(block_d: int, group: int, dtype: torch.dtype, limits: "Devic
         for h in _halvings(min(heads0, rows), 1):
             for stages in (2, 1):
                 for n in _halvings(max_n, 16):
-                    candidates.append((max(rows, _next_power_of_2(h)), n, h, 8 if rows >= 128 else 4, stages))
+                    candidates.append((max(rows, _next_power_of_2(h)), n, h, warps(rows), stages))
     return _first_fitting(candidates, block_d, _elem_bytes(dtype), limits, "prefill")
 
 
