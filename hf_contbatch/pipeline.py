@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from .config import CacheConfig, EngineConfig, SchedulerConfig
 from .engine import LLMEngine, RequestHandle
+from .generation import PROCESSOR_SETTINGS, UNSUPPORTED_GENERATION, check_supported, with_processors
 from .request import Request, SamplingParams
 from .streaming import text_deltas
 
@@ -39,30 +40,21 @@ POSTPROCESS_KWARGS = (
     "skip_special_tokens",
 )
 # batch_size/num_workers size transformers' static batches; the engine batches continuously.
-ENGINE_KWARGS = ("priority", "progress_bar", "batch_size", "num_workers", "ignore_eos", "seed")
-# Generation settings the engine does not implement, with the values that leave generation unchanged
-# (after transformers' global defaults); any other value, from the call or from the model's
-# generation_config, is rejected instead of silently ignored.
-_NEUTRAL_GENERATION = {
-    "num_beams": (None, 1), "num_beam_groups": (None, 1), "penalty_alpha": (None,), "dola_layers": (None,),
-    "diversity_penalty": (None, 0.0), "max_time": (None,), "min_p": (None, 0.0), "top_h": (None,),
-    "typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0),
-    "no_repeat_ngram_size": (None, 0), "encoder_no_repeat_ngram_size": (None, 0), "bad_words_ids": (None, []),
-    "renormalize_logits": (None, False), "forced_bos_token_id": (None,), "forced_eos_token_id": (None,),
-    "exponential_decay_length_penalty": (None,), "suppress_tokens": (None, []), "begin_suppress_tokens": (None, []),
-    "sequence_bias": (None, {}), "token_healing": (None, False), "guidance_scale": (None, 1.0),
-    "watermarking_config": (None,), "constraints": (None, []), "force_words_ids": (None, []),
-    "prompt_lookup_num_tokens": (None,), "use_mtp": (None, False), "output_scores": (None, False),
-    "output_logits": (None, False), "return_dict_in_generate": (None, False),
-    "output_attentions": (None, False), "output_hidden_states": (None, False),
-}
-# Generation parameters the engine honours; anything else a GenerationConfig knows is rejected
-# with a clear error instead of being silently ignored.
-SUPPORTED_GENERATION_KWARGS = (
-    "max_new_tokens", "max_length", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
-    "repetition_penalty", "eos_token_id", "pad_token_id", "bos_token_id", "stop_strings",
-    "num_return_sequences", "generation_config", "min_length",
+# logits_processor / prefix_allowed_tokens_fn / stopping_criteria are generate's call-time objects;
+# logprobs=N is an engine extra (top-N log-probs per token, as vLLM offers).
+ENGINE_KWARGS = (
+    "priority", "progress_bar", "batch_size", "num_workers", "ignore_eos", "seed", "logits_processor",
+    "prefix_allowed_tokens_fn", "stopping_criteria", "logprobs",
 )
+# Generation settings the engine does not run (beam search, contrastive search, DoLa...): any value
+# but a neutral one, from the call or from the model's generation_config, is rejected by name with
+# the reason and an alternative (``generation.UNSUPPORTED_GENERATION``).
+_NEUTRAL_GENERATION = {name: neutral for name, (neutral, _, _) in UNSUPPORTED_GENERATION.items()}
+# Generation parameters the engine honours (processor settings through transformers' own processors).
+SUPPORTED_GENERATION_KWARGS = (
+    "max_new_tokens", "max_length", "min_new_tokens", "do_sample", "eos_token_id", "pad_token_id",
+    "bos_token_id", "stop_strings", "num_return_sequences", "generation_config", "min_length",
+) + tuple(k for k in PROCESSOR_SETTINGS if k not in ("min_length", "min_new_tokens"))
 
 Chat = list  # a list of {"role": ..., "content": ...} dicts
 
@@ -93,8 +85,9 @@ def resolve_generate_config(model, generation_config: Optional[GenerationConfig]
     the given config over the model's generation config over transformers' global defaults.
 
     Raises:
-        ValueError: a setting the engine does not implement (beam search, min_p, bad_words_ids...)
-            has a non-neutral value; the message says whether the call or the model set it.
+        ValueError: a setting the engine does not implement (beam search, contrastive search, DoLa...)
+            has a non-neutral value; the message says whether the call or the model set it, why, and
+            what to use instead.
     """
     prepare = getattr(model, "_prepare_generation_config", None)
     if prepare is not None:
@@ -104,14 +97,11 @@ def resolve_generate_config(model, generation_config: Optional[GenerationConfig]
         cfg.update(**model.generation_config.to_dict(), defaults_only=True)
         cfg.update(**cfg._get_default_generation_params(), defaults_only=True)
         cfg.update(**kwargs)
-    for name, neutral in _NEUTRAL_GENERATION.items():
-        value = getattr(cfg, name, None)
-        if value not in neutral:
-            source = "this call" if name in kwargs or (generation_config is not None and name in generation_config.to_diff_dict()) else "the model's generation_config"
-            raise ValueError(
-                f"generation setting `{name}`={value!r} (from {source}) is not supported by hf_contbatch; "
-                f"supported: {', '.join(SUPPORTED_GENERATION_KWARGS)}"
-            )
+    def source(name: str) -> str:
+        called = name in kwargs or (generation_config is not None and name in generation_config.to_diff_dict())
+        return "this call" if called else "the model's generation_config"
+
+    check_supported(cfg, source)
     return cfg
 
 
@@ -604,8 +594,14 @@ class ContinuousBatchingPipeline:
     def _record(self, prompt: _TextInput, out, post: dict) -> dict:
         """One output record, as ``TextGenerationPipeline.postprocess`` builds it."""
         return_type = post.get("return_type", "full_text")
+        scores = {}
+        if getattr(out, "logprobs", None) is not None:
+            # generate(output_scores=True)'s processed scores, as the chosen token's log-prob
+            scores["logprobs"] = list(out.logprobs)
+            if out.top_logprobs is not None:
+                scores["top_logprobs"] = [list(t) for t in out.top_logprobs]
         if return_type == "tensors":
-            return {"generated_token_ids": out.prompt_token_ids + out.output_token_ids}
+            return {"generated_token_ids": out.prompt_token_ids + out.output_token_ids, **scores}
         skip = self._skip_special_tokens(post)
         clean = post.get("clean_up_tokenization_spaces")
         text = self.tokenizer.decode(out.output_token_ids, skip_special_tokens=skip, clean_up_tokenization_spaces=clean)
@@ -627,7 +623,7 @@ class ContinuousBatchingPipeline:
                     text = msgs + [self.tokenizer.parse_response(text, prefix=prompt_text, tools=post.get("tools"))]
                 else:
                     text = msgs + [{"role": "assistant", "content": text}]
-        return {"generated_text": text}
+        return {"generated_text": text, **scores}
 
     def _prepare(self, prompts: Sequence[_TextInput], kwargs: dict):
         """Tokenize and validate everything before submitting anything (nothing half-submitted)."""
@@ -665,6 +661,11 @@ class ContinuousBatchingPipeline:
             if isinstance(p, bool) or not isinstance(p, int):
                 raise ValueError(f"`priority` must be an int or a list of ints (lower runs first), got {p!r}")
         prefix_len = self._prefix_length(pre) if cfg.max_new_tokens is None or cfg.min_length else 0
+        proc_cfg = cfg
+        if prefix_len and cfg.min_length and cfg.min_new_tokens is None:
+            # transformers' pipeline counts min_length without the prefix (adds its length)
+            proc_cfg = copy.deepcopy(cfg)
+            proc_cfg.min_length = cfg.min_length + prefix_len
         jobs = []
         for prompt, prio in zip(prompts, priorities):
             ids = self._tokenize(prompt, pre)
@@ -673,6 +674,12 @@ class ContinuousBatchingPipeline:
             if pre.get("handle_long_generation") == "hole":
                 ids = self._keep_hole(ids, cfg)
             sp = self._sampling_params(cfg, len(ids), eng, prefix_len=prefix_len)
+            # The processors generate would build for this prompt (transformers' own list and order).
+            sp = with_processors(
+                self.model, proc_cfg, sp, ids, logits_processor=eng.get("logits_processor"),
+                prefix_allowed_tokens_fn=eng.get("prefix_allowed_tokens_fn"),
+                stopping_criteria=eng.get("stopping_criteria"), logprobs=eng.get("logprobs"), device=self.engine.device,
+            )
             jobs.append((prompt, ids, sp, prio))
         return jobs, nrs, checker, post, eng
 

@@ -1,12 +1,23 @@
-"""Turn the last-position logits of a step into next tokens, one batched call for plain greedy rows.
+"""Turn the last-position logits of a step into next tokens, batched where the settings allow.
 
-Sampling parameters are applied with transformers' own logits processors and warpers, in the order
-``generate`` applies them (penalties first, then temperature, top-k, top-p), so a request behaves as
-it would under ``model.generate``.
+Each request's scores go through the ``LogitsProcessorList`` ``generate`` would build for it
+(``SamplingParams.logits_processor``, built by ``generation.build_logits_processor``; for engine
+callers that give only the plain fields, the same processors built here). Per step:
+
+* plain greedy rows (no processor): one batched argmax over the raw logits;
+* rows whose processors are only temperature / top-k / top-p: warped together with per-row
+  parameter tensors (``generation.warp_batched``, equal to transformers' warpers row by row);
+* every other row: its own processors on its own ``[1, seq]`` history (a preallocated
+  ``TokenHistory``, grown by the new tokens only), as ``generate`` calls them.
+
+Then greedy rows take the argmax of their processed scores, sampled rows draw from their softmax:
+one ``torch.multinomial`` over all unseeded rows with the engine's generator, one per seeded row
+with that request's own generator (the draw ``generate`` makes after ``torch.manual_seed(seed)``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -19,11 +30,13 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from .generation import TokenHistory, fast_warp_params, warp_batched
 from .request import Request, SamplingParams
 
 
 def build_logits_processors(params: SamplingParams, prompt_len: int) -> LogitsProcessorList:
-    """The processors ``generate`` would build for ``params`` (the subset we support)."""
+    """The processors ``generate`` would build for the plain fields of ``params`` (engine callers
+    that pass no ``logits_processor``)."""
     procs = LogitsProcessorList()
     if params.repetition_penalty not in (None, 1.0):
         procs.append(RepetitionPenaltyLogitsProcessor(penalty=params.repetition_penalty))
@@ -41,6 +54,16 @@ def build_logits_processors(params: SamplingParams, prompt_len: int) -> LogitsPr
     return procs
 
 
+@dataclass
+class _RowState:
+    procs: LogitsProcessorList
+    fast: Optional[tuple]  # (temperature, top_k, top_p) for the batched path; None: needs history
+    plain: bool  # greedy with no processor
+    generator: Optional[torch.Generator] = None
+    history: Optional[TokenHistory] = None
+    last_scores: Optional[torch.Tensor] = None  # [1, vocab], for stopping criteria
+
+
 class Sampler:
     """Samples next tokens for a batch of requests.
 
@@ -50,53 +73,117 @@ class Sampler:
 
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator
-        self._processors: dict[int, LogitsProcessorList] = {}
-        self._generators: dict[int, torch.Generator] = {}
+        self._states: dict[int, _RowState] = {}
 
     def forget(self, request_id: int) -> None:
-        self._processors.pop(request_id, None)
-        self._generators.pop(request_id, None)
+        self._states.pop(request_id, None)
+
+    def _state(self, req: Request) -> _RowState:
+        st = self._states.get(req.request_id)
+        if st is None:
+            params = req.sampling
+            procs = params.logits_processor
+            if procs is None:
+                procs = build_logits_processors(params, req.num_prompt_tokens)
+            fast = fast_warp_params(procs)
+            st = _RowState(procs=procs, fast=fast, plain=not params.do_sample and len(procs) == 0)
+            self._states[req.request_id] = st
+        return st
+
+    def history(self, req: Request, device: torch.device) -> torch.Tensor:
+        """The request's prompt + output ids as a ``[1, seq]`` LongTensor on ``device``."""
+        st = self._state(req)
+        if st.history is None:
+            cap = req.num_prompt_tokens + req.sampling.max_new_tokens + 1
+            st.history = TokenHistory(cap, device)
+        return st.history.view(req.prompt_token_ids, req.output_token_ids)
+
+    def should_stop(self, req: Request) -> bool:
+        """Evaluate ``req.sampling.stopping_criteria`` on its own ids (and, as ``scores``, a
+        one-tuple with this step's processed ``[1, vocab]`` scores)."""
+        criteria = req.sampling.stopping_criteria
+        if not criteria:
+            return False
+        st = self._state(req)
+        ids = self.history(req, st.last_scores.device if st.last_scores is not None else torch.device("cpu"))
+        scores = (st.last_scores,) if st.last_scores is not None else None
+        return bool(criteria(ids, scores).any())
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
-        """Next token for each request.
+        """Next token for each request (and its log-probs where ``sampling.logprobs`` asks).
 
         Args:
-            logits: ``[N, vocab]`` float logits, row ``i`` for ``requests[i]``.
+            logits: ``[N, vocab]`` logits, row ``i`` for ``requests[i]`` (may be overwritten).
         Returns:
             N token ids.
         """
         if not requests:
             return []
-        tokens: list[Optional[int]] = [None] * len(requests)
-        plain = [i for i, r in enumerate(requests) if r.sampling.is_greedy_plain]
-        if plain:
-            idx = torch.tensor(plain, device=logits.device)
-            for i, t in zip(plain, logits.index_select(0, idx).argmax(dim=-1).tolist()):
+        n = len(requests)
+        states = [self._state(r) for r in requests]
+        scores = logits if logits.dtype == torch.float32 else logits.float()
+        dev = scores.device
+        tokens: list[Optional[int]] = [None] * n
+
+        plain = [i for i, st in enumerate(states) if st.plain]
+        if len(plain) == n:  # the common all-greedy step: one argmax, nothing else
+            tokens = scores.argmax(dim=-1).tolist()
+            self._after(scores, requests, states, tokens)
+            return tokens
+        fast = [i for i, st in enumerate(states) if not st.plain and st.fast is not None]
+        slow = [i for i, st in enumerate(states) if not st.plain and st.fast is None]
+        if fast:
+            idx = torch.tensor(fast, device=dev)
+            warped = warp_batched(scores.index_select(0, idx), [states[i].fast for i in fast])
+            scores = scores.index_copy(0, idx, warped) if len(fast) < n else warped
+        for i in slow:
+            ids = self.history(requests[i], dev)
+            scores[i : i + 1] = states[i].procs(ids, scores[i : i + 1].clone())
+
+        greedy = [i for i, r in enumerate(requests) if not r.sampling.do_sample]
+        if greedy:
+            idx = torch.tensor(greedy, device=dev)
+            for i, t in zip(greedy, scores.index_select(0, idx).argmax(dim=-1).tolist()):
                 tokens[i] = t
-        for i, req in enumerate(requests):
-            if tokens[i] is not None:
-                continue
-            tokens[i] = self._sample_one(logits[i : i + 1].float(), req)
+        sampled = [i for i, r in enumerate(requests) if r.sampling.do_sample]
+        if sampled:
+            idx = torch.tensor(sampled, device=dev)
+            probs = torch.softmax(scores.index_select(0, idx), dim=-1)
+            unseeded = [j for j, i in enumerate(sampled) if requests[i].sampling.seed is None]
+            if unseeded:
+                p = probs if len(unseeded) == len(sampled) else probs[unseeded]
+                gen = self.generator
+                if gen.device != p.device:
+                    p = p.to(gen.device)
+                for j, t in zip(unseeded, torch.multinomial(p, 1, generator=gen)[:, 0].tolist()):
+                    tokens[sampled[j]] = t
+            for j, i in enumerate(sampled):
+                req = requests[i]
+                if req.sampling.seed is None:
+                    continue
+                st = states[i]
+                if st.generator is None:
+                    st.generator = torch.Generator(device=dev).manual_seed(req.sampling.seed)
+                tokens[i] = int(torch.multinomial(probs[j : j + 1], 1, generator=st.generator).item())
+        self._after(scores, requests, states, tokens)
         return tokens  # type: ignore[return-value]
 
-    def _sample_one(self, scores: torch.Tensor, req: Request) -> int:
-        params = req.sampling
-        procs = self._processors.get(req.request_id)
-        if procs is None:
-            procs = build_logits_processors(params, req.num_prompt_tokens)
-            self._processors[req.request_id] = procs
-        if procs:
-            input_ids = torch.tensor([req.all_token_ids], device=scores.device)
-            scores = procs(input_ids, scores)
-        if not params.do_sample:
-            return int(scores.argmax(dim=-1).item())
-        probs = torch.softmax(scores, dim=-1)
-        gen = self.generator
-        if params.seed is not None:
-            gen = self._generators.get(req.request_id)
-            if gen is None:
-                gen = torch.Generator(device=scores.device).manual_seed(params.seed)
-                self._generators[req.request_id] = gen
-        if gen.device != probs.device:
-            probs = probs.to(gen.device)
-        return int(torch.multinomial(probs, 1, generator=gen).item())
+    @staticmethod
+    def _after(scores: torch.Tensor, requests: Sequence[Request], states, tokens) -> None:
+        """Record log-probs where asked, keep the processed row for stopping criteria."""
+        want = [i for i, r in enumerate(requests) if r.sampling.logprobs is not None]
+        if want:
+            idx = torch.tensor(want, device=scores.device)
+            logp = torch.log_softmax(scores.index_select(0, idx), dim=-1)
+            chosen = logp.gather(1, torch.tensor([tokens[i] for i in want], device=scores.device)[:, None])[:, 0].tolist()
+            top_n = max(requests[i].sampling.logprobs for i in want)
+            top = torch.topk(logp, min(top_n, logp.shape[-1])) if top_n else None
+            for j, i in enumerate(want):
+                req = requests[i]
+                req.output_logprobs.append(chosen[j])
+                k = req.sampling.logprobs
+                if k:
+                    req.output_top_logprobs.append(list(zip(top.indices[j, :k].tolist(), top.values[j, :k].tolist())))
+        for i, r in enumerate(requests):
+            if r.sampling.stopping_criteria:
+                states[i].last_scores = scores[i : i + 1].clone()

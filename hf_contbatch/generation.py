@@ -1,0 +1,277 @@
+"""Per-request generation settings as ``model.generate`` builds them: logits processors, stopping
+criteria, which settings stay unsupported (and why), and the batched fast path for the warpers.
+
+Each request gets the ``LogitsProcessorList`` transformers' own ``GenerationMixin._get_logits_processor``
+builds from its resolved ``GenerationConfig`` (prepared for its prompt as ``generate`` prepares it:
+special-token tensors, ``max_length``/``min_length`` from the prompt length) plus the call's
+``logits_processor`` / ``prefix_allowed_tokens_fn``. So every processor setting behaves as under
+``generate``, in the same order. The sampler applies such a list to the request's own ``[1, seq]``
+history; requests whose list holds only temperature / top-k / top-p (or nothing) skip the history
+and are warped batched (``warp_batched``), bit for bit as transformers' warpers.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingCriteriaList
+
+# Settings whose non-neutral values hf_contbatch rejects: (neutral values, reason, alternative).
+UNSUPPORTED_GENERATION = {
+    "num_beams": ((None, 1), "beam search keeps several hypotheses per request and reorders their KV every step",
+                  "do_sample=True with num_return_sequences=N, or transformers' generate"),
+    "num_beam_groups": ((None, 1), "diverse (group) beam search is beam search",
+                        "do_sample=True with num_return_sequences=N, or transformers' generate"),
+    "diversity_penalty": ((None, 0.0), "it only applies to group beam search",
+                          "do_sample=True with num_return_sequences=N, or transformers' generate"),
+    "constraints": ((None, []), "constrained beam search is beam search",
+                    "prefix_allowed_tokens_fn or a custom logits_processor, or transformers' generate"),
+    "force_words_ids": ((None, []), "constrained beam search is beam search",
+                        "prefix_allowed_tokens_fn or a custom logits_processor, or transformers' generate"),
+    "penalty_alpha": ((None,), "contrastive search needs every candidate's hidden states each step",
+                      "repetition_penalty / no_repeat_ngram_size, or transformers' generate"),
+    "dola_layers": ((None,), "DoLa contrasts early-exit layer logits the engine does not compute",
+                    "transformers' generate"),
+    "guidance_scale": ((None, 1.0), "classifier-free guidance runs a second, unconditional forward per step "
+                       "on the model's own cache", "transformers' generate"),
+    "token_healing": ((None, False), "token healing rewrites the prompt with a constrained generate call",
+                      "transformers' generate"),
+    "prompt_lookup_num_tokens": ((None,), "speculative decoding is not implemented in the engine",
+                                 "plain decoding (drop the setting)"),
+    "use_mtp": ((None, False), "multi-token prediction heads are not run by the engine", "plain decoding"),
+    "output_logits": ((None, False), "raw logits per step are not recorded",
+                      "output_scores=True (log-probs of the processed scores) or logprobs=N"),
+    "output_attentions": ((None, False), "the paged attention computes no attention weights",
+                          "transformers' generate"),
+    "output_hidden_states": ((None, False), "hidden states are not kept", "transformers' generate"),
+}
+
+# Settings applied through transformers' logits processors / stopping criteria (README table).
+PROCESSOR_SETTINGS = (
+    "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+    "bad_words_ids", "sequence_bias", "min_length", "min_new_tokens", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
+    "begin_suppress_tokens", "temperature", "top_k", "top_p", "min_p", "top_h", "typical_p", "epsilon_cutoff",
+    "eta_cutoff", "watermarking_config", "renormalize_logits", "max_time", "output_scores",
+    "return_dict_in_generate",
+)
+
+_FAST_TYPES = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+
+def check_supported(cfg: GenerationConfig, source: Callable[[str], str]) -> None:
+    """Raise for a setting hf_contbatch does not run.
+
+    Args:
+        cfg: the resolved generation config.
+        source: ``name -> "this call" / "the model's generation_config"`` for the message.
+
+    Raises:
+        ValueError: naming the setting, its value, where it came from, why, and what to use instead.
+    """
+    for name, (neutral, reason, alternative) in UNSUPPORTED_GENERATION.items():
+        value = getattr(cfg, name, None)
+        if value not in neutral:
+            raise ValueError(
+                f"generation setting `{name}`={value!r} (from {source(name)}) is not supported by hf_contbatch: "
+                f"{reason}; use {alternative}"
+            )
+
+
+def build_logits_processor(
+    model,
+    cfg: GenerationConfig,
+    prompt_token_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    logits_processor: Optional[LogitsProcessorList] = None,
+    prefix_allowed_tokens_fn: Optional[Callable[[int, torch.Tensor], list]] = None,
+    device: Optional[torch.device] = None,
+) -> LogitsProcessorList:
+    """The ``LogitsProcessorList`` ``model.generate`` builds for this prompt (one sequence, no padding).
+
+    Prepares a copy of ``cfg`` as ``generate`` does for a ``[1, len(prompt)]`` input (special-token
+    tensors, ``max_length = len(prompt) + max_new_tokens``, ``min_length`` from ``min_new_tokens``)
+    and calls transformers' ``GenerationMixin._get_logits_processor`` with the call's custom
+    processors, so the list and its order are transformers' own.
+
+    Args:
+        model: the transformers model (a ``GenerationMixin``).
+        cfg: the request's resolved generation config (not modified).
+        prompt_token_ids: the prompt as fed to the model.
+        max_new_tokens: the request's resolved ``max_new_tokens``.
+        logits_processor: custom processors merged as ``generate`` merges them.
+        prefix_allowed_tokens_fn: as in ``generate`` (called with batch id 0 and the ``[seq]`` ids).
+        device: where the processors' tensors live (the logits' device).
+
+    Raises:
+        ValueError/TypeError: from transformers, for malformed settings (e.g. ``bad_words_ids``).
+    """
+    cfg = copy.deepcopy(cfg)
+    n = len(prompt_token_ids)
+    device = device if device is not None else torch.device("cpu")
+    model._prepare_special_tokens(cfg, kwargs_has_attention_mask=True, device=device, batch_size=1)
+    cfg.max_length = n + max_new_tokens
+    if cfg.min_new_tokens is not None:
+        cfg.min_length = cfg.min_new_tokens + n
+    prompt = torch.tensor([list(prompt_token_ids)], dtype=torch.long, device=device)
+    return model._get_logits_processor(
+        generation_config=cfg,
+        input_ids_seq_length=n,
+        encoder_input_ids=prompt,
+        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+        logits_processor=logits_processor if logits_processor is not None else LogitsProcessorList(),
+        device=device,
+        model_kwargs={},
+    )
+
+
+def build_stopping_criteria(cfg: GenerationConfig, stopping_criteria: Optional[StoppingCriteriaList]) -> Optional[StoppingCriteriaList]:
+    """The criteria the engine evaluates per request beyond EOS, ``max_new_tokens`` and stop strings
+    (which it handles itself): ``max_time`` (from now) and the call's ``stopping_criteria``.
+    None when there are none."""
+    criteria = StoppingCriteriaList()
+    if cfg.max_time is not None:
+        criteria.append(MaxTimeCriteria(max_time=cfg.max_time, initial_timestamp=time.time()))
+    if stopping_criteria:
+        criteria.extend(stopping_criteria)
+    return criteria or None
+
+
+def fast_warp_params(procs: LogitsProcessorList) -> Optional[tuple]:
+    """``(temperature, top_k, top_p)`` when ``procs`` is only transformers' temperature / top-k /
+    top-p warpers in ``generate``'s order (each at most once, ``min_tokens_to_keep=1``), so the
+    sampler may apply them batched without the request's history; None otherwise (None entries
+    in the tuple: that warper is absent)."""
+    temperature = top_k = top_p = None
+    rank = -1
+    for p in procs:
+        t = type(p)
+        if t not in _FAST_TYPES:
+            return None
+        r = _FAST_TYPES.index(t)
+        if r <= rank:
+            return None
+        rank = r
+        if t is TemperatureLogitsWarper:
+            temperature = float(p.temperature)
+        elif p.filter_value != -float("inf") or p.min_tokens_to_keep != 1:
+            return None
+        elif t is TopKLogitsWarper:
+            top_k = int(p.top_k)
+        else:
+            top_p = float(p.top_p)
+    return temperature, top_k, top_p
+
+
+def warp_batched(scores: torch.Tensor, params: Sequence[tuple]) -> torch.Tensor:
+    """Apply per-row temperature, top-k and top-p in one pass per warper, with exactly the
+    arithmetic of transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper`` and
+    ``TopPLogitsWarper`` (so each row equals the row warped alone).
+
+    Args:
+        scores: ``[N, vocab]`` float scores (not modified).
+        params: N tuples from ``fast_warp_params``.
+    Returns:
+        ``[N, vocab]`` warped scores.
+    """
+    dev = scores.device
+    temps = [t for t, _, _ in params]
+    if any(t is not None for t in temps):
+        # Division by 1.0 is exact, so rows without a temperature are unchanged.
+        div = torch.tensor([1.0 if t is None else t for t in temps], dtype=scores.dtype, device=dev)
+        scores = scores / div[:, None]
+    ks = [k for _, k, _ in params]
+    if any(k is not None for k in ks):
+        vocab = scores.size(-1)
+        kk = [min(k, vocab) if k is not None else 1 for k in ks]
+        kth = torch.topk(scores, max(kk))[0].gather(1, torch.tensor(kk, device=dev)[:, None] - 1)
+        kth = torch.where(torch.tensor([k is None for k in ks], device=dev)[:, None], float("-inf"), kth)
+        scores = scores.masked_fill(scores < kth, -float("inf"))
+    ps = [p for _, _, p in params]
+    if any(p is not None for p in ps):
+        sorted_logits, sorted_indices = torch.sort(scores, descending=False)
+        cumulative_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # transformers compares with the Python float ``1 - top_p`` (rounded once to the tensor's
+        # dtype); -1 removes nothing for rows without top_p.
+        limit = torch.tensor([-1.0 if p is None else 1 - p for p in ps], dtype=torch.float64).to(cumulative_probs.dtype)
+        remove = cumulative_probs <= limit.to(dev)[:, None]
+        remove[..., -1:] = 0
+        remove = remove.scatter(1, sorted_indices, remove)
+        scores = scores.masked_fill(remove, -float("inf"))
+    return scores
+
+
+class TokenHistory:
+    """A request's token ids as a ``[1, seq]`` LongTensor for its processors, grown in place
+    (preallocated for prompt + ``max_new_tokens``; no concatenation per step)."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self._buf = torch.empty(1, max(capacity, 1), dtype=torch.long, device=device)
+        self._n = 0
+
+    def view(self, prompt: Sequence[int], output: Sequence[int]) -> torch.Tensor:
+        """``[1, len(prompt) + len(output)]`` ids; only tokens added since the last call are copied."""
+        total = len(prompt) + len(output)
+        if total > self._buf.shape[1]:
+            grown = torch.empty(1, max(total, 2 * self._buf.shape[1]), dtype=torch.long, device=self._buf.device)
+            grown[:, : self._n] = self._buf[:, : self._n]
+            self._buf = grown
+        if self._n < total:
+            new = list(prompt[self._n :]) + list(output[max(0, self._n - len(prompt)) :])
+            self._buf[0, self._n : total] = torch.tensor(new, dtype=torch.long)
+            self._n = total
+        return self._buf[:, :total]
+
+
+def with_processors(
+    model,
+    cfg: GenerationConfig,
+    sampling,
+    prompt_token_ids: Sequence[int],
+    *,
+    logits_processor: Optional[LogitsProcessorList] = None,
+    prefix_allowed_tokens_fn: Optional[Callable] = None,
+    stopping_criteria: Optional[StoppingCriteriaList] = None,
+    logprobs: Optional[int] = None,
+    device: Optional[torch.device] = None,
+):
+    """``sampling`` (a ``SamplingParams``) with the request's transformers-built processors and
+    stopping criteria attached, and ``logprobs`` (``output_scores=True`` means 0) set.
+
+    Raises:
+        ValueError: a malformed argument, naming it.
+    """
+    import dataclasses
+
+    if logits_processor is not None and not (
+        isinstance(logits_processor, (list, tuple)) and all(callable(p) for p in logits_processor)
+    ):
+        raise ValueError(f"`logits_processor` must be a LogitsProcessorList (a list of callables), got {logits_processor!r}")
+    if prefix_allowed_tokens_fn is not None and not callable(prefix_allowed_tokens_fn):
+        raise ValueError(f"`prefix_allowed_tokens_fn` must be callable (batch_id, input_ids) -> list of ids, got {prefix_allowed_tokens_fn!r}")
+    if stopping_criteria is not None and not (
+        isinstance(stopping_criteria, (list, tuple)) and all(callable(c) for c in stopping_criteria)
+    ):
+        raise ValueError(f"`stopping_criteria` must be a StoppingCriteriaList (a list of callables), got {stopping_criteria!r}")
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+        raise ValueError(f"`logprobs` must be an int >= 0 (0: the chosen token's log-prob; N: also the top N), got {logprobs!r}")
+    if logprobs is None and cfg.output_scores:
+        logprobs = 0
+    procs = build_logits_processor(
+        model, cfg, prompt_token_ids, sampling.max_new_tokens,
+        logits_processor=LogitsProcessorList(logits_processor) if logits_processor is not None else None,
+        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, device=device,
+    )
+    criteria = build_stopping_criteria(cfg, StoppingCriteriaList(stopping_criteria) if stopping_criteria else None)
+    return dataclasses.replace(sampling, logits_processor=procs, stopping_criteria=criteria, logprobs=logprobs)
