@@ -174,18 +174,43 @@ def fast_warp_params(procs: LogitsProcessorList) -> Optional[tuple]:
     return temperature, top_k, top_p
 
 
-def warp_batched(scores: torch.Tensor, params: Sequence[tuple]) -> torch.Tensor:
+def split_fast_suffix(procs: LogitsProcessorList) -> tuple[LogitsProcessorList, Optional[tuple]]:
+    """Split ``procs`` into the processors that need the request's history (run per request) and
+    a trailing run of temperature / top-k / top-p warpers that ``warp_batched`` may apply with
+    other requests' rows (``fast_warp_params`` of it; None when there is none). Applying the two
+    parts one after the other is applying the list."""
+    for start in range(len(procs) + 1):
+        tail = LogitsProcessorList(procs[start:])
+        params = fast_warp_params(tail)
+        if params is not None:
+            if not tail:
+                return LogitsProcessorList(procs), None
+            return LogitsProcessorList(procs[:start]), params
+    return LogitsProcessorList(procs), None  # unreachable: the empty tail always qualifies
+
+
+def warp_batched(scores: torch.Tensor, params: Sequence[tuple]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Apply per-row temperature, top-k and top-p in one pass per warper, with exactly the
     arithmetic of transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper`` and
-    ``TopPLogitsWarper`` (so each row equals the row warped alone).
+    ``TopPLogitsWarper`` (so each row equals the row warped alone, bit for bit).
+
+    When every row has a top-k, the work is O(k) per row after one ``torch.topk``
+    (``_warp_top_k_rows``); otherwise each warper runs over the whole ``[N, vocab]``.
 
     Args:
         scores: ``[N, vocab]`` float scores (not modified).
         params: N tuples from ``fast_warp_params``.
     Returns:
-        ``[N, vocab]`` warped scores.
+        ``[N, vocab]`` warped scores, and ``[N, max k]`` indices holding every row's finite
+        scores (extra columns of rows with a smaller k point at ``-inf`` scores) when the top-k
+        route ran, else None.
     """
+    if all(k is not None for _, k, _ in params):
+        out = _warp_top_k_rows(scores, params)
+        if out is not None:
+            return out
     dev = scores.device
+    inf = float("inf")
     temps = [t for t, _, _ in params]
     if any(t is not None for t in temps):
         # Division by 1.0 is exact, so rows without a temperature are unchanged.
@@ -196,20 +221,72 @@ def warp_batched(scores: torch.Tensor, params: Sequence[tuple]) -> torch.Tensor:
         vocab = scores.size(-1)
         kk = [min(k, vocab) if k is not None else 1 for k in ks]
         kth = torch.topk(scores, max(kk))[0].gather(1, torch.tensor(kk, device=dev)[:, None] - 1)
-        kth = torch.where(torch.tensor([k is None for k in ks], device=dev)[:, None], float("-inf"), kth)
-        scores = scores.masked_fill(scores < kth, -float("inf"))
+        kth = torch.where(torch.tensor([k is None for k in ks], device=dev)[:, None], -inf, kth)
+        scores = scores.masked_fill(scores < kth, -inf)
     ps = [p for _, _, p in params]
     if any(p is not None for p in ps):
         sorted_logits, sorted_indices = torch.sort(scores, descending=False)
         cumulative_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        # transformers compares with the Python float ``1 - top_p`` (rounded once to the tensor's
-        # dtype); -1 removes nothing for rows without top_p.
-        limit = torch.tensor([-1.0 if p is None else 1 - p for p in ps], dtype=torch.float64).to(cumulative_probs.dtype)
-        remove = cumulative_probs <= limit.to(dev)[:, None]
+        remove = cumulative_probs <= _top_p_limits(ps, scores)
         remove[..., -1:] = 0
         remove = remove.scatter(1, sorted_indices, remove)
-        scores = scores.masked_fill(remove, -float("inf"))
-    return scores
+        scores = scores.masked_fill(remove, -inf)
+    return scores, None
+
+
+def _top_p_limits(ps: Sequence[Optional[float]], like: torch.Tensor) -> torch.Tensor:
+    """``[N, 1]`` thresholds: transformers compares with the Python float ``1 - top_p`` (rounded
+    once to the scores' dtype); -1 removes nothing for rows without top_p."""
+    limit = torch.tensor([-1.0 if p is None else 1 - p for p in ps], dtype=torch.float64).to(like.dtype)
+    return limit.to(like.device)[:, None]
+
+
+# Lanes of the widest vectorised reduction torch's CPU softmax uses (AVX-512 x 4 unrolled = 64
+# floats); 256 leaves margin. Rows shortened by a multiple of it keep their tail's lane layout.
+_REDUCTION_ALIGN = 256
+
+
+def _warp_top_k_rows(scores: torch.Tensor, params: Sequence[tuple]) -> Optional[tuple]:
+    """``warp_batched`` for rows that all have a top-k, in O(k) per row after one ``topk``.
+
+    The top-k values of ``scores / t`` are the top-k values of ``scores``, divided (the same
+    elementwise division transformers applies to the whole row). Transformers' top-p sorts the
+    row: ``-inf`` repeated, then the top k ascending, so its softmax and cumulative sum are computed
+    from the top-k values, on a row shortened by a multiple of ``_REDUCTION_ALIGN`` leading
+    ``-inf`` (zeros in the sums, same vector lanes, so the same bits). Returns None (use the
+    general route) when a row has a tie at its k-th value, where transformers keeps more than k.
+    """
+    dev = scores.device
+    inf = float("inf")
+    n, vocab = scores.shape
+    kk = [min(k, vocab) for _, k, _ in params]
+    kmax = max(kk)
+    probe = min(kmax + 1, vocab)
+    vals, idx = torch.topk(scores, probe)
+    temps = [t for t, _, _ in params]
+    if any(t is not None for t in temps):
+        div = torch.tensor([1.0 if t is None else t for t in temps], dtype=scores.dtype, device=dev)
+        vals = vals / div[:, None]
+    kk_t = torch.tensor(kk, device=dev)
+    has_next = kk_t < probe
+    kth = vals.gather(1, kk_t[:, None] - 1)[:, 0]
+    after = vals.gather(1, torch.clamp(kk_t, max=probe - 1)[:, None])[:, 0]
+    if bool((has_next & (after == kth)).any()):
+        return None
+    vals, idx = vals[:, :kmax], idx[:, :kmax]
+    vals = vals.masked_fill(torch.arange(kmax, device=dev)[None, :] >= kk_t[:, None], -inf)
+    ps = [p for _, _, p in params]
+    if any(p is not None for p in ps):
+        length = vocab - (vocab - kmax) // _REDUCTION_ALIGN * _REDUCTION_ALIGN
+        sorted_logits = torch.full((n, length), -inf, dtype=scores.dtype, device=dev)
+        sorted_logits[:, -kmax:] = vals.flip(-1)
+        # the leading zeros of the cumulative sum add nothing: summing the tail alone is exact
+        cumulative_tail = sorted_logits.softmax(dim=-1)[:, -kmax:].cumsum(dim=-1)
+        remove_tail = cumulative_tail <= _top_p_limits(ps, scores)
+        remove_tail[..., -1:] = 0
+        vals = vals.masked_fill(remove_tail.flip(-1), -inf)
+    out = torch.full_like(scores, -inf).scatter_(1, idx, vals)
+    return out, idx
 
 
 class TokenHistory:

@@ -5,14 +5,15 @@ Each request's scores go through the ``LogitsProcessorList`` ``generate`` would 
 callers that give only the plain fields, the same processors built here). Per step:
 
 * plain greedy rows (no processor): one batched argmax over the raw logits;
-* rows whose processors are only temperature / top-k / top-p: warped together with per-row
-  parameter tensors (``generation.warp_batched``, equal to transformers' warpers row by row);
-* every other row: its own processors on its own ``[1, seq]`` history (a preallocated
-  ``TokenHistory``, grown by the new tokens only), as ``generate`` calls them.
+* every other row: the processors before its trailing temperature / top-k / top-p warpers run on
+  its own ``[1, seq]`` history (a preallocated ``TokenHistory``, grown by the new tokens only),
+  as ``generate`` calls them; then the trailing warpers of all rows run together with per-row
+  parameter tensors (``generation.warp_batched``, equal to transformers' warpers row by row).
 
 Then greedy rows take the argmax of their processed scores, sampled rows draw from their softmax:
-one ``torch.multinomial`` over all unseeded rows with the engine's generator, one per seeded row
-with that request's own generator (the draw ``generate`` makes after ``torch.manual_seed(seed)``).
+one ``torch.multinomial`` over all unseeded rows with the engine's generator (over the top-k
+candidates only when every such row has a top-k), one per seeded row with that request's own
+generator over the whole vocabulary (the draw ``generate`` makes after ``torch.manual_seed(seed)``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from .generation import TokenHistory, fast_warp_params, warp_batched
+from .generation import TokenHistory, split_fast_suffix, warp_batched
 from .request import Request, SamplingParams
 
 
@@ -56,8 +57,8 @@ def build_logits_processors(params: SamplingParams, prompt_len: int) -> LogitsPr
 
 @dataclass
 class _RowState:
-    procs: LogitsProcessorList
-    fast: Optional[tuple]  # (temperature, top_k, top_p) for the batched path; None: needs history
+    head: LogitsProcessorList  # processors run on this request's own history (may be empty)
+    fast: Optional[tuple]  # then (temperature, top_k, top_p), batched with other rows; None: none
     plain: bool  # greedy with no processor
     generator: Optional[torch.Generator] = None
     history: Optional[TokenHistory] = None
@@ -85,8 +86,8 @@ class Sampler:
             procs = params.logits_processor
             if procs is None:
                 procs = build_logits_processors(params, req.num_prompt_tokens)
-            fast = fast_warp_params(procs)
-            st = _RowState(procs=procs, fast=fast, plain=not params.do_sample and len(procs) == 0)
+            head, fast = split_fast_suffix(procs)
+            st = _RowState(head=head, fast=fast, plain=not params.do_sample and len(procs) == 0)
             self._states[req.request_id] = st
         return st
 
@@ -130,43 +131,59 @@ class Sampler:
             tokens = scores.argmax(dim=-1).tolist()
             self._after(scores, requests, states, tokens)
             return tokens
-        fast = [i for i, st in enumerate(states) if not st.plain and st.fast is not None]
-        slow = [i for i, st in enumerate(states) if not st.plain and st.fast is None]
+        # Per request first (its own history), then the trailing warpers of every row batched.
+        for i, st in enumerate(states):
+            if st.head:
+                ids = self.history(requests[i], dev)
+                scores[i : i + 1] = st.head(ids, scores[i : i + 1].clone())
+        fast = [i for i, st in enumerate(states) if st.fast is not None]
+        candidates = None  # top-k candidate ids of the fast rows (None: not every fast row has one)
         if fast:
             idx = torch.tensor(fast, device=dev)
-            warped = warp_batched(scores.index_select(0, idx), [states[i].fast for i in fast])
+            warped, candidates = warp_batched(scores.index_select(0, idx), [states[i].fast for i in fast])
             scores = scores.index_copy(0, idx, warped) if len(fast) < n else warped
-        for i in slow:
-            ids = self.history(requests[i], dev)
-            scores[i : i + 1] = states[i].procs(ids, scores[i : i + 1].clone())
 
         greedy = [i for i, r in enumerate(requests) if not r.sampling.do_sample]
         if greedy:
             idx = torch.tensor(greedy, device=dev)
             for i, t in zip(greedy, scores.index_select(0, idx).argmax(dim=-1).tolist()):
                 tokens[i] = t
-        sampled = [i for i, r in enumerate(requests) if r.sampling.do_sample]
-        if sampled:
-            idx = torch.tensor(sampled, device=dev)
-            probs = torch.softmax(scores.index_select(0, idx), dim=-1)
-            unseeded = [j for j, i in enumerate(sampled) if requests[i].sampling.seed is None]
-            if unseeded:
-                p = probs if len(unseeded) == len(sampled) else probs[unseeded]
-                gen = self.generator
-                if gen.device != p.device:
-                    p = p.to(gen.device)
-                for j, t in zip(unseeded, torch.multinomial(p, 1, generator=gen)[:, 0].tolist()):
-                    tokens[sampled[j]] = t
-            for j, i in enumerate(sampled):
-                req = requests[i]
-                if req.sampling.seed is None:
-                    continue
-                st = states[i]
-                if st.generator is None:
-                    st.generator = torch.Generator(device=dev).manual_seed(req.sampling.seed)
-                tokens[i] = int(torch.multinomial(probs[j : j + 1], 1, generator=st.generator).item())
+        unseeded = [i for i, r in enumerate(requests) if r.sampling.do_sample and r.sampling.seed is None]
+        if unseeded:
+            self._draw_unseeded(scores, unseeded, fast, candidates, tokens)
+        for i, req in enumerate(requests):
+            if not req.sampling.do_sample or req.sampling.seed is None:
+                continue
+            # The draw generate makes after torch.manual_seed(seed): softmax and multinomial over
+            # the whole vocabulary with the request's own generator.
+            st = states[i]
+            if st.generator is None:
+                st.generator = torch.Generator(device=dev).manual_seed(req.sampling.seed)
+            probs = torch.softmax(scores[i : i + 1], dim=-1)
+            tokens[i] = int(torch.multinomial(probs, 1, generator=st.generator).item())
         self._after(scores, requests, states, tokens)
         return tokens  # type: ignore[return-value]
+
+    def _draw_unseeded(self, scores, rows, fast, candidates, tokens) -> None:
+        """One ``torch.multinomial`` with the engine's generator for all unseeded sampled rows.
+        When they all went through top-k, the draw runs over the candidates only (every other
+        probability is exactly 0, so the distribution is the same) instead of the vocabulary."""
+        dev = scores.device
+        gen = self.generator
+        pos = {i: j for j, i in enumerate(fast)}
+        if candidates is not None and all(i in pos for i in rows):
+            cand = candidates[torch.tensor([pos[i] for i in rows], device=dev)]
+            probs = torch.softmax(scores[torch.tensor(rows, device=dev)[:, None], cand], dim=-1)
+            if gen.device != probs.device:
+                probs, cand = probs.to(gen.device), cand.to(gen.device)
+            picked = cand.gather(1, torch.multinomial(probs, 1, generator=gen))[:, 0].tolist()
+        else:
+            probs = torch.softmax(scores.index_select(0, torch.tensor(rows, device=dev)), dim=-1)
+            if gen.device != probs.device:
+                probs = probs.to(gen.device)
+            picked = torch.multinomial(probs, 1, generator=gen)[:, 0].tolist()
+        for i, t in zip(rows, picked):
+            tokens[i] = t
 
     @staticmethod
     def _after(scores: torch.Tensor, requests: Sequence[Request], states, tokens) -> None:

@@ -226,28 +226,67 @@ def test_logprobs_equal_generate_output_scores(pipe, ref_model, tok, kwargs):
     assert "logprobs" in h.result(60)[0] and "generated_text" in h.result(60)[0]
 
 
-def test_batched_warping_equals_transformers_warpers_bit_for_bit():
+def _per_row(scores, t, k, p):
+    procs = LogitsProcessorList()
+    if t is not None:
+        procs.append(TemperatureLogitsWarper(t))
+    if k is not None:
+        procs.append(TopKLogitsWarper(k))
+    if p is not None:
+        procs.append(TopPLogitsWarper(p))
+    assert fast_warp_params(procs) == (t, k, p)
+    return procs(None, scores)
+
+
+ALL_TOP_K = [(0.7, 50, 0.9), (None, 20, 0.95), (1.3, 5, None), (0.5, 300, 0.7), (2.0, 1, 0.5), (None, 8, 0.3)]
+
+
+@pytest.mark.parametrize("params,tie,vocab", [
+    ([(0.7, 50, 0.9), (None, None, 0.95), (1.3, 5, None), (None, None, None), (0.5, None, 0.7),
+      (None, 4096, 0.99), (2.0, 1, 0.5), (0.9, 4096 * 2, None)], False, 4096),
+    # every row has a top-k: top-p runs on the top-k values without a sort
+    (ALL_TOP_K, False, 4096),
+    (ALL_TOP_K, False, 32003),
+    ([(0.7, 50, 0.9), (None, 20, 0.95)], True, 4096),  # a tie at the k-th value: the general route
+], ids=["mixed", "all-top-k", "all-top-k-32003", "top-k-tie"])
+def test_batched_warping_equals_transformers_warpers_bit_for_bit(params, tie, vocab):
     g = torch.Generator().manual_seed(0)
-    params = [(0.7, 50, 0.9), (None, None, 0.95), (1.3, 5, None), (None, None, None), (0.5, None, 0.7),
-              (None, 4096, 0.99), (2.0, 1, 0.5), (0.9, 4096 * 2, None)]
-    scores = torch.randn(len(params), 4096, generator=g) * 3
-    scores[1, :10] = 7.0  # ties
-    got = warp_batched(scores, params)
+    scores = torch.randn(len(params), vocab, generator=g) * 3
+    scores[1, :10] = 7.0  # ties among the kept values
+    if tie:
+        scores[0, 100:200] = scores[0].topk(50).values[-1]
+    got, candidates = warp_batched(scores, params)
     for i, (t, k, p) in enumerate(params):
-        procs = LogitsProcessorList()
-        if t is not None:
-            procs.append(TemperatureLogitsWarper(t))
-        if k is not None:
-            procs.append(TopKLogitsWarper(k))
-        if p is not None:
-            procs.append(TopPLogitsWarper(p))
-        assert fast_warp_params(procs) == (t, k, p)
-        ref = procs(None, scores[i : i + 1])
+        ref = _per_row(scores[i : i + 1], t, k, p)
         assert torch.equal(got[i : i + 1], ref), (t, k, p)
         assert torch.equal(torch.softmax(got, -1)[i : i + 1], torch.softmax(ref, -1))
+    if all(k is not None for _, k, _ in params) and not tie:
+        # the candidates hold every finite score of each row (the unseeded draw runs over them)
+        kept = torch.zeros_like(got, dtype=torch.bool).scatter_(1, candidates, True)
+        assert not torch.isfinite(got[~kept]).any()
+    else:
+        assert candidates is None
     # anything else, or another order, needs the per-request path
     assert fast_warp_params(LogitsProcessorList([TopKLogitsWarper(5), TemperatureLogitsWarper(0.5)])) is None
     assert fast_warp_params(LogitsProcessorList([_BoostByLength()])) is None
+
+
+def test_unseeded_draws_over_top_k_candidates_follow_the_distribution():
+    # 20,000 draws of a 3-candidate distribution through the sampler's batched path: the
+    # frequencies match the probabilities of the warped scores (5 sigma).
+    from hf_contbatch.request import Request, SamplingParams
+    from hf_contbatch.sampler import Sampler
+
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    logits = torch.full((1, 64), -5.0)
+    logits[0, [3, 10, 40]] = torch.tensor([1.0, 0.5, 0.0])
+    sp = SamplingParams(do_sample=True, top_k=3, temperature=0.8, max_new_tokens=1)
+    reqs = [Request(request_id=i, prompt_token_ids=[1], sampling=sp) for i in range(20000)]
+    tokens = torch.tensor(sampler.sample(logits.expand(20000, -1).clone(), reqs))
+    probs = torch.softmax(logits[0, [3, 10, 40]] / 0.8, -1)
+    freq = torch.stack([(tokens == t).float().mean() for t in (3, 10, 40)])
+    assert set(tokens.tolist()) == {3, 10, 40}
+    assert torch.all((freq - probs).abs() < 5 * torch.sqrt(probs * (1 - probs) / 20000))
 
 
 def test_token_history_grows_without_losing_tokens():
