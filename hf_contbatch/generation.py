@@ -88,9 +88,17 @@ def check_supported(cfg: GenerationConfig, source: Callable[[str], str]) -> None
             )
 
 
+def prepare_generation_config(model, cfg: GenerationConfig, device: Optional[torch.device] = None) -> GenerationConfig:
+    """A copy of ``cfg`` with the special-token tensors ``generate`` adds (``_eos_token_tensor``...),
+    ready for ``build_logits_processor``; prepare once per call, build once per prompt."""
+    cfg = copy.deepcopy(cfg)
+    model._prepare_special_tokens(cfg, kwargs_has_attention_mask=True, device=device or torch.device("cpu"), batch_size=1)
+    return cfg
+
+
 def build_logits_processor(
     model,
-    cfg: GenerationConfig,
+    prepared: GenerationConfig,
     prompt_token_ids: Sequence[int],
     max_new_tokens: int,
     *,
@@ -100,14 +108,15 @@ def build_logits_processor(
 ) -> LogitsProcessorList:
     """The ``LogitsProcessorList`` ``model.generate`` builds for this prompt (one sequence, no padding).
 
-    Prepares a copy of ``cfg`` as ``generate`` does for a ``[1, len(prompt)]`` input (special-token
-    tensors, ``max_length = len(prompt) + max_new_tokens``, ``min_length`` from ``min_new_tokens``)
-    and calls transformers' ``GenerationMixin._get_logits_processor`` with the call's custom
-    processors, so the list and its order are transformers' own.
+    Sets ``max_length = len(prompt) + max_new_tokens`` and ``min_length`` from ``min_new_tokens``
+    on ``prepared`` as ``generate`` does for a ``[1, len(prompt)]`` input (the processors copy
+    these values when built, so one prepared config serves every prompt of a call), then calls
+    transformers' ``GenerationMixin._get_logits_processor`` with the call's custom processors,
+    so the list and its order are transformers' own.
 
     Args:
         model: the transformers model (a ``GenerationMixin``).
-        cfg: the request's resolved generation config (not modified).
+        prepared: the request's resolved config from ``prepare_generation_config``.
         prompt_token_ids: the prompt as fed to the model.
         max_new_tokens: the request's resolved ``max_new_tokens``.
         logits_processor: custom processors merged as ``generate`` merges them.
@@ -117,10 +126,9 @@ def build_logits_processor(
     Raises:
         ValueError/TypeError: from transformers, for malformed settings (e.g. ``bad_words_ids``).
     """
-    cfg = copy.deepcopy(cfg)
     n = len(prompt_token_ids)
     device = device if device is not None else torch.device("cpu")
-    model._prepare_special_tokens(cfg, kwargs_has_attention_mask=True, device=device, batch_size=1)
+    cfg = copy.copy(prepared)  # shallow: the lengths below are per prompt
     cfg.max_length = n + max_new_tokens
     if cfg.min_new_tokens is not None:
         cfg.min_length = cfg.min_new_tokens + n
@@ -325,6 +333,7 @@ def with_processors(
 ):
     """``sampling`` (a ``SamplingParams``) with the request's transformers-built processors and
     stopping criteria attached, and ``logprobs`` (``output_scores=True`` means 0) set.
+    ``cfg``: a config from ``prepare_generation_config`` (or a resolved one, prepared here).
 
     Raises:
         ValueError: a malformed argument, naming it.
@@ -345,6 +354,8 @@ def with_processors(
         raise ValueError(f"`logprobs` must be an int >= 0 (0: the chosen token's log-prob; N: also the top N), got {logprobs!r}")
     if logprobs is None and cfg.output_scores:
         logprobs = 0
+    if not hasattr(cfg, "_eos_token_tensor"):  # not prepared yet (``generate`` adds it)
+        cfg = prepare_generation_config(model, cfg, device)
     procs = build_logits_processor(
         model, cfg, prompt_token_ids, sampling.max_new_tokens,
         logits_processor=LogitsProcessorList(logits_processor) if logits_processor is not None else None,

@@ -23,7 +23,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from .config import CacheConfig, EngineConfig, SchedulerConfig
 from .engine import LLMEngine, RequestHandle
-from .generation import PROCESSOR_SETTINGS, UNSUPPORTED_GENERATION, check_supported, with_processors
+from .generation import (
+    PROCESSOR_SETTINGS, UNSUPPORTED_GENERATION, check_supported, prepare_generation_config, with_processors,
+)
 from .request import Request, SamplingParams
 from .streaming import text_deltas
 
@@ -661,10 +663,9 @@ class ContinuousBatchingPipeline:
             if isinstance(p, bool) or not isinstance(p, int):
                 raise ValueError(f"`priority` must be an int or a list of ints (lower runs first), got {p!r}")
         prefix_len = self._prefix_length(pre) if cfg.max_new_tokens is None or cfg.min_length else 0
-        proc_cfg = cfg
+        proc_cfg = prepare_generation_config(self.model, cfg, self.engine.device)  # once per call
         if prefix_len and cfg.min_length and cfg.min_new_tokens is None:
             # transformers' pipeline counts min_length without the prefix (adds its length)
-            proc_cfg = copy.deepcopy(cfg)
             proc_cfg.min_length = cfg.min_length + prefix_len
         jobs = []
         for prompt, prio in zip(prompts, priorities):
