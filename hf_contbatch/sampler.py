@@ -77,6 +77,8 @@ class Sampler:
         self._states: dict[int, _RowState] = {}
 
     def forget(self, request_id: int) -> None:
+        """Drop what is kept for ``request_id`` (processor split, seeded generator, token history;
+        called when it finishes; unknown ids are ignored, never raises)."""
         self._states.pop(request_id, None)
 
     def _state(self, req: Request) -> _RowState:
