@@ -163,8 +163,17 @@ def test_history_processors_see_their_own_ids_under_preemption(ref_model, tok):
     try:
         handles = [pipe.submit(p, do_sample=False, max_new_tokens=40, return_tensors=True, ignore_eos=True, **kw)
                    for p, kw in zip(prompts, settings)]
+        # a seeded sample with a history processor, in the same batch under preemption
+        sampled_kw = {"do_sample": True, "top_k": 20, "temperature": 1.0, "repetition_penalty": 1.3}
+        sampled = pipe.submit(prompts[1], max_new_tokens=40, return_tensors=True, ignore_eos=True, seed=3, **sampled_kw)
         got = [_ours(h) for h in handles]
-        assert sum(h.handles[0].request.num_preemptions for h in handles) > 0
+        assert sum(h.handles[0].request.num_preemptions for h in [*handles, sampled]) > 0
+        ids = tok(prompts[1], return_tensors="pt")["input_ids"]
+        torch.manual_seed(3)
+        with torch.no_grad():
+            out = ref_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, eos_token_id=None,
+                                     pad_token_id=0, **sampled_kw)
+        assert _ours(sampled) == out[0, ids.shape[1]:].tolist()
         for p, kw, g in zip(prompts, settings, got):
             ids = tok(p, return_tensors="pt")["input_ids"]
             # ignore_eos: generate without EOS (suppressing nothing: eos_token_id=None)
