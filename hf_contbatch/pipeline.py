@@ -24,7 +24,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from .config import CacheConfig, EngineConfig, SchedulerConfig
 from .engine import LLMEngine, RequestHandle
 from .generation import (
-    PROCESSOR_SETTINGS, UNSUPPORTED_GENERATION, check_supported, prepare_generation_config, with_processors,
+    PROCESSOR_SETTINGS, UNSUPPORTED_GENERATION, check_supported, logits_device, prepare_generation_config,
+    with_processors,
 )
 from .request import Request, SamplingParams
 from .streaming import text_deltas
@@ -663,7 +664,7 @@ class ContinuousBatchingPipeline:
             if isinstance(p, bool) or not isinstance(p, int):
                 raise ValueError(f"`priority` must be an int or a list of ints (lower runs first), got {p!r}")
         prefix_len = self._prefix_length(pre) if cfg.max_new_tokens is None or cfg.min_length else 0
-        proc_cfg = prepare_generation_config(self.model, cfg, self.engine.device)  # once per call
+        proc_cfg = prepare_generation_config(self.model, cfg, logits_device(self.model))  # once per call
         if prefix_len and cfg.min_length and cfg.min_new_tokens is None:
             # transformers' pipeline counts min_length without the prefix (adds its length)
             proc_cfg.min_length = cfg.min_length + prefix_len
@@ -679,7 +680,7 @@ class ContinuousBatchingPipeline:
             sp = with_processors(
                 self.model, proc_cfg, sp, ids, logits_processor=eng.get("logits_processor"),
                 prefix_allowed_tokens_fn=eng.get("prefix_allowed_tokens_fn"),
-                stopping_criteria=eng.get("stopping_criteria"), logprobs=eng.get("logprobs"), device=self.engine.device,
+                stopping_criteria=eng.get("stopping_criteria"), logprobs=eng.get("logprobs"), device=logits_device(self.model),
             )
             jobs.append((prompt, ids, sp, prio))
         return jobs, nrs, checker, post, eng
