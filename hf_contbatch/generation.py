@@ -88,6 +88,15 @@ def check_supported(cfg: GenerationConfig, source: Callable[[str], str]) -> None
             )
 
 
+def logits_device(model) -> torch.device:
+    """Where the model's logits come out (the LM head's device; the input embeddings' may differ
+    under a ``device_map``): the device processors and token histories live on."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and getattr(head, "weight", None) is not None:
+        return head.weight.device
+    return next(model.parameters()).device
+
+
 def prepare_generation_config(model, cfg: GenerationConfig, device: Optional[torch.device] = None) -> GenerationConfig:
     """A copy of ``cfg`` with the special-token tensors ``generate`` adds (``_eos_token_tensor``...),
     ready for ``build_logits_processor``; prepare once per call, build once per prompt."""

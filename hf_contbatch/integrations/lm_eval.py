@@ -29,7 +29,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 
 from ..config import CacheConfig, EngineConfig, SchedulerConfig
 from ..engine import LLMEngine, RequestHandle
-from ..generation import with_processors
+from ..generation import logits_device, with_processors
 from ..generation_args import resolve_generate_config, sampling_params_from_config
 from ..progress import wait_for
 from ..request import SamplingParams
@@ -163,7 +163,7 @@ class ContinuousBatchingLM(HFLM):
             kwargs.pop("temperature")
         max_length = kwargs.pop("max_length", context_len + max_gen_toks)
         cfg = resolve_generate_config(self.model, None, max_length=max_length, pad_token_id=self.tokenizer.pad_token_id, **kwargs)
-        return with_processors(self.model, cfg, sampling_params_from_config(cfg, context_len), prompt, device=self.engine.device)
+        return with_processors(self.model, cfg, sampling_params_from_config(cfg, context_len), prompt, device=logits_device(self.model))
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Every request submitted at once; the text is post-processed as ``hf`` does."""
