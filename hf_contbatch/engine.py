@@ -27,6 +27,7 @@ from .config import EngineConfig
 from .cpu_linear import pack_linears
 from .kv.block_manager import BlockManager
 from .kv.paged_cache import PagedKVCache, kv_bytes_per_block
+from .reliability import DeferredInterrupt, check_request, execute_isolating_failures
 from .request import Request, RequestIdCounter, RequestStatus, SamplingParams
 from .runner import ModelRunner
 from .sampler import Sampler
@@ -43,7 +44,16 @@ SUPPORTED_MODEL_TYPES = (
 
 
 class EngineError(RuntimeError):
-    """Raised from ``RequestHandle.result()`` when the engine failed the request."""
+    """Raised from ``RequestHandle.result()`` when the engine failed the request.
+
+    Attributes:
+        output: the request's ``RequestOutput`` with the tokens it generated before failing
+            (``finish_reason="error"``); the cause is ``__cause__``.
+    """
+
+    def __init__(self, message: str, output: Optional["RequestOutput"] = None) -> None:
+        super().__init__(message)
+        self.output = output
 
 
 @dataclass
@@ -91,14 +101,33 @@ class RequestHandle:
         return self._done.wait(timeout)
 
     def result(self, timeout: Optional[float] = None) -> RequestOutput:
-        """Block until finished; return the output. Raises ``EngineError`` if the engine failed it,
-        ``TimeoutError`` after ``timeout`` seconds."""
-        if timeout is None and not self._done.is_set() and self._engine.drives_callers:
-            self._engine.drive(self._done.is_set)
-        if not self._done.wait(timeout):
+        """Block until finished; return the output.
+
+        Raises:
+            EngineError: the engine failed the request (``.output`` holds its partial tokens).
+            TimeoutError: not finished after ``timeout`` seconds (the request keeps running).
+            KeyboardInterrupt: interrupted while waiting; the request is cancelled first (its
+                output then has ``finish_reason="cancelled"``), other requests keep running.
+        """
+        try:
+            if timeout is None and not self._done.is_set() and self._engine.drives_callers:
+                self._engine.drive(self._done.is_set)
+            finished = self._done.wait(timeout)
+        except KeyboardInterrupt:
+            self._engine.cancel_now([self])
+            raise
+        if not finished:
             raise TimeoutError(f"request {self.request_id} not finished after {timeout} s")
         if self.request.error is not None:
-            raise EngineError(f"request {self.request_id} failed in the engine: {self.request.error!r}") from self.request.error
+            raise EngineError(
+                f"request {self.request_id} failed in the engine after {len(self.request.output_token_ids)} "
+                f"generated tokens: {self.request.error!r}", self.output(),
+            ) from self.request.error
+        return self.output()
+
+    def output(self) -> RequestOutput:
+        """The request's state now, without waiting or raising: the tokens so far and
+        ``finish_reason`` (None while it runs; "error" when the engine failed it)."""
         r = self.request
         return RequestOutput(
             request_id=r.request_id,
@@ -247,6 +276,7 @@ class LLMEngine:
         self.head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
         self.max_model_len = getattr(text_cfg, "max_position_embeddings", None)
         self.device = model.get_input_embeddings().weight.device
+        self.vocab_size = model.get_input_embeddings().weight.shape[0]  # ids at submit must index it
         cache_cfg = self.config.cache
         dtype = getattr(torch, cache_cfg.dtype) if cache_cfg.dtype else next(model.parameters()).dtype
         self.backend = resolve_backend(self.config.attention_backend, self.device)
@@ -504,9 +534,11 @@ class LLMEngine:
             a ``RequestHandle``, or a list of them when ``num_return_sequences`` is given.
 
         Raises:
-            ValueError: empty prompt, or a request that can never fit (prompt + 1 token beyond the
-                model's context, or prompt + max_new_tokens beyond the whole KV pool), or
-                ``num_return_sequences`` not a positive int.
+            ValueError: empty prompt, a token id outside the model's input embedding (the message
+                names the id, its position and the vocabulary size), a sampling value out of range,
+                a request that can never fit (prompt + 1 token beyond the model's context, or
+                prompt + max_new_tokens beyond the whole KV pool), or ``num_return_sequences`` not
+                a positive int. Nothing enters the engine then.
             RuntimeError: the engine is closed.
         """
         if self._closed:
@@ -521,6 +553,7 @@ class LLMEngine:
             raise ValueError("`prompt_token_ids` must be a sequence of ints")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"`priority` must be an int (lower runs first), got {priority!r}")
+        check_request(ids, sampling, self.vocab_size)
         n = len(ids)
         # A one-token scoring request (prompt log-probs) never feeds its sampled token, so its prompt
         # may fill the whole context (lm-eval scores windows of exactly the model's length).
@@ -691,14 +724,7 @@ class LLMEngine:
                 return  # a blocking caller arrived while we waited for the lock: leave it the work
             self._driver = threading.get_ident()
             try:
-                with self._cv:
-                    inbox = list(self._inbox)
-                    self._inbox.clear()
-                for kind, item in inbox:
-                    if kind == "add":
-                        self.scheduler.add_request(item)
-                    else:
-                        self._apply_cancel(item)
+                self._take_inbox()
                 if self.scheduler.has_work:
                     try:
                         self.step()
@@ -725,28 +751,67 @@ class LLMEngine:
         through the background thread, which resumes when the caller leaves. Iterations are the
         same five steps whoever runs them.
 
+        A KeyboardInterrupt (SIGINT: Ctrl-C, a notebook's Stop button) that arrives meanwhile is
+        held until the current iteration is over, then raised here; the requests in flight are
+        untouched (the caller cancels its own, see ``cancel_now``).
+
         Raises:
             RuntimeError: called from inside an iteration (e.g. a done-callback), which would nest.
+            KeyboardInterrupt: an interrupt arrived; the engine's state is whole.
         """
         if self._driver == threading.get_ident():
             raise RuntimeError("drive()/result() called from inside an engine iteration (a callback)")
         with self._cv:
             self._num_drivers += 1  # a running background thread leaves after its current iteration
+        interrupt = DeferredInterrupt()
         try:
-            while not until():
-                if self._closed:
-                    raise RuntimeError("the engine is closed")
-                with self._cv:
-                    busy = self._has_work_locked()
-                if not busy:
-                    break  # nothing left that could satisfy ``until``
-                self._iterate()
-                if after_iteration is not None:
-                    after_iteration()
+            with interrupt:
+                while not until() and not interrupt.pending:
+                    if self._closed:
+                        raise RuntimeError("the engine is closed")
+                    with self._cv:
+                        busy = self._has_work_locked()
+                    if not busy:
+                        break  # nothing left that could satisfy ``until``
+                    self._iterate()
+                    if after_iteration is not None:
+                        after_iteration()
         finally:
             with self._cv:
                 self._num_drivers -= 1
                 self._start_worker_locked()  # work left by others (submit()) continues in the background
+        interrupt.replay()
+
+    def cancel_now(self, handles: Sequence["RequestHandle"]) -> None:
+        """Cancel these requests and release them before returning: their handles are done with
+        ``finish_reason="cancelled"`` and their partial tokens, their blocks are free. For a
+        blocking call that was interrupted; other requests keep running. Waits for an iteration
+        in progress in another thread to end."""
+        for h in handles:
+            self.cancel(h.request_id)
+        if self._closed or self._driver == threading.get_ident():
+            return  # closing fails them anyway; inside an iteration the next reap releases them
+        interrupt = DeferredInterrupt()  # a second Stop press must not leave them half released
+        with interrupt:
+            with self._drive_lock:
+                self._take_inbox()
+                for req in self.scheduler.reap():
+                    self._complete(req)
+                with self._cv:
+                    if not self._has_work_locked():
+                        self._idle.set()
+        interrupt.replay()
+
+    def _take_inbox(self) -> None:
+        """Hand new requests and cancellations to the scheduler (with the drive lock held)."""
+        with self._cv:
+            inbox = list(self._inbox)
+            self._inbox.clear()
+        for kind, item in inbox:
+            if kind == "add":
+                self.scheduler.add_request(item)
+            else:
+                self._apply_cancel(item)
 
     def _apply_cancel(self, request_id: int) -> None:
         handle = self._handles.get(request_id)
@@ -764,11 +829,17 @@ class LLMEngine:
         t1 = time.monotonic()
         self._move_blocks(out)
         t_moved = time.monotonic()
-        sampled = self.runner.execute(out)
+        # A failing forward is narrowed down to the requests that fail alone; the others advance.
+        sampled, failed = execute_isolating_failures(self.runner.execute, out)
+        for s, exc in failed:
+            self._fail_in_step(s.request, exc)
         advanced = self.scheduler.update_from_output(out, sampled)
         now = time.monotonic()
         for req in advanced:
-            self._on_new_token(req, now)
+            try:
+                self._on_new_token(req, now)
+            except Exception as exc:  # noqa: BLE001 - a stop checker or stream of one request
+                self._fail_in_step(req, exc)
         t2 = time.monotonic()
         out.phases.append(("decode", t2 - t1))
         with self._stats_lock:
@@ -816,6 +887,15 @@ class LLMEngine:
             req.status = RequestStatus.FINISHED_LENGTH
         elif req.stop_checker is not None and req.stop_checker(req):
             req.status = RequestStatus.FINISHED_STOPPED
+
+    def _fail_in_step(self, req: Request, exc: Exception) -> None:
+        """Fail one request during a step: it keeps its tokens, the next reap frees its blocks and
+        finishes its handle (its pending forks with it); the other requests are untouched."""
+        logger.error("request %s failed after %d generated tokens: %r", req.request_id, len(req.output_token_ids), exc)
+        req.error = exc
+        req.status = RequestStatus.FINISHED_ERROR
+        for child in req.pending_forks:
+            child.error = exc
 
     def _complete(self, req: Request) -> None:
         req.finish_time = time.monotonic()

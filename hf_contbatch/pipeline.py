@@ -22,7 +22,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from .config import CacheConfig, EngineConfig, SchedulerConfig
-from .engine import LLMEngine, RequestHandle
+from .engine import EngineError, LLMEngine, RequestHandle
+from .reliability import check_request
 from .request import Request, SamplingParams
 from .streaming import text_deltas
 
@@ -253,9 +254,16 @@ class GenerationHandle:
         ``TimeoutError``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         outs = []
-        for h in self.handles:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            outs.append(h.result(left))
+        try:
+            for h in self.handles:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                outs.append(h.result(left))
+        except KeyboardInterrupt:
+            self._pipe.engine.cancel_now(self.handles)  # all sequences of this prompt, not only the one waited on
+            raise
+        except EngineError as exc:
+            exc.partial_results = self._pipe._records_or_partial(self.prompt, self.handles, self._post)
+            raise
         return [self._pipe._record(self.prompt, o, self._post) for o in outs]
 
     def finish_reasons(self) -> list[Optional[str]]:
@@ -673,6 +681,7 @@ class ContinuousBatchingPipeline:
             if pre.get("handle_long_generation") == "hole":
                 ids = self._keep_hole(ids, cfg)
             sp = self._sampling_params(cfg, len(ids), eng, prefix_len=prefix_len)
+            check_request(ids, sp, self.engine.vocab_size)  # every prompt checked before any is submitted
             jobs.append((prompt, ids, sp, prio))
         return jobs, nrs, checker, post, eng
 
@@ -730,8 +739,8 @@ class ContinuousBatchingPipeline:
             for new in handle.handles[0].token_stream():
                 for token in new:
                     streamer.put(torch.tensor([token]))
-        except BaseException:
-            handle.cancel()
+        except BaseException:  # the streamer raised, or an interrupt: this request only
+            self.engine.cancel_now(handle.handles)
             raise
         finally:
             streamer.end()  # a TextIteratorStreamer consumer must never hang
@@ -756,14 +765,26 @@ class ContinuousBatchingPipeline:
             several, a list of such lists in input order; for a generator/dataset, an iterator of them.
 
         Raises:
-            ValueError: bad inputs or arguments (nothing is submitted then).
-            EngineError: the engine failed while generating.
+            ValueError: bad inputs or arguments, token ids outside the model's vocabulary (a
+                tokenizer with added tokens and no ``resize_token_embeddings``); nothing is
+                submitted then.
+            EngineError: the engine failed one of this call's requests. The others ran to the end;
+                ``exc.partial_results`` is what the call would have returned, the failed
+                sequence's text cut where it failed.
+            KeyboardInterrupt: interrupted (Ctrl-C, a notebook's Stop button): this call's requests
+                are cancelled and their blocks freed before it propagates; requests submitted
+                elsewhere keep running.
         """
         streamer = kwargs.pop("streamer", None)
         if streamer is not None:
             return self._call_with_streamer(text_inputs, streamer, kwargs)
         if isinstance(text_inputs, str) or _is_chat(text_inputs):
-            return self._run([text_inputs], kwargs)[0]
+            try:
+                return self._run([text_inputs], kwargs)[0]
+            except EngineError as exc:
+                if getattr(exc, "partial_results", None):
+                    exc.partial_results = exc.partial_results[0]  # the shape a one-prompt call returns
+                raise
         if isinstance(text_inputs, (list, tuple)):
             if len(text_inputs) == 0:
                 raise ValueError("`text_inputs` is an empty list; give at least one prompt")
@@ -818,8 +839,8 @@ class ContinuousBatchingPipeline:
             while finished < len(flat):
                 record(done_q.get())  # blocks without spinning
         except KeyboardInterrupt:
-            for h in flat:
-                h.cancel()
+            # This call's requests only: requests submitted elsewhere keep running.
+            self.engine.cancel_now(flat)
             raise
         finally:
             if bar is not None:
@@ -830,10 +851,19 @@ class ContinuousBatchingPipeline:
             "tokens_per_s": tokens / elapsed if elapsed else 0.0,
             "preemptions": sum(h.request.num_preemptions for h in flat),
         }
-        results = []
-        for (prompt, *_), hs in zip(jobs, submitted):
-            results.append([self._record(prompt, h.result(), post) for h in hs])
+        results = [self._records_or_partial(prompt, hs, post) for (prompt, *_), hs in zip(jobs, submitted)]
+        failed = [h for h in flat if h.request.error is not None]
+        if failed:
+            try:
+                failed[0].result()
+            except EngineError as exc:  # the others completed: their records travel with the error
+                exc.partial_results = results
+                raise
         return results
+
+    def _records_or_partial(self, prompt, handles: Sequence[RequestHandle], post: dict) -> list[dict]:
+        """The records of finished handles; a failed one's record holds the text it had generated."""
+        return [self._record(prompt, h.output(), post) for h in handles]
 
 
 def pipeline(task: str = "text-generation", model=None, tokenizer=None, **kwargs) -> ContinuousBatchingPipeline:

@@ -158,6 +158,7 @@ class Scheduler:
         self.num_blocks_swapped_in = 0
         self.num_forks = 0
         self.num_fork_fallbacks = 0  # sequences that could not be forked and recompute their prompt
+        self.num_pool_wall_stops = 0  # requests finished "length" because the pool could not grow them
         self._watermark_blocks = int(config.watermark * block_manager.num_blocks)
         self._epoch = clock()
         self._fresh: set[int] = set()  # got their KV by swap-in or fork copy this step: not swappable yet
@@ -229,6 +230,10 @@ class Scheduler:
         return out
 
     # --- step 1: reap ---------------------------------------------------------------------------
+    def reap(self) -> list[Request]:
+        """The reap step on its own, between iterations (a caller cancelling its requests at once)."""
+        return self._reap()
+
     def _reap(self) -> list[Request]:
         """Step 1: drop finished and cancelled requests (any queue) and free their blocks at once."""
         reaped: list[Request] = []
@@ -471,12 +476,27 @@ class Scheduler:
     # --- step 4: preempt ---------------------------------------------------------------------------
     def _preempt(self, out: SchedulerOutput, step: _StepState) -> None:
         """Step 4: while the running requests cannot all get their blocks, preempt the lowest-ranked
-        one (swap or recompute, see ``_preemption_mode``)."""
+        one (swap or recompute, see ``_preemption_mode``). With nobody left to preempt, what still
+        does not fit stops at the pool wall (``_stop_at_pool_wall``)."""
         while self._reservation(step.plan) > self.block_manager.num_free_blocks:
             victim = self._choose_victim()
             if victim is None:
+                self._stop_at_pool_wall(step)
                 break
             self._preempt_request(out, step, victim)
+
+    def _stop_at_pool_wall(self, step: _StepState) -> None:
+        """Finish planned requests, lowest rank first, with "length" until the rest fit: the pool
+        cannot hold their next tokens and nothing is left to preempt (blocks held elsewhere, e.g.
+        by another engine sharing nothing but the host). They keep every token generated so far;
+        the next reap frees their blocks."""
+        for s in sorted(step.plan, key=lambda s: self.rank(s.request), reverse=True):
+            if self._reservation(step.plan) <= self.block_manager.num_free_blocks:
+                return
+            step.plan.remove(s)
+            step.token_budget += s.num_new_tokens
+            s.request.status = RequestStatus.FINISHED_LENGTH
+            self.num_pool_wall_stops += 1
 
     def _choose_victim(self) -> Optional[Request]:
         """The lowest-ranked running request; escalated ones only if nothing else is left. Among
