@@ -97,7 +97,7 @@ def build_pipeline(args):
 
     cfg = EngineConfig(cache=CacheConfig(num_blocks=args.num_blocks), linear_backend=args.linear_backend)
     if args.model == "embedded":
-        return pipeline("text-generation", engine_config=cfg)
+        return pipeline("text-generation", engine_config=cfg, dtype=args.dtype)
     sys.path.insert(0, os.path.dirname(__file__))
     from workload import MODEL_SIZES, build_model, build_tokenizer
 
@@ -116,6 +116,9 @@ def main(argv=None) -> dict:
     p.add_argument("--wave-size", type=int, default=500)
     p.add_argument("--num-blocks", type=int, default=256)
     p.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "onednn"])
+    p.add_argument("--dtype", default="float32",
+                   help="embedded model's dtype (stored as bfloat16; float32 is the CPU reference and the "
+                        "packed-linear path)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
@@ -123,7 +126,7 @@ def main(argv=None) -> dict:
         global WORDS
         WORDS = tuple(f"w{i}" for i in range(1, 2048))
     pipe = build_pipeline(args)
-    print(f"model={args.model} requests={args.num_requests} waves of {args.wave_size} num_blocks={args.num_blocks} "
+    print(f"model={args.model} dtype={next(pipe.model.parameters()).dtype} requests={args.num_requests} waves of {args.wave_size} num_blocks={args.num_blocks} "
           f"linear_backend={args.linear_backend} rss_at_start={rss_mb():.0f} MiB", flush=True)
 
     def report(w):
