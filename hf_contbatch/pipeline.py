@@ -280,13 +280,18 @@ class GenerationHandle:
 
         Raises:
             EngineError: the engine failed the request.
+            KeyboardInterrupt: interrupted while waiting; this sequence is cancelled first.
         """
         handle = self.handles[index]
-        yield from text_deltas(
-            handle.token_stream(), self._pipe.tokenizer, stop_strings=self._post.get("_stop_strings"),
-            skip_special_tokens=self._pipe._skip_special_tokens(self._post),
-            clean_up_tokenization_spaces=self._post.get("clean_up_tokenization_spaces"),
-        )
+        try:
+            yield from text_deltas(
+                handle.token_stream(), self._pipe.tokenizer, stop_strings=self._post.get("_stop_strings"),
+                skip_special_tokens=self._pipe._skip_special_tokens(self._post),
+                clean_up_tokenization_spaces=self._post.get("clean_up_tokenization_spaces"),
+            )
+        except KeyboardInterrupt:  # a Stop pressed while the stream waits: this sequence only
+            self._pipe.engine.cancel_now([handle])
+            raise
         handle.result()  # surfaces an engine error instead of ending the stream silently
 
     def __iter__(self) -> Iterator[str]:
