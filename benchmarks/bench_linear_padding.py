@@ -20,9 +20,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from workload import MODEL_SIZES  # noqa: E402
-
 from hf_contbatch.cpu_linear import _padded_linear, _reorder  # noqa: E402
+
+from workload import MODEL_SIZES  # noqa: E402
 
 ROWS = (1, 3, 6, 13, 27, 50, 70, 100, 130, 200, 300, 513, 1000)
 
@@ -56,9 +56,15 @@ def main() -> None:
             packed = _reorder(w)
             for m in ROWS:
                 x = torch.randn(m, k)
-                unpadded = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")  # noqa: E731
-                padded = lambda: _padded_linear(x, packed, b, n)  # noqa: E731
-                plain = lambda: torch.nn.functional.linear(x, w, b)  # noqa: E731
+                def unpadded(x=x, packed=packed, b=b):
+                    return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+
+                def padded(x=x, packed=packed, b=b, n=n):
+                    return _padded_linear(x, packed, b, n)
+
+                def plain(x=x, w=w, b=b):
+                    return torch.nn.functional.linear(x, w, b)
+
                 for f in (unpadded, padded, plain):
                     f()  # build the primitive outside the timing
                 t_u = t_p = t_f = math.inf

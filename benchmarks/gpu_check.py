@@ -1,4 +1,4 @@
-"""One-shot GPU check of the Triton paged-attention kernels (issue 3). Needs a CUDA device; uses only the
+"""One-shot GPU check of the Triton paged-attention kernels. Needs a CUDA device; uses only the
 torch and triton already installed (no downloads) and finishes in well under 5 minutes.
 
     python benchmarks/gpu_check.py --out gpu_check.json [--skip-tests] [--skip-e2e] [--e2e-model DIR]
@@ -94,7 +94,7 @@ def bench_ms(fn) -> float:
 def measure_copy_bandwidth(device) -> dict:
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_(0, 255)  # 1 GiB
     dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src))
+    ms = bench_ms(lambda: dst.copy_(src))  # noqa: F821 - run before the del below
     gbps = 2 * src.numel() / (ms * 1e-3) / 1e9
     del src, dst
     torch.cuda.empty_cache()
@@ -121,8 +121,9 @@ def dense_kv(cache, block_tables, b, context):
 
 
 def bench_decode(batch, context, copy_gbps, device) -> dict:
-    from hf_contbatch.attention import triton_kernels as tk
     import torch.nn.functional as F
+
+    from hf_contbatch.attention import triton_kernels as tk
 
     k_cache, v_cache, block_tables, seq_lens = make_paged_kv(batch, context, device)
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
@@ -130,7 +131,7 @@ def bench_decode(batch, context, copy_gbps, device) -> dict:
     scale = HEAD_DIM ** -0.5
 
     def run():
-        tk.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
+        tk.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, out=out,  # noqa: F821 - run before the del below
                                   max_seq_len=context)
 
     run()
@@ -154,8 +155,9 @@ def bench_decode(batch, context, copy_gbps, device) -> dict:
 
 
 def bench_prefill(device, batch=8, seq=1024) -> dict:
-    from hf_contbatch.attention import triton_kernels as tk
     import torch.nn.functional as F
+
+    from hf_contbatch.attention import triton_kernels as tk
 
     gen = torch.Generator(device=device).manual_seed(1)
     q = torch.randn(batch, NUM_HEADS, seq, HEAD_DIM, generator=gen, device=device, dtype=DTYPE)
@@ -291,7 +293,7 @@ def main() -> int:
     run_step(results, "copy_bandwidth", lambda: measure_copy_bandwidth(device))
     copy_gbps = results["copy_bandwidth"].get("gb_per_s_read_plus_write", float("nan"))
     for batch, context in ((64, 2048), (256, 512), (4, 8192)):  # the last one takes the flash-decoding path
-        run_step(results, f"decode_b{batch}_ctx{context}", lambda: bench_decode(batch, context, copy_gbps, device))
+        run_step(results, f"decode_b{batch}_ctx{context}", lambda batch=batch, context=context: bench_decode(batch, context, copy_gbps, device))
     run_step(results, "prefill_vs_sdpa", lambda: bench_prefill(device))
     if not args.skip_e2e:
         run_step(results, "end_to_end", lambda: end_to_end_hook(args.e2e_model))

@@ -99,9 +99,9 @@ def build_pipeline(args):
     if args.model == "embedded":
         return pipeline("text-generation", engine_config=cfg, dtype=args.dtype)
     sys.path.insert(0, os.path.dirname(__file__))
-    from workload import MODEL_SIZES, build_model, build_tokenizer
-
     from hf_contbatch import ContinuousBatchingPipeline
+
+    from workload import MODEL_SIZES, build_model, build_tokenizer
 
     model = build_model(args.model)
     tok = build_tokenizer(MODEL_SIZES[args.model]["vocab_size"])

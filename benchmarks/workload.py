@@ -1,4 +1,4 @@
-"""The standard workload of PERFORMANCE.md, shared by the benchmarks.
+"""The standard workload, shared by the benchmarks.
 
 64 requests, prompt lengths uniform in [8, 256] tokens, max_new_tokens drawn from 16/32/64/256 with
 weights 0.4/0.3/0.2/0.1, EOS ignored (the models have no EOS), greedy. Models are random-weight
@@ -13,7 +13,7 @@ import random
 import torch
 
 MODEL_SIZES = {
-    # PERFORMANCE.md: tiny (vocab 2048, hidden 256, 4 layers, 8 heads, 4 KV heads) and
+    # The anchor models: tiny (vocab 2048, hidden 256, 4 layers, 8 heads, 4 KV heads) and
     # small (vocab 8192, hidden 768, 12 layers, 12 heads, 4 KV heads, ~100M parameters).
     "tiny": dict(vocab_size=2048, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=4),

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from .config import ATTENTION_BACKENDS, PREEMPTION_MODES  # light: no torch import
+
 
 def _read_prompts(path: str) -> list:
     """Prompts from a .txt file (one per line) or a .jsonl file (objects with "prompt" or
@@ -160,8 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cache-gib", type=float, default=0.5, help="KV pool size on CPU when --num-blocks is not given")
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"])
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--preemption-mode", default="recompute", choices=list(PREEMPTION_MODES))
+    g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS))
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     g.add_argument("--quiet", action="store_true")
     g.set_defaults(func=cmd_generate)

@@ -9,15 +9,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-_PREEMPTION_MODES = ("recompute", "swap", "auto")
-_ATTENTION_BACKENDS = ("auto", "torch", "triton")
-_LINEAR_BACKENDS = ("auto", "torch", "onednn")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+LINEAR_BACKENDS = ("auto", "torch", "onednn")
+
+
+def is_int(value) -> bool:
+    """True for an ``int`` that is not a ``bool`` (the one integer-argument test of the package)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(name: str, value, low: int) -> None:
+    """Raise ``ValueError("`name` must be an int >= low, got ...")`` unless ``value`` is one."""
+    if not is_int(value) or value < low:
+        raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}")
 
 
 def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         allowed = "a positive int or None" if allow_none else "a positive int"
         raise ValueError(f"`{name}` must be {allowed}, got {value!r}")
 
@@ -107,9 +118,9 @@ class SchedulerConfig:
         _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         if not (isinstance(self.watermark, (int, float)) and 0 <= self.watermark < 1):
             raise ValueError(f"`watermark` must be in [0, 1), got {self.watermark!r}")
-        if self.preemption_mode not in _PREEMPTION_MODES:
+        if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
-                f"`preemption_mode` must be one of {_PREEMPTION_MODES}, got {self.preemption_mode!r}"
+                f"`preemption_mode` must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
             )
         _check_positive_int("long_prefill_token_threshold", self.long_prefill_token_threshold, allow_none=True)
         _check_positive_int("max_preemptions", self.max_preemptions)
@@ -164,10 +175,10 @@ class EngineConfig:
             raise ValueError(f"`cache` must be a CacheConfig, got {type(self.cache).__name__}")
         if not isinstance(self.scheduler, SchedulerConfig):
             raise ValueError(f"`scheduler` must be a SchedulerConfig, got {type(self.scheduler).__name__}")
-        if self.attention_backend not in _ATTENTION_BACKENDS:
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
-                f"`attention_backend` must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+                f"`attention_backend` must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
-        if self.linear_backend not in _LINEAR_BACKENDS:
-            raise ValueError(f"`linear_backend` must be one of {_LINEAR_BACKENDS}, got {self.linear_backend!r}")
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(f"`linear_backend` must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         _check_positive_int("num_threads", self.num_threads, allow_none=True)

@@ -8,12 +8,11 @@ machines), takes a snapshot and sets widget values inside ``hold_sync()`` so eac
 most one message per refresh, and only when something changed. ipywidgets is imported only when a
 ``Dashboard`` is built, so ``import hf_contbatch`` and ``format_stats`` work without it.
 
-Fields beyond the core ``EngineStats`` ones are optional -- looked up as attributes, then in
-``stats.extra``, with defaults -- so the view works with engines that publish more or fewer:
+Fields beyond the core ``EngineStats`` ones are optional -- looked up as attributes, with
+defaults -- so the view also reads snapshots that publish fewer:
 
 - ``num_kv_tokens``: tokens whose KV the running requests hold (the tokens bar; else block slots);
-- ``num_swap_blocks``, ``num_swapped_blocks``: the CPU swap pool's size and blocks in use, and
-  ``swap_block_owner`` (request id or -1 per host block) to colour it by request;
+- ``num_swap_blocks``, ``num_swapped_blocks``: the CPU swap pool's size and blocks in use;
 - ``block_ref_counts``: per device block; above 1 the block is shared (prefix cache or fork);
 - ``prefix_caching``, ``num_cached_blocks`` (free blocks still holding a reusable prefix),
   ``prefix_cache_hit_rate``;
@@ -34,13 +33,15 @@ import time
 import weakref
 from typing import Any, Iterable, Optional, Sequence
 
+from .config import check_int, is_int
+from .phases import PHASES
+
 logger = logging.getLogger(__name__)
 
-PHASES = ("reap", "budget", "admit", "preempt", "decode")
 PHASE_COLOURS = {"reap": "#94a3b8", "budget": "#a78bfa", "admit": "#38bdf8", "preempt": "#f87171", "decode": "#34d399"}
 FREE_COLOUR = "#e5e7eb"
 CACHED_COLOUR = "#f59e0b"
-SWAPPED_COLOUR = "#a78bfa"  # host blocks when the engine publishes counts but not owners
+SWAPPED_COLOUR = "#a78bfa"  # host blocks in use (the engine publishes counts, not owners)
 
 # One <style> for every dashboard; class names carry a prefix because JupyterLab applies it page-wide.
 _STYLE = """<style>
@@ -62,11 +63,8 @@ _STYLE = """<style>
 
 # --- reading snapshots ---------------------------------------------------------------------------
 def _field(stats, name: str, default: Any = None) -> Any:
-    """``stats.name``, else ``stats.extra[name]``, else ``default``."""
+    """``stats.name``, else ``default`` (also when it is None)."""
     value = getattr(stats, name, None)
-    if value is None:
-        extra = getattr(stats, "extra", None) or {}
-        value = extra.get(name) if isinstance(extra, dict) else None
     return default if value is None else value
 
 
@@ -248,12 +246,9 @@ def render_pools(stats, max_cells: int = 512) -> str:
     swap_blocks = int(_field(stats, "num_swap_blocks", 0))
     if swap_blocks:
         swap_used = int(_field(stats, "num_swapped_blocks", 0))
-        swap_owners = tuple(_field(stats, "swap_block_owner", ()))
-        if len(swap_owners) == swap_blocks:
-            swap_grid = render_block_grid(swap_owners, (), max_cells, lightness=70)
-        else:  # only counts published: the used ones first, in one colour
-            swap_grid = render_block_grid((0,) * swap_used + (-1,) * (swap_blocks - swap_used), (), max_cells,
-                                          colour=SWAPPED_COLOUR)
+        # The engine publishes the host pool's counts, not owners: the used blocks first, in one colour.
+        swap_grid = render_block_grid((0,) * swap_used + (-1,) * (swap_blocks - swap_used), (), max_cells,
+                                      colour=SWAPPED_COLOUR)
         swap = (f'<div class="hfcb-pool hfcb-swap"><h4>CPU swap pool · {swap_used}/{swap_blocks} in use</h4>'
                 f'{swap_grid}</div>')
     else:
@@ -390,10 +385,9 @@ class Dashboard:
             raise ValueError(f"`pipe` must have a stats() method (a pipeline or an engine), got {type(pipe).__name__}")
         if isinstance(refresh_hz, bool) or not isinstance(refresh_hz, (int, float)) or not 0 < refresh_hz <= 30:
             raise ValueError(f"`refresh_hz` must be a number in (0, 30], got {refresh_hz!r}")
-        if isinstance(max_cells, bool) or not isinstance(max_cells, int) or max_cells < 1:
+        if not is_int(max_cells) or max_cells < 1:
             raise ValueError(f"`max_cells` must be a positive int, got {max_cells!r}")
-        if isinstance(history, bool) or not isinstance(history, int) or history < 2:
-            raise ValueError(f"`history` must be an int >= 2, got {history!r}")
+        check_int("history", history, 2)
         import ipywidgets as W  # lazily: hf_contbatch must import without ipywidgets
 
         self.source = pipe

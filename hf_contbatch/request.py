@@ -11,7 +11,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 
 class RequestStatus(enum.Enum):
@@ -102,8 +102,6 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     stop_checker: Optional[Callable[["Request"], bool]] = None
-    on_tokens: Optional[Callable[["Request", Sequence[int]], None]] = None
-    on_finish: Optional[Callable[["Request"], None]] = None
     max_total_tokens: Optional[int] = None  # the model's context; reaching it finishes with "length"
 
     output_token_ids: list[int] = field(default_factory=list)
@@ -149,9 +147,6 @@ class Request:
     @property
     def finish_reason(self) -> Optional[str]:
         return FINISH_REASONS.get(self.status)
-
-    def sort_key(self) -> tuple:
-        return (self.priority, self.arrival_time, self.request_id)
 
 
 class RequestIdCounter:

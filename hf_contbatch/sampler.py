@@ -54,6 +54,8 @@ class Sampler:
         self._generators: dict[int, torch.Generator] = {}
 
     def forget(self, request_id: int) -> None:
+        """Drop the logits processors and the seeded generator kept for ``request_id`` (called when
+        it finishes; unknown ids are ignored, never raises)."""
         self._processors.pop(request_id, None)
         self._generators.pop(request_id, None)
 

@@ -1,10 +1,12 @@
-"""The five-step scheduler iteration: reap -> budget -> admit -> preempt -> (decode, run by the engine).
+"""The scheduler's four steps of an iteration: reap -> budget -> admit -> preempt.
 
-Each step is its own short method; ``schedule()`` runs the first four in order and returns a plain
-``SchedulerOutput`` that the engine executes (swap-in, swap-out and copy mappings) and the model
-runner turns into one flattened forward (step five). The order is the specification (DESIGN.md):
-free before measuring, measure before handing out, and leave the expensive forward to the end so it
-sees the densest legal batch.
+Each step is its own public method, called in that order by ``LLMEngine.step`` (which then runs
+step five, decode, on the model runner); ``schedule()`` runs the four for callers without a model
+(tests, the engine's profiling forward). Each iteration yields a plain ``SchedulerOutput`` that the
+engine executes (swap-in, swap-out and copy mappings) and the model runner turns into one flattened
+forward. The order is the specification: free before measuring, measure before handing out, and
+leave the expensive forward to the end so it sees the densest legal batch. Blocks are handed out in
+one place, ``_allocate_slots``.
 
 Request state follows vLLM v1: a request needs ``num_tokens - num_computed_tokens`` more tokens of
 KV; prefill, chunked prefill, prefix-cache hits (``num_computed_tokens`` set at admission) and
@@ -27,9 +29,10 @@ from typing import Callable, Optional
 
 from .config import SchedulerConfig
 from .kv.block_manager import BlockManager
+from .phases import PHASES, PhaseTimer
 from .request import Request, RequestStatus
 
-PHASES = ("reap", "budget", "admit", "preempt", "decode")
+__all__ = ["PHASES", "ScheduledRequest", "Scheduler", "SchedulerOutput", "StepBudget"]
 
 
 @dataclass
@@ -39,7 +42,7 @@ class ScheduledRequest:
     samples: bool  # True when this step completes the request's known tokens, so a token is sampled
 
     @classmethod
-    def of(cls, request: Request, num_new_tokens: int) -> "ScheduledRequest":
+    def for_tokens(cls, request: Request, num_new_tokens: int) -> "ScheduledRequest":
         """``num_new_tokens`` more tokens of ``request``; it samples when they complete its known
         tokens (decided now: ``num_computed_tokens`` advances after the forward)."""
         return cls(request, num_new_tokens, request.num_computed_tokens + num_new_tokens == request.num_tokens)
@@ -56,7 +59,7 @@ class SchedulerOutput:
     """One iteration's plan, plain data for the engine and the runner.
 
     The engine applies the block mappings in this order before the forward: swap in, swap out, copy
-    (see ``LLMEngine.step``); the scheduler only hands out blocks that this order makes safe.
+    (see ``LLMEngine._move_blocks``); the scheduler only hands out blocks that this order makes safe.
 
     Attributes:
         iteration: the iteration number.
@@ -106,15 +109,25 @@ class SchedulerOutput:
 
 
 @dataclass
-class _StepState:
-    """What the budget step hands to admit and preempt (private to one ``schedule()`` call)."""
+class StepBudget:
+    """What the budget step hands to admit and preempt within one iteration.
+
+    Attributes:
+        plan: the requests scheduled so far, with their token counts.
+        token_budget: tokens left of ``max_num_batched_tokens``.
+        block_budget: blocks left for admissions (free - reservations - watermark; may be negative).
+        forks: parents whose forks are reserved for this step.
+        swap_ins: (swapped request, tokens) reserved to resume this step.
+        swap_barrier_rank: rank of the first swapped request that stays out; no waiting request
+            ranked after it is admitted (it would overtake the swapped one).
+    """
 
     plan: list[ScheduledRequest]
     token_budget: int
     block_budget: int = 0
-    forks: list[Request] = field(default_factory=list)  # parents whose forks are reserved
-    swap_ins: list[tuple[Request, int]] = field(default_factory=list)  # (swapped request, tokens) to resume
-    barrier: Optional[tuple] = None  # rank of the first swapped request that stays out: nobody after it enters
+    forks: list[Request] = field(default_factory=list)
+    swap_ins: list[tuple[Request, int]] = field(default_factory=list)
+    swap_barrier_rank: Optional[tuple] = None
 
 
 class Scheduler:
@@ -161,7 +174,8 @@ class Scheduler:
         self.num_pool_wall_stops = 0  # requests finished "length" because the pool could not grow them
         self._watermark_blocks = int(config.watermark * block_manager.num_blocks)
         self._epoch = clock()
-        self._fresh: set[int] = set()  # got their KV by swap-in or fork copy this step: not swappable yet
+        # Requests whose KV arrives by swap-in or fork copy this step: not swappable yet.
+        self._kv_arrives_this_step: set[int] = set()
 
     # --- queue management ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -179,6 +193,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
+        """True while any request is waiting, running or swapped out."""
         return bool(self.waiting or self.running or self.swapped)
 
     def all_requests(self) -> list[Request]:
@@ -196,45 +211,45 @@ class Scheduler:
 
     @property
     def watermark_blocks(self) -> int:
+        """Blocks kept free at admission (``watermark`` of the pool)."""
         return self._watermark_blocks
 
     # --- the iteration -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Run reap, budget, admit and preempt; return the plan for the decode step."""
+        """Steps 1-4 as ``LLMEngine.step`` runs them, without a model: the plan for the decode step,
+        with ``phases`` holding the four steps' seconds."""
+        timer = PhaseTimer(self.clock)
+        out = self.begin_iteration()
+        out.reaped = self.reap()
+        timer.charge("reap")
+        step = self.budget(out)
+        timer.charge("budget")
+        self.admit(out, step, timer)
+        timer.charge("admit")
+        self.preempt(out, step)
+        timer.charge("preempt")
+        self.finish_plan(out, step)
+        out.phases = list(timer.as_tuple()[:4])
+        return out
+
+    def begin_iteration(self) -> SchedulerOutput:
+        """A new, empty ``SchedulerOutput`` for the next iteration number."""
         out = SchedulerOutput(iteration=self.iteration)
         self.iteration += 1
-        self._fresh.clear()
-        t = self.clock()
+        self._kv_arrives_this_step.clear()
+        return out
 
-        def mark(name: str) -> None:
-            nonlocal t
-            now = self.clock()
-            out.phases.append((name, now - t))
-            t = now
-
-        out.reaped = self._reap()
-        mark("reap")
-        step = self._budget(out)
-        mark("budget")
-        self._admit(out, step)
-        mark("admit")
-        self._preempt(out, step)
-        self._allocate(step.plan)
-        mark("preempt")
-        # Decodes first, then prefill chunks: the layout attention metadata expects.
+    def finish_plan(self, out: SchedulerOutput, step: StepBudget) -> None:
+        """Put the plan into ``out`` in the layout attention metadata expects (decodes first, then
+        prefill chunks) and check the iteration's invariants."""
         step.plan.sort(key=lambda s: not s.is_decode)
         out.scheduled = step.plan
         out.num_batched_tokens = sum(s.num_new_tokens for s in step.plan)
         assert out.num_batched_tokens <= self.config.max_num_batched_tokens, "token budget exceeded"
         assert len(self.running) <= self.config.max_num_seqs, "max_num_seqs exceeded"
-        return out
 
     # --- step 1: reap ---------------------------------------------------------------------------
     def reap(self) -> list[Request]:
-        """The reap step on its own, between iterations (a caller cancelling its requests at once)."""
-        return self._reap()
-
-    def _reap(self) -> list[Request]:
         """Step 1: drop finished and cancelled requests (any queue) and free their blocks at once."""
         reaped: list[Request] = []
         for queue in (self.running, self.swapped, self.waiting):
@@ -264,7 +279,7 @@ class Scheduler:
         return gone
 
     # --- step 2: budget -----------------------------------------------------------------------
-    def _budget(self, out: SchedulerOutput) -> _StepState:
+    def budget(self, out: SchedulerOutput) -> StepBudget:
         """Step 2: free blocks - reservations - watermark. Reservations are the blocks the running
         requests need for this step's tokens, then forks that are due, then swap-ins (swapped
         requests resume before any waiting request they rank before)."""
@@ -277,7 +292,7 @@ class Scheduler:
         out.reserved_blocks = free - self._watermark_blocks - step.block_budget
         return step
 
-    def _plan_running(self) -> _StepState:
+    def _plan_running(self) -> StepBudget:
         """Token budget for running requests: decodes take one token, ongoing prefills a chunk."""
         budget = self.config.max_num_batched_tokens
         plan = []
@@ -285,9 +300,9 @@ class Scheduler:
             n = self._num_tokens_to_schedule(req, budget)
             if n == 0:
                 continue
-            plan.append(ScheduledRequest.of(req, n))
+            plan.append(ScheduledRequest.for_tokens(req, n))
             budget -= n
-        return _StepState(plan=plan, token_budget=budget)
+        return StepBudget(plan=plan, token_budget=budget)
 
     def _num_tokens_to_schedule(self, req: Request, token_budget: int, computed: Optional[int] = None) -> int:
         computed = req.num_computed_tokens if computed is None else computed
@@ -307,18 +322,18 @@ class Scheduler:
             for s in plan
         )
 
-    def _block_limit(self, step: _StepState, alone: bool = False) -> int:
+    def _block_limit(self, step: StepBudget, alone: bool = False) -> int:
         # With nothing else running the watermark has nobody to protect: what is free may be used.
         alone = alone or not (self.running or step.forks or step.swap_ins)
         return step.block_budget + (self._watermark_blocks if alone else 0)
 
-    def _seats_left(self, step: _StepState) -> int:
+    def _seats_left(self, step: StepBudget) -> int:
         """``max_num_seqs`` minus running requests, the forks they are owed, and reserved swap-ins."""
         owed = sum(len(r.pending_forks) for r in self.running)
         reserved = sum(1 + len(r.pending_forks) for r, _ in step.swap_ins)
         return self.config.max_num_seqs - len(self.running) - owed - reserved
 
-    def _reserve_forks(self, step: _StepState) -> None:
+    def _reserve_forks(self, step: StepBudget) -> None:
         """Due forks: each new sequence needs a seat, one token, and one block (the copy of the
         partial last block, or a fresh block when the prompt minus one ends on a block boundary,
         in which case the parent needs one too).
@@ -339,7 +354,7 @@ class Scheduler:
             else:
                 self._detach_forks(step, parent)
 
-    def _detach_forks(self, step: _StepState, parent: Request) -> None:
+    def _detach_forks(self, step: StepBudget, parent: Request) -> None:
         for child in parent.pending_forks:
             self.add_request(child)
         self.num_fork_fallbacks += len(parent.pending_forks)
@@ -349,49 +364,50 @@ class Scheduler:
             return
         n = self._num_tokens_to_schedule(parent, step.token_budget)
         if n:
-            step.plan.append(ScheduledRequest.of(parent, n))
+            step.plan.append(ScheduledRequest.for_tokens(parent, n))
             step.token_budget -= n
             step.block_budget -= self._reservation(step.plan[-1:])
 
-    def _reserve_swap_ins(self, step: _StepState) -> None:
+    def _reserve_swap_ins(self, step: StepBudget) -> None:
         """Swapped requests in rank order, until one does not fit or a waiting one ranks before it."""
         for req in self.swapped:
             if self.waiting and self.rank(self.waiting[0]) < self.rank(req):
-                step.barrier = self.rank(req)
+                step.swap_barrier_rank = self.rank(req)
                 return
             n = self._num_tokens_to_schedule(req, step.token_budget)
             need = self.block_manager.blocks_for_tokens(req.num_computed_tokens + n)
             if n == 0 or self._seats_left(step) < 1 + len(req.pending_forks) or need > self._block_limit(step):
-                step.barrier = self.rank(req)
+                step.swap_barrier_rank = self.rank(req)
                 return
             step.swap_ins.append((req, n))
             step.token_budget -= n
             step.block_budget -= need
 
     # --- step 3: admit ---------------------------------------------------------------------------
-    def _admit(self, out: SchedulerOutput, step: _StepState) -> None:
+    def admit(self, out: SchedulerOutput, step: StepBudget, timer: Optional[PhaseTimer] = None) -> None:
         """Step 3: carry out the reserved forks and swap-ins, then admit waiting requests by rank
         while seats, blocks and tokens allow; a waiting request at least one priority level above a
-        running one may preempt it (for a seat or for blocks)."""
+        running one may preempt it (for a seat or for blocks). ``timer`` charges those preemptions
+        to "preempt" and the rest to "admit"."""
         for parent in step.forks:
             self._fork(out, step, parent)
         for req, n in step.swap_ins:
             self._swap_in(out, step, req, n)
         while self.waiting and step.token_budget > 0:
             req = self.waiting[0]
-            if step.barrier is not None and self.rank(req) > step.barrier:
+            if step.swap_barrier_rank is not None and self.rank(req) > step.swap_barrier_rank:
                 break  # a swapped request ranks before it and could not resume
             if self._try_admit(out, step, req):
                 continue
             # The seat or blocks go to ``req`` itself, not to whoever is queued first afterwards
             # (an escalated victim would be, and would take them straight back).
-            while self._preempt_for(out, step, req):
+            while self._preempt_for(out, step, req, timer):
                 if self._try_admit(out, step, req):
                     break
             else:
                 break  # strict order: a request never overtakes an earlier one of its rank
 
-    def _try_admit(self, out: SchedulerOutput, step: _StepState, req: Request) -> bool:
+    def _try_admit(self, out: SchedulerOutput, step: StepBudget, req: Request) -> bool:
         bm = self.block_manager
         hits = []
         if bm.enable_prefix_caching and req.num_computed_tokens == 0:
@@ -413,34 +429,34 @@ class Scheduler:
             if req.num_preemptions == 0:
                 req.num_cached_prompt_tokens = len(hits) * bm.block_size
         req.num_computed_tokens = computed
-        bm.allocate(req.request_id, computed + n, prefix_blocks=hits)
+        self._allocate_slots(req, n, prefix_blocks=hits)
         step.block_budget -= need
         step.token_budget -= n
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        step.plan.append(ScheduledRequest.of(req, n))
+        step.plan.append(ScheduledRequest.for_tokens(req, n))
         out.admitted.append(req)
         return True
 
-    def _fork(self, out: SchedulerOutput, step: _StepState, parent: Request) -> None:
+    def _fork(self, out: SchedulerOutput, step: StepBudget, parent: Request) -> None:
         """Fork the parent's pending sequences: they share its full blocks and get a copy of its
         partial last block; every sequence then computes the last prompt token and samples."""
         children, parent.pending_forks = parent.pending_forks, []
         for child in children:
-            copy = self.block_manager.fork(parent.request_id, child.request_id, parent.num_computed_tokens)
+            child.num_computed_tokens = parent.num_computed_tokens
+            copy = self._allocate_slots(child, 0, fork_of=parent)
             if copy is not None:
                 out.blocks_to_copy.append(copy)
-            child.num_computed_tokens = parent.num_computed_tokens
             child.status = RequestStatus.RUNNING
             self.running.append(child)
-            self._fresh.add(child.request_id)
-            step.plan.append(ScheduledRequest.of(child, 1))
+            self._kv_arrives_this_step.add(child.request_id)
+            step.plan.append(ScheduledRequest.for_tokens(child, 1))
             out.forked.append(child)
         self.num_forks += len(children)
         if parent.cancel_requested:
             self._finish_cancelled_parent(parent)
         else:
-            step.plan.append(ScheduledRequest.of(parent, 1))
+            step.plan.append(ScheduledRequest.for_tokens(parent, 1))
 
     def _finish_cancelled_parent(self, parent: Request) -> None:
         """A cancelled parent lived on only to compute its forks' prefix. Its blocks go now (the
@@ -448,9 +464,9 @@ class Scheduler:
         parent.status = RequestStatus.FINISHED_CANCELLED
         self.block_manager.free(parent.request_id)
 
-    def _swap_in(self, out: SchedulerOutput, step: _StepState, req: Request, n: int) -> None:
+    def _swap_in(self, out: SchedulerOutput, step: StepBudget, req: Request, n: int) -> None:
         host_table = self.host_block_manager.get_block_table(req.request_id)
-        self.block_manager.allocate(req.request_id, req.num_computed_tokens + n)
+        self._allocate_slots(req, n)
         device_table = self.block_manager.get_block_table(req.request_id)
         out.blocks_to_swap_in.extend(zip(host_table, device_table))
         # Safe to reuse at once: the engine swaps in before it swaps out (see SchedulerOutput).
@@ -459,37 +475,46 @@ class Scheduler:
         self.swapped.remove(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        self._fresh.add(req.request_id)
-        step.plan.append(ScheduledRequest.of(req, n))
+        self._kv_arrives_this_step.add(req.request_id)
+        step.plan.append(ScheduledRequest.for_tokens(req, n))
         out.swapped_in.append(req)
 
-    def _preempt_for(self, out: SchedulerOutput, step: _StepState, req: Request) -> bool:
+    def _preempt_for(
+        self, out: SchedulerOutput, step: StepBudget, req: Request, timer: Optional[PhaseTimer] = None
+    ) -> bool:
         """Preempt the lowest-ranked running request if it is at least one priority level below
         ``req`` (escalated requests are exempt); False if there is none."""
         level = self.rank(req)[1]
         victims = [r for r in self._preemptible() if self.rank(r)[0] == 1 and self.rank(r)[1] - level >= 1]
         if self.rank(req)[0] == 0 or not victims:
             return False
+        if timer is not None:
+            timer.charge("admit")
         self._preempt_request(out, step, max(victims, key=self.rank))
+        if timer is not None:
+            timer.charge("preempt")
         return True
 
     # --- step 4: preempt ---------------------------------------------------------------------------
-    def _preempt(self, out: SchedulerOutput, step: _StepState) -> None:
+    def preempt(self, out: SchedulerOutput, step: StepBudget) -> None:
         """Step 4: while the running requests cannot all get their blocks, preempt the lowest-ranked
-        one (swap or recompute, see ``_preemption_mode``). With nobody left to preempt, what still
-        does not fit stops at the pool wall (``_stop_at_pool_wall``)."""
+        one (swap or recompute, see ``_choose_preemption_mode``); with nobody left to preempt, what
+        still does not fit stops at the pool wall (``_stop_at_pool_wall``). Then give every planned
+        request its blocks for this step's tokens."""
         while self._reservation(step.plan) > self.block_manager.num_free_blocks:
             victim = self._choose_victim()
             if victim is None:
                 self._stop_at_pool_wall(step)
                 break
             self._preempt_request(out, step, victim)
+        for s in step.plan:
+            self._allocate_slots(s.request, s.num_new_tokens)
 
-    def _stop_at_pool_wall(self, step: _StepState) -> None:
+    def _stop_at_pool_wall(self, step: StepBudget) -> None:
         """Finish planned requests, lowest rank first, with "length" until the rest fit: the pool
-        cannot hold their next tokens and nothing is left to preempt (blocks held elsewhere, e.g.
-        by another engine sharing nothing but the host). They keep every token generated so far;
-        the next reap frees their blocks."""
+        cannot hold their next tokens and nothing is left to preempt (blocks held by requests that
+        cannot be preempted, or taken outside the scheduler). They keep every token generated so
+        far; the next reap frees their blocks. Failing instead would fail every request in flight."""
         for s in sorted(step.plan, key=lambda s: self.rank(s.request), reverse=True):
             if self._reservation(step.plan) <= self.block_manager.num_free_blocks:
                 return
@@ -511,47 +536,48 @@ class Scheduler:
         # A parent cancelled at its fork is finished but holds blocks until the next reap.
         return [r for r in self.running if not r.status.is_finished]
 
-    def _preemption_mode(self, req: Request) -> str:
-        """"swap" or "recompute" for this victim.
+    def _choose_preemption_mode(self, req: Request) -> tuple[str, bool]:
+        """("swap" or "recompute", whether a wanted swap fell back to recompute) for this victim.
 
         Recompute when nothing is computed (free), when its KV only arrives this step (swap-in or
         fork copy still pending: the engine swaps out before it copies), or when the host pool
-        cannot take it. "auto" swaps when moving its blocks out and back costs less than
-        recomputing its tokens: ``swap_cost_per_block * blocks < tokens``, where tokens excludes
-        leading blocks shared with a running request and cached (they survive a recompute).
+        cannot take it (the fallback). "auto" swaps when moving its blocks out and back costs less
+        than recomputing its tokens: ``swap_cost_per_block * blocks < tokens``, where tokens
+        excludes leading blocks shared with a running request and cached (they survive a recompute).
         """
         mode = self.config.preemption_mode
         blocks = self.block_manager.blocks_for_tokens(req.num_computed_tokens)
         if mode == "recompute" or blocks == 0:
-            return "recompute"
-        if req.request_id in self._fresh or not self.host_block_manager.can_allocate(blocks):
-            self.num_swap_fallbacks += 1
-            return "recompute"
+            return "recompute", False
+        if req.request_id in self._kv_arrives_this_step or not self.host_block_manager.can_allocate(blocks):
+            return "recompute", True
         if mode == "swap":
-            return "swap"
+            return "swap", False
         bm = self.block_manager
         table = bm.get_block_table(req.request_id)
         shared = 0
         while shared < blocks and bm.ref_counts[table[shared]] > 1 and bm.is_cached(table[shared]):
             shared += 1
         tokens_to_recompute = req.num_computed_tokens - shared * bm.block_size
-        return "swap" if self.swap_cost_per_block * blocks < tokens_to_recompute else "recompute"
+        return ("swap" if self.swap_cost_per_block * blocks < tokens_to_recompute else "recompute"), False
 
-    def _preempt_request(self, out: SchedulerOutput, step: _StepState, req: Request) -> None:
+    def _preempt_request(self, out: SchedulerOutput, step: StepBudget, req: Request) -> None:
         """Take ``req`` out of running and out of this step's plan; it keeps every generated token."""
         removed = [s for s in step.plan if s.request is req]
         step.plan[:] = [s for s in step.plan if s.request is not req]
         step.token_budget += sum(s.num_new_tokens for s in removed)
         reserved = self._reservation(removed)
         before = self.block_manager.num_free_blocks
-        if req.request_id in self._fresh:  # its swap-in or fork copy is moot now
+        if req.request_id in self._kv_arrives_this_step:  # its swap-in or fork copy is moot now
             table = set(self.block_manager.get_block_table(req.request_id))
             out.blocks_to_swap_in[:] = [p for p in out.blocks_to_swap_in if p[1] not in table]
             out.blocks_to_copy[:] = [p for p in out.blocks_to_copy if p[1] not in table]
         self.running.remove(req)
         req.num_preemptions += 1  # before re-queuing: the queue position must see an escalation
         self.num_preemptions += 1
-        if self._preemption_mode(req) == "swap":
+        mode, fell_back = self._choose_preemption_mode(req)
+        self.num_swap_fallbacks += fell_back
+        if mode == "swap":
             self._swap_out(out, req)
         else:
             self.block_manager.free(req.request_id)
@@ -573,9 +599,20 @@ class Scheduler:
         bisect.insort(self.swapped, req, key=self.rank)
         out.swapped_out.append(req)
 
-    def _allocate(self, plan: list[ScheduledRequest]) -> None:
-        for s in plan:
-            self.block_manager.allocate(s.request.request_id, s.request.num_computed_tokens + s.num_new_tokens)
+    def _allocate_slots(
+        self, req: Request, num_new_tokens: int, *, prefix_blocks=(), fork_of: Optional[Request] = None
+    ) -> Optional[tuple[int, int]]:
+        """The one place device blocks are handed out: grow ``req``'s block table to hold its
+        computed tokens plus ``num_new_tokens`` (starting from cached ``prefix_blocks`` at
+        admission), or, with ``fork_of``, share that parent's blocks up to ``req.num_computed_tokens``.
+
+        Returns the (src, dst) copy-on-write pair of a fork's partial last block, else None.
+        Raises ``RuntimeError`` if the pool is short (the budget step checked it first).
+        """
+        if fork_of is not None:
+            return self.block_manager.fork(fork_of.request_id, req.request_id, req.num_computed_tokens)
+        self.block_manager.allocate(req.request_id, req.num_computed_tokens + num_new_tokens, prefix_blocks=prefix_blocks)
+        return None
 
     # --- after the forward ---------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:

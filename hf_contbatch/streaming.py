@@ -1,6 +1,9 @@
 """Token ids to text deltas, incrementally: safe with multi-byte characters and with stop strings.
 
-``IncrementalDetokenizer`` decodes only a short window of recent tokens per step (the approach of
+For fast tokenizers the deltas come from the tokenizers library's own streaming decoder
+(``tokenizers.decoders.DecodeStream``), which holds back incomplete characters itself.
+``IncrementalDetokenizer`` is the fallback for slow tokenizers (and for ``clean_up_tokenization_spaces``,
+which DecodeStream does not apply): it decodes only a short window of recent tokens per step (the approach of
 vLLM's detokenizer), so streaming a sequence costs O(length), not the O(length²) of decoding the
 whole output at every token; a character whose bytes span several tokens (byte-level BPE: emoji, CJK)
 is held until complete, so no U+FFFD is ever emitted mid-stream and nothing is emitted twice.
@@ -68,6 +71,62 @@ class IncrementalDetokenizer:
         return delta
 
 
+class DecodeStreamDetokenizer:
+    """``IncrementalDetokenizer``'s interface over ``tokenizers.decoders.DecodeStream`` (fast
+    tokenizers): the library keeps the decoding window and returns None while a character is
+    incomplete.
+
+    Args:
+        tokenizer: a fast transformers tokenizer (``tokenizer.is_fast``).
+        skip_special_tokens: as in ``tokenizer.decode``.
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self.tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.ids: list[int] = []
+        self.text = ""  # everything emitted so far
+
+    def add(self, new_ids: Iterable[int]) -> str:
+        """Append tokens; return the newly completed text ("" while a character is incomplete)."""
+        new_ids = list(new_ids)
+        self.ids.extend(new_ids)
+        delta = ""
+        for token in new_ids:
+            chunk = self._stream.step(self.tokenizer._tokenizer, token)
+            if chunk:
+                delta += chunk
+        self.text += delta
+        return delta
+
+    def finish(self) -> str:
+        """The rest of the text at the end of the sequence (an incomplete character included); the
+        stream's text then equals ``tokenizer.decode(ids)`` whenever it was a prefix of it."""
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=self._skip)
+        delta = full[len(self.text) :] if full.startswith(self.text) else ""
+        self.text += delta
+        return delta
+
+
+def make_detokenizer(tokenizer, skip_special_tokens: bool = True, clean_up_tokenization_spaces=None):
+    """``DecodeStreamDetokenizer`` where the tokenizers library can stream (a fast tokenizer, no
+    clean-up of tokenization spaces), else ``IncrementalDetokenizer``."""
+    clean = clean_up_tokenization_spaces
+    if clean is None:
+        clean = getattr(tokenizer, "clean_up_tokenization_spaces", False)
+    if getattr(tokenizer, "is_fast", False) and hasattr(tokenizer, "_tokenizer") and not clean:
+        try:
+            from tokenizers.decoders import DecodeStream  # noqa: F401  (tokenizers >= 0.21)
+        except ImportError:
+            pass
+        else:
+            return DecodeStreamDetokenizer(tokenizer, skip_special_tokens)
+    return IncrementalDetokenizer(tokenizer, skip_special_tokens, clean_up_tokenization_spaces)
+
+
 class StopStringHoldback:
     """Releases text only once it can no longer be part of a stop string.
 
@@ -121,7 +180,7 @@ def text_deltas(
 ) -> Iterator[str]:
     """Text deltas for a stream of token-id batches: nothing of a stop string, no split characters."""
     token_batches = iter(token_batches)
-    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, clean_up_tokenization_spaces)
+    detok = make_detokenizer(tokenizer, skip_special_tokens, clean_up_tokenization_spaces)
     hold = StopStringHoldback(stop_strings)
     for batch in token_batches:
         out = hold.feed(detok.add(batch))

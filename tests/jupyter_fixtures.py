@@ -130,7 +130,7 @@ def lab_server(tmp_path_factory):
                     break
                 except OSError:
                     if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError("JupyterLab did not start:\n" + log_path.read_text()[-4000:])
+                        raise RuntimeError("JupyterLab did not start:\n" + log_path.read_text()[-4000:]) from None
                     time.sleep(0.25)
             yield {"base": base, "token": token, "root": root, "log": log_path}
         finally:

@@ -15,8 +15,14 @@ import time
 import nbformat
 import pytest
 
-from jupyter_fixtures import NOTEBOOKS, browser_missing_reason, copy_notebook, require_default_model
-from jupyter_fixtures import browser, lab_server  # noqa: F401 - fixtures used by name
+from jupyter_fixtures import (  # noqa: F401 - fixtures used by name
+    NOTEBOOKS,
+    browser,
+    browser_missing_reason,
+    copy_notebook,
+    lab_server,
+    require_default_model,
+)
 
 _MISSING = browser_missing_reason()
 pytestmark = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")

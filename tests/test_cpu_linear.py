@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import build_model, random_prompts, reference_greedy
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from hf_contbatch.cpu_linear import onednn_available, pack_linears
+
+from conftest import build_model, random_prompts, reference_greedy
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
 

@@ -32,11 +32,8 @@ def make_stats(**overrides) -> EngineStats:
 
 
 def with_fields(stats: EngineStats, **fields) -> EngineStats:
-    """``stats`` with optional fields set: as attributes where EngineStats declares them, else in ``extra``
-    (engines publish them either way)."""
-    declared = {f.name for f in dataclasses.fields(EngineStats)}
-    extra = {k: v for k, v in fields.items() if k not in declared}
-    return dataclasses.replace(stats, extra=extra, **{k: v for k, v in fields.items() if k in declared})
+    """``stats`` with optional fields set."""
+    return dataclasses.replace(stats, **fields)
 
 
 def eventually(condition, timeout_s: float = 10.0) -> bool:
@@ -82,7 +79,7 @@ def test_format_stats_states_usage_queues_speed_and_phases():
 
 
 @pytest.mark.timeout(10)
-def test_optional_fields_are_read_from_attributes_or_extra():
+def test_optional_fields_are_read_from_the_snapshot():
     stats = with_fields(
         make_stats(), num_kv_tokens=50, num_swap_blocks=6, num_swapped_blocks=2, num_preemptions_swap=1,
         num_preemptions_recompute=0, prefix_caching=True, num_cached_blocks=3, prefix_cache_hit_rate=0.25,

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import build_model, random_prompts, reference_greedy
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+
+from conftest import build_model, random_prompts, reference_greedy
 
 FAMILIES = ["llama", "llama-mqa", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3"]
 LENGTHS = [1, 5, 17, 33, 64, 40, 9]

@@ -6,10 +6,10 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
+
+from hf_contbatch import CacheConfig, EngineConfig, EngineError, LLMEngine, SamplingParams
 
 from conftest import build_model, random_prompts, reference_greedy
-from hf_contbatch import CacheConfig, EngineConfig, EngineError, LLMEngine, SamplingParams
 
 
 @pytest.mark.timeout(120)
@@ -195,16 +195,16 @@ def test_blocking_callers_leave_iterations_to_the_background_while_a_live_view_r
 
     eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(num_blocks=32)))
     try:
-        assert eng.drives_callers
+        assert eng.blocking_calls_drive
         view = View()
         eng.add_live_view(view)
-        assert not eng.drives_callers
+        assert not eng.blocking_calls_drive
         threads = []
         original = eng.step
         eng.step = lambda: threads.append(threading.get_ident()) or original()
         eng.submit([5, 6, 7], SamplingParams(max_new_tokens=4)).result(30)
         assert threads and threading.get_ident() not in threads
         view.running = False
-        assert eng.drives_callers
+        assert eng.blocking_calls_drive
     finally:
         eng.close()

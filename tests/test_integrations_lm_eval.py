@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import build_model, random_prompts
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from hf_contbatch.default_model import default_model_path
+
+from conftest import build_model, random_prompts
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -145,6 +146,42 @@ def test_prompt_logprobs_equal_a_plain_forward_with_chunked_prefill_and_a_full_c
         assert engine.wait_idle(30) and engine.block_manager.num_free_blocks == 64
     finally:
         engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_default_model_and_generation_driven_in_the_callers_thread():
+    """No ``pretrained`` (``hf-contbatch eval`` without --model_args) loads the embedded model, and
+    ``generate_until`` runs the engine's iterations in the calling thread, as the pipeline does."""
+    import threading
+
+    from lm_eval.api.instance import Instance
+
+    from hf_contbatch.integrations.lm_eval import ContinuousBatchingLM
+
+    lm = ContinuousBatchingLM(dtype="float32", device="cpu", num_blocks=64)
+    try:
+        assert Path(lm.model.name_or_path) == Path(default_model_path())
+        stepping_threads = []
+        step = lm.engine.step
+
+        def recording_step():
+            stepping_threads.append(threading.get_ident())
+            return step()
+
+        lm.engine.step = recording_step
+        requests = [
+            Instance(request_type="generate_until", doc={}, idx=0,
+                     arguments=(prompt, {"until": ["\n\n"], "max_gen_toks": 8, "do_sample": False}))
+            for prompt in ("def add(a, b):", "The for statement", "A class is")
+        ]
+        texts = lm.generate_until(requests, disable_tqdm=True)
+        assert len(texts) == 3 and all(isinstance(t, str) for t in texts)
+        # The background thread, started by the first submit, may finish the one iteration it began
+        # before the caller takes over; every other iteration runs in the caller's thread.
+        elsewhere = [t for t in stepping_threads if t != threading.get_ident()]
+        assert len(stepping_threads) >= 8 and len(elsewhere) <= 1, (len(stepping_threads), len(elsewhere))
+    finally:
+        lm.close()
 
 
 @pytest.mark.timeout(300)

@@ -10,7 +10,13 @@ import pytest
 from nbclient import NotebookClient
 
 from jupyter_fixtures import (
-    NOTEBOOKS, WIDGET_VIEW, cell_by_tag, cell_text, jupyter_env, models_with_class, require_default_model,
+    NOTEBOOKS,
+    WIDGET_VIEW,
+    cell_by_tag,
+    cell_text,
+    jupyter_env,
+    models_with_class,
+    require_default_model,
     widget_models,
 )
 

@@ -7,11 +7,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import build_model, random_prompts, reference_greedy
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from hf_contbatch.kv.block_manager import BlockManager
 from hf_contbatch.request import Request
 from hf_contbatch.scheduler import Scheduler
+
+from conftest import build_model, random_prompts, reference_greedy
 
 
 def _cached_table(bm, key, tokens):

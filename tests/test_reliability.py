@@ -17,8 +17,9 @@ import time
 import pytest
 import torch
 
-from conftest import build_model, random_prompts, reference_greedy
 from hf_contbatch import CacheConfig, EngineConfig, EngineError, LLMEngine, SamplingParams
+
+from conftest import build_model, random_prompts, reference_greedy
 
 
 def _greedy(n: int, **kw) -> SamplingParams:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import random_prompts
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from hf_contbatch.kv.block_manager import BlockManager
 from hf_contbatch.request import Request
 from hf_contbatch.scheduler import PHASES, Scheduler
+
+from conftest import random_prompts
 
 
 def _fake_step(sched: Scheduler, out, token: int = 7) -> None:

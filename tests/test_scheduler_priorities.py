@@ -1,4 +1,4 @@
-"""Scheduler specifications for issue 4, on CPU with a fake model: priorities (preemption for a seat,
+"""Scheduler specifications on CPU with a fake model: priorities (preemption for a seat,
 FCFS, aging, escalation), the long-prefill threshold, swap preemption and its fallbacks, swapped
 requests resuming first, cancellation of swapped requests, and the budget step's arithmetic."""
 

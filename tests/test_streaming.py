@@ -14,7 +14,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStream
 
 from hf_contbatch import CacheConfig, ContinuousBatchingPipeline, EngineConfig
 from hf_contbatch.default_model import default_model_path
-from hf_contbatch.streaming import IncrementalDetokenizer, StopStringHoldback, text_deltas
+from hf_contbatch.streaming import (
+    DecodeStreamDetokenizer,
+    IncrementalDetokenizer,
+    StopStringHoldback,
+    make_detokenizer,
+    text_deltas,
+)
 
 MULTIBYTE = "def 函数(): return '🐍✨'  # 中文注释, émoji 👩\u200d💻 naïve — ok"
 
@@ -53,6 +59,19 @@ def test_deltas_of_multibyte_text_have_no_replacement_char_and_concatenate_to_fu
     deltas = [d for d in (detok.add([i]) for i in ids) if d] + [detok.finish()]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == tokenizer.decode(ids) == MULTIBYTE
+
+
+@pytest.mark.timeout(60)
+def test_fast_tokenizers_stream_through_the_tokenizers_decode_stream(tokenizer):
+    assert tokenizer.is_fast
+    detok = make_detokenizer(tokenizer)
+    assert isinstance(detok, DecodeStreamDetokenizer)
+    ids = tokenizer(MULTIBYTE, add_special_tokens=False)["input_ids"]
+    deltas = [d for d in (detok.add([i]) for i in ids) if d] + [detok.finish()]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == tokenizer.decode(ids) == MULTIBYTE
+    # DecodeStream does not clean up tokenization spaces: that case keeps our windowed decoder.
+    assert isinstance(make_detokenizer(tokenizer, clean_up_tokenization_spaces=True), IncrementalDetokenizer)
 
 
 @pytest.mark.timeout(60)

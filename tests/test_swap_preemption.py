@@ -9,10 +9,11 @@ import time
 import pytest
 import torch
 
-from conftest import build_model, random_prompts, reference_greedy
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from hf_contbatch.kv.paged_cache import kv_bytes_per_block
 from hf_contbatch.scheduler import PHASES
+
+from conftest import build_model, random_prompts, reference_greedy
 
 LENGTHS = [1, 5, 17, 33, 64, 40, 9]
 NEW = 16
@@ -128,7 +129,7 @@ def test_stats_snapshot_reports_memory_management_and_phase_times(llama_model):
     assert stats.swap_seconds > 0
     assert stats.block_ref_counts == (0,) * 22
     assert stats.prefix_caching is False and stats.prefix_cache_hit_rate == 0.0
-    with pytest.raises(Exception):
+    with pytest.raises(AttributeError):  # dataclasses.FrozenInstanceError
         stats.num_swapped = 1  # a frozen snapshot
 
 

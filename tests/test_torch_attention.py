@@ -10,6 +10,7 @@ import torch
 
 from hf_contbatch.attention.torch_paged import torch_paged_attention
 from hf_contbatch.kv.paged_cache import AttentionMetadata
+
 from reference_attention import reference_paged_attention
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import build_model, random_prompts, reference_greedy
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from hf_contbatch.attention.triton_kernels import TRITON_AVAILABLE
+
+from conftest import build_model, random_prompts, reference_greedy
 
 pytestmark = pytest.mark.skipif(not TRITON_AVAILABLE, reason="triton is not installed on this platform")
 

@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 pytest.importorskip("triton")
 
-from reference_attention import reference_paged_attention, reference_store_kv  # noqa: E402
-
 from hf_contbatch.attention import triton_kernels as tk  # noqa: E402
+
+from reference_attention import reference_paged_attention, reference_store_kv  # noqa: E402
 
 INTERPRETED = os.environ["TRITON_INTERPRET"] not in ("", "0")
 if not INTERPRETED and not torch.cuda.is_available():

@@ -11,9 +11,9 @@ from typing import Optional
 
 import torch
 
-ATTENTION_NAME = "hf_contbatch_paged"  # no "sdpa"/"flash"/"flex" in it: transformers substring-checks names
+from ..config import ATTENTION_BACKENDS
 
-_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_NAME = "hf_contbatch_paged"  # no "sdpa"/"flash"/"flex" in it: transformers substring-checks names
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
@@ -22,12 +22,12 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     ``HF_CONTBATCH_ATTENTION_BACKEND`` overrides an "auto" request. "triton" needs CUDA tensors, or the
     interpreter (``TRITON_INTERPRET=1``) on CPU; otherwise a ValueError says why.
     """
-    if requested not in _BACKENDS:
-        raise ValueError(f"`attention_backend` must be one of {_BACKENDS}, got {requested!r}")
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"`attention_backend` must be one of {ATTENTION_BACKENDS}, got {requested!r}")
     if requested == "auto":
         env = os.environ.get("HF_CONTBATCH_ATTENTION_BACKEND", "auto")
-        if env not in _BACKENDS:
-            raise ValueError(f"HF_CONTBATCH_ATTENTION_BACKEND must be one of {_BACKENDS}, got {env!r}")
+        if env not in ATTENTION_BACKENDS:
+            raise ValueError(f"HF_CONTBATCH_ATTENTION_BACKEND must be one of {ATTENTION_BACKENDS}, got {env!r}")
         requested = env
     if requested == "auto":
         from .triton_kernels import TRITON_AVAILABLE

@@ -170,7 +170,7 @@ def torch_paged_attention(
                 out.index_copy_(0, rows, o)
     for i in range(nd, meta.num_requests):
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
-        slots, mask = meta.derived(("prefill", i, sliding_window), lambda: _prefill_gather(meta, i, sliding_window))
+        slots, mask = meta.derived(("prefill", i, sliding_window), lambda i=i: _prefill_gather(meta, i, sliding_window))
         if key is not None and end - start == meta.seq_lens_cpu[i]:
             # The whole context is this step's chunk: attend to the step's own K/V, no gather.
             k = key[:, start:end].unsqueeze(0).to(query.dtype)

@@ -1,6 +1,6 @@
 """Triton kernels for attention over the paged KV cache.
 
-The paged layout is owned by the engine (see DESIGN.md):
+The paged layout is owned by the engine (``hf_contbatch.kv.paged_cache``):
 
 * ``k_cache`` / ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer.
 * ``slot_mapping``: int64 ``[T]``, flat slot ``block_id * block_size + offset`` of each new token.
@@ -467,7 +467,7 @@ def _prefill_rows_and_warps(block_d: int, dtype: torch.dtype) -> tuple:
     return (64, 4) if row_bytes <= 512 else (32, 4)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

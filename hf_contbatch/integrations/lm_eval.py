@@ -18,22 +18,21 @@ Engine settings are extra ``model_args``: ``block_size``, ``num_blocks``, ``cach
 
 from __future__ import annotations
 
-import queue
 from typing import Optional
 
-import torch
-
 import lm_eval.models  # noqa: F401  (first: registering into an empty registry hides lm-eval's own models)
+import torch
 from lm_eval import utils as lm_utils
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
-from tqdm.auto import tqdm
 
 from ..config import CacheConfig, EngineConfig, SchedulerConfig
 from ..engine import LLMEngine, RequestHandle
-from ..pipeline import resolve_generate_config, sampling_params_from_config
+from ..generation_args import resolve_generate_config, sampling_params_from_config
+from ..progress import wait_for
 from ..request import SamplingParams
+from ..stopping import StopStringCheckers
 
 MODEL_TYPE = "hf-contbatch"
 
@@ -48,7 +47,8 @@ class ContinuousBatchingLM(HFLM):
     """lm-eval's ``HFLM`` whose generation and scoring run on the continuous-batching engine.
 
     Args:
-        pretrained: Hub id, local path or a loaded causal LM (as for lm-eval's ``hf``).
+        pretrained: Hub id, local path or a loaded causal LM (as for lm-eval's ``hf``); None (no
+            ``model_args``) uses the embedded default model, as ``hf-contbatch generate`` does.
         block_size, num_blocks, cache_gib, max_num_seqs, max_num_batched_tokens,
         enable_prefix_caching, attention_backend, engine_seed: engine settings (see ``EngineConfig``).
         **kwargs: every other ``hf`` model argument (``dtype``, ``device``, ``max_length``,
@@ -58,7 +58,11 @@ class ContinuousBatchingLM(HFLM):
         ValueError: a seq2seq model, or a model family the engine does not support.
     """
 
-    def __init__(self, pretrained, **kwargs) -> None:
+    def __init__(self, pretrained=None, **kwargs) -> None:
+        if pretrained is None:
+            from ..default_model import default_model_path
+
+            pretrained = default_model_path()
         engine_args = {k: kwargs.pop(k, default) for k, default in _ENGINE_ARGS.items()}
         if kwargs.get("device") is None:
             kwargs["device"] = "cuda" if torch.cuda.is_available() else "cpu"
@@ -76,7 +80,7 @@ class ContinuousBatchingLM(HFLM):
             self.model, EngineConfig(cache=cache, scheduler=sched, attention_backend=engine_args["attention_backend"],
                                      seed=engine_args["engine_seed"]),
         )
-        self._stop_criteria: dict[tuple, object] = {}
+        self._stop_checkers = StopStringCheckers(self.tokenizer)
 
     def close(self) -> None:
         """Stop the engine thread and free the KV pool."""
@@ -84,13 +88,9 @@ class ContinuousBatchingLM(HFLM):
 
     # --- running many requests at once ---------------------------------------------------------
     def _wait_all(self, handles: list[RequestHandle], desc: str, disable_tqdm: bool) -> None:
-        done: "queue.SimpleQueue[RequestHandle]" = queue.SimpleQueue()
-        for h in handles:
-            h.add_done_callback(done.put)
-        with tqdm(total=len(handles), desc=desc, disable=disable_tqdm or self.rank != 0) as bar:
-            for _ in handles:
-                done.get()
-                bar.update(1)
+        """Wait for ``handles`` as the pipeline does: this thread drives the engine (cancels all of
+        them if interrupted)."""
+        wait_for(self.engine, handles, desc=desc, show=not (disable_tqdm or self.rank != 0))
 
     # --- scoring ---------------------------------------------------------------------------------
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
@@ -108,12 +108,7 @@ class ContinuousBatchingLM(HFLM):
             sp = SamplingParams(max_new_tokens=1, prompt_logprobs=first, score_token_id=whole[-1])
             handles.append(self.engine.submit(whole[:-1], sp))
             spans.append((first, len(whole) - 1))
-        try:
-            self._wait_all(handles, "Running loglikelihood requests", disable_tqdm)
-        except BaseException:
-            for h in handles:
-                h.cancel()
-            raise
+        self._wait_all(handles, "Running loglikelihood requests", disable_tqdm)
         results = []
         for (request_str, _, _), h, (first, last) in zip(requests, handles, spans):
             h.result()
@@ -154,23 +149,6 @@ class ContinuousBatchingLM(HFLM):
         return totals
 
     # --- generation ------------------------------------------------------------------------------
-    def _stop_checker(self, until: list[str]):
-        if not until:
-            return None
-        key = tuple(until)
-        criteria = self._stop_criteria.get(key)
-        if criteria is None:
-            from transformers.generation.stopping_criteria import StopStringCriteria
-
-            criteria = StopStringCriteria(tokenizer=self.tokenizer, stop_strings=list(until))
-            self._stop_criteria[key] = criteria
-        tail = max(len(s) for s in until) + 8
-
-        def check(req) -> bool:
-            return bool(criteria(torch.tensor([req.output_token_ids[-tail:]]), None)[0])
-
-        return check
-
     def _sampling_for(self, gen_kwargs: dict, context_len: int, max_gen_toks: int) -> SamplingParams:
         """The generation ``hf`` runs (``HFLM._model_generate`` then ``generate``'s resolution)."""
         kwargs = dict(gen_kwargs)
@@ -207,7 +185,7 @@ class ContinuousBatchingLM(HFLM):
                 ids, _ = self.tok_batch_encode([context], left_truncate_len=max_ctx_len, truncation=self.truncation)
                 prompt = ids[0].tolist()
                 sp = self._sampling_for(kwargs, len(prompt), max_gen_toks)
-                handles.append(self.engine.submit(prompt, sp, stop_checker=self._stop_checker([u for u in until if u])))
+                handles.append(self.engine.submit(prompt, sp, stop_checker=self._stop_checkers.checker([u for u in until if u])))
                 untils.append(until)
             self._wait_all(handles, "Running generate_until requests", disable_tqdm)
         except BaseException:

@@ -8,7 +8,9 @@ is an explicit call (it changes transformers' global task registry), never an im
 
 from __future__ import annotations
 
-TASK_NAME = "continuous-batching-text-generation"
+from ..pipeline import TASK_NAME, ContinuousBatchingPipeline
+
+__all__ = ["TASK_NAME", "register_pipeline"]
 
 
 def register_pipeline(task: str = TASK_NAME) -> str:
@@ -25,8 +27,6 @@ def register_pipeline(task: str = TASK_NAME) -> str:
     """
     from transformers import AutoModelForCausalLM
     from transformers.pipelines import PIPELINE_REGISTRY
-
-    from ..pipeline import ContinuousBatchingPipeline
 
     if not isinstance(task, str) or not task:
         raise ValueError(f"`task` must be a non-empty string, got {task!r}")

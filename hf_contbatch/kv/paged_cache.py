@@ -230,9 +230,6 @@ class PagedKVCache:
                 for device_pool, host_pool in pools:
                     device_pool.index_copy_(0, dst, host_pool.index_select(0, src_cpu).to(dev))
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.key_cache + self.value_cache)
-
     def release(self) -> None:
         """Drop every tensor (``close()``)."""
         self.key_cache.clear()
