@@ -155,6 +155,10 @@ class EngineConfig:
             the packed copy takes at most a quarter of the available memory), "onednn" (always) or
             "torch" (never). Packed linears are 1.1-1.5x faster end to end on CPU; they cost a copy
             of the packed weights and are removed on close (see ``hf_contbatch.cpu_linear``).
+        fuse_linears: with packed linears, run sibling projections that read the same input
+            (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``) as one GEMM over their
+            concatenated packed weights; outputs are bit-identical, the model is not modified, and
+            the fused copy replaces the members' own (see ``hf_contbatch.fused_linear``).
         drive_in_caller: a blocking call (``pipe(...)``, ``handle.result()``) runs the engine's
             iterations in the calling thread while the background thread leaves; on CPU this is up
             to 1.5x faster than handing every step to a second thread. False keeps all work on the
@@ -169,6 +173,7 @@ class EngineConfig:
     seed: Optional[int] = None
     record_phases: bool = True
     drive_in_caller: bool = True
+    fuse_linears: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, CacheConfig):
@@ -182,3 +187,5 @@ class EngineConfig:
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(f"`linear_backend` must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         _check_positive_int("num_threads", self.num_threads, allow_none=True)
+        if not isinstance(self.fuse_linears, bool):
+            raise ValueError(f"`fuse_linears` must be True or False, got {self.fuse_linears!r}")

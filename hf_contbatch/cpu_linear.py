@@ -77,6 +77,7 @@ class _PackedForward:
         self.active = True
         self.weight_key: Optional[tuple] = None
         self.packed: Optional[torch.Tensor] = None
+        self.group = None  # a hf_contbatch.fused_linear.FusedGroup computing this output with its siblings
         self._pack()
 
     def _pack(self) -> None:
@@ -91,11 +92,15 @@ class _PackedForward:
         """Plain ``F.linear`` from now on, and the packed copy freed (for references that outlive
         :meth:`PackedLinears.restore`, e.g. a wrapper installed on top of this forward)."""
         self.active, self.packed, self.weight_ref, self.weight_key = False, None, None, None
+        if self.group is not None:
+            self.group.release()
+            self.group = None
 
     def __getstate__(self) -> dict:
         # A deepcopy or pickle of the model carries no opaque oneDNN tensor: the copy packs its
         # own weights on first use.
-        return {"module": self.module, "active": self.active, "weight_ref": None, "weight_key": None, "packed": None}
+        return {"module": self.module, "active": self.active, "weight_ref": None, "weight_key": None, "packed": None,
+                "group": self.group}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.module.weight, self.module.bias
@@ -104,6 +109,8 @@ class _PackedForward:
                 or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                 or bias is not None and bias.requires_grad)):
             return torch.nn.functional.linear(x, weight, bias)  # outside what we packed for, or autograd
+        if self.group is not None:
+            return self.group(self, x)
         if self.weight_key != _weight_key(weight):
             self._pack()  # changed since packing: follow the module's current weights
         return _padded_linear(x, self.packed, None if bias is None else bias.detach(), weight.shape[0])

@@ -27,6 +27,7 @@ from .attention_switch import restore_attention, switch_to_paged_attention
 from .config import EngineConfig, is_int
 from .cpu_linear import pack_linears
 from .driver import EngineDriver
+from .fused_linear import fuse_siblings
 from .handles import EngineError, RequestHandle, RequestOutput
 from .kv.block_manager import BlockManager
 from .kv.paged_cache import PagedKVCache, kv_bytes_per_block
@@ -103,6 +104,8 @@ class LLMEngine(KVPoolSizing, EngineDriver):
 
         # Before the attention switch: a forced backend that cannot pack raises with nothing changed.
         self.packed_linears = pack_linears(model, self.config.linear_backend, available_host_memory)
+        if self.config.fuse_linears:
+            fuse_siblings(model, self.packed_linears)
         try:
             self._previous_attn = switch_to_paged_attention(model)
         except BaseException:

@@ -1,0 +1,262 @@
+"""Where an engine step goes: a per-step breakdown of hf_contbatch on the standard workload.
+
+    python benchmarks/bench_breakdown.py                       # tiny and small, default config
+    python benchmarks/bench_breakdown.py --model tiny --variants "default;attention_impl=gather"
+
+For each model (and each config variant, interleaved over ``--repeats`` rounds, each run in its own
+fresh process) the workload of ``workload.py`` runs twice in the same engine: once plain (the wall
+time and tok/s that count) and once with timers around each part of a step:
+
+- ``scheduler``: the rest of ``LLMEngine.step`` (reap, budget, admit, preempt, KV block moves, stats);
+- ``inputs``: ``ModelRunner.build_metadata`` (flattened ids, positions, slot mapping, metadata);
+- ``linears``: every ``nn.Linear`` module call (packed or not, fused groups counted per member; "Linear mods" is their number per step), LM head included;
+- ``attention``: the paged attention function (reads the pool);
+- ``kv store``: ``PagedKVCache.update`` (writes this step's K/V into its slots);
+- ``model other``: the rest of the forward (embedding, norms, rotary, activations, transformers'
+  Python modules, logits selection);
+- ``sampling``: ``Sampler.sample``;
+- ``outputs``: ``Scheduler.update_from_output`` and the engine's per-token bookkeeping
+  (``_on_new_token``: timings, streaming, stop checks).
+
+Figures are ms per step and share of the instrumented step. The timers cost a few µs per call
+(about 40 per layer per step), so the instrumented run is a little slower than the plain one;
+shares are what to compare. Variants are ``;``-separated lists of ``EngineConfig`` keyword
+assignments (``key=value,key=value``; "default" for none); the key ``tree=PATH`` runs that
+variant with ``PYTHONPATH=PATH`` (another checkout of hf_contbatch, e.g. ``tree=/work/main``), for
+before/after comparisons in one command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from workload import build_model, make_workload
+
+PARTS = ("scheduler", "inputs", "linears", "attention", "kv store", "model other", "sampling", "outputs")
+
+
+def _parse_variant(text: str) -> dict:
+    if text in ("", "default"):
+        return {}
+    kwargs = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        for conv in (int, float):
+            try:
+                value = conv(value)
+                break
+            except ValueError:
+                continue
+        if value in ("True", "False", "None"):
+            value = {"True": True, "False": False, "None": None}[value]
+        kwargs[key.strip()] = value
+    return kwargs
+
+
+class _Timers:
+    def __init__(self, clock) -> None:
+        self.total = defaultdict(float)
+        self.calls = defaultdict(int)
+        self.on = False
+        self.clock = clock
+
+    def wrap(self, fn, name):
+        perf = self.clock
+
+        def timed(*args, **kwargs):
+            if not self.on:
+                return fn(*args, **kwargs)
+            t0 = perf()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total[name] += perf() - t0
+                self.calls[name] += 1
+
+        return timed
+
+
+def _instrument(engine, timers: _Timers) -> None:
+    """Wrap the parts of a step with timers (instance attributes and module functions only)."""
+    from hf_contbatch.attention import torch_paged
+
+    sched, runner = engine.scheduler, engine.runner
+    engine._on_new_token = timers.wrap(engine._on_new_token, "on token")
+    engine.step = timers.wrap(engine.step, "step")
+    runner.build_metadata = timers.wrap(runner.build_metadata, "inputs")
+    runner.execute = timers.wrap(runner.execute, "execute")
+    engine.sampler.sample = timers.wrap(engine.sampler.sample, "sampling")
+    sched.update_from_output = timers.wrap(sched.update_from_output, "update")
+    engine.cache.update = timers.wrap(engine.cache.update, "kv store")
+    runner.model.forward = timers.wrap(runner.model.forward, "forward")
+    for name in dir(torch_paged):
+        if name.endswith("paged_attention") and callable(getattr(torch_paged, name)):
+            setattr(torch_paged, name, timers.wrap(getattr(torch_paged, name), "attention"))
+    perf = timers.clock
+    starts: dict = {}
+
+    def pre(mod, args):
+        if timers.on:
+            starts[id(mod)] = perf()
+
+    def post(mod, args, out):
+        t0 = starts.pop(id(mod), None)
+        if t0 is not None:
+            timers.total["linears"] += perf() - t0
+            timers.calls["linears"] += 1
+
+    for m in runner.model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_pre_hook(pre)
+            m.register_forward_hook(post)
+
+
+def _breakdown(timers: _Timers, steps: int) -> dict:
+    t = timers.total
+    forward = t["forward"]
+    outputs = t["update"] + t["on token"]
+    parts = {
+        # Everything in the step outside the model runner and the output handling: reap, budget,
+        # admit, preempt, KV block moves, stats.
+        "scheduler": t["step"] - t["execute"] - outputs,
+        "inputs": t["inputs"],
+        "linears": t["linears"],
+        "attention": t["attention"],
+        "kv store": t["kv store"],
+        "model other": forward - t["linears"] - t["attention"] - t["kv store"],
+        "sampling": t["sampling"],
+    }
+    # execute = inputs + forward + sampling + logits handling; the remainder goes to "model other".
+    parts["model other"] += t["execute"] - t["inputs"] - forward - t["sampling"]
+    parts["outputs"] = outputs
+    total = t["step"]
+    return {
+        "steps": steps,
+        "ms_per_step": {k: 1e3 * v / steps for k, v in parts.items()},
+        "share": {k: v / total for k, v in parts.items()},
+        "step_ms": 1e3 * total / steps,
+        "linear_calls_per_step": timers.calls["linears"] / steps,
+        "attention_calls_per_step": timers.calls["attention"] / steps,
+    }
+
+
+def run_single(args, variant: str) -> dict:
+    from hf_contbatch import EngineConfig, LLMEngine, SamplingParams
+
+    torch.set_num_threads(args.threads)
+    model = build_model(args.model)
+    prompts, new_tokens = make_workload(args.requests, model.config.vocab_size, args.seed)
+    kwargs = _parse_variant(variant)
+    kwargs.pop("tree", None)
+    t_build = time.perf_counter()
+    engine = LLMEngine(model, EngineConfig(**kwargs))
+    timers = _Timers(time.thread_time if args.clock == "cpu" else time.perf_counter)
+    try:
+        _instrument(engine, timers)
+        t0 = time.perf_counter()
+        engine.submit([5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True)).result()  # bench_ours' warm-up
+        warmup = time.perf_counter() - t0
+
+        def workload():
+            t0, c0 = time.perf_counter(), time.process_time()
+            hs = [engine.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, new_tokens)]
+            outs = [h.result().output_token_ids for h in hs]
+            return time.perf_counter() - t0, time.process_time() - c0, outs
+
+        wall, cpu, outs = workload()
+        timers.on = True
+        calls_before = timers.calls["step"]
+        wall_instr, _, outs2 = workload()
+        timers.on = False
+        steps = timers.calls["step"] - calls_before
+    finally:
+        engine.close()
+    res = _breakdown(timers, steps)
+    res.update(
+        variant=variant, wall_s=wall, cpu_s=cpu, wall_instrumented_s=wall_instr, tok_per_s=sum(new_tokens) / wall,
+        engine_build_s=t0 - t_build, warmup_s=warmup, outputs=outs, same_outputs_twice=outs == outs2,
+    )
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny,small", help="comma-separated: tiny, small")
+    ap.add_argument("--variants", default="default", help="';'-separated EngineConfig kwargs lists")
+    ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds over the variants")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                    help="time the parts by wall clock or by the driving thread's CPU time (with --threads 1 "
+                         "on a shared machine the CPU time is far less noisy); wall and CPU seconds of the "
+                         "whole workload are reported either way")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--single", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.single:
+        res = run_single(args, args.variants)
+        with open(args.single, "w") as f:
+            json.dump(res, f)
+        return 0
+    variants = args.variants.split(";")
+    report = {}
+    for model in args.model.split(","):
+        runs = defaultdict(list)
+        for _ in range(args.repeats):
+            for v in variants:  # interleaved: A B A B ... so load drifts hit both
+                with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+                    cmd = [sys.executable, __file__, "--single", tmp.name, "--model", model, "--variants", v,
+                           "--requests", str(args.requests), "--seed", str(args.seed), "--threads", str(args.threads), "--clock", args.clock]
+                    tree = _parse_variant(v).get("tree")
+                    env = dict(os.environ, PYTHONPATH=tree) if tree else None
+                    subprocess.run(cmd, check=True, env=env)
+                    with open(tmp.name) as f:
+                        runs[v].append(json.load(f))
+        print(f"\n== {model}: {args.requests} requests, {args.threads} threads, {args.repeats} round(s) ==")
+        header = f"{'part':>12} " + " ".join(f"{v[:22]:>24}" for v in variants)
+        print(header)
+        rows = {}
+        for v in variants:
+            rs = sorted(runs[v], key=lambda r: r["cpu_s" if args.clock == "cpu" else "wall_s"])
+            rows[v] = rs[len(rs) // 2]  # the median run by wall time
+        for part in PARTS:
+            cells = [f"{rows[v]['ms_per_step'][part]:7.2f} ms {100 * rows[v]['share'][part]:5.1f}%" for v in variants]
+            print(f"{part:>12} " + " ".join(f"{c:>24}" for c in cells))
+        for label, key, fmt in (("step ms", "step_ms", "{:.2f}"), ("steps", "steps", "{}"),
+                                ("Linear mods", "linear_calls_per_step", "{:.1f}"),
+                                ("wall s", "wall_s", "{:.2f}"), ("cpu s", "cpu_s", "{:.2f}"),
+                                ("tok/s", "tok_per_s", "{:.0f}"),
+                                ("warm-up s", "warmup_s", "{:.2f}")):
+            print(f"{label:>12} " + " ".join(f"{fmt.format(rows[v][key]):>24}" for v in variants))
+        walls = {v: [round(r["wall_s"], 2) for r in runs[v]] for v in variants}
+        cpus = {v: [round(r["cpu_s"], 2) for r in runs[v]] for v in variants}
+        print(f"{'all walls':>12} {walls}")
+        print(f"{'all cpu s':>12} {cpus}")
+        base = variants[0]
+        for v in variants[1:]:
+            same = sum(a == b for a, b in zip(rows[base]["outputs"], rows[v]["outputs"]))
+            def med(xs):
+                return sorted(xs)[len(xs) // 2]
+
+            print(f"{v}: {med(walls[base]) / med(walls[v]):.2f}x (wall), {med(cpus[base]) / med(cpus[v]):.2f}x (cpu) "
+                  f"vs {base}; identical outputs {same}/{args.requests}")
+        report[model] = {v: {k: val for k, val in rows[v].items() if k != "outputs"} for v in variants}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

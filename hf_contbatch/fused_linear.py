@@ -1,0 +1,130 @@
+"""One GEMM for sibling projections that read the same input (q/k/v, gate/up), model unmodified.
+
+On CPU a decode step's linears cost per call more than per FLOP (a 4-layer hidden-256 Llama makes
+29 linear calls a step). Attention's ``q_proj``/``k_proj``/``v_proj`` and the MLP's
+``gate_proj``/``up_proj`` read the same hidden states, so one oneDNN GEMM over their concatenated
+weights gives all their outputs: 29 calls become 17 on that model. Measured here, the fused
+``_linear_pointwise`` output equals the separate ones bit for bit (oneDNN's reduction over the
+input features does not depend on the number of output columns), so greedy tokens do not change.
+
+How it is plugged in without touching the model's code: the packed forwards of a group (see
+``hf_contbatch.cpu_linear``) share a :class:`FusedGroup`. The first member's call (the *leader*,
+``q_proj``/``gate_proj``) runs the fused GEMM, returns its own slice and keeps the others' slices
+for the same input tensor; a later member called with that very tensor object takes its slice. A
+member called with another input, or before the leader, or twice, computes its own output
+(``F.linear``), so any call order stays correct, only slower. A weight changed since packing (the
+same version/storage/identity key as the packed linears) repacks the fused weight before its next
+use. The outputs are column slices of one buffer (views, not copies).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .cpu_linear import PackedLinears, _PackedForward, _reorder, _weight_key
+
+logger = logging.getLogger(__name__)
+
+#: Sibling ``nn.Linear`` names fused into one GEMM, leader first (the order models call them in).
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class FusedGroup:
+    """The shared state of one group of packed sibling linears (same input, same in_features)."""
+
+    def __init__(self, members: list[_PackedForward]) -> None:
+        self.members = members
+        self.sizes = [f.module.out_features for f in members]
+        self.keys: tuple | None = None
+        self.packed: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        # (input, outputs not yet taken): replaced as one tuple, so a thread that checked the input
+        # reads that input's outputs even if another engine thread shares the model.
+        self._pending: tuple | None = None
+        self._pack()
+
+    def _pack(self) -> None:
+        mods = [f.module for f in self.members]
+        keys = tuple(_weight_key(m.weight) for m in mods)  # before reading, as in cpu_linear
+        with torch.no_grad():
+            self.packed = _reorder(torch.cat([m.weight.detach() for m in mods]))
+            biases = [m.bias for m in mods]
+            self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+            self.bias_keys = None if biases[0] is None else tuple(_weight_key(b) for b in biases)
+        self._weights = [m.weight for m in mods]  # keep them alive: their id() is in the keys
+        self.keys = keys
+
+    def _current(self) -> bool:
+        mods = [f.module for f in self.members]
+        if self.packed is None or self.keys != tuple(_weight_key(m.weight) for m in mods):
+            return False
+        if self.bias is not None:
+            return self.bias_keys == tuple(_weight_key(m.bias) for m in mods if m.bias is not None)
+        return True
+
+    def __getstate__(self) -> dict:
+        # No opaque oneDNN tensor in a deepcopy/pickle: the copy repacks on first use.
+        return {"members": self.members, "sizes": self.sizes, "keys": None, "packed": None, "bias": None,
+                "bias_keys": None, "_weights": [], "_pending": None}
+
+    def release(self) -> None:
+        self.packed = self.bias = self._pending = None
+        self._weights = []
+
+    def __call__(self, member: _PackedForward, x: torch.Tensor) -> torch.Tensor:
+        index = self.members.index(member)
+        if index == 0:
+            if not self._current():
+                self._pack()
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            parts = list(out.split(self.sizes, dim=-1))
+            self._pending = (x, [None] + parts[1:])
+            return parts[0]
+        pending = self._pending
+        if pending is not None and pending[0] is x and pending[1][index] is not None:
+            part, pending[1][index] = pending[1][index], None
+            if not any(p is not None for p in pending[1]) and self._pending is pending:
+                self._pending = None  # all taken: drop the references
+            return part
+        module = member.module
+        return torch.nn.functional.linear(x, module.weight, module.bias)
+
+
+def fuse_siblings(model: torch.nn.Module, packed: PackedLinears | None) -> int:
+    """Group the packed sibling projections of ``model`` (see the module docstring).
+
+    A group forms when every member of a :data:`FUSED_GROUPS` name tuple is a packed ``nn.Linear``
+    child of the same parent, with one ``in_features`` and either all or none with a bias. The
+    members' own packed copies are freed (the fused copy replaces them), so fusing costs no memory.
+    Undone by ``PackedLinears.restore``.
+
+    Returns:
+        The number of groups formed.
+    """
+    if packed is None or not len(packed):
+        return 0
+    by_module = {id(f.module): f for f in packed.forwards}
+    groups = 0
+    for owner in model.modules():
+        children = dict(owner.named_children())
+        for names in FUSED_GROUPS:
+            mods = [children.get(n) for n in names]
+            if any(m is None or id(m) not in by_module for m in mods):
+                continue
+            if len({m.in_features for m in mods}) != 1 or len({m.bias is None for m in mods}) != 1:
+                continue
+            members = [by_module[id(m)] for m in mods]
+            if any(f.group is not None for f in members):
+                continue
+            try:
+                group = FusedGroup(members)
+            except RuntimeError as exc:  # oneDNN error or out of memory: leave them unfused
+                logger.warning("could not fuse %s (%s); running them separately", names, exc)
+                continue
+            for f in members:
+                f.group = group
+                f.packed = None  # the fused copy replaces each member's own
+            groups += 1
+    return groups
