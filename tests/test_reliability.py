@@ -379,9 +379,10 @@ def test_short_soak_keeps_memory_flat_and_leaves_nothing_behind(embedded):
     """Six waves of 50 soak requests (benchmarks/soak.py) on the float32 embedded model (packed
     linears): everything finishes, no block is held at rest, and after two warm-up waves the next
     four grow RSS by at most 64 MiB, what the packed linears' bounded shapes can still add (at most
-    64 row counts x 5 weight shapes x ~0.6 MB, most seen in the warm-up). Measured: 39 MiB here,
-    and the 10,000-request soak levels off at +52 MiB; the unbounded shape cache grew 64-69 MiB in
-    these four waves and ~660 MiB over 10,000 requests (the test above isolates that leak)."""
+    64 row counts x 5 weight shapes x ~0.6 MB, most seen in the warm-up). Measured: 39 MiB here;
+    the 10,000-request soak grows 136 MiB and levels off (+7 MiB over its last 5 waves). The
+    unbounded shape cache grew 64-69 MiB in these four waves and ~660 MiB over 10,000 requests,
+    still rising; the test above isolates that leak."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from soak import run_soak
 
