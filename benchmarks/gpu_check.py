@@ -281,8 +281,13 @@ def main() -> int:
 
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
+    if props.major < 8:  # bfloat16 needs sm_80; the kernels refuse it below (float16 is the alternative)
+        global DTYPE
+        DTYPE = torch.float16
     results = {
         "device": props.name, "sm_count": props.multi_processor_count,
+        "compute_capability": f"{props.major}.{props.minor}",
+        "shared_memory_per_block_optin": props.shared_memory_per_block_optin,
         "torch": torch.__version__, "triton": triton.__version__,
         "config": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
                    "block_size": BLOCK_SIZE, "dtype": str(DTYPE)},

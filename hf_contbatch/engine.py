@@ -82,7 +82,10 @@ class LLMEngine(KVPoolSizing, EngineDriver):
         self.vocab_size = model.get_input_embeddings().weight.shape[0]  # ids at submit must index it
         cache_cfg = self.config.cache
         dtype = getattr(torch, cache_cfg.dtype) if cache_cfg.dtype else next(model.parameters()).dtype
-        self.backend = resolve_backend(self.config.attention_backend, self.device)
+        self.backend = resolve_backend(
+            self.config.attention_backend, self.device, dtype=dtype, head_dim=self.head_dim,
+            num_heads=text_cfg.num_attention_heads, num_kv_heads=self.num_kv_heads, block_size=cache_cfg.block_size,
+        )
         devices = layer_devices(model, self.num_layers)
         block_bytes = kv_bytes_per_block(self.num_layers, cache_cfg.block_size, self.num_kv_heads, self.head_dim, dtype)
         num_blocks = cache_cfg.num_blocks or self._blocks_from_memory(block_bytes, devices, dtype)
@@ -323,6 +326,8 @@ class LLMEngine(KVPoolSizing, EngineDriver):
         if handle is not None:
             handle._push([req.output_token_ids[-1]])
         status = finish_status(req)
+        if status is None and req.sampling.stopping_criteria and self.sampler.should_stop(req):
+            status = RequestStatus.FINISHED_STOPPED  # the call's stopping_criteria, on its own ids
         if status is not None:
             req.status = status
 

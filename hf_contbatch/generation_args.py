@@ -12,6 +12,7 @@ from typing import Optional
 from transformers import GenerationConfig
 
 from .config import check_int, is_int
+from .generation import PROCESSOR_SETTINGS, UNSUPPORTED_GENERATION, check_supported
 from .request import SamplingParams
 
 # transformers.TextGenerationPipeline._default_generation_config
@@ -27,30 +28,21 @@ POSTPROCESS_KWARGS = (
     "skip_special_tokens",
 )
 # batch_size/num_workers size transformers' static batches; the engine batches continuously.
-ENGINE_KWARGS = ("priority", "progress_bar", "batch_size", "num_workers", "ignore_eos", "seed")
-# Generation settings the engine does not implement, with the values that leave generation unchanged
-# (after transformers' global defaults); any other value, from the call or from the model's
-# generation_config, is rejected instead of silently ignored.
-_NEUTRAL_GENERATION = {
-    "num_beams": (None, 1), "num_beam_groups": (None, 1), "penalty_alpha": (None,), "dola_layers": (None,),
-    "diversity_penalty": (None, 0.0), "max_time": (None,), "min_p": (None, 0.0), "top_h": (None,),
-    "typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0),
-    "no_repeat_ngram_size": (None, 0), "encoder_no_repeat_ngram_size": (None, 0), "bad_words_ids": (None, []),
-    "renormalize_logits": (None, False), "forced_bos_token_id": (None,), "forced_eos_token_id": (None,),
-    "exponential_decay_length_penalty": (None,), "suppress_tokens": (None, []), "begin_suppress_tokens": (None, []),
-    "sequence_bias": (None, {}), "token_healing": (None, False), "guidance_scale": (None, 1.0),
-    "watermarking_config": (None,), "constraints": (None, []), "force_words_ids": (None, []),
-    "prompt_lookup_num_tokens": (None,), "use_mtp": (None, False), "output_scores": (None, False),
-    "output_logits": (None, False), "return_dict_in_generate": (None, False),
-    "output_attentions": (None, False), "output_hidden_states": (None, False),
-}
-# Generation parameters the engine honours; anything else a GenerationConfig knows is rejected
-# with a clear error instead of being silently ignored.
-SUPPORTED_GENERATION_KWARGS = (
-    "max_new_tokens", "max_length", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
-    "repetition_penalty", "eos_token_id", "pad_token_id", "bos_token_id", "stop_strings",
-    "num_return_sequences", "generation_config", "min_length",
+# logits_processor / prefix_allowed_tokens_fn / stopping_criteria are generate's call-time objects;
+# logprobs=N is an engine extra (top-N log-probs per token, as vLLM offers).
+ENGINE_KWARGS = (
+    "priority", "progress_bar", "batch_size", "num_workers", "ignore_eos", "seed", "logits_processor",
+    "prefix_allowed_tokens_fn", "stopping_criteria", "logprobs",
 )
+# Generation settings the engine does not run (beam search, contrastive search, DoLa...): any value
+# but a neutral one, from the call or from the model's generation_config, is rejected by name with
+# the reason and an alternative (``generation.UNSUPPORTED_GENERATION``).
+_NEUTRAL_GENERATION = {name: neutral for name, (neutral, _, _) in UNSUPPORTED_GENERATION.items()}
+# Generation parameters the engine honours (processor settings through transformers' own processors).
+SUPPORTED_GENERATION_KWARGS = (
+    "max_new_tokens", "max_length", "min_new_tokens", "do_sample", "eos_token_id", "pad_token_id",
+    "bos_token_id", "stop_strings", "num_return_sequences", "generation_config", "min_length",
+) + tuple(k for k in PROCESSOR_SETTINGS if k not in ("min_length", "min_new_tokens"))
 
 
 def resolve_generate_config(model, generation_config: Optional[GenerationConfig] = None, **kwargs) -> GenerationConfig:
@@ -58,20 +50,19 @@ def resolve_generate_config(model, generation_config: Optional[GenerationConfig]
     the given config over the model's generation config over transformers' global defaults.
 
     Raises:
-        ValueError: a setting the engine does not implement (beam search, min_p, bad_words_ids...)
-            has a non-neutral value; the message says whether the call or the model set it.
+        ValueError: a setting the engine does not implement (beam search, contrastive search, DoLa...)
+            has a non-neutral value; the message says whether the call or the model set it, why, and
+            what to use instead.
     """
     cfg, _ = model._prepare_generation_config(
         copy.deepcopy(generation_config) if generation_config is not None else None, **kwargs
     )
-    for name, neutral in _NEUTRAL_GENERATION.items():
-        value = getattr(cfg, name, None)
-        if value not in neutral:
-            source = "this call" if name in kwargs or (generation_config is not None and name in generation_config.to_diff_dict()) else "the model's generation_config"
-            raise ValueError(
-                f"generation setting `{name}`={value!r} (from {source}) is not supported by hf_contbatch; "
-                f"supported: {', '.join(SUPPORTED_GENERATION_KWARGS)}"
-            )
+
+    def source(name: str) -> str:
+        called = name in kwargs or (generation_config is not None and name in generation_config.to_diff_dict())
+        return "this call" if called else "the model's generation_config"
+
+    check_supported(cfg, source)
     return cfg
 
 

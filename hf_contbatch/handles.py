@@ -41,6 +41,9 @@ class RequestOutput:
         num_preemptions: times it was preempted.
         ttft: seconds from arrival to first token (None if it produced none).
         latency: seconds from arrival to finish.
+        logprobs: with ``SamplingParams.logprobs``, the log-prob of each output token under the
+            processed scores (``generate(output_scores=True)``'s scores, log-softmaxed); else None.
+        top_logprobs: with ``logprobs=N >= 1``, per output token the top N ``(token id, log-prob)``.
     """
 
     request_id: int
@@ -50,6 +53,8 @@ class RequestOutput:
     num_preemptions: int
     ttft: Optional[float]
     latency: Optional[float]
+    logprobs: Optional[list] = None
+    top_logprobs: Optional[list] = None
 
 
 class RequestHandle:
@@ -117,6 +122,8 @@ class RequestHandle:
             num_preemptions=r.num_preemptions,
             ttft=None if r.first_token_time is None else r.first_token_time - r.arrival_time,
             latency=None if r.finish_time is None else r.finish_time - r.arrival_time,
+            logprobs=list(r.output_logprobs) if r.sampling.logprobs is not None else None,
+            top_logprobs=list(r.output_top_logprobs) if r.sampling.logprobs else None,
         )
 
     def cancel(self) -> None:

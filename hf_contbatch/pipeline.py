@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from .config import CacheConfig, EngineConfig, SchedulerConfig, is_int
 from .engine import EngineError, LLMEngine, RequestHandle
+from .generation import logits_device, prepare_generation_config, with_processors
 from .generation_args import (  # noqa: F401  (re-exported: their former home)
     ENGINE_KWARGS,
     PIPELINE_GENERATION_DEFAULTS,
@@ -357,6 +358,10 @@ class ContinuousBatchingPipeline:
             if not is_int(p):
                 raise ValueError(f"`priority` must be an int or a list of ints (lower runs first), got {p!r}")
         prefix_len = prefix_length(self.tokenizer, pre) if cfg.max_new_tokens is None or cfg.min_length else 0
+        proc_cfg = prepare_generation_config(self.model, cfg, logits_device(self.model))  # once per call
+        if prefix_len and cfg.min_length and cfg.min_new_tokens is None:
+            # transformers' pipeline counts min_length without the prefix (adds its length)
+            proc_cfg.min_length = cfg.min_length + prefix_len
         jobs = []
         for prompt, prio in zip(prompts, priorities):
             ids = tokenize_prompt(self.tokenizer, prompt, pre)
@@ -366,6 +371,12 @@ class ContinuousBatchingPipeline:
                 ids = truncate_for_hole(self.tokenizer, ids, cfg)
             sp = sampling_params_from_config(
                 cfg, len(ids), ignore_eos=bool(eng.get("ignore_eos", False)), seed=eng.get("seed"), prefix_len=prefix_len
+            )
+            # The processors generate would build for this prompt (transformers' own list and order).
+            sp = with_processors(
+                self.model, proc_cfg, sp, ids, logits_processor=eng.get("logits_processor"),
+                prefix_allowed_tokens_fn=eng.get("prefix_allowed_tokens_fn"),
+                stopping_criteria=eng.get("stopping_criteria"), logprobs=eng.get("logprobs"), device=logits_device(self.model),
             )
             check_request(ids, sp, self.engine.vocab_size)  # every prompt checked before any is submitted
             jobs.append((prompt, ids, sp, prio))

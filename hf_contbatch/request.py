@@ -11,7 +11,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 
 class RequestStatus(enum.Enum):
@@ -57,6 +57,13 @@ class SamplingParams:
         score_token_id: with ``prompt_logprobs``, also score this token as the continuation of the
             whole prompt (at the prompt's last row, never fed to the model), so a scored sequence
             can fill the model's whole context.
+        logits_processor: the request's full ``transformers.LogitsProcessorList`` as ``generate``
+            builds it (``generation.build_logits_processor``); it replaces the processors built
+            from the fields above. None: built from the fields above.
+        stopping_criteria: a ``transformers.StoppingCriteriaList`` evaluated on the request's own
+            ``[1, seq]`` ids after each token; True finishes it as "stop".
+        logprobs: None (off), 0 (record the log-prob of each chosen token under the processed
+            scores, as ``generate(output_scores=True)`` scores it), or N >= 1 (also the top N).
     """
 
     max_new_tokens: int = 256
@@ -71,10 +78,15 @@ class SamplingParams:
     seed: Optional[int] = None
     prompt_logprobs: int = 0
     score_token_id: Optional[int] = None
+    logits_processor: Any = field(default=None, compare=False, repr=False)
+    stopping_criteria: Any = field(default=None, compare=False, repr=False)
+    logprobs: Optional[int] = None
 
     @property
     def is_greedy_plain(self) -> bool:
         """True when the next token is a plain argmax (no processor changes the ranking)."""
+        if self.logits_processor is not None:
+            return not self.do_sample and len(self.logits_processor) == 0
         return not self.do_sample and (self.repetition_penalty in (None, 1.0)) and self.min_new_tokens == 0
 
 
@@ -120,6 +132,10 @@ class Request:
     # With SamplingParams.prompt_logprobs: entry t is (log-prob, is_argmax) of prompt token t given
     # the tokens before it (None where not requested); entry len(prompt) scores score_token_id.
     prompt_logprobs: Optional[list] = None
+    # With SamplingParams.logprobs: per output token, its log-prob under the processed scores, and
+    # (logprobs=N) the top N as [(token id, log-prob), ...], best first.
+    output_logprobs: list = field(default_factory=list)
+    output_top_logprobs: list = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -82,8 +82,14 @@ def skip_special_tokens(tokenizer, post: dict) -> bool:
 def output_record(tokenizer, prompt: TextInput, out, post: dict) -> dict:
     """One output record, as ``TextGenerationPipeline.postprocess`` builds it."""
     return_type = post.get("return_type", "full_text")
+    scores = {}
+    if getattr(out, "logprobs", None) is not None:
+        # generate(output_scores=True)'s processed scores, as the chosen token's log-prob
+        scores["logprobs"] = list(out.logprobs)
+        if out.top_logprobs is not None:
+            scores["top_logprobs"] = [list(t) for t in out.top_logprobs]
     if return_type == "tensors":
-        return {"generated_token_ids": out.prompt_token_ids + out.output_token_ids}
+        return {"generated_token_ids": out.prompt_token_ids + out.output_token_ids, **scores}
     skip = skip_special_tokens(tokenizer, post)
     clean = post.get("clean_up_tokenization_spaces")
     text = tokenizer.decode(out.output_token_ids, skip_special_tokens=skip, clean_up_tokenization_spaces=clean)
@@ -105,4 +111,4 @@ def output_record(tokenizer, prompt: TextInput, out, post: dict) -> dict:
                 text = msgs + [tokenizer.parse_response(text, prefix=prompt_text, tools=post.get("tools"))]
             else:
                 text = msgs + [{"role": "assistant", "content": text}]
-    return {"generated_text": text}
+    return {"generated_text": text, **scores}

@@ -163,9 +163,15 @@ def test_mutually_exclusive_return_arguments_fail_as_in_transformers(ours, ref, 
 
 
 @pytest.mark.timeout(60)
-def test_unsupported_generation_settings_are_rejected_by_name(ours):
-    for kwargs, name in (({"num_beams": 2}, "num_beams"), ({"min_p": 0.1}, "min_p"), ({"no_repeat_ngram_size": 3}, "no_repeat_ngram_size")):
-        with pytest.raises(ValueError, match=name):
+def test_unsupported_generation_settings_are_rejected_by_name_with_reason_and_alternative(ours):
+    for kwargs, name, alternative in (
+        ({"num_beams": 2}, "num_beams", "num_return_sequences"),
+        ({"penalty_alpha": 0.6, "top_k": 4}, "penalty_alpha", "repetition_penalty"),
+        ({"dola_layers": "high"}, "dola_layers", "generate"),
+        ({"force_words_ids": [[5]]}, "force_words_ids", "prefix_allowed_tokens_fn"),
+        ({"output_attentions": True}, "output_attentions", "generate"),
+    ):
+        with pytest.raises(ValueError, match=rf"{name}.*not supported by hf_contbatch: .*; use .*{alternative}"):
             ours("a", max_new_tokens=2, **kwargs)
     with pytest.raises(ValueError, match="handle_long_generation"):
         ours("a", max_new_tokens=2, handle_long_generation="middle")
@@ -176,10 +182,27 @@ def test_unsupported_generation_settings_are_rejected_by_name(ours):
 @pytest.mark.timeout(60)
 def test_an_unsupported_setting_from_the_models_generation_config_is_rejected_with_its_source():
     model = AutoModelForCausalLM.from_pretrained(PATH, dtype=torch.float32)
-    model.generation_config.no_repeat_ngram_size = 3
+    model.generation_config.penalty_alpha = 0.6
     pipe = ContinuousBatchingPipeline(model, PATH, engine_config=EngineConfig(cache=CacheConfig(num_blocks=16)))
     try:
-        with pytest.raises(ValueError, match=r"no_repeat_ngram_size.*model's generation_config"):
+        with pytest.raises(ValueError, match=r"penalty_alpha.*model's generation_config.*contrastive"):
             pipe("a", max_new_tokens=2)
+    finally:
+        pipe.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_processor_setting_from_the_models_generation_config_is_applied_as_generate_applies_it():
+    model = AutoModelForCausalLM.from_pretrained(PATH, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(PATH)
+    ids = tok(PROMPTS[0], return_tensors="pt")["input_ids"]
+    plain = model.generate(ids, do_sample=False, max_new_tokens=24)[0, ids.shape[1]:].tolist()
+    model.generation_config.no_repeat_ngram_size = 1
+    expected = model.generate(ids, do_sample=False, max_new_tokens=24)[0, ids.shape[1]:].tolist()
+    assert expected != plain  # the setting changes the output
+    pipe = ContinuousBatchingPipeline(model, PATH, engine_config=EngineConfig(cache=CacheConfig(num_blocks=16)))
+    try:
+        got = pipe(PROMPTS[0], do_sample=False, max_new_tokens=24, return_tensors=True)[0]["generated_token_ids"]
+        assert got[ids.shape[1]:] == expected
     finally:
         pipe.close()

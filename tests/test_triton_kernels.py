@@ -398,3 +398,60 @@ def test_unsupported_arguments_raise_value_error_naming_them(change, message):
     with pytest.raises(ValueError, match=message):
         tk.paged_attention(query, k_cache, k_cache.clone(), block_tables, seq_lens,
                            torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE), 1, 0.125)
+
+
+# ------------------------------------------------------------------ tiles sized per device
+
+
+def _as_on(monkeypatch, arch):
+    """Make the launchers size their tiles (and check dtypes) as on compute capability ``arch``."""
+    monkeypatch.setattr(tk, "_device_limits", lambda device: tk.arch_limits(arch))
+
+
+@pytest.mark.timeout(120)
+def test_sm75_fma_tiles_with_gqa_window_and_softcap_match_reference(monkeypatch):
+    # sm_75 tiles: no tensor cores, 64 KiB -> 32 prefill rows x 16 keys, 16 decode keys.
+    _as_on(monkeypatch, 75)
+    pre, dec = tk._prefill_config(128, 8, torch.float16, tk.arch_limits(75)), tk._decode_config(
+        128, 8, torch.float16, tk.arch_limits(75))
+    assert (pre.rows, pre.block_n, pre.heads) == (32, 16, 8) and (dec.rows, dec.block_n, dec.heads) == (16, 16, 8)
+    case = make_paged_case([40, 23], num_heads=16, num_kv_heads=2, head_dim=128, block_size=16,
+                           query_lens=[9, 23], dtype=torch.float16, seed=21)
+    expected = reference(case, sliding_window=19, softcap=4.0)
+    assert_matches_reference(prefill(case, sliding_window=19, softcap=4.0), expected)
+    decode_case = make_paged_case([40, 23], num_heads=16, num_kv_heads=2, head_dim=128, block_size=16,
+                                  dtype=torch.float16, seed=22)
+    for num_splits in (1, 3):
+        assert_matches_reference(decode(decode_case, sliding_window=19, softcap=4.0, num_splits=num_splits),
+                                 reference(decode_case, sliding_window=19, softcap=4.0))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("arch", [75, 86])
+def test_gqa_group_split_over_programs_matches_reference(monkeypatch, arch):
+    # fp32 at head size 256 holds 16 query heads per program, so a group of 24 runs as 16 + 8
+    # (the second chunk partly masked); on sm_75 also with a single pipeline stage.
+    _as_on(monkeypatch, arch)
+    limits = tk.arch_limits(arch)
+    pre, dec = tk._prefill_config(256, 24, torch.float32, limits), tk._decode_config(256, 24, torch.float32, limits)
+    assert (pre.heads, dec.heads) == (16, 16)
+    assert (pre.num_stages, dec.num_stages) == ((1, 1) if arch == 75 else (2, 2))
+    case = make_paged_case([20, 7], num_heads=24, num_kv_heads=1, head_dim=256, block_size=8,
+                           query_lens=[5, 7], seed=23)
+    assert_matches_reference(prefill(case, sliding_window=9), reference(case, sliding_window=9))
+    decode_case = make_paged_case([20, 7], num_heads=24, num_kv_heads=1, head_dim=256, block_size=8, seed=24)
+    assert_matches_reference(decode(decode_case, num_splits=2), reference(decode_case))
+
+
+@pytest.mark.timeout(30)
+def test_bf16_is_refused_below_sm80_naming_the_gpu_and_fp16(monkeypatch):
+    _as_on(monkeypatch, 75)
+    case = make_paged_case([5], num_heads=2, num_kv_heads=1, head_dim=32, block_size=8, dtype=torch.bfloat16)
+    for run in (lambda: decode(case), lambda: prefill(case)):
+        with pytest.raises(ValueError, match=r"sm_75 \(T4.*compute capability 8\.0.*torch\.float16"):
+            run()
+    key = torch.zeros(1, 1, 32, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"`k_cache` is torch\.bfloat16.*sm_75"):
+        tk.store_kv(key, key, case["k_cache"], case["v_cache"], torch.zeros(1, dtype=torch.int64, device=DEVICE))
+    fp16 = make_paged_case([5], num_heads=2, num_kv_heads=1, head_dim=32, block_size=8, dtype=torch.float16)
+    assert_matches_reference(decode(fp16), reference(fp16))  # fp16, the alternative, runs

@@ -7,6 +7,7 @@ arguments (``paged_cache``), so any number of engines can share the one global r
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -16,11 +17,17 @@ from ..config import ATTENTION_BACKENDS
 ATTENTION_NAME = "hf_contbatch_paged"  # no "sdpa"/"flash"/"flex" in it: transformers substring-checks names
 
 
-def resolve_backend(requested: str, device: torch.device) -> str:
+def resolve_backend(requested: str, device: torch.device, **shape) -> str:
     """Pick "torch" or "triton" for ``device``.
 
-    ``HF_CONTBATCH_ATTENTION_BACKEND`` overrides an "auto" request. "triton" needs CUDA tensors, or the
-    interpreter (``TRITON_INTERPRET=1``) on CPU; otherwise a ValueError says why.
+    ``HF_CONTBATCH_ATTENTION_BACKEND`` overrides an "auto" request. ``shape`` (optional keywords
+    ``dtype``, ``head_dim``, ``num_heads``, ``num_kv_heads``, ``block_size``) describes the cache the
+    kernels will serve: "auto" then takes the torch path, with one warning, where the Triton kernels
+    cannot serve it (bfloat16 below compute capability 8.0, a head size, block size or GQA group the
+    kernels lack, no tile that fits the device's shared memory), and on GPUs below sm_80 (see
+    :func:`triton_kernels.prefers_torch`). "triton" needs CUDA tensors, or the interpreter
+    (``TRITON_INTERPRET=1``) on CPU, and a configuration the kernels serve; otherwise a ValueError
+    says why.
     """
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"`attention_backend` must be one of {ATTENTION_BACKENDS}, got {requested!r}")
@@ -30,18 +37,27 @@ def resolve_backend(requested: str, device: torch.device) -> str:
             raise ValueError(f"HF_CONTBATCH_ATTENTION_BACKEND must be one of {ATTENTION_BACKENDS}, got {env!r}")
         requested = env
     if requested == "auto":
-        from .triton_kernels import TRITON_AVAILABLE
+        from . import triton_kernels as tk
 
-        return "triton" if device.type == "cuda" and TRITON_AVAILABLE else "torch"
+        if device.type != "cuda" or not tk.TRITON_AVAILABLE or tk.prefers_torch(device):
+            return "torch"
+        reason = tk.unsupported_reason(device, **shape)
+        if reason is not None:
+            warnings.warn(f"attention_backend='auto' uses the torch attention path: {reason}", stacklevel=3)
+            return "torch"
+        return "triton"
     if requested == "triton":
-        from .triton_kernels import TRITON_AVAILABLE
+        from . import triton_kernels as tk
 
-        if not TRITON_AVAILABLE:
+        if not tk.TRITON_AVAILABLE:
             raise ValueError("attention_backend='triton' but triton is not importable; use 'torch'")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
                 "attention_backend='triton' on a CPU device needs TRITON_INTERPRET=1 (slow; for tests); use 'torch'"
             )
+        reason = tk.unsupported_reason(device, **shape)
+        if reason is not None:
+            raise ValueError(f"attention_backend='triton' cannot serve this model here: {reason}")
     return requested
 
 

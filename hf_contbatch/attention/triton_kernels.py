@@ -18,7 +18,14 @@ Massa, Sizov, 2023, "Flash-Decoding for long-context inference").
 Every kernel gathers keys token by token (``block_tables[b, n // block_size]``), so a key tile is
 independent of the block size: any power-of-two block size >= 8 works with the same tile shapes.
 All query heads that share a KV head are processed by one program (GQA), so each K/V tile is read
-from memory once per KV head rather than once per query head.
+from memory once per KV head rather than once per query head - unless the tile would not fit the
+device, when the group is split over a few programs.
+
+Tiles and pipeline stages are sized per device (``_decode_config``, ``_prefill_config``) from its
+compute capability and opt-in shared memory per block: ``torch.cuda.get_device_properties(i)
+.shared_memory_per_block_optin`` on a device, the per-arch table ``ARCH_SHARED_MEMORY`` when
+compiling ahead of time (``triton_aot``, which checks every variant for sm_75/80/86/90 without a
+GPU). bfloat16 needs sm_80 or newer and is refused below.
 
 The module imports without Triton; ``TRITON_AVAILABLE`` says whether the kernels exist. Kernels run
 on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` was set before this module was imported.
@@ -29,6 +36,7 @@ checking them would cost a device sync per call.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Optional
@@ -55,6 +63,12 @@ __all__ = [
     "paged_prefill_attention",
     "paged_attention",
     "decode_num_splits",
+    "DeviceLimits",
+    "ARCH_SHARED_MEMORY",
+    "arch_limits",
+    "check_device_dtype",
+    "prefers_torch",
+    "unsupported_reason",
 ]
 
 SUPPORTED_HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)  # 16/32: the tiny test and default models
@@ -170,15 +184,17 @@ if TRITON_AVAILABLE:
         stride_bt,
         num_heads, num_splits, partition_size,
         qk_scale, softcap, sliding_window,
-        GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+        GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_G: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
     ):
-        """Grid (B, num_kv_heads, num_splits). One query token per request; rows = the GROUP query
-        heads sharing KV head ``kv_head``. With SPLIT, writes the unnormalised partial of context
-        partition ``split`` (flash-decoding); otherwise writes the final output."""
+        """Grid (B, num_kv_heads * cdiv(GROUP, HEADS), num_splits). One query token per request; rows
+        = HEADS of the GROUP query heads sharing KV head ``kv_head`` (all of them unless the tile
+        would not fit the device, see ``_decode_config``). With SPLIT, writes the unnormalised
+        partial of context partition ``split`` (flash-decoding); otherwise writes the final output."""
         b = tl.program_id(0)
-        kv_head = tl.program_id(1)
+        kv_head = tl.program_id(1) // tl.cdiv(GROUP, HEADS)
+        head_chunk = tl.program_id(1) % tl.cdiv(GROUP, HEADS)
         split = tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
         pos = seq_len - 1
@@ -195,8 +211,9 @@ if TRITON_AVAILABLE:
 
         g = tl.arange(0, BLOCK_G)
         dims = tl.arange(0, BLOCK_D)
-        heads = kv_head * GROUP + g
-        row_mask = g < GROUP
+        in_group = head_chunk * HEADS + g
+        heads = kv_head * GROUP + in_group
+        row_mask = (g < HEADS) & (in_group < GROUP)
         q_mask = row_mask[:, None] & (dims[None, :] < HEAD_DIM)
         q = tl.load(
             query_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
@@ -269,16 +286,19 @@ if TRITON_AVAILABLE:
         stride_vcb, stride_vco, stride_vch, stride_vcd,
         stride_bt, num_seqs,
         qk_scale, softcap, sliding_window,
-        GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+        GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr,
     ):
-        """Grid (T // BLOCK_Q + B, num_kv_heads). A program owns BLOCK_Q query tokens of one request
-        times the GROUP query heads of one KV head (BLOCK_M rows, row r = token r // GROUP, head
-        r % GROUP). Request b's tiles start at query_start_loc[b] // BLOCK_Q + b, which is
-        increasing in b, so a binary search maps program -> request without a host-side table."""
+        """Grid (T // BLOCK_Q + B, num_kv_heads * cdiv(GROUP, HEADS)). A program owns BLOCK_Q query
+        tokens of one request times HEADS of the GROUP query heads of one KV head (BLOCK_M rows,
+        row r = token r // HEADS, head r % HEADS of chunk ``head_chunk``; HEADS == GROUP unless the
+        tile would not fit the device, see ``_prefill_config``). Request b's tiles start at
+        query_start_loc[b] // BLOCK_Q + b, which is increasing in b, so a binary search maps
+        program -> request without a host-side table."""
         tile = tl.program_id(0)
-        kv_head = tl.program_id(1)
+        kv_head = tl.program_id(1) // tl.cdiv(GROUP, HEADS)
+        head_chunk = tl.program_id(1) % tl.cdiv(GROUP, HEADS)
 
         # Largest b with query_start_loc[b] // BLOCK_Q + b <= tile.
         # Start from tensors (not Python ints) so the loop-carried types stay int32.
@@ -300,9 +320,10 @@ if TRITON_AVAILABLE:
 
         rows = tl.arange(0, BLOCK_M)
         dims = tl.arange(0, BLOCK_D)
-        tok = q_tile * BLOCK_Q + rows // GROUP
-        heads = kv_head * GROUP + rows % GROUP
-        row_mask = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+        tok = q_tile * BLOCK_Q + rows // HEADS
+        in_group = head_chunk * HEADS + rows % HEADS
+        heads = kv_head * GROUP + in_group
+        row_mask = (rows < BLOCK_Q * HEADS) & (tok < q_len) & (in_group < GROUP)
         q_mask = row_mask[:, None] & (dims[None, :] < HEAD_DIM)
         q_rows = (q_begin + tok).to(tl.int64)
         q = tl.load(
@@ -452,19 +473,235 @@ def _dot_in_fp32(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and _is_interpreted())
 
 
-def _keys_per_tile(block_d: int, dtype: torch.dtype) -> int:
-    """BLOCK_N: K and V tiles, double-buffered (num_stages=2), stay within 64 KiB of shared memory."""
-    row_bytes = block_d * torch.finfo(dtype).bits // 8
-    return max(16, min(64, (64 * 1024) // (4 * row_bytes)))
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """A kernel launch shape: ``rows`` per program (decode: BLOCK_G query heads; prefill: BLOCK_M =
+    BLOCK_Q tokens x ``heads``), ``block_n`` keys per tile, ``heads`` query heads per program (the
+    whole GQA group unless it had to be split), ``num_warps``, ``num_stages``, and ``shared_bytes``,
+    the shared-memory estimate it was admitted with."""
+
+    rows: int
+    block_n: int
+    heads: int
+    num_warps: int
+    num_stages: int
+    shared_bytes: int
 
 
-def _prefill_rows_and_warps(block_d: int, dtype: torch.dtype) -> tuple:
-    """(BLOCK_M query rows per prefill program, num_warps): the FlashAttention-2 shapes for <= 128
-    bf16/fp16 dims, smaller for wider rows (head_dim 256, fp32) so shared memory stays under ~100 KiB."""
-    row_bytes = block_d * torch.finfo(dtype).bits // 8
-    if row_bytes <= 256:
-        return 128, 8
-    return (64, 4) if row_bytes <= 512 else (32, 4)
+# Shared memory the compiler may add to the estimate below (reduction scratch, barriers).
+_SHARED_MARGIN = 1024
+
+
+def _shared_estimate(rows: int, block_n: int, block_d: int, elem_bytes: int, num_stages: int) -> int:
+    """Bytes of shared memory a tile needs, an upper bound fitted to Triton 3.9's allocations for these
+    kernels (``triton_aot`` measures the real figure): the K and V tiles once per pipeline stage plus
+    the query tile (what the pipelined tensor-core and sm_75 paths allocate), or K, V, query and
+    score tiles side by side (the unpipelined fp32 path), whichever is larger."""
+    kv = 2 * block_n * block_d * elem_bytes
+    q = rows * block_d * elem_bytes
+    return max(num_stages * kv + q, kv + q + rows * block_n * elem_bytes)
+
+
+def _tensor_cores(dtype: torch.dtype, limits: "DeviceLimits") -> bool:
+    """Whether Triton lowers this dtype's ``tl.dot`` to tensor-core instructions (mma/wgmma): fp16 and
+    bf16 from sm_80 on. fp32 runs in IEEE precision (never tf32) on FMA units, and on sm_75 Triton
+    3.9 emits FMA for fp16 as well (checked in the PTX by ``triton_aot``)."""
+    return dtype != torch.float32 and limits.capability >= (8, 0)
+
+
+def _elem_bytes(dtype: torch.dtype) -> int:
+    # fp32 tiles stay fp32; the interpreter's bf16 upcast is not a GPU concern.
+    return torch.finfo(dtype).bits // 8
+
+
+def _first_fitting(candidates, block_d: int, elem_bytes: int, limits: "DeviceLimits", what: str) -> TileConfig:
+    for rows, block_n, heads, num_warps, num_stages in candidates:
+        shared = _shared_estimate(rows, block_n, block_d, elem_bytes, num_stages)
+        if shared + _SHARED_MARGIN <= limits.shared_memory_per_block:
+            return TileConfig(rows, block_n, heads, num_warps, num_stages, shared)
+    raise ValueError(
+        f"no {what} tile fits the {limits.shared_memory_per_block // 1024} KiB of shared memory per block of "
+        f"{limits.name}; use attention_backend='torch'"
+    )
+
+
+def _halvings(start: int, stop: int):
+    n = start
+    while n >= stop:
+        yield n
+        n //= 2
+
+
+def _decode_config(block_d: int, group: int, dtype: torch.dtype, limits: "DeviceLimits") -> TileConfig:
+    """Launch shape of the decode kernel for ``group`` query heads per KV head.
+
+    Tensor-core path: 64 keys per tile up to 128-wide rows (32 for 256), up to 8192 / block_d heads
+    per program and rows x keys <= 2048 (64 heads at head size 256, or 64 heads x 64 keys at head
+    size 32, spilled 8-64 bytes per thread on sm_80/86). FMA path (fp32; everything on sm_75): at
+    most 2048 / block_d keys, 4096 / block_d heads and rows x keys <= 1024 per program, so the
+    score and accumulator tiles stay in registers (measured with ``triton_aot``: 64 heads x 64 keys
+    spilled 276-536 bytes per thread in fp16 on sm_75). Then keys per tile, pipeline stages and heads
+    per program are halved until the shared-memory estimate fits the device. ``tl.dot`` needs at
+    least 16 rows, so BLOCK_G is at least 16.
+    """
+    if _tensor_cores(dtype, limits):
+        max_n, max_heads, score_budget = (64 if block_d <= 128 else 32), min(_MAX_GQA_GROUP, 8192 // block_d), 2048
+    else:
+        max_n, max_heads, score_budget = max(16, min(64, 2048 // block_d)), max(16, 4096 // block_d), 1024
+    heads0 = min(group, max_heads)
+    candidates = []
+    for h in _halvings(heads0, 1):
+        rows = max(16, _next_power_of_2(h))
+        for stages in (2, 1):
+            for n in _halvings(max(16, min(max_n, score_budget // rows)), 16):
+                candidates.append((rows, n, h, 4, stages))
+    return _first_fitting(candidates, block_d, _elem_bytes(dtype), limits, "decode")
+
+
+def _prefill_config(block_d: int, group: int, dtype: torch.dtype, limits: "DeviceLimits") -> TileConfig:
+    """Launch shape of the prefill kernel for ``group`` query heads per KV head.
+
+    Tensor-core path: the FlashAttention-2 shapes, 128 rows x 64 keys with 8 warps up to 128-wide
+    rows, 64 x 32 with 8 warps for 256 (4 warps spilled on sm_86). FMA path (fp32; everything on sm_75): rows x block_d <= 4096,
+    rows x keys <= 512 and keys x block_d <= 2048 per 4 warps, so accumulator and scores stay in registers (wider tiles
+    measured 16 KB of spill stores per thread at head size 64). A group wider than the rows is
+    split over programs. Then keys, stages, heads per program and rows are halved until the
+    shared-memory estimate fits the device.
+    """
+    tensor = _tensor_cores(dtype, limits)
+
+    def warps(rows: int) -> int:
+        # 64 x 256 tensor-core tiles spilled 120-128 bytes per thread with 4 warps on sm_86, none with 8.
+        return 8 if rows >= 128 or (tensor and block_d >= 256 and rows >= 64) else 4
+
+    if tensor:
+        max_rows, max_n = (128, 64) if block_d <= 128 else (64, 32)
+    else:
+        max_rows = max(16, min(64, 4096 // block_d))
+        max_n = max(16, min(64, 512 // max_rows, 2048 // block_d))
+    heads0 = min(group, max_rows)
+    candidates = []
+    for rows in _halvings(max_rows, 16):
+        for h in _halvings(min(heads0, rows), 1):
+            for stages in (2, 1):
+                for n in _halvings(max_n, 16):
+                    candidates.append((max(rows, _next_power_of_2(h)), n, h, warps(rows), stages))
+    return _first_fitting(candidates, block_d, _elem_bytes(dtype), limits, "prefill")
+
+
+def check_device_dtype(dtype: torch.dtype, limits: "DeviceLimits", name: str = "dtype") -> None:
+    """Raise ValueError if the kernels cannot run ``dtype`` on the device: bfloat16 needs compute
+    capability 8.0 (ptxas rejects bf16 conversions for sm_75)."""
+    if dtype == torch.bfloat16 and limits.capability < (8, 0):
+        raise ValueError(
+            f"`{name}` is torch.bfloat16, which the Triton kernels cannot run on {limits.name}: bfloat16 needs "
+            f"compute capability 8.0 (Ampere) or newer. Use torch.float16 (load the model with "
+            f"torch_dtype=torch.float16, or CacheConfig(dtype='float16')), or attention_backend='torch'."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceLimits:
+    """What the launchers size tiles from: ``capability`` (major, minor), ``shared_memory_per_block``
+    (bytes, the opt-in per-block maximum a kernel may request), ``name`` for messages."""
+
+    name: str
+    capability: tuple
+    shared_memory_per_block: int
+
+
+# Opt-in shared memory per block (bytes) by compute capability (CUDA C Programming Guide, "Technical
+# Specifications per Compute Capability"); used when compiling ahead of time. On a device the
+# launchers read torch.cuda.get_device_properties(i).shared_memory_per_block_optin instead.
+ARCH_SHARED_MEMORY = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+_ARCH_NAMES = {75: "T4 / RTX 20xx", 80: "A100", 86: "A10 / RTX 30xx", 87: "Jetson Orin", 89: "L4 / RTX 40xx",
+               90: "H100 / H200"}
+
+
+def arch_limits(arch: int) -> DeviceLimits:
+    """The :class:`DeviceLimits` of compute capability ``arch`` (e.g. 75, 80, 86, 90) from the table."""
+    known = [a for a in ARCH_SHARED_MEMORY if a <= arch]
+    if not known:
+        raise ValueError(f"`arch` must be a compute capability >= 75 (sm_75), got {arch!r}")
+    return DeviceLimits(f"sm_{arch} ({_ARCH_NAMES.get(arch, 'unknown GPU')})", divmod(arch, 10),
+                        ARCH_SHARED_MEMORY[max(known)])
+
+
+@functools.cache
+def _cuda_limits(device_index: int) -> DeviceLimits:
+    props = torch.cuda.get_device_properties(device_index)
+    return DeviceLimits(f"{props.name} (sm_{props.major}{props.minor})", (props.major, props.minor),
+                        int(props.shared_memory_per_block_optin))
+
+
+def _device_limits(device: torch.device) -> DeviceLimits:
+    """Limits of ``device``; under the interpreter (CPU tensors) those of sm_80, whose tiles the CPU
+    tests then exercise (tests substitute other archs' limits to run their tiles)."""
+    if device.type == "cuda":
+        return _cuda_limits(device.index if device.index is not None else torch.cuda.current_device())
+    return arch_limits(80)
+
+
+def prefers_torch(device: torch.device) -> bool:
+    """Whether ``attention_backend="auto"`` takes the torch path on ``device``: on CUDA devices below
+    compute capability 8.0 (T4, RTX 20xx).
+
+    Reasoning (no sm_75 device was available to measure; from the compiled code and the T4's data
+    sheet): Triton 3.9 lowers ``tl.dot`` for sm_75 to FMA instructions - the PTX ``triton_aot``
+    compiles for sm_75 has no ``mma`` - so the kernels run at most at the T4's 8.1 TFLOPS of fp32 FMA,
+    while the torch path (SDPA's memory-efficient kernel, which supports sm_75, and cuBLAS) uses its
+    65 TFLOPS of fp16 tensor cores. Prefill attention is compute-bound, so the torch path has up to
+    8x the throughput there. Decode is memory-bound, where the kernels read each cached byte once and
+    the torch path about three times (gather, write, SDPA read); but ``tl.dot`` pads the query
+    heads of a KV head to 16 rows, so the FMA decode performs ~16 FLOPs per cached byte, which at the
+    T4's 320 GB/s is ~5 TFLOPS - at the FMA limit, leaving the kernels little or no margin over
+    the torch path. Up to 8x slower prefill against an at best marginal decode gain decides for
+    torch. ``attention_backend="triton"`` still runs the kernels there (tiles sized to fit 64 KiB).
+    """
+    return device.type == "cuda" and _device_limits(device).capability < (8, 0)
+
+
+def unsupported_reason(
+    device: torch.device,
+    dtype: Optional[torch.dtype] = None,
+    head_dim: Optional[int] = None,
+    num_heads: Optional[int] = None,
+    num_kv_heads: Optional[int] = None,
+    block_size: Optional[int] = None,
+) -> Optional[str]:
+    """Why the kernels cannot serve a cache of this shape on ``device`` (None when they can).
+
+    Arguments left None are not checked. Covers dtype (and bfloat16 below sm_80), head size, block
+    size, GQA group, and whether decode and prefill tiles fit the device's shared memory.
+    """
+    if not TRITON_AVAILABLE:
+        return "triton is not installed"
+    limits = _device_limits(device)
+    if dtype is not None:
+        if dtype not in SUPPORTED_DTYPES:
+            return f"dtype {dtype} is not one of {SUPPORTED_DTYPES}"
+        try:
+            check_device_dtype(dtype, limits)
+        except ValueError as e:
+            return str(e)
+    if head_dim is not None and head_dim not in SUPPORTED_HEAD_SIZES:
+        return f"head size {head_dim} is not one of {SUPPORTED_HEAD_SIZES}"
+    if block_size is not None and block_size not in SUPPORTED_BLOCK_SIZES:
+        return f"block size {block_size} is not one of {SUPPORTED_BLOCK_SIZES}"
+    group = None
+    if num_heads is not None and num_kv_heads is not None:
+        if num_heads % num_kv_heads or num_heads // num_kv_heads > _MAX_GQA_GROUP:
+            return (f"{num_heads} query heads over {num_kv_heads} KV heads is not a GQA group of at most "
+                    f"{_MAX_GQA_GROUP} query heads per KV head")
+        group = num_heads // num_kv_heads
+    if dtype is not None and head_dim is not None:
+        try:
+            for g in (group,) if group else (1, _MAX_GQA_GROUP):
+                _decode_config(_next_power_of_2(head_dim), g, dtype, limits)
+                _prefill_config(_next_power_of_2(head_dim), g, dtype, limits)
+        except ValueError as e:
+            return str(e)
+    return None
 
 
 @functools.cache
@@ -525,6 +762,9 @@ def store_kv(
             f"{key.shape[0]}, {value.shape[0]}, {slot_mapping.shape[0]}"
         )
     _check_device({"key": key, "value": value, "k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slot_mapping})
+    limits = _device_limits(k_cache.device)
+    for name, dtype in (("key", key.dtype), ("value", value.dtype), ("k_cache", k_cache.dtype)):
+        check_device_dtype(dtype, limits, name)
     if num_tokens == 0:
         return
     key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
@@ -592,6 +832,8 @@ def paged_decode_attention(
         raise ValueError(f"`num_splits` must be None or a positive int, got {num_splits!r}")
     _check_device({"query": query, "k_cache": k_cache, "v_cache": v_cache,
                    "block_tables": block_tables, "seq_lens": seq_lens})
+    limits = _device_limits(query.device)
+    check_device_dtype(query.dtype, limits, "query")
     if out is None:
         out = torch.empty_like(query)
     if batch == 0:
@@ -602,11 +844,13 @@ def paged_decode_attention(
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     block_d = _next_power_of_2(head_dim)
-    block_n = _keys_per_tile(block_d, query.dtype)
+    cfg = _decode_config(block_d, group, query.dtype, limits)
+    block_n = cfg.block_n
+    head_programs = num_kv_heads * triton.cdiv(group, cfg.heads)
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
     if num_splits is None:
-        num_splits = decode_num_splits(batch, num_kv_heads, max_seq_len, query.device)
+        num_splits = decode_num_splits(batch, head_programs, max_seq_len, query.device)
     partition_size = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
     num_splits = max(1, triton.cdiv(max_seq_len, partition_size))
     split = num_splits > 1
@@ -618,7 +862,7 @@ def paged_decode_attention(
         part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = target  # unused by the kernel
-    _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
+    _paged_decode_kernel[(batch, head_programs, num_splits)](
         target, part_acc, part_max, part_sum,
         query, k_cache, v_cache, block_tables, seq_lens,
         query.stride(0), query.stride(1), target.stride(0), target.stride(1),
@@ -626,11 +870,11 @@ def paged_decode_attention(
         block_tables.stride(0),
         num_heads, num_splits, partition_size,
         float(scale), float(softcap or 0.0), int(sliding_window or 0),
-        GROUP=group, BLOCK_G=max(16, _next_power_of_2(group)),
+        GROUP=group, HEADS=cfg.heads, BLOCK_G=cfg.rows,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None, SPLIT=split,
         DOT_FP32=_dot_in_fp32(query.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
@@ -693,6 +937,8 @@ def paged_prefill_attention(
         raise ValueError(f"`max_query_len` must be an int in [0, T={num_tokens}], got {max_query_len!r}")
     _check_device({"query": query, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
                    "seq_lens": seq_lens, "query_start_loc": query_start_loc})
+    limits = _device_limits(query.device)
+    check_device_dtype(query.dtype, limits, "query")
     if out is None:
         out = torch.empty_like(query)
     if num_tokens == 0 or batch == 0:
@@ -703,23 +949,22 @@ def paged_prefill_attention(
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     block_d = _next_power_of_2(head_dim)
-    block_n = _keys_per_tile(block_d, query.dtype)
-    block_m, num_warps = _prefill_rows_and_warps(block_d, query.dtype)
-    block_m = max(block_m, _next_power_of_2(group))
-    block_q = block_m // group
+    cfg = _prefill_config(block_d, group, query.dtype, limits)
+    block_m = cfg.rows
+    block_q = block_m // cfg.heads
     target = out if out.stride(-1) == 1 else torch.empty_like(query)
-    grid = (num_tokens // block_q + batch, num_kv_heads)
+    grid = (num_tokens // block_q + batch, num_kv_heads * triton.cdiv(group, cfg.heads))
     _paged_prefill_kernel[grid](
         target, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         query.stride(0), query.stride(1), target.stride(0), target.stride(1),
         *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0), batch,
         float(scale), float(softcap or 0.0), int(sliding_window or 0),
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
+        GROUP=group, HEADS=cfg.heads, BLOCK_Q=block_q, BLOCK_M=block_m,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size,
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None,
         DOT_FP32=_dot_in_fp32(query.dtype),
-        num_warps=num_warps, num_stages=2,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if target is not out:
         out.copy_(target)

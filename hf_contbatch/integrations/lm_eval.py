@@ -29,6 +29,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 
 from ..config import CacheConfig, EngineConfig, SchedulerConfig
 from ..engine import LLMEngine, RequestHandle
+from ..generation import logits_device, with_processors
 from ..generation_args import resolve_generate_config, sampling_params_from_config
 from ..progress import wait_for
 from ..request import SamplingParams
@@ -149,8 +150,10 @@ class ContinuousBatchingLM(HFLM):
         return totals
 
     # --- generation ------------------------------------------------------------------------------
-    def _sampling_for(self, gen_kwargs: dict, context_len: int, max_gen_toks: int) -> SamplingParams:
-        """The generation ``hf`` runs (``HFLM._model_generate`` then ``generate``'s resolution)."""
+    def _sampling_for(self, gen_kwargs: dict, prompt: list, max_gen_toks: int) -> SamplingParams:
+        """The generation ``hf`` runs (``HFLM._model_generate`` then ``generate``'s resolution),
+        with the logits processors ``generate`` builds for ``prompt``."""
+        context_len = len(prompt)
         kwargs = dict(gen_kwargs)
         kwargs["temperature"] = kwargs.get("temperature", 0.0)
         do_sample = kwargs.get("do_sample")
@@ -160,7 +163,7 @@ class ContinuousBatchingLM(HFLM):
             kwargs.pop("temperature")
         max_length = kwargs.pop("max_length", context_len + max_gen_toks)
         cfg = resolve_generate_config(self.model, None, max_length=max_length, pad_token_id=self.tokenizer.pad_token_id, **kwargs)
-        return sampling_params_from_config(cfg, context_len)
+        return with_processors(self.model, cfg, sampling_params_from_config(cfg, context_len), prompt, device=logits_device(self.model))
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Every request submitted at once; the text is post-processed as ``hf`` does."""
@@ -184,7 +187,7 @@ class ContinuousBatchingLM(HFLM):
                 # one context at a time: hf's special-token decision looks at the batch's first string
                 ids, _ = self.tok_batch_encode([context], left_truncate_len=max_ctx_len, truncation=self.truncation)
                 prompt = ids[0].tolist()
-                sp = self._sampling_for(kwargs, len(prompt), max_gen_toks)
+                sp = self._sampling_for(kwargs, prompt, max_gen_toks)
                 handles.append(self.engine.submit(prompt, sp, stop_checker=self._stop_checkers.checker([u for u in until if u])))
                 untils.append(until)
             self._wait_all(handles, "Running generate_until requests", disable_tqdm)
