@@ -14,6 +14,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .reliability import DeferredInterrupt
+
 logger = logging.getLogger("hf_contbatch.engine")
 
 
@@ -116,15 +118,7 @@ class EngineDriver:
                 return  # a blocking caller arrived while we waited for the lock: leave it the work
             self._iterating_thread = threading.get_ident()
             try:
-                with self._cv:
-                    inbox = list(self._inbox)
-                    self._inbox.clear()
-                with self._state_lock:
-                    for kind, item in inbox:
-                        if kind == "add":
-                            self.scheduler.add_request(item)
-                        else:
-                            self._apply_cancel(item)
+                self._take_inbox()
                 if self.scheduler.has_work:
                     try:
                         self.step()
@@ -157,26 +151,68 @@ class EngineDriver:
                 nothing is left to run).
             after_iteration: called after each iteration in this thread (progress bars).
 
+        A KeyboardInterrupt (SIGINT: Ctrl-C, a notebook's Stop button) that arrives meanwhile is
+        held until the current iteration is over, then raised here; the requests in flight are
+        untouched (the caller cancels its own, see ``cancel_now``).
+
         Raises:
             RuntimeError: called from inside an iteration (e.g. a done-callback), which would nest;
                 or the engine was closed meanwhile.
+            KeyboardInterrupt: an interrupt arrived; the engine's state is whole.
         """
         if self._iterating_thread == threading.get_ident():
             raise RuntimeError("drive()/result() called from inside an engine iteration (a callback)")
         with self._cv:
             self._num_drivers += 1  # a running background thread leaves after its current iteration
+        interrupt = DeferredInterrupt()
         try:
-            while not until():
-                if self._closed:
-                    raise RuntimeError("the engine is closed")
-                with self._cv:
-                    busy = self._has_work_locked()
-                if not busy:
-                    break  # nothing left that could satisfy ``until``
-                self._iterate()
-                if after_iteration is not None:
-                    after_iteration()
+            with interrupt:
+                while not until() and not interrupt.pending:
+                    if self._closed:
+                        raise RuntimeError("the engine is closed")
+                    with self._cv:
+                        busy = self._has_work_locked()
+                    if not busy:
+                        break  # nothing left that could satisfy ``until``
+                    self._iterate()
+                    if after_iteration is not None:
+                        after_iteration()
         finally:
             with self._cv:
                 self._num_drivers -= 1
                 self._start_worker_locked()  # work left by others (submit()) continues in the background
+        interrupt.replay()
+
+    def cancel_now(self, handles) -> None:
+        """Cancel these requests (``RequestHandle``s) and release them before returning: their
+        handles are done with ``finish_reason="cancelled"`` and their partial tokens, their blocks
+        are free. For a blocking call that was interrupted; other requests keep running. Waits for
+        an iteration in progress in another thread to end."""
+        for h in handles:
+            self.cancel(h.request_id)
+        if self._closed or self._iterating_thread == threading.get_ident():
+            return  # closing fails them anyway; inside an iteration the next reap releases them
+        interrupt = DeferredInterrupt()  # a second Stop press must not leave them half released
+        with interrupt:
+            with self._drive_lock:
+                self._take_inbox()
+                with self._state_lock:
+                    reaped = self.scheduler.reap()
+                for req in reaped:
+                    self._complete(req)
+                with self._cv:
+                    if not self._has_work_locked():
+                        self._idle.set()
+        interrupt.replay()
+
+    def _take_inbox(self) -> None:
+        """Hand new requests and cancellations to the scheduler (with the drive lock held)."""
+        with self._cv:
+            inbox = list(self._inbox)
+            self._inbox.clear()
+        with self._state_lock:
+            for kind, item in inbox:
+                if kind == "add":
+                    self.scheduler.add_request(item)
+                else:
+                    self._apply_cancel(item)

@@ -14,6 +14,7 @@ thread runs iterations), ``stats`` (counters and ``EngineStats``), ``handles`` (
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -32,12 +33,15 @@ from .kv.block_manager import BlockManager
 from .kv.paged_cache import PagedKVCache, kv_bytes_per_block
 from .phases import PhaseTimer
 from .pool_sizing import KVPoolSizing, available_host_memory, layer_devices, text_config
+from .reliability import check_request, execute_isolating_failures
 from .request import Request, RequestIdCounter, RequestStatus, SamplingParams
 from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
 from .stats import EngineCounters, EngineStats
 from .stopping import finish_status
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["EngineError", "EngineStats", "LLMEngine", "RequestHandle", "RequestOutput", "SUPPORTED_MODEL_TYPES"]
 
@@ -75,6 +79,7 @@ class LLMEngine(KVPoolSizing, EngineDriver):
         self.head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
         self.max_model_len = getattr(text_cfg, "max_position_embeddings", None)
         self.device = model.get_input_embeddings().weight.device
+        self.vocab_size = model.get_input_embeddings().weight.shape[0]  # ids at submit must index it
         cache_cfg = self.config.cache
         dtype = getattr(torch, cache_cfg.dtype) if cache_cfg.dtype else next(model.parameters()).dtype
         self.backend = resolve_backend(
@@ -165,9 +170,11 @@ class LLMEngine(KVPoolSizing, EngineDriver):
             a ``RequestHandle``, or a list of them when ``num_return_sequences`` is given.
 
         Raises:
-            ValueError: empty prompt, or a request that can never fit (prompt + 1 token beyond the
-                model's context, or prompt + max_new_tokens beyond the whole KV pool), or
-                ``num_return_sequences`` not a positive int.
+            ValueError: empty prompt, a token id outside the model's input embedding (the message
+                names the id, its position and the vocabulary size), a sampling value out of range,
+                a request that can never fit (prompt + 1 token beyond the model's context, or
+                prompt + max_new_tokens beyond the whole KV pool), or ``num_return_sequences`` not
+                a positive int. Nothing enters the engine then.
             RuntimeError: the engine is closed.
         """
         if self._closed:
@@ -182,6 +189,7 @@ class LLMEngine(KVPoolSizing, EngineDriver):
             raise ValueError("`prompt_token_ids` must be a sequence of ints")
         if not is_int(priority):
             raise ValueError(f"`priority` must be an int (lower runs first), got {priority!r}")
+        check_request(ids, sampling, self.vocab_size)
         n = len(ids)
         # A one-token scoring request (prompt log-probs) never feeds its sampled token, so its prompt
         # may fill the whole context (lm-eval scores windows of exactly the model's length).
@@ -286,12 +294,18 @@ class LLMEngine(KVPoolSizing, EngineDriver):
         t_move = time.monotonic()
         self._move_blocks(out)
         swap_seconds = time.monotonic() - t_move
-        sampled = self.runner.execute(out)
+        # A failing forward is narrowed down to the requests that fail alone; the others advance.
+        sampled, failed = execute_isolating_failures(self.runner.execute, out)
         with self._state_lock:
+            for s, exc in failed:
+                self._fail_in_step(s.request, exc)
             advanced = sched.update_from_output(out, sampled)
             now = time.monotonic()
             for req in advanced:
-                self._on_new_token(req, now)
+                try:
+                    self._on_new_token(req, now)
+                except Exception as exc:  # noqa: BLE001 - a stop checker or stream of one request
+                    self._fail_in_step(req, exc)
             timer.charge("decode")
             out.phases = list(timer.as_tuple())
             self.counters.record_iteration(out, self.block_manager.num_used_blocks, time.monotonic() - t0, swap_seconds)
@@ -320,6 +334,15 @@ class LLMEngine(KVPoolSizing, EngineDriver):
             status = RequestStatus.FINISHED_STOPPED  # the call's stopping_criteria, on its own ids
         if status is not None:
             req.status = status
+
+    def _fail_in_step(self, req: Request, exc: Exception) -> None:
+        """Fail one request during a step: it keeps its tokens, the next reap frees its blocks and
+        finishes its handle (its pending forks with it); the other requests are untouched."""
+        logger.error("request %s failed after %d generated tokens: %r", req.request_id, len(req.output_token_ids), exc)
+        req.error = exc
+        req.status = RequestStatus.FINISHED_ERROR
+        for child in req.pending_forks:
+            child.error = exc
 
     def _apply_cancel(self, request_id: int) -> None:
         handle = self._handles.get(request_id)

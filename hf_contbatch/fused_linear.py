@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from .cpu_linear import PackedLinears, _PackedForward, _reorder, _weight_key
+from .cpu_linear import PackedLinears, _PackedForward, _padded_linear, _reorder, _weight_key
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,8 @@ class FusedGroup:
         if index == 0:
             if not self._current():
                 self._pack()
-            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            # Row counts padded as in the packed linears (bounded oneDNN primitives; see cpu_linear).
+            out = _padded_linear(x, self.packed, self.bias, sum(self.sizes))
             parts = list(out.split(self.sizes, dim=-1))
             self._pending = (x, [None] + parts[1:])
             return parts[0]

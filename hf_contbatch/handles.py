@@ -17,7 +17,16 @@ logger = logging.getLogger(__name__)
 
 
 class EngineError(RuntimeError):
-    """Raised from ``RequestHandle.result()`` when the engine failed the request."""
+    """Raised from ``RequestHandle.result()`` when the engine failed the request.
+
+    Attributes:
+        output: the request's ``RequestOutput`` with the tokens it generated before failing
+            (``finish_reason="error"``); the cause is ``__cause__``.
+    """
+
+    def __init__(self, message: str, output: Optional["RequestOutput"] = None) -> None:
+        super().__init__(message)
+        self.output = output
 
 
 @dataclass
@@ -77,14 +86,33 @@ class RequestHandle:
         return self._done.wait(timeout)
 
     def result(self, timeout: Optional[float] = None) -> RequestOutput:
-        """Block until finished; return the output. Raises ``EngineError`` if the engine failed it,
-        ``TimeoutError`` after ``timeout`` seconds."""
-        if timeout is None and not self._done.is_set() and self._engine.blocking_calls_drive:
-            self._engine.drive(self._done.is_set)
-        if not self._done.wait(timeout):
+        """Block until finished; return the output.
+
+        Raises:
+            EngineError: the engine failed the request (``.output`` holds its partial tokens).
+            TimeoutError: not finished after ``timeout`` seconds (the request keeps running).
+            KeyboardInterrupt: interrupted while waiting; the request is cancelled first (its
+                output then has ``finish_reason="cancelled"``), other requests keep running.
+        """
+        try:
+            if timeout is None and not self._done.is_set() and self._engine.blocking_calls_drive:
+                self._engine.drive(self._done.is_set)
+            finished = self._done.wait(timeout)
+        except KeyboardInterrupt:
+            self._engine.cancel_now([self])
+            raise
+        if not finished:
             raise TimeoutError(f"request {self.request_id} not finished after {timeout} s")
         if self.request.error is not None:
-            raise EngineError(f"request {self.request_id} failed in the engine: {self.request.error!r}") from self.request.error
+            raise EngineError(
+                f"request {self.request_id} failed in the engine after {len(self.request.output_token_ids)} "
+                f"generated tokens: {self.request.error!r}", self.output(),
+            ) from self.request.error
+        return self.output()
+
+    def output(self) -> RequestOutput:
+        """The request's state now, without waiting or raising: the tokens so far and
+        ``finish_reason`` (None while it runs; "error" when the engine failed it)."""
         r = self.request
         return RequestOutput(
             request_id=r.request_id,

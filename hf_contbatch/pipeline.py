@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from .config import CacheConfig, EngineConfig, SchedulerConfig, is_int
-from .engine import LLMEngine, RequestHandle
+from .engine import EngineError, LLMEngine, RequestHandle
 from .generation import logits_device, prepare_generation_config, with_processors
 from .generation_args import (  # noqa: F401  (re-exported: their former home)
     ENGINE_KWARGS,
@@ -35,6 +35,7 @@ from .generation_args import (  # noqa: F401  (re-exported: their former home)
     split_call_kwargs,
 )
 from .progress import wait_for
+from .reliability import check_request
 from .stopping import StopStringCheckers
 from .streaming import text_deltas
 from .text_io import (
@@ -116,9 +117,16 @@ class GenerationHandle:
         ``TimeoutError``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         outs = []
-        for h in self.handles:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            outs.append(h.result(left))
+        try:
+            for h in self.handles:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                outs.append(h.result(left))
+        except KeyboardInterrupt:
+            self._pipe.engine.cancel_now(self.handles)  # all sequences of this prompt, not only the one waited on
+            raise
+        except EngineError as exc:
+            exc.partial_results = self._pipe._records_or_partial(self.prompt, self.handles, self._post)
+            raise
         return [output_record(self._pipe.tokenizer, self.prompt, o, self._post) for o in outs]
 
     def finish_reasons(self) -> list[Optional[str]]:
@@ -139,6 +147,7 @@ class GenerationHandle:
 
         Raises:
             EngineError: the engine failed the request.
+            KeyboardInterrupt: interrupted while waiting; this sequence is cancelled first.
         """
         handle = self.handles[index]
         finished = False
@@ -150,7 +159,7 @@ class GenerationHandle:
             )
             finished = True
         except KeyboardInterrupt:
-            self.cancel()  # Stop while waiting for tokens: this stream's own prompt stops
+            self._pipe.engine.cancel_now([handle])  # Stop while the stream waits: this sequence only
             # A fresh exception: its traceback ends here, not deep in a queue wait or a decoder.
             raise KeyboardInterrupt(f"streaming interrupted; request {handle.request_id} cancelled") from None
         finally:
@@ -398,6 +407,7 @@ class ContinuousBatchingPipeline:
                 prefix_allowed_tokens_fn=eng.get("prefix_allowed_tokens_fn"),
                 stopping_criteria=eng.get("stopping_criteria"), logprobs=eng.get("logprobs"), device=logits_device(self.model),
             )
+            check_request(ids, sp, self.engine.vocab_size)  # every prompt checked before any is submitted
             jobs.append((prompt, ids, sp, prio))
         return jobs, num_sequences, checker, post, eng
 
@@ -475,8 +485,8 @@ class ContinuousBatchingPipeline:
             for new in handle.handles[0].token_stream():
                 for token in new:
                     streamer.put(torch.tensor([token]))
-        except BaseException:
-            handle.cancel()
+        except BaseException:  # the streamer raised, or an interrupt: this request only
+            self.engine.cancel_now(handle.handles)
             raise
         finally:
             streamer.end()  # a TextIteratorStreamer consumer must never hang
@@ -501,14 +511,26 @@ class ContinuousBatchingPipeline:
             several, a list of such lists in input order; for a generator/dataset, an iterator of them.
 
         Raises:
-            ValueError: bad inputs or arguments (nothing is submitted then).
-            EngineError: the engine failed while generating.
+            ValueError: bad inputs or arguments, token ids outside the model's vocabulary (a
+                tokenizer with added tokens and no ``resize_token_embeddings``); nothing is
+                submitted then.
+            EngineError: the engine failed one of this call's requests. The others ran to the end;
+                ``exc.partial_results`` is what the call would have returned, the failed
+                sequence's text cut where it failed.
+            KeyboardInterrupt: interrupted (Ctrl-C, a notebook's Stop button): this call's requests
+                are cancelled and their blocks freed before it propagates; requests submitted
+                elsewhere keep running.
         """
         streamer = kwargs.pop("streamer", None)
         if streamer is not None:
             return self._call_with_streamer(text_inputs, streamer, kwargs)
         if isinstance(text_inputs, str) or is_chat(text_inputs):
-            return self._run([text_inputs], kwargs)[0]
+            try:
+                return self._run([text_inputs], kwargs)[0]
+            except EngineError as exc:
+                if getattr(exc, "partial_results", None):
+                    exc.partial_results = exc.partial_results[0]  # the shape a one-prompt call returns
+                raise
         if isinstance(text_inputs, (list, tuple)):
             if len(text_inputs) == 0:
                 raise ValueError("`text_inputs` is an empty list; give at least one prompt")
@@ -535,10 +557,19 @@ class ContinuousBatchingPipeline:
             "tokens_per_s": tokens / elapsed if elapsed else 0.0,
             "preemptions": sum(h.request.num_preemptions for h in flat),
         }
-        results = []
-        for (prompt, *_), hs in zip(jobs, submitted):
-            results.append([output_record(self.tokenizer, prompt, h.result(), post) for h in hs])
+        results = [self._records_or_partial(prompt, hs, post) for (prompt, *_), hs in zip(jobs, submitted)]
+        failed = [h for h in flat if h.request.error is not None]
+        if failed:
+            try:
+                failed[0].result()
+            except EngineError as exc:  # the others completed: their records travel with the error
+                exc.partial_results = results
+                raise
         return results
+
+    def _records_or_partial(self, prompt, handles: Sequence[RequestHandle], post: dict) -> list[dict]:
+        """The records of finished handles; a failed one's record holds the text it had generated."""
+        return [output_record(self.tokenizer, prompt, h.output(), post) for h in handles]
 
 
 def pipeline(task: str = "text-generation", model=None, tokenizer=None, **kwargs) -> ContinuousBatchingPipeline:

@@ -27,8 +27,10 @@ def wait_for(engine, handles: Sequence[RequestHandle], *, desc: str = "hf_contba
 
     Raises:
         RuntimeError: the engine was closed while driving. On any exception (``KeyboardInterrupt``
-            included) every request in ``handles`` is cancelled first, so nothing keeps running,
-            and the bar closes marked "interrupted" or "failed" with the count cancelled.
+            included) every request in ``handles`` is cancelled and released first (handles done
+            with "cancelled" and their partial tokens, blocks free), so nothing of this wait keeps
+            running; other requests are untouched. The bar closes marked "interrupted" or
+            "failed" with the count cancelled.
         KeyboardInterrupt: a fresh one naming what was cancelled (a short traceback).
     """
     t0 = time.monotonic()
@@ -67,10 +69,9 @@ def wait_for(engine, handles: Sequence[RequestHandle], *, desc: str = "hf_contba
         while finished < len(handles):
             record(done_q.get())  # blocks without spinning
     except BaseException as exc:
-        for h in handles:
-            h.cancel()
         drain()
-        unfinished = len(handles) - finished
+        unfinished = sum(1 for h in handles if not h.done())
+        engine.cancel_now(handles)
         interrupted = isinstance(exc, KeyboardInterrupt)
         if bar is not None:  # close the bar with the outcome, not a silent 0/N
             bar.set_description(f"{desc} {'interrupted' if interrupted else 'failed'}", refresh=False)

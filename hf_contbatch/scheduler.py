@@ -171,6 +171,7 @@ class Scheduler:
         self.num_blocks_swapped_in = 0
         self.num_forks = 0
         self.num_fork_fallbacks = 0  # sequences that could not be forked and recompute their prompt
+        self.num_pool_wall_stops = 0  # requests finished "length" because the pool could not grow them
         self._watermark_blocks = int(config.watermark * block_manager.num_blocks)
         self._epoch = clock()
         # Requests whose KV arrives by swap-in or fork copy this step: not swappable yet.
@@ -497,15 +498,30 @@ class Scheduler:
     # --- step 4: preempt ---------------------------------------------------------------------------
     def preempt(self, out: SchedulerOutput, step: StepBudget) -> None:
         """Step 4: while the running requests cannot all get their blocks, preempt the lowest-ranked
-        one (swap or recompute, see ``_choose_preemption_mode``); then give every planned request
-        its blocks for this step's tokens."""
+        one (swap or recompute, see ``_choose_preemption_mode``); with nobody left to preempt, what
+        still does not fit stops at the pool wall (``_stop_at_pool_wall``). Then give every planned
+        request its blocks for this step's tokens."""
         while self._reservation(step.plan) > self.block_manager.num_free_blocks:
             victim = self._choose_victim()
             if victim is None:
+                self._stop_at_pool_wall(step)
                 break
             self._preempt_request(out, step, victim)
         for s in step.plan:
             self._allocate_slots(s.request, s.num_new_tokens)
+
+    def _stop_at_pool_wall(self, step: StepBudget) -> None:
+        """Finish planned requests, lowest rank first, with "length" until the rest fit: the pool
+        cannot hold their next tokens and nothing is left to preempt (blocks held by requests that
+        cannot be preempted, or taken outside the scheduler). They keep every token generated so
+        far; the next reap frees their blocks. Failing instead would fail every request in flight."""
+        for s in sorted(step.plan, key=lambda s: self.rank(s.request), reverse=True):
+            if self._reservation(step.plan) <= self.block_manager.num_free_blocks:
+                return
+            step.plan.remove(s)
+            step.token_budget += s.num_new_tokens
+            s.request.status = RequestStatus.FINISHED_LENGTH
+            self.num_pool_wall_stops += 1
 
     def _choose_victim(self) -> Optional[Request]:
         """The lowest-ranked running request; escalated ones only if nothing else is left. Among
