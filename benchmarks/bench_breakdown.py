@@ -169,7 +169,9 @@ def run_single(args, variant: str) -> dict:
 
         def workload():
             t0, c0 = time.perf_counter(), time.process_time()
-            hs = [engine.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, new_tokens)]
+            hs = [
+                engine.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, new_tokens)
+            ]
             outs = [h.result().output_token_ids for h in hs]
             return time.perf_counter() - t0, time.process_time() - c0, outs
 
@@ -183,8 +185,15 @@ def run_single(args, variant: str) -> dict:
         engine.close()
     res = _breakdown(timers, steps)
     res.update(
-        variant=variant, wall_s=wall, cpu_s=cpu, wall_instrumented_s=wall_instr, tok_per_s=sum(new_tokens) / wall,
-        engine_build_s=t0 - t_build, warmup_s=warmup, outputs=outs, same_outputs_twice=outs == outs2,
+        variant=variant,
+        wall_s=wall,
+        cpu_s=cpu,
+        wall_instrumented_s=wall_instr,
+        tok_per_s=sum(new_tokens) / wall,
+        engine_build_s=t0 - t_build,
+        warmup_s=warmup,
+        outputs=outs,
+        same_outputs_twice=outs == outs2,
     )
     return res
 
@@ -197,10 +206,14 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
-                    help="time the parts by wall clock or by the driving thread's CPU time (with --threads 1 "
-                         "on a shared machine the CPU time is far less noisy); wall and CPU seconds of the "
-                         "whole workload are reported either way")
+    ap.add_argument(
+        "--clock",
+        default="wall",
+        choices=["wall", "cpu"],
+        help="time the parts by wall clock or by the driving thread's CPU time (with --threads 1 "
+        "on a shared machine the CPU time is far less noisy); wall and CPU seconds of the "
+        "whole workload are reported either way",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--single", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -216,8 +229,24 @@ def main(argv=None) -> int:
         for _ in range(args.repeats):
             for v in variants:  # interleaved: A B A B ... so load drifts hit both
                 with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-                    cmd = [sys.executable, __file__, "--single", tmp.name, "--model", model, "--variants", v,
-                           "--requests", str(args.requests), "--seed", str(args.seed), "--threads", str(args.threads), "--clock", args.clock]
+                    cmd = [
+                        sys.executable,
+                        __file__,
+                        "--single",
+                        tmp.name,
+                        "--model",
+                        model,
+                        "--variants",
+                        v,
+                        "--requests",
+                        str(args.requests),
+                        "--seed",
+                        str(args.seed),
+                        "--threads",
+                        str(args.threads),
+                        "--clock",
+                        args.clock,
+                    ]
                     tree = _parse_variant(v).get("tree")
                     env = dict(os.environ, PYTHONPATH=tree) if tree else None
                     subprocess.run(cmd, check=True, env=env)
@@ -233,11 +262,15 @@ def main(argv=None) -> int:
         for part in PARTS:
             cells = [f"{rows[v]['ms_per_step'][part]:7.2f} ms {100 * rows[v]['share'][part]:5.1f}%" for v in variants]
             print(f"{part:>12} " + " ".join(f"{c:>24}" for c in cells))
-        for label, key, fmt in (("step ms", "step_ms", "{:.2f}"), ("steps", "steps", "{}"),
-                                ("Linear mods", "linear_calls_per_step", "{:.1f}"),
-                                ("wall s", "wall_s", "{:.2f}"), ("cpu s", "cpu_s", "{:.2f}"),
-                                ("tok/s", "tok_per_s", "{:.0f}"),
-                                ("warm-up s", "warmup_s", "{:.2f}")):
+        for label, key, fmt in (
+            ("step ms", "step_ms", "{:.2f}"),
+            ("steps", "steps", "{}"),
+            ("Linear mods", "linear_calls_per_step", "{:.1f}"),
+            ("wall s", "wall_s", "{:.2f}"),
+            ("cpu s", "cpu_s", "{:.2f}"),
+            ("tok/s", "tok_per_s", "{:.0f}"),
+            ("warm-up s", "warmup_s", "{:.2f}"),
+        ):
             print(f"{label:>12} " + " ".join(f"{fmt.format(rows[v][key]):>24}" for v in variants))
         walls = {v: [round(r["wall_s"], 2) for r in runs[v]] for v in variants}
         cpus = {v: [round(r["cpu_s"], 2) for r in runs[v]] for v in variants}
@@ -246,11 +279,14 @@ def main(argv=None) -> int:
         base = variants[0]
         for v in variants[1:]:
             same = sum(a == b for a, b in zip(rows[base]["outputs"], rows[v]["outputs"]))
+
             def med(xs):
                 return sorted(xs)[len(xs) // 2]
 
-            print(f"{v}: {med(walls[base]) / med(walls[v]):.2f}x (wall), {med(cpus[base]) / med(cpus[v]):.2f}x (cpu) "
-                  f"vs {base}; identical outputs {same}/{args.requests}")
+            print(
+                f"{v}: {med(walls[base]) / med(walls[v]):.2f}x (wall), {med(cpus[base]) / med(cpus[v]):.2f}x (cpu) "
+                f"vs {base}; identical outputs {same}/{args.requests}"
+            )
         report[model] = {v: {k: val for k, val in rows[v].items() if k != "outputs"} for v in variants}
     if args.json:
         with open(args.json, "w") as f:

@@ -55,16 +55,19 @@ def _single(args) -> dict:
         handles = [engine.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p in prompts]
         times = []
         # Drive the engine here, one step at a time, timing the decode steps (after the prefill).
-        engine.drive(lambda: all(h.done() for h in handles),
-                     after_iteration=lambda: times.append(time.perf_counter()))
+        engine.drive(lambda: all(h.done() for h in handles), after_iteration=lambda: times.append(time.perf_counter()))
         for h in handles:
             h.result()
     finally:
         engine.close()
     steps = [b - a for a, b in zip(times[4:], times[5:])]  # skip prefill and the first decodes
     step = sorted(steps)[len(steps) // 2]
-    return {"copy_gbs": copy_gbs, "decode_step_ms": 1e3 * step, "decode_gbs": weight_bytes / step / 1e9,
-            "weight_mb": weight_bytes / 1e6}
+    return {
+        "copy_gbs": copy_gbs,
+        "decode_step_ms": 1e3 * step,
+        "decode_gbs": weight_bytes / step / 1e9,
+        "weight_mb": weight_bytes / 1e6,
+    }
 
 
 def main(argv=None) -> int:
@@ -74,8 +77,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=2, help="requests decoding together")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--placements", default="none;OMP_PROC_BIND=close,OMP_PLACES=cores;OMP_PROC_BIND=spread,OMP_PLACES=cores",
-                    help="';'-separated env assignments (comma-separated within one; 'none' for unset)")
+    ap.add_argument(
+        "--placements",
+        default="none;OMP_PROC_BIND=close,OMP_PLACES=cores;OMP_PROC_BIND=spread,OMP_PLACES=cores",
+        help="';'-separated env assignments (comma-separated within one; 'none' for unset)",
+    )
     ap.add_argument("--single", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.single:
@@ -90,19 +96,35 @@ def main(argv=None) -> int:
             if p != "none":
                 env.update(kv.split("=", 1) for kv in p.split(","))
             with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-                cmd = [sys.executable, __file__, "--single", tmp.name, "--model", args.model, "--threads",
-                       str(args.threads), "--batch", str(args.batch), "--steps", str(args.steps)]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--single",
+                    tmp.name,
+                    "--model",
+                    args.model,
+                    "--threads",
+                    str(args.threads),
+                    "--batch",
+                    str(args.batch),
+                    "--steps",
+                    str(args.steps),
+                ]
                 subprocess.run(cmd, check=True, env=env)
                 with open(tmp.name) as f:
                     runs[p].append(json.load(f))
-    print(f"model {args.model}, {args.threads} threads, {args.batch} requests decoding, "
-          f"weights {runs[placements[0]][0]['weight_mb']:.0f} MB, {args.repeats} round(s), best of rounds")
+    print(
+        f"model {args.model}, {args.threads} threads, {args.batch} requests decoding, "
+        f"weights {runs[placements[0]][0]['weight_mb']:.0f} MB, {args.repeats} round(s), best of rounds"
+    )
     print(f"{'placement':>45} {'copy GB/s':>10} {'step ms':>8} {'decode GB/s':>12} {'decode/copy':>12}")
     for p in placements:
         copy = max(r["copy_gbs"] for r in runs[p])
         best = min(runs[p], key=lambda r: r["decode_step_ms"])
-        print(f"{p:>45} {copy:10.2f} {best['decode_step_ms']:8.2f} {best['decode_gbs']:12.2f} "
-              f"{best['decode_gbs'] / copy:12.2f}")
+        print(
+            f"{p:>45} {copy:10.2f} {best['decode_step_ms']:8.2f} {best['decode_gbs']:12.2f} "
+            f"{best['decode_gbs'] / copy:12.2f}"
+        )
     return 0
 
 

@@ -56,6 +56,7 @@ def main() -> None:
             packed = _reorder(w)
             for m in ROWS:
                 x = torch.randn(m, k)
+
                 def unpadded(x=x, packed=packed, b=b):
                     return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
 
@@ -73,8 +74,11 @@ def main() -> None:
                     t_p = min(t_p, best_of(padded, args.repeats))
                     t_f = min(t_f, best_of(plain, args.repeats))
                 ratios.append(t_p / t_u)
-                print(f"in {k:5d} out {n:5d} rows {m:5d}: unpadded {t_u * 1e6:8.1f} us  padded {t_p * 1e6:8.1f} us  "
-                      f"F.linear {t_f * 1e6:8.1f} us  padded/unpadded {t_p / t_u:5.2f}", flush=True)
+                print(
+                    f"in {k:5d} out {n:5d} rows {m:5d}: unpadded {t_u * 1e6:8.1f} us  padded {t_p * 1e6:8.1f} us  "
+                    f"F.linear {t_f * 1e6:8.1f} us  padded/unpadded {t_p / t_u:5.2f}",
+                    flush=True,
+                )
     geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
     print(f"geometric mean padded/unpadded over {len(ratios)} cases: {geo:.3f} (max {max(ratios):.2f})")
 

@@ -37,15 +37,19 @@ def run_ours_mode(model, prompts, new_tokens, mode, num_blocks, args):
 
     cfg = EngineConfig(
         cache=CacheConfig(block_size=args.block_size, num_blocks=num_blocks, swap_space_gib=args.swap_space_gib),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batch_tokens,
-                                  preemption_mode=mode),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batch_tokens, preemption_mode=mode
+        ),
         num_threads=args.threads,
     )
     wall, outs, s = run_ours(model, prompts, new_tokens, cfg)
     info = {
-        "preemptions_swap": s.num_preemptions_swap, "preemptions_recompute": s.num_preemptions_recompute,
-        "blocks_swapped_out": s.num_blocks_swapped_out, "swap_seconds": round(s.swap_seconds, 3),
-        "peak_used_blocks": s.peak_used_blocks, "iterations": s.num_iterations,
+        "preemptions_swap": s.num_preemptions_swap,
+        "preemptions_recompute": s.num_preemptions_recompute,
+        "blocks_swapped_out": s.num_blocks_swapped_out,
+        "swap_seconds": round(s.swap_seconds, 3),
+        "peak_used_blocks": s.peak_used_blocks,
+        "iterations": s.num_iterations,
     }
     return wall, outs, info
 
@@ -53,8 +57,11 @@ def run_ours_mode(model, prompts, new_tokens, mode, num_blocks, args):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", choices=["tiny", "small"])
-    ap.add_argument("--engines", default="transformers,recompute,swap,auto,roomy",
-                    help="comma list of: transformers, recompute, swap, auto, roomy")
+    ap.add_argument(
+        "--engines",
+        default="transformers,recompute,swap,auto,roomy",
+        help="comma list of: transformers, recompute, swap, auto, roomy",
+    )
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
@@ -72,15 +79,18 @@ def main(argv=None) -> int:
     prompts, new_tokens = make_workload(args.requests, model.config.vocab_size, args.seed)
     asked = sum(new_tokens)
     worst = max(len(p) + n for p, n in zip(prompts, new_tokens))
-    print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {asked} new tokens asked; "
-          f"model {args.model}; pool {args.num_blocks} x {args.block_size} = {args.num_blocks * args.block_size} tokens "
-          f"(largest request {worst}, all at once {sum(map(len, prompts)) + asked}); torch threads {torch.get_num_threads()}")
+    print(
+        f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {asked} new tokens asked; "
+        f"model {args.model}; pool {args.num_blocks} x {args.block_size} = {args.num_blocks * args.block_size} tokens "
+        f"(largest request {worst}, all at once {sum(map(len, prompts)) + asked}); torch threads {torch.get_num_threads()}"
+    )
     results, outputs = {}, {}
     if args.single:
         name = args.engines
         if name == "transformers":
-            wall, outs, info = run_transformers(model, prompts, new_tokens, args.num_blocks, args.block_size,
-                                                args.max_batch_tokens)
+            wall, outs, info = run_transformers(
+                model, prompts, new_tokens, args.num_blocks, args.block_size, args.max_batch_tokens
+            )
         elif name in ("recompute", "swap", "auto"):
             wall, outs, info = run_ours_mode(model, prompts, new_tokens, name, args.num_blocks, args)
         elif name == "roomy":
@@ -104,8 +114,10 @@ def main(argv=None) -> int:
                 results[name]["vs_transformers"] = round(base / results[name]["seconds"], 2)
                 same = sum(a == b for a, b in zip(outputs[name], outputs["transformers"]))
                 results[name]["identical_greedy_vs_transformers"] = f"{same}/{len(prompts)}"
-                print(f"{name:>12} / transformers: {base / results[name]['seconds']:.2f}x   "
-                      f"identical greedy outputs {same}/{len(prompts)}")
+                print(
+                    f"{name:>12} / transformers: {base / results[name]['seconds']:.2f}x   "
+                    f"identical greedy outputs {same}/{len(prompts)}"
+                )
     if "recompute" in results:
         for name in ("swap", "auto"):
             if name in results:

@@ -47,8 +47,14 @@ def run(kind, kw, rows, vocab, steps, prompt_len, seed=0):
     logits = [torch.randn(rows, vocab, generator=g) for _ in range(steps)]
     times = {}
     for way in ("per-row", "ours"):
-        reqs = [Request(request_id=i, prompt_token_ids=torch.randint(3, vocab, (prompt_len,), generator=g).tolist(),
-                        sampling=SamplingParams(max_new_tokens=steps + 1, **kw)) for i in range(rows)]
+        reqs = [
+            Request(
+                request_id=i,
+                prompt_token_ids=torch.randint(3, vocab, (prompt_len,), generator=g).tolist(),
+                sampling=SamplingParams(max_new_tokens=steps + 1, **kw),
+            )
+            for i in range(rows)
+        ]
         sampler = Sampler(torch.Generator().manual_seed(seed))
         procs = [build_logits_processors(r.sampling, r.num_prompt_tokens) for r in reqs]
         gen = torch.Generator().manual_seed(seed)
@@ -59,8 +65,10 @@ def run(kind, kw, rows, vocab, steps, prompt_len, seed=0):
             for r, t in zip(reqs, toks):
                 r.output_token_ids.append(t)
         times[way] = (time.perf_counter() - t0) / steps * 1e3
-    print(f"{kind:36s} per-row {times['per-row']:8.2f} ms/step   ours {times['ours']:8.2f} ms/step   "
-          f"speed-up {times['per-row'] / times['ours']:5.2f}x")
+    print(
+        f"{kind:36s} per-row {times['per-row']:8.2f} ms/step   ours {times['ours']:8.2f} ms/step   "
+        f"speed-up {times['per-row'] / times['ours']:5.2f}x"
+    )
 
 
 def main():

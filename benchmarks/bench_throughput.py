@@ -82,8 +82,10 @@ def main(argv=None) -> int:
     vocab = model.config.vocab_size
     prompts, new_tokens = make_workload(args.requests, vocab, args.seed)
     asked = sum(new_tokens)
-    print(f"workload: {len(prompts)} requests, prompt tokens {sum(map(len, prompts))}, "
-          f"new tokens asked {asked}; model {args.model}, torch threads {torch.get_num_threads()}")
+    print(
+        f"workload: {len(prompts)} requests, prompt tokens {sum(map(len, prompts))}, "
+        f"new tokens asked {asked}; model {args.model}, torch threads {torch.get_num_threads()}"
+    )
     results = {}
     outputs = {}
     engines = args.engines.split(",")

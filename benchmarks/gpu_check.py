@@ -53,17 +53,26 @@ def run_kernel_tests() -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     base = [sys.executable, "-m", "pytest", "tests/test_triton_kernels.py", "-p", "no:cacheprovider"]
     start = time.time()
-    collected = subprocess.run(base + ["--collect-only", "-q"], cwd=REPO_ROOT, env=env, capture_output=True,
-                               text=True, timeout=120)
+    collected = subprocess.run(
+        base + ["--collect-only", "-q"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     test_ids = [line.strip() for line in collected.stdout.splitlines() if "::" in line]
     if not test_ids:
         tail = (collected.stdout + collected.stderr)[-3000:]
         return {"passed": False, "error": "no tests collected", "output_tail": tail}
     num_shards = max(1, min(8, (os.cpu_count() or 2) // 2, len(test_ids)))
     shards = [test_ids[i::num_shards] for i in range(num_shards)]
-    procs = [subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ids], cwd=REPO_ROOT,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for ids in shards]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ids],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for ids in shards
+    ]
     summaries, failures, timed_out = [], [], False
     for proc in procs:
         remaining = max(1.0, TEST_TIMEOUT_S - (time.time() - start))
@@ -79,8 +88,11 @@ def run_kernel_tests() -> dict:
             failures.append(output[-3000:])
     return {
         "passed": not failures and not timed_out,
-        "tests": len(test_ids), "shards": num_shards, "shard_summaries": summaries,
-        "timed_out": timed_out, "seconds": round(time.time() - start, 1),
+        "tests": len(test_ids),
+        "shards": num_shards,
+        "shard_summaries": summaries,
+        "timed_out": timed_out,
+        "seconds": round(time.time() - start, 1),
         "failure_output_tails": failures,
     }
 
@@ -128,11 +140,19 @@ def bench_decode(batch, context, copy_gbps, device) -> dict:
     k_cache, v_cache, block_tables, seq_lens = make_paged_kv(batch, context, device)
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
     out = torch.empty_like(query)
-    scale = HEAD_DIM ** -0.5
+    scale = HEAD_DIM**-0.5
 
     def run():
-        tk.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, out=out,  # noqa: F821 - run before the del below
-                                  max_seq_len=context)
+        tk.paged_decode_attention(
+            query,
+            k_cache,  # noqa: F821 - run before the del below
+            v_cache,  # noqa: F821
+            block_tables,
+            seq_lens,
+            scale,
+            out=out,
+            max_seq_len=context,
+        )
 
     run()
     torch.cuda.synchronize()
@@ -145,8 +165,13 @@ def bench_decode(batch, context, copy_gbps, device) -> dict:
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
     gbps = kv_bytes / (ms * 1e-3) / 1e9
     result = {
-        "batch": batch, "context": context, "num_splits": tk.decode_num_splits(batch, NUM_KV_HEADS, context, device),
-        "ms": ms, "kv_bytes": kv_bytes, "kv_read_gb_per_s": gbps, "ratio_to_copy_bandwidth": gbps / copy_gbps,
+        "batch": batch,
+        "context": context,
+        "num_splits": tk.decode_num_splits(batch, NUM_KV_HEADS, context, device),
+        "ms": ms,
+        "kv_bytes": kv_bytes,
+        "kv_read_gb_per_s": gbps,
+        "ratio_to_copy_bandwidth": gbps / copy_gbps,
         "max_abs_err_vs_sdpa": max(errors),
     }
     del k_cache, v_cache
@@ -163,7 +188,7 @@ def bench_prefill(device, batch=8, seq=1024) -> dict:
     q = torch.randn(batch, NUM_HEADS, seq, HEAD_DIM, generator=gen, device=device, dtype=DTYPE)
     k = torch.randn(batch, NUM_KV_HEADS, seq, HEAD_DIM, generator=gen, device=device, dtype=DTYPE)
     v = torch.randn(batch, NUM_KV_HEADS, seq, HEAD_DIM, generator=gen, device=device, dtype=DTYPE)
-    scale = HEAD_DIM ** -0.5
+    scale = HEAD_DIM**-0.5
 
     # the same tokens in the paged layout, written by store_kv through a shuffled slot mapping
     k_cache, v_cache, block_tables, seq_lens = make_paged_kv(batch, seq, device, seed=2)
@@ -178,8 +203,9 @@ def bench_prefill(device, batch=8, seq=1024) -> dict:
     out = torch.empty_like(query)
 
     def ours():
-        tk.paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seq, scale,
-                                   out=out)
+        tk.paged_prefill_attention(
+            query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seq, scale, out=out
+        )
 
     try:  # GQA inside SDPA (torch >= 2.5); otherwise expand K/V once, outside the timing
         F.scaled_dot_product_attention(q[:1, :, :16], k[:1, :, :16], v[:1, :, :16], is_causal=True, enable_gqa=True)
@@ -198,11 +224,17 @@ def bench_prefill(device, batch=8, seq=1024) -> dict:
     flops = 2 * batch * NUM_HEADS * seq * seq * HEAD_DIM  # 4 * B*H*S*S*D, halved by the causal mask
     kv_store_bytes = 2 * 2 * flat_k.numel() * flat_k.element_size()  # read + write, K and V
     return {
-        "batch": batch, "seq": seq, "triton_ms": ours_ms, "sdpa_ms": sdpa_ms,
+        "batch": batch,
+        "seq": seq,
+        "triton_ms": ours_ms,
+        "sdpa_ms": sdpa_ms,
         "time_ratio_triton_over_sdpa": ours_ms / sdpa_ms,
-        "triton_tflops": flops / (ours_ms * 1e-3) / 1e12, "sdpa_tflops": flops / (sdpa_ms * 1e-3) / 1e12,
-        "sdpa_gqa_native": bool(gqa_kw), "max_abs_err_vs_sdpa": max_err,
-        "store_kv_ms": store_ms, "store_kv_gb_per_s": kv_store_bytes / (store_ms * 1e-3) / 1e9,
+        "triton_tflops": flops / (ours_ms * 1e-3) / 1e12,
+        "sdpa_tflops": flops / (sdpa_ms * 1e-3) / 1e12,
+        "sdpa_gqa_native": bool(gqa_kw),
+        "max_abs_err_vs_sdpa": max_err,
+        "store_kv_ms": store_ms,
+        "store_kv_gb_per_s": kv_store_bytes / (store_ms * 1e-3) / 1e9,
     }
 
 
@@ -228,8 +260,9 @@ def end_to_end_hook(model_path) -> dict:
     result = {"status": "ran", "model": model_path, "prompts": E2E_PROMPTS, "max_new_tokens": E2E_NEW_TOKENS}
     texts = {}
     for backend in ("triton", "torch"):
-        pipe = ContinuousBatchingPipeline(model_path, device="cuda", dtype=DTYPE,
-                                          engine_config=EngineConfig(attention_backend=backend))
+        pipe = ContinuousBatchingPipeline(
+            model_path, device="cuda", dtype=DTYPE, engine_config=EngineConfig(attention_backend=backend)
+        )
         try:
             pipe(prompts[:2], max_new_tokens=4, do_sample=False, progress_bar=False)  # warm-up: compile kernels
             torch.cuda.synchronize()
@@ -264,14 +297,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="path of the JSON results file")
     parser.add_argument("--skip-tests", action="store_true", help="skip the native pytest run")
-    parser.add_argument("--e2e-model", default=None,
-                        help="local model directory for the end-to-end hook (default: the embedded model)")
+    parser.add_argument(
+        "--e2e-model", default=None, help="local model directory for the end-to-end hook (default: the embedded model)"
+    )
     parser.add_argument("--skip-e2e", action="store_true", help="skip the end-to-end hook")
     args = parser.parse_args()
 
     if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device is visible (torch.cuda.is_available() is False); "
-              "this check needs an NVIDIA GPU. Nothing was run.", file=sys.stderr)
+        print(
+            "gpu_check: no CUDA device is visible (torch.cuda.is_available() is False); "
+            "this check needs an NVIDIA GPU. Nothing was run.",
+            file=sys.stderr,
+        )
         return 2
     try:
         import triton
@@ -285,12 +322,19 @@ def main() -> int:
         global DTYPE
         DTYPE = torch.float16
     results = {
-        "device": props.name, "sm_count": props.multi_processor_count,
+        "device": props.name,
+        "sm_count": props.multi_processor_count,
         "compute_capability": f"{props.major}.{props.minor}",
         "shared_memory_per_block_optin": props.shared_memory_per_block_optin,
-        "torch": torch.__version__, "triton": triton.__version__,
-        "config": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
-                   "block_size": BLOCK_SIZE, "dtype": str(DTYPE)},
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "config": {
+            "num_heads": NUM_HEADS,
+            "num_kv_heads": NUM_KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "block_size": BLOCK_SIZE,
+            "dtype": str(DTYPE),
+        },
     }
     started = time.time()
     if not args.skip_tests:
@@ -298,7 +342,11 @@ def main() -> int:
     run_step(results, "copy_bandwidth", lambda: measure_copy_bandwidth(device))
     copy_gbps = results["copy_bandwidth"].get("gb_per_s_read_plus_write", float("nan"))
     for batch, context in ((64, 2048), (256, 512), (4, 8192)):  # the last one takes the flash-decoding path
-        run_step(results, f"decode_b{batch}_ctx{context}", lambda batch=batch, context=context: bench_decode(batch, context, copy_gbps, device))
+        run_step(
+            results,
+            f"decode_b{batch}_ctx{context}",
+            lambda batch=batch, context=context: bench_decode(batch, context, copy_gbps, device),
+        )
     run_step(results, "prefill_vs_sdpa", lambda: bench_prefill(device))
     if not args.skip_e2e:
         run_step(results, "end_to_end", lambda: end_to_end_hook(args.e2e_model))

@@ -23,9 +23,11 @@ import random
 import sys
 import time
 
-WORDS = ("the of and to in is that for it as with was on be by this are or from at which an but not "
-         "function module class value return list string file object type error name data method "
-         "argument default number python set key call code new time line system example first").split()
+WORDS = (
+    "the of and to in is that for it as with was on be by this are or from at which an but not "
+    "function module class value return list string file object type error name data method "
+    "argument default number python set key call code new time line system example first"
+).split()
 
 
 def rss_mb() -> float:
@@ -34,8 +36,16 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def run_soak(pipe, num_requests: int = 10_000, wave_size: int = 500, seed: int = 0, cancel_fraction: float = 0.05,
-             max_words: int = 40, max_new_tokens: int = 8, report=None) -> dict:
+def run_soak(
+    pipe,
+    num_requests: int = 10_000,
+    wave_size: int = 500,
+    seed: int = 0,
+    cancel_fraction: float = 0.05,
+    max_words: int = 40,
+    max_new_tokens: int = 8,
+    report=None,
+) -> dict:
     """Drive ``pipe`` (a ``ContinuousBatchingPipeline``) with the soak workload.
 
     Args:
@@ -77,17 +87,25 @@ def run_soak(pipe, num_requests: int = 10_000, wave_size: int = 500, seed: int =
         gc.collect()
         stats = pipe.stats()
         wave = {
-            "wave": len(waves), "requests": n, "seconds": time.perf_counter() - t0, "rss_mb": rss_mb(),
-            "used_blocks": stats.num_used_blocks, "unfinished": sum(not h.done() for h in handles),
-            "errors": errors, "finish_reasons": reasons,
+            "wave": len(waves),
+            "requests": n,
+            "seconds": time.perf_counter() - t0,
+            "rss_mb": rss_mb(),
+            "used_blocks": stats.num_used_blocks,
+            "unfinished": sum(not h.done() for h in handles),
+            "errors": errors,
+            "finish_reasons": reasons,
         }
         waves.append(wave)
         done += n
         if report is not None:
             report(wave)
     return {
-        "waves": waves, "seconds": time.perf_counter() - t_start, "rss_mb": [w["rss_mb"] for w in waves],
-        "unfinished": sum(w["unfinished"] for w in waves), "errors": sum(w["errors"] for w in waves),
+        "waves": waves,
+        "seconds": time.perf_counter() - t_start,
+        "rss_mb": [w["rss_mb"] for w in waves],
+        "unfinished": sum(w["unfinished"] for w in waves),
+        "errors": sum(w["errors"] for w in waves),
         "used_blocks_at_rest": [w["used_blocks"] for w in waves],
     }
 
@@ -110,15 +128,21 @@ def build_pipeline(args):
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="embedded", choices=["embedded", "tiny", "small"],
-                   help="embedded: the package's model; tiny/small: random Llamas of benchmarks/workload.py")
+    p.add_argument(
+        "--model",
+        default="embedded",
+        choices=["embedded", "tiny", "small"],
+        help="embedded: the package's model; tiny/small: random Llamas of benchmarks/workload.py",
+    )
     p.add_argument("--num-requests", type=int, default=10_000)
     p.add_argument("--wave-size", type=int, default=500)
     p.add_argument("--num-blocks", type=int, default=256)
     p.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "onednn"])
-    p.add_argument("--dtype", default="float32",
-                   help="embedded model's dtype (stored as bfloat16; float32 is the CPU reference and the "
-                        "packed-linear path)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="embedded model's dtype (stored as bfloat16; float32 is the CPU reference and the packed-linear path)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
@@ -126,20 +150,28 @@ def main(argv=None) -> dict:
         global WORDS
         WORDS = tuple(f"w{i}" for i in range(1, 2048))
     pipe = build_pipeline(args)
-    print(f"model={args.model} dtype={next(pipe.model.parameters()).dtype} requests={args.num_requests} waves of {args.wave_size} num_blocks={args.num_blocks} "
-          f"linear_backend={args.linear_backend} rss_at_start={rss_mb():.0f} MiB", flush=True)
+    print(
+        f"model={args.model} dtype={next(pipe.model.parameters()).dtype} requests={args.num_requests} waves of {args.wave_size} num_blocks={args.num_blocks} "
+        f"linear_backend={args.linear_backend} rss_at_start={rss_mb():.0f} MiB",
+        flush=True,
+    )
 
     def report(w):
-        print(f"wave {w['wave']:3d}: {w['seconds']:6.1f} s  rss {w['rss_mb']:7.1f} MiB  blocks in use {w['used_blocks']}"
-              f"  unfinished {w['unfinished']}  errors {w['errors']}  {w['finish_reasons']}", flush=True)
+        print(
+            f"wave {w['wave']:3d}: {w['seconds']:6.1f} s  rss {w['rss_mb']:7.1f} MiB  blocks in use {w['used_blocks']}"
+            f"  unfinished {w['unfinished']}  errors {w['errors']}  {w['finish_reasons']}",
+            flush=True,
+        )
 
     try:
         res = run_soak(pipe, args.num_requests, args.wave_size, seed=args.seed, report=report)
     finally:
         pipe.close()
     rss = res["rss_mb"]
-    print(f"total {res['seconds']:.0f} s; RSS first wave {rss[0]:.0f} MiB, last {rss[-1]:.0f} MiB, max {max(rss):.0f} MiB; "
-          f"blocks in use at rest max {max(res['used_blocks_at_rest'])}; unfinished {res['unfinished']}; errors {res['errors']}")
+    print(
+        f"total {res['seconds']:.0f} s; RSS first wave {rss[0]:.0f} MiB, last {rss[-1]:.0f} MiB, max {max(rss):.0f} MiB; "
+        f"blocks in use at rest max {max(res['used_blocks_at_rest'])}; unfinished {res['unfinished']}; errors {res['errors']}"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), **res}, f, indent=1)

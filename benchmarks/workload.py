@@ -15,10 +15,22 @@ import torch
 MODEL_SIZES = {
     # The anchor models: tiny (vocab 2048, hidden 256, 4 layers, 8 heads, 4 KV heads) and
     # small (vocab 8192, hidden 768, 12 layers, 12 heads, 4 KV heads, ~100M parameters).
-    "tiny": dict(vocab_size=2048, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                 num_attention_heads=8, num_key_value_heads=4),
-    "small": dict(vocab_size=8192, hidden_size=768, intermediate_size=2304, num_hidden_layers=12,
-                  num_attention_heads=12, num_key_value_heads=4),
+    "tiny": dict(
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    ),
+    "small": dict(
+        vocab_size=8192,
+        hidden_size=768,
+        intermediate_size=2304,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+    ),
 }
 
 
@@ -26,8 +38,9 @@ def build_model(size: str = "tiny", seed: int = 0, dtype=torch.float32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**MODEL_SIZES[size], max_position_embeddings=2048, eos_token_id=None, bos_token_id=None,
-                      pad_token_id=0)
+    cfg = LlamaConfig(
+        **MODEL_SIZES[size], max_position_embeddings=2048, eos_token_id=None, bos_token_id=None, pad_token_id=0
+    )
     model = LlamaForCausalLM(cfg).to(dtype).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
@@ -108,7 +121,9 @@ def run_ours(model, prompts, new_tokens, engine_config):
     try:
         engine.submit([1, 2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True)).result()  # warm-up
         t0 = time.perf_counter()
-        handles = [engine.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, new_tokens)]
+        handles = [
+            engine.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, new_tokens)
+        ]
         outs = [h.result().output_token_ids for h in handles]
         wall = time.perf_counter() - t0
         stats = engine.stats()

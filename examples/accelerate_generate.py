@@ -21,16 +21,27 @@ import time
 from hf_contbatch.integrations.accelerate import distributed_generate, process_info
 
 DEFAULT_PROMPTS = [
-    "The for statement", "A class is", "The with statement", "Exceptions are", "The import system",
-    "Lambda expressions", "A dictionary", "The while statement", "A generator is", "The try statement",
-    "Modules are", "A list comprehension",
+    "The for statement",
+    "A class is",
+    "The with statement",
+    "Exceptions are",
+    "The import system",
+    "Lambda expressions",
+    "A dictionary",
+    "The while statement",
+    "A generator is",
+    "The try statement",
+    "Modules are",
+    "A list comprehension",
 ]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="Hub id or local path (default: the embedded model)")
-    parser.add_argument("--input", default=None, help="a .txt file of prompts, one per line (default: built-in prompts)")
+    parser.add_argument(
+        "--input", default=None, help="a .txt file of prompts, one per line (default: built-in prompts)"
+    )
     parser.add_argument("--output", default=None, help="write results as JSON lines here (main process)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="float32")
@@ -43,8 +54,12 @@ def main(argv=None) -> int:
     info = process_info()
     t0 = time.monotonic()
     results = distributed_generate(
-        prompts, model=args.model, pipeline_kwargs={"dtype": args.dtype},
-        max_new_tokens=args.max_new_tokens, do_sample=False, return_full_text=False,
+        prompts,
+        model=args.model,
+        pipeline_kwargs={"dtype": args.dtype},
+        max_new_tokens=args.max_new_tokens,
+        do_sample=False,
+        return_full_text=False,
     )
     seconds = time.monotonic() - t0
     print(f"[rank {info['process_index']}/{info['num_processes']}] done in {seconds:.1f} s", file=sys.stderr)
@@ -58,8 +73,12 @@ def main(argv=None) -> int:
     else:
         for row in rows:
             print(f"--- {row['prompt']!r}\n{row['generated_text']}\n")
-    summary = {"num_processes": info["num_processes"], "distributed_type": info["distributed_type"],
-               "num_prompts": len(prompts), "seconds": round(seconds, 2)}
+    summary = {
+        "num_processes": info["num_processes"],
+        "distributed_type": info["distributed_type"],
+        "num_prompts": len(prompts),
+        "seconds": round(seconds, 2),
+    }
     print(json.dumps(summary), file=sys.stderr)
     return 0
 

@@ -7,8 +7,16 @@ from .request import SamplingParams
 __version__ = "0.1.0"
 
 __all__ = [
-    "CacheConfig", "EngineConfig", "SchedulerConfig", "EngineError", "EngineStats", "LLMEngine",
-    "RequestHandle", "RequestOutput", "SamplingParams", "__version__",
+    "CacheConfig",
+    "EngineConfig",
+    "SchedulerConfig",
+    "EngineError",
+    "EngineStats",
+    "LLMEngine",
+    "RequestHandle",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
 ]
 
 from .pipeline import ContinuousBatchingPipeline, GenerationHandle, pipeline  # noqa: E402

@@ -47,8 +47,14 @@ def _read_prompts(path: str) -> list:
 
 def _default_prompts() -> list[str]:
     return [
-        "The for statement", "A class is", "The with statement", "Exceptions are", "The import system",
-        "Lambda expressions", "A dictionary", "The while statement",
+        "The for statement",
+        "A class is",
+        "The with statement",
+        "Exceptions are",
+        "The import system",
+        "Lambda expressions",
+        "A dictionary",
+        "The while statement",
     ]
 
 
@@ -65,13 +71,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args.input) if args.input else _default_prompts()  # fail before loading the model
     cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, cpu_cache_gib=args.cache_gib)
     sched = SchedulerConfig(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         preemption_mode=args.preemption_mode,
     )
     t_load = time.monotonic()
     pipe = pipeline(
-        "text-generation", model=args.model, dtype=args.dtype,
-        engine_config=EngineConfig(cache=cache, scheduler=sched, attention_backend=args.attention_backend, seed=args.seed),
+        "text-generation",
+        model=args.model,
+        dtype=args.dtype,
+        engine_config=EngineConfig(
+            cache=cache, scheduler=sched, attention_backend=args.attention_backend, seed=args.seed
+        ),
     )
     load_s = time.monotonic() - t_load
     gen_kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample, "return_full_text": False}
@@ -130,7 +141,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if rest and rest[0] == "--":
         rest = rest[1:]
     is_run = not rest or rest[0] not in ("ls", "validate")
-    if is_run and not any(a == "--model" or a.startswith("--model=") for a in rest) and "-h" not in rest and "--help" not in rest:
+    if (
+        is_run
+        and not any(a == "--model" or a.startswith("--model=") for a in rest)
+        and "-h" not in rest
+        and "--help" not in rest
+    ):
         rest = ["--model", _plugin.MODEL_TYPE] + rest
     if is_run and (not rest or rest[0] != "run"):
         rest = ["run"] + rest
@@ -159,9 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or auto")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=None)
-    g.add_argument("--cache-gib", type=float, default=None,
-                   help="KV pool size on CPU when --num-blocks is not given (default: --max-num-seqs requests at "
-                        "the model's full context, at most 1 GiB)")
+    g.add_argument(
+        "--cache-gib",
+        type=float,
+        default=None,
+        help="KV pool size on CPU when --num-blocks is not given (default: --max-num-seqs requests at "
+        "the model's full context, at most 1 GiB)",
+    )
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
     g.add_argument("--preemption-mode", default="recompute", choices=list(PREEMPTION_MODES))
@@ -170,7 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true")
     g.set_defaults(func=cmd_generate)
     e = sub.add_parser(
-        "eval", add_help=False, prefix_chars="\0",
+        "eval",
+        add_help=False,
+        prefix_chars="\0",
         help="lm-eval with the hf-contbatch model type (arguments as for lm_eval; --model defaults to hf-contbatch)",
     )
     e.add_argument("lm_eval_args", nargs=argparse.REMAINDER)

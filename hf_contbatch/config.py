@@ -69,23 +69,21 @@ class CacheConfig:
             raise ValueError(f"`block_size` must be a power of two between 1 and 256, got {self.block_size}")
         _check_positive_int("num_blocks", self.num_blocks, allow_none=True)
         if self.cpu_cache_gib is not None and not (
-            isinstance(self.cpu_cache_gib, (int, float)) and not isinstance(self.cpu_cache_gib, bool)
+            isinstance(self.cpu_cache_gib, (int, float))
+            and not isinstance(self.cpu_cache_gib, bool)
             and self.cpu_cache_gib > 0
         ):
             raise ValueError(f"`cpu_cache_gib` must be a positive number of GiB or None, got {self.cpu_cache_gib!r}")
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
-            raise ValueError(
-                f"`gpu_memory_utilization` must be in (0, 1], got {self.gpu_memory_utilization!r}"
-            )
+            raise ValueError(f"`gpu_memory_utilization` must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.swap_space_gib is not None and not (
-            isinstance(self.swap_space_gib, (int, float)) and not isinstance(self.swap_space_gib, bool)
+            isinstance(self.swap_space_gib, (int, float))
+            and not isinstance(self.swap_space_gib, bool)
             and self.swap_space_gib >= 0
         ):
             raise ValueError(f"`swap_space_gib` must be a number >= 0 or None, got {self.swap_space_gib!r}")
         if self.dtype not in (None, "float32", "float16", "bfloat16"):
-            raise ValueError(
-                f"`dtype` must be one of None, 'float32', 'float16', 'bfloat16', got {self.dtype!r}"
-            )
+            raise ValueError(f"`dtype` must be one of None, 'float32', 'float16', 'bfloat16', got {self.dtype!r}")
 
 
 @dataclass
@@ -130,9 +128,7 @@ class SchedulerConfig:
         if not (isinstance(self.watermark, (int, float)) and 0 <= self.watermark < 1):
             raise ValueError(f"`watermark` must be in [0, 1), got {self.watermark!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(
-                f"`preemption_mode` must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
-            )
+            raise ValueError(f"`preemption_mode` must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         _check_positive_int("long_prefill_token_threshold", self.long_prefill_token_threshold, allow_none=True)
         _check_positive_int("max_preemptions", self.max_preemptions)
         if self.aging_seconds is not None and not (
@@ -140,12 +136,11 @@ class SchedulerConfig:
         ):
             raise ValueError(f"`aging_seconds` must be a positive number or None, got {self.aging_seconds!r}")
         if self.swap_cost_per_block is not None and not (
-            isinstance(self.swap_cost_per_block, (int, float)) and not isinstance(self.swap_cost_per_block, bool)
+            isinstance(self.swap_cost_per_block, (int, float))
+            and not isinstance(self.swap_cost_per_block, bool)
             and self.swap_cost_per_block >= 0
         ):
-            raise ValueError(
-                f"`swap_cost_per_block` must be a number >= 0 or None, got {self.swap_cost_per_block!r}"
-            )
+            raise ValueError(f"`swap_cost_per_block` must be a number >= 0 or None, got {self.swap_cost_per_block!r}")
 
 
 @dataclass
@@ -192,9 +187,7 @@ class EngineConfig:
         if not isinstance(self.scheduler, SchedulerConfig):
             raise ValueError(f"`scheduler` must be a SchedulerConfig, got {type(self.scheduler).__name__}")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"`attention_backend` must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
-            )
+            raise ValueError(f"`attention_backend` must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(f"`linear_backend` must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         _check_positive_int("num_threads", self.num_threads, allow_none=True)

@@ -35,6 +35,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+
 def _reorder(weight: torch.Tensor) -> torch.Tensor:
     """``[out, in]`` float32 weight → oneDNN's blocked layout (an opaque tensor)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight)
@@ -99,15 +100,26 @@ class _PackedForward:
     def __getstate__(self) -> dict:
         # A deepcopy or pickle of the model carries no opaque oneDNN tensor: the copy packs its
         # own weights on first use.
-        return {"module": self.module, "active": self.active, "weight_ref": None, "weight_key": None, "packed": None,
-                "group": self.group}
+        return {
+            "module": self.module,
+            "active": self.active,
+            "weight_ref": None,
+            "weight_key": None,
+            "packed": None,
+            "group": self.group,
+        }
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.module.weight, self.module.bias
-        if (not self.active or x.dtype != torch.float32 or weight.dtype != torch.float32
-                or x.device.type != "cpu" or weight.device.type != "cpu"
-                or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                                or bias is not None and bias.requires_grad)):
+        if (
+            not self.active
+            or x.dtype != torch.float32
+            or weight.dtype != torch.float32
+            or x.device.type != "cpu"
+            or weight.device.type != "cpu"
+            or torch.is_grad_enabled()
+            and (x.requires_grad or weight.requires_grad or bias is not None and bias.requires_grad)
+        ):
             return torch.nn.functional.linear(x, weight, bias)  # outside what we packed for, or autograd
         if self.group is not None:
             return self.group(self, x)
@@ -116,7 +128,9 @@ class _PackedForward:
         return _padded_linear(x, self.packed, None if bias is None else bias.detach(), weight.shape[0])
 
 
-def _padded_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
+def _padded_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int
+) -> torch.Tensor:
     """``x @ W.T + b`` through the packed weight, rows padded to :func:`padded_rows` (see the module
     docstring for why). Input ``[..., in]`` float32, output ``[..., out]``."""
     lead, k = x.shape[:-1], x.shape[-1]
@@ -162,8 +176,11 @@ def _eligible(m: torch.nn.Module) -> bool:
         type(m) is torch.nn.Linear  # subclasses (quantized, LoRA, ...) have their own forward
         and "forward" not in m.__dict__  # accelerate's hooks and other wrappers live here
         and not getattr(m, "_hf_hook", None)
-        and not m._forward_hooks and not m._forward_pre_hooks
-        and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 and m.weight.numel() > 0
+        and not m._forward_hooks
+        and not m._forward_pre_hooks
+        and m.weight.device.type == "cpu"
+        and m.weight.dtype == torch.float32
+        and m.weight.numel() > 0
     )
 
 
@@ -198,8 +215,12 @@ def pack_linears(
     if mode == "auto" and available_bytes is not None:
         avail = available_bytes()
         if avail is not None and total > avail // 4:
-            logger.info("not packing %d linear layers for oneDNN: %.1f GiB is over a quarter of the "
-                        "available memory (set linear_backend='onednn' to force)", len(modules), total / 2**30)
+            logger.info(
+                "not packing %d linear layers for oneDNN: %.1f GiB is over a quarter of the "
+                "available memory (set linear_backend='onednn' to force)",
+                len(modules),
+                total / 2**30,
+            )
             return None
     try:
         # Pack every module before installing any: a failure leaves the model untouched.

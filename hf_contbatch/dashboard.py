@@ -117,8 +117,11 @@ def format_stats(stats, tokens_per_s_now: Optional[float] = None, width: int = 3
     filled = round(width * used / n)
     bar = "#" * filled + "." * (width - filled)
     kv_tokens = _field(stats, "num_kv_tokens")
-    tokens = (f"{kv_tokens}/{stats.capacity_tokens} tokens" if kv_tokens is not None
-              else f"{used * stats.block_size}/{stats.capacity_tokens} token slots")
+    tokens = (
+        f"{kv_tokens}/{stats.capacity_tokens} tokens"
+        if kv_tokens is not None
+        else f"{used * stats.block_size}/{stats.capacity_tokens} token slots"
+    )
     lines = [
         f"KV blocks  [{bar}] {used}/{stats.num_blocks} used ({100 * used / n:.0f}%), "
         f"peak {stats.peak_used_blocks}, {tokens}",
@@ -181,8 +184,12 @@ def in_use_region(owners: Sequence[int], high_water: int = 0, minimum: int = 64)
 
 
 def render_block_grid(
-    owners: Sequence[int], ref_counts: Sequence[int] = (), max_cells: int = 512, lightness: int = 48,
-    colour: Optional[str] = None, region: Optional[int] = None,
+    owners: Sequence[int],
+    ref_counts: Sequence[int] = (),
+    max_cells: int = 512,
+    lightness: int = 48,
+    colour: Optional[str] = None,
+    region: Optional[int] = None,
 ) -> str:
     """One ``<div>`` with a cell per block (request id on hover), or per group of blocks when the
     drawn region has more than ``max_cells`` blocks.
@@ -206,13 +213,16 @@ def render_block_grid(
             if rid < 0:
                 cells.append("<i></i>")
             elif refs[start] > 1:
-                cells.append(f'<i class="c" title="block {start} · shared by {refs[start]} requests '
-                             f'(prefix cache), e.g. request {rid}"></i>')
+                cells.append(
+                    f'<i class="c" title="block {start} · shared by {refs[start]} requests '
+                    f'(prefix cache), e.g. request {rid}"></i>'
+                )
             elif colour is not None:
                 cells.append(f'<i style="background:{colour}" title="block {start} · in use"></i>')
             else:
-                cells.append(f'<i style="background:{request_colour(rid, lightness)}" '
-                             f'title="block {start} · request {rid}"></i>')
+                cells.append(
+                    f'<i style="background:{request_colour(rid, lightness)}" title="block {start} · request {rid}"></i>'
+                )
             continue
         in_use = collections.Counter(owners[b] for b in range(start, stop) if owners[b] >= 0)
         num_used = sum(in_use.values())
@@ -229,15 +239,17 @@ def render_block_grid(
             rid = in_use.most_common(1)[0][0]
             # Fuller groups are darker: the grid reads as a heat map of occupancy.
             light = round(88 - (88 - lightness) * num_used / size)
-            fill = (request_colour(rid, light) if colour is None
-                    else f"{colour};opacity:{0.3 + 0.7 * num_used / size:.2f}")
+            fill = (
+                request_colour(rid, light) if colour is None else f"{colour};opacity:{0.3 + 0.7 * num_used / size:.2f}"
+            )
             cells.append(f'<i style="background:{fill}" title="{title}"></i>')
         else:
             cells.append(f'<i title="{title}"></i>')
     cols, px = _columns(len(cells)), _cell_px(len(cells))
     note = "" if group == 1 else f' data-blocks-per-cell="{group}"'
-    return (f'<div class="hfcb-grid" style="grid-template-columns:repeat({cols},{px}px)"{note}>'
-            + "".join(cells) + "</div>")
+    return (
+        f'<div class="hfcb-grid" style="grid-template-columns:repeat({cols},{px}px)"{note}>' + "".join(cells) + "</div>"
+    )
 
 
 def blocks_per_cell(num_drawn: int, max_cells: int) -> int:
@@ -253,18 +265,24 @@ def _legend(group: int, swap: bool = False) -> str:
 
         shared = ""
     else:
-        used = (f'<span><i style="background:{request_colour(1)}"></i><i style="background:{request_colour(2)}"></i>'
-                'in use (colour = request, hover for id)</span>')
+        used = (
+            f'<span><i style="background:{request_colour(1)}"></i><i style="background:{request_colour(2)}"></i>'
+            "in use (colour = request, hover for id)</span>"
+        )
         shared = f'<span><i style="background:{CACHED_COLOUR}"></i>prefix-cached (shared)</span>'
-    return (f'<div class="hfcb-legend"><span><i style="background:{FREE_COLOUR}"></i>free</span>{used}{shared}'
-            f'<span>one cell = {per}</span></div>')
+    return (
+        f'<div class="hfcb-legend"><span><i style="background:{FREE_COLOUR}"></i>free</span>{used}{shared}'
+        f"<span>one cell = {per}</span></div>"
+    )
 
 
 def _region_note(drawn: int, total: int) -> str:
     if drawn >= total:
         return ""
-    return (f'<div class="hfcb-note">blocks 0–{drawn - 1} drawn; the other {total - drawn:,} have never been '
-            'used (free)</div>')
+    return (
+        f'<div class="hfcb-note">blocks 0–{drawn - 1} drawn; the other {total - drawn:,} have never been '
+        "used (free)</div>"
+    )
 
 
 def _device_owners(stats) -> tuple:
@@ -291,10 +309,12 @@ def render_pools(stats, max_cells: int = 512, regions: Optional[dict] = None, si
         cached_free = f" · {_field(stats, 'num_cached_blocks', 0)} free blocks hold cached prefixes"
     drawn = min(len(owners), regions.get("kv") or in_use_region(owners))
     why = f'<div class="hfcb-note">size: {html.escape(sizing["kv"])}</div>' if sizing.get("kv") else ""
-    device = (f'<div class="hfcb-pool hfcb-device"><h4>KV blocks · {stats.num_used_blocks}/{stats.num_blocks:,} in use'
-              f' · block size {stats.block_size}{cached_free}</h4>{why}'
-              f'{render_block_grid(owners, refs, max_cells, region=drawn)}{_region_note(drawn, len(owners))}'
-              f'{_legend(blocks_per_cell(drawn, max_cells))}</div>')
+    device = (
+        f'<div class="hfcb-pool hfcb-device"><h4>KV blocks · {stats.num_used_blocks}/{stats.num_blocks:,} in use'
+        f" · block size {stats.block_size}{cached_free}</h4>{why}"
+        f"{render_block_grid(owners, refs, max_cells, region=drawn)}{_region_note(drawn, len(owners))}"
+        f"{_legend(blocks_per_cell(drawn, max_cells))}</div>"
+    )
     swap_blocks = int(_field(stats, "num_swap_blocks", 0))
     if swap_blocks:
         swap_used = int(_field(stats, "num_swapped_blocks", 0))
@@ -303,9 +323,11 @@ def render_pools(stats, max_cells: int = 512, regions: Optional[dict] = None, si
         swap_drawn = min(swap_blocks, regions.get("swap") or in_use_region(swap_owners))
         swap_grid = render_block_grid(swap_owners, (), max_cells, colour=SWAPPED_COLOUR, region=swap_drawn)
         why = f'<div class="hfcb-note">size: {html.escape(sizing["swap"])}</div>' if sizing.get("swap") else ""
-        swap = (f'<div class="hfcb-pool hfcb-swap"><h4>CPU swap pool · {swap_used}/{swap_blocks:,} in use</h4>{why}'
-                f'{swap_grid}{_region_note(swap_drawn, swap_blocks)}'
-                f'{_legend(blocks_per_cell(swap_drawn, max_cells), swap=True)}</div>')
+        swap = (
+            f'<div class="hfcb-pool hfcb-swap"><h4>CPU swap pool · {swap_used}/{swap_blocks:,} in use</h4>{why}'
+            f"{swap_grid}{_region_note(swap_drawn, swap_blocks)}"
+            f"{_legend(blocks_per_cell(swap_drawn, max_cells), swap=True)}</div>"
+        )
     else:
         swap = '<div class="hfcb-pool hfcb-swap"><h4>CPU swap pool · none</h4></div>'
     return _STYLE + f'<div class="hfcb-pools">{device}{swap}</div>'
@@ -322,8 +344,10 @@ def _sparkline(values: Sequence[float], colour: str, width: int = 160, height: i
     top = max(max(values), 1e-9)
     step = width / (len(values) - 1)
     points = " ".join(f"{i * step:.1f},{height - 2 - (height - 4) * v / top:.1f}" for i, v in enumerate(values))
-    return (f'<svg width="{width}" height="{height}" style="background:#fafafa">'
-            f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{points}"/></svg>')
+    return (
+        f'<svg width="{width}" height="{height}" style="background:#fafafa">'
+        f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{points}"/></svg>'
+    )
 
 
 def render_tiles(stats, tokens_per_s_now: Optional[float], history: Sequence[tuple[float, float, int]] = ()) -> str:
@@ -336,8 +360,11 @@ def render_tiles(stats, tokens_per_s_now: Optional[float], history: Sequence[tup
         _tile("swapped", str(stats.num_swapped)),
         _tile("finished", str(stats.num_finished)),
         _tile("preempted", str(stats.num_preemptions), kinds),
-        _tile("tokens/s now", "—" if tokens_per_s_now is None else f"{tokens_per_s_now:.1f}",
-              f"avg {stats.throughput_tokens_per_s:.1f}"),
+        _tile(
+            "tokens/s now",
+            "—" if tokens_per_s_now is None else f"{tokens_per_s_now:.1f}",
+            f"avg {stats.throughput_tokens_per_s:.1f}",
+        ),
         _tile("TTFT (mean)", _ms(stats.mean_ttft_s)),
         _tile("ITL (mean)", _ms(stats.mean_itl_s)),
         _tile("generated", str(stats.num_generated_tokens), f"{stats.num_iterations} iterations"),
@@ -346,9 +373,11 @@ def render_tiles(stats, tokens_per_s_now: Optional[float], history: Sequence[tup
         tiles.append(_tile("prefix hits", f"{100 * hit:.0f}%"))
     rates = [r for _, r, _ in history]
     used = [u for _, _, u in history]
-    spark = (f'<div class="hfcb-tile"><small>tokens/s · last {len(history)} refreshes</small><br>'
-             f'{_sparkline(rates, "#059669")}</div>'
-             f'<div class="hfcb-tile"><small>blocks in use</small><br>{_sparkline(used, "#2563eb")}</div>')
+    spark = (
+        f'<div class="hfcb-tile"><small>tokens/s · last {len(history)} refreshes</small><br>'
+        f"{_sparkline(rates, '#059669')}</div>"
+        f'<div class="hfcb-tile"><small>blocks in use</small><br>{_sparkline(used, "#2563eb")}</div>'
+    )
     return '<div class="hfcb-tiles">' + "".join(tiles) + spark + "</div>"
 
 
@@ -368,11 +397,14 @@ def render_phases(stats, width: int = 320, height: int = 60) -> str:
             if h < 0.05:  # under a tenth of a pixel: invisible, skip the bytes
                 continue
             y -= h
-            rects.append(f'<rect x="{i * bar_w:.1f}" y="{y:.1f}" width="{max(bar_w - 1, 1):.1f}" height="{h:.1f}" '
-                         f'fill="{PHASE_COLOURS[phase]}"><title>{phase} {row[phase] * 1e3:.2f} ms</title></rect>')
-    svg = (f'<svg width="{width}" height="{height}" style="background:#fafafa">' + "".join(rects) + "</svg>")
+            rects.append(
+                f'<rect x="{i * bar_w:.1f}" y="{y:.1f}" width="{max(bar_w - 1, 1):.1f}" height="{h:.1f}" '
+                f'fill="{PHASE_COLOURS[phase]}"><title>{phase} {row[phase] * 1e3:.2f} ms</title></rect>'
+            )
+    svg = f'<svg width="{width}" height="{height}" style="background:#fafafa">' + "".join(rects) + "</svg>"
     totals_by_phase = dict(_field(stats, "phase_seconds", ()))
     grand_total = sum(totals_by_phase.values())
+
     def share(p: str) -> str:
         return f'<td align="right">{100 * totals_by_phase.get(p, 0.0) / grand_total:.1f}%</td>' if grand_total else ""
 
@@ -384,8 +416,10 @@ def render_phases(stats, width: int = 320, height: int = 60) -> str:
     )
     head = "<th></th><th>mean</th><th>last</th>" + ("<th>% of all</th>" if grand_total else "")
     table = f"<table><tr>{head}</tr>{cells}</table>"
-    return (f'<div class="hfcb-phases"><div><small>phase durations, last {len(rows)} iterations '
-            f'(tallest {top * 1e3:.1f} ms)</small><br>{svg}</div>{table}</div>')
+    return (
+        f'<div class="hfcb-phases"><div><small>phase durations, last {len(rows)} iterations '
+        f"(tallest {top * 1e3:.1f} ms)</small><br>{svg}</div>{table}</div>"
+    )
 
 
 # --- the live view --------------------------------------------------------------------------------
@@ -471,14 +505,27 @@ class Dashboard:
         self.tiles.add_class("hfcb-tiles-widget")
         self.phases = W.HTML()
         self.phases.add_class("hfcb-phases-widget")
-        self.widget = W.VBox([
-            self.header, self.grid,
-            W.HBox([self.blocks_bar, self.blocks_label]), W.HBox([self.tokens_bar, self.tokens_label]),
-            self.tiles, self.phases,
-        ])
+        self.widget = W.VBox(
+            [
+                self.header,
+                self.grid,
+                W.HBox([self.blocks_bar, self.blocks_label]),
+                W.HBox([self.tokens_bar, self.tokens_label]),
+                self.tiles,
+                self.phases,
+            ]
+        )
         self.widget.add_class("hfcb-dashboard")
-        self._widgets = (self.header, self.grid, self.blocks_bar, self.blocks_label, self.tokens_bar,
-                         self.tokens_label, self.tiles, self.phases)
+        self._widgets = (
+            self.header,
+            self.grid,
+            self.blocks_bar,
+            self.blocks_label,
+            self.tokens_bar,
+            self.tokens_label,
+            self.tiles,
+            self.phases,
+        )
         self.refresh()
 
     # --- public ---------------------------------------------------------------------------------
@@ -492,8 +539,10 @@ class Dashboard:
             return self
         self._stop = threading.Event()
         self._thread = threading.Thread(
-            target=_refresh_loop, args=(weakref.ref(self), self._stop, 1.0 / self.refresh_hz),
-            name="hf_contbatch-dashboard", daemon=True,
+            target=_refresh_loop,
+            args=(weakref.ref(self), self._stop, 1.0 / self.refresh_hz),
+            name="hf_contbatch-dashboard",
+            daemon=True,
         )
         self._thread.start()
         engine = getattr(self.source, "engine", self.source)
@@ -563,10 +612,19 @@ class Dashboard:
             rate = self._recent_rate(now, stats.num_generated_tokens)
             if not _active(stats) or self._source_closed():
                 rate = None  # idle: a rate would be the last burst's, not "now" ("—" is shown)
-            key = (stats.num_iterations, stats.num_used_blocks, stats.num_waiting, stats.num_running,
-                   stats.num_swapped, stats.num_finished, stats.num_generated_tokens, stats.num_preemptions,
-                   _field(stats, "num_swapped_blocks", 0), None if rate is None else round(rate, 1),
-                   self._source_closed())
+            key = (
+                stats.num_iterations,
+                stats.num_used_blocks,
+                stats.num_waiting,
+                stats.num_running,
+                stats.num_swapped,
+                stats.num_finished,
+                stats.num_generated_tokens,
+                stats.num_preemptions,
+                _field(stats, "num_swapped_blocks", 0),
+                None if rate is None else round(rate, 1),
+                self._source_closed(),
+            )
             if only_if_changed and key == self._last_key:
                 return stats, False  # nothing moved: render nothing, send nothing
             self._last_key, self._last_stats, self._rate = key, stats, rate
@@ -609,18 +667,27 @@ class Dashboard:
         else:
             state, colour = "idle", "#6b7280"
         live = "live" if self.running and not self._stop.is_set() else "stopped"
-        header = (f'<div style="font:600 13px sans-serif">hf_contbatch · continuous batching '
-                  f'<span style="color:{colour}">● {state}</span> '
-                  f'<small style="font-weight:400;color:#666">{live}</small></div>')
+        header = (
+            f'<div style="font:600 13px sans-serif">hf_contbatch · continuous batching '
+            f'<span style="color:{colour}">● {state}</span> '
+            f'<small style="font-weight:400;color:#666">{live}</small></div>'
+        )
         kv_tokens = _field(stats, "num_kv_tokens")
         slots = stats.num_used_blocks * stats.block_size
         shown_tokens = slots if kv_tokens is None else int(kv_tokens)
-        tokens_text = (f"{slots} / {stats.capacity_tokens} token slots allocated" if kv_tokens is None
-                       else f"{shown_tokens} / {stats.capacity_tokens} tokens (in {slots} allocated slots)")
+        tokens_text = (
+            f"{slots} / {stats.capacity_tokens} token slots allocated"
+            if kv_tokens is None
+            else f"{shown_tokens} / {stats.capacity_tokens} tokens (in {slots} allocated slots)"
+        )
         return {
             (self.header, "value"): header,
-            (self.grid, "value"): render_pools(stats, self.max_cells, self._grid_regions(stats),
-                                               getattr(getattr(self.source, "engine", self.source), "pool_sizing", None)),
+            (self.grid, "value"): render_pools(
+                stats,
+                self.max_cells,
+                self._grid_regions(stats),
+                getattr(getattr(self.source, "engine", self.source), "pool_sizing", None),
+            ),
             (self.blocks_bar, "max"): max(stats.num_blocks, 1),
             (self.blocks_bar, "value"): stats.num_used_blocks,
             (self.blocks_label, "value"): self._blocks_text(stats),

@@ -48,8 +48,19 @@ __all__ = ["EngineError", "EngineStats", "LLMEngine", "RequestHandle", "RequestO
 # Families whose attention goes through transformers' AttentionInterface and whose layers call
 # ``cache.update(...)`` right before attention (tests/test_engine_equivalence.py checks greedy equality).
 SUPPORTED_MODEL_TYPES = (
-    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
-    "phi3", "granite", "olmo2", "smollm3",
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "gemma",
+    "gemma2",
+    "phi3",
+    "granite",
+    "olmo2",
+    "smollm3",
 )
 
 
@@ -83,8 +94,13 @@ class LLMEngine(KVPoolSizing, EngineDriver):
         cache_cfg = self.config.cache
         dtype = getattr(torch, cache_cfg.dtype) if cache_cfg.dtype else next(model.parameters()).dtype
         self.backend = resolve_backend(
-            self.config.attention_backend, self.device, dtype=dtype, head_dim=self.head_dim,
-            num_heads=text_cfg.num_attention_heads, num_kv_heads=self.num_kv_heads, block_size=cache_cfg.block_size,
+            self.config.attention_backend,
+            self.device,
+            dtype=dtype,
+            head_dim=self.head_dim,
+            num_heads=text_cfg.num_attention_heads,
+            num_kv_heads=self.num_kv_heads,
+            block_size=cache_cfg.block_size,
         )
         devices = layer_devices(model, self.num_layers)
         block_bytes = kv_bytes_per_block(self.num_layers, cache_cfg.block_size, self.num_kv_heads, self.head_dim, dtype)
@@ -93,13 +109,22 @@ class LLMEngine(KVPoolSizing, EngineDriver):
         swap_blocks = self._swap_blocks(block_bytes, num_blocks)
         self._log_pool_sizes(num_blocks, swap_blocks, block_bytes)
         self.cache = PagedKVCache(
-            self.num_layers, self.num_kv_heads, self.head_dim, num_blocks, cache_cfg.block_size, dtype,
-            devices, num_swap_blocks=swap_blocks, attention_backend=self.backend,
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            num_blocks,
+            cache_cfg.block_size,
+            dtype,
+            devices,
+            num_swap_blocks=swap_blocks,
+            attention_backend=self.backend,
         )
         self.block_manager = BlockManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
         self.host_block_manager = BlockManager(swap_blocks, cache_cfg.block_size)
         self.scheduler = Scheduler(
-            self.config.scheduler, self.block_manager, host_block_manager=self.host_block_manager,
+            self.config.scheduler,
+            self.block_manager,
+            host_block_manager=self.host_block_manager,
             swap_cost_per_block=self._estimate_swap_cost_per_block(block_bytes),
         )
         gen = torch.Generator(device="cpu")
@@ -208,16 +233,27 @@ class LLMEngine(KVPoolSizing, EngineDriver):
                 f"of {self.block_manager.block_size}); lower max_new_tokens or enlarge the cache"
             )
         req = Request(
-            request_id=self._ids(), prompt_token_ids=ids, sampling=sampling, priority=priority,
-            stop_checker=stop_checker, max_total_tokens=self.max_model_len,
+            request_id=self._ids(),
+            prompt_token_ids=ids,
+            sampling=sampling,
+            priority=priority,
+            stop_checker=stop_checker,
+            max_total_tokens=self.max_model_len,
         )
         for k in range(1, num_sequences):
             sampling_k = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + k)
-            req.pending_forks.append(Request(
-                request_id=self._ids(), prompt_token_ids=list(ids), sampling=sampling_k, priority=priority,
-                arrival_time=req.arrival_time, stop_checker=stop_checker, max_total_tokens=self.max_model_len,
-                parent_id=req.request_id,
-            ))
+            req.pending_forks.append(
+                Request(
+                    request_id=self._ids(),
+                    prompt_token_ids=list(ids),
+                    sampling=sampling_k,
+                    priority=priority,
+                    arrival_time=req.arrival_time,
+                    stop_checker=stop_checker,
+                    max_total_tokens=self.max_model_len,
+                    parent_id=req.request_id,
+                )
+            )
         handles = [RequestHandle(self, r) for r in [req, *req.pending_forks]]
         for h in handles:
             self._handles[h.request_id] = h
@@ -322,7 +358,6 @@ class LLMEngine(KVPoolSizing, EngineDriver):
             self.cache.swap_out(out.blocks_to_swap_out)
         if out.blocks_to_copy:
             self.cache.copy_blocks(out.blocks_to_copy)
-
 
     def _on_new_token(self, req: Request, now: float) -> None:
         self.counters.record_token(req, now)

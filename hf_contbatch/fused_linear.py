@@ -66,8 +66,16 @@ class FusedGroup:
 
     def __getstate__(self) -> dict:
         # No opaque oneDNN tensor in a deepcopy/pickle: the copy repacks on first use.
-        return {"members": self.members, "sizes": self.sizes, "keys": None, "packed": None, "bias": None,
-                "bias_keys": None, "_weights": [], "_pending": None}
+        return {
+            "members": self.members,
+            "sizes": self.sizes,
+            "keys": None,
+            "packed": None,
+            "bias": None,
+            "bias_keys": None,
+            "_weights": [],
+            "_pending": None,
+        }
 
     def release(self) -> None:
         self.packed = self.bias = self._pending = None

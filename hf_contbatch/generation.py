@@ -28,41 +28,94 @@ from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingC
 
 # Settings whose non-neutral values hf_contbatch rejects: (neutral values, reason, alternative).
 UNSUPPORTED_GENERATION = {
-    "num_beams": ((None, 1), "beam search keeps several hypotheses per request and reorders their KV every step",
-                  "do_sample=True with num_return_sequences=N, or transformers' generate"),
-    "num_beam_groups": ((None, 1), "diverse (group) beam search is beam search",
-                        "do_sample=True with num_return_sequences=N, or transformers' generate"),
-    "diversity_penalty": ((None, 0.0), "it only applies to group beam search",
-                          "do_sample=True with num_return_sequences=N, or transformers' generate"),
-    "constraints": ((None, []), "constrained beam search is beam search",
-                    "prefix_allowed_tokens_fn or a custom logits_processor, or transformers' generate"),
-    "force_words_ids": ((None, []), "constrained beam search is beam search",
-                        "prefix_allowed_tokens_fn or a custom logits_processor, or transformers' generate"),
-    "penalty_alpha": ((None,), "contrastive search needs every candidate's hidden states each step",
-                      "repetition_penalty / no_repeat_ngram_size, or transformers' generate"),
-    "dola_layers": ((None,), "DoLa contrasts early-exit layer logits the engine does not compute",
-                    "transformers' generate"),
-    "guidance_scale": ((None, 1.0), "classifier-free guidance runs a second, unconditional forward per step "
-                       "on the model's own cache", "transformers' generate"),
-    "token_healing": ((None, False), "token healing rewrites the prompt with a constrained generate call",
-                      "transformers' generate"),
-    "prompt_lookup_num_tokens": ((None,), "speculative decoding is not implemented in the engine",
-                                 "plain decoding (drop the setting)"),
+    "num_beams": (
+        (None, 1),
+        "beam search keeps several hypotheses per request and reorders their KV every step",
+        "do_sample=True with num_return_sequences=N, or transformers' generate",
+    ),
+    "num_beam_groups": (
+        (None, 1),
+        "diverse (group) beam search is beam search",
+        "do_sample=True with num_return_sequences=N, or transformers' generate",
+    ),
+    "diversity_penalty": (
+        (None, 0.0),
+        "it only applies to group beam search",
+        "do_sample=True with num_return_sequences=N, or transformers' generate",
+    ),
+    "constraints": (
+        (None, []),
+        "constrained beam search is beam search",
+        "prefix_allowed_tokens_fn or a custom logits_processor, or transformers' generate",
+    ),
+    "force_words_ids": (
+        (None, []),
+        "constrained beam search is beam search",
+        "prefix_allowed_tokens_fn or a custom logits_processor, or transformers' generate",
+    ),
+    "penalty_alpha": (
+        (None,),
+        "contrastive search needs every candidate's hidden states each step",
+        "repetition_penalty / no_repeat_ngram_size, or transformers' generate",
+    ),
+    "dola_layers": (
+        (None,),
+        "DoLa contrasts early-exit layer logits the engine does not compute",
+        "transformers' generate",
+    ),
+    "guidance_scale": (
+        (None, 1.0),
+        "classifier-free guidance runs a second, unconditional forward per step on the model's own cache",
+        "transformers' generate",
+    ),
+    "token_healing": (
+        (None, False),
+        "token healing rewrites the prompt with a constrained generate call",
+        "transformers' generate",
+    ),
+    "prompt_lookup_num_tokens": (
+        (None,),
+        "speculative decoding is not implemented in the engine",
+        "plain decoding (drop the setting)",
+    ),
     "use_mtp": ((None, False), "multi-token prediction heads are not run by the engine", "plain decoding"),
-    "output_logits": ((None, False), "raw logits per step are not recorded",
-                      "output_scores=True (log-probs of the processed scores) or logprobs=N"),
-    "output_attentions": ((None, False), "the paged attention computes no attention weights",
-                          "transformers' generate"),
+    "output_logits": (
+        (None, False),
+        "raw logits per step are not recorded",
+        "output_scores=True (log-probs of the processed scores) or logprobs=N",
+    ),
+    "output_attentions": ((None, False), "the paged attention computes no attention weights", "transformers' generate"),
     "output_hidden_states": ((None, False), "hidden states are not kept", "transformers' generate"),
 }
 
 # Settings applied through transformers' logits processors / stopping criteria (README table).
 PROCESSOR_SETTINGS = (
-    "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
-    "bad_words_ids", "sequence_bias", "min_length", "min_new_tokens", "forced_bos_token_id",
-    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
-    "begin_suppress_tokens", "temperature", "top_k", "top_p", "min_p", "top_h", "typical_p", "epsilon_cutoff",
-    "eta_cutoff", "watermarking_config", "renormalize_logits", "max_time", "output_scores",
+    "repetition_penalty",
+    "encoder_repetition_penalty",
+    "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size",
+    "bad_words_ids",
+    "sequence_bias",
+    "min_length",
+    "min_new_tokens",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "remove_invalid_values",
+    "exponential_decay_length_penalty",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "top_h",
+    "typical_p",
+    "epsilon_cutoff",
+    "eta_cutoff",
+    "watermarking_config",
+    "renormalize_logits",
+    "max_time",
+    "output_scores",
     "return_dict_in_generate",
 )
 
@@ -101,7 +154,9 @@ def prepare_generation_config(model, cfg: GenerationConfig, device: Optional[tor
     """A copy of ``cfg`` with the special-token tensors ``generate`` adds (``_eos_token_tensor``...),
     ready for ``build_logits_processor``; prepare once per call, build once per prompt."""
     cfg = copy.deepcopy(cfg)
-    model._prepare_special_tokens(cfg, kwargs_has_attention_mask=True, device=device or torch.device("cpu"), batch_size=1)
+    model._prepare_special_tokens(
+        cfg, kwargs_has_attention_mask=True, device=device or torch.device("cpu"), batch_size=1
+    )
     return cfg
 
 
@@ -153,7 +208,9 @@ def build_logits_processor(
     )
 
 
-def build_stopping_criteria(cfg: GenerationConfig, stopping_criteria: Optional[StoppingCriteriaList]) -> Optional[StoppingCriteriaList]:
+def build_stopping_criteria(
+    cfg: GenerationConfig, stopping_criteria: Optional[StoppingCriteriaList]
+) -> Optional[StoppingCriteriaList]:
     """The criteria the engine evaluates per request beyond EOS, ``max_new_tokens`` and stop strings
     (which it handles itself): ``max_time`` (from now) and the call's ``stopping_criteria``.
     None when there are none."""
@@ -352,23 +409,35 @@ def with_processors(
     if logits_processor is not None and not (
         isinstance(logits_processor, (list, tuple)) and all(callable(p) for p in logits_processor)
     ):
-        raise ValueError(f"`logits_processor` must be a LogitsProcessorList (a list of callables), got {logits_processor!r}")
+        raise ValueError(
+            f"`logits_processor` must be a LogitsProcessorList (a list of callables), got {logits_processor!r}"
+        )
     if prefix_allowed_tokens_fn is not None and not callable(prefix_allowed_tokens_fn):
-        raise ValueError(f"`prefix_allowed_tokens_fn` must be callable (batch_id, input_ids) -> list of ids, got {prefix_allowed_tokens_fn!r}")
+        raise ValueError(
+            f"`prefix_allowed_tokens_fn` must be callable (batch_id, input_ids) -> list of ids, got {prefix_allowed_tokens_fn!r}"
+        )
     if stopping_criteria is not None and not (
         isinstance(stopping_criteria, (list, tuple)) and all(callable(c) for c in stopping_criteria)
     ):
-        raise ValueError(f"`stopping_criteria` must be a StoppingCriteriaList (a list of callables), got {stopping_criteria!r}")
+        raise ValueError(
+            f"`stopping_criteria` must be a StoppingCriteriaList (a list of callables), got {stopping_criteria!r}"
+        )
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
-        raise ValueError(f"`logprobs` must be an int >= 0 (0: the chosen token's log-prob; N: also the top N), got {logprobs!r}")
+        raise ValueError(
+            f"`logprobs` must be an int >= 0 (0: the chosen token's log-prob; N: also the top N), got {logprobs!r}"
+        )
     if logprobs is None and cfg.output_scores:
         logprobs = 0
     if not hasattr(cfg, "_eos_token_tensor"):  # not prepared yet (``generate`` adds it)
         cfg = prepare_generation_config(model, cfg, device)
     procs = build_logits_processor(
-        model, cfg, prompt_token_ids, sampling.max_new_tokens,
+        model,
+        cfg,
+        prompt_token_ids,
+        sampling.max_new_tokens,
         logits_processor=LogitsProcessorList(logits_processor) if logits_processor is not None else None,
-        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, device=device,
+        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+        device=device,
     )
     criteria = build_stopping_criteria(cfg, StoppingCriteriaList(stopping_criteria) if stopping_criteria else None)
     return dataclasses.replace(sampling, logits_processor=procs, stopping_criteria=criteria, logprobs=logprobs)

@@ -20,19 +20,38 @@ PIPELINE_GENERATION_DEFAULTS = {"max_new_tokens": 256, "do_sample": True, "tempe
 _SAMPLING_ONLY = {"temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h"}
 
 PREPROCESS_KWARGS = (
-    "prefix", "add_special_tokens", "continue_final_message", "tokenizer_encode_kwargs", "tools", "documents",
-    "truncation", "padding", "handle_long_generation",
+    "prefix",
+    "add_special_tokens",
+    "continue_final_message",
+    "tokenizer_encode_kwargs",
+    "tools",
+    "documents",
+    "truncation",
+    "padding",
+    "handle_long_generation",
 )
 POSTPROCESS_KWARGS = (
-    "return_full_text", "return_text", "return_tensors", "return_type", "clean_up_tokenization_spaces",
+    "return_full_text",
+    "return_text",
+    "return_tensors",
+    "return_type",
+    "clean_up_tokenization_spaces",
     "skip_special_tokens",
 )
 # batch_size/num_workers size transformers' static batches; the engine batches continuously.
 # logits_processor / prefix_allowed_tokens_fn / stopping_criteria are generate's call-time objects;
 # logprobs=N is an engine extra (top-N log-probs per token, as vLLM offers).
 ENGINE_KWARGS = (
-    "priority", "progress_bar", "batch_size", "num_workers", "ignore_eos", "seed", "logits_processor",
-    "prefix_allowed_tokens_fn", "stopping_criteria", "logprobs",
+    "priority",
+    "progress_bar",
+    "batch_size",
+    "num_workers",
+    "ignore_eos",
+    "seed",
+    "logits_processor",
+    "prefix_allowed_tokens_fn",
+    "stopping_criteria",
+    "logprobs",
 )
 # Generation settings the engine does not run (beam search, contrastive search, DoLa...): any value
 # but a neutral one, from the call or from the model's generation_config, is rejected by name with
@@ -40,8 +59,17 @@ ENGINE_KWARGS = (
 _NEUTRAL_GENERATION = {name: neutral for name, (neutral, _, _) in UNSUPPORTED_GENERATION.items()}
 # Generation parameters the engine honours (processor settings through transformers' own processors).
 SUPPORTED_GENERATION_KWARGS = (
-    "max_new_tokens", "max_length", "min_new_tokens", "do_sample", "eos_token_id", "pad_token_id",
-    "bos_token_id", "stop_strings", "num_return_sequences", "generation_config", "min_length",
+    "max_new_tokens",
+    "max_length",
+    "min_new_tokens",
+    "do_sample",
+    "eos_token_id",
+    "pad_token_id",
+    "bos_token_id",
+    "stop_strings",
+    "num_return_sequences",
+    "generation_config",
+    "min_length",
 ) + tuple(k for k in PROCESSOR_SETTINGS if k not in ("min_length", "min_new_tokens"))
 
 
@@ -117,9 +145,16 @@ def sampling_params_from_config(
     if seed is not None:
         check_int("seed", seed, 0)
     return SamplingParams(
-        max_new_tokens=max_new, min_new_tokens=min_new, do_sample=do_sample, temperature=float(temperature),
-        top_k=top_k, top_p=top_p, repetition_penalty=rp, eos_token_ids=() if ignore_eos else eos_ids,
-        ignore_eos=ignore_eos, seed=seed,
+        max_new_tokens=max_new,
+        min_new_tokens=min_new,
+        do_sample=do_sample,
+        temperature=float(temperature),
+        top_k=top_k,
+        top_p=top_p,
+        repetition_penalty=rp,
+        eos_token_ids=() if ignore_eos else eos_ids,
+        ignore_eos=ignore_eos,
+        seed=seed,
     )
 
 
@@ -138,10 +173,17 @@ def resolve_pipeline_generation_config(model, tokenizer, gen_kwargs: dict) -> Ge
     check_generation_kwarg_types(gen_kwargs)
     user_config = gen_kwargs.pop("generation_config", None)
     if user_config is not None and not isinstance(user_config, GenerationConfig):
-        raise ValueError(f"`generation_config` must be a transformers.GenerationConfig, got {type(user_config).__name__}")
-    set_params = {**model.generation_config.to_diff_dict(), **(user_config.to_diff_dict() if user_config else {}), **gen_kwargs}
+        raise ValueError(
+            f"`generation_config` must be a transformers.GenerationConfig, got {type(user_config).__name__}"
+        )
+    set_params = {
+        **model.generation_config.to_diff_dict(),
+        **(user_config.to_diff_dict() if user_config else {}),
+        **gen_kwargs,
+    }
     added = {
-        k: v for k, v in PIPELINE_GENERATION_DEFAULTS.items()
+        k: v
+        for k, v in PIPELINE_GENERATION_DEFAULTS.items()
         if k not in set_params and not (k == "max_new_tokens" and "max_length" in set_params)
     }
     if tokenizer is not None and tokenizer.pad_token_id is not None and "pad_token_id" not in set_params:
@@ -202,13 +244,19 @@ def resolve_return_type(post: dict) -> dict:
     ``return_type`` ("full_text", "new_text" or "tensors"), with transformers' exclusivity rules
     and quirks (``return_text`` alone keeps the default; any ``return_tensors`` value selects tensors)."""
     post = dict(post)
-    full, tensors, text = post.pop("return_full_text", None), post.pop("return_tensors", None), post.pop("return_text", None)
+    full, tensors, text = (
+        post.pop("return_full_text", None),
+        post.pop("return_tensors", None),
+        post.pop("return_text", None),
+    )
     return_type = post.pop("return_type", None)
     if return_type is not None:
         name = getattr(return_type, "name", return_type)
         return_type = str(name).lower()
         if return_type not in ("full_text", "new_text", "tensors"):
-            raise ValueError(f"`return_type` must be 'full_text', 'new_text', 'tensors' or a transformers ReturnType, got {name!r}")
+            raise ValueError(
+                f"`return_type` must be 'full_text', 'new_text', 'tensors' or a transformers ReturnType, got {name!r}"
+            )
     if full is not None and return_type is None:
         if not isinstance(full, bool):
             raise ValueError(f"`return_full_text` must be True or False, got {full!r}")

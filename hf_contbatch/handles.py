@@ -106,7 +106,8 @@ class RequestHandle:
         if self.request.error is not None:
             raise EngineError(
                 f"request {self.request_id} failed in the engine after {len(self.request.output_token_ids)} "
-                f"generated tokens: {self.request.error!r}", self.output(),
+                f"generated tokens: {self.request.error!r}",
+                self.output(),
             ) from self.request.error
         return self.output()
 
@@ -162,4 +163,3 @@ class RequestHandle:
                 fn(self)
             except Exception:  # a user callback must not take the engine down
                 logger.exception("done-callback of request %s raised", self.request_id)
-

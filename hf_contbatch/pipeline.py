@@ -70,7 +70,6 @@ def _accelerator_type() -> str:
     return dev.type if dev is not None else "cuda"
 
 
-
 def _cancel_if_abandoned(handles: list[RequestHandle], abandoned: list[bool]) -> None:
     """Finalizer of a ``GenerationHandle``: nothing can reach its requests any more; if a stream of
     it was left early, stop them (their KV blocks go to other requests)."""
@@ -153,7 +152,9 @@ class GenerationHandle:
         finished = False
         try:
             yield from text_deltas(
-                handle.token_stream(), self._pipe.tokenizer, stop_strings=self._post.get("_stop_strings"),
+                handle.token_stream(),
+                self._pipe.tokenizer,
+                stop_strings=self._post.get("_stop_strings"),
                 skip_special_tokens=skip_special_tokens(self._pipe.tokenizer, self._post),
                 clean_up_tokenization_spaces=self._post.get("clean_up_tokenization_spaces"),
             )
@@ -221,7 +222,6 @@ class GenerationHandle:
         return self.result()
 
 
-
 class ContinuousBatchingPipeline:
     """Drop-in for ``transformers.pipeline("text-generation")`` with continuous batching.
 
@@ -267,8 +267,19 @@ class ContinuousBatchingPipeline:
         device_map=None,
         **kwargs,
     ) -> None:
-        for plumbing in ("task", "framework", "binary_output", "feature_extractor", "image_processor",
-                         "processor", "video_processor", "model_card", "args_parser", "torch_dtype", "num_workers"):
+        for plumbing in (
+            "task",
+            "framework",
+            "binary_output",
+            "feature_extractor",
+            "image_processor",
+            "processor",
+            "video_processor",
+            "model_card",
+            "args_parser",
+            "torch_dtype",
+            "num_workers",
+        ):
             value = kwargs.pop(plumbing, None)
             if plumbing == "torch_dtype" and dtype is None:
                 dtype = value
@@ -300,7 +311,9 @@ class ContinuousBatchingPipeline:
         self.model = model
         self.tokenizer = tokenizer
         if engine_config is None:
-            engine_config = EngineConfig(cache=cache_config or CacheConfig(), scheduler=scheduler_config or SchedulerConfig())
+            engine_config = EngineConfig(
+                cache=cache_config or CacheConfig(), scheduler=scheduler_config or SchedulerConfig()
+            )
         elif cache_config is not None or scheduler_config is not None:
             raise ValueError("pass either `engine_config` or `cache_config`/`scheduler_config`, not both")
         prefix = getattr(model.config, "prefix", None)
@@ -399,13 +412,23 @@ class ContinuousBatchingPipeline:
             if pre.get("handle_long_generation") == "hole":
                 ids = truncate_for_hole(self.tokenizer, ids, prompt_cfg)
             sp = sampling_params_from_config(
-                prompt_cfg, len(ids), ignore_eos=bool(eng.get("ignore_eos", False)), seed=eng.get("seed"), prefix_len=prefix_len
+                prompt_cfg,
+                len(ids),
+                ignore_eos=bool(eng.get("ignore_eos", False)),
+                seed=eng.get("seed"),
+                prefix_len=prefix_len,
             )
             # The processors generate would build for this prompt (transformers' own list and order).
             sp = with_processors(
-                self.model, proc_cfg, sp, ids, logits_processor=eng.get("logits_processor"),
+                self.model,
+                proc_cfg,
+                sp,
+                ids,
+                logits_processor=eng.get("logits_processor"),
                 prefix_allowed_tokens_fn=eng.get("prefix_allowed_tokens_fn"),
-                stopping_criteria=eng.get("stopping_criteria"), logprobs=eng.get("logprobs"), device=logits_device(self.model),
+                stopping_criteria=eng.get("stopping_criteria"),
+                logprobs=eng.get("logprobs"),
+                device=logits_device(self.model),
             )
             check_request(ids, sp, self.engine.vocab_size)  # every prompt checked before any is submitted
             jobs.append((prompt, ids, sp, prio))
@@ -553,7 +576,9 @@ class ContinuousBatchingPipeline:
         tokens = wait_for(self.engine, flat, desc="hf_contbatch", show=bool(show))
         elapsed = time.monotonic() - t0
         self.last_call_stats = {
-            "num_requests": len(flat), "generated_tokens": tokens, "seconds": elapsed,
+            "num_requests": len(flat),
+            "generated_tokens": tokens,
+            "seconds": elapsed,
             "tokens_per_s": tokens / elapsed if elapsed else 0.0,
             "preemptions": sum(h.request.num_preemptions for h in flat),
         }

@@ -76,8 +76,9 @@ class KVPoolSizing:
             return self._blocks_from_device_memory(layer_devices, dtype)
         available = available_host_memory()
         if cache_cfg.cpu_cache_gib is None:
-            size = default_host_kv_blocks(block_bytes, cache_cfg.block_size, self.config.scheduler.max_num_seqs,
-                                          self.max_model_len, available)
+            size = default_host_kv_blocks(
+                block_bytes, cache_cfg.block_size, self.config.scheduler.max_num_seqs, self.max_model_len, available
+            )
             self.pool_sizing["kv"] = size.reason
             return size.num_blocks
         self.pool_sizing["kv"] = f"cpu_cache_gib={cache_cfg.cpu_cache_gib:g}"
@@ -137,7 +138,13 @@ class KVPoolSizing:
         lengths = [per_request] * (budget // per_request) + ([budget % per_request] if budget % per_request else [])
         num_blocks = sum(-(-n // bs) for n in lengths)
         probe = PagedKVCache(
-            self.num_layers, self.num_kv_heads, self.head_dim, num_blocks, bs, dtype, layer_devices,
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            num_blocks,
+            bs,
+            dtype,
+            layer_devices,
             attention_backend=self.backend,
         )
         probe_bm = BlockManager(num_blocks, bs)
@@ -176,8 +183,15 @@ class KVPoolSizing:
         host_kv = num_blocks * block_bytes if self.device.type == "cpu" else 0
         available = available_host_memory()
         if gib is None:
-            size = default_swap_blocks(block_bytes, num_blocks, self.config.cache.block_size,
-                                       self.config.scheduler.max_num_seqs, self.max_model_len, available, host_kv)
+            size = default_swap_blocks(
+                block_bytes,
+                num_blocks,
+                self.config.cache.block_size,
+                self.config.scheduler.max_num_seqs,
+                self.max_model_len,
+                available,
+                host_kv,
+            )
             self.pool_sizing["swap"] = size.reason
             return size.num_blocks
         self.pool_sizing["swap"] = f"swap_space_gib={gib:g}"
@@ -193,11 +207,15 @@ class KVPoolSizing:
         """One INFO line per engine: the pools' sizes and why (``pool_sizing``)."""
         bs = self.config.cache.block_size
         self.pool_sizing.setdefault("kv", f"num_blocks={num_blocks}")
-        line = (f"KV pool: {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens, "
-                f"{num_blocks * block_bytes / 2**20:.0f} MiB on {self.device.type}; {self.pool_sizing['kv']})")
+        line = (
+            f"KV pool: {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens, "
+            f"{num_blocks * block_bytes / 2**20:.0f} MiB on {self.device.type}; {self.pool_sizing['kv']})"
+        )
         if swap_blocks:
-            line += (f"; swap pool: {swap_blocks} blocks ({swap_blocks * block_bytes / 2**20:.0f} MiB; "
-                     f"{self.pool_sizing.get('swap', '')})")
+            line += (
+                f"; swap pool: {swap_blocks} blocks ({swap_blocks * block_bytes / 2**20:.0f} MiB; "
+                f"{self.pool_sizing.get('swap', '')})"
+            )
         logger.info(line)
 
     def _estimate_swap_cost_per_block(self, block_bytes: int) -> float:

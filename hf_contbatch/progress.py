@@ -42,8 +42,12 @@ def wait_for(engine, handles: Sequence[RequestHandle], *, desc: str = "hf_contba
         from tqdm.auto import tqdm
 
         # Rates in our own words: tqdm writes "3.78s/req" below one request a second.
-        bar = tqdm(total=len(handles), desc=desc, unit="req",
-                   bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
+        bar = tqdm(
+            total=len(handles),
+            desc=desc,
+            unit="req",
+            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
+        )
     tokens = 0
     finished = 0
 
@@ -75,8 +79,9 @@ def wait_for(engine, handles: Sequence[RequestHandle], *, desc: str = "hf_contba
         interrupted = isinstance(exc, KeyboardInterrupt)
         if bar is not None:  # close the bar with the outcome, not a silent 0/N
             bar.set_description(f"{desc} {'interrupted' if interrupted else 'failed'}", refresh=False)
-            bar.set_postfix_str(f"{_rates(finished, tokens, time.monotonic() - t0)}, {unfinished} cancelled",
-                                refresh=False)
+            bar.set_postfix_str(
+                f"{_rates(finished, tokens, time.monotonic() - t0)}, {unfinished} cancelled", refresh=False
+            )
         if interrupted:
             # A fresh exception: the traceback a notebook shows ends here instead of running
             # thousands of characters into torch where the interrupt happened to land.

@@ -78,8 +78,10 @@ def check_request(prompt_token_ids: Sequence[int], sampling: SamplingParams, voc
     if not (is_int(sp.prompt_logprobs) or isinstance(sp.prompt_logprobs, bool)) or sp.prompt_logprobs < 0:
         raise bad("prompt_logprobs", "an int >= 0 (or a bool)")
     if sp.score_token_id is not None and (
-        not is_int(sp.score_token_id) or sp.score_token_id < 0
-        or vocab_size is not None and sp.score_token_id >= vocab_size
+        not is_int(sp.score_token_id)
+        or sp.score_token_id < 0
+        or vocab_size is not None
+        and sp.score_token_id >= vocab_size
     ):
         raise bad("score_token_id", f"None or a token id in 0..{'V-1' if vocab_size is None else vocab_size - 1}")
 
@@ -108,8 +110,9 @@ def execute_isolating_failures(execute: Callable, out) -> tuple[dict[int, int], 
     except Exception as exc:  # noqa: BLE001 - isolated below, then reported per request
         if len(out.scheduled) <= 1:
             return {}, [(s, exc) for s in out.scheduled]
-        logger.warning("a step of %d requests failed (%r); running them again in smaller groups",
-                       len(out.scheduled), exc)
+        logger.warning(
+            "a step of %d requests failed (%r); running them again in smaller groups", len(out.scheduled), exc
+        )
     sampled: dict[int, int] = {}
     failed: list = []
     half = len(out.scheduled) // 2

@@ -154,9 +154,11 @@ class ModelRunner:
         """Store (log-prob, is_argmax) per scored position in ``Request.prompt_logprobs``; rows after
         the sampling rows are the prompt rows, and a sampling row scores ``score_token_id``."""
         # A sampling row of a request with no output yet is its prompt's last row.
-        targets = [(req, req.num_prompt_tokens, req.sampling.score_token_id, i)
-                   for i, req in enumerate(sampled_reqs)
-                   if req.sampling.score_token_id is not None and not req.output_token_ids]
+        targets = [
+            (req, req.num_prompt_tokens, req.sampling.score_token_id, i)
+            for i, req in enumerate(sampled_reqs)
+            if req.sampling.score_token_id is not None and not req.output_token_ids
+        ]
         n_sample = len(sampled_reqs)
         targets += [(req, t, tok, n_sample + j) for j, (req, t, tok) in enumerate(score_slots)]
         if not targets:

@@ -42,9 +42,7 @@ def build_logits_processors(params: SamplingParams, prompt_len: int) -> LogitsPr
     if params.repetition_penalty not in (None, 1.0):
         procs.append(RepetitionPenaltyLogitsProcessor(penalty=params.repetition_penalty))
     if params.min_new_tokens > 0 and params.eos_token_ids:
-        procs.append(
-            MinNewTokensLengthLogitsProcessor(prompt_len, params.min_new_tokens, list(params.eos_token_ids))
-        )
+        procs.append(MinNewTokensLengthLogitsProcessor(prompt_len, params.min_new_tokens, list(params.eos_token_ids)))
     if params.do_sample:
         if params.temperature is not None and params.temperature != 1.0:
             procs.append(TemperatureLogitsWarper(params.temperature))
@@ -194,7 +192,9 @@ class Sampler:
         if want:
             idx = torch.tensor(want, device=scores.device)
             logp = torch.log_softmax(scores.index_select(0, idx), dim=-1)
-            chosen = logp.gather(1, torch.tensor([tokens[i] for i in want], device=scores.device)[:, None])[:, 0].tolist()
+            chosen = logp.gather(1, torch.tensor([tokens[i] for i in want], device=scores.device)[:, None])[
+                :, 0
+            ].tolist()
             top_n = max(requests[i].sampling.logprobs for i in want)
             top = torch.topk(logp, min(top_n, logp.shape[-1])) if top_n else None
             for j, i in enumerate(want):

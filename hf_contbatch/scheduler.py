@@ -318,8 +318,7 @@ class Scheduler:
         """Blocks the planned requests still need for this step's tokens."""
         bm = self.block_manager
         return sum(
-            bm.num_blocks_needed(s.request.request_id, s.request.num_computed_tokens + s.num_new_tokens)
-            for s in plan
+            bm.num_blocks_needed(s.request.request_id, s.request.num_computed_tokens + s.num_new_tokens) for s in plan
         )
 
     def _block_limit(self, step: StepBudget, alone: bool = False) -> int:
@@ -611,7 +610,9 @@ class Scheduler:
         """
         if fork_of is not None:
             return self.block_manager.fork(fork_of.request_id, req.request_id, req.num_computed_tokens)
-        self.block_manager.allocate(req.request_id, req.num_computed_tokens + num_new_tokens, prefix_blocks=prefix_blocks)
+        self.block_manager.allocate(
+            req.request_id, req.num_computed_tokens + num_new_tokens, prefix_blocks=prefix_blocks
+        )
         return None
 
     # --- after the forward ---------------------------------------------------------------------
@@ -632,6 +633,8 @@ class Scheduler:
             if s.samples:
                 req.output_token_ids.append(sampled[req.request_id])
                 advanced.append(req)
-            if bm.enable_prefix_caching and req.num_computed_tokens // bm.block_size > bm.num_hashed_blocks(req.request_id):
+            if bm.enable_prefix_caching and req.num_computed_tokens // bm.block_size > bm.num_hashed_blocks(
+                req.request_id
+            ):
                 bm.cache_full_blocks(req.request_id, req.all_token_ids, req.block_hashes, req.num_computed_tokens)
         return advanced

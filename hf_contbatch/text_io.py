@@ -35,8 +35,13 @@ def tokenize_prompt(tokenizer, prompt: TextInput, pre: dict) -> list[int]:
         if cont is None:
             cont = prompt[-1]["role"] == "assistant"
         enc = tokenizer.apply_chat_template(
-            list(prompt), add_generation_prompt=not cont, continue_final_message=cont, return_dict=True,
-            tools=pre.get("tools"), documents=pre.get("documents"), **extra,
+            list(prompt),
+            add_generation_prompt=not cont,
+            continue_final_message=cont,
+            return_dict=True,
+            tools=pre.get("tools"),
+            documents=pre.get("documents"),
+            **extra,
         )
         ids = enc["input_ids"]
         return list(ids[0]) if ids and isinstance(ids[0], list) else list(ids)

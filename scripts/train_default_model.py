@@ -54,8 +54,17 @@ MAX_SIZE_MB = 10.0
 
 # Stdlib folders whose docstrings are skipped (tests, GUI demos, vendored code).
 _SKIP_DIRS = {
-    "site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3",
-    "turtledemo", "__pycache__", "ensurepip", "tkinter", "pydoc_data",
+    "site-packages",
+    "dist-packages",
+    "test",
+    "tests",
+    "idlelib",
+    "lib2to3",
+    "turtledemo",
+    "__pycache__",
+    "ensurepip",
+    "tkinter",
+    "pydoc_data",
 }
 
 
@@ -84,8 +93,7 @@ def stdlib_docstrings() -> list[tuple[str, bool, str]]:
     docs: list[tuple[str, bool, str]] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(
-            d for d in dirnames
-            if d not in _SKIP_DIRS and not d.startswith(("test", "config-", "plat-"))
+            d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(("test", "config-", "plat-"))
         )
         for fn in sorted(filenames):
             if not fn.endswith(".py") or fn.startswith("test"):
@@ -132,7 +140,10 @@ def build_corpus(seed: int) -> list[str]:
 
     # 3. a few chat-formatted examples so that chat-template prompts look familiar.
     questions = [
-        "What is {}?", "Explain {}.", "Tell me about {}.", "Describe {}.",
+        "What is {}?",
+        "Explain {}.",
+        "Tell me about {}.",
+        "Describe {}.",
         "How does {} work?",
     ]
     for key in sorted(topics):
@@ -168,6 +179,7 @@ def train_tokenizer(docs: list[str], vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
+
     # Train on the raw text (role tokens removed so that no merge swallows them).
     def texts():
         for d in docs:
@@ -234,8 +246,9 @@ def build_model(tok, args):
     return model
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float = 0.1,
-          progress: float | None = None) -> float:
+def lr_at(
+    step: int, total: int, peak: float, warmup: int, min_ratio: float = 0.1, progress: float | None = None
+) -> float:
     """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_ratio * peak``.
 
     The decay follows ``step / total``, or ``progress`` (a 0..1 fraction) when given.
@@ -249,16 +262,14 @@ def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float = 0.
 
 def make_batch(data: torch.Tensor, g: torch.Generator, bsz: int, seq: int) -> torch.Tensor:
     starts = torch.randint(0, data.numel() - seq - 1, (bsz,), generator=g)
-    return torch.stack([data[s: s + seq + 1] for s in starts.tolist()])
+    return torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
 
 
 def train_step(model, opt, batch, lr) -> float:
     for group in opt.param_groups:
         group["lr"] = lr
     logits = model(input_ids=batch[:, :-1]).logits
-    loss = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1)
-    )
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1))
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -272,7 +283,7 @@ def eval_loss(model, data: torch.Tensor, seq: int, max_windows: int = 32) -> flo
     n = min(max_windows, (data.numel() - 1) // seq)
     losses = []
     for i in range(0, n, 8):
-        rows = [data[j * seq: j * seq + seq + 1] for j in range(i, min(n, i + 8))]
+        rows = [data[j * seq : j * seq + seq + 1] for j in range(i, min(n, i + 8))]
         batch = torch.stack(rows)
         logits = model(input_ids=batch[:, :-1]).logits
         losses.append(
@@ -289,7 +300,9 @@ def make_optimizer(model, lr, wd):
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.95), eps=1e-8,
+        lr=lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
 
 
@@ -328,13 +341,15 @@ def main(argv=None) -> int:
     # ---- corpus + tokenizer
     docs = build_corpus(args.seed)
     n_chars = sum(len(d) for d in docs)
-    print(f"corpus: {len(docs)} documents, {n_chars / 1e6:.2f} M characters "
-          f"(python {sys.version.split()[0]})", flush=True)
+    print(
+        f"corpus: {len(docs)} documents, {n_chars / 1e6:.2f} M characters (python {sys.version.split()[0]})", flush=True
+    )
     tok = train_tokenizer(docs, args.vocab)
     check_roundtrip(tok)
     eos_id = tok.convert_tokens_to_ids(EOS)
-    print(f"tokenizer: byte-level BPE, {len(tok)} tokens, eos/bos/pad id {eos_id} "
-          f"({time.time() - t0:.1f}s)", flush=True)
+    print(
+        f"tokenizer: byte-level BPE, {len(tok)} tokens, eos/bos/pad id {eos_id} ({time.time() - t0:.1f}s)", flush=True
+    )
 
     ids: list[int] = []
     for enc in tok.backend_tokenizer.encode_batch(docs, add_special_tokens=False):
@@ -343,8 +358,11 @@ def main(argv=None) -> int:
     data = torch.tensor(ids, dtype=torch.long)
     n_val = max(args.seq * 32 + 1, data.numel() // 50)
     train_data, val_data = data[:-n_val], data[-n_val:]
-    print(f"tokens: {data.numel():,} ({n_chars / data.numel():.2f} chars/token), "
-          f"train {train_data.numel():,}, val {val_data.numel():,}", flush=True)
+    print(
+        f"tokens: {data.numel():,} ({n_chars / data.numel():.2f} chars/token), "
+        f"train {train_data.numel():,}, val {val_data.numel():,}",
+        flush=True,
+    )
 
     # ---- model
     model = build_model(tok, args)
@@ -382,26 +400,40 @@ def main(argv=None) -> int:
         now = time.time()
         if now - last_log >= 20 or step == args.steps:
             last_log = now
-            print(f"step {step}: loss {loss:.3f} (avg20 {sum(recent) / len(recent):.3f}) "
-                  f"lr {lr:.2e} {now - t_train:.0f}s", flush=True)
+            print(
+                f"step {step}: loss {loss:.3f} (avg20 {sum(recent) / len(recent):.3f}) "
+                f"lr {lr:.2e} {now - t_train:.0f}s",
+                flush=True,
+            )
     total_steps = step
     train_time = time.time() - t_train
     final_train = sum(recent) / len(recent)
     final_val = eval_loss(model, val_data, args.seq)
     tokens_seen = total_steps * args.batch * args.seq
-    print(f"final training loss (mean of last {len(recent)} steps): {final_train:.3f}; "
-          f"held-out loss: {final_val:.3f} (ppl {math.exp(final_val):.1f}); "
-          f"{total_steps} steps, {tokens_seen:,} tokens, {train_time / 60:.1f} min", flush=True)
+    print(
+        f"final training loss (mean of last {len(recent)} steps): {final_train:.3f}; "
+        f"held-out loss: {final_val:.3f} (ppl {math.exp(final_val):.1f}); "
+        f"{total_steps} steps, {tokens_seen:,} tokens, {train_time / 60:.1f} min",
+        flush=True,
+    )
 
     # ---- save
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     # Replace only the generated artefacts; README.md, __init__.py etc. stay.
-    generated = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "chat_template.jinja", "chat_template.json"}
+    generated = {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+        "chat_template.json",
+    }
     for f in out.iterdir():
-        if f.is_file() and (f.name in generated or f.suffix == ".safetensors"
-                            or f.name == "model.safetensors.index.json"):
+        if f.is_file() and (
+            f.name in generated or f.suffix == ".safetensors" or f.name == "model.safetensors.index.json"
+        ):
             f.unlink()
     model.eval()
     model.generation_config = GenerationConfig(
@@ -416,8 +448,11 @@ def main(argv=None) -> int:
     model.to(save_dtype).save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     size = folder_size_mb(out)
-    print(f"saved to {out} as {str(save_dtype).replace('torch.', '')}: {size:.2f} MB "
-          f"({', '.join(sorted(f.name for f in out.iterdir()))})", flush=True)
+    print(
+        f"saved to {out} as {str(save_dtype).replace('torch.', '')}: {size:.2f} MB "
+        f"({', '.join(sorted(f.name for f in out.iterdir()))})",
+        flush=True,
+    )
     if size > MAX_SIZE_MB:
         raise SystemExit(f"default model folder is {size:.2f} MB > {MAX_SIZE_MB} MB")
 
@@ -425,8 +460,11 @@ def main(argv=None) -> int:
     m2 = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
     t2 = AutoTokenizer.from_pretrained(out)
     check_roundtrip(t2)
-    print(f"reloaded: {type(m2).__name__} ({next(m2.parameters()).dtype}), {type(t2).__name__}; "
-          f"held-out loss after reload: {eval_loss(m2, val_data, args.seq):.3f}", flush=True)
+    print(
+        f"reloaded: {type(m2).__name__} ({next(m2.parameters()).dtype}), {type(t2).__name__}; "
+        f"held-out loss after reload: {eval_loss(m2, val_data, args.seq):.3f}",
+        flush=True,
+    )
     prompts = ["The for statement", "A dictionary is"]
     for prompt in prompts:
         enc = t2(prompt, return_tensors="pt")
@@ -434,11 +472,16 @@ def main(argv=None) -> int:
         print(f"--- greedy: {prompt!r}\n{t2.decode(gen[0], skip_special_tokens=True)}", flush=True)
     chat = t2.apply_chat_template(
         [{"role": "user", "content": "What is the while statement?"}],
-        add_generation_prompt=True, return_tensors="pt", return_dict=True,
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )
     gen = m2.generate(**chat, max_new_tokens=48)
-    print("--- greedy chat: 'What is the while statement?'\n"
-          + t2.decode(gen[0][chat["input_ids"].shape[1]:], skip_special_tokens=True), flush=True)
+    print(
+        "--- greedy chat: 'What is the while statement?'\n"
+        + t2.decode(gen[0][chat["input_ids"].shape[1] :], skip_special_tokens=True),
+        flush=True,
+    )
     print(f"total time {(time.time() - t0) / 60:.1f} min", flush=True)
     return 0
 

@@ -18,8 +18,16 @@ VOCAB = 512
 
 def _common(**kw):
     base = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=None,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=None,
     )
     base.update(kw)
     return base
@@ -49,8 +57,16 @@ def build_model(family: str, seed: int = 0, **overrides):
         cfg = tf.GemmaConfig(**_common(head_dim=16, **overrides))
         cls = tf.GemmaForCausalLM
     elif family == "gemma2":
-        cfg = tf.Gemma2Config(**_common(head_dim=16, sliding_window=8, attn_logit_softcapping=50.0,
-                                        final_logit_softcapping=30.0, query_pre_attn_scalar=16, **overrides))
+        cfg = tf.Gemma2Config(
+            **_common(
+                head_dim=16,
+                sliding_window=8,
+                attn_logit_softcapping=50.0,
+                final_logit_softcapping=30.0,
+                query_pre_attn_scalar=16,
+                **overrides,
+            )
+        )
         cls = tf.Gemma2ForCausalLM
     elif family == "phi3":
         cfg = tf.Phi3Config(**_common(**overrides))
@@ -73,11 +89,14 @@ def reference_greedy(model, prompt, max_new_tokens: int):
     # without masking any logit (min_new_tokens would mask EOS and change the argmax).
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
         )
     assert out.shape[1] == len(prompt) + max_new_tokens
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="session")

@@ -23,8 +23,14 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
 ]
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -34,10 +40,15 @@ def jupyter_env(state_dir: Path) -> dict:
     """Environment for kernels and servers: state dirs under ``state_dir``, this checkout importable,
     offline Hugging Face, quiet tokenizers."""
     dirs = {
-        "JUPYTER_CONFIG_DIR": "jupyter-config", "JUPYTER_DATA_DIR": "jupyter-data",
-        "JUPYTER_RUNTIME_DIR": "jupyter-runtime", "IPYTHONDIR": "ipython", "MPLCONFIGDIR": "mpl",
-        "JUPYTERLAB_SETTINGS_DIR": "lab-settings", "JUPYTERLAB_WORKSPACES_DIR": "lab-workspaces",
-        "XDG_CONFIG_HOME": "xdg-config", "XDG_CACHE_HOME": "xdg-cache",
+        "JUPYTER_CONFIG_DIR": "jupyter-config",
+        "JUPYTER_DATA_DIR": "jupyter-data",
+        "JUPYTER_RUNTIME_DIR": "jupyter-runtime",
+        "IPYTHONDIR": "ipython",
+        "MPLCONFIGDIR": "mpl",
+        "JUPYTERLAB_SETTINGS_DIR": "lab-settings",
+        "JUPYTERLAB_WORKSPACES_DIR": "lab-workspaces",
+        "XDG_CONFIG_HOME": "xdg-config",
+        "XDG_CACHE_HOME": "xdg-cache",
     }
     env = dict(os.environ)
     for var, sub in dirs.items():
@@ -81,8 +92,10 @@ def require_default_model() -> None:
     from hf_contbatch.default_model import default_model_path
 
     if not (Path(default_model_path()) / "config.json").exists():
-        pytest.fail("the embedded default model is missing (hf_contbatch/default_model/config.json); "
-                    "train it with scripts/train_default_model.py")
+        pytest.fail(
+            "the embedded default model is missing (hf_contbatch/default_model/config.json); "
+            "train it with scripts/train_default_model.py"
+        )
 
 
 def browser_missing_reason() -> str | None:
@@ -110,16 +123,30 @@ def lab_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("lab-root")
     env = jupyter_env(tmp_path_factory.mktemp("lab-state"))
     # The "Jupyter news?" toast can cover the widgets in screenshots: answer it in user settings.
-    notify = Path(env["JUPYTERLAB_SETTINGS_DIR"], "@jupyterlab", "apputils-extension", "notification.jupyterlab-settings")
+    notify = Path(
+        env["JUPYTERLAB_SETTINGS_DIR"], "@jupyterlab", "apputils-extension", "notification.jupyterlab-settings"
+    )
     notify.parent.mkdir(parents=True, exist_ok=True)
     notify.write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
     port, token = _free_port(), secrets.token_hex(16)
     log_path = root.parent / f"{root.name}-lab.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
-             f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}"],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root,
+            [
+                sys.executable,
+                "-m",
+                "jupyterlab",
+                "--no-browser",
+                "--allow-root",
+                "--ip=127.0.0.1",
+                f"--port={port}",
+                f"--IdentityProvider.token={token}",
+                f"--ServerApp.root_dir={root}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=root,
         )
         base = f"http://127.0.0.1:{port}"
         try:

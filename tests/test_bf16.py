@@ -20,8 +20,7 @@ from reference_attention import reference_paged_attention
 def test_bf16_paged_attention_within_bf16_tolerance_of_fp32_reference():
     decode_lens = [1, 3, 9, 17, 40, 41, 70, 2]
     query, k_pool, v_pool, meta = _batch(decode_lens, [(5, 5), (3, 20)], seed=7)
-    want = reference_paged_attention(query, k_pool, v_pool, meta.block_tables, meta.seq_lens,
-                                     meta.query_start_loc, 0.3)
+    want = reference_paged_attention(query, k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.3)
     got = torch_paged_attention(query.bfloat16(), k_pool.bfloat16(), v_pool.bfloat16(), meta, 0.3)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
@@ -34,8 +33,10 @@ def test_bf16_engine_greedy_tokens_are_near_argmax_under_fp32():
     prompts = random_prompts([5, 19, 33], seed=5)
     engine = LLMEngine(bf16, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=64)))
     try:
-        outs = [engine.submit(p, SamplingParams(max_new_tokens=8, ignore_eos=True)).result(120).output_token_ids
-                for p in prompts]
+        outs = [
+            engine.submit(p, SamplingParams(max_new_tokens=8, ignore_eos=True)).result(120).output_token_ids
+            for p in prompts
+        ]
     finally:
         engine.close()
     assert engine.cache.key_cache == [] and all(len(o) == 8 for o in outs)

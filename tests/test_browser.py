@@ -146,7 +146,9 @@ def test_block_grid_renders_and_changes_while_busy_and_after_in_jupyterlab(lab_s
         assert "*" not in _prompt(page, busy)
         idle_1, html_3 = _grid_state(page, shots / "idle-1.png")
         _save_docs_picture(page.locator(".hfcb-dashboard").screenshot(), "dashboard.png")  # preemptions by now
-        assert IN_USE_TITLE.search(html_3), "no block in use after the busy cell: the background requests ended too soon"
+        assert IN_USE_TITLE.search(html_3), (
+            "no block in use after the busy cell: the background requests ended too soon"
+        )
         idle_2, html_4 = _changed_grid(page, html_3, idle_1, shots / "idle-2.png")
         page.screenshot(path=shots / "idle-page.png")
         assert html_3 != html_4 and idle_1 != idle_2, "block grid did not change after the cell returned"
@@ -228,7 +230,9 @@ def test_default_pool_grid_is_readable_and_no_number_is_stale(lab_server, browse
         assert _tile(page, "running") == "0" and _tile(page, "waiting") == "0"
         assert _tile(page, "tokens/s now") == "—"
         assert page.locator(DEVICE_IN_USE).count() == 0
-        assert page.locator(".hfcb-dashboard .widget-label", has_text="tokens (in").first.inner_text().startswith("0 / ")
+        assert (
+            page.locator(".hfcb-dashboard .widget-label", has_text="tokens (in").first.inner_text().startswith("0 / ")
+        )
         page.screenshot(path=tmp_path / "default-pool-closed.png", full_page=True)
         assert page.locator(".jp-OutputArea-output", has_text="Traceback").count() == 0
     finally:

@@ -19,8 +19,10 @@ NEW = 12
 def _generate(model, prompts, backend: str):
     eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=8, num_blocks=64), linear_backend=backend))
     try:
-        return [eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)).result(timeout=120).output_token_ids
-                for p in prompts]
+        return [
+            eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)).result(timeout=120).output_token_ids
+            for p in prompts
+        ]
     finally:
         eng.close()
 
@@ -64,8 +66,10 @@ def test_weights_changed_in_place_while_open_are_followed():
     try:
         eng.submit(prompts[0], SamplingParams(max_new_tokens=2)).result(timeout=60)  # packed and used
         model.load_state_dict(other.state_dict())  # in-place copies into every weight
-        outs = [eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)).result(timeout=60).output_token_ids
-                for p in prompts]
+        outs = [
+            eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)).result(timeout=60).output_token_ids
+            for p in prompts
+        ]
     finally:
         eng.close()
     assert outs == refs_other

@@ -22,10 +22,24 @@ PHASES = ("reap", "budget", "admit", "preempt", "decode")
 def make_stats(**overrides) -> EngineStats:
     """A snapshot of an 8-block pool: blocks 0-2 held by request 5, block 3 by request 7."""
     base = dict(
-        num_blocks=8, block_size=16, num_free_blocks=4, num_used_blocks=4, peak_used_blocks=6, capacity_tokens=128,
-        num_waiting=2, num_running=2, num_swapped=0, num_finished=3, num_preemptions=1, num_generated_tokens=40,
-        num_iterations=12, throughput_tokens_per_s=123.4, mean_ttft_s=0.05, mean_itl_s=0.01,
-        recent_phases=((11, tuple((p, 0.001) for p in PHASES)),), block_owner=(5, 5, 5, 7, -1, -1, -1, -1),
+        num_blocks=8,
+        block_size=16,
+        num_free_blocks=4,
+        num_used_blocks=4,
+        peak_used_blocks=6,
+        capacity_tokens=128,
+        num_waiting=2,
+        num_running=2,
+        num_swapped=0,
+        num_finished=3,
+        num_preemptions=1,
+        num_generated_tokens=40,
+        num_iterations=12,
+        throughput_tokens_per_s=123.4,
+        mean_ttft_s=0.05,
+        mean_itl_s=0.01,
+        recent_phases=((11, tuple((p, 0.001) for p in PHASES)),),
+        block_owner=(5, 5, 5, 7, -1, -1, -1, -1),
     )
     base.update(overrides)
     return EngineStats(**base)
@@ -81,8 +95,15 @@ def test_format_stats_states_usage_queues_speed_and_phases():
 @pytest.mark.timeout(10)
 def test_optional_fields_are_read_from_the_snapshot():
     stats = with_fields(
-        make_stats(), num_kv_tokens=50, num_swap_blocks=6, num_swapped_blocks=2, num_preemptions_swap=1,
-        num_preemptions_recompute=0, prefix_caching=True, num_cached_blocks=3, prefix_cache_hit_rate=0.25,
+        make_stats(),
+        num_kv_tokens=50,
+        num_swap_blocks=6,
+        num_swapped_blocks=2,
+        num_preemptions_swap=1,
+        num_preemptions_recompute=0,
+        prefix_caching=True,
+        num_cached_blocks=3,
+        prefix_cache_hit_rate=0.25,
         block_ref_counts=(1, 2, 1, 1, 0, 0, 0, 0),
     )
     text = format_stats(stats)
@@ -138,8 +159,9 @@ def test_dashboard_costs_nothing_until_displayed_and_its_refresher_sleeps():
         renders = dash.num_refreshes
         time.sleep(0.6)
         assert dash.num_refreshes == renders  # nothing changed: nothing rendered, nothing sent
-        source.snapshot = dataclasses.replace(source.snapshot, num_used_blocks=5, num_iterations=13,
-                                              block_owner=(5, 5, 5, 7, 9, -1, -1, -1))
+        source.snapshot = dataclasses.replace(
+            source.snapshot, num_used_blocks=5, num_iterations=13, block_owner=(5, 5, 5, 7, 9, -1, -1, -1)
+        )
         assert eventually(lambda: "5/8 in use" in dash.grid.value)
         assert dash.num_refreshes > renders
     finally:
@@ -185,8 +207,12 @@ def test_bad_arguments_are_rejected_with_the_argument_name():
 
 @pytest.mark.timeout(120)
 def test_live_dashboard_follows_a_real_engine_under_preemption(llama_model):
-    engine = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(num_blocks=16, block_size=4),
-                                                 scheduler=SchedulerConfig(max_num_seqs=4), num_threads=1))
+    engine = LLMEngine(
+        llama_model,
+        EngineConfig(
+            cache=CacheConfig(num_blocks=16, block_size=4), scheduler=SchedulerConfig(max_num_seqs=4), num_threads=1
+        ),
+    )
     try:
         dash = Dashboard(engine, refresh_hz=20)
         shown_in_use = threading.Event()  # the refresher thread pushed a non-zero blocks-in-use value
@@ -232,8 +258,9 @@ def test_grid_draws_the_in_use_region_of_a_large_pool_one_cell_per_block():
     assert in_use_region(owners) == 64  # a power of two >= 30, at least 64
     assert in_use_region(owners, high_water=200) == 256  # never shrinks below an earlier high-water mark
     assert in_use_region((-1,) * 20) == 20  # a small pool is drawn whole
-    stats = make_stats(num_blocks=8192, num_used_blocks=30, num_free_blocks=8162, capacity_tokens=8192 * 16,
-                       block_owner=owners)
+    stats = make_stats(
+        num_blocks=8192, num_used_blocks=30, num_free_blocks=8162, capacity_tokens=8192 * 16, block_owner=owners
+    )
     pools = render_pools(stats)
     device = pools.split("hfcb-swap")[0]
     grid = re.search(r'<div class="hfcb-grid"[^>]*>(.*?)</div>', device).group(0)
@@ -247,8 +274,11 @@ def test_grid_draws_the_in_use_region_of_a_large_pool_one_cell_per_block():
 @pytest.mark.timeout(10)
 def test_each_grid_has_a_legend_true_for_it():
     # a 48-block device pool beside a 4,096-block swap pool with 600 blocks swapped out
-    stats = with_fields(make_stats(num_blocks=48, num_free_blocks=44, block_owner=(5, 5, 5, 7) + (-1,) * 44),
-                        num_swap_blocks=4096, num_swapped_blocks=600)
+    stats = with_fields(
+        make_stats(num_blocks=48, num_free_blocks=44, block_owner=(5, 5, 5, 7) + (-1,) * 44),
+        num_swap_blocks=4096,
+        num_swapped_blocks=600,
+    )
     pools = render_pools(stats)
     assert _legends(pools) == ["1 block", "2 blocks (darker = fuller)"]  # swap: 1,024 drawn in 512 cells
     swap = pools.split("hfcb-swap")[1]
@@ -284,7 +314,9 @@ def test_summary_takes_a_fresh_snapshot_while_the_refresher_runs():
 
 @pytest.mark.timeout(120)
 def test_frame_after_close_shows_nothing_in_flight(llama_model):
-    engine = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(num_blocks=128, block_size=4), linear_backend="torch"))
+    engine = LLMEngine(
+        llama_model, EngineConfig(cache=CacheConfig(num_blocks=128, block_size=4), linear_backend="torch")
+    )
     dash = Dashboard(engine)
     started = threading.Event()
 
@@ -293,8 +325,9 @@ def test_frame_after_close_shows_nothing_in_flight(llama_model):
         time.sleep(0.01)
         return False
 
-    handles = [engine.submit(p, SamplingParams(max_new_tokens=150), stop_checker=slow)
-               for p in random_prompts([5, 9, 7])]
+    handles = [
+        engine.submit(p, SamplingParams(max_new_tokens=150), stop_checker=slow) for p in random_prompts([5, 9, 7])
+    ]
     assert started.wait(60)
     engine.close()
     stats = dash.refresh()

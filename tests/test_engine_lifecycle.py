@@ -17,8 +17,10 @@ def test_cancel_in_any_state_frees_every_block_and_returns_partial_output(llama_
     from hf_contbatch import SchedulerConfig
 
     # max_num_seqs=2 keeps the third request waiting while the first two run.
-    eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=40),
-                                              scheduler=SchedulerConfig(max_num_seqs=2)))
+    eng = LLMEngine(
+        llama_model,
+        EngineConfig(cache=CacheConfig(block_size=4, num_blocks=40), scheduler=SchedulerConfig(max_num_seqs=2)),
+    )
     try:
         prompts = random_prompts([10, 12, 8, 30])
         hs = [eng.submit(p, SamplingParams(max_new_tokens=140 if i < 3 else 5)) for i, p in enumerate(prompts)]

@@ -41,8 +41,11 @@ def ref_model():
 def pipe():
     model = AutoModelForCausalLM.from_pretrained(PATH, dtype=torch.float32)
     p = ContinuousBatchingPipeline(
-        model, PATH, engine_config=EngineConfig(
-            cache=CacheConfig(block_size=8, num_blocks=256), scheduler=SchedulerConfig(max_num_batched_tokens=64),
+        model,
+        PATH,
+        engine_config=EngineConfig(
+            cache=CacheConfig(block_size=8, num_blocks=256),
+            scheduler=SchedulerConfig(max_num_batched_tokens=64),
         ),
     )
     yield p
@@ -53,12 +56,12 @@ def _generate(model, tok, prompt, **kw):
     ids = tok(prompt, return_tensors="pt")["input_ids"]
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
-    return out[0, ids.shape[1]:].tolist()
+    return out[0, ids.shape[1] :].tolist()
 
 
 def _ours(handle):
     rec = handle.result(120)[0]
-    return rec["generated_token_ids"][len(handle.handles[0].request.prompt_token_ids):]
+    return rec["generated_token_ids"][len(handle.handles[0].request.prompt_token_ids) :]
 
 
 class _BoostByLength(LogitsProcessor):
@@ -122,7 +125,11 @@ def test_every_greedy_setting_equals_generate_batched_with_the_others(pipe, ref_
 
 
 SAMPLED = [
-    {"min_p": 0.2}, {"typical_p": 0.4}, {"epsilon_cutoff": 0.02}, {"eta_cutoff": 0.02}, {"top_h": 0.4},
+    {"min_p": 0.2},
+    {"typical_p": 0.4},
+    {"epsilon_cutoff": 0.02},
+    {"eta_cutoff": 0.02},
+    {"top_h": 0.4},
     {"top_k": 5, "temperature": 0.8, "top_p": 0.8},  # the batched warper path
     {"repetition_penalty": 1.3, "top_k": 20, "no_repeat_ngram_size": 2},  # history + warpers
 ]
@@ -146,7 +153,7 @@ def test_seeded_sampling_equals_generate_with_that_seed_and_reproduces(pipe, ref
         assert expected != without, args  # the setting changes what is drawn
         assert _ours(h) == expected, args
         again = pipe(prompt, seed=seed, return_tensors=True, **args)[0]["generated_token_ids"]
-        assert again[len(h.handles[0].request.prompt_token_ids):] == expected
+        assert again[len(h.handles[0].request.prompt_token_ids) :] == expected
     assert len(_ours(unseeded)) == 16
 
 
@@ -156,13 +163,18 @@ def test_history_processors_see_their_own_ids_under_preemption(ref_model, tok):
     prompts = ["The for statement " * 3, "A class is a", "Exceptions are raised when", "import os"]
     settings = [{"no_repeat_ngram_size": 2}, {"repetition_penalty": 1.4}, {}, {"sequence_bias": {(292,): -9.0}}]
     pipe = ContinuousBatchingPipeline(
-        model, PATH, engine_config=EngineConfig(
-            cache=CacheConfig(block_size=4, num_blocks=24), scheduler=SchedulerConfig(max_num_batched_tokens=16),
+        model,
+        PATH,
+        engine_config=EngineConfig(
+            cache=CacheConfig(block_size=4, num_blocks=24),
+            scheduler=SchedulerConfig(max_num_batched_tokens=16),
         ),
     )
     try:
-        handles = [pipe.submit(p, do_sample=False, max_new_tokens=40, return_tensors=True, ignore_eos=True, **kw)
-                   for p, kw in zip(prompts, settings)]
+        handles = [
+            pipe.submit(p, do_sample=False, max_new_tokens=40, return_tensors=True, ignore_eos=True, **kw)
+            for p, kw in zip(prompts, settings)
+        ]
         # a seeded sample with a history processor, in the same batch under preemption
         sampled_kw = {"do_sample": True, "top_k": 20, "temperature": 1.0, "repetition_penalty": 1.3}
         sampled = pipe.submit(prompts[1], max_new_tokens=40, return_tensors=True, ignore_eos=True, seed=3, **sampled_kw)
@@ -171,16 +183,29 @@ def test_history_processors_see_their_own_ids_under_preemption(ref_model, tok):
         ids = tok(prompts[1], return_tensors="pt")["input_ids"]
         torch.manual_seed(3)
         with torch.no_grad():
-            out = ref_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, eos_token_id=None,
-                                     pad_token_id=0, **sampled_kw)
-        assert _ours(sampled) == out[0, ids.shape[1]:].tolist()
+            out = ref_model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=40,
+                eos_token_id=None,
+                pad_token_id=0,
+                **sampled_kw,
+            )
+        assert _ours(sampled) == out[0, ids.shape[1] :].tolist()
         for p, kw, g in zip(prompts, settings, got):
             ids = tok(p, return_tensors="pt")["input_ids"]
             # ignore_eos: generate without EOS (suppressing nothing: eos_token_id=None)
             with torch.no_grad():
-                out = ref_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40,
-                                         eos_token_id=None, pad_token_id=0, **kw)
-            assert g == out[0, ids.shape[1]:].tolist(), kw
+                out = ref_model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=False,
+                    max_new_tokens=40,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                    **kw,
+                )
+            assert g == out[0, ids.shape[1] :].tolist(), kw
         pipe.engine.wait_idle(10)
         assert pipe.stats().num_free_blocks == pipe.stats().num_blocks
     finally:
@@ -195,8 +220,10 @@ def test_custom_stopping_criteria_stop_only_their_request(pipe, ref_model, tok):
         StoppingCriteriaList([_StopAfterToken(stop_token)]),
         StoppingCriteriaList([MaxLengthCriteria(max_length=len(tok(PROMPTS[0])["input_ids"]) + 3)]),
     ]
-    handles = [pipe.submit(PROMPTS[0], do_sample=False, max_new_tokens=NEW, return_tensors=True, stopping_criteria=c)
-               for c in cases]
+    handles = [
+        pipe.submit(PROMPTS[0], do_sample=False, max_new_tokens=NEW, return_tensors=True, stopping_criteria=c)
+        for c in cases
+    ]
     free = pipe.submit(PROMPTS[0], do_sample=False, max_new_tokens=NEW, return_tensors=True)
     for c, h in zip(cases, handles):
         expected = _generate(ref_model, tok, PROMPTS[0], do_sample=False, max_new_tokens=NEW, stopping_criteria=c)
@@ -207,23 +234,41 @@ def test_custom_stopping_criteria_stop_only_their_request(pipe, ref_model, tok):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("kwargs", [
-    {"do_sample": False, "repetition_penalty": 1.3, "no_repeat_ngram_size": 2},
-    {"do_sample": True, "temperature": 0.8, "top_k": 20},
-    {"do_sample": False, "renormalize_logits": True},
-], ids=["greedy+penalties", "sampled+warpers", "renormalize"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"do_sample": False, "repetition_penalty": 1.3, "no_repeat_ngram_size": 2},
+        {"do_sample": True, "temperature": 0.8, "top_k": 20},
+        {"do_sample": False, "renormalize_logits": True},
+    ],
+    ids=["greedy+penalties", "sampled+warpers", "renormalize"],
+)
 def test_logprobs_equal_generate_output_scores(pipe, ref_model, tok, kwargs):
     ids = tok(PROMPTS[1], return_tensors="pt")["input_ids"]
     torch.manual_seed(5)
     with torch.no_grad():
-        ref = ref_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, output_scores=True,
-                                 return_dict_in_generate=True, **kwargs)
-    new = ref.sequences[0, ids.shape[1]:]
+        ref = ref_model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=12,
+            output_scores=True,
+            return_dict_in_generate=True,
+            **kwargs,
+        )
+    new = ref.sequences[0, ids.shape[1] :]
     logp = [torch.log_softmax(s[0], -1) for s in ref.scores]
     expected = torch.stack([lp[t] for lp, t in zip(logp, new)])
-    rec = pipe(PROMPTS[1], max_new_tokens=12, seed=5, output_scores=True, return_dict_in_generate=True,
-               logprobs=3, return_tensors=True, **kwargs)[0]
-    assert rec["generated_token_ids"][ids.shape[1]:] == new.tolist()
+    rec = pipe(
+        PROMPTS[1],
+        max_new_tokens=12,
+        seed=5,
+        output_scores=True,
+        return_dict_in_generate=True,
+        logprobs=3,
+        return_tensors=True,
+        **kwargs,
+    )[0]
+    assert rec["generated_token_ids"][ids.shape[1] :] == new.tolist()
     torch.testing.assert_close(torch.tensor(rec["logprobs"]), expected, atol=1e-5, rtol=0)
     for lp, top in zip(logp, rec["top_logprobs"]):
         ref_top = torch.topk(lp, 3)
@@ -251,14 +296,30 @@ def _per_row(scores, t, k, p):
 ALL_TOP_K = [(0.7, 50, 0.9), (None, 20, 0.95), (1.3, 5, None), (0.5, 300, 0.7), (2.0, 1, 0.5), (None, 8, 0.3)]
 
 
-@pytest.mark.parametrize("params,tie,vocab", [
-    ([(0.7, 50, 0.9), (None, None, 0.95), (1.3, 5, None), (None, None, None), (0.5, None, 0.7),
-      (None, 4096, 0.99), (2.0, 1, 0.5), (0.9, 4096 * 2, None)], False, 4096),
-    # every row has a top-k: top-p runs on the top-k values without a sort
-    (ALL_TOP_K, False, 4096),
-    (ALL_TOP_K, False, 32003),
-    ([(0.7, 50, 0.9), (None, 20, 0.95)], True, 4096),  # a tie at the k-th value: the general route
-], ids=["mixed", "all-top-k", "all-top-k-32003", "top-k-tie"])
+@pytest.mark.parametrize(
+    "params,tie,vocab",
+    [
+        (
+            [
+                (0.7, 50, 0.9),
+                (None, None, 0.95),
+                (1.3, 5, None),
+                (None, None, None),
+                (0.5, None, 0.7),
+                (None, 4096, 0.99),
+                (2.0, 1, 0.5),
+                (0.9, 4096 * 2, None),
+            ],
+            False,
+            4096,
+        ),
+        # every row has a top-k: top-p runs on the top-k values without a sort
+        (ALL_TOP_K, False, 4096),
+        (ALL_TOP_K, False, 32003),
+        ([(0.7, 50, 0.9), (None, 20, 0.95)], True, 4096),  # a tie at the k-th value: the general route
+    ],
+    ids=["mixed", "all-top-k", "all-top-k-32003", "top-k-tie"],
+)
 def test_batched_warping_equals_transformers_warpers_bit_for_bit(params, tie, vocab):
     g = torch.Generator().manual_seed(0)
     scores = torch.randn(len(params), vocab, generator=g) * 3
@@ -309,13 +370,16 @@ def test_token_history_grows_without_losing_tokens():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kwargs,match", [
-    ({"logprobs": -1}, "logprobs"),
-    ({"logprobs": True}, "logprobs"),
-    ({"logits_processor": "no"}, "logits_processor"),
-    ({"prefix_allowed_tokens_fn": 3}, "prefix_allowed_tokens_fn"),
-    ({"stopping_criteria": [1]}, "stopping_criteria"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"logits_processor": "no"}, "logits_processor"),
+        ({"prefix_allowed_tokens_fn": 3}, "prefix_allowed_tokens_fn"),
+        ({"stopping_criteria": [1]}, "stopping_criteria"),
+    ],
+)
 def test_bad_generation_objects_are_rejected_and_the_pipeline_keeps_serving(pipe, kwargs, match):
     with pytest.raises(ValueError, match=match):
         pipe(PROMPTS[0], max_new_tokens=2, **kwargs)

@@ -47,9 +47,26 @@ def test_two_cpu_ranks_shard_prompts_and_gather_them_in_input_order(tmp_path, re
     out = tmp_path / "out.jsonl"
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [
-        launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-        "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-        "examples/accelerate_generate.py", "--input", str(prompts_file), "--output", str(out), "--max-new-tokens", "16",
+        launcher,
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(_free_port()),
+        "examples/accelerate_generate.py",
+        "--input",
+        str(prompts_file),
+        "--output",
+        str(out),
+        "--max-new-tokens",
+        "16",
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -65,7 +82,9 @@ def test_two_cpu_ranks_shard_prompts_and_gather_them_in_input_order(tmp_path, re
 @pytest.mark.timeout(120)
 def test_distributed_generate_without_a_launcher_runs_in_one_process(reference_texts):
     results = distributed_generate(
-        PROMPTS, model=PATH, pipeline_kwargs={"dtype": torch.float32, "engine_config": EngineConfig(cache=CacheConfig(num_blocks=64))},
+        PROMPTS,
+        model=PATH,
+        pipeline_kwargs={"dtype": torch.float32, "engine_config": EngineConfig(cache=CacheConfig(num_blocks=64))},
         **GREEDY,
     )
     assert [r[0]["generated_text"] for r in results] == reference_texts
@@ -79,8 +98,9 @@ def test_distributed_generate_rejects_a_single_string():
 
 @pytest.mark.timeout(180)
 def test_device_map_auto_loads_and_generates_like_transformers(reference_texts):
-    pipe = ContinuousBatchingPipeline(PATH, device_map="auto", dtype=torch.float32,
-                                      engine_config=EngineConfig(cache=CacheConfig(num_blocks=64)))
+    pipe = ContinuousBatchingPipeline(
+        PATH, device_map="auto", dtype=torch.float32, engine_config=EngineConfig(cache=CacheConfig(num_blocks=64))
+    )
     try:
         # on a CPU-only host everything lands on one device, and transformers records no hf_device_map
         assert getattr(pipe.model, "hf_device_map", None) is None
@@ -100,7 +120,9 @@ def test_each_layers_kv_pool_follows_the_models_device_map(reference_texts):
     model.hf_device_map = dict(device_map)
     pipe = ContinuousBatchingPipeline(model, PATH, engine_config=EngineConfig(cache=CacheConfig(num_blocks=64)))
     try:
-        assert [str(t.device) for t in pipe.engine.cache.key_cache] == [device_map[f"model.layers.{i}"] for i in range(num_layers)]
+        assert [str(t.device) for t in pipe.engine.cache.key_cache] == [
+            device_map[f"model.layers.{i}"] for i in range(num_layers)
+        ]
         assert [r[0]["generated_text"] for r in pipe(PROMPTS, **GREEDY)] == reference_texts
     finally:
         pipe.close()

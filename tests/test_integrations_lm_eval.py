@@ -42,8 +42,12 @@ def _evaluate(model: str) -> dict:
     import hf_contbatch.integrations.lm_eval  # noqa: F401  (registers hf-contbatch)
 
     return lm_eval.simple_evaluate(
-        model=model, model_args=MODEL_ARGS, tasks=TASKS, task_manager=TaskManager(include_path=TASKS_DIR),
-        log_samples=True, bootstrap_iters=0,
+        model=model,
+        model_args=MODEL_ARGS,
+        tasks=TASKS,
+        task_manager=TaskManager(include_path=TASKS_DIR),
+        log_samples=True,
+        bootstrap_iters=0,
     )
 
 
@@ -77,7 +81,9 @@ def test_multiple_choice_loglikelihoods_and_accuracy_equal_hf(hf_results, our_re
     ours, theirs = _by_doc(our_results, task), _by_doc(hf_results, task)
     assert ours.keys() == theirs.keys() and len(ours) == 8
     for doc_id in theirs:
-        for (lp, greedy), (ref_lp, ref_greedy) in zip(ours[doc_id]["filtered_resps"], theirs[doc_id]["filtered_resps"], strict=True):
+        for (lp, greedy), (ref_lp, ref_greedy) in zip(
+            ours[doc_id]["filtered_resps"], theirs[doc_id]["filtered_resps"], strict=True
+        ):
             assert lp == pytest.approx(ref_lp, abs=1e-4)
             assert greedy == ref_greedy
     for metric in ("acc,none", "acc_norm,none"):
@@ -102,16 +108,24 @@ def test_loglikelihoods_with_prefix_caching_of_shared_contexts_equal_hf(hf_resul
     from hf_contbatch.integrations.lm_eval import ContinuousBatchingLM
 
     # a few sequences at a time, so later requests of a question find its context's blocks cached
-    lm = ContinuousBatchingLM(default_model_path(), dtype="float32", device="cpu", enable_prefix_caching=True,
-                              block_size=4, max_num_seqs=4)
+    lm = ContinuousBatchingLM(
+        default_model_path(), dtype="float32", device="cpu", enable_prefix_caching=True, block_size=4, max_num_seqs=4
+    )
     try:
         task = "hfcb_pydoc_choice"
-        results = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=TaskManager(include_path=TASKS_DIR),
-                                          log_samples=True, bootstrap_iters=0)
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=[task],
+            task_manager=TaskManager(include_path=TASKS_DIR),
+            log_samples=True,
+            bootstrap_iters=0,
+        )
         assert lm.engine.block_manager.num_prefix_hit_tokens > 0
         ours, theirs = _by_doc(results, task), _by_doc(hf_results, task)
         for doc_id in theirs:
-            for (lp, greedy), (ref_lp, ref_greedy) in zip(ours[doc_id]["filtered_resps"], theirs[doc_id]["filtered_resps"], strict=True):
+            for (lp, greedy), (ref_lp, ref_greedy) in zip(
+                ours[doc_id]["filtered_resps"], theirs[doc_id]["filtered_resps"], strict=True
+            ):
                 assert lp == pytest.approx(ref_lp, abs=1e-4) and greedy == ref_greedy
     finally:
         lm.close()
@@ -123,9 +137,13 @@ def test_prompt_logprobs_equal_a_plain_forward_with_chunked_prefill_and_a_full_c
     prompts = random_prompts([6, 48, 48, 20], seed=3)
     with torch.no_grad():
         refs = [torch.log_softmax(model(torch.tensor([p])).logits[0].float(), -1) for p in prompts]
-    engine = LLMEngine(model, EngineConfig(
-        cache=CacheConfig(block_size=4, num_blocks=64), scheduler=SchedulerConfig(max_num_batched_tokens=16),
-    ))
+    engine = LLMEngine(
+        model,
+        EngineConfig(
+            cache=CacheConfig(block_size=4, num_blocks=64),
+            scheduler=SchedulerConfig(max_num_batched_tokens=16),
+        ),
+    )
     try:
         starts = [1, 30, 1, True]
         # prompts of 48 tokens + 1 scored token: 48 fed, the model's whole context
@@ -170,8 +188,12 @@ def test_default_model_and_generation_driven_in_the_callers_thread():
 
         lm.engine.step = recording_step
         requests = [
-            Instance(request_type="generate_until", doc={}, idx=0,
-                     arguments=(prompt, {"until": ["\n\n"], "max_gen_toks": 8, "do_sample": False}))
+            Instance(
+                request_type="generate_until",
+                doc={},
+                idx=0,
+                arguments=(prompt, {"until": ["\n\n"], "max_gen_toks": 8, "do_sample": False}),
+            )
             for prompt in ("def add(a, b):", "The for statement", "A class is")
         ]
         texts = lm.generate_until(requests, disable_tqdm=True)
@@ -188,9 +210,22 @@ def test_default_model_and_generation_driven_in_the_callers_thread():
 def test_eval_command_runs_lm_eval_with_our_model_type(tmp_path):
     out = tmp_path / "out"
     cmd = [
-        sys.executable, "-m", "hf_contbatch.cli", "eval", "--tasks", "hfcb_pydoc_choice", "--include_path", TASKS_DIR,
-        "--model_args", f"pretrained={default_model_path()},dtype=float32", "--device", "cpu", "--limit", "3",
-        "--output_path", str(out),
+        sys.executable,
+        "-m",
+        "hf_contbatch.cli",
+        "eval",
+        "--tasks",
+        "hfcb_pydoc_choice",
+        "--include_path",
+        TASKS_DIR,
+        "--model_args",
+        f"pretrained={default_model_path()},dtype=float32",
+        "--device",
+        "cpu",
+        "--limit",
+        "3",
+        "--output_path",
+        str(out),
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -33,8 +33,9 @@ def execute(name: str, tmp_path, monkeypatch):
     for var, value in jupyter_env(tmp_path / "jupyter-state").items():
         monkeypatch.setenv(var, value)  # the kernel inherits them: no state in $HOME, this checkout importable
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    NotebookClient(nb, timeout=120, startup_timeout=60, kernel_name="python3",
-                   resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    NotebookClient(
+        nb, timeout=120, startup_timeout=60, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}
+    ).execute()
     return nb
 
 
@@ -81,8 +82,11 @@ def test_dashboard_notebook_saves_final_state_with_preemptions_and_no_leaked_blo
     assert "KV blocks · 0/48 in use" in grid["value"]  # every block free once every request finished
     assert grid["value"].count("<i") >= 48  # one cell per block (the pool has 48)
 
-    (bar,) = [m["state"] for m in widget_models(nb).values()
-              if m["model_name"] == "IntProgressModel" and m["state"].get("description") == "KV blocks"]
+    (bar,) = [
+        m["state"]
+        for m in widget_models(nb).values()
+        if m["model_name"] == "IntProgressModel" and m["state"].get("description") == "KV blocks"
+    ]
     assert (bar["value"], bar["max"]) == (0, 48)
 
     (tiles,) = models_with_class(nb, "hfcb-tiles-widget")

@@ -25,8 +25,11 @@ def hf_pipe():
 @pytest.fixture(scope="module")
 def pipe():
     p = hf_contbatch.pipeline(
-        "text-generation", model=default_model_path(), dtype=torch.float32,
-        cache_config=CacheConfig(block_size=8, num_blocks=64), scheduler_config=SchedulerConfig(max_num_batched_tokens=32),
+        "text-generation",
+        model=default_model_path(),
+        dtype=torch.float32,
+        cache_config=CacheConfig(block_size=8, num_blocks=64),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=32),
     )
     yield p
     p.close()
@@ -58,7 +61,7 @@ def test_stop_strings_stop_where_transformers_generate_stops(pipe):
     stop = free.strip().split()[1] if len(free.split()) > 1 else free[:2]  # a word it will generate
     ids = tok(PROMPTS[1], return_tensors="pt")
     ref = model.generate(**ids, do_sample=False, max_new_tokens=24, stop_strings=[stop], tokenizer=tok)
-    ref_text = tok.decode(ref[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    ref_text = tok.decode(ref[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     got = pipe(PROMPTS[1], do_sample=False, max_new_tokens=24, stop_strings=[stop], return_full_text=False)
     assert got[0]["generated_text"] == ref_text
     assert stop in ref_text
@@ -137,8 +140,9 @@ def test_defaults_follow_the_transformers_pipeline_resolution(pipe, hf_pipe):
 
 @pytest.mark.timeout(60)
 def test_context_manager_closes_the_engine():
-    with ContinuousBatchingPipeline(default_model_path(), dtype=torch.float32,
-                                    cache_config=CacheConfig(num_blocks=16)) as p:
+    with ContinuousBatchingPipeline(
+        default_model_path(), dtype=torch.float32, cache_config=CacheConfig(num_blocks=16)
+    ) as p:
         p("import", do_sample=False, max_new_tokens=2)
     assert not p.engine._thread.is_alive()
     with pytest.raises(RuntimeError, match="closed"):

@@ -50,7 +50,9 @@ def test_engine_default_pools_and_one_log_line(llama_model, caplog):
     try:
         assert engine.block_manager.num_blocks == 6 * 512 // 16  # 192
         assert engine.host_block_manager.num_blocks == 192
-        lines = [r.getMessage() for r in caplog.records if r.name == "hf_contbatch.engine" and "KV pool" in r.getMessage()]
+        lines = [
+            r.getMessage() for r in caplog.records if r.name == "hf_contbatch.engine" and "KV pool" in r.getMessage()
+        ]
         assert len(lines) == 1 and "192 blocks of 16 tokens" in lines[0] and "swap pool: 192 blocks" in lines[0]
         assert "max_num_seqs 6" in engine.pool_sizing["kv"]
     finally:
@@ -60,8 +62,9 @@ def test_engine_default_pools_and_one_log_line(llama_model, caplog):
 def test_explicit_sizes_are_kept(llama_model):
     block = kv_bytes_per_block(2, 16, 2, 16, __import__("torch").float32)  # 8 KiB
     cfg = CacheConfig(cpu_cache_gib=1 / 1024, swap_space_gib=2 / 1024)  # 1 MiB and 2 MiB
-    engine = LLMEngine(llama_model, EngineConfig(cache=cfg, scheduler=SchedulerConfig(preemption_mode="swap"),
-                                                 linear_backend="torch"))
+    engine = LLMEngine(
+        llama_model, EngineConfig(cache=cfg, scheduler=SchedulerConfig(preemption_mode="swap"), linear_backend="torch")
+    )
     try:
         assert engine.block_manager.num_blocks == 2**20 // block
         assert engine.host_block_manager.num_blocks == 2 * 2**20 // block

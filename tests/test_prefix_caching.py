@@ -69,8 +69,12 @@ def test_freed_blocks_stay_cached_until_evicted_least_recently_freed_first():
 
 
 _OPS = st.lists(
-    st.tuples(st.sampled_from(["alloc", "alloc", "grow", "free", "fork"]), st.integers(0, 5),
-              st.lists(st.integers(3, 6), min_size=1, max_size=14), st.integers(0, 5)),
+    st.tuples(
+        st.sampled_from(["alloc", "alloc", "grow", "free", "fork"]),
+        st.integers(0, 5),
+        st.lists(st.integers(3, 6), min_size=1, max_size=14),
+        st.integers(0, 5),
+    ),
     max_size=40,
 )
 
@@ -229,7 +233,10 @@ def test_forked_sequences_sample_exactly_like_independent_seeded_requests():
         forked = [[h.result(60).output_token_ids for h in g] for g in groups]
         assert eng.stats().num_forks == 6
         independent = [
-            [eng.submit(p, SamplingParams(**{**sp.__dict__, "seed": 1234 + k})).result(60).output_token_ids for k in range(4)]
+            [
+                eng.submit(p, SamplingParams(**{**sp.__dict__, "seed": 1234 + k})).result(60).output_token_ids
+                for k in range(4)
+            ]
             for p in prompts
         ]
         assert eng.wait_idle(10)

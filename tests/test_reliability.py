@@ -70,9 +70,15 @@ def embedded():
 
 def _generate_ids(model, ids, n):
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 @pytest.mark.timeout(120)
@@ -224,6 +230,7 @@ def test_cancel_racing_finish_gives_cancelled_prefix_or_full_output_never_an_err
     eng = LLMEngine(model, EngineConfig(cache=CacheConfig(num_blocks=48)))
     try:
         hs = [eng.submit(p, _greedy(6)) for p in prompts]
+
         # Cancel each request from another thread as its last tokens arrive (before, at or after
         # its finish), and one of them twice after it finished.
         def canceller(h, after):
@@ -285,6 +292,7 @@ def test_streamer_raising_fails_its_call_and_a_background_request_is_exact(embed
 # --- 3. interrupts are local ---------------------------------------------------------------------------
 def _interrupt_when(predicate, timeout: float = 60.0) -> threading.Thread:
     """Start a thread that sends a real SIGINT-style interrupt to the main thread once ``predicate()``."""
+
     def run():
         deadline = time.monotonic() + timeout
         while not predicate() and time.monotonic() < deadline:
@@ -318,8 +326,9 @@ def test_interrupting_blocking_calls_twice_cancels_only_their_requests(embedded)
         with pytest.raises(KeyboardInterrupt):
             pipe(fg_text, max_new_tokens=120, do_sample=False, ignore_eos=True)
         t.join(5)
-        assert not any(r.prompt_token_ids == fg_ids for r in eng.scheduler.all_requests()), \
+        assert not any(r.prompt_token_ids == fg_ids for r in eng.scheduler.all_requests()), (
             "the interrupted call's request is still in the engine"
+        )
         assert not bg.done(), "the background request should still be running"
         # 2: right after, a blocking result() on a submitted request, interrupted again.
         fg = pipe.submit(fg_text, max_new_tokens=120, do_sample=False, ignore_eos=True)
@@ -330,7 +339,9 @@ def test_interrupting_blocking_calls_twice_cancels_only_their_requests(embedded)
         assert fg.done() and fg.finish_reasons() == ["cancelled"]
         partial = fg.handles[0].output().output_token_ids
         assert 3 <= len(partial) < 120 and partial == fg_long[: len(partial)]
-        assert fg.result()[0]["generated_text"].startswith(fg_text) and len(fg.result()[0]["generated_text"]) > len(fg_text)
+        assert fg.result()[0]["generated_text"].startswith(fg_text) and len(fg.result()[0]["generated_text"]) > len(
+            fg_text
+        )
         # The background request runs to completion, exactly; nothing leaked; the next call works.
         assert bg.handles[0].result(120).output_token_ids == bg_ref
         _assert_at_rest(eng, 64)

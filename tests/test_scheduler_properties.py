@@ -75,7 +75,9 @@ class FakeModel:
         for s in out.scheduled:
             req, table, tokens = s.request, bm.get_block_table(s.request.request_id), s.request.all_token_ids
             context = [self.device[table[p // bs]][p % bs] for p in range(req.num_computed_tokens + s.num_new_tokens)]
-            assert context == [(p, tokens[p]) for p in range(len(context))], f"request {req.request_id} reads corrupt KV"
+            assert context == [(p, tokens[p]) for p in range(len(context))], (
+                f"request {req.request_id} reads corrupt KV"
+            )
             if s.samples:
                 sampled[req.request_id] = fake_next_token(tokens, req.request_id)
         return sampled
@@ -121,11 +123,17 @@ def workloads(draw):
     for _ in range(draw(st.integers(1, 10))):
         prefix = draw(st.sampled_from(prefixes + [[]]))
         prompt = prefix + draw(st.lists(tokens, min_size=0 if prefix else 1, max_size=20))
-        requests.append(dict(
-            arrival=draw(st.integers(0, 12)), prompt=prompt, max_new=draw(st.integers(1, 10)),
-            priority=draw(st.integers(0, 2)), n=draw(st.sampled_from([1, 1, 1, 2, 3])),
-            cancel_at=draw(st.none() | st.integers(0, 60)), eos=draw(st.booleans()),
-        ))
+        requests.append(
+            dict(
+                arrival=draw(st.integers(0, 12)),
+                prompt=prompt,
+                max_new=draw(st.integers(1, 10)),
+                priority=draw(st.integers(0, 2)),
+                n=draw(st.sampled_from([1, 1, 1, 2, 3])),
+                cancel_at=draw(st.none() | st.integers(0, 60)),
+                eos=draw(st.booleans()),
+            )
+        )
     max_need = max(-(-(len(r["prompt"]) + r["max_new"]) // bs) for r in requests)
     # Tight pools (preemption is the point); one block short of the largest request: it is rejected.
     num_blocks = draw(st.integers(max(1, max_need - 1), 2 * max_need + 1))
@@ -159,8 +167,16 @@ def run_workload(bs, num_blocks, host_blocks, prefix_caching, config, specs):
         sp = SamplingParams(max_new_tokens=spec["max_new"], eos_token_ids=EOS_TOKENS if spec["eos"] else ())
         seqs = []
         for _ in range(spec["n"]):
-            seqs.append(Request(next_id, list(spec["prompt"]), sp, priority=spec["priority"],
-                                arrival_time=float(spec["arrival"]), parent_id=None if not seqs else seqs[0].request_id))
+            seqs.append(
+                Request(
+                    next_id,
+                    list(spec["prompt"]),
+                    sp,
+                    priority=spec["priority"],
+                    arrival_time=float(spec["arrival"]),
+                    parent_id=None if not seqs else seqs[0].request_id,
+                )
+            )
             next_id += 1
         seqs[0].pending_forks = seqs[1:]
         groups.append((spec, seqs))
@@ -192,7 +208,9 @@ def run_workload(bs, num_blocks, host_blocks, prefix_caching, config, specs):
             elif len(req.output_token_ids) >= req.sampling.max_new_tokens:
                 req.status = RequestStatus.FINISHED_LENGTH
     else:
-        pytest.fail(f"not finished after {bound} iterations (livelock): {[(r.request_id, r.status) for r in every if not r.status.is_finished]}")
+        pytest.fail(
+            f"not finished after {bound} iterations (livelock): {[(r.request_id, r.status) for r in every if not r.status.is_finished]}"
+        )
     assert all(r.status.is_finished for r in every), "a request never finished"
     assert bm.num_free_blocks == num_blocks and host.num_free_blocks == host_blocks, "blocks leaked"
     bm.check_invariants()
@@ -222,11 +240,22 @@ def test_random_workloads_keep_every_invariant_and_every_token(workload):
 )
 def test_tight_pools_swap_and_every_request_still_finishes(mode, lengths, bs):
     # A pool for about two requests at a time and a roomy host pool: swap preemption must happen.
-    specs = [dict(arrival=0, prompt=[3 + (i * 7 + j) % 30 for j in range(n)], max_new=12, priority=0, n=1,
-                  cancel_at=None, eos=False) for i, n in enumerate(lengths)]
+    specs = [
+        dict(
+            arrival=0,
+            prompt=[3 + (i * 7 + j) % 30 for j in range(n)],
+            max_new=12,
+            priority=0,
+            n=1,
+            cancel_at=None,
+            eos=False,
+        )
+        for i, n in enumerate(lengths)
+    ]
     num_blocks = 2 * -(-(max(lengths) + 12) // bs)
-    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, watermark=0.0, preemption_mode=mode,
-                             swap_cost_per_block=0.0)
+    config = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=64, watermark=0.0, preemption_mode=mode, swap_cost_per_block=0.0
+    )
     sched = run_workload(bs, num_blocks, 4 * num_blocks, False, config, specs)
     assert sched.num_recompute_preemptions == 0, "a roomy host pool never needs the recompute fallback"
     assert sched.num_blocks_swapped_in == sched.num_blocks_swapped_out  # nothing cancelled: all came back

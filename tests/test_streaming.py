@@ -33,7 +33,9 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def pipe():
     model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
-    p = ContinuousBatchingPipeline(model, default_model_path(), engine_config=EngineConfig(cache=CacheConfig(num_blocks=256)))
+    p = ContinuousBatchingPipeline(
+        model, default_model_path(), engine_config=EngineConfig(cache=CacheConfig(num_blocks=256))
+    )
     yield p
     p.close()
 
@@ -95,7 +97,9 @@ def test_incremental_detokenization_decodes_a_bounded_window_per_token(tokenizer
             self.decoded += len(ids)
             return self.tok.decode(ids, **kw)
 
-    ids = tokenizer((MULTIBYTE + " The for statement iterates over a sequence.\n") * 20, add_special_tokens=False)["input_ids"]
+    ids = tokenizer((MULTIBYTE + " The for statement iterates over a sequence.\n") * 20, add_special_tokens=False)[
+        "input_ids"
+    ]
     counting = CountingTokenizer(tokenizer)
     detok = IncrementalDetokenizer(counting)
     for i in ids:
@@ -208,7 +212,9 @@ def test_astream_does_not_block_the_event_loop(pipe):
                 await asyncio.sleep(0.005)
 
         task = asyncio.create_task(ticker())
-        text = "".join([d async for d in pipe.astream("The import system", max_new_tokens=48, ignore_eos=True, do_sample=False)])
+        text = "".join(
+            [d async for d in pipe.astream("The import system", max_new_tokens=48, ignore_eos=True, do_sample=False)]
+        )
         stop.set()
         await task
         return ticks, text
@@ -222,7 +228,11 @@ def test_text_iterator_streamer_receives_what_transformers_pipeline_sends_it(pip
     def run(p):
         streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, timeout=60)
         result = {}
-        worker = threading.Thread(target=lambda: result.setdefault("r", p("Lambda expressions", max_new_tokens=32, do_sample=False, streamer=streamer)))
+        worker = threading.Thread(
+            target=lambda: result.setdefault(
+                "r", p("Lambda expressions", max_new_tokens=32, do_sample=False, streamer=streamer)
+            )
+        )
         worker.start()
         text = "".join(streamer)
         worker.join(60)

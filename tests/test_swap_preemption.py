@@ -136,8 +136,12 @@ def test_stats_snapshot_reports_memory_management_and_phase_times(llama_model):
 # --- sizing from memory ---------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
 def test_profiling_forward_runs_the_token_budget_through_the_paged_path(llama_model):
-    eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=8),
-                                              scheduler=SchedulerConfig(max_num_batched_tokens=1100)))
+    eng = LLMEngine(
+        llama_model,
+        EngineConfig(
+            cache=CacheConfig(block_size=4, num_blocks=8), scheduler=SchedulerConfig(max_num_batched_tokens=1100)
+        ),
+    )
     try:
         before = llama_model.config._attn_implementation
         cpu = [torch.device("cpu")] * eng.num_layers
@@ -153,12 +157,19 @@ def test_profiling_forward_runs_the_token_budget_through_the_paged_path(llama_mo
 @pytest.mark.timeout(60)
 def test_gpu_memory_utilization_sizing_subtracts_memory_in_use_and_the_activation_peak(llama_model, monkeypatch):
     gib = 2**30
-    eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=8, gpu_memory_utilization=0.5),
-                                              scheduler=SchedulerConfig(max_num_batched_tokens=256)))
+    eng = LLMEngine(
+        llama_model,
+        EngineConfig(
+            cache=CacheConfig(block_size=16, num_blocks=8, gpu_memory_utilization=0.5),
+            scheduler=SchedulerConfig(max_num_batched_tokens=256),
+        ),
+    )
     try:
         d0, d1 = torch.device("cuda", 0), torch.device("cuda", 1)
-        memory = {d0: dict(total=80 * gib, free=70 * gib, allocated=2 * gib, peak=5 * gib),
-                  d1: dict(total=80 * gib, free=76 * gib, allocated=1 * gib, peak=3 * gib)}
+        memory = {
+            d0: dict(total=80 * gib, free=70 * gib, allocated=2 * gib, peak=5 * gib),
+            d1: dict(total=80 * gib, free=76 * gib, allocated=1 * gib, peak=3 * gib),
+        }
         for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
             monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (memory[d]["free"], memory[d]["total"]))
@@ -183,5 +194,9 @@ def test_host_memory_checks_name_the_argument(llama_model):
     with pytest.raises(ValueError, match="cpu_cache_gib"):
         LLMEngine(llama_model, EngineConfig(cache=CacheConfig(cpu_cache_gib=1e7)))
     with pytest.raises(ValueError, match="swap_space_gib"):
-        LLMEngine(llama_model, EngineConfig(cache=CacheConfig(num_blocks=8, swap_space_gib=1e7),
-                                            scheduler=SchedulerConfig(preemption_mode="swap")))
+        LLMEngine(
+            llama_model,
+            EngineConfig(
+                cache=CacheConfig(num_blocks=8, swap_space_gib=1e7), scheduler=SchedulerConfig(preemption_mode="swap")
+            ),
+        )

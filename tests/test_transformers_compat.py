@@ -21,14 +21,21 @@ from hf_contbatch.default_model import default_model_path
 PATH = default_model_path()
 ENGINE = EngineConfig(cache=CacheConfig(num_blocks=256))
 PROMPTS = ["The for statement", "A class is", "Exceptions are"]
-CHAT = [{"role": "system", "content": "You answer questions about Python."}, {"role": "user", "content": "What is a class?"}]
+CHAT = [
+    {"role": "system", "content": "You answer questions about Python."},
+    {"role": "user", "content": "What is a class?"},
+]
 PREFILLED = CHAT + [{"role": "assistant", "content": "A class is"}]
 
 
 @pytest.fixture(scope="module")
 def ours():
     pipe = transformers.pipeline(
-        "text-generation", model=PATH, dtype=torch.float32, pipeline_class=ContinuousBatchingPipeline, engine_config=ENGINE
+        "text-generation",
+        model=PATH,
+        dtype=torch.float32,
+        pipeline_class=ContinuousBatchingPipeline,
+        engine_config=ENGINE,
     )
     yield pipe
     pipe.close()
@@ -87,7 +94,9 @@ def test_registering_over_another_pipelines_task_is_refused():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kwargs", [{}, {"max_new_tokens": 30, "temperature": 1.3, "top_p": 0.9}], ids=["defaults", "explicit"])
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"max_new_tokens": 30, "temperature": 1.3, "top_p": 0.9}], ids=["defaults", "explicit"]
+)
 def test_sampling_defaults_and_seeded_samples_equal_transformers_pipeline(kwargs):
     # Same seed, same resolved processors (pipeline defaults + transformers' global top_k=50) =>
     # the same multinomial draws => the same text.
@@ -124,7 +133,10 @@ CASES = {
     "chat continue_final_message=True": (PREFILLED, {"continue_final_message": True}),
     "chat continue_final_message=False": (PREFILLED, {"continue_final_message": False}),
     "tokenizer_encode_kwargs": ("The for statement", {"tokenizer_encode_kwargs": {"add_special_tokens": False}}),
-    "handle_long_generation=hole": ("The for statement " * 400, {"handle_long_generation": "hole", "max_new_tokens": 8}),
+    "handle_long_generation=hole": (
+        "The for statement " * 400,
+        {"handle_long_generation": "hole", "max_new_tokens": 8},
+    ),
 }
 
 
@@ -151,8 +163,11 @@ def test_stop_sequence_records_equal_transformers_pipeline(ours, ref):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "kwargs",
-    [{"return_full_text": True, "return_text": True}, {"return_full_text": False, "return_tensors": True},
-     {"return_tensors": True, "return_text": True}],
+    [
+        {"return_full_text": True, "return_text": True},
+        {"return_full_text": False, "return_tensors": True},
+        {"return_tensors": True, "return_text": True},
+    ],
 )
 def test_mutually_exclusive_return_arguments_fail_as_in_transformers(ours, ref, kwargs):
     with pytest.raises(ValueError) as theirs:
@@ -196,13 +211,13 @@ def test_a_processor_setting_from_the_models_generation_config_is_applied_as_gen
     model = AutoModelForCausalLM.from_pretrained(PATH, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(PATH)
     ids = tok(PROMPTS[0], return_tensors="pt")["input_ids"]
-    plain = model.generate(ids, do_sample=False, max_new_tokens=24)[0, ids.shape[1]:].tolist()
+    plain = model.generate(ids, do_sample=False, max_new_tokens=24)[0, ids.shape[1] :].tolist()
     model.generation_config.no_repeat_ngram_size = 1
-    expected = model.generate(ids, do_sample=False, max_new_tokens=24)[0, ids.shape[1]:].tolist()
+    expected = model.generate(ids, do_sample=False, max_new_tokens=24)[0, ids.shape[1] :].tolist()
     assert expected != plain  # the setting changes the output
     pipe = ContinuousBatchingPipeline(model, PATH, engine_config=EngineConfig(cache=CacheConfig(num_blocks=16)))
     try:
         got = pipe(PROMPTS[0], do_sample=False, max_new_tokens=24, return_tensors=True)[0]["generated_token_ids"]
-        assert got[ids.shape[1]:] == expected
+        assert got[ids.shape[1] :] == expected
     finally:
         pipe.close()

@@ -27,7 +27,9 @@ def test_triton_backend_greedy_equals_generate(family):
     eng = LLMEngine(model, cfg)
     try:
         assert eng.backend == "triton"
-        outs = [h.result(240).output_token_ids for h in [eng.submit(p, SamplingParams(max_new_tokens=6)) for p in prompts]]
+        outs = [
+            h.result(240).output_token_ids for h in [eng.submit(p, SamplingParams(max_new_tokens=6)) for p in prompts]
+        ]
         assert eng.wait_idle(10)
         assert eng.stats().num_free_blocks == 7
     finally:

@@ -41,8 +41,18 @@ def _query_start_loc(query_lens):
     return torch.tensor([0] + list(query_lens), dtype=torch.int32).cumsum(0).to(torch.int32)
 
 
-def make_paged_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32,
-                    query_lens=None, seed=0, spare_blocks=3, extra_table_width=2):
+def make_paged_case(
+    seq_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    dtype=torch.float32,
+    query_lens=None,
+    seed=0,
+    spare_blocks=3,
+    extra_table_width=2,
+):
     """Random queries and a paged cache whose block tables are shuffled and non-contiguous.
 
     Every cache slot a request does not own holds NaN, and every block-table padding entry points
@@ -69,10 +79,14 @@ def make_paged_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dty
             v_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=gen).to(dtype)
     query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
     return dict(
-        query=query.to(DEVICE), k_cache=k_cache.to(DEVICE), v_cache=v_cache.to(DEVICE),
-        block_tables=block_tables.to(DEVICE), seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(DEVICE),
+        query=query.to(DEVICE),
+        k_cache=k_cache.to(DEVICE),
+        v_cache=v_cache.to(DEVICE),
+        block_tables=block_tables.to(DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(DEVICE),
         query_start_loc=_query_start_loc(query_lens).to(DEVICE),
-        max_query_len=max(query_lens + [0]), scale=1.0 / math.sqrt(head_dim),
+        max_query_len=max(query_lens + [0]),
+        scale=1.0 / math.sqrt(head_dim),
     )
 
 
@@ -83,15 +97,27 @@ def reference(case, **kwargs):
 
 def decode(case, **kwargs):
     return tk.paged_decode_attention(
-        case["query"], case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"],
-        case["scale"], **kwargs,
+        case["query"],
+        case["k_cache"],
+        case["v_cache"],
+        case["block_tables"],
+        case["seq_lens"],
+        case["scale"],
+        **kwargs,
     )
 
 
 def prefill(case, **kwargs):
     return tk.paged_prefill_attention(
-        case["query"], case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"],
-        case["query_start_loc"], case["max_query_len"], case["scale"], **kwargs,
+        case["query"],
+        case["k_cache"],
+        case["v_cache"],
+        case["block_tables"],
+        case["seq_lens"],
+        case["query_start_loc"],
+        case["max_query_len"],
+        case["scale"],
+        **kwargs,
     )
 
 
@@ -111,20 +137,26 @@ def test_reference_matches_dense_sdpa_with_causal_window_mask():
     case = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
     window = 7
     expected = reference_paged_attention(
-        case["query"], case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"],
-        case["query_start_loc"], case["scale"], sliding_window=window,
+        case["query"],
+        case["k_cache"],
+        case["v_cache"],
+        case["block_tables"],
+        case["seq_lens"],
+        case["query_start_loc"],
+        case["scale"],
+        sliding_window=window,
     )
     for b, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
         slots = [int(case["block_tables"][b, p // 8]) * 8 + p % 8 for p in range(seq_len)]
         keys = case["k_cache"].flatten(0, 1)[slots].transpose(0, 1).repeat_interleave(2, dim=0)  # [H, S, D]
         values = case["v_cache"].flatten(0, 1)[slots].transpose(0, 1).repeat_interleave(2, dim=0)
         start = int(case["query_start_loc"][b])
-        q = case["query"][start:start + q_len].transpose(0, 1)  # [H, q_len, D]
+        q = case["query"][start : start + q_len].transpose(0, 1)  # [H, q_len, D]
         q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
         k_pos = torch.arange(seq_len)[None, :]
         mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
         dense = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=case["scale"])
-        torch.testing.assert_close(expected[start:start + q_len], dense.transpose(0, 1), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(expected[start : start + q_len], dense.transpose(0, 1), atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------------ store_kv
@@ -187,14 +219,21 @@ def test_decode_single_pass_matches_reference(seq_lens):
 @pytest.mark.parametrize("gqa_ratio", [1, 4, 8])
 def test_decode_groups_query_heads_per_kv_head(gqa_ratio):
     num_kv_heads = 2 if gqa_ratio < 8 else 1
-    case = make_paged_case([23, 40], num_heads=num_kv_heads * gqa_ratio, num_kv_heads=num_kv_heads,
-                           head_dim=64, block_size=16, seed=gqa_ratio)
+    case = make_paged_case(
+        [23, 40],
+        num_heads=num_kv_heads * gqa_ratio,
+        num_kv_heads=num_kv_heads,
+        head_dim=64,
+        block_size=16,
+        seed=gqa_ratio,
+    )
     assert_matches_reference(decode(case), reference(case))
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("sliding_window, softcap", [(8, None), (None, 5.0), (19, 2.0)],
-                         ids=["window", "softcap", "window_and_softcap"])
+@pytest.mark.parametrize(
+    "sliding_window, softcap", [(8, None), (None, 5.0), (19, 2.0)], ids=["window", "softcap", "window_and_softcap"]
+)
 def test_decode_sliding_window_and_softcap(sliding_window, softcap):
     case = make_paged_case([70, 5, 33], num_heads=4, num_kv_heads=1, head_dim=64, block_size=16, seed=3)
     # larger scores so that the softcap actually bends them
@@ -249,17 +288,20 @@ def test_chunked_prefill_attends_to_cached_prefix_and_own_chunk_causally():
     prefixes = [0, 33, 40, 5, 32]
     query_lens = [20, 7, 1, 0, 3]
     seq_lens = [p + q for p, q in zip(prefixes, query_lens)]
-    case = make_paged_case(seq_lens, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
-                           query_lens=query_lens, seed=7)
+    case = make_paged_case(
+        seq_lens, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, query_lens=query_lens, seed=7
+    )
     assert_matches_reference(prefill(case), reference(case))
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("sliding_window, softcap", [(6, None), (None, 3.0), (17, 4.0)],
-                         ids=["window", "softcap", "window_and_softcap"])
+@pytest.mark.parametrize(
+    "sliding_window, softcap", [(6, None), (None, 3.0), (17, 4.0)], ids=["window", "softcap", "window_and_softcap"]
+)
 def test_prefill_sliding_window_and_softcap_with_gqa_8(sliding_window, softcap):
-    case = make_paged_case([45, 30], num_heads=8, num_kv_heads=1, head_dim=64, block_size=16,
-                           query_lens=[25, 30], seed=8)
+    case = make_paged_case(
+        [45, 30], num_heads=8, num_kv_heads=1, head_dim=64, block_size=16, query_lens=[25, 30], seed=8
+    )
     case["scale"] = 0.5
     expected = reference(case, sliding_window=sliding_window, softcap=softcap)
     assert_matches_reference(prefill(case, sliding_window=sliding_window, softcap=softcap), expected)
@@ -268,8 +310,9 @@ def test_prefill_sliding_window_and_softcap_with_gqa_8(sliding_window, softcap):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_prefill_half_precision_within_tolerance(dtype):
-    case = make_paged_case([37, 12], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
-                           query_lens=[15, 12], dtype=dtype, seed=9)
+    case = make_paged_case(
+        [37, 12], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, query_lens=[15, 12], dtype=dtype, seed=9
+    )
     out = prefill(case)
     assert out.dtype == dtype
     assert_matches_reference(out, reference(case))
@@ -288,13 +331,28 @@ def test_random_mixed_batches_match_reference(seed):
     prefixes = [pick([0, 1, 15, 16, 31, 50]) for _ in range(batch)]
     seq_lens = [max(p + q, 1) for p, q in zip(prefixes, query_lens)]
     num_kv_heads, ratio = pick([1, 2]), pick([1, 2, 4])
-    case = make_paged_case(seq_lens, num_heads=num_kv_heads * ratio, num_kv_heads=num_kv_heads,
-                           head_dim=pick([64, 80]), block_size=pick([8, 16, 32]), query_lens=query_lens,
-                           dtype=pick([torch.float32, torch.float16, torch.bfloat16]), seed=seed)
+    case = make_paged_case(
+        seq_lens,
+        num_heads=num_kv_heads * ratio,
+        num_kv_heads=num_kv_heads,
+        head_dim=pick([64, 80]),
+        block_size=pick([8, 16, 32]),
+        query_lens=query_lens,
+        dtype=pick([torch.float32, torch.float16, torch.bfloat16]),
+        seed=seed,
+    )
     window, softcap = pick([None, None, 5, 20]), pick([None, 10.0])
     out = tk.paged_attention(
-        case["query"], case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"],
-        case["query_start_loc"], case["max_query_len"], case["scale"], sliding_window=window, softcap=softcap,
+        case["query"],
+        case["k_cache"],
+        case["v_cache"],
+        case["block_tables"],
+        case["seq_lens"],
+        case["query_start_loc"],
+        case["max_query_len"],
+        case["scale"],
+        sliding_window=window,
+        softcap=softcap,
     )
     assert_matches_reference(out, reference(case, sliding_window=window, softcap=softcap))
 
@@ -305,11 +363,19 @@ def test_random_mixed_batches_match_reference(seed):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("head_dim, block_size", [(80, 32), (96, 16), (128, 8), (256, 16), (32, 64), (16, 16)])
 def test_padded_head_sizes_and_block_sizes(head_dim, block_size):
-    case = make_paged_case([19, 40], num_heads=2, num_kv_heads=1, head_dim=head_dim, block_size=block_size,
-                           query_lens=[4, 1], seed=head_dim)
+    case = make_paged_case(
+        [19, 40],
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=head_dim,
+        block_size=block_size,
+        query_lens=[4, 1],
+        seed=head_dim,
+    )
     assert_matches_reference(prefill(case), reference(case))
-    decode_case = make_paged_case([19, 40], num_heads=2, num_kv_heads=1, head_dim=head_dim,
-                                  block_size=block_size, seed=head_dim + 1)
+    decode_case = make_paged_case(
+        [19, 40], num_heads=2, num_kv_heads=1, head_dim=head_dim, block_size=block_size, seed=head_dim + 1
+    )
     assert_matches_reference(decode(decode_case), reference(decode_case))
 
 
@@ -321,12 +387,19 @@ def test_paged_attention_sends_all_decode_batches_to_the_decode_kernel(monkeypat
         monkeypatch.setattr(tk, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
 
     decode_case = make_paged_case([9, 30], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, seed=10)
-    mixed_case = make_paged_case([9, 30], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
-                                 query_lens=[1, 6], seed=11)
+    mixed_case = make_paged_case(
+        [9, 30], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, query_lens=[1, 6], seed=11
+    )
     for case in (decode_case, mixed_case):
         out = tk.paged_attention(
-            case["query"], case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"],
-            case["query_start_loc"], case["max_query_len"], case["scale"],
+            case["query"],
+            case["k_cache"],
+            case["v_cache"],
+            case["block_tables"],
+            case["seq_lens"],
+            case["query_start_loc"],
+            case["max_query_len"],
+            case["scale"],
         )
         assert_matches_reference(out, reference(case))
     assert calls == ["paged_decode_attention", "paged_prefill_attention"]
@@ -334,8 +407,7 @@ def test_paged_attention_sends_all_decode_batches_to_the_decode_kernel(monkeypat
 
 @pytest.mark.timeout(60)
 def test_out_argument_and_non_contiguous_query():
-    case = make_paged_case([25, 8], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
-                           query_lens=[5, 8], seed=12)
+    case = make_paged_case([25, 8], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, query_lens=[5, 8], seed=12)
     expected = reference(case)
     qkv = torch.randn(case["query"].shape[0], 3, 4, 64, device=DEVICE)
     qkv[:, 0] = case["query"]
@@ -359,17 +431,39 @@ def test_empty_batch_returns_empty_output_without_launching(monkeypatch):
     no_tokens = torch.empty(0, 4, 64, device=DEVICE)
     int32 = dict(dtype=torch.int32, device=DEVICE)
 
-    out = tk.paged_decode_attention(no_tokens, k_cache, v_cache, torch.empty(0, 3, **int32),
-                                    torch.empty(0, **int32), 0.125)
+    out = tk.paged_decode_attention(
+        no_tokens, k_cache, v_cache, torch.empty(0, 3, **int32), torch.empty(0, **int32), 0.125
+    )
     assert out.shape == (0, 4, 64)
-    out = tk.paged_prefill_attention(no_tokens, k_cache, v_cache, torch.empty(0, 3, **int32),
-                                     torch.empty(0, **int32), torch.zeros(1, **int32), 0, 0.125)
+    out = tk.paged_prefill_attention(
+        no_tokens,
+        k_cache,
+        v_cache,
+        torch.empty(0, 3, **int32),
+        torch.empty(0, **int32),
+        torch.zeros(1, **int32),
+        0,
+        0.125,
+    )
     assert out.shape == (0, 4, 64)
-    out = tk.paged_attention(no_tokens, k_cache, v_cache, torch.zeros(2, 3, **int32),
-                             torch.tensor([5, 7], **int32), torch.zeros(3, **int32), 0, 0.125)
+    out = tk.paged_attention(
+        no_tokens,
+        k_cache,
+        v_cache,
+        torch.zeros(2, 3, **int32),
+        torch.tensor([5, 7], **int32),
+        torch.zeros(3, **int32),
+        0,
+        0.125,
+    )
     assert out.shape == (0, 4, 64) and out.dtype == torch.float32
-    tk.store_kv(torch.empty(0, 2, 64, device=DEVICE), torch.empty(0, 2, 64, device=DEVICE), k_cache, v_cache,
-                torch.empty(0, dtype=torch.int64, device=DEVICE))
+    tk.store_kv(
+        torch.empty(0, 2, 64, device=DEVICE),
+        torch.empty(0, 2, 64, device=DEVICE),
+        k_cache,
+        v_cache,
+        torch.empty(0, dtype=torch.int64, device=DEVICE),
+    )
 
 
 @pytest.mark.timeout(30)
@@ -389,15 +483,24 @@ def test_unsupported_arguments_raise_value_error_naming_them(change, message):
     block_size = change.get("block_size", 16)
     num_heads, num_kv_heads = change.get("num_heads", 4), change.get("num_kv_heads", 2)
     query = torch.randn(2, num_heads, head_dim, device=DEVICE)
-    k_cache = torch.zeros(4, block_size, num_kv_heads, head_dim, dtype=change.get("cache_dtype", torch.float32),
-                          device=DEVICE)
+    k_cache = torch.zeros(
+        4, block_size, num_kv_heads, head_dim, dtype=change.get("cache_dtype", torch.float32), device=DEVICE
+    )
     seq_lens = torch.tensor([3, 4], dtype=change.get("seq_lens_dtype", torch.int32), device=DEVICE)
     block_tables = torch.zeros(2, 2, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match=message):
         tk.paged_decode_attention(query, k_cache, k_cache.clone(), block_tables, seq_lens, 0.125)
     with pytest.raises(ValueError, match=message):
-        tk.paged_attention(query, k_cache, k_cache.clone(), block_tables, seq_lens,
-                           torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE), 1, 0.125)
+        tk.paged_attention(
+            query,
+            k_cache,
+            k_cache.clone(),
+            block_tables,
+            seq_lens,
+            torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE),
+            1,
+            0.125,
+        )
 
 
 # ------------------------------------------------------------------ tiles sized per device
@@ -412,18 +515,31 @@ def _as_on(monkeypatch, arch):
 def test_sm75_fma_tiles_with_gqa_window_and_softcap_match_reference(monkeypatch):
     # sm_75 tiles: no tensor cores, 64 KiB -> 32 prefill rows x 16 keys, 16 decode keys.
     _as_on(monkeypatch, 75)
-    pre, dec = tk._prefill_config(128, 8, torch.float16, tk.arch_limits(75)), tk._decode_config(
-        128, 8, torch.float16, tk.arch_limits(75))
+    pre, dec = (
+        tk._prefill_config(128, 8, torch.float16, tk.arch_limits(75)),
+        tk._decode_config(128, 8, torch.float16, tk.arch_limits(75)),
+    )
     assert (pre.rows, pre.block_n, pre.heads) == (32, 16, 8) and (dec.rows, dec.block_n, dec.heads) == (16, 16, 8)
-    case = make_paged_case([40, 23], num_heads=16, num_kv_heads=2, head_dim=128, block_size=16,
-                           query_lens=[9, 23], dtype=torch.float16, seed=21)
+    case = make_paged_case(
+        [40, 23],
+        num_heads=16,
+        num_kv_heads=2,
+        head_dim=128,
+        block_size=16,
+        query_lens=[9, 23],
+        dtype=torch.float16,
+        seed=21,
+    )
     expected = reference(case, sliding_window=19, softcap=4.0)
     assert_matches_reference(prefill(case, sliding_window=19, softcap=4.0), expected)
-    decode_case = make_paged_case([40, 23], num_heads=16, num_kv_heads=2, head_dim=128, block_size=16,
-                                  dtype=torch.float16, seed=22)
+    decode_case = make_paged_case(
+        [40, 23], num_heads=16, num_kv_heads=2, head_dim=128, block_size=16, dtype=torch.float16, seed=22
+    )
     for num_splits in (1, 3):
-        assert_matches_reference(decode(decode_case, sliding_window=19, softcap=4.0, num_splits=num_splits),
-                                 reference(decode_case, sliding_window=19, softcap=4.0))
+        assert_matches_reference(
+            decode(decode_case, sliding_window=19, softcap=4.0, num_splits=num_splits),
+            reference(decode_case, sliding_window=19, softcap=4.0),
+        )
 
 
 @pytest.mark.timeout(120)
@@ -436,8 +552,9 @@ def test_gqa_group_split_over_programs_matches_reference(monkeypatch, arch):
     pre, dec = tk._prefill_config(256, 24, torch.float32, limits), tk._decode_config(256, 24, torch.float32, limits)
     assert (pre.heads, dec.heads) == (16, 16)
     assert (pre.num_stages, dec.num_stages) == ((1, 1) if arch == 75 else (2, 2))
-    case = make_paged_case([20, 7], num_heads=24, num_kv_heads=1, head_dim=256, block_size=8,
-                           query_lens=[5, 7], seed=23)
+    case = make_paged_case(
+        [20, 7], num_heads=24, num_kv_heads=1, head_dim=256, block_size=8, query_lens=[5, 7], seed=23
+    )
     assert_matches_reference(prefill(case, sliding_window=9), reference(case, sliding_window=9))
     decode_case = make_paged_case([20, 7], num_heads=24, num_kv_heads=1, head_dim=256, block_size=8, seed=24)
     assert_matches_reference(decode(decode_case, num_splits=2), reference(decode_case))

@@ -22,7 +22,8 @@ PROMPTS = ["The for statement", "A class is a", "Exceptions are raised when"]
 def pipe():
     # The background thread does every iteration, so a Stop lands in the caller's wait, not in a step.
     p = ContinuousBatchingPipeline(
-        default_model_path(), dtype=torch.float32,
+        default_model_path(),
+        dtype=torch.float32,
         engine_config=EngineConfig(cache=CacheConfig(num_blocks=256), drive_in_caller=False, linear_backend="torch"),
     )
     yield p
@@ -31,6 +32,7 @@ def pipe():
 
 def _sigint_after(event: threading.Event) -> threading.Thread:
     """SIGINT to this process (what Jupyter's Stop sends the kernel) once ``event`` is set."""
+
     def fire():
         if event.wait(60):
             os.kill(os.getpid(), signal.SIGINT)
@@ -51,8 +53,9 @@ def test_max_new_tokens_per_prompt_equals_transformers_per_prompt(pipe):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("value, message", [([3, 4], "2 entries for 3 prompts"), ([3, 0, 2], "int >= 1"),
-                                            ([3, "4", 2], "int >= 1")])
+@pytest.mark.parametrize(
+    "value, message", [([3, 4], "2 entries for 3 prompts"), ([3, 0, 2], "int >= 1"), ([3, "4", 2], "int >= 1")]
+)
 def test_bad_per_prompt_max_new_tokens_names_the_argument_and_submits_nothing(pipe, value, message):
     before = pipe.stats().num_iterations
     with pytest.raises(ValueError, match=f"max_new_tokens.*{message}"):

@@ -94,15 +94,30 @@ def paged_attention_forward(
         from .triton_kernels import paged_attention
 
         out = paged_attention(
-            q.contiguous(), k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            meta.max_query_len, scale, sliding_window=sliding_window, softcap=softcap,
+            q.contiguous(),
+            k_pool,
+            v_pool,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.max_query_len,
+            scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
         )
     else:
         from .torch_paged import torch_paged_attention
 
         out = torch_paged_attention(
-            q, k_pool, v_pool, meta, scale, sliding_window=sliding_window, softcap=softcap,
-            key=key[0] if key.shape[0] == 1 else None, value=value[0] if value.shape[0] == 1 else None,
+            q,
+            k_pool,
+            v_pool,
+            meta,
+            scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            key=key[0] if key.shape[0] == 1 else None,
+            value=value[0] if value.shape[0] == 1 else None,
         )
     return out.unsqueeze(0), None
 

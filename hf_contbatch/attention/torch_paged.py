@@ -20,7 +20,12 @@ def _attend(q, k, v, mask, scale: float, softcap: float | None, is_causal: bool 
     """q ``[B, H, Lq, D]``, k/v ``[B, KVH, Lk, D]``, mask bool broadcastable to ``[B, H, Lq, Lk]``."""
     if softcap is None:
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal and mask is None,
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            scale=scale,
+            is_causal=is_causal and mask is None,
             enable_gqa=q.shape[1] != k.shape[1],
         )
     groups = q.shape[1] // k.shape[1]
@@ -60,8 +65,9 @@ def _decode_attend(q, k, rows_v, bag_index, bag_offsets, bias, scale: float, sof
     if bias is not None:
         scores.add_(bias)
     probs = torch.softmax(scores, dim=-1)
-    out = F.embedding_bag(bag_index, rows_v, bag_offsets, mode="sum",
-                          per_sample_weights=probs.reshape(-1).to(rows_v.dtype))
+    out = F.embedding_bag(
+        bag_index, rows_v, bag_offsets, mode="sum", per_sample_weights=probs.reshape(-1).to(rows_v.dtype)
+    )
     return out.view(b, num_heads, head_dim).to(q.dtype)
 
 
@@ -100,7 +106,7 @@ def _decode_buckets(meta: AttentionMetadata, sliding_window: int | None, groups:
         rows_t = torch.tensor(rows, device=device)
         tables = meta.block_tables.index_select(0, rows_t)[:, :num_blocks].to(torch.long)
         slots = (tables.unsqueeze(-1) * meta.block_size + offsets).reshape(len(rows), -1)[:, :max_len]
-        head_index = (slots.unsqueeze(1) * kvh + heads)  # [b, KVH, L]
+        head_index = slots.unsqueeze(1) * kvh + heads  # [b, KVH, L]
         bag_index = head_index.unsqueeze(2).expand(len(rows), kvh, groups, max_len).reshape(-1)
         bag_offsets = torch.arange(0, bag_index.numel(), max_len, device=device)
         head_index = head_index.reshape(-1)
@@ -111,7 +117,9 @@ def _decode_buckets(meta: AttentionMetadata, sliding_window: int | None, groups:
             mask &= pos > seq - 1 - sliding_window
         # Additive float mask, broadcast over [b, KVH, G, L] scores.
         bias = None if bool(mask.all()) else torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
-        plans.append((rows_t, head_index, bag_index, bag_offsets, None if bias is None else bias[:, None, None, :], max_len))
+        plans.append(
+            (rows_t, head_index, bag_index, bag_offsets, None if bias is None else bias[:, None, None, :], max_len)
+        )
     return plans
 
 
@@ -167,8 +175,9 @@ def torch_paged_attention(
     nd = meta.num_decodes
     if nd:
         groups = num_heads // kvh
-        plans = meta.derived(("decode", sliding_window, kvh, groups),
-                             lambda: _decode_buckets(meta, sliding_window, groups))
+        plans = meta.derived(
+            ("decode", sliding_window, kvh, groups), lambda: _decode_buckets(meta, sliding_window, groups)
+        )
         rows_k = k_pool.view(-1, head_dim)
         rows_v = v_pool.view(-1, head_dim)
         single = len(plans) == 1

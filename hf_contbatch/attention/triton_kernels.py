@@ -87,12 +87,25 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _store_kv_kernel(
-        key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-        stride_kt, stride_kh, stride_vt, stride_vh,
-        stride_kcb, stride_kco, stride_kch,
-        stride_vcb, stride_vco, stride_vch,
+        key_ptr,
+        value_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        slot_mapping_ptr,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_kcb,
+        stride_kco,
+        stride_kch,
+        stride_vcb,
+        stride_vco,
+        stride_vch,
         num_kv_heads,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_H: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
     ):
         token = tl.program_id(0).to(tl.int64)
@@ -121,14 +134,33 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _attend_tile(
-        q, m_i, l_i, acc,
-        k_cache_ptr, v_cache_ptr, block_table_row_ptr,
-        stride_kcb, stride_kco, stride_kcd, stride_vcb, stride_vco, stride_vcd,
-        kv_head_offset_k, kv_head_offset_v,
-        start, seq_len, row_pos, row_lo,
-        qk_scale, softcap,
-        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr,
+        q,
+        m_i,
+        l_i,
+        acc,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_table_row_ptr,
+        stride_kcb,
+        stride_kco,
+        stride_kcd,
+        stride_vcb,
+        stride_vco,
+        stride_vcd,
+        kv_head_offset_k,
+        kv_head_offset_v,
+        start,
+        seq_len,
+        row_pos,
+        row_lo,
+        qk_scale,
+        softcap,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        USE_SOFTCAP: tl.constexpr,
+        DOT_FP32: tl.constexpr,
     ):
         """One online-softmax step (FlashAttention) over keys ``start .. start + BLOCK_N - 1``.
 
@@ -145,14 +177,22 @@ if TRITON_AVAILABLE:
         offsets = (keys % BLOCK_SIZE).to(tl.int64)
         kv_mask = in_seq[:, None] & (dims[None, :] < HEAD_DIM)
         k = tl.load(
-            k_cache_ptr + kv_head_offset_k + blocks[:, None] * stride_kcb + offsets[:, None] * stride_kco
+            k_cache_ptr
+            + kv_head_offset_k
+            + blocks[:, None] * stride_kcb
+            + offsets[:, None] * stride_kco
             + dims[None, :] * stride_kcd,
-            mask=kv_mask, other=0.0,
+            mask=kv_mask,
+            other=0.0,
         )
         v = tl.load(
-            v_cache_ptr + kv_head_offset_v + blocks[:, None] * stride_vcb + offsets[:, None] * stride_vco
+            v_cache_ptr
+            + kv_head_offset_v
+            + blocks[:, None] * stride_vcb
+            + offsets[:, None] * stride_vco
             + dims[None, :] * stride_vcd,
-            mask=kv_mask, other=0.0,
+            mask=kv_mask,
+            other=0.0,
         )
         if DOT_FP32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -176,17 +216,45 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _paged_decode_kernel(
-        out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-        query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        stride_qb, stride_qh, stride_ob, stride_oh,
-        stride_kcb, stride_kco, stride_kch, stride_kcd,
-        stride_vcb, stride_vco, stride_vch, stride_vcd,
+        out_ptr,
+        part_acc_ptr,
+        part_max_ptr,
+        part_sum_ptr,
+        query_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr,
+        seq_lens_ptr,
+        stride_qb,
+        stride_qh,
+        stride_ob,
+        stride_oh,
+        stride_kcb,
+        stride_kco,
+        stride_kch,
+        stride_kcd,
+        stride_vcb,
+        stride_vco,
+        stride_vch,
+        stride_vcd,
         stride_bt,
-        num_heads, num_splits, partition_size,
-        qk_scale, softcap, sliding_window,
-        GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_G: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
+        num_heads,
+        num_splits,
+        partition_size,
+        qk_scale,
+        softcap,
+        sliding_window,
+        GROUP: tl.constexpr,
+        HEADS: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        USE_WINDOW: tl.constexpr,
+        USE_SOFTCAP: tl.constexpr,
+        SPLIT: tl.constexpr,
+        DOT_FP32: tl.constexpr,
     ):
         """Grid (B, num_kv_heads * cdiv(GROUP, HEADS), num_splits). One query token per request; rows
         = HEADS of the GROUP query heads sharing KV head ``kv_head`` (all of them unless the tile
@@ -217,7 +285,8 @@ if TRITON_AVAILABLE:
         q_mask = row_mask[:, None] & (dims[None, :] < HEAD_DIM)
         q = tl.load(
             query_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-            mask=q_mask, other=0.0,
+            mask=q_mask,
+            other=0.0,
         )
         if DOT_FP32:
             q = q.to(tl.float32)
@@ -230,11 +299,33 @@ if TRITON_AVAILABLE:
         bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
         for tile_start in range(start, end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row,
-                stride_kcb, stride_kco, stride_kcd, stride_vcb, stride_vco, stride_vcd,
-                kv_head * stride_kch, kv_head * stride_vch,
-                tile_start, seq_len, row_pos, row_lo, qk_scale, softcap,
-                BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE, USE_SOFTCAP, DOT_FP32,
+                q,
+                m_i,
+                l_i,
+                acc,
+                k_cache_ptr,
+                v_cache_ptr,
+                bt_row,
+                stride_kcb,
+                stride_kco,
+                stride_kcd,
+                stride_vcb,
+                stride_vco,
+                stride_vcd,
+                kv_head * stride_kch,
+                kv_head * stride_vch,
+                tile_start,
+                seq_len,
+                row_pos,
+                row_lo,
+                qk_scale,
+                softcap,
+                BLOCK_N,
+                BLOCK_D,
+                HEAD_DIM,
+                BLOCK_SIZE,
+                USE_SOFTCAP,
+                DOT_FP32,
             )
 
         if SPLIT:
@@ -247,14 +338,23 @@ if TRITON_AVAILABLE:
             acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(
                 out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :],
-                acc.to(out_ptr.dtype.element_ty), mask=q_mask,
+                acc.to(out_ptr.dtype.element_ty),
+                mask=q_mask,
             )
 
     @triton.jit
     def _decode_reduce_kernel(
-        out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-        stride_ob, stride_oh, num_heads, num_splits,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+        out_ptr,
+        part_acc_ptr,
+        part_max_ptr,
+        part_sum_ptr,
+        stride_ob,
+        stride_oh,
+        num_heads,
+        num_splits,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_S: tl.constexpr,
     ):
         """Grid (B, num_heads): merge the partitions' (max, sum, acc) into the softmax output."""
         b = tl.program_id(0)
@@ -267,7 +367,8 @@ if TRITON_AVAILABLE:
         l = tl.load(part_sum_ptr + base + splits, mask=s_mask, other=0.0)
         acc = tl.load(
             part_acc_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
-            mask=s_mask[:, None] & (dims[None, :] < HEAD_DIM), other=0.0,
+            mask=s_mask[:, None] & (dims[None, :] < HEAD_DIM),
+            other=0.0,
         )
         m_max = tl.max(m, axis=0)
         w = tl.exp2(m - m_max)
@@ -275,20 +376,47 @@ if TRITON_AVAILABLE:
         o = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
         tl.store(
             out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + dims,
-            o.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM,
+            o.to(out_ptr.dtype.element_ty),
+            mask=dims < HEAD_DIM,
         )
 
     @triton.jit
     def _paged_prefill_kernel(
-        out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-        stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_kcb, stride_kco, stride_kch, stride_kcd,
-        stride_vcb, stride_vco, stride_vch, stride_vcd,
-        stride_bt, num_seqs,
-        qk_scale, softcap, sliding_window,
-        GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr,
+        out_ptr,
+        query_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr,
+        seq_lens_ptr,
+        query_start_loc_ptr,
+        stride_qt,
+        stride_qh,
+        stride_ot,
+        stride_oh,
+        stride_kcb,
+        stride_kco,
+        stride_kch,
+        stride_kcd,
+        stride_vcb,
+        stride_vco,
+        stride_vch,
+        stride_vcd,
+        stride_bt,
+        num_seqs,
+        qk_scale,
+        softcap,
+        sliding_window,
+        GROUP: tl.constexpr,
+        HEADS: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        USE_WINDOW: tl.constexpr,
+        USE_SOFTCAP: tl.constexpr,
+        DOT_FP32: tl.constexpr,
     ):
         """Grid (T // BLOCK_Q + B, num_kv_heads * cdiv(GROUP, HEADS)). A program owns BLOCK_Q query
         tokens of one request times HEADS of the GROUP query heads of one KV head (BLOCK_M rows,
@@ -328,7 +456,8 @@ if TRITON_AVAILABLE:
         q_rows = (q_begin + tok).to(tl.int64)
         q = tl.load(
             query_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-            mask=q_mask, other=0.0,
+            mask=q_mask,
+            other=0.0,
         )
         if DOT_FP32:
             q = q.to(tl.float32)
@@ -347,16 +476,39 @@ if TRITON_AVAILABLE:
         bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
         for tile_start in range(start, last_pos + 1, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row,
-                stride_kcb, stride_kco, stride_kcd, stride_vcb, stride_vco, stride_vcd,
-                kv_head * stride_kch, kv_head * stride_vch,
-                tile_start, seq_len, row_pos, row_lo, qk_scale, softcap,
-                BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE, USE_SOFTCAP, DOT_FP32,
+                q,
+                m_i,
+                l_i,
+                acc,
+                k_cache_ptr,
+                v_cache_ptr,
+                bt_row,
+                stride_kcb,
+                stride_kco,
+                stride_kcd,
+                stride_vcb,
+                stride_vco,
+                stride_vcd,
+                kv_head * stride_kch,
+                kv_head * stride_vch,
+                tile_start,
+                seq_len,
+                row_pos,
+                row_lo,
+                qk_scale,
+                softcap,
+                BLOCK_N,
+                BLOCK_D,
+                HEAD_DIM,
+                BLOCK_SIZE,
+                USE_SOFTCAP,
+                DOT_FP32,
             )
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-            acc.to(out_ptr.dtype.element_ty), mask=q_mask,
+            acc.to(out_ptr.dtype.element_ty),
+            mask=q_mask,
         )
 
 
@@ -614,8 +766,14 @@ class DeviceLimits:
 # Specifications per Compute Capability"); used when compiling ahead of time. On a device the
 # launchers read torch.cuda.get_device_properties(i).shared_memory_per_block_optin instead.
 ARCH_SHARED_MEMORY = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
-_ARCH_NAMES = {75: "T4 / RTX 20xx", 80: "A100", 86: "A10 / RTX 30xx", 87: "Jetson Orin", 89: "L4 / RTX 40xx",
-               90: "H100 / H200"}
+_ARCH_NAMES = {
+    75: "T4 / RTX 20xx",
+    80: "A100",
+    86: "A10 / RTX 30xx",
+    87: "Jetson Orin",
+    89: "L4 / RTX 40xx",
+    90: "H100 / H200",
+}
 
 
 def arch_limits(arch: int) -> DeviceLimits:
@@ -623,15 +781,19 @@ def arch_limits(arch: int) -> DeviceLimits:
     known = [a for a in ARCH_SHARED_MEMORY if a <= arch]
     if not known:
         raise ValueError(f"`arch` must be a compute capability >= 75 (sm_75), got {arch!r}")
-    return DeviceLimits(f"sm_{arch} ({_ARCH_NAMES.get(arch, 'unknown GPU')})", divmod(arch, 10),
-                        ARCH_SHARED_MEMORY[max(known)])
+    return DeviceLimits(
+        f"sm_{arch} ({_ARCH_NAMES.get(arch, 'unknown GPU')})", divmod(arch, 10), ARCH_SHARED_MEMORY[max(known)]
+    )
 
 
 @functools.cache
 def _cuda_limits(device_index: int) -> DeviceLimits:
     props = torch.cuda.get_device_properties(device_index)
-    return DeviceLimits(f"{props.name} (sm_{props.major}{props.minor})", (props.major, props.minor),
-                        int(props.shared_memory_per_block_optin))
+    return DeviceLimits(
+        f"{props.name} (sm_{props.major}{props.minor})",
+        (props.major, props.minor),
+        int(props.shared_memory_per_block_optin),
+    )
 
 
 def _device_limits(device: torch.device) -> DeviceLimits:
@@ -691,8 +853,10 @@ def unsupported_reason(
     group = None
     if num_heads is not None and num_kv_heads is not None:
         if num_heads % num_kv_heads or num_heads // num_kv_heads > _MAX_GQA_GROUP:
-            return (f"{num_heads} query heads over {num_kv_heads} KV heads is not a GQA group of at most "
-                    f"{_MAX_GQA_GROUP} query heads per KV head")
+            return (
+                f"{num_heads} query heads over {num_kv_heads} KV heads is not a GQA group of at most "
+                f"{_MAX_GQA_GROUP} query heads per KV head"
+            )
         group = num_heads // num_kv_heads
     if dtype is not None and head_dim is not None:
         try:
@@ -770,12 +934,25 @@ def store_kv(
     key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     _store_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_D=_next_power_of_2(head_dim), BLOCK_H=_next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        BLOCK_D=_next_power_of_2(head_dim),
+        BLOCK_H=_next_power_of_2(num_kv_heads),
         BLOCK_SIZE=k_cache.shape[1],
     )
 
@@ -822,7 +999,15 @@ def paged_decode_attention(
     """
     _require_triton()
     _check_attention_args(
-        query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, out,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        sliding_window,
+        softcap,
+        out,
         "[B, num_heads, head_dim]",
     )
     batch = query.shape[0]
@@ -830,8 +1015,9 @@ def paged_decode_attention(
         raise ValueError(f"`seq_lens` has {seq_lens.shape[0]} entries but `query` has {batch} tokens")
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"`num_splits` must be None or a positive int, got {num_splits!r}")
-    _check_device({"query": query, "k_cache": k_cache, "v_cache": v_cache,
-                   "block_tables": block_tables, "seq_lens": seq_lens})
+    _check_device(
+        {"query": query, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables, "seq_lens": seq_lens}
+    )
     limits = _device_limits(query.device)
     check_device_dtype(query.dtype, limits, "query")
     if out is None:
@@ -863,24 +1049,55 @@ def paged_decode_attention(
     else:
         part_acc = part_max = part_sum = target  # unused by the kernel
     _paged_decode_kernel[(batch, head_programs, num_splits)](
-        target, part_acc, part_max, part_sum,
-        query, k_cache, v_cache, block_tables, seq_lens,
-        query.stride(0), query.stride(1), target.stride(0), target.stride(1),
-        *k_cache.stride(), *v_cache.stride(),
+        target,
+        part_acc,
+        part_max,
+        part_sum,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query.stride(0),
+        query.stride(1),
+        target.stride(0),
+        target.stride(1),
+        *k_cache.stride(),
+        *v_cache.stride(),
         block_tables.stride(0),
-        num_heads, num_splits, partition_size,
-        float(scale), float(softcap or 0.0), int(sliding_window or 0),
-        GROUP=group, HEADS=cfg.heads, BLOCK_G=cfg.rows,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None, SPLIT=split,
+        num_heads,
+        num_splits,
+        partition_size,
+        float(scale),
+        float(softcap or 0.0),
+        int(sliding_window or 0),
+        GROUP=group,
+        HEADS=cfg.heads,
+        BLOCK_G=cfg.rows,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        BLOCK_SIZE=block_size,
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFTCAP=softcap is not None,
+        SPLIT=split,
         DOT_FP32=_dot_in_fp32(query.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
-            target, part_acc, part_max, part_sum,
-            target.stride(0), target.stride(1), num_heads, num_splits,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=_next_power_of_2(num_splits),
+            target,
+            part_acc,
+            part_max,
+            part_sum,
+            target.stride(0),
+            target.stride(1),
+            num_heads,
+            num_splits,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_S=_next_power_of_2(num_splits),
         )
     if target is not out:
         out.copy_(target)
@@ -923,20 +1140,34 @@ def paged_prefill_attention(
     """
     _require_triton()
     _check_attention_args(
-        query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, out,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        sliding_window,
+        softcap,
+        out,
         "[T, num_heads, head_dim]",
     )
     _check_index_tensor("query_start_loc", query_start_loc, 1)
     batch = seq_lens.shape[0]
     if query_start_loc.shape[0] != batch + 1:
-        raise ValueError(
-            f"`query_start_loc` must have B + 1 = {batch + 1} entries, got {query_start_loc.shape[0]}"
-        )
+        raise ValueError(f"`query_start_loc` must have B + 1 = {batch + 1} entries, got {query_start_loc.shape[0]}")
     num_tokens = query.shape[0]
     if not isinstance(max_query_len, int) or max_query_len < 0 or max_query_len > num_tokens:
         raise ValueError(f"`max_query_len` must be an int in [0, T={num_tokens}], got {max_query_len!r}")
-    _check_device({"query": query, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
-                   "seq_lens": seq_lens, "query_start_loc": query_start_loc})
+    _check_device(
+        {
+            "query": query,
+            "k_cache": k_cache,
+            "v_cache": v_cache,
+            "block_tables": block_tables,
+            "seq_lens": seq_lens,
+            "query_start_loc": query_start_loc,
+        }
+    )
     limits = _device_limits(query.device)
     check_device_dtype(query.dtype, limits, "query")
     if out is None:
@@ -955,16 +1186,37 @@ def paged_prefill_attention(
     target = out if out.stride(-1) == 1 else torch.empty_like(query)
     grid = (num_tokens // block_q + batch, num_kv_heads * triton.cdiv(group, cfg.heads))
     _paged_prefill_kernel[grid](
-        target, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        query.stride(0), query.stride(1), target.stride(0), target.stride(1),
-        *k_cache.stride(), *v_cache.stride(),
-        block_tables.stride(0), batch,
-        float(scale), float(softcap or 0.0), int(sliding_window or 0),
-        GROUP=group, HEADS=cfg.heads, BLOCK_Q=block_q, BLOCK_M=block_m,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size,
-        USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None,
+        target,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        query.stride(0),
+        query.stride(1),
+        target.stride(0),
+        target.stride(1),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        block_tables.stride(0),
+        batch,
+        float(scale),
+        float(softcap or 0.0),
+        int(sliding_window or 0),
+        GROUP=group,
+        HEADS=cfg.heads,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_N=cfg.block_n,
+        BLOCK_SIZE=block_size,
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFTCAP=softcap is not None,
         DOT_FP32=_dot_in_fp32(query.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if target is not out:
         out.copy_(target)
@@ -995,10 +1247,24 @@ def paged_attention(
         )
     if max_query_len == 1 and query.dim() == 3 and query.shape[0] == seq_lens.shape[0]:
         return paged_decode_attention(
-            query, k_cache, v_cache, block_tables, seq_lens, scale,
-            sliding_window=sliding_window, softcap=softcap,
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
         )
     return paged_prefill_attention(
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
-        sliding_window=sliding_window, softcap=softcap,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        max_query_len,
+        scale,
+        sliding_window=sliding_window,
+        softcap=softcap,
     )

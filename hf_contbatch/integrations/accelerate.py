@@ -96,7 +96,9 @@ def distributed_generate(
             by_index.setdefault(i, out)  # first copy wins: padding duplicates are dropped
     missing = [i for i in range(len(prompts)) if i not in by_index]
     if missing:
-        raise RuntimeError(f"results missing for prompts {missing[:10]} after gathering from {state.num_processes} processes")
+        raise RuntimeError(
+            f"results missing for prompts {missing[:10]} after gathering from {state.num_processes} processes"
+        )
     return [by_index[i] for i in range(len(prompts))]
 
 
@@ -104,7 +106,9 @@ def process_info() -> dict:
     """This process's rank, the number of processes, the backend and the device (for logs and tests)."""
     state = _state()
     return {
-        "process_index": state.process_index, "num_processes": state.num_processes,
-        "distributed_type": str(state.distributed_type), "device": str(state.device),
+        "process_index": state.process_index,
+        "num_processes": state.num_processes,
+        "distributed_type": str(state.distributed_type),
+        "device": str(state.device),
         "backend": getattr(state, "backend", None),
     }

@@ -38,8 +38,14 @@ from ..stopping import StopStringCheckers
 MODEL_TYPE = "hf-contbatch"
 
 _ENGINE_ARGS = {
-    "block_size": 16, "num_blocks": None, "cache_gib": None, "max_num_seqs": 256, "max_num_batched_tokens": 2048,
-    "enable_prefix_caching": False, "attention_backend": "auto", "engine_seed": None,
+    "block_size": 16,
+    "num_blocks": None,
+    "cache_gib": None,
+    "max_num_seqs": 256,
+    "max_num_batched_tokens": 2048,
+    "enable_prefix_caching": False,
+    "attention_backend": "auto",
+    "engine_seed": None,
 }
 
 
@@ -71,15 +77,23 @@ class ContinuousBatchingLM(HFLM):
         if self.backend != "causal":
             raise ValueError(f"{MODEL_TYPE} serves causal (decoder-only) models; this one is {self.backend}")
         cache = CacheConfig(
-            block_size=engine_args["block_size"], num_blocks=engine_args["num_blocks"],
-            cpu_cache_gib=engine_args["cache_gib"], enable_prefix_caching=bool(engine_args["enable_prefix_caching"]),
+            block_size=engine_args["block_size"],
+            num_blocks=engine_args["num_blocks"],
+            cpu_cache_gib=engine_args["cache_gib"],
+            enable_prefix_caching=bool(engine_args["enable_prefix_caching"]),
         )
         sched = SchedulerConfig(
-            max_num_seqs=engine_args["max_num_seqs"], max_num_batched_tokens=engine_args["max_num_batched_tokens"],
+            max_num_seqs=engine_args["max_num_seqs"],
+            max_num_batched_tokens=engine_args["max_num_batched_tokens"],
         )
         self.engine = LLMEngine(
-            self.model, EngineConfig(cache=cache, scheduler=sched, attention_backend=engine_args["attention_backend"],
-                                     seed=engine_args["engine_seed"]),
+            self.model,
+            EngineConfig(
+                cache=cache,
+                scheduler=sched,
+                attention_backend=engine_args["attention_backend"],
+                seed=engine_args["engine_seed"],
+            ),
         )
         self._stop_checkers = StopStringCheckers(self.tokenizer)
 
@@ -101,10 +115,14 @@ class ContinuousBatchingLM(HFLM):
         spans = []
         for _, context_enc, continuation_enc in requests:
             if not context_enc or not continuation_enc:
-                raise ValueError("loglikelihood needs a non-empty context and continuation (lm-eval adds a prefix token)")
+                raise ValueError(
+                    "loglikelihood needs a non-empty context and continuation (lm-eval adds a prefix token)"
+                )
             if len(continuation_enc) > self.max_length:
-                raise ValueError(f"a continuation of {len(continuation_enc)} tokens exceeds max_length={self.max_length}")
-            whole = (context_enc + continuation_enc)[-(self.max_length + 1):]
+                raise ValueError(
+                    f"a continuation of {len(continuation_enc)} tokens exceeds max_length={self.max_length}"
+                )
+            whole = (context_enc + continuation_enc)[-(self.max_length + 1) :]
             first = len(whole) - len(continuation_enc)  # position of the first continuation token
             sp = SamplingParams(max_new_tokens=1, prompt_logprobs=first, score_token_id=whole[-1])
             handles.append(self.engine.submit(whole[:-1], sp))
@@ -130,13 +148,17 @@ class ContinuousBatchingLM(HFLM):
         windows = []
         counts = []
         for (string,) in [req.args for req in requests]:
-            rolling = list(map(
-                lm_utils.make_disjoint_window,
-                lm_utils.get_rolling_token_windows(
-                    token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length, context_len=1,
-                ),
-            ))
+            rolling = list(
+                map(
+                    lm_utils.make_disjoint_window,
+                    lm_utils.get_rolling_token_windows(
+                        token_list=self.tok_encode(string),
+                        prefix_token=self.prefix_token_id,
+                        max_seq_len=self.max_length,
+                        context_len=1,
+                    ),
+                )
+            )
             windows.extend((None,) + w for w in rolling)
             counts.append(len(rolling))
         scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
@@ -162,8 +184,12 @@ class ContinuousBatchingLM(HFLM):
         if do_sample is False and kwargs["temperature"] == 0.0:
             kwargs.pop("temperature")
         max_length = kwargs.pop("max_length", context_len + max_gen_toks)
-        cfg = resolve_generate_config(self.model, None, max_length=max_length, pad_token_id=self.tokenizer.pad_token_id, **kwargs)
-        return with_processors(self.model, cfg, sampling_params_from_config(cfg, context_len), prompt, device=logits_device(self.model))
+        cfg = resolve_generate_config(
+            self.model, None, max_length=max_length, pad_token_id=self.tokenizer.pad_token_id, **kwargs
+        )
+        return with_processors(
+            self.model, cfg, sampling_params_from_config(cfg, context_len), prompt, device=logits_device(self.model)
+        )
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Every request submitted at once; the text is post-processed as ``hf`` does."""
@@ -188,7 +214,9 @@ class ContinuousBatchingLM(HFLM):
                 ids, _ = self.tok_batch_encode([context], left_truncate_len=max_ctx_len, truncation=self.truncation)
                 prompt = ids[0].tolist()
                 sp = self._sampling_for(kwargs, prompt, max_gen_toks)
-                handles.append(self.engine.submit(prompt, sp, stop_checker=self._stop_checkers.checker([u for u in until if u])))
+                handles.append(
+                    self.engine.submit(prompt, sp, stop_checker=self._stop_checkers.checker([u for u in until if u]))
+                )
                 untils.append(until)
             self._wait_all(handles, "Running generate_until requests", disable_tqdm)
         except BaseException:
@@ -206,7 +234,8 @@ class ContinuousBatchingLM(HFLM):
             if isinstance(self.think_end_token, int):
                 text = text.lstrip()
             text = postprocess_generated_text(
-                generation=text, stop=until,
+                generation=text,
+                stop=until,
                 think_end_token=self.think_end_token if isinstance(self.think_end_token, str) else None,
             )
             results.append(text)

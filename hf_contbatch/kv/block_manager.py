@@ -198,12 +198,11 @@ class BlockManager:
             raise RuntimeError(f"prefix blocks given for request {request_id}, which already has a block table")
         need = (
             self.num_blocks_needed_with_prefix(prefix_blocks, total_tokens)
-            if prefix_blocks else self.num_blocks_needed(request_id, total_tokens)
+            if prefix_blocks
+            else self.num_blocks_needed(request_id, total_tokens)
         )
         if need > len(self._free):
-            raise RuntimeError(
-                f"KV pool exhausted: request {request_id} needs {need} blocks, {len(self._free)} free"
-            )
+            raise RuntimeError(f"KV pool exhausted: request {request_id} needs {need} blocks, {len(self._free)} free")
         table = self.block_tables.setdefault(request_id, [])
         for b in prefix_blocks:
             if self.ref_counts[b] == 0:

@@ -79,9 +79,7 @@ class AttentionMetadata:
         )
 
 
-def kv_bytes_per_block(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> int:
+def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes one block takes over all layers, K and V together."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
@@ -149,9 +147,7 @@ class PagedKVCache:
         """
         meta = self.metadata
         if meta is None:
-            raise RuntimeError(
-                "PagedKVCache.update called outside an engine step (no attention metadata is set)"
-            )
+            raise RuntimeError("PagedKVCache.update called outside an engine step (no attention metadata is set)")
         k_pool = self.key_cache[layer_idx]
         meta = meta.to(k_pool.device)
         # [1, KVH, T, D] -> [T, KVH, D]
@@ -219,7 +215,10 @@ class PagedKVCache:
             dev = self.key_cache[layer].device
             if dev not in on_device:
                 on_device[dev] = (src_cpu if to_host else dst_cpu).to(dev)
-            pools = ((self.key_cache[layer], self.swap_key_cache[layer]), (self.value_cache[layer], self.swap_value_cache[layer]))
+            pools = (
+                (self.key_cache[layer], self.swap_key_cache[layer]),
+                (self.value_cache[layer], self.swap_value_cache[layer]),
+            )
             if to_host:
                 src = on_device[dev]
                 for device_pool, host_pool in pools:

@@ -52,7 +52,10 @@ def _cap_blocks(block_bytes: int, available_bytes: Optional[int]) -> tuple[int, 
 
 
 def default_host_kv_blocks(
-    block_bytes: int, block_size: int, max_num_seqs: int, max_model_len: Optional[int],
+    block_bytes: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_model_len: Optional[int],
     available_bytes: Optional[int],
 ) -> PoolSize:
     """The CPU KV pool's default size.
@@ -70,13 +73,21 @@ def default_host_kv_blocks(
         return PoolSize(cap, f"{cap_why} (the model's context is unknown)")
     if want <= cap:
         return PoolSize(want, f"max_num_seqs {max_num_seqs} × context {max_model_len} tokens")
-    return PoolSize(cap, f"capped at {cap_why}; max_num_seqs {max_num_seqs} × context {max_model_len} tokens "
-                         f"would take {want * block_bytes / 2**30:.2f} GiB")
+    return PoolSize(
+        cap,
+        f"capped at {cap_why}; max_num_seqs {max_num_seqs} × context {max_model_len} tokens "
+        f"would take {want * block_bytes / 2**30:.2f} GiB",
+    )
 
 
 def default_swap_blocks(
-    block_bytes: int, device_blocks: int, block_size: int, max_num_seqs: int, max_model_len: Optional[int],
-    available_bytes: Optional[int], host_kv_bytes: int = 0,
+    block_bytes: int,
+    device_blocks: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_model_len: Optional[int],
+    available_bytes: Optional[int],
+    host_kv_bytes: int = 0,
 ) -> PoolSize:
     """The swap pool's default size: the device pool's block count, at most what the model can use,
     capped like the KV pool after ``host_kv_bytes`` (the KV pool's bytes when it is on the host too).
