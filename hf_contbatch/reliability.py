@@ -20,6 +20,7 @@ import signal
 import threading
 from typing import Callable, Optional, Sequence
 
+from .config import is_int
 from .request import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -50,9 +51,6 @@ def check_request(prompt_token_ids: Sequence[int], sampling: SamplingParams, voc
 
     def bad(name: str, allowed: str) -> ValueError:
         return ValueError(f"`{name}` must be {allowed}, got {getattr(sp, name)!r}")
-
-    def is_int(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
 
     def is_num(v) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool)
