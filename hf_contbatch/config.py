@@ -169,6 +169,11 @@ class EngineConfig:
             iterations in the calling thread while the background thread leaves; on CPU this is up
             to 1.5x faster than handing every step to a second thread. False keeps all work on the
             background thread, as does a running live dashboard (it needs the CPU to render).
+        prompt_lookup_num_tokens: default for requests that do not set it: draft up to this many
+            tokens per step by prompt lookup and verify them in the batch (speculative decoding,
+            ``hf_contbatch.speculative``; exact for greedy requests, which are the ones that
+            draft). 0 (default) is off: drafts cost forward rows, so they pay on input-grounded
+            work (editing, extraction, code) and cost a little elsewhere.
     """
 
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -180,6 +185,7 @@ class EngineConfig:
     record_phases: bool = True
     drive_in_caller: bool = True
     fuse_linears: bool = True
+    prompt_lookup_num_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, CacheConfig):
@@ -193,3 +199,7 @@ class EngineConfig:
         _check_positive_int("num_threads", self.num_threads, allow_none=True)
         if not isinstance(self.fuse_linears, bool):
             raise ValueError(f"`fuse_linears` must be True or False, got {self.fuse_linears!r}")
+        if not is_int(self.prompt_lookup_num_tokens) or self.prompt_lookup_num_tokens < 0:
+            raise ValueError(
+                f"`prompt_lookup_num_tokens` must be an int >= 0 (0: off), got {self.prompt_lookup_num_tokens!r}"
+            )

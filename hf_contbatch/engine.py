@@ -214,6 +214,8 @@ class LLMEngine(KVPoolSizing, EngineDriver):
             raise ValueError("`prompt_token_ids` must be a sequence of ints")
         if not is_int(priority):
             raise ValueError(f"`priority` must be an int (lower runs first), got {priority!r}")
+        if sampling.prompt_lookup_num_tokens is None and self.config.prompt_lookup_num_tokens:
+            sampling = dataclasses.replace(sampling, prompt_lookup_num_tokens=self.config.prompt_lookup_num_tokens)
         check_request(ids, sampling, self.vocab_size)
         n = len(ids)
         # A one-token scoring request (prompt log-probs) never feeds its sampled token, so its prompt
@@ -335,13 +337,8 @@ class LLMEngine(KVPoolSizing, EngineDriver):
         with self._state_lock:
             for s, exc in failed:
                 self._fail_in_step(s.request, exc)
-            advanced = sched.update_from_output(out, sampled)
             now = time.monotonic()
-            for req in advanced:
-                try:
-                    self._on_new_token(req, now)
-                except Exception as exc:  # noqa: BLE001 - a stop checker or stream of one request
-                    self._fail_in_step(req, exc)
+            sched.update_from_output(out, sampled, on_token=lambda req: self._on_new_token(req, now))
             timer.charge("decode")
             out.phases = list(timer.as_tuple())
             self.counters.record_iteration(out, self.block_manager.num_used_blocks, time.monotonic() - t0, swap_seconds)
@@ -359,16 +356,24 @@ class LLMEngine(KVPoolSizing, EngineDriver):
         if out.blocks_to_copy:
             self.cache.copy_blocks(out.blocks_to_copy)
 
-    def _on_new_token(self, req: Request, now: float) -> None:
-        self.counters.record_token(req, now)
-        handle = self._handles.get(req.request_id)
-        if handle is not None:
-            handle._push([req.output_token_ids[-1]])
-        status = finish_status(req)
-        if status is None and req.sampling.stopping_criteria and self.sampler.should_stop(req):
-            status = RequestStatus.FINISHED_STOPPED  # the call's stopping_criteria, on its own ids
+    def _on_new_token(self, req: Request, now: float) -> bool:
+        """Count, stream and stop-check the token just appended to ``req`` (one at a time, also for
+        accepted drafts); True when ``req`` finished. An error here (a stop checker, a streamer)
+        fails ``req`` alone."""
+        try:
+            self.counters.record_token(req, now)
+            handle = self._handles.get(req.request_id)
+            if handle is not None:
+                handle._push([req.output_token_ids[-1]])
+            status = finish_status(req)
+            if status is None and req.sampling.stopping_criteria and self.sampler.should_stop(req):
+                status = RequestStatus.FINISHED_STOPPED  # the call's stopping_criteria, on its own ids
+        except Exception as exc:  # noqa: BLE001 - a stop checker or stream of one request
+            self._fail_in_step(req, exc)
+            return True
         if status is not None:
             req.status = status
+        return status is not None
 
     def _fail_in_step(self, req: Request, exc: Exception) -> None:
         """Fail one request during a step: it keeps its tokens, the next reap frees its blocks and

@@ -73,11 +73,6 @@ UNSUPPORTED_GENERATION = {
         "token healing rewrites the prompt with a constrained generate call",
         "transformers' generate",
     ),
-    "prompt_lookup_num_tokens": (
-        (None,),
-        "speculative decoding is not implemented in the engine",
-        "plain decoding (drop the setting)",
-    ),
     "use_mtp": ((None, False), "multi-token prediction heads are not run by the engine", "plain decoding"),
     "output_logits": (
         (None, False),

@@ -70,6 +70,8 @@ SUPPORTED_GENERATION_KWARGS = (
     "num_return_sequences",
     "generation_config",
     "min_length",
+    "prompt_lookup_num_tokens",
+    "max_matching_ngram_size",
 ) + tuple(k for k in PROCESSOR_SETTINGS if k not in ("min_length", "min_new_tokens"))
 
 
@@ -144,6 +146,12 @@ def sampling_params_from_config(
         raise ValueError(f"`eos_token_id` must be an int or a list of ints, got {eos!r}")
     if seed is not None:
         check_int("seed", seed, 0)
+    lookup = getattr(cfg, "prompt_lookup_num_tokens", None)
+    if lookup is not None:
+        check_int("prompt_lookup_num_tokens", lookup, 0)
+    max_ngram = getattr(cfg, "max_matching_ngram_size", None)
+    if max_ngram is not None:
+        check_int("max_matching_ngram_size", max_ngram, 1)
     return SamplingParams(
         max_new_tokens=max_new,
         min_new_tokens=min_new,
@@ -155,6 +163,8 @@ def sampling_params_from_config(
         eos_token_ids=() if ignore_eos else eos_ids,
         ignore_eos=ignore_eos,
         seed=seed,
+        prompt_lookup_num_tokens=lookup,
+        max_matching_ngram_size=max_ngram,
     )
 
 

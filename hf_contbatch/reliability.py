@@ -82,6 +82,14 @@ def check_request(prompt_token_ids: Sequence[int], sampling: SamplingParams, voc
         and sp.score_token_id >= vocab_size
     ):
         raise bad("score_token_id", f"None or a token id in 0..{'V-1' if vocab_size is None else vocab_size - 1}")
+    if sp.prompt_lookup_num_tokens is not None and (
+        not is_int(sp.prompt_lookup_num_tokens) or sp.prompt_lookup_num_tokens < 0
+    ):
+        raise bad("prompt_lookup_num_tokens", "None or an int >= 0 (0: no drafts)")
+    if sp.max_matching_ngram_size is not None and (
+        not is_int(sp.max_matching_ngram_size) or sp.max_matching_ngram_size < 1
+    ):
+        raise bad("max_matching_ngram_size", "None or an int >= 1")
 
 
 def execute_isolating_failures(execute: Callable, out) -> tuple[dict[int, int], list[tuple[object, Exception]]]:

@@ -64,6 +64,13 @@ class SamplingParams:
             ``[1, seq]`` ids after each token; True finishes it as "stop".
         logprobs: None (off), 0 (record the log-prob of each chosen token under the processed
             scores, as ``generate(output_scores=True)`` scores it), or N >= 1 (also the top N).
+        prompt_lookup_num_tokens: draft up to this many tokens per step from n-gram matches in the
+            request's own context and verify them in the step's forward (prompt-lookup speculative
+            decoding, ``hf_contbatch.speculative``); None takes ``EngineConfig``'s default, 0 is
+            off. Only requests whose next token is a plain argmax draft (``can_draft``); the
+            output is exactly the one without drafts.
+        max_matching_ngram_size: longest context suffix looked up for drafts (transformers' name);
+            None means 2, transformers' default.
     """
 
     max_new_tokens: int = 256
@@ -81,6 +88,22 @@ class SamplingParams:
     logits_processor: Any = field(default=None, compare=False, repr=False)
     stopping_criteria: Any = field(default=None, compare=False, repr=False)
     logprobs: Optional[int] = None
+    prompt_lookup_num_tokens: Optional[int] = None
+    max_matching_ngram_size: Optional[int] = None
+
+    @property
+    def can_draft(self) -> bool:
+        """True when prompt-lookup drafts are on and can be verified exactly by comparing them with
+        the argmax of each row: greedy with no processor, no per-token scores, no stopping criteria
+        (sampled requests and processors that read the history skip drafting)."""
+        return (
+            bool(self.prompt_lookup_num_tokens)
+            and self.is_greedy_plain
+            and self.logprobs is None
+            and not self.prompt_logprobs
+            and self.score_token_id is None
+            and not self.stopping_criteria
+        )
 
     @property
     def is_greedy_plain(self) -> bool:

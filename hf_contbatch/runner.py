@@ -43,8 +43,13 @@ class ModelRunner:
         self.block_size = block_manager.block_size
 
     def build_metadata(self, out: SchedulerOutput):
-        """Flattened ``input_ids`` ``[T]``, ``positions`` ``[T]``, the metadata, and the row of each
-        sampled request in the flattened batch."""
+        """Flattened ``input_ids`` ``[T]``, ``positions`` ``[T]``, the metadata, the row of each
+        sampled request in the flattened batch, and the rows of each request verifying drafts.
+
+        A request verifying ``m`` drafts (its last token plus the drafts, ``1 + m`` rows) enters the
+        attention metadata as ``1 + m`` decodes of the same block table with growing lengths, so
+        each row attends to its own prefix and the rows are served with the step's other decodes.
+        """
         bs = self.block_size
         input_ids: list[int] = []
         pos_starts: list[int] = []
@@ -52,11 +57,25 @@ class ModelRunner:
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         sample_rows: list[int] = []
+        spec_rows: list[int] = []
         num_decodes = 0
         num_tokens = 0
         for s in out.scheduled:  # decodes first (the scheduler's order)
             req, n = s.request, s.num_new_tokens
             start = req.num_computed_tokens
+            if s.draft_token_ids:  # right after the decodes (the scheduler's order)
+                table = self.block_manager.get_block_table(req.request_id)
+                input_ids.append(req.output_token_ids[-1])
+                input_ids.extend(s.draft_token_ids)
+                for i in range(n):
+                    pos_starts.append(start + i)
+                    q_lens.append(1)
+                    seq_lens.append(start + i + 1)
+                    tables.append(table)
+                    spec_rows.append(num_tokens + i)
+                num_decodes += n
+                num_tokens += n
+                continue
             if s.is_decode:
                 num_decodes += 1
                 input_ids.append(req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1])
@@ -97,14 +116,15 @@ class ModelRunner:
             num_kv_heads=self.cache.num_kv_heads,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        return ids, positions.to(dev), meta, sample_rows
+        return ids, positions.to(dev), meta, sample_rows, spec_rows
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[int, int]:
-        """Run the step's forward and return ``{request_id: sampled token}`` for sampling requests."""
+        """Run the step's forward and return ``{request_id: sampled token}`` for sampling requests,
+        and ``{request_id: [greedy token per row]}`` for requests verifying drafts."""
         if out.is_empty:
             return {}
-        ids, positions, meta, sample_rows = self.build_metadata(out)
+        ids, positions, meta, sample_rows, spec_rows = self.build_metadata(out)
         score_rows, score_slots = self._prompt_logprob_rows(out)
         self.cache.metadata = meta
         try:
@@ -115,7 +135,7 @@ class ModelRunner:
                 "use_cache": True,
                 "paged_cache": self.cache,
             }
-            rows = torch.tensor(sample_rows + score_rows, dtype=torch.long, device=self.device)
+            rows = torch.tensor(sample_rows + score_rows + spec_rows, dtype=torch.long, device=self.device)
             if self._supports_logits_to_keep:
                 kwargs["logits_to_keep"] = rows
             logits = self.model(**kwargs).logits[0]
@@ -123,12 +143,24 @@ class ModelRunner:
                 logits = logits.index_select(0, rows)
         finally:
             self.cache.metadata = None
-        sampled_reqs = [s.request for s in out.scheduled if s.samples]
+        result: dict = {}
+        if spec_rows:
+            # Drafting requests are plain greedy (SamplingParams.can_draft): the argmax of every row,
+            # as the sampler's plain path takes it.
+            greedy = logits[len(sample_rows) + len(score_rows) :].float().argmax(dim=-1).tolist()
+            logits = logits[: len(sample_rows) + len(score_rows)]
+            at = 0
+            for s in out.scheduled:
+                if s.draft_token_ids:
+                    result[s.request.request_id] = greedy[at : at + s.num_new_tokens]
+                    at += s.num_new_tokens
+        sampled_reqs = [s.request for s in out.scheduled if s.samples and not s.draft_token_ids]
         if score_rows or any(r.sampling.score_token_id is not None for r in sampled_reqs):
             self._record_prompt_logprobs(logits, sampled_reqs, score_slots)
             logits = logits[: len(sample_rows)]
         tokens = self.sampler.sample(logits, sampled_reqs)
-        return {r.request_id: t for r, t in zip(sampled_reqs, tokens)}
+        result.update((r.request_id, t) for r, t in zip(sampled_reqs, tokens))
+        return result
 
     # --- prompt log-probs (SamplingParams.prompt_logprobs; lm-eval scoring) ----------------------
     def _prompt_logprob_rows(self, out: SchedulerOutput) -> tuple[list[int], list[tuple]]:

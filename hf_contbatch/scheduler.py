@@ -31,6 +31,7 @@ from .config import SchedulerConfig
 from .kv.block_manager import BlockManager
 from .phases import PHASES, PhaseTimer
 from .request import Request, RequestStatus
+from .speculative import DEFAULT_MAX_MATCHING_NGRAM_SIZE, NgramProposer
 
 __all__ = ["PHASES", "ScheduledRequest", "Scheduler", "SchedulerOutput", "StepBudget"]
 
@@ -40,6 +41,9 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens whose KV this step computes
     samples: bool  # True when this step completes the request's known tokens, so a token is sampled
+    # Prompt-lookup drafts that follow the request's last token this step (speculative decoding):
+    # ``num_new_tokens == 1 + len(draft_token_ids)``, and every row yields a greedy token.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def for_tokens(cls, request: Request, num_new_tokens: int) -> "ScheduledRequest":
@@ -52,6 +56,12 @@ class ScheduledRequest:
         """One query token that is the request's last known token (not a 1-token prefill chunk).
         Decodes come first in a step's batch; attention serves them batched."""
         return self.num_new_tokens == 1 and not self.request.is_prefill
+
+    @property
+    def is_speculative(self) -> bool:
+        """The last token plus drafts: attention serves each row as a decode with its own length,
+        so these come right after the decodes."""
+        return bool(self.draft_token_ids)
 
 
 @dataclass
@@ -79,6 +89,7 @@ class SchedulerOutput:
         reserved_blocks: running requests' blocks for this step's tokens, plus the reserved forks
             and swap-ins.
         num_prefix_hit_tokens: prompt tokens served from the prefix cache at this step's admissions.
+        num_draft_tokens: prompt-lookup draft tokens scheduled for verification this step.
         phases: (phase name, seconds) in the order they ran.
     """
 
@@ -97,6 +108,7 @@ class SchedulerOutput:
     budget_blocks: int = 0
     reserved_blocks: int = 0
     num_prefix_hit_tokens: int = 0
+    num_draft_tokens: int = 0
     phases: list[tuple[str, float]] = field(default_factory=list)
 
     @property
@@ -172,6 +184,9 @@ class Scheduler:
         self.num_forks = 0
         self.num_fork_fallbacks = 0  # sequences that could not be forked and recompute their prompt
         self.num_pool_wall_stops = 0  # requests finished "length" because the pool could not grow them
+        self.proposer = NgramProposer()  # prompt-lookup drafts (speculative decoding)
+        self.num_draft_tokens = 0  # drafts verified
+        self.num_accepted_draft_tokens = 0  # drafts equal to the greedy token, kept
         self._watermark_blocks = int(config.watermark * block_manager.num_blocks)
         self._epoch = clock()
         # Requests whose KV arrives by swap-in or fork copy this step: not swappable yet.
@@ -242,9 +257,10 @@ class Scheduler:
     def finish_plan(self, out: SchedulerOutput, step: StepBudget) -> None:
         """Put the plan into ``out`` in the layout attention metadata expects (decodes first, then
         prefill chunks) and check the iteration's invariants."""
-        step.plan.sort(key=lambda s: not s.is_decode)
+        step.plan.sort(key=lambda s: 0 if s.is_decode else 1 if s.is_speculative else 2)
         out.scheduled = step.plan
         out.num_batched_tokens = sum(s.num_new_tokens for s in step.plan)
+        out.num_draft_tokens = sum(len(s.draft_token_ids) for s in step.plan)
         assert out.num_batched_tokens <= self.config.max_num_batched_tokens, "token budget exceeded"
         assert len(self.running) <= self.config.max_num_seqs, "max_num_seqs exceeded"
 
@@ -262,6 +278,7 @@ class Scheduler:
                 if req.status.is_finished:
                     self.block_manager.free(req.request_id)
                     self.host_block_manager.free(req.request_id)
+                    self.proposer.forget(req.request_id)
                     reaped.append(req)
                 else:
                     keep.append(req)
@@ -300,9 +317,44 @@ class Scheduler:
             n = self._num_tokens_to_schedule(req, budget)
             if n == 0:
                 continue
-            plan.append(ScheduledRequest.for_tokens(req, n))
-            budget -= n
+            drafts = self._drafts(req, budget - 1) if n == 1 and req.num_tokens - req.num_computed_tokens == 1 else []
+            if drafts:
+                plan.append(ScheduledRequest(req, 1 + len(drafts), True, drafts))
+                budget -= 1 + len(drafts)
+            else:
+                plan.append(ScheduledRequest.for_tokens(req, n))
+                budget -= n
         return StepBudget(plan=plan, token_budget=budget)
+
+    def _drafts(self, req: Request, room: int) -> list[int]:
+        """Prompt-lookup drafts for a decoding request (``SamplingParams.can_draft``), at most
+        ``room`` of them, and never so many that accepting all of them plus the token after them
+        would pass ``max_new_tokens`` or the model's context (``submit`` sized the request for
+        that many tokens, so drafts never need more KV than the request could)."""
+        sp = req.sampling
+        if not sp.can_draft or req.pending_forks or not req.output_token_ids:
+            return []
+        k = min(sp.prompt_lookup_num_tokens, room, sp.max_new_tokens - len(req.output_token_ids) - 1)
+        if req.max_total_tokens is not None:
+            k = min(k, req.max_total_tokens - req.num_tokens - 1)
+        if k <= 0:
+            return []
+        max_ngram = sp.max_matching_ngram_size or DEFAULT_MAX_MATCHING_NGRAM_SIZE
+        return self.proposer.propose(req.request_id, req.all_token_ids, k, max_ngram)
+
+    def _drop_drafts(self, step: StepBudget) -> bool:
+        """Verify no drafts this step (they are the first thing to go when blocks are short: never
+        preempt a request, or keep one waiting, for a speculative token). True if any were dropped."""
+        spec = [i for i, s in enumerate(step.plan) if s.draft_token_ids]
+        if not spec:
+            return False
+        before = self._reservation(step.plan)
+        for i in spec:
+            s = step.plan[i]
+            step.token_budget += len(s.draft_token_ids)
+            step.plan[i] = ScheduledRequest.for_tokens(s.request, 1)
+        step.block_budget += before - self._reservation(step.plan)
+        return True
 
     def _num_tokens_to_schedule(self, req: Request, token_budget: int, computed: Optional[int] = None) -> int:
         computed = req.num_computed_tokens if computed is None else computed
@@ -398,6 +450,8 @@ class Scheduler:
                 break  # a swapped request ranks before it and could not resume
             if self._try_admit(out, step, req):
                 continue
+            if self._admit_without_drafts(out, step, req):
+                continue
             # The seat or blocks go to ``req`` itself, not to whoever is queued first afterwards
             # (an escalated victim would be, and would take them straight back).
             while self._preempt_for(out, step, req, timer):
@@ -405,6 +459,17 @@ class Scheduler:
                     break
             else:
                 break  # strict order: a request never overtakes an earlier one of its rank
+
+    def _admit_without_drafts(self, out: SchedulerOutput, step: StepBudget, req: Request) -> bool:
+        """Admit ``req`` with the tokens and blocks of this step's drafts, if that is what it
+        lacks; otherwise the drafts stay."""
+        saved = (list(step.plan), step.token_budget, step.block_budget)
+        if not self._drop_drafts(step):
+            return False
+        if self._try_admit(out, step, req):
+            return True
+        step.plan[:], step.token_budget, step.block_budget = saved
+        return False
 
     def _try_admit(self, out: SchedulerOutput, step: StepBudget, req: Request) -> bool:
         bm = self.block_manager
@@ -500,6 +565,8 @@ class Scheduler:
         one (swap or recompute, see ``_choose_preemption_mode``); with nobody left to preempt, what
         still does not fit stops at the pool wall (``_stop_at_pool_wall``). Then give every planned
         request its blocks for this step's tokens."""
+        if self._reservation(step.plan) > self.block_manager.num_free_blocks:
+            self._drop_drafts(step)
         while self._reservation(step.plan) > self.block_manager.num_free_blocks:
             victim = self._choose_victim()
             if victim is None:
@@ -616,11 +683,27 @@ class Scheduler:
         return None
 
     # --- after the forward ---------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
+    def update_from_output(
+        self,
+        out: SchedulerOutput,
+        sampled: dict,
+        on_token: Optional[Callable[[Request], bool]] = None,
+    ) -> list[Request]:
         """Advance ``num_computed_tokens``, append sampled tokens; return requests that got a token.
 
-        Blocks that became full and computed enter the prefix cache. Finishing (EOS, length, stop)
-        is decided by the engine, which marks the status; the blocks are freed by the next
+        Args:
+            out: the step's plan.
+            sampled: ``{request_id: token}``; for a request with drafts, ``{request_id: [token per
+                row]}``, the greedy token after its last token and after each draft.
+            on_token: called after each appended token (the engine's stop checks and streaming);
+                True means the request finished and gets no further token of this step.
+
+        A request with drafts keeps the longest prefix of drafts equal to the greedy tokens and the
+        greedy token after it (so its output is exactly plain greedy decoding's); the KV of
+        rejected drafts is dropped: ``num_computed_tokens`` covers accepted tokens only and blocks
+        past it are freed (their slots are rewritten by the next step anyway). Blocks that became
+        full and computed enter the prefix cache (accepted tokens only). Finishing (EOS, length,
+        stop) is decided by the engine, which marks the status; the blocks are freed by the next
         iteration's reap step.
         """
         advanced = []
@@ -629,12 +712,36 @@ class Scheduler:
             req = s.request
             if req.status.is_finished:
                 continue
-            req.num_computed_tokens += s.num_new_tokens
-            if s.samples:
-                req.output_token_ids.append(sampled[req.request_id])
+            if s.draft_token_ids:
+                self._accept_drafts(s, sampled[req.request_id], on_token)
                 advanced.append(req)
+            else:
+                req.num_computed_tokens += s.num_new_tokens
+                if s.samples:
+                    req.output_token_ids.append(sampled[req.request_id])
+                    advanced.append(req)
+                    if on_token is not None:
+                        on_token(req)
             if bm.enable_prefix_caching and req.num_computed_tokens // bm.block_size > bm.num_hashed_blocks(
                 req.request_id
             ):
                 bm.cache_full_blocks(req.request_id, req.all_token_ids, req.block_hashes, req.num_computed_tokens)
         return advanced
+
+    def _accept_drafts(self, s: ScheduledRequest, tokens: list[int], on_token) -> None:
+        """Greedy verification (Leviathan et al., 2023, with argmax targets): ``tokens[i]`` is the
+        greedy token after the last token and ``i`` drafts; keep drafts while they equal it."""
+        req, drafts = s.request, s.draft_token_ids
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == tokens[accepted]:
+            accepted += 1
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_draft_tokens += accepted
+        req.num_computed_tokens += 1  # the last token's KV
+        for i, token in enumerate(tokens[: accepted + 1]):
+            req.output_token_ids.append(token)
+            if i < accepted:
+                req.num_computed_tokens += 1  # it was a draft: its KV was computed this step
+            if on_token is not None and on_token(req):
+                break
+        self.block_manager.trim(req.request_id, req.num_computed_tokens)

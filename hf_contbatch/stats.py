@@ -56,6 +56,14 @@ class EngineStats:
     phase_seconds: tuple = ()  # ((phase, total seconds), ...) over all iterations, in PHASES order
     last_phases: tuple = ()  # ((phase, seconds), ...) of the latest iteration
     num_kv_tokens: int = 0  # tokens whose KV the running requests hold (dashboard's tokens bar)
+    # Prompt-lookup speculative decoding (cumulative): drafts verified, and those kept.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+
+    @property
+    def draft_acceptance_rate(self) -> Optional[float]:
+        """Accepted / verified draft tokens; None before any draft."""
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
 
 class EngineCounters:
@@ -157,4 +165,6 @@ class EngineCounters:
             phase_seconds=tuple(self.phase_totals.items()),
             last_phases=recent[-1][1] if recent else (),
             num_kv_tokens=sum(r.num_computed_tokens for r in sched.running),
+            num_draft_tokens=sched.num_draft_tokens,
+            num_accepted_draft_tokens=sched.num_accepted_draft_tokens,
         )

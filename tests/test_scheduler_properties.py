@@ -30,8 +30,15 @@ EOS_TOKENS = (7, 11)
 
 
 def fake_next_token(tokens: list[int], salt: int) -> int:
-    """The fake model's 'sampled' token: depends on the request's tokens (through its KV) and id."""
-    return hash((tuple(tokens[-6:]), len(tokens), salt)) % (VOCAB - 3) + 3
+    """The fake model's 'sampled' token: depends on the request's tokens (through its KV) and id.
+    Two times in three it copies the token that followed the last token's previous occurrence (as
+    text often repeats itself), so prompt-lookup drafts are sometimes right and sometimes wrong."""
+    h = hash((tuple(tokens[-6:]), len(tokens), salt))
+    if h % 3:
+        for j in range(len(tokens) - 2, -1, -1):
+            if tokens[j] == tokens[-1]:
+                return tokens[j + 1]
+    return h % (VOCAB - 3) + 3
 
 
 def expected_output(prompt: list[int], request_id: int, max_new: int, eos: tuple) -> list[int]:
@@ -67,20 +74,36 @@ class FakeModel:
     def forward(self, out, bm: BlockManager) -> dict[int, int]:
         bs = self.bs
         # Like a real forward: every layer stores this step's K/V before any attention reads.
+        # A request verifying drafts runs its last token and the drafts: one "greedy" token per row.
         for s in out.scheduled:
-            req, table, tokens = s.request, bm.get_block_table(s.request.request_id), s.request.all_token_ids
+            req, table = s.request, bm.get_block_table(s.request.request_id)
+            tokens = req.all_token_ids + s.draft_token_ids
             for p in range(req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens):
                 self.device[table[p // bs]][p % bs] = (p, tokens[p])
         sampled = {}
         for s in out.scheduled:
-            req, table, tokens = s.request, bm.get_block_table(s.request.request_id), s.request.all_token_ids
+            req, table = s.request, bm.get_block_table(s.request.request_id)
+            tokens = req.all_token_ids + s.draft_token_ids
             context = [self.device[table[p // bs]][p % bs] for p in range(req.num_computed_tokens + s.num_new_tokens)]
             assert context == [(p, tokens[p]) for p in range(len(context))], (
                 f"request {req.request_id} reads corrupt KV"
             )
-            if s.samples:
+            if s.draft_token_ids:
+                sampled[req.request_id] = [
+                    fake_next_token(tokens[: req.num_tokens + i], req.request_id) for i in range(s.num_new_tokens)
+                ]
+            elif s.samples:
                 sampled[req.request_id] = fake_next_token(tokens, req.request_id)
         return sampled
+
+
+def finish_as_the_engine_does(req: Request) -> bool:
+    """The engine's stop check after each new token (EOS, then max_new_tokens)."""
+    if req.output_token_ids[-1] in req.sampling.eos_token_ids:
+        req.status = RequestStatus.FINISHED_STOPPED
+    elif len(req.output_token_ids) >= req.sampling.max_new_tokens:
+        req.status = RequestStatus.FINISHED_LENGTH
+    return req.status.is_finished
 
 
 def check_iteration(sched: Scheduler, out, prior_running: set, max_num_seqs: int) -> None:
@@ -101,7 +124,12 @@ def check_iteration(sched: Scheduler, out, prior_running: set, max_num_seqs: int
         assert len(table) * bm.block_size >= req.num_computed_tokens + s.num_new_tokens
         for p in range(req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens):
             assert bm.ref_counts[table[p // bm.block_size]] == 1, "a write into a shared block (no copy-on-write)"
-        assert s.samples == (req.num_computed_tokens + s.num_new_tokens == req.num_tokens)
+        if s.draft_token_ids:
+            assert s.samples and req.num_computed_tokens + 1 == req.num_tokens
+            assert s.num_new_tokens == 1 + len(s.draft_token_ids)
+            assert len(req.output_token_ids) + s.num_new_tokens <= req.sampling.max_new_tokens
+        else:
+            assert s.samples == (req.num_computed_tokens + s.num_new_tokens == req.num_tokens)
     running = {r.request_id for r in sched.running}
     swapped = {r.request_id: r for r in sched.swapped}
     assert set(bm.block_tables) <= running, "a device block table outlived its request's running state"
@@ -149,6 +177,9 @@ def workloads(draw):
     )
     host_blocks = draw(st.sampled_from([0, 1, max_need, 4 * num_blocks]))
     prefix_caching = draw(st.booleans())
+    lookup = draw(st.sampled_from([0, 0, 1, 3]))  # prompt-lookup drafts (speculative decoding)
+    for r in requests:
+        r["lookup"] = lookup
     return bs, num_blocks, host_blocks, prefix_caching, config, requests
 
 
@@ -164,7 +195,11 @@ def run_workload(bs, num_blocks, host_blocks, prefix_caching, config, specs):
     for spec in specs:
         if -(-(len(spec["prompt"]) + spec["max_new"]) // bs) > num_blocks:
             continue  # the engine rejects it at submit: it can never fit
-        sp = SamplingParams(max_new_tokens=spec["max_new"], eos_token_ids=EOS_TOKENS if spec["eos"] else ())
+        sp = SamplingParams(
+            max_new_tokens=spec["max_new"],
+            eos_token_ids=EOS_TOKENS if spec["eos"] else (),
+            prompt_lookup_num_tokens=spec.get("lookup", 0),
+        )
         seqs = []
         for _ in range(spec["n"]):
             seqs.append(
@@ -202,11 +237,7 @@ def run_workload(bs, num_blocks, host_blocks, prefix_caching, config, specs):
         assert empty_in_a_row < 3, "the scheduler stalls with work pending"
         model.move_blocks(out)
         sampled = model.forward(out, bm)
-        for req in sched.update_from_output(out, sampled):
-            if req.output_token_ids[-1] in req.sampling.eos_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-            elif len(req.output_token_ids) >= req.sampling.max_new_tokens:
-                req.status = RequestStatus.FINISHED_LENGTH
+        sched.update_from_output(out, sampled, on_token=finish_as_the_engine_does)
     else:
         pytest.fail(
             f"not finished after {bound} iterations (livelock): {[(r.request_id, r.status) for r in every if not r.status.is_finished]}"

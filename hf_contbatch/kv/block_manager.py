@@ -245,11 +245,13 @@ class BlockManager:
         """Release every block of ``request_id``; returns how many returned to the free queue."""
         table = self.block_tables.pop(request_id, None)
         self._num_hashed.pop(request_id, None)
-        if not table:
-            return 0
+        return self._release(table) if table else 0
+
+    def _release(self, blocks: Sequence[int]) -> int:
+        """Drop one reference to each block; those at 0 return to the free queue."""
         released = 0
         # Reverse order: a sequence's tail blocks are evicted before its head, which more requests share.
-        for b in reversed(table):
+        for b in reversed(blocks):
             self.ref_counts[b] -= 1
             if self.ref_counts[b] < 0:
                 raise RuntimeError(f"block {b} double-freed")
@@ -260,6 +262,18 @@ class BlockManager:
                 else:
                     self._num_cached_free += 1
                 released += 1
+        return released
+
+    def trim(self, request_id: Hashable, num_tokens: int) -> int:
+        """Release the blocks of ``request_id``'s table beyond what ``num_tokens`` tokens need
+        (the KV of rejected speculative tokens); returns how many were released. Trailing blocks
+        past the computed tokens are never hashed, so they return to the front of the free queue."""
+        table = self.block_tables.get(request_id)
+        keep = self.blocks_for_tokens(num_tokens)
+        if not table or len(table) <= keep:
+            return 0
+        released = self._release(table[keep:])
+        del table[keep:]
         return released
 
     def check_invariants(self) -> None:
