@@ -99,7 +99,11 @@ def run_ours(model, prompts, args, k: int, serial: bool):
         st = eng.stats()
         drafts = st.num_draft_tokens - before.num_draft_tokens
         accepted = st.num_accepted_draft_tokens - before.num_accepted_draft_tokens
-        return wall, outs, {"drafts": drafts, "accepted": accepted, "iterations": st.num_iterations - before.num_iterations}
+        return (
+            wall,
+            outs,
+            {"drafts": drafts, "accepted": accepted, "iterations": st.num_iterations - before.num_iterations},
+        )
     finally:
         eng.close()
 
