@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from workload import build_model, run_in_own_process  # noqa: E402
 
-ENGINES = ("generate", "generate_lookup", "ours", "ours_lookup", "ours_lookup_serial")
+ENGINES = ("generate", "generate_lookup", "ours", "ours_lookup", "ours_serial", "ours_lookup_serial")
 
 NAMES = ["total", "count", "scale", "merge", "parse", "clip", "shift", "norm"]
 OPS = ["a + b", "a * b - 1", "max(a, b)", "a // (b or 1)", "[a] * b", "a - b * 2"]
@@ -115,8 +115,8 @@ def run_single(engine: str, args) -> dict:
     if engine.startswith("generate"):
         wall, outs, extra = run_generate(model, prompts, args, lookup=engine == "generate_lookup")
     else:
-        k = 0 if engine == "ours" else args.k
-        wall, outs, extra = run_ours(model, prompts, args, k, serial=engine == "ours_lookup_serial")
+        k = args.k if "lookup" in engine else 0
+        wall, outs, extra = run_ours(model, prompts, args, k, serial=engine.endswith("serial"))
     tokens = sum(len(o) for o in outs)
     return {"engine": engine, "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "outputs": outs, "spec": extra}
 
@@ -159,6 +159,7 @@ def main() -> None:
     ratio("ours_lookup", "ours")
     ratio("ours_lookup", "generate_lookup")
     ratio("ours_lookup_serial", "generate_lookup")
+    ratio("ours_serial", "generate")
     ratio("generate_lookup", "generate")
     if args.json:
         with open(args.json, "w") as f:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
@@ -86,7 +87,9 @@ class RequestHandle:
         return self._done.wait(timeout)
 
     def result(self, timeout: Optional[float] = None) -> RequestOutput:
-        """Block until finished; return the output.
+        """Block until finished; return the output. Meanwhile this thread runs the engine's
+        iterations (``LLMEngine.drive``; with ``timeout`` too, up to the deadline) unless
+        ``EngineConfig.drive_in_caller`` is off or a live view runs.
 
         Raises:
             EngineError: the engine failed the request (``.output`` holds its partial tokens).
@@ -94,10 +97,15 @@ class RequestHandle:
             KeyboardInterrupt: interrupted while waiting; the request is cancelled first (its
                 output then has ``finish_reason="cancelled"``), other requests keep running.
         """
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            if timeout is None and not self._done.is_set() and self._engine.blocking_calls_drive:
-                self._engine.drive(self._done.is_set)
-            finished = self._done.wait(timeout)
+            if not self._done.is_set() and self._engine.blocking_calls_drive:
+                # Drive in this thread (one OpenMP team, see EngineDriver.drive) until done or the
+                # deadline; the iteration running at the deadline finishes first.
+                self._engine.drive(
+                    lambda: self._done.is_set() or (deadline is not None and time.monotonic() >= deadline)
+                )
+            finished = self._done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         except KeyboardInterrupt:
             self._engine.cancel_now([self])
             raise

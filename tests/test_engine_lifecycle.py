@@ -210,3 +210,25 @@ def test_blocking_callers_leave_iterations_to_the_background_while_a_live_view_r
         assert eng.blocking_calls_drive
     finally:
         eng.close()
+
+
+@pytest.mark.timeout(120)
+def test_result_with_a_timeout_drives_in_the_caller_and_a_timeout_leaves_the_request_running(llama_model):
+    prompt = random_prompts([7], seed=31)[0]
+    ref = reference_greedy(llama_model, prompt, 120)
+    eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=64)))
+    threads = []
+    original = eng.step
+    eng.step = lambda: threads.append(threading.get_ident()) or original()
+    try:
+        short = eng.submit(prompt, SamplingParams(max_new_tokens=3, ignore_eos=True))
+        assert short.result(timeout=30).output_token_ids == ref[:3]
+        assert threads and set(threads[1:]) == {threading.get_ident()}, "result(timeout) should drive here"
+        long = eng.submit(prompt, SamplingParams(max_new_tokens=120, ignore_eos=True))
+        with pytest.raises(TimeoutError):
+            long.result(timeout=0.001)
+        assert not long.done()
+        assert long.result(timeout=60).output_token_ids == ref  # it kept its place and finishes whole
+        assert eng.wait_idle(10) and eng.stats().num_free_blocks == 64
+    finally:
+        eng.close()
