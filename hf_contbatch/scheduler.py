@@ -317,7 +317,9 @@ class Scheduler:
             n = self._num_tokens_to_schedule(req, budget)
             if n == 0:
                 continue
-            drafts = self._drafts(req, budget - 1) if n == 1 and req.num_tokens - req.num_computed_tokens == 1 else []
+            drafts = []
+            if req.sampling.prompt_lookup_num_tokens and n == 1 and req.num_tokens - req.num_computed_tokens == 1:
+                drafts = self._drafts(req, budget - 1)
             if drafts:
                 plan.append(ScheduledRequest(req, 1 + len(drafts), True, drafts))
                 budget -= 1 + len(drafts)
