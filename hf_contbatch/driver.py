@@ -64,6 +64,10 @@ class EngineDriver:
 
     drives_callers = blocking_calls_drive  # the former name
 
+    def in_iteration(self) -> bool:
+        """True when called from inside an iteration (e.g. from a request's done-callback)."""
+        return self._iterating_thread == threading.get_ident()
+
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
         """Block until no request is queued or running, or ``timeout`` seconds passed (None: no
         limit). Returns True if idle. Waits on the background thread; never drives."""

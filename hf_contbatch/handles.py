@@ -99,7 +99,13 @@ class RequestHandle:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            if not self._done.is_set() and self._engine.blocking_calls_drive:
+            # timeout=0 polls; inside an iteration (a done-callback) a timed wait stays a wait.
+            if (
+                not self._done.is_set()
+                and self._engine.blocking_calls_drive
+                and timeout != 0
+                and (timeout is None or not self._engine.in_iteration())
+            ):
                 # Drive in this thread (one OpenMP team, see EngineDriver.drive) until done or the
                 # deadline; the iteration running at the deadline finishes first.
                 self._engine.drive(

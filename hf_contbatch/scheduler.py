@@ -317,16 +317,31 @@ class Scheduler:
             n = self._num_tokens_to_schedule(req, budget)
             if n == 0:
                 continue
-            drafts = []
-            if req.sampling.prompt_lookup_num_tokens and n == 1 and req.num_tokens - req.num_computed_tokens == 1:
-                drafts = self._drafts(req, budget - 1)
-            if drafts:
-                plan.append(ScheduledRequest(req, 1 + len(drafts), True, drafts))
-                budget -= 1 + len(drafts)
-            else:
-                plan.append(ScheduledRequest.for_tokens(req, n))
-                budget -= n
+            plan.append(ScheduledRequest.for_tokens(req, n))
+            budget -= n
         return StepBudget(plan=plan, token_budget=budget)
+
+    def _add_drafts(self, step: StepBudget) -> None:
+        """Prompt-lookup drafts for the planned decodes, best-ranked first, from what the step has
+        left once running requests, forks, swap-ins and admissions have their tokens and blocks:
+        a draft never holds back, preempts or keeps waiting anything else, and never takes the
+        watermark."""
+        bm = self.block_manager
+        for i, s in enumerate(step.plan):
+            req = s.request
+            if step.token_budget < 1:
+                return
+            if not req.sampling.prompt_lookup_num_tokens or not s.is_decode:
+                continue
+            # Room in the blocks the decode already has, plus what the step can still hand out.
+            held = bm.blocks_for_tokens(req.num_tokens)
+            room = (held + max(0, step.block_budget)) * bm.block_size - req.num_tokens
+            drafts = self._drafts(req, min(step.token_budget, room))
+            if drafts:
+                extra = bm.blocks_for_tokens(req.num_tokens + len(drafts)) - held
+                step.plan[i] = ScheduledRequest(req, 1 + len(drafts), True, drafts)
+                step.token_budget -= len(drafts)
+                step.block_budget -= extra
 
     def _drafts(self, req: Request, room: int) -> list[int]:
         """Prompt-lookup drafts for a decoding request (``SamplingParams.can_draft``), at most
@@ -452,8 +467,6 @@ class Scheduler:
                 break  # a swapped request ranks before it and could not resume
             if self._try_admit(out, step, req):
                 continue
-            if self._admit_without_drafts(out, step, req):
-                continue
             # The seat or blocks go to ``req`` itself, not to whoever is queued first afterwards
             # (an escalated victim would be, and would take them straight back).
             while self._preempt_for(out, step, req, timer):
@@ -461,17 +474,7 @@ class Scheduler:
                     break
             else:
                 break  # strict order: a request never overtakes an earlier one of its rank
-
-    def _admit_without_drafts(self, out: SchedulerOutput, step: StepBudget, req: Request) -> bool:
-        """Admit ``req`` with the tokens and blocks of this step's drafts, if that is what it
-        lacks; otherwise the drafts stay."""
-        saved = (list(step.plan), step.token_budget, step.block_budget)
-        if not self._drop_drafts(step):
-            return False
-        if self._try_admit(out, step, req):
-            return True
-        step.plan[:], step.token_budget, step.block_budget = saved
-        return False
+        self._add_drafts(step)
 
     def _try_admit(self, out: SchedulerOutput, step: StepBudget, req: Request) -> bool:
         bm = self.block_manager
@@ -738,12 +741,12 @@ class Scheduler:
         while accepted < len(drafts) and drafts[accepted] == tokens[accepted]:
             accepted += 1
         self.num_draft_tokens += len(drafts)
-        self.num_accepted_draft_tokens += accepted
         req.num_computed_tokens += 1  # the last token's KV
         for i, token in enumerate(tokens[: accepted + 1]):
             req.output_token_ids.append(token)
             if i < accepted:
                 req.num_computed_tokens += 1  # it was a draft: its KV was computed this step
+                self.num_accepted_draft_tokens += 1  # counted only when kept (a stop may come first)
             if on_token is not None and on_token(req):
                 break
         self.block_manager.trim(req.request_id, req.num_computed_tokens)

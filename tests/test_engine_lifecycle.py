@@ -232,3 +232,25 @@ def test_result_with_a_timeout_drives_in_the_caller_and_a_timeout_leaves_the_req
         assert eng.wait_idle(10) and eng.stats().num_free_blocks == 64
     finally:
         eng.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_timed_result_polled_inside_a_done_callback_times_out_instead_of_nesting(llama_model):
+    eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(num_blocks=32)))
+    try:
+        late = eng.submit([5, 6, 7], SamplingParams(max_new_tokens=30, ignore_eos=True))
+        seen = []
+
+        def callback(_):
+            try:
+                late.result(timeout=0)
+            except Exception as exc:  # noqa: BLE001 - the test records what a poll raises
+                seen.append(exc)
+
+        first = eng.submit([8, 9], SamplingParams(max_new_tokens=1))
+        first.add_done_callback(callback)
+        first.result(30)
+        assert len(late.result(60).output_token_ids) == 30
+    finally:
+        eng.close()
+    assert len(seen) == 1 and isinstance(seen[0], TimeoutError)

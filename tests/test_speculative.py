@@ -257,3 +257,80 @@ def test_bad_prompt_lookup_values_are_rejected_and_the_pipeline_keeps_serving(pi
     assert rec["generated_text"].startswith("A list is")
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens"):
         EngineConfig(prompt_lookup_num_tokens=-2)
+
+
+REPEATING = [1, 2, 3, 4, 5, 6, 7, 8] * 4  # a context whose lookup always finds a continuation
+
+
+def _next_of(req: Request) -> int:
+    return REPEATING[len(req.all_token_ids) % 8]
+
+
+def _step_accepting_every_draft(sched: Scheduler):
+    """A fake model that agrees with every draft (the most budget drafts can ever take)."""
+    out = sched.schedule()
+    sampled = {}
+    for s in out.scheduled:
+        if s.draft_token_ids:
+            sampled[s.request.request_id] = [*s.draft_token_ids, _next_of(s.request)]
+        elif s.samples:
+            sampled[s.request.request_id] = _next_of(s.request)
+    sched.update_from_output(out, sampled)
+    return out
+
+
+def test_drafts_only_take_the_token_budget_nothing_else_needs():
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4, watermark=0.0), BlockManager(64, 4))
+    drafter = Request(0, REPEATING[:16], SamplingParams(max_new_tokens=50, prompt_lookup_num_tokens=10))
+    other = Request(1, REPEATING[:16], SamplingParams(max_new_tokens=50), arrival_time=drafter.arrival_time + 1)
+    sched.add_request(drafter)
+    sched.add_request(other)
+    late = None
+    for it in range(12):
+        if it == 6:
+            late = Request(2, REPEATING[:5], SamplingParams(max_new_tokens=5))
+            sched.add_request(late)
+        out = _step_accepting_every_draft(sched)
+        planned = {s.request.request_id: s for s in out.scheduled}
+        if it >= 2:  # once the drafter's prompt is in, the other one gets tokens every step
+            assert 1 in planned, f"iteration {it}: drafts took the budget of a running request"
+        if it == 6:
+            assert late in out.admitted, "drafts kept a waiting request out"
+    assert sched.num_draft_tokens > 0
+
+
+def test_a_priority_admission_preempts_no_more_than_without_drafts():
+    def preempted(lookup: int) -> list[int]:
+        sched = Scheduler(
+            SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, watermark=0.0), BlockManager(20, 4)
+        )
+        sp = SamplingParams(max_new_tokens=40, prompt_lookup_num_tokens=lookup)
+        reqs = [Request(0, REPEATING[:16], sp, priority=5)]
+        reqs += [
+            Request(i, [20 * i + j for j in range(8)], SamplingParams(max_new_tokens=40), priority=5) for i in (1, 2)
+        ]
+        for r in reqs:
+            sched.add_request(r)
+        sched.update_from_output(sched.schedule(), {0: 1, 1: 9, 2: 9})
+        sched.add_request(Request(3, list(range(100, 144)), SamplingParams(max_new_tokens=2), priority=0))
+        return [r.request_id for r in sched.schedule().preempted]
+
+    assert preempted(8) == preempted(0) and len(preempted(0)) == 1
+
+
+def test_accepted_drafts_after_a_stop_are_not_counted():
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), BlockManager(64, 4))
+    req = Request(0, REPEATING[:16], SamplingParams(max_new_tokens=40, prompt_lookup_num_tokens=5, eos_token_ids=(2,)))
+    sched.add_request(req)
+    sched.update_from_output(sched.schedule(), {0: 1})
+    out = sched.schedule()
+    assert out.scheduled[0].draft_token_ids == [2, 3, 4, 5, 6]
+
+    def stop_at_eos(r: Request) -> bool:
+        if r.output_token_ids[-1] in r.sampling.eos_token_ids:
+            r.status = r.status.FINISHED_STOPPED
+        return r.status.is_finished
+
+    sched.update_from_output(out, {0: [2, 3, 4, 5, 6, 7]}, on_token=stop_at_eos)
+    assert req.output_token_ids == [1, 2]
+    assert (sched.num_accepted_draft_tokens, sched.num_draft_tokens) == (1, 5)
