@@ -118,6 +118,7 @@ def paged_attention_forward(
             softcap=softcap,
             key=key[0] if key.shape[0] == 1 else None,
             value=value[0] if value.shape[0] == 1 else None,
+            decode_kernel=paged_cache.cpu_decode_kernel,
         )
     return out.unsqueeze(0), None
 

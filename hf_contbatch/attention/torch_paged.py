@@ -151,6 +151,7 @@ def torch_paged_attention(
     softcap: float | None = None,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
+    decode_kernel=None,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged context.
 
@@ -163,6 +164,8 @@ def torch_paged_attention(
         softcap: logit soft-capping ``softcap * tanh(s / softcap)`` (Gemma 2).
         key, value: optional ``[KVH, T, D]``, this step's K/V rows (as stored); a prefill chunk
             that is its request's whole context reads them instead of gathering from the pool.
+        decode_kernel: a ``cpu_kernel.CPUDecodeKernel``; where it can serve (float32, built), the
+            decode rows read the pool in place through it instead of the gather path below.
 
     Returns:
         ``[T, H, D]`` in the query dtype.
@@ -173,7 +176,11 @@ def torch_paged_attention(
     flat_v = v_pool.view(-1, kvh, head_dim)
     out = torch.empty_like(query)
     nd = meta.num_decodes
-    if nd:
+    if nd and decode_kernel is not None and decode_kernel.can_serve(query, k_pool):
+        out[:nd] = decode_kernel(
+            query[:nd], k_pool, v_pool, meta.block_tables[:nd], meta.seq_lens[:nd], scale, softcap, sliding_window
+        )
+    elif nd:
         groups = num_heads // kvh
         plans = meta.derived(
             ("decode", sliding_window, kvh, groups), lambda: _decode_buckets(meta, sliding_window, groups)

@@ -122,6 +122,16 @@ class PagedKVCache:
         self.block_size = block_size
         self.dtype = dtype
         self.attention_backend = attention_backend
+        # The compiled CPU decode kernel (built and loaded on the first decode step that can use it).
+        self.cpu_decode_kernel = None
+        if (
+            attention_backend == "torch"
+            and dtype == torch.float32
+            and all(torch.device(d).type == "cpu" for d in layer_devices)
+        ):
+            from ..attention.cpu_kernel import CPUDecodeKernel
+
+            self.cpu_decode_kernel = CPUDecodeKernel()
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.key_cache = [torch.zeros(shape, dtype=dtype, device=d) for d in layer_devices]
         self.value_cache = [torch.zeros(shape, dtype=dtype, device=d) for d in layer_devices]

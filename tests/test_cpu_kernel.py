@@ -1,0 +1,81 @@
+"""The compiled CPU decode-attention kernel (``hf_contbatch/attention/cpu_decode.c``) against the
+naive reference, and its fallback to the torch path where it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from test_torch_attention import _batch
+
+from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from hf_contbatch.attention.cpu_kernel import CPUDecodeKernel
+from hf_contbatch.attention.torch_paged import torch_paged_attention
+
+from conftest import random_prompts, reference_greedy
+from reference_attention import reference_paged_attention
+
+DECODE_LENS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64, 65, 100, 127]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = CPUDecodeKernel()
+    assert k.available, f"the CPU decode kernel should build on this machine (a C compiler is needed): {k.error}"
+    return k
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "heads,kvh,dim,block_size",
+    [(4, 2, 8, 4), (8, 8, 16, 16), (8, 1, 80, 8), (12, 4, 64, 16), (6, 3, 32, 1)],
+    ids=["gqa", "mha", "mqa-d80", "small-model", "block1"],
+)
+@pytest.mark.parametrize("sliding_window,softcap", [(None, None), (5, None), (None, 20.0), (7, 30.0), (500, None)])
+def test_kernel_matches_the_reference_with_prefills_in_the_same_batch(
+    kernel, heads, kvh, dim, block_size, sliding_window, softcap
+):
+    prefill = [(5, 5), (3, 20)]  # served by the torch path in the same call
+    query, k_pool, v_pool, meta = _batch(DECODE_LENS, prefill, block_size=block_size, kvh=kvh, heads=heads, dim=dim)
+    got = torch_paged_attention(
+        query, k_pool, v_pool, meta, 0.3, sliding_window=sliding_window, softcap=softcap, decode_kernel=kernel
+    )
+    want = reference_paged_attention(
+        query,
+        k_pool,
+        v_pool,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        0.3,
+        sliding_window=sliding_window,
+        softcap=softcap,
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_serves_float32_cpu_only(kernel):
+    q = torch.zeros(2, 4, 8)
+    assert kernel.can_serve(q, torch.zeros(3, 4, 2, 8))
+    assert not kernel.can_serve(q.bfloat16(), torch.zeros(3, 4, 2, 8, dtype=torch.bfloat16))
+
+
+@pytest.mark.timeout(180)
+def test_without_a_compiler_the_torch_path_serves_with_one_warning(llama_model, monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", "/bin/false")  # every build fails
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built before
+    prompts = random_prompts([5, 17, 30], seed=9)
+    refs = [reference_greedy(llama_model, p, 12) for p in prompts]
+    eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=64)))
+    try:
+        with caplog.at_level(logging.WARNING, logger="hf_contbatch.attention.cpu_kernel"):
+            outs = [eng.submit(p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in prompts]
+            outs = [h.result(60).output_token_ids for h in outs]
+        assert outs == refs
+        kernel = eng.cache.cpu_decode_kernel
+        assert not kernel.available and "/bin/false" in kernel.error
+        warnings = [r for r in caplog.records if "using the torch path" in r.getMessage()]
+        assert len(warnings) == 1
+    finally:
+        eng.close()
