@@ -102,3 +102,23 @@ def reference_greedy(model, prompt, max_new_tokens: int):
 @pytest.fixture(scope="session")
 def llama_model():
     return build_model("llama")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The embedded model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from hf_contbatch.default_model import default_model_path
+
+    return AutoTokenizer.from_pretrained(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def ref_model():
+    """A float32 copy of the embedded model that no engine touches: the ``generate`` reference."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_contbatch.default_model import default_model_path
+
+    return AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, WatermarkingConfig
+from transformers import AutoModelForCausalLM, WatermarkingConfig
 from transformers.generation.logits_process import (
     LogitsProcessor,
     LogitsProcessorList,
@@ -25,16 +25,6 @@ from hf_contbatch.generation import TokenHistory, fast_warp_params, warp_batched
 PATH = default_model_path()
 PROMPTS = ["The for statement", "A class is a", "Exceptions are raised when"]
 NEW = 24
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return AutoTokenizer.from_pretrained(PATH)
-
-
-@pytest.fixture(scope="module")
-def ref_model():
-    return AutoModelForCausalLM.from_pretrained(PATH, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")

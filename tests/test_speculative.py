@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from hf_contbatch import (
     CacheConfig,
@@ -180,16 +180,6 @@ def test_drafts_give_way_to_an_admission_and_rejected_drafts_free_their_blocks()
 
 
 # --- through the pipeline, on the embedded (trained) model -------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return AutoTokenizer.from_pretrained(PATH)
-
-
-@pytest.fixture(scope="module")
-def ref_model():
-    return AutoModelForCausalLM.from_pretrained(PATH, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
