@@ -4,6 +4,8 @@ naive reference, and its fallback to the torch path where it cannot be built."""
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 
 import pytest
 import torch
@@ -21,8 +23,11 @@ DECODE_LENS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64, 65, 100, 127]
 
 @pytest.fixture(scope="module")
 def kernel():
+    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
+        # The engine then uses the torch path (its fallback is tested below); .ci/run installs gcc.
+        pytest.skip("no C compiler on this machine: the compiled CPU decode kernel cannot be built")
     k = CPUDecodeKernel()
-    assert k.available, f"the CPU decode kernel should build on this machine (a C compiler is needed): {k.error}"
+    assert k.available, f"a C compiler is here but the CPU decode kernel did not build: {k.error}"
     return k
 
 
