@@ -89,7 +89,6 @@ class SchedulerOutput:
         reserved_blocks: running requests' blocks for this step's tokens, plus the reserved forks
             and swap-ins.
         num_prefix_hit_tokens: prompt tokens served from the prefix cache at this step's admissions.
-        num_draft_tokens: prompt-lookup draft tokens scheduled for verification this step.
         phases: (phase name, seconds) in the order they ran.
     """
 
@@ -108,7 +107,6 @@ class SchedulerOutput:
     budget_blocks: int = 0
     reserved_blocks: int = 0
     num_prefix_hit_tokens: int = 0
-    num_draft_tokens: int = 0
     phases: list[tuple[str, float]] = field(default_factory=list)
 
     @property
@@ -260,7 +258,6 @@ class Scheduler:
         step.plan.sort(key=lambda s: 0 if s.is_decode else 1 if s.is_speculative else 2)
         out.scheduled = step.plan
         out.num_batched_tokens = sum(s.num_new_tokens for s in step.plan)
-        out.num_draft_tokens = sum(len(s.draft_token_ids) for s in step.plan)
         assert out.num_batched_tokens <= self.config.max_num_batched_tokens, "token budget exceeded"
         assert len(self.running) <= self.config.max_num_seqs, "max_num_seqs exceeded"
 
@@ -358,20 +355,6 @@ class Scheduler:
             return []
         max_ngram = sp.max_matching_ngram_size or DEFAULT_MAX_MATCHING_NGRAM_SIZE
         return self.proposer.propose(req.request_id, req.all_token_ids, k, max_ngram)
-
-    def _drop_drafts(self, step: StepBudget) -> bool:
-        """Verify no drafts this step (they are the first thing to go when blocks are short: never
-        preempt a request, or keep one waiting, for a speculative token). True if any were dropped."""
-        spec = [i for i, s in enumerate(step.plan) if s.draft_token_ids]
-        if not spec:
-            return False
-        before = self._reservation(step.plan)
-        for i in spec:
-            s = step.plan[i]
-            step.token_budget += len(s.draft_token_ids)
-            step.plan[i] = ScheduledRequest.for_tokens(s.request, 1)
-        step.block_budget += before - self._reservation(step.plan)
-        return True
 
     def _num_tokens_to_schedule(self, req: Request, token_budget: int, computed: Optional[int] = None) -> int:
         computed = req.num_computed_tokens if computed is None else computed
@@ -570,8 +553,6 @@ class Scheduler:
         one (swap or recompute, see ``_choose_preemption_mode``); with nobody left to preempt, what
         still does not fit stops at the pool wall (``_stop_at_pool_wall``). Then give every planned
         request its blocks for this step's tokens."""
-        if self._reservation(step.plan) > self.block_manager.num_free_blocks:
-            self._drop_drafts(step)
         while self._reservation(step.plan) > self.block_manager.num_free_blocks:
             victim = self._choose_victim()
             if victim is None:

@@ -142,7 +142,7 @@ def _decoding(sched: Scheduler, rid: int, prompt: list[int], first_token: int, k
     return req
 
 
-def test_drafts_are_dropped_before_anyone_is_preempted():
+def test_drafts_only_take_blocks_that_are_free_so_nobody_is_preempted_for_one():
     # 7 prompt tokens + 1 output = 2 blocks of 4; the lookup proposes 3 drafts (positions 8-10),
     # which would need a third block.
     with_room = _sched(3)
