@@ -52,18 +52,16 @@ def make_prompts(tok, n: int = 16) -> list[list[int]]:
 
 
 def load(args):
-    if args.model == "embedded":
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from hf_contbatch.default_model import default_model_path
-
-        path = default_model_path()
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
-    from transformers import AutoTokenizer
+    """(model, tokenizer): the embedded model, or the random "small" anchor Llama with the embedded
+    tokenizer (its 4,096 ids fit small's 8,192-row embedding; not tiny's 2,048)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_contbatch.default_model import default_model_path
 
-    tok = AutoTokenizer.from_pretrained(default_model_path())  # ids < 4096 fit the random model's vocab
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    if args.model == "embedded":
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tok
     return build_model(args.model), tok
 
 
@@ -123,7 +121,7 @@ def run_single(engine: str, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="embedded", choices=["embedded", "tiny", "small"])
+    ap.add_argument("--model", default="embedded", choices=["embedded", "small"])
     ap.add_argument("--k", type=int, default=4, help="prompt_lookup_num_tokens")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--num-prompts", type=int, default=16)

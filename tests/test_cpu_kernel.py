@@ -9,14 +9,13 @@ import shutil
 
 import pytest
 import torch
-from test_torch_attention import _batch
+from test_torch_attention import _batch, reference_for
 
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from hf_contbatch.attention.cpu_kernel import CPUDecodeKernel
 from hf_contbatch.attention.torch_paged import torch_paged_attention
 
 from conftest import random_prompts, reference_greedy
-from reference_attention import reference_paged_attention
 
 DECODE_LENS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64, 65, 100, 127]
 
@@ -46,17 +45,7 @@ def test_kernel_matches_the_reference_with_prefills_in_the_same_batch(
     got = torch_paged_attention(
         query, k_pool, v_pool, meta, 0.3, sliding_window=sliding_window, softcap=softcap, decode_kernel=kernel
     )
-    want = reference_paged_attention(
-        query,
-        k_pool,
-        v_pool,
-        meta.block_tables,
-        meta.seq_lens,
-        meta.query_start_loc,
-        0.3,
-        sliding_window=sliding_window,
-        softcap=softcap,
-    )
+    want = reference_for(query, k_pool, v_pool, meta, 0.3, sliding_window=sliding_window, softcap=softcap)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

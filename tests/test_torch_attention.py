@@ -53,6 +53,13 @@ def _batch(decode_lens, prefill, block_size=4, kvh=2, heads=4, dim=8, seed=0):
     return query, k_pool, v_pool, meta
 
 
+def reference_for(query, k_pool, v_pool, meta, scale, **kwargs):
+    """The naive reference over the batch ``meta`` describes (``sliding_window``, ``softcap``)."""
+    return reference_paged_attention(
+        query, k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, **kwargs
+    )
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sliding_window,softcap", [(None, None), (5, None), (None, 20.0), (7, 30.0)])
 def test_mixed_decode_buckets_and_prefill_chunks_match_reference(sliding_window, softcap):
@@ -61,17 +68,7 @@ def test_mixed_decode_buckets_and_prefill_chunks_match_reference(sliding_window,
     query, k_pool, v_pool, meta = _batch(decode_lens, prefill)
     scale = 0.3
     got = torch_paged_attention(query, k_pool, v_pool, meta, scale, sliding_window=sliding_window, softcap=softcap)
-    want = reference_paged_attention(
-        query,
-        k_pool,
-        v_pool,
-        meta.block_tables,
-        meta.seq_lens,
-        meta.query_start_loc,
-        scale,
-        sliding_window=sliding_window,
-        softcap=softcap,
-    )
+    want = reference_for(query, k_pool, v_pool, meta, scale, sliding_window=sliding_window, softcap=softcap)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -80,7 +77,5 @@ def test_only_prefill_and_only_decode_batches_match_reference():
     for decode_lens, prefill in [([], [(7, 7), (2, 11)]), ([3, 50, 9], [])]:
         query, k_pool, v_pool, meta = _batch(decode_lens, prefill, seed=4)
         got = torch_paged_attention(query, k_pool, v_pool, meta, 0.5)
-        want = reference_paged_attention(
-            query, k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.5
-        )
+        want = reference_for(query, k_pool, v_pool, meta, 0.5)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
