@@ -102,7 +102,7 @@ def browser_missing_reason() -> str | None:
     """Why the browser test cannot run here, or None when it can."""
     missing = []
     if not os.access(CHROMIUM, os.X_OK):
-        missing.append(f"{CHROMIUM} (run .ci/install-browser.sh)")
+        missing.append(f"{CHROMIUM} (run .ci/install-system-packages.sh)")
     for module in ("playwright", "jupyterlab"):
         try:
             __import__(module)

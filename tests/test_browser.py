@@ -3,7 +3,7 @@
 The block grid must render and keep changing both while a cell is busy and after it has returned (the
 refresher thread pushes updates in either state); under the default pool its in-use cells are drawn at a
 readable size, and no number is stale (idle rate, summary(), the frame after close()). Skips only when
-Chromium, JupyterLab or Playwright is missing; .ci/install-browser.sh and the `dev` extra install them in CI.
+Chromium, JupyterLab or Playwright is missing; .ci/install-system-packages.sh and the `dev` extra install them in CI.
 
 HF_CONTBATCH_UPDATE_DOCS=1 writes the dashboard screenshot of a run to docs/dashboard.png (the README's).
 """
