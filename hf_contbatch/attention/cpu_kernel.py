@@ -147,7 +147,9 @@ class CPUDecodeKernel:
     ) -> torch.Tensor:
         """Decode attention of ``query`` ``[b, H, D]`` over the paged pools ``[blocks, block_size,
         KVH, D]`` (float32), with int32 ``block_tables`` ``[b, max_blocks]`` and ``seq_lens``
-        ``[b]``. Returns ``[b, H, D]`` float32. Call only when :meth:`can_serve` is True."""
+        ``[b]``; ``scale`` multiplies q.k, ``softcap``/``sliding_window`` as in the torch path.
+        Returns ``[b, H, D]`` float32. Call only when :meth:`can_serve` is True (otherwise there
+        is no kernel to call and this raises ``TypeError``)."""
         fn = self._kernel.get()
         q = query.contiguous()
         tables = block_tables.to(torch.int32).contiguous()

@@ -266,8 +266,9 @@ class BlockManager:
 
     def trim(self, request_id: Hashable, num_tokens: int) -> int:
         """Release the blocks of ``request_id``'s table beyond what ``num_tokens`` tokens need
-        (the KV of rejected speculative tokens); returns how many were released. Trailing blocks
-        past the computed tokens are never hashed, so they return to the front of the free queue."""
+        (the KV of rejected speculative tokens); returns how many were released (0 for an unknown
+        request). Trailing blocks past the computed tokens are never hashed, so they return to the
+        front of the free queue. Raises ``RuntimeError`` if a block's ref count would go negative."""
         table = self.block_tables.get(request_id)
         keep = self.blocks_for_tokens(num_tokens)
         if not table or len(table) <= keep:
