@@ -94,6 +94,7 @@ def reference_greedy(model, prompt, max_new_tokens: int):
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=0,
+            eos_token_id=None,  # models with an EOS (the embedded one) generate the full length too
         )
     assert out.shape[1] == len(prompt) + max_new_tokens
     return out[0, len(prompt) :].tolist()

@@ -68,19 +68,6 @@ def embedded():
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
 
 
-def _generate_ids(model, ids, n):
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=n,
-            do_sample=False,
-            pad_token_id=0,
-            eos_token_id=None,
-        )
-    return out[0, len(ids) :].tolist()
-
-
 @pytest.mark.timeout(120)
 def test_added_special_token_without_resize_is_refused_and_a_running_request_is_untouched(embedded):
     from hf_contbatch import ContinuousBatchingPipeline
@@ -89,7 +76,7 @@ def test_added_special_token_without_resize_is_refused_and_a_running_request_is_
     tok = type(tok).from_pretrained(tok.name_or_path)
     tok.add_tokens(["<|tool|>"], special_tokens=True)
     innocent = "The list of arguments"
-    ref = _generate_ids(model, tok(innocent)["input_ids"], 64)
+    ref = reference_greedy(model, tok(innocent)["input_ids"], 64)
     pipe = ContinuousBatchingPipeline(model, tok, engine_config=EngineConfig(cache=CacheConfig(num_blocks=64)))
     try:
         bg = pipe.submit(innocent, max_new_tokens=64, do_sample=False, ignore_eos=True)
@@ -261,8 +248,8 @@ def test_streamer_raising_fails_its_call_and_a_background_request_is_exact(embed
 
     model, tok = embedded
     bg_text, fg_text = "The value of a key", "A module is"
-    bg_ref = _generate_ids(model, tok(bg_text)["input_ids"], 40)
-    fg_ref = _generate_ids(model, tok(fg_text)["input_ids"], 12)
+    bg_ref = reference_greedy(model, tok(bg_text)["input_ids"], 40)
+    fg_ref = reference_greedy(model, tok(fg_text)["input_ids"], 12)
 
     class BrokenStreamer:
         def __init__(self):
@@ -311,8 +298,8 @@ def test_interrupting_blocking_calls_twice_cancels_only_their_requests(embedded)
     model, tok = embedded
     bg_text, fg_text = "The value of a key", "A module is"
     bg_ids, fg_ids = tok(bg_text)["input_ids"], tok(fg_text)["input_ids"]
-    bg_ref = _generate_ids(model, bg_ids, 80)
-    fg_long = _generate_ids(model, fg_ids, 120)  # before the pipeline: it switches the model's attention
+    bg_ref = reference_greedy(model, bg_ids, 80)
+    fg_long = reference_greedy(model, fg_ids, 120)  # before the pipeline: it switches the model's attention
     pipe = ContinuousBatchingPipeline(model, tok, engine_config=EngineConfig(cache=CacheConfig(num_blocks=64)))
     eng = pipe.engine
 
