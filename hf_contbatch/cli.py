@@ -81,7 +81,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         model=args.model,
         dtype=args.dtype,
         engine_config=EngineConfig(
-            cache=cache, scheduler=sched, attention_backend=args.attention_backend, seed=args.seed
+            cache=cache,
+            scheduler=sched,
+            attention_backend=args.attention_backend,
+            seed=args.seed,
+            compile_model=True if args.compile else None,
         ),
     )
     load_s = time.monotonic() - t_load
@@ -187,6 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--preemption-mode", default="recompute", choices=list(PREEMPTION_MODES))
     g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS))
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the model forward with torch.compile (faster steps after tens of seconds of compiling; "
+        "EngineConfig.compile_model)",
+    )
     g.add_argument("--quiet", action="store_true")
     g.set_defaults(func=cmd_generate)
     e = sub.add_parser(

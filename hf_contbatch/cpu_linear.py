@@ -123,6 +123,8 @@ class _PackedForward:
             return torch.nn.functional.linear(x, weight, bias)  # outside what we packed for, or autograd
         if self.group is not None:
             return self.group(self, x)
+        if torch.compiler.is_compiling():  # id() and versions are not traceable: see refresh()
+            return _padded_linear(x, self.packed, None if bias is None else bias.detach(), weight.shape[0])
         if self.weight_key != _weight_key(weight):
             self._pack()  # changed since packing: follow the module's current weights
         return _padded_linear(x, self.packed, None if bias is None else bias.detach(), weight.shape[0])
@@ -133,6 +135,10 @@ def _padded_linear(
 ) -> torch.Tensor:
     """``x @ W.T + b`` through the packed weight, rows padded to :func:`padded_rows` (see the module
     docstring for why). Input ``[..., in]`` float32, output ``[..., out]``."""
+    if torch.compiler.is_compiling():
+        # Opaque to torch.compile: inductor cannot lower oneDNN's packed layout, and the padding
+        # keeps oneDNN's primitives bounded there too.
+        return torch.ops.hf_contbatch.onednn_linear(x, packed, bias, out_features)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -143,6 +149,19 @@ def _padded_linear(
         x2 = padded
     y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
     return y[:m].reshape(*lead, out_features)
+
+
+@torch.library.custom_op("hf_contbatch::onednn_linear", mutates_args=())
+def _onednn_linear_op(
+    x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int
+) -> torch.Tensor:
+    """:func:`_padded_linear` as a custom op, for compiled forwards."""
+    return _padded_linear(x, packed, bias, out_features)
+
+
+@_onednn_linear_op.register_fake
+def _(x, packed, bias, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 class PackedLinears:
@@ -159,6 +178,16 @@ class PackedLinears:
 
     def __len__(self) -> int:
         return len(self.forwards)
+
+    def refresh(self) -> None:
+        """Repack every weight changed since it was packed. A compiled forward cannot check the
+        weights' versions inside its graph, so it calls this before each step instead."""
+        for f in self.forwards:
+            if f.group is not None:
+                if f is f.group.members[0] and not f.group._current():
+                    f.group._pack()
+            elif f.active and f.weight_key != _weight_key(f.module.weight):
+                f._pack()
 
     def restore(self) -> None:
         """Remove the instance forwards this object installed and free the packed copies

@@ -24,7 +24,7 @@ import torch
 
 from .attention import resolve_backend
 from .attention_switch import restore_attention, switch_to_paged_attention
-from .config import EngineConfig, is_int
+from .config import EngineConfig, is_int, resolve_compile_model
 from .cpu_linear import pack_linears
 from .driver import EngineDriver
 from .fused_linear import fuse_siblings
@@ -143,6 +143,12 @@ class LLMEngine(KVPoolSizing, EngineDriver):
                 self.packed_linears.restore()
             raise
         model.eval()
+        self.compiled_forward = None
+        if resolve_compile_model(self.config.compile_model):
+            from .compiled_forward import CompiledForward
+
+            self.compiled_forward = CompiledForward(model, self.cache, self.runner._cache_arg, self.packed_linears)
+            self.runner.model = self.compiled_forward
 
         self._ids = RequestIdCounter()
         self._handles: dict[int, RequestHandle] = {}
@@ -292,6 +298,8 @@ class LLMEngine(KVPoolSizing, EngineDriver):
             self._inbox.clear()
             for q in (self.scheduler.running, self.scheduler.waiting, self.scheduler.swapped):
                 q.clear()  # the last stats() (the dashboard's final frame) shows nothing in flight
+        if self.compiled_forward is not None:
+            self.compiled_forward.close()
         self.cache.release()
         if self.packed_linears is not None:
             self.packed_linears.restore()

@@ -84,7 +84,7 @@ class FusedGroup:
     def __call__(self, member: _PackedForward, x: torch.Tensor) -> torch.Tensor:
         index = self.members.index(member)
         if index == 0:
-            if not self._current():
+            if not torch.compiler.is_compiling() and not self._current():  # compiled: see refresh()
                 self._pack()
             # Row counts padded as in the packed linears (bounded oneDNN primitives; see cpu_linear).
             out = _padded_linear(x, self.packed, self.bias, sum(self.sizes))

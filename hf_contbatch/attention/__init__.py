@@ -2,12 +2,22 @@
 
 The registered function is stateless: the step's cache and metadata travel in the forward's keyword
 arguments (``paged_cache``), so any number of engines can share the one global registration.
+
+Under a compiled forward (``EngineConfig.compile_model``, ``hf_contbatch.compiled_forward``) the
+function instead calls one opaque custom op, ``torch.ops.hf_contbatch.paged_attention``, that stores
+the step's K/V and attends: torch.compile then fuses everything around it without tracing the
+pool, the block tables or the step's Python-side metadata (which change every step and would force
+a recompile). The op finds its cache through a handle (a 0-d int64 tensor, so its value is data,
+not a guard) in a weak registry: two engines have two handles, and a closed engine's cache is not
+kept alive by it. vLLM does the same with its ``unified_attention`` op and forward context.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import warnings
+import weakref
 from typing import Optional
 
 import torch
@@ -75,20 +85,39 @@ def paged_attention_forward(
 ):
     """The ``AttentionInterface`` entry: ``query`` ``[1, H, T, D]`` -> ``([1, T, H, D], None)``.
 
-    ``key``/``value`` are this step's rows, already stored by ``PagedKVCache.update``; the context
-    is read from the pool. Raises RuntimeError if called without an engine step's cache.
+    ``key``/``value`` are this step's rows, already stored by ``PagedKVCache.update`` (under a
+    compiled forward the op stores them); the context is read from the pool. Raises RuntimeError
+    if called without an engine step's cache.
     """
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if paged_cache is not None and paged_cache.compiled_handle is not None:
+        # Compiled forward: the model was called without a cache, so store and attend in one op
+        # (which checks for the step's metadata: reading it here would make it part of the graph).
+        out = torch.ops.hf_contbatch.paged_attention(
+            query,
+            key,
+            value,
+            paged_cache.compiled_handle,
+            module.layer_idx,
+            float(scale),
+            -1 if sliding_window is None else int(sliding_window),
+            0.0 if softcap is None else float(softcap),
+        )
+        return out, None
     if paged_cache is None or paged_cache.metadata is None:
         raise RuntimeError(
             f"attention implementation {ATTENTION_NAME!r} only runs inside an hf_contbatch engine step; "
             "close the pipeline (which restores the model's attention) before calling model.generate"
         )
     layer_idx = module.layer_idx
+    return _attend_pool(paged_cache, layer_idx, query, key, value, scale, sliding_window, softcap), None
+
+
+def _attend_pool(paged_cache, layer_idx: int, query, key, value, scale: float, sliding_window, softcap):
+    """``query`` ``[1, H, T, D]`` over the pool of ``layer_idx`` -> ``[1, T, H, D]``."""
     k_pool = paged_cache.key_cache[layer_idx]
     v_pool = paged_cache.value_cache[layer_idx]
     meta = paged_cache.metadata.to(k_pool.device)
-    head_dim = query.shape[-1]
-    scale = scaling if scaling is not None else head_dim**-0.5
     q = query[0].transpose(0, 1)  # [T, H, D]
     if paged_cache.attention_backend == "triton":
         from .triton_kernels import paged_attention
@@ -120,7 +149,58 @@ def paged_attention_forward(
             value=value[0] if value.shape[0] == 1 else None,
             decode_kernel=paged_cache.cpu_decode_kernel,
         )
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)
+
+
+# --- the compiled forward's op ---------------------------------------------------------------------
+_CACHES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
+
+
+def register_compiled_cache(paged_cache) -> torch.Tensor:
+    """Give ``paged_cache`` a handle for the compiled forward's op and return it (0-d int64)."""
+    handle = next(_HANDLES)
+    _CACHES[handle] = paged_cache
+    return torch.tensor(handle, dtype=torch.int64)
+
+
+@torch.library.custom_op("hf_contbatch::paged_attention", mutates_args=())
+def _paged_attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache_handle: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """Store ``key``/``value`` ``[1, KVH, T, D]`` into the pool and attend: ``query`` ``[1, H, T, D]``
+    -> ``[1, T, H, D]``. ``sliding_window`` -1 and ``softcap`` 0.0 mean none. The pool is written
+    although it is not an argument: nothing else in the compiled graph reads it, and declaring it
+    would make the compiler copy it (functionalization)."""
+    paged_cache = _CACHES.get(int(cache_handle))
+    if paged_cache is None or paged_cache.metadata is None:
+        raise RuntimeError("hf_contbatch.paged_attention called outside an engine step (no cache for this handle)")
+    paged_cache.update(key, value, layer_idx)
+    out = _attend_pool(
+        paged_cache,
+        layer_idx,
+        query,
+        key,
+        value,
+        scale,
+        None if sliding_window < 0 else sliding_window,
+        None if softcap == 0.0 else softcap,
+    )
+    # The compiler reads the output with the fake's (contiguous) strides; the torch path's output
+    # follows the query's memory layout, which a compiled graph may have permuted.
+    return out.contiguous()
+
+
+@_paged_attention_op.register_fake
+def _(query, key, value, cache_handle, layer_idx, scale, sliding_window, softcap):
+    return query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
 
 
 def register_attention() -> str:

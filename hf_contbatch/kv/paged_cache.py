@@ -147,6 +147,8 @@ class PagedKVCache:
             self.swap_key_cache = [torch.empty(swap_shape, dtype=dtype, pin_memory=pin) for _ in layer_devices]
             self.swap_value_cache = [torch.empty(swap_shape, dtype=dtype, pin_memory=pin) for _ in layer_devices]
         self.metadata: Optional[AttentionMetadata] = None
+        # Set by a compiled forward (hf_contbatch.compiled_forward): attention then stores K/V itself.
+        self.compiled_handle: Optional[torch.Tensor] = None
         self.is_sliding = [False] * num_layers
 
     # --- the transformers.Cache surface used by decoder layers -----------------------------------

@@ -1,0 +1,114 @@
+"""The model forward compiled with ``torch.compile`` (inductor), for ``EngineConfig.compile_model``.
+
+Why: on CPU a small model's step is dominated by work around the GEMMs (transformers' Python
+modules: RMSNorm, rotary embeddings, residual adds, SiLU, each a few small eager ops). Inductor fuses
+them into a few C++ loops; vLLM's CPU build compiles its models the same way.
+
+What is compiled: the unmodified transformers model, with two custom ops left opaque to the
+compiler: the paged attention (``torch.ops.hf_contbatch.paged_attention``, which also stores the
+step's K/V, so the model is called without a cache) and the packed oneDNN linears
+(``torch.ops.hf_contbatch.onednn_linear``, rows padded as in eager). The token dimension and the
+logits rows are marked dynamic, so a handful of graphs serve every batch (one-token steps get their
+own). Inductor's on-disk caches (under ``TORCHINDUCTOR_CACHE_DIR``, default a ``torchinductor_$USER``
+folder in the temp directory) make later processes compile much faster.
+
+Where compiling fails (no C++ compiler, an unsupported model), the forward runs eagerly from then
+on, with one warning; outputs are the same either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+
+import torch
+
+from .attention import register_compiled_cache
+
+logger = logging.getLogger(__name__)
+
+# torch.compile's tracing and compiling are not thread-safe (measured here: two engines compiling
+# in two threads fail with RecursionError inside AOTAutograd), and engines drive from their own
+# threads, so compiled forwards run one at a time in a process. On CPU two forwards at once would
+# share the same cores anyway.
+_COMPILED_CALLS = threading.Lock()
+_RECOMPILE_LIMIT = 64
+
+
+class CompiledForward:
+    """Callable like the model (keyword arguments), running its compiled forward.
+
+    Args:
+        model: the transformers causal LM, already switched to the paged attention.
+        cache: the engine's ``PagedKVCache``; given a handle for the attention op.
+        cache_arg: the forward's cache argument name ("past_key_values" or "cache").
+        packed_linears: the engine's ``PackedLinears`` (refreshed before each step) or None.
+    """
+
+    def __init__(self, model, cache, cache_arg: str, packed_linears=None) -> None:
+        self.model = model
+        self.cache = cache
+        self.cache_arg = cache_arg
+        self.packed_linears = packed_linears
+        cache.compiled_handle = register_compiled_cache(cache)
+        self.compiled = torch.compile(model, dynamic=False)
+        self.failed: Exception | None = None
+        self.compile_seconds = 0.0  # wall time of the calls that compiled a new graph
+
+    def __call__(self, **kwargs):
+        if self.packed_linears is not None:
+            self.packed_linears.refresh()
+        kwargs[self.cache_arg] = None  # the attention op stores K/V
+        kwargs["use_cache"] = False
+        if self.failed is not None:
+            return self.model(**kwargs)
+        rows = kwargs.get("logits_to_keep")
+        no_rows = isinstance(rows, torch.Tensor) and rows.numel() == 0
+        if no_rows:
+            # A step that samples nothing (a prefill chunk) still needs every attention op to run,
+            # for the K/V it stores: with no logits the graph's outputs do not depend on them and
+            # the compiler would drop them as dead code. One row keeps them alive.
+            kwargs["logits_to_keep"] = rows.new_zeros(1)
+        for name, dim in (("input_ids", 1), ("position_ids", 1), ("logits_to_keep", 0)):
+            value = kwargs.get(name)
+            if isinstance(value, torch.Tensor):
+                torch._dynamo.maybe_mark_dynamic(value, dim)
+        graphs = _unique_graphs()
+        start = time.perf_counter()
+        try:
+            # transformers wraps every model class's forward in one shared function, and dynamo
+            # counts recompiles per code object: several models in one process (each a few graphs)
+            # would hit its default limit of 8 and silently run eagerly.
+            with _COMPILED_CALLS, torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+                out = self.compiled(**kwargs)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            # Compiling failed (not the model's computation): serve eagerly from now on. The op
+            # may have stored some layers' K/V already; the eager rerun stores the same values.
+            self.failed = exc
+            warnings.warn(
+                f"compile_model: torch.compile failed, running the model eagerly instead ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''})",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return self.model(**kwargs)
+        if no_rows:
+            out.logits = out.logits[:, :0]
+        if _unique_graphs() != graphs:
+            elapsed = time.perf_counter() - start
+            self.compile_seconds += elapsed
+            logger.info("compiled a forward graph for %d tokens in %.1f s", kwargs["input_ids"].shape[-1], elapsed)
+        return out
+
+    def close(self) -> None:
+        """Stop using the compiled graphs (the model's own forward is untouched)."""
+        self.cache.compiled_handle = None
+        self.compiled = None
+
+
+def _unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]

@@ -1,0 +1,128 @@
+"""``EngineConfig(compile_model=True)``: the model forward compiled by torch.compile (inductor) with
+the paged attention and packed linears as opaque ops. Greedy output still equals transformers'
+``generate`` token for token (float32), also under preemption and chunked prefill, with two
+engines side by side, after an in-place weight change, and where compiling fails (eager, one
+warning). Compiling takes tens of seconds on two cores, so these tests share few, small models."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from hf_contbatch.config import resolve_compile_model
+
+from conftest import build_model, random_prompts, reference_greedy
+
+LENGTHS = [1, 5, 17, 33, 64, 40, 9]
+NEW = 12
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def _tight_config(**kw) -> EngineConfig:
+    # 22 blocks of 4 tokens for 7 requests of up to 76 tokens: preemption; a 24-token budget: chunks.
+    return EngineConfig(
+        cache=CacheConfig(block_size=4, num_blocks=22),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24),
+        compile_model=True,
+        **kw,
+    )
+
+
+def _submit(engine, prompts):
+    return [engine.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
+
+
+@pytest.mark.timeout(600)
+def test_compiled_greedy_equals_generate_two_engines_preemption_and_weight_change():
+    models = [build_model("llama", seed=0), build_model("qwen2", seed=1)]  # qwen2: q/k/v biases (fused)
+    prompts = random_prompts(LENGTHS, seed=3)
+    refs = [[reference_greedy(m, p, NEW) for p in prompts] for m in models]
+    engines = [LLMEngine(m, _tight_config()) for m in models]
+    try:
+        before = _graphs()
+        handles = [_submit(e, prompts) for e in engines]  # both engines in flight at once
+        for hs, ref, e in zip(handles, refs, engines):
+            assert [h.result(timeout=300).output_token_ids for h in hs] == ref
+            assert e.compiled_forward.failed is None
+            stats = e.stats()
+            assert stats.num_preemptions > 0, "the pool was meant to force preemption"
+            assert stats.num_free_blocks == stats.num_blocks, "blocks leaked"
+            e.block_manager.check_invariants()
+        # Really compiled, into a handful of graphs (one-token steps, one-row logits, the general case;
+        # per model class), not one per batch shape.
+        assert 1 <= _graphs() - before <= 8
+
+        # An in-place weight change is followed (the packed copies are refreshed before each step),
+        # before an engine opens and while it is open; ``shadow`` (never served) gives the references.
+        engines[1].close()
+        shadow = copy.deepcopy(models[1])
+        with torch.no_grad():
+            for m in (models[1], shadow):
+                m.model.layers[0].mlp.down_proj.weight.mul_(-2.0)
+                m.lm_head.weight.add_(0.05)
+        changed = [reference_greedy(shadow, p, NEW) for p in prompts]
+        assert changed != refs[1], "the change was meant to change the greedy tokens"
+        engines[1] = LLMEngine(models[1], _tight_config())
+        assert [h.result(timeout=300).output_token_ids for h in _submit(engines[1], prompts)] == changed
+        with torch.no_grad():
+            for m in (models[1], shadow):
+                m.model.layers[1].self_attn.v_proj.weight.mul_(-4.0)  # a fused q/k/v member
+        changed2 = [reference_greedy(shadow, p, NEW) for p in prompts]
+        assert changed2 != changed
+        assert [h.result(timeout=300).output_token_ids for h in _submit(engines[1], prompts)] == changed2
+    finally:
+        for e in engines:
+            e.close()
+    # close() gives the models their own forwards and attention back.
+    for m in models:
+        assert m.config._attn_implementation != "hf_contbatch_paged"
+        assert all("forward" not in sub.__dict__ for sub in m.modules())
+
+
+@pytest.mark.timeout(300)
+def test_failed_compile_falls_back_to_eager_with_one_warning(monkeypatch):
+    model = build_model("llama", seed=2)
+    prompts = random_prompts(LENGTHS[:4], seed=4)
+    refs = [reference_greedy(model, p, NEW) for p in prompts]
+
+    def failing_backend(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: real_compile(model, backend=failing_backend))
+    engine = LLMEngine(model, _tight_config())
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outs = [h.result(timeout=120).output_token_ids for h in _submit(engine, prompts)]
+        assert outs == refs
+        msgs = [str(w.message) for w in caught if "compile_model" in str(w.message)]
+        assert len(msgs) == 1 and "eagerly" in msgs[0], msgs
+        assert engine.compiled_forward.failed is not None
+        # Still serving afterwards.
+        assert [h.result(timeout=120).output_token_ids for h in _submit(engine, prompts[:1])] == refs[:1]
+    finally:
+        engine.close()
+
+
+def test_compile_model_bad_values_are_named(monkeypatch):
+    for bad in ("yes", 1, 0.5):
+        with pytest.raises(ValueError, match="compile_model"):
+            EngineConfig(compile_model=bad)
+    monkeypatch.setenv("HF_CONTBATCH_COMPILE", "on")
+    with pytest.raises(ValueError, match="HF_CONTBATCH_COMPILE"):
+        resolve_compile_model(None)
+    monkeypatch.setenv("HF_CONTBATCH_COMPILE", "1")
+    assert resolve_compile_model(None) is True
+    assert resolve_compile_model(False) is False
+    monkeypatch.delenv("HF_CONTBATCH_COMPILE")
+    assert resolve_compile_model(None) is False
