@@ -56,6 +56,7 @@ def run_ours_configured(model, prompts, new_tokens, args):
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
         attention_backend=args.attention_backend,
         linear_backend=args.linear_backend,
+        compile_model=args.compile,
     )
     return run_ours(model, prompts, new_tokens, cfg)
 
@@ -73,6 +74,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "onednn"])
+    ap.add_argument(
+        "--compile", action="store_true", help="ours with EngineConfig(compile_model=True) (compiled before timing)"
+    )
     ap.add_argument("--cooldown", type=float, default=15.0, help="idle seconds before each engine")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--single", default=None, help=argparse.SUPPRESS)  # internal: run one engine, write here

@@ -207,9 +207,7 @@ class EngineConfig:
         _check_positive_int("num_threads", self.num_threads, allow_none=True)
         if not isinstance(self.fuse_linears, bool):
             raise ValueError(f"`fuse_linears` must be True or False, got {self.fuse_linears!r}")
-        if self.compile_model not in (None, True, False) or isinstance(self.compile_model, int) and not isinstance(
-            self.compile_model, bool
-        ):
+        if self.compile_model is not None and not isinstance(self.compile_model, bool):
             raise ValueError(f"`compile_model` must be True, False or None, got {self.compile_model!r}")
         if not is_int(self.prompt_lookup_num_tokens) or self.prompt_lookup_num_tokens < 0:
             raise ValueError(
