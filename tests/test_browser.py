@@ -201,8 +201,15 @@ def test_default_pool_grid_is_readable_and_no_number_is_stale(lab_server, browse
         # The default pool has thousands of blocks; the in-use ones are drawn one a cell, readable.
         page.locator(DEVICE_IN_USE).first.wait_for(timeout=120_000)
         page.wait_for_timeout(1500)
-        box = page.locator(DEVICE_IN_USE).first.bounding_box()
-        assert box["width"] >= 8 and box["height"] >= 8, box
+        # The grid is redrawn 4 times a second: a cell found can be replaced before it is measured
+        # (bounding_box() is then None), so measure the first cell of a frame that holds still.
+        box = None
+        for _ in range(50):
+            box = page.locator(DEVICE_IN_USE).first.bounding_box()
+            if box is not None:
+                break
+            page.wait_for_timeout(50)
+        assert box is not None and box["width"] >= 8 and box["height"] >= 8, box
         assert page.locator(DEVICE_IN_USE).count() >= 24  # one cell per block: at least one per request
         header = page.locator(GRID + " .hfcb-device h4").inner_text()
         total = int(re.search(r"/([\d,]+) in use", header).group(1).replace(",", ""))
