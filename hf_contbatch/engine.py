@@ -132,6 +132,8 @@ class LLMEngine(KVPoolSizing, EngineDriver):
         self.sampler = Sampler(gen)
         self.runner = ModelRunner(model, self.cache, self.block_manager, self.device, self.sampler)
 
+        # Before anything changes the model: a bad HF_CONTBATCH_COMPILE raises with the model untouched.
+        compile_model = resolve_compile_model(self.config.compile_model)
         # Before the attention switch: a forced backend that cannot pack raises with nothing changed.
         self.packed_linears = pack_linears(model, self.config.linear_backend, available_host_memory)
         if self.config.fuse_linears:
@@ -144,7 +146,7 @@ class LLMEngine(KVPoolSizing, EngineDriver):
             raise
         model.eval()
         self.compiled_forward = None
-        if resolve_compile_model(self.config.compile_model):
+        if compile_model:
             from .compiled_forward import CompiledForward
 
             self.compiled_forward = CompiledForward(model, self.cache, self.runner._cache_arg, self.packed_linears)

@@ -121,6 +121,13 @@ def test_compile_model_bad_values_are_named(monkeypatch):
     monkeypatch.setenv("HF_CONTBATCH_COMPILE", "on")
     with pytest.raises(ValueError, match="HF_CONTBATCH_COMPILE"):
         resolve_compile_model(None)
+    # Raised by the engine before it changes the model: generate still works afterwards.
+    model = build_model("llama", seed=5)
+    ref = reference_greedy(model, [5, 6, 7], 3)
+    with pytest.raises(ValueError, match="HF_CONTBATCH_COMPILE"):
+        LLMEngine(model, EngineConfig())
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert reference_greedy(model, [5, 6, 7], 3) == ref
     monkeypatch.setenv("HF_CONTBATCH_COMPILE", "1")
     assert resolve_compile_model(None) is True
     assert resolve_compile_model(False) is False
