@@ -6,6 +6,7 @@ Every check raises ``ValueError`` naming the argument and its allowed values, in
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -222,8 +223,6 @@ def resolve_compile_model(requested: Optional[bool]) -> bool:
     """
     if requested is not None:
         return requested
-    import os
-
     env = os.environ.get("HF_CONTBATCH_COMPILE", "0")
     if env not in ("0", "1"):
         raise ValueError(f"HF_CONTBATCH_COMPILE must be '0' or '1', got {env!r}")

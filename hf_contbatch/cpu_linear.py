@@ -109,6 +109,11 @@ class _PackedForward:
             "group": self.group,
         }
 
+    def repack_if_changed(self) -> None:
+        """Repack when the module's weight changed since packing (follow its current weights)."""
+        if self.weight_key != _weight_key(self.module.weight):
+            self._pack()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.module.weight, self.module.bias
         if (
@@ -123,10 +128,8 @@ class _PackedForward:
             return torch.nn.functional.linear(x, weight, bias)  # outside what we packed for, or autograd
         if self.group is not None:
             return self.group(self, x)
-        if torch.compiler.is_compiling():  # id() and versions are not traceable: see refresh()
-            return _padded_linear(x, self.packed, None if bias is None else bias.detach(), weight.shape[0])
-        if self.weight_key != _weight_key(weight):
-            self._pack()  # changed since packing: follow the module's current weights
+        if not torch.compiler.is_compiling():  # id() and versions are not traceable: see refresh()
+            self.repack_if_changed()
         return _padded_linear(x, self.packed, None if bias is None else bias.detach(), weight.shape[0])
 
 
@@ -184,10 +187,10 @@ class PackedLinears:
         weights' versions inside its graph, so it calls this before each step instead."""
         for f in self.forwards:
             if f.group is not None:
-                if f is f.group.members[0] and not f.group._current():
-                    f.group._pack()
-            elif f.active and f.weight_key != _weight_key(f.module.weight):
-                f._pack()
+                if f is f.group.members[0]:
+                    f.group.repack_if_changed()
+            elif f.active:
+                f.repack_if_changed()
 
     def restore(self) -> None:
         """Remove the instance forwards this object installed and free the packed copies

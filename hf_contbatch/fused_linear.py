@@ -64,6 +64,11 @@ class FusedGroup:
             return self.bias_keys == tuple(_weight_key(m.bias) for m in mods if m.bias is not None)
         return True
 
+    def repack_if_changed(self) -> None:
+        """Repack the fused weight when a member's weight or bias changed since packing."""
+        if not self._current():
+            self._pack()
+
     def __getstate__(self) -> dict:
         # No opaque oneDNN tensor in a deepcopy/pickle: the copy repacks on first use.
         return {
@@ -84,8 +89,8 @@ class FusedGroup:
     def __call__(self, member: _PackedForward, x: torch.Tensor) -> torch.Tensor:
         index = self.members.index(member)
         if index == 0:
-            if not torch.compiler.is_compiling() and not self._current():  # compiled: see refresh()
-                self._pack()
+            if not torch.compiler.is_compiling():  # compiled: see PackedLinears.refresh()
+                self.repack_if_changed()
             # Row counts padded as in the packed linears (bounded oneDNN primitives; see cpu_linear).
             out = _padded_linear(x, self.packed, self.bias, sum(self.sizes))
             parts = list(out.split(self.sizes, dim=-1))
