@@ -58,6 +58,11 @@ class CompiledForward:
         self.compile_seconds = 0.0  # wall time of the calls that compiled a new graph
 
     def __call__(self, **kwargs):
+        """Run the forward with the model's keyword arguments (``input_ids``/``position_ids``
+        int64 ``[1, T]``, ``logits_to_keep`` int64 ``[R]``, the cache argument, which is replaced by
+        None) and return its output (``logits`` ``[1, R, vocab]``). Compile failures
+        (``TorchDynamoException``) fall back to eager with one ``RuntimeWarning``; errors of the
+        computation itself propagate."""
         if self.packed_linears is not None:
             self.packed_linears.refresh()
         kwargs[self.cache_arg] = None  # the attention op stores K/V
