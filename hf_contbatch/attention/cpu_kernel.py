@@ -7,26 +7,22 @@ values in place, one OpenMP task per request, each key and value row loaded once
 heads, takes 0.38 and 1.1 ms; whole workloads 1.22x (tiny) and 1.07x (small) tokens/s, outputs
 unchanged (``benchmarks/bench_breakdown.py``, variants ``default;tree=PATH``). The kernel (``cpu_decode.c``) is plain C with no torch headers,
 so it compiles in about a second (``cc -O3 -march=native -fopenmp``), is cached per source, compiler
-and CPU under ``$XDG_CACHE_HOME/hf_contbatch`` (default ``~/.cache``), and runs on torch's own
-OpenMP runtime (the same ``libgomp.so.1``). Without a C compiler, or if the build fails, the torch
+and CPU (``hf_contbatch.native_build``), and runs on torch's own OpenMP runtime. Without a C compiler, or if the build fails, the torch
 path serves and one warning says why.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 from typing import Optional
 
 import torch
+
+from ..native_build import build_library
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +44,7 @@ class _Kernel:
             with self._lock:
                 if not self._tried:
                     try:
-                        self._fn = _load(_build())
+                        self._fn = _load(build_library(_SOURCE, _FLAGS))
                     except Exception as exc:  # noqa: BLE001 - any failure means the torch path serves
                         self.error = f"{type(exc).__name__}: {exc}"
                         logger.warning(
@@ -56,45 +52,6 @@ class _Kernel:
                         )
                     self._tried = True
         return self._fn
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "hf_contbatch"
-
-
-def _cpu_id() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + flags
-
-
-def _build() -> Path:
-    """Path of the compiled library, compiling it if this source/compiler/CPU has none yet."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        raise RuntimeError("no C compiler found (cc, gcc or clang on PATH, or $CC)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), cc, version, " ".join(_FLAGS), _cpu_id()]).encode())
-    target = _cache_dir() / f"cpu_decode_{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: concurrent processes never load a half-written file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
 
 
 def _load(path: Path):
