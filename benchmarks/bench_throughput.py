@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "onednn"])
+    ap.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "native", "onednn"])
     ap.add_argument(
         "--compile", action="store_true", help="ours with EngineConfig(compile_model=True) (compiled before timing)"
     )

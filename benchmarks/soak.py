@@ -137,7 +137,7 @@ def main(argv=None) -> dict:
     p.add_argument("--num-requests", type=int, default=10_000)
     p.add_argument("--wave-size", type=int, default=500)
     p.add_argument("--num-blocks", type=int, default=256)
-    p.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "onednn"])
+    p.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "native", "onednn"])
     p.add_argument(
         "--dtype",
         default="float32",

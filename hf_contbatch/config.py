@@ -12,7 +12,7 @@ from typing import Literal, Optional
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-LINEAR_BACKENDS = ("auto", "torch", "onednn")
+LINEAR_BACKENDS = ("auto", "torch", "native", "onednn")
 
 
 def is_int(value) -> bool:
@@ -158,10 +158,12 @@ class EngineConfig:
             keeps torch's setting.
         seed: seed of the engine's own sampling generator (no global RNG is touched).
         record_phases: keep the per-iteration phase log (used by tests and the dashboard).
-        linear_backend: "auto" (pack the model's float32 CPU ``nn.Linear`` weights for oneDNN when
-            the packed copy takes at most a quarter of the available memory), "onednn" (always) or
-            "torch" (never). Packed linears are 1.1-1.5x faster end to end on CPU; they cost a copy
-            of the packed weights and are removed on close (see ``hf_contbatch.cpu_linear``).
+        linear_backend: how the model's float32 CPU ``nn.Linear`` layers run. "auto" packs their
+            weights for our own GEMM (built with the system C compiler), or for oneDNN where it
+            cannot be built, when the packed copy takes at most a quarter of the available memory;
+            "native" (ours) and "onednn" always pack with that kernel; "torch" never packs
+            (``F.linear``). Packed linears are 1.1-1.9x faster end to end on CPU; they cost a copy
+            of the weights and are removed on close (see ``hf_contbatch.cpu_linear``).
         fuse_linears: with packed linears, run sibling projections that read the same input
             (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``) as one GEMM over their
             concatenated packed weights; outputs are bit-identical, the model is not modified, and
@@ -187,7 +189,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    linear_backend: Literal["auto", "torch", "onednn"] = "auto"
+    linear_backend: Literal["auto", "torch", "native", "onednn"] = "auto"
     num_threads: Optional[int] = None
     seed: Optional[int] = None
     record_phases: bool = True

@@ -2,10 +2,11 @@
 
 On CPU a decode step's linears cost per call more than per FLOP (a 4-layer hidden-256 Llama makes
 29 linear calls a step). Attention's ``q_proj``/``k_proj``/``v_proj`` and the MLP's
-``gate_proj``/``up_proj`` read the same hidden states, so one oneDNN GEMM over their concatenated
-weights gives all their outputs: 29 calls become 17 on that model. Measured here, the fused
-``_linear_pointwise`` output equals the separate ones bit for bit (oneDNN's reduction over the
-input features does not depend on the number of output columns), so greedy tokens do not change.
+``gate_proj``/``up_proj`` read the same hidden states, so one GEMM over their concatenated packed
+weights gives all their outputs: 29 calls become 17 on that model. The fused output equals the
+separate ones bit for bit (neither our GEMM nor oneDNN's ``_linear_pointwise``, measured here,
+makes the reduction over the input features depend on the number of output columns), so greedy
+tokens do not change.
 
 How it is plugged in without touching the model's code: the packed forwards of a group (see
 ``hf_contbatch.cpu_linear``) share a :class:`FusedGroup`. The first member's call (the *leader*,
@@ -23,7 +24,7 @@ import logging
 
 import torch
 
-from .cpu_linear import PackedLinears, _PackedForward, _padded_linear, _reorder, _weight_key
+from .cpu_linear import PackedLinears, _PackedForward, _weight_key
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class FusedGroup:
 
     def __init__(self, members: list[_PackedForward]) -> None:
         self.members = members
+        self.kernel = members[0].kernel  # grouped only with the same kernel (see fuse_siblings)
         self.sizes = [f.module.out_features for f in members]
         self.keys: tuple | None = None
         self.packed: torch.Tensor | None = None
@@ -49,7 +51,7 @@ class FusedGroup:
         mods = [f.module for f in self.members]
         keys = tuple(_weight_key(m.weight) for m in mods)  # before reading, as in cpu_linear
         with torch.no_grad():
-            self.packed = _reorder(torch.cat([m.weight.detach() for m in mods]))
+            self.packed = self.kernel.pack(torch.cat([m.weight.detach() for m in mods]))
             biases = [m.bias for m in mods]
             self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
             self.bias_keys = None if biases[0] is None else tuple(_weight_key(b) for b in biases)
@@ -70,9 +72,10 @@ class FusedGroup:
             self._pack()
 
     def __getstate__(self) -> dict:
-        # No opaque oneDNN tensor in a deepcopy/pickle: the copy repacks on first use.
+        # No packed tensor in a deepcopy/pickle (oneDNN's is opaque): the copy repacks on first use.
         return {
             "members": self.members,
+            "kernel": self.kernel,
             "sizes": self.sizes,
             "keys": None,
             "packed": None,
@@ -91,8 +94,7 @@ class FusedGroup:
         if index == 0:
             if not torch.compiler.is_compiling():  # compiled: see PackedLinears.refresh()
                 self.repack_if_changed()
-            # Row counts padded as in the packed linears (bounded oneDNN primitives; see cpu_linear).
-            out = _padded_linear(x, self.packed, self.bias, sum(self.sizes))
+            out = self.kernel.linear(x, self.packed, self.bias, sum(self.sizes))
             parts = list(out.split(self.sizes, dim=-1))
             self._pending = (x, [None] + parts[1:])
             return parts[0]
@@ -134,7 +136,7 @@ def fuse_siblings(model: torch.nn.Module, packed: PackedLinears | None) -> int:
                 continue
             try:
                 group = FusedGroup(members)
-            except RuntimeError as exc:  # oneDNN error or out of memory: leave them unfused
+            except RuntimeError as exc:  # kernel error or out of memory: leave them unfused
                 logger.warning("could not fuse %s (%s); running them separately", names, exc)
                 continue
             for f in members:

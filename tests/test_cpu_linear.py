@@ -1,7 +1,15 @@
-"""oneDNN-packed linears (``EngineConfig.linear_backend``): same greedy tokens as transformers'
-generate, forwards restored on close, weights changed in place followed, wrapped modules skipped."""
+"""Packed linears (``EngineConfig.linear_backend``), with our GEMM ("native") and oneDNN's: same
+greedy tokens as transformers' generate, forwards restored on close, weights changed in place
+followed, wrapped modules skipped, a kernel that cannot be built falls back."""
 
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +19,19 @@ from hf_contbatch.cpu_linear import onednn_available, pack_linears
 
 from conftest import build_model, random_prompts, reference_greedy
 
-pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
+NEEDS_ONEDNN = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
+
+
+def _have_cc() -> bool:
+    return bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"))
+
+
+NEEDS_CC = pytest.mark.skipif(
+    not _have_cc(),
+    reason="no C compiler: our GEMM cannot be built (.ci/run installs gcc)",
+)
+#: The packing kernels.
+KERNELS = [pytest.param("native", marks=NEEDS_CC), pytest.param("onednn", marks=NEEDS_ONEDNN)]
 
 NEW = 12
 
@@ -33,7 +53,7 @@ def _instance_forwards(model) -> int:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "gemma2"])  # qwen2: q/k/v biases
-@pytest.mark.parametrize("backend", ["onednn", "torch"])
+@pytest.mark.parametrize("backend", [*KERNELS, "torch"])
 def test_greedy_equals_generate_with_each_linear_backend(family, backend):
     model = build_model(family)
     prompts = random_prompts([3, 21, 40], seed=11)
@@ -42,14 +62,15 @@ def test_greedy_equals_generate_with_each_linear_backend(family, backend):
 
 
 @pytest.mark.timeout(120)
-def test_close_removes_the_packed_forwards_and_the_model_computes_as_before():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_close_removes_the_packed_forwards_and_the_model_computes_as_before(kernel):
     model = build_model("llama")
     ids = torch.tensor([random_prompts([9], seed=2)[0]])
     with torch.no_grad():
         before = model(ids).logits
     num_linears = sum(type(m) is torch.nn.Linear for m in model.modules())
-    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(num_blocks=16), linear_backend="onednn"))
-    assert len(eng.packed_linears) == num_linears
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(num_blocks=16), linear_backend=kernel))
+    assert len(eng.packed_linears) == num_linears and eng.packed_linears.backend == kernel
     assert _instance_forwards(model) == num_linears
     eng.close()
     assert _instance_forwards(model) == 0
@@ -58,11 +79,12 @@ def test_close_removes_the_packed_forwards_and_the_model_computes_as_before():
 
 
 @pytest.mark.timeout(120)
-def test_weights_changed_in_place_while_open_are_followed():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_weights_changed_in_place_while_open_are_followed(kernel):
     model, other = build_model("llama", seed=0), build_model("llama", seed=1)
     prompts = random_prompts([7, 30], seed=4)
     refs_other = [reference_greedy(other, p, NEW) for p in prompts]
-    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(num_blocks=32), linear_backend="onednn"))
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(num_blocks=32), linear_backend=kernel))
     try:
         eng.submit(prompts[0], SamplingParams(max_new_tokens=2)).result(timeout=60)  # packed and used
         model.load_state_dict(other.state_dict())  # in-place copies into every weight
@@ -75,14 +97,15 @@ def test_weights_changed_in_place_while_open_are_followed():
     assert outs == refs_other
 
 
-def test_modules_with_hooks_or_their_own_forward_are_left_alone():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_modules_with_hooks_or_their_own_forward_are_left_alone(kernel):
     model = build_model("llama")
     layer = model.model.layers[0]
     layer.self_attn.q_proj.register_forward_hook(lambda *a: None)
     wrapped = layer.mlp.up_proj
     original = wrapped.forward
     wrapped.forward = lambda x: original(x)  # how accelerate's hooks wrap a module
-    packed = pack_linears(model, "onednn")
+    packed = pack_linears(model, kernel)
     try:
         assert layer.self_attn.q_proj not in packed.modules and wrapped not in packed.modules
         assert len(packed) == sum(type(m) is torch.nn.Linear for m in model.modules()) - 2
@@ -99,7 +122,9 @@ def test_auto_leaves_weights_unpacked_when_the_copy_would_not_fit():
 
 
 def test_bad_linear_backend_names_the_argument_and_the_choices():
-    with pytest.raises(ValueError, match=r"`linear_backend` must be one of \('auto', 'torch', 'onednn'\), got 'mkl'"):
+    with pytest.raises(
+        ValueError, match=r"`linear_backend` must be one of \('auto', 'torch', 'native', 'onednn'\), got 'mkl'"
+    ):
         EngineConfig(linear_backend="mkl")
 
 
@@ -108,12 +133,13 @@ def _probe(module, x):
         return module(x), torch.nn.functional.linear(x, module.weight, module.bias)
 
 
-def test_weights_given_new_storage_are_repacked_and_copies_work():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_weights_given_new_storage_are_repacked_and_copies_work(kernel):
     import copy
     import pickle
 
     model = build_model("llama")
-    packed = pack_linears(model, "onednn")
+    packed = pack_linears(model, kernel)
     try:
         lin = model.model.layers[0].mlp.up_proj
         x = torch.randn(4, lin.in_features)
@@ -128,9 +154,10 @@ def test_weights_given_new_storage_are_repacked_and_copies_work():
         packed.restore()
 
 
-def test_autograd_through_a_packed_module_falls_back_to_f_linear():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_autograd_through_a_packed_module_falls_back_to_f_linear(kernel):
     model = build_model("llama")
-    packed = pack_linears(model, "onednn")
+    packed = pack_linears(model, kernel)
     try:
         lin = model.model.layers[0].mlp.up_proj
         lin.weight.requires_grad_(False)  # frozen base layer, trainable input (LoRA, prompt tuning)
@@ -141,30 +168,74 @@ def test_autograd_through_a_packed_module_falls_back_to_f_linear():
         packed.restore()
 
 
-def test_a_failure_while_packing_leaves_the_model_untouched(monkeypatch):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_failure_while_packing_leaves_the_model_untouched(monkeypatch, kernel):
     import hf_contbatch.cpu_linear as cl
 
     model = build_model("llama")
     calls = {"n": 0}
-    real = torch.ops.mkldnn._reorder_linear_weight
 
-    def fail_on_fifth(w, *a):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise RuntimeError("out of memory (simulated)")
-        return real(w, *a)
+    def failing(real):
+        def pack(*args):
+            calls["n"] += 1
+            if calls["n"] == 5:
+                raise RuntimeError("out of memory (simulated)")
+            return real(*args)
 
-    monkeypatch.setattr(cl, "_reorder", fail_on_fifth)
+        return pack
+
+    if kernel == "native":
+        monkeypatch.setattr(cl.NativeGEMM, "pack", failing(cl.NativeGEMM.pack))
+    else:
+        monkeypatch.setattr(cl, "_reorder", failing(cl._reorder))
     with pytest.raises(RuntimeError, match="simulated"):
-        pack_linears(model, "onednn")
+        pack_linears(model, kernel)
     assert _instance_forwards(model) == 0
+    # "auto" tries ours, then oneDNN: with this kernel failing it packs with the other one.
     calls["n"] = 0
-    assert pack_linears(model, "auto") is None and _instance_forwards(model) == 0
+    packed = pack_linears(model, "auto")
+    other = {"native": "onednn", "onednn": "native"}[kernel]
+    try:
+        if not (onednn_available() if other == "onednn" else _have_cc()):
+            assert packed is None and _instance_forwards(model) == 0
+        else:
+            assert packed.backend == other and _instance_forwards(model) == len(packed)
+    finally:
+        if packed is not None:
+            packed.restore()
 
 
-def test_a_wrapper_installed_over_a_packed_forward_runs_f_linear_after_restore():
+@pytest.mark.timeout(120)
+def test_without_a_c_compiler_native_raises_and_auto_uses_onednn(tmp_path):
+    script = textwrap.dedent(
+        """
+        import sys
+        sys.path.insert(0, sys.argv[1])
+        from conftest import build_model
+        from hf_contbatch.cpu_linear import onednn_available, pack_linears
+        model = build_model("llama")
+        try:
+            pack_linears(model, "native")
+        except RuntimeError as exc:
+            print("native raised:", exc)
+        packed = pack_linears(model, "auto")
+        print("auto:", None if packed is None else packed.backend, onednn_available())
+        """
+    )
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "XDG_CACHE_HOME": str(tmp_path)}
+    tests_dir = str(Path(__file__).parent)
+    out = subprocess.run(
+        [sys.executable, "-c", script, tests_dir], env=env, capture_output=True, text=True, timeout=110
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "native raised:" in out.stdout and "no-such-cc" in out.stdout, out.stdout
+    assert ("auto: onednn True" in out.stdout) or ("auto: None False" in out.stdout), out.stdout
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_wrapper_installed_over_a_packed_forward_runs_f_linear_after_restore(kernel):
     model = build_model("llama")
-    packed = pack_linears(model, "onednn")
+    packed = pack_linears(model, kernel)
     lin = model.model.layers[0].mlp.up_proj
     inner = lin.forward
     lin.forward = lambda x: inner(x)  # wrapped after packing (as accelerate's add_hook_to_module does)
