@@ -6,8 +6,9 @@
  * Why our own: a decode step multiplies a few to a few dozen rows by every weight of the model, so
  * it streams the weights from memory once per step. oneDNN's brgemm (what torch offers) took 40 ms
  * for the 12 layers of a 100M Llama at 16 rows on the 2-core machines we measure on, 7 GB/s of
- * weights against the 21 GB/s the memory gives; this kernel takes 26-29 ms there and 1.4-2.6x less
- * than oneDNN from 1 to 32 rows, about the same from 128 to 1024 (benchmarks/bench_gemm.py).
+ * weights against the 21 GB/s the memory gives. This kernel takes 1.35-1.95x less time than oneDNN
+ * there from 1 to 32 rows, 1.2x less at 64, about the same from 128 to 1024 (0.96-0.99x; on the
+ * 4-layer hidden-256 model 0.85x at 1024 rows) (benchmarks/bench_gemm.py).
  *
  * The layout and loop nest follow the BLIS/GotoBLAS design (Goto & van de Geijn, "Anatomy of
  * High-Performance Matrix Multiplication", ACM TOMS 2008; the 6x16 register tile of BLIS's

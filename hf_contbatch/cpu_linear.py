@@ -5,8 +5,8 @@ step (a few to a few dozen tokens): measured here, a 4-layer hidden-256 Llama's 
 2.3 ms at 10 rows, and 1.05 ms through oneDNN with the weights reordered once into its blocked
 layout (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``, the ops inductor's CPU
 weight-freezing pass emits). Our own kernel (``cpu_gemm.c``, :class:`NativeGEMM`, built with the
-system C compiler) streams the weights better still: 1.4-2.6x less time than oneDNN from 1 to 32
-rows, about the same at prefill sizes (``benchmarks/bench_gemm.py``). ``linear_backend="auto"``
+system C compiler) streams the weights better still: 1.35-2.0x less time than oneDNN from 1 to 32
+rows on the anchor models' layers, about the same at prefill sizes (``benchmarks/bench_gemm.py``). ``linear_backend="auto"``
 uses it where it builds, else oneDNN, else ``F.linear``; greedy tokens are unchanged either way.
 
 How it is plugged in: each ``nn.Linear`` *instance* gets a ``forward`` attribute (the class is never
