@@ -84,6 +84,9 @@ def test_empty_strided_and_batched_inputs(gemm):
     w = torch.randn(20, 12, generator=g)
     packed = gemm.pack(w)
     assert gemm.linear(torch.empty(0, 12), packed, None, 20).shape == (0, 20)
+    bias = torch.randn(3, generator=g)
+    no_features = gemm.linear(torch.empty(4, 0), gemm.pack(torch.empty(3, 0)), bias, 3)
+    assert torch.equal(no_features, bias.expand(4, 3))  # an empty sum is zero
     wide = torch.randn(5, 24, generator=g)
     strided = wide[:, ::2]  # not contiguous
     _check_against_float64(gemm.linear(strided, packed, None, 20), strided, w, None)
