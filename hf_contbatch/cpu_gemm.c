@@ -61,7 +61,8 @@ void hf_contbatch_gemm_pack_f32(const float *w, int64_t n, int64_t k, float *out
         }                                                                                           \
         for (int64_t kk = 0; kk < kc; kk++) {                                                       \
             const v8 w0 = *(const v8 *)(w + kk * NR), w1 = *(const v8 *)(w + kk * NR + 8);          \
-            __builtin_prefetch(w + (kk + KC) * NR); /* the next slice: see PREFETCH */             \
+            /* the next slice (PREFETCH); integer arithmetic: it may lie past the buffer's end */ \
+            __builtin_prefetch((const void *)((uintptr_t)w + (uintptr_t)((kk + KC) * NR * 4)));      \
             for (int r = 0; r < ROWS; r++) {                                                        \
                 const float xv = x[r * ldx + kk];                                                   \
                 a[r][0] += xv * w0;                                                                 \

@@ -16,7 +16,9 @@ already carry an instance ``forward`` or hooks (accelerate's ``device_map`` offl
 ``linear_backend="auto"`` packs only when that fits comfortably (see :func:`pack_linears`). A weight
 changed in place (``load_state_dict``, an optimizer step: the version counter), given new storage
 (``.data = ...``, ``.to(...)``) or replaced by another Parameter is repacked before its next use, so
-outputs follow the current weights. Calls that need autograd (grad enabled and any of input, weight
+outputs follow the current weights. Writes through ``.data`` (``w.data.mul_(2)``, as some weight
+initialisers do) bypass the version counter and cannot be seen: call :meth:`PackedLinears.repack`
+after them. Calls that need autograd (grad enabled and any of input, weight
 or bias requiring grad) run ``F.linear``. A deepcopy or pickle of the model drops the packed copy
 and repacks on first use.
 
@@ -84,38 +86,82 @@ def onednn_available() -> bool:
 
 
 @functools.cache
-def _native_library():
-    """The compiled GEMM functions (pack, gemm), built on first use and shared by the process like
-    any loaded library; raises RuntimeError when it cannot be built (see ``native_build``)."""
-    lib = ctypes.CDLL(str(build_library(_GEMM_SOURCE, _GEMM_FLAGS)))
+def _load_native_library():
+    """(pack, gemm) or the exception that prevented them: built once per process, a failure too
+    (no compiler: every later engine falls back at once instead of retrying the build)."""
+    try:
+        lib = ctypes.CDLL(str(build_library(_GEMM_SOURCE, _GEMM_FLAGS)))
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:  # no/broken compiler, dlopen failed
+        return None, exc
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     pack, gemm = lib.hf_contbatch_gemm_pack_f32, lib.hf_contbatch_gemm_f32
     pack.argtypes, pack.restype = [ptr, i64, i64, ptr], None
     gemm.argtypes, gemm.restype = [ptr, i64, i64, ptr, i64, ptr, ptr, i64], None
-    return pack, gemm
+    return (pack, gemm), None
+
+
+def _native_library():
+    """The compiled GEMM functions (pack, gemm), shared by the process like any loaded library.
+
+    Raises:
+        RuntimeError: the kernel cannot be built here (see ``native_build``); the message names why.
+    """
+    fns, exc = _load_native_library()
+    if exc is not None:
+        raise RuntimeError(f"our GEMM cannot be built: {type(exc).__name__}: {exc}") from exc
+    return fns
 
 
 def _native_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int
 ) -> torch.Tensor:
-    """``x @ W.T + b`` with our GEMM: ``x`` ``[..., in]`` float32, ``packed`` from
-    :meth:`NativeGEMM.pack`, ``bias`` ``[out]`` or None; returns ``[..., out]`` float32."""
+    """``x @ W.T + b`` with our GEMM: ``x`` ``[..., in]`` float32 CPU, ``packed`` from
+    :meth:`NativeGEMM.pack`, ``bias`` ``[out]`` float32 or None; returns ``[..., out]`` float32.
+
+    Raises:
+        RuntimeError: ``x`` or ``bias`` of another dtype, device or size than the packed weight
+            (the C kernel trusts its arguments, so they are checked here).
+    """
     if torch.compiler.is_compiling():
         return torch.ops.hf_contbatch.native_linear(x, packed, bias, out_features)
+    k = x.shape[-1] if x.dim() else -1
+    panels = packed.shape[0]
+    if (
+        x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or k != packed.shape[1]
+        or not (panels - 1) * _GEMM_NR < out_features <= panels * _GEMM_NR
+    ):
+        raise RuntimeError(
+            f"native linear: input {tuple(x.shape)} {x.dtype} on {x.device} does not fit a packed float32 CPU "
+            f"weight of {out_features} x {packed.shape[1]}"
+        )
+    if bias is not None:
+        if bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.shape != (out_features,):
+            raise RuntimeError(
+                f"native linear: bias {tuple(bias.shape)} {bias.dtype} on {bias.device} does not fit "
+                f"{out_features} float32 CPU outputs"
+            )
+        bias = bias.contiguous()  # kept in a local: the kernel reads it after this line
     # A contiguous [..., in] tensor is already the [rows, in] matrix the kernel reads: no reshape
     # (each costs ~3 us, a decode step makes dozens of these calls).
     if not x.is_contiguous():
         x = x.contiguous()
-    k = x.shape[-1]
     y = x.new_empty((*x.shape[:-1], out_features))
     if k == 0:  # no input features: the product is zero
         return y.zero_() if bias is None else y.copy_(bias.expand_as(y))
     m = x.numel() // k
     if m:
-        bias_ptr = None if bias is None else bias.contiguous().data_ptr()
         # ctypes releases the GIL for the call: engines in other threads keep running.
         _native_library()[1](
-            x.data_ptr(), m, k, packed.data_ptr(), out_features, bias_ptr, y.data_ptr(), torch.get_num_threads()
+            x.data_ptr(),
+            m,
+            k,
+            packed.data_ptr(),
+            out_features,
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            torch.get_num_threads(),
         )
     return y
 
@@ -216,9 +262,15 @@ class _PackedForward:
         }
 
     def repack_if_changed(self) -> None:
-        """Repack when the module's weight changed since packing (follow its current weights)."""
+        """Repack when the module's weight changed since packing (follow its current weights). If
+        that fails (out of memory; a copy unpickled where our GEMM cannot be built), this module
+        runs ``F.linear`` from then on, with one warning."""
         if self.weight_key != _weight_key(self.module.weight):
-            self._pack()
+            try:
+                self._pack()
+            except RuntimeError as exc:
+                logger.warning("repacking %s failed (%s); it runs F.linear from now on", self.module, exc)
+                self.disable()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.module.weight, self.module.bias
@@ -228,14 +280,21 @@ class _PackedForward:
             or weight.dtype != torch.float32
             or x.device.type != "cpu"
             or weight.device.type != "cpu"
+            or x.dim() == 0
+            or x.shape[-1] != weight.shape[1]
+            or bias is not None
+            and (bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.shape != weight.shape[:1])
             or torch.is_grad_enabled()
             and (x.requires_grad or weight.requires_grad or bias is not None and bias.requires_grad)
         ):
-            return torch.nn.functional.linear(x, weight, bias)  # outside what we packed for, or autograd
+            # Outside what we packed for (F.linear raises torch's own error for a bad size), or autograd.
+            return torch.nn.functional.linear(x, weight, bias)
         if self.group is not None:
             return self.group(self, x)
         if not torch.compiler.is_compiling():  # id() and versions are not traceable: see refresh()
             self.repack_if_changed()
+            if not self.active:
+                return torch.nn.functional.linear(x, weight, bias)
         return self.kernel.linear(x, self.packed, None if bias is None else bias.detach(), weight.shape[0])
 
 
@@ -256,6 +315,8 @@ def _padded_linear(
         padded = x2.new_zeros(rows, k)
         padded[:m] = x2
         x2 = padded
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()  # oneDNN reads a strided bias as if it were dense (measured: wrong sums)
     y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
     return y[:m].reshape(*lead, out_features)
 
@@ -300,6 +361,16 @@ class PackedLinears:
             elif f.active:
                 f.repack_if_changed()
 
+    def repack(self) -> None:
+        """Repack every weight now, changed or not: after writes the version counter does not see
+        (through ``.data``, e.g. ``lin.weight.data.mul_(2)``)."""
+        for f in self.forwards:
+            if f.group is not None:
+                f.group.keys = None  # never equal to the current keys: repacked below
+            elif f.active:
+                f.weight_key = None
+        self.refresh()
+
     def restore(self) -> None:
         """Remove the instance forwards this object installed and free the packed copies
         (idempotent). A forward someone wrapped meanwhile stays wrapped but runs ``F.linear``."""
@@ -326,10 +397,7 @@ def _eligible(m: torch.nn.Module) -> bool:
 
 def _make_kernel(name: str):
     if name == "native":
-        try:
-            return NativeGEMM()
-        except (OSError, subprocess.SubprocessError) as exc:  # compiler missing/broken, dlopen failed
-            raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc
+        return NativeGEMM()
     if not onednn_available():
         raise RuntimeError("linear_backend='onednn' needs a torch build with oneDNN (torch.backends.mkldnn)")
     return OneDNNGEMM()

@@ -50,26 +50,43 @@ class FusedGroup:
     def _pack(self) -> None:
         mods = [f.module for f in self.members]
         keys = tuple(_weight_key(m.weight) for m in mods)  # before reading, as in cpu_linear
+        bias_keys = self._bias_keys()
         with torch.no_grad():
             self.packed = self.kernel.pack(torch.cat([m.weight.detach() for m in mods]))
             biases = [m.bias for m in mods]
-            self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-            self.bias_keys = None if biases[0] is None else tuple(_weight_key(b) for b in biases)
-        self._weights = [m.weight for m in mods]  # keep them alive: their id() is in the keys
-        self.keys = keys
+            if all(b is None for b in biases):
+                self.bias = None
+            else:  # a member without a bias (one set to None while open) adds zeros
+                self.bias = torch.cat(
+                    [
+                        b.detach().to(torch.float32) if b is not None else m.weight.new_zeros(m.out_features)
+                        for b, m in zip(biases, mods)
+                    ]
+                )
+        # Keep weights and biases alive: their id() is in the keys.
+        self._weights = [m.weight for m in mods] + [b for b in biases if b is not None]
+        self.keys, self.bias_keys = keys, bias_keys
+
+    def _bias_keys(self) -> tuple:
+        return tuple(None if f.module.bias is None else _weight_key(f.module.bias) for f in self.members)
 
     def _current(self) -> bool:
         mods = [f.module for f in self.members]
         if self.packed is None or self.keys != tuple(_weight_key(m.weight) for m in mods):
             return False
-        if self.bias is not None:
-            return self.bias_keys == tuple(_weight_key(m.bias) for m in mods if m.bias is not None)
-        return True
+        return self.bias_keys == self._bias_keys()  # also a bias added or removed since packing
 
     def repack_if_changed(self) -> None:
-        """Repack the fused weight when a member's weight or bias changed since packing."""
+        """Repack the fused weight when a member's weight or bias changed since packing. If that
+        fails (out of memory; a copy unpickled where the kernel cannot be built), the members run
+        ``F.linear`` from then on, with one warning."""
         if not self._current():
-            self._pack()
+            try:
+                self._pack()
+            except RuntimeError as exc:
+                logger.warning("repacking fused %s failed (%s); they run F.linear from now on", self.sizes, exc)
+                for f in list(self.members):
+                    f.disable()  # also releases this group
 
     def __getstate__(self) -> dict:
         # No packed tensor in a deepcopy/pickle (oneDNN's is opaque): the copy repacks on first use.
@@ -94,6 +111,8 @@ class FusedGroup:
         if index == 0:
             if not torch.compiler.is_compiling():  # compiled: see PackedLinears.refresh()
                 self.repack_if_changed()
+                if self.packed is None:  # released: the repack failed
+                    return torch.nn.functional.linear(x, member.module.weight, member.module.bias)
             out = self.kernel.linear(x, self.packed, self.bias, sum(self.sizes))
             parts = list(out.split(self.sizes, dim=-1))
             self._pending = (x, [None] + parts[1:])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -38,14 +39,17 @@ def build_library(source: Path, flags: list[str]) -> Path:
     source/compiler/flags/CPU has none yet.
 
     Raises:
-        RuntimeError: no C compiler (``$CC``, ``cc``, ``gcc`` or ``clang``), or the compile failed
-            (the message ends with the compiler's error output).
+        RuntimeError: no C compiler (``$CC``, which may carry arguments, else ``cc``, ``gcc`` or
+            ``clang``), or the compile failed (the message ends with the compiler's error output).
+        OSError, subprocess.CalledProcessError: ``$CC`` names no runnable program.
     """
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    found = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    # $CC may carry arguments ("ccache gcc", "gcc -m64"), as make and setuptools allow.
+    cc = shlex.split(os.environ["CC"]) if os.environ.get("CC", "").strip() else [found] if found else None
     if cc is None:
         raise RuntimeError("no C compiler found (cc, gcc or clang on PATH, or $CC)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), cc, version, " ".join(flags), _cpu_id()]).encode())
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([source.read_text(), *cc, version, " ".join(flags), _cpu_id()]).encode())
     target = cache_dir() / f"{source.stem}_{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -54,9 +58,9 @@ def build_library(source: Path, flags: list[str]) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([*cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
+            raise RuntimeError(f"{shlex.join(cc)} failed: {proc.stderr.strip()[-500:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

@@ -244,3 +244,99 @@ def test_a_wrapper_installed_over_a_packed_forward_runs_f_linear_after_restore(k
     x = torch.randn(3, lin.in_features)
     got, want = _probe(lin, x)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_inputs_and_biases_that_do_not_fit_get_torchs_own_error_and_strided_biases_work(kernel):
+    lin = torch.nn.Linear(64, 48)
+    model = torch.nn.Sequential(lin)
+    with torch.no_grad():
+        lin.bias = torch.nn.Parameter(torch.randn(48, 2)[:, 0])  # a strided bias
+    packed = pack_linears(model, kernel)
+    try:
+        x = torch.randn(3, 64)
+        got, want = _probe(lin, x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        with pytest.raises(RuntimeError, match="cannot be multiplied"):
+            lin(torch.randn(3, 100))  # as F.linear says it, not a read past the weight
+        lin.bias = torch.nn.Parameter(torch.randn(48, dtype=torch.bfloat16))
+        with pytest.raises(RuntimeError):
+            with torch.no_grad():
+                lin(x)
+    finally:
+        packed.restore()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_writes_through_data_are_followed_after_repack(kernel):
+    model = build_model("llama")
+    packed = pack_linears(model, kernel)
+    from hf_contbatch.fused_linear import fuse_siblings
+
+    fuse_siblings(model, packed)
+    try:
+        for lin in (model.model.layers[0].self_attn.k_proj, model.model.layers[0].mlp.down_proj):
+            lin.weight.data.mul_(2)  # the version counter does not see this
+            packed.repack()
+            x = torch.randn(4, lin.in_features)
+            q = model.model.layers[0].self_attn.q_proj
+            with torch.no_grad():
+                if lin is not q and lin.in_features == q.in_features:
+                    q(x)  # the group leader computes the fused output first, as the model calls them
+                got = lin(x)
+            torch.testing.assert_close(got, torch.nn.functional.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    finally:
+        packed.restore()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_bias_added_to_a_fused_member_while_open_is_followed(kernel):
+    model, ref = build_model("llama"), build_model("llama")  # same seed: same weights
+    prompts = random_prompts([9, 20], seed=6)
+    # v, not k: a bias on the keys shifts every score of a query equally, softmax cannot see it
+    bias = torch.randn(model.model.layers[0].self_attn.v_proj.out_features)
+    ref.model.layers[0].self_attn.v_proj.bias = torch.nn.Parameter(bias.clone())
+    refs = [reference_greedy(ref, p, NEW) for p in prompts]
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(num_blocks=32), linear_backend=kernel))
+    try:
+        eng.submit(prompts[0], SamplingParams(max_new_tokens=2)).result(timeout=60)  # packed and fused
+        model.model.layers[0].self_attn.v_proj.bias = torch.nn.Parameter(bias.clone())
+        outs = [
+            eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)).result(timeout=60).output_token_ids
+            for p in prompts
+        ]
+    finally:
+        eng.close()
+    assert outs == refs
+
+
+def test_a_repack_that_fails_falls_back_to_f_linear_with_a_warning(monkeypatch, caplog):
+    import hf_contbatch.cpu_linear as cl
+
+    if not _have_cc():
+        pytest.skip("no C compiler: our GEMM cannot be built")
+    model = build_model("llama")
+    packed = pack_linears(model, "native")
+    try:
+        monkeypatch.setattr(cl.NativeGEMM, "pack", lambda self, w: (_ for _ in ()).throw(RuntimeError("simulated")))
+        lin = model.model.layers[0].mlp.down_proj
+        with torch.no_grad():
+            lin.weight.mul_(2)  # changed: the next call repacks, which fails
+        x = torch.randn(3, lin.in_features)
+        with caplog.at_level("WARNING", logger="hf_contbatch.cpu_linear"):
+            got, want = _probe(lin, x)
+        assert torch.equal(got, want)
+        assert "runs F.linear from now on" in caplog.text
+    finally:
+        packed.restore()
+
+
+@pytest.mark.timeout(120)
+def test_cc_may_carry_arguments(tmp_path):
+    cc = shutil.which("gcc") or shutil.which("cc") or shutil.which("clang")
+    if cc is None:
+        pytest.skip("no C compiler")
+    script = "from hf_contbatch.cpu_linear import NativeGEMM; NativeGEMM(); print('built')"
+    env = {**os.environ, "CC": f"{cc} -w", "XDG_CACHE_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0 and "built" in out.stdout, out.stderr[-2000:]
