@@ -6,8 +6,8 @@ them into a few C++ loops; vLLM's CPU build compiles its models the same way.
 
 What is compiled: the unmodified transformers model, with two custom ops left opaque to the
 compiler: the paged attention (``torch.ops.hf_contbatch.paged_attention``, which also stores the
-step's K/V, so the model is called without a cache) and the packed oneDNN linears
-(``torch.ops.hf_contbatch.onednn_linear``, rows padded as in eager). The token dimension and the
+step's K/V, so the model is called without a cache) and the packed linears
+(``torch.ops.hf_contbatch.native_linear``, our GEMM, or ``onednn_linear``, rows padded as in eager). The token dimension and the
 logits rows are marked dynamic, so a handful of graphs serve every batch (one-token steps get their
 own). Inductor's on-disk caches (under ``TORCHINDUCTOR_CACHE_DIR``, default a ``torchinductor_$USER``
 folder in the temp directory) make later processes compile much faster.

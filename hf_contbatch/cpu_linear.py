@@ -206,19 +206,6 @@ class OneDNNGEMM:
         return _padded_linear(x, packed, bias, out_features)
 
 
-@torch.library.custom_op("hf_contbatch::native_linear", mutates_args=())
-def _native_linear_op(
-    x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int
-) -> torch.Tensor:
-    """:func:`_native_linear` as a custom op, for compiled forwards (opaque to inductor)."""
-    return _native_linear(x, packed, bias, out_features)
-
-
-@_native_linear_op.register_fake
-def _(x, packed, bias, out_features):
-    return x.new_empty((*x.shape[:-1], out_features))
-
-
 class _PackedForward:
     """The instance ``forward`` of one packed ``nn.Linear``: input ``[..., in_features]`` →
     ``[..., out_features]``, float32."""
@@ -321,17 +308,21 @@ def _padded_linear(
     return y[:m].reshape(*lead, out_features)
 
 
-@torch.library.custom_op("hf_contbatch::onednn_linear", mutates_args=())
-def _onednn_linear_op(
-    x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int
-) -> torch.Tensor:
-    """:func:`_padded_linear` as a custom op, for compiled forwards."""
-    return _padded_linear(x, packed, bias, out_features)
+def _as_custom_op(name: str, impl: Callable) -> Callable:
+    """``impl(x, packed, bias, out_features)`` registered as ``torch.ops.hf_contbatch.<name>``, so
+    compiled forwards call it as one opaque op: inductor cannot lower our packed layouts, and the
+    kernels keep their own row handling there too."""
+    op = torch.library.custom_op(f"hf_contbatch::{name}", impl, mutates_args=())
+
+    @op.register_fake
+    def _(x, packed, bias, out_features):
+        return x.new_empty((*x.shape[:-1], out_features))
+
+    return op
 
 
-@_onednn_linear_op.register_fake
-def _(x, packed, bias, out_features):
-    return x.new_empty((*x.shape[:-1], out_features))
+_onednn_linear_op = _as_custom_op("onednn_linear", _padded_linear)
+_native_linear_op = _as_custom_op("native_linear", _native_linear)
 
 
 class PackedLinears:
