@@ -191,6 +191,9 @@ class NativeGEMM:
         return out
 
     def linear(self, x, packed, bias, out_features: int) -> torch.Tensor:
+        """``x`` ``[..., in]`` float32 → ``[..., out_features]`` float32 through ``packed`` (from
+        :meth:`pack`), plus ``bias`` ``[out_features]`` if given. Raises RuntimeError when ``x`` or
+        ``bias`` does not fit the packed weight (see :func:`_native_linear`)."""
         return _native_linear(x, packed, bias, out_features)
 
 
@@ -200,9 +203,13 @@ class OneDNNGEMM:
     name = "onednn"
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """``[out, in]`` float32 → oneDNN's blocked copy (an opaque tensor)."""
         return _reorder(weight)
 
     def linear(self, x, packed, bias, out_features: int) -> torch.Tensor:
+        """``x`` ``[..., in]`` float32 → ``[..., out_features]`` float32 through ``packed`` (from
+        :meth:`pack`), plus ``bias`` ``[out_features]`` if given; oneDNN raises RuntimeError on a
+        mismatch."""
         return _padded_linear(x, packed, bias, out_features)
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 
 def cache_dir() -> Path:
-    """Where built libraries are kept."""
+    """Where built libraries are kept: ``$XDG_CACHE_HOME/hf_contbatch``, default
+    ``~/.cache/hf_contbatch`` (created on the first build)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "hf_contbatch"
 
