@@ -176,7 +176,7 @@ def torch_paged_attention(
     flat_v = v_pool.view(-1, kvh, head_dim)
     out = torch.empty_like(query)
     nd = meta.num_decodes
-    if nd and decode_kernel is not None and decode_kernel.can_serve(query, k_pool):
+    if nd and decode_kernel is not None and decode_kernel.can_serve(query, k_pool, v_pool):
         out[:nd] = decode_kernel(
             query[:nd], k_pool, v_pool, meta.block_tables[:nd], meta.seq_lens[:nd], scale, softcap, sliding_window
         )
