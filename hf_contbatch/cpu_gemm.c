@@ -16,7 +16,9 @@
  * (zero columns pad the last panel), so a panel streams sequentially. Threads take whole panels
  * (each weight byte is read by one thread); inside a panel, rows go in blocks of at most MB, the
  * panel in slices of KC input features that stay in L1 while every row tile of up to 6 rows
- * passes over them with 12 vector accumulators.
+ * passes over them with 12 vector accumulators (tiles of 7 rows, 14 accumulators, for 7 and
+ * 13-14 rows). One to three rows (a notebook's single request, the end of a batch) take a narrow
+ * path whose tiles span 2-4 panels instead (see NARROW).
  *
  * Exactness: each output is one fused multiply-add chain over k = 0..K-1 in order (no
  * reassociation: compiled without -ffast-math), whatever M, the row's position in the batch, the
@@ -80,10 +82,96 @@ TILE(3)
 TILE(4)
 TILE(5)
 TILE(6)
+TILE(7)
+
+/* 1-3 rows: a tile of ROWS rows gives only 2 * ROWS multiply-add chains, and each chain waits
+ * for its previous FMA (4 cycles on the machines we measure), so a one-panel tile runs at a
+ * quarter to three quarters of the FMA throughput (measured here, one thread, a 512x256 weight in
+ * L2: 1 row took 19 us, 4 rows 32, 6 rows 30). These
+ * tiles span G panels instead (8-12 accumulators), over all of K at once. Each output is still one
+ * in-order FMA chain over k, so the bits equal those of the general path. Prefetch: each panel's
+ * stream one slice (KC features) ahead, as there. Measured here over the 12 layers of the small
+ * anchor model (their shapes from benchmarks/bench_gemm.py, the two builds compared side by side
+ * in one process): 17.4 -> 14.9 ms at 1 and 2 rows, 19.2 -> 16.3 at 3,
+ * i.e. 22 GB/s of weights, what two threads can read from memory on this machine. */
+#define NARROW(ROWS, G)                                                                               \
+    static inline void narrow_##ROWS##_##G(const float *x, int64_t k, const float *w, float *out) {   \
+        v8 a[ROWS][G][2];                                                                             \
+        for (int r = 0; r < ROWS; r++)                                                                \
+            for (int g = 0; g < G; g++) a[r][g][0] = a[r][g][1] = (v8){0};                             \
+        for (int64_t kk = 0; kk < k; kk++) {                                                          \
+            v8 w0[G], w1[G];                                                                          \
+            for (int g = 0; g < G; g++) {                                                             \
+                const float *wg = w + (g * k + kk) * NR;                                              \
+                w0[g] = *(const v8 *)wg;                                                              \
+                w1[g] = *(const v8 *)(wg + 8);                                                        \
+                __builtin_prefetch((const void *)((uintptr_t)wg + (uintptr_t)(KC * NR * 4)));          \
+            }                                                                                         \
+            for (int r = 0; r < ROWS; r++) {                                                          \
+                const float xv = x[r * k + kk];                                                       \
+                for (int g = 0; g < G; g++) {                                                         \
+                    a[r][g][0] += xv * w0[g];                                                         \
+                    a[r][g][1] += xv * w1[g];                                                         \
+                }                                                                                     \
+            }                                                                                         \
+        }                                                                                             \
+        for (int r = 0; r < ROWS; r++)                                                                \
+            for (int g = 0; g < G; g++) {                                                             \
+                *(v8 *)(out + (r * G + g) * NR) = a[r][g][0];                                         \
+                *(v8 *)(out + (r * G + g) * NR + 8) = a[r][g][1];                                     \
+            }                                                                                         \
+    }
+NARROW(1, 4)
+NARROW(2, 2)
+NARROW(3, 2)
+NARROW(1, 1)
+NARROW(2, 1)
+NARROW(3, 1)
+
+/* m <= 3 rows: threads take groups of G panels (G = 4 for one row, else 2); a last group of
+ * fewer panels goes one panel at a time. out: acc [m][G][16] per group, copied to y with bias. */
+static void gemm_narrow(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
+                        float *y, int64_t num_threads) {
+    const int64_t panels = (n + NR - 1) / NR, G = m == 1 ? 4 : 2;
+    const int64_t groups = (panels + G - 1) / G;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t gi = 0; gi < groups; gi++) {
+        float acc[3 * 4 * NR] __attribute__((aligned(32)));
+        const int64_t p0 = gi * G, np = panels - p0 < G ? panels - p0 : G;
+        const float *w = packed + p0 * k * NR;
+        if (np == G) {
+            if (m == 1) narrow_1_4(x, k, w, acc);
+            else if (m == 2) narrow_2_2(x, k, w, acc);
+            else narrow_3_2(x, k, w, acc);
+        } else {
+            for (int64_t g = 0; g < np; g++) {
+                float one[3 * NR] __attribute__((aligned(32)));
+                if (m == 1) narrow_1_1(x, k, w + g * k * NR, one);
+                else if (m == 2) narrow_2_1(x, k, w + g * k * NR, one);
+                else narrow_3_1(x, k, w + g * k * NR, one);
+                for (int64_t r = 0; r < m; r++) memcpy(acc + (r * G + g) * NR, one + r * NR, sizeof(float) * NR);
+            }
+        }
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t g = 0; g < np; g++) {
+                const int64_t col0 = (p0 + g) * NR, cols = n - col0 < NR ? n - col0 : NR;
+                float *yr = y + r * n + col0;
+                const float *ar = acc + (r * G + g) * NR;
+                if (bias)
+                    for (int64_t j = 0; j < cols; j++) yr[j] = ar[j] + bias[col0 + j];
+                else
+                    memcpy(yr, ar, sizeof(float) * (size_t)cols);
+            }
+    }
+}
 
 /* x [m][k] row-major, packed from hf_contbatch_gemm_pack_f32, bias [n] or NULL, y [m][n] row-major. */
 void hf_contbatch_gemm_f32(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
                            const float *bias, float *y, int64_t num_threads) {
+    if (m <= 3) {
+        gemm_narrow(x, m, k, packed, n, bias, y, num_threads);
+        return;
+    }
     const int64_t panels = (n + NR - 1) / NR;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t p = 0; p < panels; p++) {
@@ -92,11 +180,18 @@ void hf_contbatch_gemm_f32(const float *x, int64_t m, int64_t k, const float *pa
         for (int64_t row0 = 0; row0 < m; row0 += MB) {
             const int64_t rows = m - row0 < MB ? m - row0 : MB;
             memset(acc, 0, sizeof(float) * (size_t)(rows * NR));
+            /* Tiles of near-equal height (32 rows: 6+6+5+5+5+5, not 6x5+2), of up to 7 rows (14
+             * accumulators; the weights become FMA memory operands) where that saves a pass over
+             * each slice and there are at most 14 rows: 7 rows in one tile instead of 4+3, 13-14
+             * in two instead of three (measured here: 1.25-1.43x at 7 rows, 1.23-1.38x at 13,
+             * 1.0-1.14x at 14). At more rows the 7-row tile's loads of the weights cost more than
+             * the saved passes (3-23% slower at 48-256 rows). */
+            const int64_t tiles = rows <= 2 * (MR + 1) && (rows + MR) / (MR + 1) < (rows + MR - 1) / MR
+                                      ? (rows + MR) / (MR + 1)
+                                      : (rows + MR - 1) / MR;
             for (int64_t k0 = 0; k0 < k; k0 += KC) {
                 const int64_t kc = k - k0 < KC ? k - k0 : KC;
                 const float *w = packed + (p * k + k0) * NR;
-                /* Tiles of near-equal height (32 rows: 6+6+5+5+5+5, not 6x5+2). */
-                const int64_t tiles = (rows + MR - 1) / MR;
                 int64_t r0 = 0;
                 for (int64_t t = 0; t < tiles; t++) {
                     const int64_t left = rows - r0, h = (left + (tiles - t) - 1) / (tiles - t);
@@ -108,7 +203,8 @@ void hf_contbatch_gemm_f32(const float *x, int64_t m, int64_t k, const float *pa
                         case 3: tile_3(xt, k, w, kc, at); break;
                         case 4: tile_4(xt, k, w, kc, at); break;
                         case 5: tile_5(xt, k, w, kc, at); break;
-                        default: tile_6(xt, k, w, kc, at); break;
+                        case 6: tile_6(xt, k, w, kc, at); break;
+                        default: tile_7(xt, k, w, kc, at); break;
                     }
                     r0 += h;
                 }

@@ -32,7 +32,9 @@ def _check_against_float64(y, x, w, b):
     assert ((y.double() - exact).abs() <= 1.01 * k * EPS * bound + 1e-30).all()
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 32, 97, 200])
+@pytest.mark.parametrize(
+    "m", [1, 2, 3, 4, 5, 6, 7, 8, 13, 14, 15, 32, 97, 103, 200]
+)  # 1-3: narrow; 7, 13-14: 7-row tiles
 @pytest.mark.parametrize(("k", "n"), [(1, 1), (7, 3), (64, 16), (100, 33), (257, 130), (768, 1280)])
 def test_products_match_float64_within_the_error_bound(gemm, m, k, n):
     g = torch.Generator().manual_seed(m * 1000 + k + n)
@@ -51,17 +53,18 @@ def test_a_rows_result_does_not_depend_on_the_batch_it_runs_in(gemm):
     packed = gemm.pack(w)
     x = torch.randn(150, 200, generator=g)
     alone = torch.cat([gemm.linear(x[i : i + 1], packed, None, 300) for i in range(150)])
-    for m in (2, 6, 7, 31, 96, 97, 150):  # tile heights and row blocks fall differently
+    for m in (2, 3, 4, 6, 7, 8, 13, 14, 31, 96, 97, 103, 150):  # narrow (1-3), 7-row tiles (7, 13-14, 96+7)
         assert torch.equal(gemm.linear(x[:m], packed, None, 300), alone[:m])
 
 
 def test_columns_packed_together_give_the_bits_they_give_apart(gemm):
     g = torch.Generator().manual_seed(2)
     ws = [torch.randn(n, 96, generator=g) for n in (40, 24, 24)]  # q/k/v-like, not panel multiples
-    x = torch.randn(9, 96, generator=g)
-    fused = gemm.linear(x, gemm.pack(torch.cat(ws)), None, 88)
-    apart = torch.cat([gemm.linear(x, gemm.pack(w), None, w.shape[0]) for w in ws], dim=1)
-    assert torch.equal(fused, apart)
+    for m in (1, 3, 9):  # the narrow path groups panels, the general one does not
+        x = torch.randn(m, 96, generator=g)
+        fused = gemm.linear(x, gemm.pack(torch.cat(ws)), None, 88)
+        apart = torch.cat([gemm.linear(x, gemm.pack(w), None, w.shape[0]) for w in ws], dim=1)
+        assert torch.equal(fused, apart)
 
 
 def test_thread_count_does_not_change_the_bits(gemm):
