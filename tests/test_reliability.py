@@ -298,7 +298,9 @@ def test_interrupting_blocking_calls_twice_cancels_only_their_requests(embedded)
     model, tok = embedded
     bg_text, fg_text = "The value of a key", "A module is"
     bg_ids, fg_ids = tok(bg_text)["input_ids"], tok(fg_text)["input_ids"]
-    bg_ref = reference_greedy(model, bg_ids, 80)
+    # The background request must outlive both interrupted calls: 300 tokens (80 finished before
+    # the first interrupt landed once, in a fresh-clone CI run, after decoding got faster).
+    bg_ref = reference_greedy(model, bg_ids, 300)
     fg_long = reference_greedy(model, fg_ids, 120)  # before the pipeline: it switches the model's attention
     pipe = ContinuousBatchingPipeline(model, tok, engine_config=EngineConfig(cache=CacheConfig(num_blocks=64)))
     eng = pipe.engine
@@ -307,7 +309,7 @@ def test_interrupting_blocking_calls_twice_cancels_only_their_requests(embedded)
         return any(r.prompt_token_ids == fg_ids and len(r.output_token_ids) >= 3 for r in list(eng.scheduler.running))
 
     try:
-        bg = pipe.submit(bg_text, max_new_tokens=80, do_sample=False, ignore_eos=True)
+        bg = pipe.submit(bg_text, max_new_tokens=300, do_sample=False, ignore_eos=True)
         # 1: a blocking pipe(...) call, interrupted mid-decode.
         t = _interrupt_when(fg_running_with_tokens)
         with pytest.raises(KeyboardInterrupt):
