@@ -298,8 +298,9 @@ def test_interrupting_blocking_calls_twice_cancels_only_their_requests(embedded)
     model, tok = embedded
     bg_text, fg_text = "The value of a key", "A module is"
     bg_ids, fg_ids = tok(bg_text)["input_ids"], tok(fg_text)["input_ids"]
-    # The background request must outlive both interrupted calls: 300 tokens (80 finished before
-    # the first interrupt landed once, in a fresh-clone CI run, after decoding got faster).
+    # The background request should outlive both interrupted calls (300 tokens; 80 finished before
+    # the first interrupt landed on a fast day), but how far it gets depends on the machine: the
+    # checks below ask only that the interrupts did not cancel it.
     bg_ref = reference_greedy(model, bg_ids, 300)
     fg_long = reference_greedy(model, fg_ids, 120)  # before the pipeline: it switches the model's attention
     pipe = ContinuousBatchingPipeline(model, tok, engine_config=EngineConfig(cache=CacheConfig(num_blocks=64)))
@@ -318,7 +319,7 @@ def test_interrupting_blocking_calls_twice_cancels_only_their_requests(embedded)
         assert not any(r.prompt_token_ids == fg_ids for r in eng.scheduler.all_requests()), (
             "the interrupted call's request is still in the engine"
         )
-        assert not bg.done(), "the background request should still be running"
+        assert not bg.done() or bg.finish_reasons() == ["length"], "the interrupt cancelled the background request"
         # 2: right after, a blocking result() on a submitted request, interrupted again.
         fg = pipe.submit(fg_text, max_new_tokens=120, do_sample=False, ignore_eos=True)
         t = _interrupt_when(fg_running_with_tokens)
