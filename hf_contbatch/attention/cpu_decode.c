@@ -27,7 +27,6 @@
  * tail for head_dim % 8.
  */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
