@@ -315,21 +315,28 @@ def _padded_linear(
     return y[:m].reshape(*lead, out_features)
 
 
-def _as_custom_op(name: str, impl: Callable) -> Callable:
+# Registered with ``torch.library.Library`` rather than ``torch.library.custom_op``: the latter wraps
+# every call in Python autograd and alias-checking layers, measured here at 19.5 us a call under
+# inference mode against 7.6 us for a plain ``Library.impl`` kernel (a compiled tiny-model step
+# makes 17 of these calls). The ops are inference-only (no autograd formula) and return new tensors.
+_OPS = torch.library.Library("hf_contbatch", "FRAGMENT")
+
+
+def _register_linear_op(name: str, impl: Callable) -> None:
     """``impl(x, packed, bias, out_features)`` registered as ``torch.ops.hf_contbatch.<name>``, so
     compiled forwards call it as one opaque op: inductor cannot lower our packed layouts, and the
     kernels keep their own row handling there too."""
-    op = torch.library.custom_op(f"hf_contbatch::{name}", impl, mutates_args=())
+    _OPS.define(f"{name}(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor")
+    _OPS.impl(name, impl, "CompositeExplicitAutograd")
 
-    @op.register_fake
-    def _(x, packed, bias, out_features):
+    def fake(x, packed, bias, out_features):
         return x.new_empty((*x.shape[:-1], out_features))
 
-    return op
+    torch.library.register_fake(f"hf_contbatch::{name}", fake, lib=_OPS)
 
 
-_onednn_linear_op = _as_custom_op("onednn_linear", _padded_linear)
-_native_linear_op = _as_custom_op("native_linear", _native_linear)
+_register_linear_op("onednn_linear", _padded_linear)
+_register_linear_op("native_linear", _native_linear)
 
 
 class PackedLinears:
