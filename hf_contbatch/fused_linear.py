@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from .cpu_linear import PackedLinears, _PackedForward, _weight_key
+from .cpu_linear import PackedLinears, _check_packable, _PackedForward, _weight_key
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,8 @@ class FusedGroup:
         self.members = members
         self.kernel = members[0].kernel  # grouped only with the same kernel (see fuse_siblings)
         self.sizes = [f.module.out_features for f in members]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(members))]
+        self.total = sum(self.sizes)
         self.keys: tuple | None = None
         self.packed: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
@@ -49,6 +51,8 @@ class FusedGroup:
 
     def _pack(self) -> None:
         mods = [f.module for f in self.members]
+        for m in mods:
+            _check_packable(m.weight)
         keys = tuple(_weight_key(m.weight) for m in mods)  # before reading, as in cpu_linear
         bias_keys = self._bias_keys()
         with torch.no_grad():
@@ -94,6 +98,8 @@ class FusedGroup:
             "members": self.members,
             "kernel": self.kernel,
             "sizes": self.sizes,
+            "offsets": self.offsets,
+            "total": self.total,
             "keys": None,
             "packed": None,
             "bias": None,
@@ -106,23 +112,29 @@ class FusedGroup:
         self.packed = self.bias = self._pending = None
         self._weights = []
 
-    def __call__(self, member: _PackedForward, x: torch.Tensor) -> torch.Tensor:
-        index = self.members.index(member)
+    def __call__(self, member: _PackedForward, x: torch.Tensor, verified: bool = False) -> torch.Tensor:
+        """``member``'s output for ``x``: the leader runs the fused GEMM, a sibling takes its
+        slice. ``verified``: inside ``PackedLinears.verified_step`` (the fused weight is current)."""
+        index = member.group_index
         if index == 0:
-            if not torch.compiler.is_compiling():  # compiled: see PackedLinears.refresh()
-                self.repack_if_changed()
-                if self.packed is None:  # released: the repack failed
-                    return torch.nn.functional.linear(x, member.module.weight, member.module.bias)
-            out = self.kernel.linear(x, self.packed, self.bias, sum(self.sizes))
-            parts = list(out.split(self.sizes, dim=-1))
-            self._pending = (x, [None] + parts[1:])
-            return parts[0]
+            if verified:
+                out = self.kernel.linear_verified(x, self.packed, self.bias, self.total)
+            else:
+                if not torch.compiler.is_compiling():  # compiled: see PackedLinears.refresh()
+                    self.repack_if_changed()
+                    if self.packed is None:  # released: the repack failed
+                        return torch.nn.functional.linear(x, member.module.weight, member.module.bias)
+                out = self.kernel.linear(x, self.packed, self.bias, self.total)
+            # Slices are taken when asked for (narrow: ~1 us each, where split costs ~10 us).
+            self._pending = (x, out, [False] + [True] * (len(self.sizes) - 1))
+            return out.narrow(-1, 0, self.sizes[0])
         pending = self._pending
-        if pending is not None and pending[0] is x and pending[1][index] is not None:
-            part, pending[1][index] = pending[1][index], None
-            if not any(p is not None for p in pending[1]) and self._pending is pending:
+        if pending is not None and pending[0] is x and pending[2][index]:
+            untaken = pending[2]
+            untaken[index] = False
+            if not any(untaken) and self._pending is pending:
                 self._pending = None  # all taken: drop the references
-            return part
+            return pending[1].narrow(-1, self.offsets[index], self.sizes[index])
         module = member.module
         return torch.nn.functional.linear(x, module.weight, module.bias)
 
@@ -158,8 +170,8 @@ def fuse_siblings(model: torch.nn.Module, packed: PackedLinears | None) -> int:
             except RuntimeError as exc:  # kernel error or out of memory: leave them unfused
                 logger.warning("could not fuse %s (%s); running them separately", names, exc)
                 continue
-            for f in members:
-                f.group = group
+            for i, f in enumerate(members):
+                f.group, f.group_index = group, i
                 f.packed = None  # the fused copy replaces each member's own
             groups += 1
     return groups

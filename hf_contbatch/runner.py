@@ -8,6 +8,7 @@ no padding and no dense mask. Only the rows that produce a token reach the LM he
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -37,6 +38,9 @@ class ModelRunner:
         self.block_manager = block_manager
         self.device = device
         self.sampler = sampler
+        # The model's packed linears (hf_contbatch.cpu_linear.PackedLinears), checked once per step
+        # instead of per call; set by the engine for eager forwards (a compiled one refreshes them).
+        self.packed_linears = None
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._supports_logits_to_keep = "logits_to_keep" in params
@@ -118,6 +122,9 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         return ids, positions.to(dev), meta, sample_rows, spec_rows
 
+    def _linears_step(self):
+        return contextlib.nullcontext() if self.packed_linears is None else self.packed_linears.verified_step()
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[int, int]:
         """Run the step's forward and return ``{request_id: sampled token}`` for sampling requests,
@@ -138,7 +145,8 @@ class ModelRunner:
             rows = torch.tensor(sample_rows + score_rows + spec_rows, dtype=torch.long, device=self.device)
             if self._supports_logits_to_keep:
                 kwargs["logits_to_keep"] = rows
-            logits = self.model(**kwargs).logits[0]
+            with self._linears_step():
+                logits = self.model(**kwargs).logits[0]
             if not self._supports_logits_to_keep:
                 logits = logits.index_select(0, rows)
         finally:

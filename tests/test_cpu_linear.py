@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -340,3 +341,98 @@ def test_cc_may_carry_arguments(tmp_path):
     env = {**os.environ, "CC": f"{cc} -w", "XDG_CACHE_HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=110)
     assert out.returncode == 0 and "built" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: fused q/k/v with biases
+def test_a_verified_step_computes_the_same_bits_and_other_threads_keep_their_checks(kernel, family):
+    """Inside ``PackedLinears.verified_step`` (the engine's eager steps) calls skip the per-call
+    weight checks: same logits bit for bit as the checked calls; another thread's calls, and calls
+    after the block, still follow weights changed in place."""
+    from hf_contbatch.fused_linear import fuse_siblings
+
+    model = build_model(family)
+    other = build_model(family, seed=1)
+    ids = torch.randint(1, 100, (1, 9), generator=torch.Generator().manual_seed(3))
+    packed = pack_linears(model, kernel)
+    fuse_siblings(model, packed)
+    try:
+        with torch.inference_mode():
+            checked = model(input_ids=ids).logits
+            with packed.verified_step():
+                if kernel == "native":  # the verified calls go straight to the GEMM, unchecked
+                    import hf_contbatch.cpu_linear as cl
+
+                    counts = {"checked": 0}
+                    real = cl._native_linear
+
+                    def counting(*args):
+                        counts["checked"] += 1
+                        return real(*args)
+
+                    cl._native_linear = counting
+                    try:
+                        verified = model(input_ids=ids).logits
+                    finally:
+                        cl._native_linear = real
+                    assert counts["checked"] == 0
+                else:
+                    verified = model(input_ids=ids).logits
+                # An input the packed weight does not fit still gets torch's own error.
+                lin = model.model.layers[0].mlp.down_proj
+                with pytest.raises(RuntimeError):
+                    lin(torch.randn(2, lin.in_features + 1))
+                # Another thread (not the step's) changes a weight and calls: the checked path repacks.
+                x = torch.randn(3, lin.in_features)
+                result = {}
+
+                def in_other_thread():
+                    with torch.inference_mode():
+                        lin.weight.mul_(2)
+                        result["got"] = lin(x)
+
+                t = threading.Thread(target=in_other_thread)
+                t.start()
+                t.join(30)
+                torch.testing.assert_close(result["got"], _probe(lin, x)[1], rtol=1e-5, atol=1e-5)
+            assert torch.equal(verified, checked)
+            # After the block: a weight changed in place is followed by the next checked call.
+            model.load_state_dict(other.state_dict())
+            after = model(input_ids=ids).logits
+            with packed.verified_step():  # and a step started after the change repacks first
+                after_verified = model(input_ids=ids).logits
+        with torch.inference_mode():
+            want = other(input_ids=ids).logits  # never packed: F.linear
+        torch.testing.assert_close(after, want, rtol=1e-4, atol=1e-4)
+        assert torch.equal(after_verified, after)
+    finally:
+        packed.restore()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_weight_no_longer_float32_is_not_packed_but_runs_f_linear(kernel, caplog):
+    """A weight given float64 storage while packed (``.data = ...``) cannot be repacked (both
+    kernels read float32): the module warns once and runs ``F.linear`` from then on."""
+    from hf_contbatch.fused_linear import fuse_siblings
+
+    model = build_model("llama")
+    packed = pack_linears(model, kernel)
+    fuse_siblings(model, packed)
+    try:
+        attn = model.model.layers[0].self_attn
+        lin = model.model.layers[0].mlp.down_proj
+        attn.k_proj.weight.data = attn.k_proj.weight.data.double()  # a fused member
+        lin.weight.data = lin.weight.data.double()
+        with caplog.at_level("WARNING"), torch.inference_mode(), packed.verified_step():
+            x = torch.randn(3, lin.in_features, dtype=torch.float64)
+            got_lin = lin(x)
+            h = torch.randn(3, attn.k_proj.in_features, dtype=torch.float64)
+            got_k = attn.k_proj(h)
+        assert "runs F.linear from now on" in caplog.text
+        with torch.inference_mode():
+            assert torch.equal(got_lin, torch.nn.functional.linear(x, lin.weight))
+            assert torch.equal(got_k, torch.nn.functional.linear(h, attn.k_proj.weight))
+    finally:
+        packed.restore()
