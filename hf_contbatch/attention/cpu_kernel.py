@@ -91,9 +91,9 @@ class CPUDecodeKernel:
             query.dtype == torch.float32
             and k_pool.dtype == torch.float32
             and v_pool.dtype == torch.float32
-            and query.device.type == "cpu"
-            and k_pool.device.type == "cpu"
-            and v_pool.device.type == "cpu"
+            and query.is_cpu
+            and k_pool.is_cpu
+            and v_pool.is_cpu
             and k_pool.is_contiguous()
             and v_pool.is_contiguous()
             and v_pool.shape == k_pool.shape

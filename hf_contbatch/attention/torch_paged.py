@@ -172,15 +172,24 @@ def torch_paged_attention(
     """
     num_tokens, num_heads, head_dim = query.shape
     kvh = k_pool.shape[2]
+    nd = meta.num_decodes
+    in_kernel = bool(nd) and decode_kernel is not None and decode_kernel.can_serve(query, k_pool, v_pool)
+    if in_kernel:
+        # The decode rows' tables and lengths, as the kernel reads them: once a step, not per layer.
+        tables, lens = meta.derived(
+            ("decode_kernel",),
+            lambda: (meta.block_tables[:nd].to(torch.int32).contiguous(), meta.seq_lens[:nd].to(torch.int32)),
+        )
+        decoded = decode_kernel(query[:nd], k_pool, v_pool, tables, lens, scale, softcap, sliding_window)
+        if nd == num_tokens:  # a decode-only step (most steps): the kernel's output is the result
+            return decoded
+        out = torch.empty_like(query)
+        out[:nd] = decoded
+    else:
+        out = torch.empty_like(query)
     flat_k = k_pool.view(-1, kvh, head_dim)
     flat_v = v_pool.view(-1, kvh, head_dim)
-    out = torch.empty_like(query)
-    nd = meta.num_decodes
-    if nd and decode_kernel is not None and decode_kernel.can_serve(query, k_pool, v_pool):
-        out[:nd] = decode_kernel(
-            query[:nd], k_pool, v_pool, meta.block_tables[:nd], meta.seq_lens[:nd], scale, softcap, sliding_window
-        )
-    elif nd:
+    if nd and not in_kernel:
         groups = num_heads // kvh
         plans = meta.derived(
             ("decode", sliding_window, kvh, groups), lambda: _decode_buckets(meta, sliding_window, groups)
