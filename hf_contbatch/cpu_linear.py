@@ -302,21 +302,15 @@ class _PackedForward:
                 self.disable()
 
     def verify(self) -> bool:
-        """Whether this module's calls may skip their checks until the end of the step: packed for
-        its current weight (repacked if changed), float32 CPU weight and bias, no autograd.
-        Called by :meth:`PackedLinears.verified_step` after the repacks."""
+        """Whether this module's calls may skip their checks until the end of the step: active
+        (packed, or its group's fused weight, for the current weights: :meth:`PackedLinears.refresh`
+        ran just before), float32 CPU weight and bias. Sets the step's bias. Called by
+        :meth:`PackedLinears.verified_step`."""
         weight, bias = self.module.weight, self.module.bias
-        if (
-            not self.active
-            or torch.is_grad_enabled()
-            or weight.dtype != torch.float32
-            or weight.device.type != "cpu"
-            or self.weight_key != _weight_key(weight)
-            and self.group is None
-        ):
+        if not self.active or weight.dtype != torch.float32 or not weight.is_cpu:
             return False
         if bias is not None:
-            if bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.shape != weight.shape[:1]:
+            if bias.dtype != torch.float32 or not bias.is_cpu or bias.shape != weight.shape[:1]:
                 return False
             bias = bias.detach().contiguous()
         self.verified_bias = bias
@@ -448,17 +442,27 @@ class PackedLinears:
         thread = threading.get_ident()
         marked = []
         try:
-            for f in self.forwards:
-                group = f.group
-                if group is not None and (group.packed is None or not group.members[0].verify()):
-                    continue  # the leader's check (and its fused weight) stands for the group
-                if f.verify():
-                    f.verified_thread = thread
-                    marked.append(f)
+            if not torch.is_grad_enabled():  # with autograd on, every call keeps its checks
+                seen_groups = set()
+                for f in self.forwards:
+                    group = f.group
+                    if group is None:
+                        members = [f] if f.verify() else []
+                    elif id(group) in seen_groups:
+                        continue
+                    else:  # a group runs unchecked only when its fused weight and every member pass
+                        seen_groups.add(id(group))
+                        ok = group.packed is not None and all([m.verify() for m in group.members])
+                        members = group.members if ok else []
+                    for m in members:
+                        m.verified_thread = thread
+                        marked.append(m)
             yield
         finally:
             for f in marked:
-                f.verified_thread = f.verified_bias = None
+                f.verified_thread = None
+            for f in self.forwards:
+                f.verified_bias = None
 
     def repack(self) -> None:
         """Repack every weight now, changed or not: after writes the version counter does not see
