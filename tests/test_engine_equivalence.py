@@ -70,3 +70,45 @@ def test_finish_reasons_follow_eos_and_length(llama_model):
     first = ref.index(eos)
     assert o_eos.output_token_ids == ref[: first + 1] and o_eos.finish_reason == "stop"
     assert len(o_len.output_token_ids) == 3 and o_len.finish_reason == "length"
+
+
+@pytest.mark.timeout(120)
+def test_step_positions_and_slot_mapping_follow_the_block_tables():
+    """Every step's flattened positions are each request's ``num_computed_tokens + i`` and its
+    slot mapping is ``table[p // block_size] * block_size + p % block_size`` (the definition),
+    for decodes and for prefill chunks that start and end inside a block."""
+    model = build_model("llama")
+    prompts = random_prompts([13, 22, 9, 30], seed=8)
+    refs = [reference_greedy(model, p, 6) for p in prompts]  # before the engine switches attention
+    bs = 4
+    cfg = EngineConfig(
+        cache=CacheConfig(block_size=bs, num_blocks=40),
+        scheduler=SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=10),  # chunks start mid-block
+    )
+    eng = LLMEngine(model, cfg)
+    checked = {"steps": 0, "mid_block_chunks": 0}
+    real = eng.runner.build_metadata
+
+    def spy(out):
+        ids, positions, meta, sample_rows, spec_rows = real(out)
+        want_pos, want_slots = [], []
+        for s in out.scheduled:
+            table = eng.block_manager.get_block_table(s.request.request_id)
+            start = s.request.num_computed_tokens
+            if not s.is_decode and start % bs:
+                checked["mid_block_chunks"] += 1
+            for p in range(start, start + s.num_new_tokens):
+                want_pos.append(p)
+                want_slots.append(table[p // bs] * bs + p % bs)
+        assert positions.tolist() == want_pos
+        assert meta.slot_mapping.tolist() == want_slots
+        checked["steps"] += 1
+        return ids, positions, meta, sample_rows, spec_rows
+
+    eng.runner.build_metadata = spy
+    try:
+        handles = [eng.submit(p, SamplingParams(max_new_tokens=6, ignore_eos=True)) for p in prompts]
+        assert [h.result(timeout=60).output_token_ids for h in handles] == refs
+    finally:
+        eng.close()
+    assert checked["steps"] > 10 and checked["mid_block_chunks"] > 0
