@@ -146,13 +146,13 @@ class LLMEngine(KVPoolSizing, EngineDriver):
             raise
         model.eval()
         self.compiled_forward = None
-        self.runner.packed_linears = self.packed_linears
         if compile_model:
             from .compiled_forward import CompiledForward
 
             self.compiled_forward = CompiledForward(model, self.cache, self.runner._cache_arg, self.packed_linears)
             self.runner.model = self.compiled_forward
-            self.runner.packed_linears = None  # the compiled forward refreshes them before each step
+        else:  # eager steps check the packed linears once a step (a compiled forward refreshes them itself)
+            self.runner.packed_linears = self.packed_linears
 
         self._ids = RequestIdCounter()
         self._handles: dict[int, RequestHandle] = {}
