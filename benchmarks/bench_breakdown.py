@@ -90,7 +90,7 @@ class _Timers:
 
 def _instrument(engine, timers: _Timers) -> None:
     """Wrap the parts of a step with timers (instance attributes and module functions only)."""
-    from hf_contbatch.attention import torch_paged
+    from hf_contbatch.kernels.attention import torch_paged
 
     sched, runner = engine.scheduler, engine.runner
     engine._on_new_token = timers.wrap(engine._on_new_token, "on token")
@@ -111,7 +111,7 @@ def _instrument(engine, timers: _Timers) -> None:
     if compiled:
         # Inside a compiled graph module hooks would be traced (and break it): time our GEMM's C
         # call instead, which the opaque custom op looks up at run time.
-        from hf_contbatch import cpu_linear
+        from hf_contbatch.kernels import cpu_linear
 
         lookup = cpu_linear._native_library
 

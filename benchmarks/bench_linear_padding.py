@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from hf_contbatch.cpu_linear import _padded_linear, _reorder  # noqa: E402
+from hf_contbatch.kernels.cpu_linear import _padded_linear, _reorder  # noqa: E402
 
 from workload import MODEL_SIZES  # noqa: E402
 

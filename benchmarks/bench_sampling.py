@@ -19,8 +19,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from hf_contbatch.engine.sampler import Sampler, build_logits_processors  # noqa: E402
 from hf_contbatch.request import Request, SamplingParams  # noqa: E402
-from hf_contbatch.sampler import Sampler, build_logits_processors  # noqa: E402
 
 WORKLOADS = {
     "greedy": dict(do_sample=False),

@@ -135,7 +135,7 @@ def dense_kv(cache, block_tables, b, context):
 def bench_decode(batch, context, copy_gbps, device) -> dict:
     import torch.nn.functional as F
 
-    from hf_contbatch.attention import triton_kernels as tk
+    from hf_contbatch.kernels.attention import triton_kernels as tk
 
     k_cache, v_cache, block_tables, seq_lens = make_paged_kv(batch, context, device)
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
@@ -182,7 +182,7 @@ def bench_decode(batch, context, copy_gbps, device) -> dict:
 def bench_prefill(device, batch=8, seq=1024) -> dict:
     import torch.nn.functional as F
 
-    from hf_contbatch.attention import triton_kernels as tk
+    from hf_contbatch.kernels.attention import triton_kernels as tk
 
     gen = torch.Generator(device=device).manual_seed(1)
     q = torch.randn(batch, NUM_HEADS, seq, HEAD_DIM, generator=gen, device=device, dtype=DTYPE)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_contbatch.attention import triton_aot  # noqa: E402
+from hf_contbatch.kernels.attention import triton_aot  # noqa: E402
 
 
 def summarize(results: list) -> list:

@@ -19,10 +19,10 @@ __all__ = [
     "__version__",
 ]
 
-from .pipeline import ContinuousBatchingPipeline, GenerationHandle, pipeline  # noqa: E402
+from .frontends.pipeline import ContinuousBatchingPipeline, GenerationHandle, pipeline  # noqa: E402
 
 __all__ += ["ContinuousBatchingPipeline", "GenerationHandle", "pipeline"]
 
-from .integrations.transformers import register_pipeline  # noqa: E402  (explicit call; no import side effect)
+from .integrations import register_pipeline  # noqa: E402  (explicit call; no import side effect)
 
 __all__ += ["register_pipeline"]

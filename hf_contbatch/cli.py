@@ -62,7 +62,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from . import CacheConfig, EngineConfig, SchedulerConfig
-    from .pipeline import pipeline
+    from .frontends.pipeline import pipeline
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -139,7 +139,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         import lm_eval.__main__ as lm_eval_main
     except ImportError:
         raise SystemExit('hf-contbatch eval needs lm-eval: pip install "hf_contbatch[eval]"') from None
-    from .integrations import lm_eval as _plugin  # noqa: F401  (registers the model type)
+    from .frontends.integrations import lm_eval as _plugin  # noqa: F401  (registers the model type)
 
     rest = list(args.lm_eval_args)
     if rest and rest[0] == "--":

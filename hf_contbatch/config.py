@@ -46,12 +46,12 @@ class CacheConfig:
         cpu_cache_gib: GiB of host memory for the KV pool when running on CPU and ``num_blocks`` is
             None. None (the default) sizes it from what the model can use: ``max_num_seqs`` requests
             at the model's full context, at most 1 GiB and a quarter of the available memory
-            (``hf_contbatch.kv.pool_size``).
+            (``hf_contbatch.core.pool_size``).
         gpu_memory_utilization: fraction (0, 1] of device memory the engine may fill (weights included)
             on CUDA when ``num_blocks`` is None.
         swap_space_gib: GiB of host memory for the swap pool used by swap preemption. None (the
             default) gives it as many blocks as the KV pool, at most what the model can use, under
-            the same caps (``hf_contbatch.kv.pool_size``).
+            the same caps (``hf_contbatch.core.pool_size``).
         enable_prefix_caching: reuse the KV blocks of identical full-block prompt prefixes.
         dtype: KV cache dtype name ("float32", "float16", "bfloat16") or None for the model's dtype.
     """
@@ -163,22 +163,22 @@ class EngineConfig:
             cannot be built, when the packed copy takes at most a quarter of the available memory;
             "native" (ours) and "onednn" always pack with that kernel; "torch" never packs
             (``F.linear``). Packed linears are 1.1-1.9x faster end to end on CPU; they cost a copy
-            of the weights and are removed on close (see ``hf_contbatch.cpu_linear``).
+            of the weights and are removed on close (see ``hf_contbatch.kernels.cpu_linear``).
         fuse_linears: with packed linears, run sibling projections that read the same input
             (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``) as one GEMM over their
             concatenated packed weights; outputs are bit-identical, the model is not modified, and
-            the fused copy replaces the members' own (see ``hf_contbatch.fused_linear``).
+            the fused copy replaces the members' own (see ``hf_contbatch.kernels.fused_linear``).
         drive_in_caller: a blocking call (``pipe(...)``, ``handle.result()``) runs the engine's
             iterations in the calling thread while the background thread leaves; on CPU this is up
             to 1.5x faster than handing every step to a second thread. False keeps all work on the
             background thread, as does a running live dashboard (it needs the CPU to render).
         prompt_lookup_num_tokens: default for requests that do not set it: draft up to this many
             tokens per step by prompt lookup and verify them in the batch (speculative decoding,
-            ``hf_contbatch.speculative``; exact for greedy requests, which are the ones that
+            ``hf_contbatch.core.prompt_lookup``; exact for greedy requests, which are the ones that
             draft). 0 (default) is off: drafts cost forward rows, so they pay on input-grounded
             work (editing, extraction, code) and cost a little elsewhere.
         compile_model: compile the model forward with ``torch.compile`` (inductor), attention and
-            packed linears kept as opaque ops (``hf_contbatch.compiled_forward``). On CPU this
+            packed linears kept as opaque ops (``hf_contbatch.kernels.compiled_forward``). On CPU this
             fuses transformers' small ops around the GEMMs: decode steps 1.1-1.4x faster on small models, but
             the first steps compile for tens of seconds (faster in later processes, from
             inductor's on-disk cache), so it pays off on long jobs. None (default) reads the

@@ -66,7 +66,7 @@ class SamplingParams:
             scores, as ``generate(output_scores=True)`` scores it), or N >= 1 (also the top N).
         prompt_lookup_num_tokens: draft up to this many tokens per step from n-gram matches in the
             request's own context and verify them in the step's forward (prompt-lookup speculative
-            decoding, ``hf_contbatch.speculative``); None takes ``EngineConfig``'s default, 0 is
+            decoding, ``hf_contbatch.core.prompt_lookup``); None takes ``EngineConfig``'s default, 0 is
             off. Only requests whose next token is a plain argmax draft (``can_draft``); the
             output is exactly the one without drafts.
         max_matching_ngram_size: longest context suffix looked up for drafts (transformers' name);

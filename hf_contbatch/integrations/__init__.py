@@ -1,10 +1,9 @@
-"""Integrations with the Hugging Face ecosystem; each imports its third-party package only when used.
+"""The integrations' former home, kept so that ``hf_contbatch.integrations.*`` imports keep working.
 
-- ``transformers``: ``register_pipeline()`` adds a ``transformers.pipeline`` task for our pipeline.
-- ``accelerate``: ``distributed_generate()`` for scripts started with ``accelerate launch``/``torchrun``.
-- ``lm_eval``: the ``hf-contbatch`` lm-eval model type (``import hf_contbatch.integrations.lm_eval``).
+They live in ``hf_contbatch.frontends.integrations``; each module here is that module itself
+(same object: patching one patches the other).
 """
 
-from .transformers import TASK_NAME, register_pipeline
+from ..frontends.integrations import TASK_NAME, register_pipeline
 
 __all__ = ["TASK_NAME", "register_pipeline"]

@@ -1,0 +1,55 @@
+"""Switching a model's attention to the paged implementation, shared by the engines that serve it.
+
+Engines sharing one model share its attention switch: the first remembers the model's own
+implementation, the last to close restores it (closing one must not break the other). The count of
+open engines lives on the model itself (no globals: two models, or two engines on one model, in one
+process both work).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Optional
+
+from ..kernels.attention import ATTENTION_NAME, register_attention
+
+logger = logging.getLogger(__name__)
+
+_ATTN_USERS = "_hf_contbatch_attention_users"  # on the model: its own implementation, open engines
+
+
+def switch_to_paged_attention(model) -> Optional[str]:
+    """Register our attention with transformers and switch ``model`` to it; count one more user.
+
+    Returns the model's own attention implementation (to pass to ``restore_attention``).
+    Raises whatever ``set_attn_implementation`` raises, with the count unchanged.
+    """
+    users = model.__dict__.setdefault(
+        _ATTN_USERS, {"previous": getattr(model.config, "_attn_implementation", None), "open": 0}
+    )
+    try:
+        register_attention()
+        model.set_attn_implementation(ATTENTION_NAME)
+    except BaseException:
+        if not users["open"]:
+            model.__dict__.pop(_ATTN_USERS, None)
+        raise
+    users["open"] += 1
+    return users["previous"]
+
+
+def restore_attention(model, previous: Optional[str]) -> None:
+    """One user fewer; the last one restores ``previous`` (never raises: called from ``close``)."""
+    users = model.__dict__.get(_ATTN_USERS)
+    if users is not None:
+        users["open"] -= 1
+        if users["open"] > 0:
+            return  # another open engine still serves this model through our attention
+        model.__dict__.pop(_ATTN_USERS, None)
+    if previous is not None and getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME:
+        try:
+            model.set_attn_implementation(previous)
+        except Exception:  # restoring must not turn close() into an error
+            if not sys.is_finalizing():  # at interpreter exit (``__del__``) there is nothing to restore for
+                logger.warning("could not restore attention implementation %r", previous)

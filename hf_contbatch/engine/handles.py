@@ -1,0 +1,179 @@
+"""Request handles: what ``LLMEngine.submit`` returns, to wait for, stream or cancel one request."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
+
+from ..request import Request
+
+if TYPE_CHECKING:
+    from .llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """Raised from ``RequestHandle.result()`` when the engine failed the request.
+
+    Attributes:
+        output: the request's ``RequestOutput`` with the tokens it generated before failing
+            (``finish_reason="error"``); the cause is ``__cause__``.
+    """
+
+    def __init__(self, message: str, output: Optional["RequestOutput"] = None) -> None:
+        super().__init__(message)
+        self.output = output
+
+
+@dataclass
+class RequestOutput:
+    """The final state of one request.
+
+    Attributes:
+        request_id: engine-local id.
+        prompt_token_ids: the prompt.
+        output_token_ids: generated tokens (partial if cancelled).
+        finish_reason: "stop", "length", "cancelled" or "error".
+        num_preemptions: times it was preempted.
+        ttft: seconds from arrival to first token (None if it produced none).
+        latency: seconds from arrival to finish.
+        logprobs: with ``SamplingParams.logprobs``, the log-prob of each output token under the
+            processed scores (``generate(output_scores=True)``'s scores, log-softmaxed); else None.
+        top_logprobs: with ``logprobs=N >= 1``, per output token the top N ``(token id, log-prob)``.
+    """
+
+    request_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    finish_reason: Optional[str]
+    num_preemptions: int
+    ttft: Optional[float]
+    latency: Optional[float]
+    logprobs: Optional[list] = None
+    top_logprobs: Optional[list] = None
+
+
+class RequestHandle:
+    """A submitted request: wait for it, stream its tokens, or cancel it."""
+
+    def __init__(self, engine: "LLMEngine", request: Request) -> None:
+        self._engine = engine
+        self.request = request
+        self._done = threading.Event()
+        self._stream: "queue.SimpleQueue[Optional[list[int]]]" = queue.SimpleQueue()
+        self._callbacks: list[Callable[["RequestHandle"], None]] = []
+        self._lock = threading.Lock()
+
+    @property
+    def request_id(self) -> int:
+        """The engine-local id of the request."""
+        return self.request.request_id
+
+    def done(self) -> bool:
+        """True once the request finished (any reason: stop, length, cancelled, error); never blocks."""
+        return self._done.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until the request finished or ``timeout`` seconds passed (None: no limit).
+
+        Returns True if it finished. Waits on the background thread (never drives the engine);
+        raises nothing, an engine error surfaces from ``result()``.
+        """
+        return self._done.wait(timeout)
+
+    def result(self, timeout: Optional[float] = None) -> RequestOutput:
+        """Block until finished; return the output. Meanwhile this thread runs the engine's
+        iterations (``LLMEngine.drive``; with ``timeout`` too, up to the deadline) unless
+        ``EngineConfig.drive_in_caller`` is off or a live view runs.
+
+        Raises:
+            EngineError: the engine failed the request (``.output`` holds its partial tokens).
+            TimeoutError: not finished after ``timeout`` seconds (the request keeps running).
+            KeyboardInterrupt: interrupted while waiting; the request is cancelled first (its
+                output then has ``finish_reason="cancelled"``), other requests keep running.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            # timeout=0 polls; inside an iteration (a done-callback) a timed wait stays a wait.
+            if (
+                not self._done.is_set()
+                and self._engine.blocking_calls_drive
+                and timeout != 0
+                and (timeout is None or not self._engine.in_iteration())
+            ):
+                # Drive in this thread (one OpenMP team, see EngineDriver.drive) until done or the
+                # deadline; the iteration running at the deadline finishes first.
+                self._engine.drive(
+                    lambda: self._done.is_set() or (deadline is not None and time.monotonic() >= deadline)
+                )
+            finished = self._done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except KeyboardInterrupt:
+            self._engine.cancel_now([self])
+            raise
+        if not finished:
+            raise TimeoutError(f"request {self.request_id} not finished after {timeout} s")
+        if self.request.error is not None:
+            raise EngineError(
+                f"request {self.request_id} failed in the engine after {len(self.request.output_token_ids)} "
+                f"generated tokens: {self.request.error!r}",
+                self.output(),
+            ) from self.request.error
+        return self.output()
+
+    def output(self) -> RequestOutput:
+        """The request's state now, without waiting or raising: the tokens so far and
+        ``finish_reason`` (None while it runs; "error" when the engine failed it)."""
+        r = self.request
+        return RequestOutput(
+            request_id=r.request_id,
+            prompt_token_ids=list(r.prompt_token_ids),
+            output_token_ids=list(r.output_token_ids),
+            finish_reason=r.finish_reason,
+            num_preemptions=r.num_preemptions,
+            ttft=None if r.first_token_time is None else r.first_token_time - r.arrival_time,
+            latency=None if r.finish_time is None else r.finish_time - r.arrival_time,
+            logprobs=list(r.output_logprobs) if r.sampling.logprobs is not None else None,
+            top_logprobs=list(r.output_top_logprobs) if r.sampling.logprobs else None,
+        )
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this request; it is freed at the next reap step (its tokens so far
+        are kept, ``finish_reason`` becomes "cancelled"). A finished request is left as it is;
+        never raises."""
+        self._engine.cancel(self.request_id)
+
+    def add_done_callback(self, fn: Callable[["RequestHandle"], None]) -> None:
+        """Call ``fn(handle)`` when finished (from the engine thread; keep it short)."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def token_stream(self) -> Iterator[list[int]]:
+        """Yields lists of new token ids as the engine produces them, until the request finishes."""
+        while True:
+            item = self._stream.get()
+            if item is None:
+                return
+            yield item
+
+    # engine side
+    def _push(self, tokens: Sequence[int]) -> None:
+        self._stream.put(list(tokens))
+
+    def _finish(self) -> None:
+        with self._lock:
+            self._stream.put(None)
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception:  # a user callback must not take the engine down
+                logger.exception("done-callback of request %s raised", self.request_id)

@@ -1,0 +1,233 @@
+"""Sizing the KV pools: device blocks from memory (profiling on CUDA), the host swap pool, and the
+swap-versus-recompute cost estimate. A mixin of ``LLMEngine`` (it reads the engine's config, model
+and geometry); kept apart so the engine file holds the iteration, not the arithmetic of memory."""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Optional, Sequence
+
+import torch
+
+from ..core.block_manager import BlockManager
+from ..core.pool_size import default_host_kv_blocks, default_swap_blocks
+from ..core.scheduler import ScheduledRequest, SchedulerOutput
+from ..kernels.attention import ATTENTION_NAME, register_attention
+from ..kernels.paged_cache import PagedKVCache, kv_bytes_per_block
+from ..request import Request, SamplingParams
+from .runner import ModelRunner
+from .sampler import Sampler
+
+logger = logging.getLogger("hf_contbatch.engine")  # one logger for the engine's messages
+
+
+def text_config(model):
+    """The text model's config (multimodal configs nest it)."""
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def layer_devices(model, num_layers: int) -> list[torch.device]:
+    """Device of each decoder layer (``device_map`` models spread over several)."""
+    device_map = getattr(model, "hf_device_map", None)
+    default = next(model.parameters()).device
+    if not device_map:
+        return [default] * num_layers
+    devices = []
+    for i in range(num_layers):
+        dev = None
+        for name, d in device_map.items():
+            if name.endswith(f"layers.{i}") or f"layers.{i}." in name + ".":
+                dev = d
+                break
+        devices.append(torch.device(dev if not isinstance(dev, int) else f"cuda:{dev}") if dev is not None else default)
+    return devices
+
+
+def available_host_memory() -> Optional[int]:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class KVPoolSizing:
+    """Pool sizing for ``LLMEngine`` (uses ``config``, ``model``, ``device``, ``backend``,
+    ``num_layers``, ``num_kv_heads``, ``head_dim`` and ``max_model_len`` of the engine)."""
+
+    def _blocks_from_memory(self, block_bytes: int, layer_devices: Sequence[torch.device], dtype) -> int:
+        """Pool size when ``num_blocks`` is None: ``gpu_memory_utilization`` on CUDA (after a
+        profiling forward); on CPU ``cpu_cache_gib`` (checked against the available RAM) or, when
+        that is None, what the model can use (``kv.pool_size.default_host_kv_blocks``).
+
+        Raises:
+            ValueError: the memory left cannot hold one block, or ``cpu_cache_gib`` exceeds the
+                available host memory.
+        """
+        cache_cfg = self.config.cache
+        if any(d.type == "cuda" for d in layer_devices):
+            self.pool_sizing["kv"] = f"gpu_memory_utilization={cache_cfg.gpu_memory_utilization:g}"
+            return self._blocks_from_device_memory(layer_devices, dtype)
+        available = available_host_memory()
+        if cache_cfg.cpu_cache_gib is None:
+            size = default_host_kv_blocks(
+                block_bytes, cache_cfg.block_size, self.config.scheduler.max_num_seqs, self.max_model_len, available
+            )
+            self.pool_sizing["kv"] = size.reason
+            return size.num_blocks
+        self.pool_sizing["kv"] = f"cpu_cache_gib={cache_cfg.cpu_cache_gib:g}"
+        want = cache_cfg.cpu_cache_gib * 2**30
+        if available is not None and want > available:
+            raise ValueError(
+                f"`cpu_cache_gib`={cache_cfg.cpu_cache_gib} exceeds the available host memory "
+                f"({available / 2**30:.1f} GiB); lower it or pass `num_blocks`"
+            )
+        return max(1, int(want // block_bytes))
+
+    def _blocks_from_device_memory(self, layer_devices: Sequence[torch.device], dtype) -> int:
+        """vLLM's ``gpu_memory_utilization`` sizing, per CUDA device holding layers.
+
+        KV budget of a device = total * utilization - memory in use before profiling (weights, the
+        CUDA context, other processes) - the activation peak of one forward over
+        ``max_num_batched_tokens`` tokens (measured, minus the probe's own small KV pool). The
+        pool gets the smallest count of blocks any device can hold (a block spans every layer, each
+        layer's slice on that layer's device).
+        """
+        util = self.config.cache.gpu_memory_utilization
+        layers_on = collections.Counter(d for d in layer_devices if d.type == "cuda")
+        before = {}
+        for d in layers_on:
+            torch.cuda.synchronize(d)
+            torch.cuda.empty_cache()  # cached-but-unused blocks would read as "in use"
+            torch.cuda.reset_peak_memory_stats(d)
+            free, total = torch.cuda.mem_get_info(d)
+            before[d] = (total, total - free, torch.cuda.memory_allocated(d))
+        probe_bytes = self._profile_forward(layer_devices, dtype)
+        per_layer_block = kv_bytes_per_block(1, self.config.cache.block_size, self.num_kv_heads, self.head_dim, dtype)
+        counts = []
+        for d, num_layers in layers_on.items():
+            total, used, allocated = before[d]
+            activation = max(0, torch.cuda.max_memory_allocated(d) - allocated - probe_bytes.get(d, 0))
+            budget = total * util - used - activation
+            blocks = int(budget // (per_layer_block * num_layers))
+            if blocks < 1:
+                raise ValueError(
+                    f"no device memory left for the KV cache on {d}: gpu_memory_utilization={util} of "
+                    f"{total / 2**30:.1f} GiB, {used / 2**30:.1f} GiB in use before profiling, "
+                    f"{activation / 2**30:.2f} GiB activation peak at max_num_batched_tokens="
+                    f"{self.config.scheduler.max_num_batched_tokens}; raise gpu_memory_utilization, lower "
+                    "max_num_batched_tokens, or pass `num_blocks`"
+                )
+            counts.append(blocks)
+        torch.cuda.empty_cache()
+        return min(counts)
+
+    @torch.inference_mode()
+    def _profile_forward(self, layer_devices: Sequence[torch.device], dtype) -> dict:
+        """One forward over ``max_num_batched_tokens`` dummy prompt tokens through the real step path
+        (paged attention, a throwaway pool just big enough); returns that pool's bytes per device."""
+        bs = self.config.cache.block_size
+        budget = self.config.scheduler.max_num_batched_tokens
+        per_request = min(budget, self.max_model_len or budget)
+        lengths = [per_request] * (budget // per_request) + ([budget % per_request] if budget % per_request else [])
+        num_blocks = sum(-(-n // bs) for n in lengths)
+        probe = PagedKVCache(
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            num_blocks,
+            bs,
+            dtype,
+            layer_devices,
+            attention_backend=self.backend,
+        )
+        probe_bm = BlockManager(num_blocks, bs)
+        out = SchedulerOutput(iteration=-1)
+        for i, n in enumerate(lengths):
+            req = Request(request_id=-1 - i, prompt_token_ids=[0] * n, sampling=SamplingParams(max_new_tokens=1))
+            probe_bm.allocate(req.request_id, n)
+            out.scheduled.append(ScheduledRequest.for_tokens(req, n))
+        previous = getattr(self.model.config, "_attn_implementation", None)
+        register_attention()
+        self.model.set_attn_implementation(ATTENTION_NAME)
+        try:
+            sampler = Sampler(torch.Generator(device="cpu"))
+            ModelRunner(self.model, probe, probe_bm, self.device, sampler).execute(out)
+            for d in {d for d in layer_devices if d.type == "cuda"}:
+                torch.cuda.synchronize(d)
+        finally:
+            if previous is not None:
+                self.model.set_attn_implementation(previous)
+        sizes: dict = collections.Counter()
+        for k, v in zip(probe.key_cache, probe.value_cache):
+            sizes[k.device] += k.numel() * k.element_size() + v.numel() * v.element_size()
+        probe.release()
+        return dict(sizes)
+
+    def _swap_blocks(self, block_bytes: int, num_blocks: int) -> int:
+        """Host swap pool size in blocks (0 unless a swapping preemption mode is on).
+
+        Raises:
+            ValueError: the swap pool (plus the KV pool, when that is on the host too) exceeds the
+                available host memory.
+        """
+        if self.config.scheduler.preemption_mode not in ("swap", "auto"):
+            return 0
+        gib = self.config.cache.swap_space_gib
+        host_kv = num_blocks * block_bytes if self.device.type == "cpu" else 0
+        available = available_host_memory()
+        if gib is None:
+            size = default_swap_blocks(
+                block_bytes,
+                num_blocks,
+                self.config.cache.block_size,
+                self.config.scheduler.max_num_seqs,
+                self.max_model_len,
+                available,
+                host_kv,
+            )
+            self.pool_sizing["swap"] = size.reason
+            return size.num_blocks
+        self.pool_sizing["swap"] = f"swap_space_gib={gib:g}"
+        swap_blocks = int(gib * 2**30 // block_bytes)
+        if available is not None and swap_blocks * block_bytes + host_kv > available:
+            raise ValueError(
+                f"`swap_space_gib`={gib} plus the {host_kv / 2**30:.2f} GiB KV pool exceeds the available host "
+                f"memory ({available / 2**30:.1f} GiB); lower swap_space_gib or use preemption_mode='recompute'"
+            )
+        return swap_blocks
+
+    def _log_pool_sizes(self, num_blocks: int, swap_blocks: int, block_bytes: int) -> None:
+        """One INFO line per engine: the pools' sizes and why (``pool_sizing``)."""
+        bs = self.config.cache.block_size
+        self.pool_sizing.setdefault("kv", f"num_blocks={num_blocks}")
+        line = (
+            f"KV pool: {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens, "
+            f"{num_blocks * block_bytes / 2**20:.0f} MiB on {self.device.type}; {self.pool_sizing['kv']})"
+        )
+        if swap_blocks:
+            line += (
+                f"; swap pool: {swap_blocks} blocks ({swap_blocks * block_bytes / 2**20:.0f} MiB; "
+                f"{self.pool_sizing.get('swap', '')})"
+            )
+        logger.info(line)
+
+    def _estimate_swap_cost_per_block(self, block_bytes: int) -> float:
+        """Cost of moving one block to the host and back, in tokens of recompute ("auto" mode).
+
+        Recomputing a token costs about ``2 * parameters`` FLOPs; a swap round trip moves
+        ``2 * block_bytes``. Nominal rates: CPU ~50 GFLOP/s against ~5 GB/s memcpy; CUDA ~50 TFLOP/s
+        against ~12 GB/s pinned PCIe. So swapping wins on CPU for any model, and on CUDA for all but
+        tiny models with large blocks. ``SchedulerConfig.swap_cost_per_block`` overrides this.
+        """
+        num_params = sum(p.numel() for p in self.model.parameters())
+        flops, bandwidth = (5e13, 1.2e10) if self.device.type == "cuda" else (5e10, 5e9)
+        seconds_per_token = 2 * num_params / flops
+        seconds_per_block = 2 * block_bytes / bandwidth
+        return seconds_per_block / max(seconds_per_token, 1e-12)

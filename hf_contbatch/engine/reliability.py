@@ -1,0 +1,169 @@
+"""Keeping one request's fault with that request: checks at submit, culprit isolation when a step's
+forward raises, and interrupts that land between iterations, never inside one.
+
+* :func:`check_request` rejects at submit what would otherwise fail inside a step, where the error
+  would reach every request batched with the bad one (an id outside the embedding table raises
+  ``IndexError`` in the middle of the forward).
+* :func:`execute_isolating_failures` runs a step's forward; when it raises, the step's requests are
+  run again in halves, recursively, so the innocent ones get exactly the tokens they would have had
+  and only requests that still fail alone are reported.
+* :class:`DeferredInterrupt` holds a SIGINT (a notebook's Stop button, Ctrl-C) that arrives while a
+  blocking caller runs iterations until the iteration is over, so the engine's state is never cut
+  in half, then replays it to the handler that was installed before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+from typing import Callable, Optional, Sequence
+
+from ..config import is_int
+from ..request import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def check_request(prompt_token_ids: Sequence[int], sampling: SamplingParams, vocab_size: Optional[int]) -> None:
+    """Raise ``ValueError`` for a prompt or sampling value that would fail inside a step.
+
+    Args:
+        prompt_token_ids: the prompt (ints already checked).
+        sampling: the request's sampling parameters.
+        vocab_size: rows of the model's input embedding (ids must be in ``[0, vocab_size)``), or
+            None when unknown.
+
+    Raises:
+        ValueError: naming the argument, the offending value (for a token id: its position) and the
+            allowed range.
+    """
+    if vocab_size is not None:
+        for pos, t in enumerate(prompt_token_ids):
+            if not 0 <= t < vocab_size:
+                raise ValueError(
+                    f"`prompt_token_ids` holds token id {t} at position {pos}, outside the model's vocabulary "
+                    f"of {vocab_size} embedding rows (allowed: 0..{vocab_size - 1}); a tokenizer with added "
+                    "tokens needs model.resize_token_embeddings(len(tokenizer))"
+                )
+    sp = sampling
+
+    def bad(name: str, allowed: str) -> ValueError:
+        return ValueError(f"`{name}` must be {allowed}, got {getattr(sp, name)!r}")
+
+    def is_num(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if not is_int(sp.max_new_tokens) or sp.max_new_tokens < 1:
+        raise bad("max_new_tokens", "an int >= 1")
+    if not is_int(sp.min_new_tokens) or sp.min_new_tokens < 0:
+        raise bad("min_new_tokens", "an int >= 0")
+    if not isinstance(sp.do_sample, bool):
+        raise bad("do_sample", "True or False")
+    if sp.do_sample and (not is_num(sp.temperature) or not sp.temperature > 0):
+        raise bad("temperature", "a number > 0 when do_sample=True")
+    if sp.top_k is not None and (not is_int(sp.top_k) or sp.top_k < 0):
+        raise bad("top_k", "None or an int >= 0")
+    if sp.top_p is not None and (not is_num(sp.top_p) or not 0 < sp.top_p <= 1):
+        raise bad("top_p", "None or a number in (0, 1]")
+    if sp.repetition_penalty is not None and (not is_num(sp.repetition_penalty) or not sp.repetition_penalty > 0):
+        raise bad("repetition_penalty", "None or a number > 0")
+    if not all(is_int(e) for e in sp.eos_token_ids):
+        raise bad("eos_token_ids", "a tuple of ints")
+    if sp.seed is not None and (not is_int(sp.seed) or sp.seed < 0):
+        raise bad("seed", "None or an int >= 0")
+    if not (is_int(sp.prompt_logprobs) or isinstance(sp.prompt_logprobs, bool)) or sp.prompt_logprobs < 0:
+        raise bad("prompt_logprobs", "an int >= 0 (or a bool)")
+    if sp.score_token_id is not None and (
+        not is_int(sp.score_token_id)
+        or sp.score_token_id < 0
+        or vocab_size is not None
+        and sp.score_token_id >= vocab_size
+    ):
+        raise bad("score_token_id", f"None or a token id in 0..{'V-1' if vocab_size is None else vocab_size - 1}")
+    if sp.prompt_lookup_num_tokens is not None and (
+        not is_int(sp.prompt_lookup_num_tokens) or sp.prompt_lookup_num_tokens < 0
+    ):
+        raise bad("prompt_lookup_num_tokens", "None or an int >= 0 (0: no drafts)")
+    if sp.max_matching_ngram_size is not None and (
+        not is_int(sp.max_matching_ngram_size) or sp.max_matching_ngram_size < 1
+    ):
+        raise bad("max_matching_ngram_size", "None or an int >= 1")
+
+
+def execute_isolating_failures(execute: Callable, out) -> tuple[dict[int, int], list[tuple[object, Exception]]]:
+    """Run ``execute(out)``; if it raises, run the step's requests again in halves until each
+    failing group is one request, which fails alone.
+
+    Re-running is safe because nothing of a failed forward is kept: ``num_computed_tokens`` only
+    advances after it, so the retry writes the same KV slots again, and the block moves of the
+    step (swap, copy) already happened before the first try. A request is run at most
+    ``1 + log2(len(out.scheduled))`` times in the step. Greedy tokens of the innocent requests are
+    the ones a batch without the culprit would give; a request sampled from the engine's shared
+    generator draws different (equally valid) random numbers than without the failure.
+
+    Args:
+        execute: ``ModelRunner.execute``: a ``SchedulerOutput`` to ``{request_id: token}``.
+        out: the step's ``SchedulerOutput`` (not modified).
+
+    Returns:
+        ``({request_id: sampled token}, [(ScheduledRequest, exception), ...])`` for the requests
+        that completed and those that failed even when run alone.
+    """
+    try:
+        return execute(out), []
+    except Exception as exc:  # noqa: BLE001 - isolated below, then reported per request
+        if len(out.scheduled) <= 1:
+            return {}, [(s, exc) for s in out.scheduled]
+        logger.warning(
+            "a step of %d requests failed (%r); running them again in smaller groups", len(out.scheduled), exc
+        )
+    sampled: dict[int, int] = {}
+    failed: list = []
+    half = len(out.scheduled) // 2
+    for part in (out.scheduled[:half], out.scheduled[half:]):
+        sub = dataclasses.replace(out, scheduled=list(part), num_batched_tokens=sum(s.num_new_tokens for s in part))
+        got, bad = execute_isolating_failures(execute, sub)
+        sampled.update(got)
+        failed += bad
+    return sampled, failed
+
+
+class DeferredInterrupt:
+    """Context manager: in the main thread, a SIGINT that arrives inside is recorded, not raised;
+    :meth:`replay` hands it to the previously installed handler (Python's default raises
+    ``KeyboardInterrupt``) once the caller is at a safe point.
+
+    Outside the main thread, or when SIGINT is not handled by Python (``SIG_DFL``/``SIG_IGN``),
+    nothing is installed: no ``KeyboardInterrupt`` can arrive there anyway.
+    """
+
+    def __init__(self) -> None:
+        self.pending = False
+        self._frame = None
+        self._previous: Optional[Callable] = None
+
+    def __enter__(self) -> "DeferredInterrupt":
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGINT)
+            if callable(previous):
+                self._previous = previous
+                signal.signal(signal.SIGINT, self._record)
+        return self
+
+    def _record(self, signum, frame) -> None:
+        self.pending = True
+        self._frame = frame
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def replay(self) -> None:
+        """After leaving the block: deliver a recorded SIGINT to the previous handler (raises
+        ``KeyboardInterrupt`` with Python's default handler). Does nothing when none arrived."""
+        if self.pending:
+            self.pending = False
+            handler = self._previous or signal.default_int_handler
+            handler(signal.SIGINT, self._frame)

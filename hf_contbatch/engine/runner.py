@@ -1,0 +1,219 @@
+"""Builds one flattened, unpadded batch from a ``SchedulerOutput``, runs the model, samples.
+
+All requests' new tokens are concatenated into a single ``[1, T]`` sequence (decode tokens first,
+then prefill chunks); the paged attention keeps them apart through the step's metadata, so there is
+no padding and no dense mask. Only the rows that produce a token reach the LM head
+(``logits_to_keep`` as an index tensor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+
+from ..core.block_manager import BlockManager
+from ..core.scheduler import SchedulerOutput
+from ..kernels.paged_cache import AttentionMetadata, PagedKVCache
+from .sampler import Sampler
+
+
+class ModelRunner:
+    """Runs the model for one scheduler step.
+
+    Args:
+        model: a transformers causal LM already switched to the paged attention implementation.
+        cache: the paged KV cache passed to the forward.
+        block_manager: read for block tables (never modified here).
+        device: device of the input embeddings.
+        sampler: the sampler.
+    """
+
+    def __init__(
+        self, model, cache: PagedKVCache, block_manager: BlockManager, device: torch.device, sampler: Sampler
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.block_manager = block_manager
+        self.device = device
+        self.sampler = sampler
+        # The model's packed linears (hf_contbatch.kernels.cpu_linear.PackedLinears), checked once per step
+        # instead of per call; set by the engine for eager forwards (a compiled one refreshes them).
+        self.packed_linears = None
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._supports_logits_to_keep = "logits_to_keep" in params
+        self.block_size = block_manager.block_size
+
+    def build_metadata(self, out: SchedulerOutput):
+        """Flattened ``input_ids`` ``[T]``, ``positions`` ``[T]``, the metadata, the row of each
+        sampled request in the flattened batch, and the rows of each request verifying drafts.
+
+        A request verifying ``m`` drafts (its last token plus the drafts, ``1 + m`` rows) enters the
+        attention metadata as ``1 + m`` decodes of the same block table with growing lengths, so
+        each row attends to its own prefix and the rows are served with the step's other decodes.
+        """
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        q_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        spec_rows: list[int] = []
+        num_decodes = 0
+        num_tokens = 0
+        # Positions and slots are plain Python ints (a step's few hundred at most): cheaper than
+        # building them with tensor ops (repeat_interleave, arange, gathers: ~0.3 ms a step).
+        for s in out.scheduled:  # decodes first (the scheduler's order)
+            req, n = s.request, s.num_new_tokens
+            start = req.num_computed_tokens
+            table = self.block_manager.get_block_table(req.request_id)
+            if s.draft_token_ids:  # right after the decodes (the scheduler's order)
+                input_ids.append(req.output_token_ids[-1])
+                input_ids.extend(s.draft_token_ids)
+                for i in range(n):
+                    p = start + i
+                    positions.append(p)
+                    slots.append(table[p // bs] * bs + p % bs)
+                    q_lens.append(1)
+                    seq_lens.append(p + 1)
+                    tables.append(table)
+                    spec_rows.append(num_tokens + i)
+                num_decodes += n
+                num_tokens += n
+                continue
+            if s.is_decode:
+                num_decodes += 1
+                input_ids.append(req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(req.all_token_ids[start : start + n])
+                end = start + n
+                positions.extend(range(start, end))
+                for b in range(start // bs, (end - 1) // bs + 1):  # the slots of each block touched
+                    base = table[b] * bs - b * bs
+                    slots.extend(range(base + max(start, b * bs), base + min(end, (b + 1) * bs)))
+            q_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(table)
+            num_tokens += n
+            if s.samples:
+                sample_rows.append(num_tokens - 1)
+        max_blocks = max(len(t) for t in tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        block_tables = torch.tensor(padded, dtype=torch.int32)
+        query_start_loc_cpu = [0]
+        for n in q_lens:
+            query_start_loc_cpu.append(query_start_loc_cpu[-1] + n)
+        slot_mapping = torch.tensor(slots, dtype=torch.long)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(dev),
+            query_start_loc=torch.tensor(query_start_loc_cpu, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=block_tables.to(dev),
+            num_decodes=num_decodes,
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=query_start_loc_cpu,
+            seq_lens_cpu=seq_lens,
+            block_size=bs,
+            num_kv_heads=self.cache.num_kv_heads,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        return ids, torch.tensor(positions, dtype=torch.long, device=dev), meta, sample_rows, spec_rows
+
+    def _linears_step(self):
+        return contextlib.nullcontext() if self.packed_linears is None else self.packed_linears.verified_step()
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[int, int]:
+        """Run the step's forward and return ``{request_id: sampled token}`` for sampling requests,
+        and ``{request_id: [greedy token per row]}`` for requests verifying drafts."""
+        if out.is_empty:
+            return {}
+        ids, positions, meta, sample_rows, spec_rows = self.build_metadata(out)
+        score_rows, score_slots = self._prompt_logprob_rows(out)
+        self.cache.metadata = meta
+        try:
+            kwargs = {
+                "input_ids": ids.unsqueeze(0),
+                "position_ids": positions.unsqueeze(0),
+                self._cache_arg: self.cache,
+                "use_cache": True,
+                "paged_cache": self.cache,
+            }
+            rows = torch.tensor(sample_rows + score_rows + spec_rows, dtype=torch.long, device=self.device)
+            if self._supports_logits_to_keep:
+                kwargs["logits_to_keep"] = rows
+            with self._linears_step():
+                logits = self.model(**kwargs).logits[0]
+            if not self._supports_logits_to_keep:
+                logits = logits.index_select(0, rows)
+        finally:
+            self.cache.metadata = None
+        result: dict = {}
+        if spec_rows:
+            # Drafting requests are plain greedy (SamplingParams.can_draft): the argmax of every row,
+            # as the sampler's plain path takes it.
+            greedy = logits[len(sample_rows) + len(score_rows) :].float().argmax(dim=-1).tolist()
+            logits = logits[: len(sample_rows) + len(score_rows)]
+            at = 0
+            for s in out.scheduled:
+                if s.draft_token_ids:
+                    result[s.request.request_id] = greedy[at : at + s.num_new_tokens]
+                    at += s.num_new_tokens
+        sampled_reqs = [s.request for s in out.scheduled if s.samples and not s.draft_token_ids]
+        if score_rows or any(r.sampling.score_token_id is not None for r in sampled_reqs):
+            self._record_prompt_logprobs(logits, sampled_reqs, score_slots)
+            logits = logits[: len(sample_rows)]
+        tokens = self.sampler.sample(logits, sampled_reqs)
+        result.update((r.request_id, t) for r, t in zip(sampled_reqs, tokens))
+        return result
+
+    # --- prompt log-probs (SamplingParams.prompt_logprobs; lm-eval scoring) ----------------------
+    def _prompt_logprob_rows(self, out: SchedulerOutput) -> tuple[list[int], list[tuple]]:
+        """Extra LM-head rows for requests scoring their prompt: the flattened row of each position
+        ``p`` this step computes whose next prompt token ``p + 1`` is requested, with that target."""
+        rows: list[int] = []
+        slots: list[tuple] = []
+        offset = 0
+        for s in out.scheduled:
+            req, n = s.request, s.num_new_tokens
+            k = int(req.sampling.prompt_logprobs)
+            if k:
+                start = req.num_computed_tokens
+                # position p predicts prompt token p + 1, for p + 1 in [k, num_prompt_tokens)
+                for p in range(max(start, k - 1), min(start + n, req.num_prompt_tokens - 1)):
+                    rows.append(offset + p - start)
+                    slots.append((req, p + 1, req.prompt_token_ids[p + 1]))
+            offset += n
+        return rows, slots
+
+    @staticmethod
+    def _record_prompt_logprobs(logits: torch.Tensor, sampled_reqs, score_slots) -> None:
+        """Store (log-prob, is_argmax) per scored position in ``Request.prompt_logprobs``; rows after
+        the sampling rows are the prompt rows, and a sampling row scores ``score_token_id``."""
+        # A sampling row of a request with no output yet is its prompt's last row.
+        targets = [
+            (req, req.num_prompt_tokens, req.sampling.score_token_id, i)
+            for i, req in enumerate(sampled_reqs)
+            if req.sampling.score_token_id is not None and not req.output_token_ids
+        ]
+        n_sample = len(sampled_reqs)
+        targets += [(req, t, tok, n_sample + j) for j, (req, t, tok) in enumerate(score_slots)]
+        if not targets:
+            return
+        idx = torch.tensor([row for *_, row in targets], device=logits.device)
+        sel = logits.index_select(0, idx).float()
+        tok = torch.tensor([t for _, _, t, _ in targets], device=logits.device)
+        logprobs = torch.log_softmax(sel, dim=-1).gather(1, tok[:, None])[:, 0].tolist()
+        argmax_ok = (sel.argmax(dim=-1) == tok).tolist()
+        for (req, t, _, _), lp, ok in zip(targets, logprobs, argmax_ok):
+            if req.prompt_logprobs is None:
+                req.prompt_logprobs = [None] * (req.num_prompt_tokens + 1)
+            req.prompt_logprobs[t] = (lp, bool(ok))

@@ -1,0 +1,170 @@
+"""Engine statistics: the immutable ``EngineStats`` snapshot, and the counters it is built from."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Optional
+
+from ..core.phases import PHASES
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """An immutable snapshot for dashboards and scripts (units in the names)."""
+
+    num_blocks: int
+    block_size: int
+    num_free_blocks: int
+    num_used_blocks: int
+    peak_used_blocks: int
+    capacity_tokens: int
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    num_finished: int
+    num_preemptions: int
+    num_generated_tokens: int
+    num_iterations: int
+    throughput_tokens_per_s: float
+    mean_ttft_s: Optional[float]
+    mean_itl_s: Optional[float]
+    recent_phases: tuple = ()  # ((phase, seconds), ...) for recent iterations
+    block_owner: tuple = ()  # request id (or -1) per block
+    # Memory management. Counters are cumulative since the engine started.
+    watermark_blocks: int = 0
+    budget_blocks: int = 0  # last iteration: free - reservations - watermark, as measured in the budget step
+    reserved_blocks: int = 0  # last iteration: running requests' blocks for the step + swap-ins + forks
+    num_swap_blocks: int = 0  # host swap pool size
+    swap_capacity_tokens: int = 0
+    num_swapped_blocks: int = 0  # host blocks holding swapped-out KV now
+    num_preemptions_swap: int = 0
+    num_preemptions_recompute: int = 0
+    num_swap_fallbacks: int = 0  # swap wanted but the host pool was full: recomputed instead
+    num_blocks_swapped_out: int = 0
+    num_blocks_swapped_in: int = 0
+    swap_seconds: float = 0.0  # time spent executing swap and copy mappings
+    prefix_caching: bool = False
+    num_cached_blocks: int = 0  # free blocks still holding a reusable prefix (evictable)
+    prefix_cache_hit_rate: float = 0.0  # prompt tokens served from the cache / prompt tokens looked up
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    num_prefix_evictions: int = 0
+    num_forks: int = 0  # parallel-sampling sequences forked off a parent (blocks shared)
+    num_fork_fallbacks: int = 0  # sequences that could not be forked and recompute their prompt
+    block_ref_counts: tuple = ()  # per block; > 1 means shared (prefix cache or fork)
+    phase_seconds: tuple = ()  # ((phase, total seconds), ...) over all iterations, in PHASES order
+    last_phases: tuple = ()  # ((phase, seconds), ...) of the latest iteration
+    num_kv_tokens: int = 0  # tokens whose KV the running requests hold (dashboard's tokens bar)
+    # Prompt-lookup speculative decoding (cumulative): drafts verified, and those kept.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+
+    @property
+    def draft_acceptance_rate(self) -> Optional[float]:
+        """Accepted / verified draft tokens; None before any draft."""
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+
+class EngineCounters:
+    """What the engine counts as it runs, and the ``EngineStats`` snapshot built from it.
+
+    The driving thread calls ``record_*`` during an iteration; ``snapshot`` reads the counters and
+    the scheduler's and block managers' state. The engine calls both with its state lock held, so a
+    snapshot never sees half an iteration.
+
+    Args:
+        record_phases: keep the per-iteration phase log (``EngineConfig.record_phases``).
+    """
+
+    def __init__(self, record_phases: bool = True) -> None:
+        self.phase_log: collections.deque = collections.deque(maxlen=4096 if record_phases else 0)
+        self.num_finished = 0
+        self.num_generated = 0
+        self.peak_used_blocks = 0
+        self.busy_seconds = 0.0
+        self.ttfts: collections.deque = collections.deque(maxlen=1024)
+        self.itls: collections.deque = collections.deque(maxlen=4096)
+        self.phase_totals = dict.fromkeys(PHASES, 0.0)
+        self.swap_seconds = 0.0
+        self.last_budget = (0, 0)  # (budget_blocks, reserved_blocks) of the latest iteration
+
+    def record_token(self, req, now: float) -> None:
+        """A new token of ``req`` arrived at ``now`` (seconds, monotonic): TTFT or ITL sample."""
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.ttfts.append(now - req.arrival_time)
+        else:
+            self.itls.append(now - req.last_token_time)
+        req.last_token_time = now
+        self.num_generated += 1
+
+    def record_iteration(self, out, used_blocks: int, busy_seconds: float, swap_seconds: float) -> None:
+        """One iteration's plan ``out`` (a ``SchedulerOutput`` with its phases), the pool's used
+        blocks after it, its wall seconds and the seconds spent moving blocks."""
+        self.peak_used_blocks = max(self.peak_used_blocks, used_blocks)
+        if not out.is_empty:
+            self.busy_seconds += busy_seconds
+        self.phase_log.append((out.iteration, tuple(out.phases)))
+        for name, seconds in out.phases:
+            self.phase_totals[name] += seconds
+        if out.blocks_to_swap_in or out.blocks_to_swap_out or out.blocks_to_copy:
+            self.swap_seconds += swap_seconds
+        self.last_budget = (out.budget_blocks, out.reserved_blocks)
+
+    def snapshot(self, sched, bm, host_bm) -> EngineStats:
+        """An ``EngineStats`` of the counters, the scheduler ``sched``, the device pool's ``bm`` and
+        the host swap pool's ``host_bm``."""
+        owners = [-1] * bm.num_blocks
+        for rid, table in bm.block_tables.items():
+            for b in table:
+                owners[b] = rid
+        itl = list(self.itls)
+        ttft = list(self.ttfts)
+        recent = tuple(list(self.phase_log)[-32:])
+        return EngineStats(
+            num_blocks=bm.num_blocks,
+            block_size=bm.block_size,
+            num_free_blocks=bm.num_free_blocks,
+            num_used_blocks=bm.num_used_blocks,
+            peak_used_blocks=self.peak_used_blocks,
+            capacity_tokens=bm.num_blocks * bm.block_size,
+            num_waiting=len(sched.waiting),
+            num_running=len(sched.running),
+            num_swapped=len(sched.swapped),
+            num_finished=self.num_finished,
+            num_preemptions=sched.num_preemptions,
+            num_generated_tokens=self.num_generated,
+            num_iterations=sched.iteration,
+            throughput_tokens_per_s=self.num_generated / self.busy_seconds if self.busy_seconds else 0.0,
+            mean_ttft_s=sum(ttft) / len(ttft) if ttft else None,
+            mean_itl_s=sum(itl) / len(itl) if itl else None,
+            recent_phases=recent,
+            block_owner=tuple(owners),
+            watermark_blocks=sched.watermark_blocks,
+            budget_blocks=self.last_budget[0],
+            reserved_blocks=self.last_budget[1],
+            num_swap_blocks=host_bm.num_blocks,
+            swap_capacity_tokens=host_bm.num_blocks * bm.block_size,
+            num_swapped_blocks=host_bm.num_used_blocks,
+            num_preemptions_swap=sched.num_swap_preemptions,
+            num_preemptions_recompute=sched.num_recompute_preemptions,
+            num_swap_fallbacks=sched.num_swap_fallbacks,
+            num_blocks_swapped_out=sched.num_blocks_swapped_out,
+            num_blocks_swapped_in=sched.num_blocks_swapped_in,
+            swap_seconds=self.swap_seconds,
+            prefix_caching=bm.enable_prefix_caching,
+            num_cached_blocks=bm.num_cached_free_blocks,
+            prefix_cache_hit_rate=bm.prefix_hit_rate,
+            prefix_cache_query_tokens=bm.num_prefix_query_tokens,
+            prefix_cache_hit_tokens=bm.num_prefix_hit_tokens,
+            num_prefix_evictions=bm.num_evictions,
+            num_forks=sched.num_forks,
+            num_fork_fallbacks=sched.num_fork_fallbacks,
+            block_ref_counts=tuple(bm.ref_counts),
+            phase_seconds=tuple(self.phase_totals.items()),
+            last_phases=recent[-1][1] if recent else (),
+            num_kv_tokens=sum(r.num_computed_tokens for r in sched.running),
+            num_draft_tokens=sched.num_draft_tokens,
+            num_accepted_draft_tokens=sched.num_accepted_draft_tokens,
+        )

@@ -1,0 +1,88 @@
+"""When a request stops: EOS, length and stop strings, in one place.
+
+``finish_status`` is the engine's check after each new token; ``StopStringCheckers`` builds the
+per-request stop-string check that the pipeline and the lm-eval integration pass to
+``LLMEngine.submit`` (transformers' ``StopStringCriteria``, which matches stop strings against the
+token strings, so a stop string spanning tokens is found without decoding).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..request import Request, RequestStatus
+
+StopChecker = Callable[[Request], bool]
+
+
+def finish_status(req: Request) -> Optional[RequestStatus]:
+    """The status ``req`` finishes with after its latest token, or None to go on.
+
+    In order: EOS (unless ``ignore_eos``, and not before ``min_new_tokens``) -> "stop";
+    ``max_new_tokens`` reached, or the model's context (``max_total_tokens``) full -> "length";
+    the request's stop checker (stop strings) true -> "stop".
+    """
+    sp = req.sampling
+    token = req.output_token_ids[-1]
+    if not sp.ignore_eos and token in sp.eos_token_ids and len(req.output_token_ids) >= sp.min_new_tokens:
+        return RequestStatus.FINISHED_STOPPED
+    if len(req.output_token_ids) >= sp.max_new_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    if req.max_total_tokens is not None and req.num_tokens >= req.max_total_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    if req.stop_checker is not None and req.stop_checker(req):
+        return RequestStatus.FINISHED_STOPPED
+    return None
+
+
+class StopStringCheckers:
+    """Stop-string checks for one tokenizer, their ``StopStringCriteria`` cached by stop strings
+    (building one preprocesses the whole vocabulary).
+
+    Args:
+        tokenizer: the tokenizer whose tokens the engine generates.
+        max_cached: most stop-string sets kept (least recently built dropped first).
+    """
+
+    def __init__(self, tokenizer, max_cached: int = 32) -> None:
+        self.tokenizer = tokenizer
+        self.max_cached = max_cached
+        self._criteria: "OrderedDict[tuple, object]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def checker(self, stop_strings: "str | Sequence[str] | None") -> Optional[StopChecker]:
+        """A check for ``LLMEngine.submit(stop_checker=...)``: True once the request's new tokens end
+        with one of ``stop_strings``; None when there are none.
+
+        Raises:
+            ValueError: ``stop_strings`` is not a non-empty string or a list of them.
+        """
+        if not stop_strings:
+            return None
+        if isinstance(stop_strings, str):
+            stop_strings = [stop_strings]
+        if not (isinstance(stop_strings, (list, tuple)) and all(isinstance(s, str) and s for s in stop_strings)):
+            raise ValueError(f"`stop_strings` must be a non-empty string or a list of them, got {stop_strings!r}")
+        key = tuple(stop_strings)
+        with self._lock:
+            criteria = self._criteria.get(key)
+            if criteria is None:
+                from transformers.generation.stopping_criteria import StopStringCriteria
+
+                criteria = StopStringCriteria(tokenizer=self.tokenizer, stop_strings=list(stop_strings))
+                self._criteria[key] = criteria
+                if len(self._criteria) > self.max_cached:
+                    self._criteria.popitem(last=False)
+        # A stop string spans at most its length in tokens; the margin covers tokens that decode to
+        # nothing (StopStringCriteria looks back over the given ids only).
+        tail = max(len(s) for s in stop_strings) + 8
+
+        def check(req: Request) -> bool:
+            ids = torch.tensor([req.output_token_ids[-tail:]])
+            return bool(criteria(ids, None)[0])
+
+        return check

@@ -1,0 +1,250 @@
+"""lm-eval model type ``hf-contbatch``: lm-eval's ``hf`` model with every request run through the engine.
+
+Importing this module registers the type (``lm_eval --model hf-contbatch`` through ``hf-contbatch
+eval ...``, or ``lm_eval.simple_evaluate(model="hf-contbatch", ...)`` after the import). It subclasses
+lm-eval's ``HFLM`` so that model loading, ``model_args``, tokenization, truncation, chat templates and
+the post-processing of generations are lm-eval's own; only the model calls change:
+
+- ``generate_until`` submits every request at once (lm-eval does no batching for us), honouring
+  ``until`` (stop strings), ``max_gen_toks``, ``do_sample``, ``temperature`` and the rest of the
+  generation kwargs, resolved over the model's generation config exactly as ``generate`` would.
+- ``loglikelihood`` / ``loglikelihood_rolling`` score through the paged prefill with prompt
+  log-probabilities (``SamplingParams.prompt_logprobs``), all requests in flight together.
+
+Engine settings are extra ``model_args``: ``block_size``, ``num_blocks``, ``cache_gib``,
+``max_num_seqs``, ``max_num_batched_tokens``, ``enable_prefix_caching``, ``attention_backend``,
+``engine_seed``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import lm_eval.models  # noqa: F401  (first: registering into an empty registry hides lm-eval's own models)
+import torch
+from lm_eval import utils as lm_utils
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+
+from ...config import CacheConfig, EngineConfig, SchedulerConfig
+from ...engine.llm_engine import LLMEngine, RequestHandle
+from ...engine.logits_processors import logits_device, with_processors
+from ...engine.stopping import StopStringCheckers
+from ...request import SamplingParams
+from ..generation_args import resolve_generate_config, sampling_params_from_config
+from ..progress import wait_for
+
+MODEL_TYPE = "hf-contbatch"
+
+_ENGINE_ARGS = {
+    "block_size": 16,
+    "num_blocks": None,
+    "cache_gib": None,
+    "max_num_seqs": 256,
+    "max_num_batched_tokens": 2048,
+    "enable_prefix_caching": False,
+    "attention_backend": "auto",
+    "engine_seed": None,
+}
+
+
+@register_model(MODEL_TYPE)
+class ContinuousBatchingLM(HFLM):
+    """lm-eval's ``HFLM`` whose generation and scoring run on the continuous-batching engine.
+
+    Args:
+        pretrained: Hub id, local path or a loaded causal LM (as for lm-eval's ``hf``); None (no
+            ``model_args``) uses the embedded default model, as ``hf-contbatch generate`` does.
+        block_size, num_blocks, cache_gib, max_num_seqs, max_num_batched_tokens,
+        enable_prefix_caching, attention_backend, engine_seed: engine settings (see ``EngineConfig``).
+        **kwargs: every other ``hf`` model argument (``dtype``, ``device``, ``max_length``,
+            ``add_bos_token``, ``trust_remote_code``...). ``batch_size`` is accepted and unused.
+
+    Raises:
+        ValueError: a seq2seq model, or a model family the engine does not support.
+    """
+
+    def __init__(self, pretrained=None, **kwargs) -> None:
+        if pretrained is None:
+            from ...default_model import default_model_path
+
+            pretrained = default_model_path()
+        engine_args = {k: kwargs.pop(k, default) for k, default in _ENGINE_ARGS.items()}
+        if kwargs.get("device") is None:
+            kwargs["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+        super().__init__(pretrained, **kwargs)
+        if self.backend != "causal":
+            raise ValueError(f"{MODEL_TYPE} serves causal (decoder-only) models; this one is {self.backend}")
+        cache = CacheConfig(
+            block_size=engine_args["block_size"],
+            num_blocks=engine_args["num_blocks"],
+            cpu_cache_gib=engine_args["cache_gib"],
+            enable_prefix_caching=bool(engine_args["enable_prefix_caching"]),
+        )
+        sched = SchedulerConfig(
+            max_num_seqs=engine_args["max_num_seqs"],
+            max_num_batched_tokens=engine_args["max_num_batched_tokens"],
+        )
+        self.engine = LLMEngine(
+            self.model,
+            EngineConfig(
+                cache=cache,
+                scheduler=sched,
+                attention_backend=engine_args["attention_backend"],
+                seed=engine_args["engine_seed"],
+            ),
+        )
+        self._stop_checkers = StopStringCheckers(self.tokenizer)
+
+    def close(self) -> None:
+        """Stop the engine thread and free the KV pool."""
+        self.engine.close()
+
+    # --- running many requests at once ---------------------------------------------------------
+    def _wait_all(self, handles: list[RequestHandle], desc: str, disable_tqdm: bool) -> None:
+        """Wait for ``handles`` as the pipeline does: this thread drives the engine (cancels all of
+        them if interrupted)."""
+        wait_for(self.engine, handles, desc=desc, show=not (disable_tqdm or self.rank != 0))
+
+    # --- scoring ---------------------------------------------------------------------------------
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+        """``(sum log-prob, all greedy)`` of each continuation, scored as ``hf`` does: the last
+        ``max_length + 1`` tokens of context + continuation, the final one never fed to the model."""
+        handles = []
+        spans = []
+        for _, context_enc, continuation_enc in requests:
+            if not context_enc or not continuation_enc:
+                raise ValueError(
+                    "loglikelihood needs a non-empty context and continuation (lm-eval adds a prefix token)"
+                )
+            if len(continuation_enc) > self.max_length:
+                raise ValueError(
+                    f"a continuation of {len(continuation_enc)} tokens exceeds max_length={self.max_length}"
+                )
+            whole = (context_enc + continuation_enc)[-(self.max_length + 1) :]
+            first = len(whole) - len(continuation_enc)  # position of the first continuation token
+            sp = SamplingParams(max_new_tokens=1, prompt_logprobs=first, score_token_id=whole[-1])
+            handles.append(self.engine.submit(whole[:-1], sp))
+            spans.append((first, len(whole) - 1))
+        self._wait_all(handles, "Running loglikelihood requests", disable_tqdm)
+        results = []
+        for (request_str, _, _), h, (first, last) in zip(requests, handles, spans):
+            h.result()
+            scored = (h.request.prompt_logprobs or [])[first : last + 1]
+            if len(scored) != last + 1 - first or any(x is None for x in scored):
+                raise RuntimeError(
+                    f"request {h.request_id}: prompt log-probs missing for scored tokens (a prefix-cache hit "
+                    "must not cover rows that prompt_logprobs asks for)"
+                )
+            answer = (float(sum(lp for lp, _ in scored)), all(greedy for _, greedy in scored))
+            results.append(answer)
+            if request_str is not None:
+                self.cache_hook.add_partial("loglikelihood", request_str, answer)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """As ``hf``: disjoint rolling windows of ``max_length`` tokens; all windows in flight at once."""
+        windows = []
+        counts = []
+        for (string,) in [req.args for req in requests]:
+            rolling = list(
+                map(
+                    lm_utils.make_disjoint_window,
+                    lm_utils.get_rolling_token_windows(
+                        token_list=self.tok_encode(string),
+                        prefix_token=self.prefix_token_id,
+                        max_seq_len=self.max_length,
+                        context_len=1,
+                    ),
+                )
+            )
+            windows.extend((None,) + w for w in rolling)
+            counts.append(len(rolling))
+        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+        totals = []
+        pos = 0
+        for req, n in zip(requests, counts):
+            total = sum(lp for lp, _ in scores[pos : pos + n])
+            pos += n
+            totals.append(total)
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    # --- generation ------------------------------------------------------------------------------
+    def _sampling_for(self, gen_kwargs: dict, prompt: list, max_gen_toks: int) -> SamplingParams:
+        """The generation ``hf`` runs (``HFLM._model_generate`` then ``generate``'s resolution),
+        with the logits processors ``generate`` builds for ``prompt``."""
+        context_len = len(prompt)
+        kwargs = dict(gen_kwargs)
+        kwargs["temperature"] = kwargs.get("temperature", 0.0)
+        do_sample = kwargs.get("do_sample")
+        if kwargs["temperature"] == 0.0 and do_sample is None:
+            kwargs["do_sample"] = do_sample = False
+        if do_sample is False and kwargs["temperature"] == 0.0:
+            kwargs.pop("temperature")
+        max_length = kwargs.pop("max_length", context_len + max_gen_toks)
+        cfg = resolve_generate_config(
+            self.model, None, max_length=max_length, pad_token_id=self.tokenizer.pad_token_id, **kwargs
+        )
+        return with_processors(
+            self.model, cfg, sampling_params_from_config(cfg, context_len), prompt, device=logits_device(self.model)
+        )
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Every request submitted at once; the text is post-processed as ``hf`` does."""
+        eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
+        handles: list[RequestHandle] = []
+        untils = []
+        try:
+            for req in requests:
+                context, gen_kwargs = req.args
+                if not isinstance(gen_kwargs, dict):
+                    raise ValueError(f"Expected `kwargs` to be of type `dict` but got {type(gen_kwargs)}")
+                kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+                until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+                max_gen_toks = kwargs.pop("max_gen_toks")
+                max_ctx_len = self.max_length - max_gen_toks
+                if max_ctx_len <= 0:
+                    raise ValueError(
+                        f"Invalid configuration: requested max tokens to generate ({max_gen_toks}) must be less than "
+                        f"model's maximum sequence length ({self.max_length})."
+                    )
+                # one context at a time: hf's special-token decision looks at the batch's first string
+                ids, _ = self.tok_batch_encode([context], left_truncate_len=max_ctx_len, truncation=self.truncation)
+                prompt = ids[0].tolist()
+                sp = self._sampling_for(kwargs, prompt, max_gen_toks)
+                handles.append(
+                    self.engine.submit(prompt, sp, stop_checker=self._stop_checkers.checker([u for u in until if u]))
+                )
+                untils.append(until)
+            self._wait_all(handles, "Running generate_until requests", disable_tqdm)
+        except BaseException:
+            for h in handles:
+                h.cancel()
+            raise
+        results = []
+        for req, h, until in zip(requests, handles, untils):
+            cont_toks = h.result().output_token_ids
+            if isinstance(self.think_end_token, int):
+                marks = [i for i, t in enumerate(cont_toks) if t == self.think_end_token]
+                if marks:
+                    cont_toks = cont_toks[marks[-1] + 1 :]
+            text = self.tok_decode(cont_toks)
+            if isinstance(self.think_end_token, int):
+                text = text.lstrip()
+            text = postprocess_generated_text(
+                generation=text,
+                stop=until,
+                think_end_token=self.think_end_token if isinstance(self.think_end_token, str) else None,
+            )
+            results.append(text)
+            self.cache_hook.add_partial("generate_until", req.args, text)
+        return results
+
+
+def simple_evaluate(model_args: Optional[str] = None, **kwargs):
+    """``lm_eval.simple_evaluate`` with ``model="hf-contbatch"`` (a convenience for scripts)."""
+    import lm_eval
+
+    return lm_eval.simple_evaluate(model=MODEL_TYPE, model_args=model_args, **kwargs)

@@ -1,0 +1,101 @@
+"""Waiting for many requests with a progress bar: the one blocking wait of the pipeline and the
+lm-eval integration.
+
+Where the engine lets blocking callers drive (``LLMEngine.blocking_calls_drive``), the waiting
+thread runs the iterations itself (see ``LLMEngine.drive`` for why that is faster on CPU);
+otherwise it sleeps on the requests' completion events. Either way the bar advances once per
+finished request and shows the generated tokens per second.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from typing import Sequence
+
+from ..engine.handles import RequestHandle
+
+
+def wait_for(engine, handles: Sequence[RequestHandle], *, desc: str = "hf_contbatch", show: bool = True) -> int:
+    """Block until every handle in ``handles`` finished; return their generated tokens in total.
+
+    Args:
+        engine: the ``LLMEngine`` the handles belong to.
+        handles: the requests to wait for.
+        desc: the bar's label.
+        show: draw a ``tqdm.auto`` bar (a widget in notebooks).
+
+    Raises:
+        RuntimeError: the engine was closed while driving. On any exception (``KeyboardInterrupt``
+            included) every request in ``handles`` is cancelled and released first (handles done
+            with "cancelled" and their partial tokens, blocks free), so nothing of this wait keeps
+            running; other requests are untouched. The bar closes marked "interrupted" or
+            "failed" with the count cancelled.
+        KeyboardInterrupt: a fresh one naming what was cancelled (a short traceback).
+    """
+    t0 = time.monotonic()
+    done_q: "queue.SimpleQueue[RequestHandle]" = queue.SimpleQueue()
+    for h in handles:
+        h.add_done_callback(done_q.put)
+    bar = None
+    if show:
+        from tqdm.auto import tqdm
+
+        # Rates in our own words: tqdm writes "3.78s/req" below one request a second.
+        bar = tqdm(
+            total=len(handles),
+            desc=desc,
+            unit="req",
+            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
+        )
+    tokens = 0
+    finished = 0
+
+    def record(h: RequestHandle) -> None:
+        nonlocal tokens, finished
+        finished += 1
+        tokens += len(h.request.output_token_ids)
+        if bar is not None:
+            bar.set_postfix_str(_rates(finished, tokens, time.monotonic() - t0), refresh=False)
+            bar.update(1)
+
+    def drain() -> None:
+        while True:
+            try:
+                record(done_q.get_nowait())
+            except queue.Empty:
+                return
+
+    try:
+        if engine.blocking_calls_drive:
+            engine.drive(lambda: all(h.done() for h in handles), after_iteration=drain)
+            drain()
+        while finished < len(handles):
+            record(done_q.get())  # blocks without spinning
+    except BaseException as exc:
+        drain()
+        unfinished = sum(1 for h in handles if not h.done())
+        engine.cancel_now(handles)
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        if bar is not None:  # close the bar with the outcome, not a silent 0/N
+            bar.set_description(f"{desc} {'interrupted' if interrupted else 'failed'}", refresh=False)
+            bar.set_postfix_str(
+                f"{_rates(finished, tokens, time.monotonic() - t0)}, {unfinished} cancelled", refresh=False
+            )
+        if interrupted:
+            # A fresh exception: the traceback a notebook shows ends here instead of running
+            # thousands of characters into torch where the interrupt happened to land.
+            raise KeyboardInterrupt(
+                f"generation interrupted; {unfinished} of this call's {len(handles)} requests cancelled"
+            ) from None
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return tokens
+
+
+def _rates(requests: int, tokens: int, seconds: float) -> str:
+    """Progress-bar postfix: requests and generated tokens per second."""
+    seconds = max(seconds, 1e-9)
+    return f"{requests / seconds:.2f} req/s, {tokens / seconds:.0f} tok/s"

@@ -1,0 +1,222 @@
+"""Plain-torch paged attention over a flattened, unpadded batch (the CPU path and the reference
+the Triton kernels slot in beside).
+
+Decode requests (one query token) are served in batches of similar context length: scores by one
+matmul over their gathered keys, the weighted sum of values by ``F.embedding_bag`` reading the value
+pages in place; prefill chunks (variable length, with a cached prefix) are served one
+request at a time with a bottom-right-aligned causal mask. Masks and gather indices are built once
+per step and shared by all layers through ``AttentionMetadata.derived``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..paged_cache import AttentionMetadata
+
+
+def _attend(q, k, v, mask, scale: float, softcap: float | None, is_causal: bool = False):
+    """q ``[B, H, Lq, D]``, k/v ``[B, KVH, Lk, D]``, mask bool broadcastable to ``[B, H, Lq, Lk]``."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            scale=scale,
+            is_causal=is_causal and mask is None,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif is_causal:
+        lq, lk = scores.shape[-2:]
+        causal = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+        scores = scores.masked_fill(~causal, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v)
+
+
+def _decode_attend(q, k, rows_v, bag_index, bag_offsets, bias, scale: float, softcap: float | None):
+    """One query token per request: q ``[b, H, D]``, k ``[b, KVH, L, D]`` (gathered keys), values
+    read in place from ``rows_v`` (the pool viewed as ``[slots * KVH, D]``), bias ``[b, 1, 1, L]``.
+
+    Scores are plain matmuls with the query heads of a KV group stacked as rows (no K repeat for
+    GQA); on CPU this is 4-8x faster than ``scaled_dot_product_attention`` with a mask at one query
+    token (measured here: 0.42 vs 3.4 ms for 12 requests x 330 tokens), which takes a slow masked
+    path. The probability-weighted sum of values is ``F.embedding_bag`` (mode "sum" with
+    ``per_sample_weights``): one bag per (request, query head) over ``bag_index`` rows of the pool,
+    so values are never copied out of their pages (measured here: 2.2 vs 15.7 ms for gather +
+    matmul at 32 requests x 300 tokens, head_dim 32; 21 vs 43 ms at head_dim 64).
+    """
+    b, num_heads, head_dim = q.shape
+    kvh = k.shape[1]
+    qg = q.view(b, kvh, num_heads // kvh, head_dim)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float().mul_(scale)  # [b, KVH, G, L]
+    if softcap is not None:
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+    if bias is not None:
+        scores.add_(bias)
+    probs = torch.softmax(scores, dim=-1)
+    out = F.embedding_bag(
+        bag_index, rows_v, bag_offsets, mode="sum", per_sample_weights=probs.reshape(-1).to(rows_v.dtype)
+    )
+    return out.view(b, num_heads, head_dim).to(q.dtype)
+
+
+def _decode_buckets(meta: AttentionMetadata, sliding_window: int | None, groups: int):
+    """Gather plans for the decode requests, grouped by context length to bound padding.
+
+    Returns a list of ``(rows, head_index, bag_index, bag_offsets, mask, length)``: ``rows`` the
+    decode rows of the bucket, ``head_index`` ``[b * KVH * L]`` indices into the pool viewed as
+    ``[slots * KVH, D]`` in ``[b, KVH, L]`` order (so one ``index_select`` yields the contiguous
+    ``[b, KVH, L, D]`` keys), ``bag_index`` the same repeated for the ``groups`` query heads of each
+    KV head (``[b * KVH * groups * L]``, the value rows of each (request, query head) bag),
+    ``bag_offsets`` the start of each bag, ``mask`` ``[b, 1, 1, L]`` additive (None when no key is
+    masked).
+    """
+    nd = meta.num_decodes
+    lens = meta.seq_lens_cpu[:nd]
+    order = sorted(range(nd), key=lens.__getitem__)
+    buckets: list[list[int]] = []
+    for i in order:
+        # Start a new bucket when this context is much longer than the bucket's shortest: padding
+        # then stays under about half of the gathered keys; tiny buckets are not worth a call.
+        if buckets and not (lens[i] > 2 * lens[buckets[-1][0]] and len(buckets[-1]) >= 8 and len(buckets) < 4):
+            buckets[-1].append(i)
+        else:
+            buckets.append([i])
+    if len(buckets) == 1:
+        buckets = [list(range(nd))]  # keep batch order so the caller can skip the scatter
+    kvh = meta.num_kv_heads
+    plans = []
+    device = meta.block_tables.device
+    offsets = torch.arange(meta.block_size, device=device)
+    heads = torch.arange(kvh, device=device).view(1, kvh, 1)
+    for rows in buckets:
+        max_len = max(lens[i] for i in rows)
+        num_blocks = -(-max_len // meta.block_size)
+        rows_t = torch.tensor(rows, device=device)
+        tables = meta.block_tables.index_select(0, rows_t)[:, :num_blocks].to(torch.long)
+        slots = (tables.unsqueeze(-1) * meta.block_size + offsets).reshape(len(rows), -1)[:, :max_len]
+        head_index = slots.unsqueeze(1) * kvh + heads  # [b, KVH, L]
+        bag_index = head_index.unsqueeze(2).expand(len(rows), kvh, groups, max_len).reshape(-1)
+        bag_offsets = torch.arange(0, bag_index.numel(), max_len, device=device)
+        head_index = head_index.reshape(-1)
+        seq = torch.tensor([lens[i] for i in rows], device=device).unsqueeze(1)
+        pos = torch.arange(max_len, device=device).unsqueeze(0)
+        mask = pos < seq
+        if sliding_window is not None:
+            mask &= pos > seq - 1 - sliding_window
+        # Additive float mask, broadcast over [b, KVH, G, L] scores.
+        bias = None if bool(mask.all()) else torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
+        plans.append(
+            (rows_t, head_index, bag_index, bag_offsets, None if bias is None else bias[:, None, None, :], max_len)
+        )
+    return plans
+
+
+def _prefill_gather(meta: AttentionMetadata, i: int, sliding_window: int | None):
+    """Slot indices ``[S]`` of request ``i``'s context and its mask ``[Lq, S]`` (None = plain causal)."""
+    seq_len = meta.seq_lens_cpu[i]
+    q_len = meta.query_start_loc_cpu[i + 1] - meta.query_start_loc_cpu[i]
+    num_blocks = -(-seq_len // meta.block_size)
+    table = meta.block_tables[i, :num_blocks].to(torch.long)
+    offsets = torch.arange(meta.block_size, device=table.device)
+    slots = (table.unsqueeze(-1) * meta.block_size + offsets).reshape(-1)[:seq_len]
+    if sliding_window is None and q_len == seq_len:
+        return slots, None
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=table.device).unsqueeze(1)
+    k_pos = torch.arange(seq_len, device=table.device).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return slots, mask
+
+
+def torch_paged_attention(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+    decode_kernel=None,
+) -> torch.Tensor:
+    """Attention of every query token over its request's paged context.
+
+    Args:
+        query: ``[T, H, D]``, this step's query rows (decodes first, then prefill chunks).
+        k_pool, v_pool: ``[num_blocks, block_size, KVH, D]`` (already holding this step's K/V).
+        meta: the step's metadata.
+        scale: softmax scale (usually ``D ** -0.5``).
+        sliding_window: keys further than this many positions back are masked (Mistral, Gemma 2).
+        softcap: logit soft-capping ``softcap * tanh(s / softcap)`` (Gemma 2).
+        key, value: optional ``[KVH, T, D]``, this step's K/V rows (as stored); a prefill chunk
+            that is its request's whole context reads them instead of gathering from the pool.
+        decode_kernel: a ``cpu_kernel.CPUDecodeKernel``; where it can serve (float32, built), the
+            decode rows read the pool in place through it instead of the gather path below.
+
+    Returns:
+        ``[T, H, D]`` in the query dtype.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    kvh = k_pool.shape[2]
+    nd = meta.num_decodes
+    in_kernel = bool(nd) and decode_kernel is not None and decode_kernel.can_serve(query, k_pool, v_pool)
+    if in_kernel:
+        # The decode rows' tables and lengths, as the kernel reads them: once a step, not per layer.
+        tables, lens = meta.derived(
+            ("decode_kernel",),
+            lambda: (meta.block_tables[:nd].to(torch.int32).contiguous(), meta.seq_lens[:nd].to(torch.int32)),
+        )
+        decoded = decode_kernel(query[:nd], k_pool, v_pool, tables, lens, scale, softcap, sliding_window)
+        if nd == num_tokens:  # a decode-only step (most steps): the kernel's output is the result
+            return decoded
+        out = torch.empty_like(query)
+        out[:nd] = decoded
+    else:
+        out = torch.empty_like(query)
+    flat_k = k_pool.view(-1, kvh, head_dim)
+    flat_v = v_pool.view(-1, kvh, head_dim)
+    if nd and not in_kernel:
+        groups = num_heads // kvh
+        plans = meta.derived(
+            ("decode", sliding_window, kvh, groups), lambda: _decode_buckets(meta, sliding_window, groups)
+        )
+        rows_k = k_pool.view(-1, head_dim)
+        rows_v = v_pool.view(-1, head_dim)
+        single = len(plans) == 1
+        for rows, head_index, bag_index, bag_offsets, mask, max_len in plans:
+            b = rows.numel()
+            k = rows_k.index_select(0, head_index).view(b, kvh, max_len, head_dim).to(query.dtype)
+            q = query[:nd] if single else query.index_select(0, rows)  # [b, H, D]
+            o = _decode_attend(q, k, rows_v, bag_index, bag_offsets, mask, scale, softcap)
+            if single:
+                out[:nd] = o
+            else:
+                out.index_copy_(0, rows, o)
+    for i in range(nd, meta.num_requests):
+        start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        slots, mask = meta.derived(("prefill", i, sliding_window), lambda i=i: _prefill_gather(meta, i, sliding_window))
+        if key is not None and end - start == meta.seq_lens_cpu[i]:
+            # The whole context is this step's chunk: attend to the step's own K/V, no gather.
+            k = key[:, start:end].unsqueeze(0).to(query.dtype)
+            v = value[:, start:end].unsqueeze(0).to(query.dtype)
+        else:
+            k = flat_k.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(query.dtype)
+            v = flat_v.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(query.dtype)
+        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
+        o = _attend(q, k, v, mask, scale, softcap, is_causal=mask is None)
+        out[start:end] = o[0].transpose(0, 1)
+    return out

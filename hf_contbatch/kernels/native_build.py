@@ -1,0 +1,69 @@
+"""Build and cache our small C kernels with the system C compiler (no torch headers, ~1 s each).
+
+A library is compiled once per source text, compiler, flags and CPU (``-march=native``) into
+``$XDG_CACHE_HOME/hf_contbatch`` (default ``~/.cache``) and reused by later processes; it is
+loaded with ctypes and runs on torch's own OpenMP runtime (the same ``libgomp.so.1``). Used by
+``hf_contbatch.kernels.attention.cpu_kernel`` (paged decode attention) and ``hf_contbatch.kernels.cpu_linear``
+(the packed GEMM).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: ``$XDG_CACHE_HOME/hf_contbatch``, default
+    ``~/.cache/hf_contbatch`` (created on the first build)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hf_contbatch"
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def build_library(source: Path, flags: list[str]) -> Path:
+    """Path of the shared library compiled from ``source`` with ``flags``, compiling it when this
+    source/compiler/flags/CPU has none yet.
+
+    Raises:
+        RuntimeError: no C compiler (``$CC``, which may carry arguments, else ``cc``, ``gcc`` or
+            ``clang``), or the compile failed (the message ends with the compiler's error output).
+        OSError, subprocess.CalledProcessError: ``$CC`` names no runnable program.
+    """
+    found = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    # $CC may carry arguments ("ccache gcc", "gcc -m64"), as make and setuptools allow.
+    cc = shlex.split(os.environ["CC"]) if os.environ.get("CC", "").strip() else [found] if found else None
+    if cc is None:
+        raise RuntimeError("no C compiler found (cc, gcc or clang on PATH, or $CC)")
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([source.read_text(), *cc, version, " ".join(flags), _cpu_id()]).encode())
+    target = cache_dir() / f"{source.stem}_{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent processes never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([*cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{shlex.join(cc)} failed: {proc.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target

@@ -1,0 +1,118 @@
+"""Scheduler specifications: the five phases in order, budgets, priorities, no leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from hf_contbatch.core.block_manager import BlockManager
+from hf_contbatch.core.scheduler import PHASES, Scheduler
+from hf_contbatch.request import Request
+
+from conftest import random_prompts
+
+
+def _fake_step(sched: Scheduler, out, token: int = 7) -> None:
+    """Stand-in for the model: every sampling request gets ``token``; finish at max_new_tokens."""
+    sampled = {s.request.request_id: token for s in out.scheduled if s.samples}
+    for req in sched.update_from_output(out, sampled):
+        if len(req.output_token_ids) >= req.sampling.max_new_tokens:
+            from hf_contbatch.request import RequestStatus
+
+            req.status = RequestStatus.FINISHED_LENGTH
+
+
+def _req(rid, n, new=4, priority=0, t=0.0):
+    return Request(rid, list(range(3, 3 + n)), SamplingParams(max_new_tokens=new), priority=priority, arrival_time=t)
+
+
+@pytest.mark.timeout(60)
+def test_engine_records_the_five_phases_in_order_every_iteration(llama_model):
+    eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(num_blocks=32)))
+    try:
+        hs = [eng.submit(p, SamplingParams(max_new_tokens=5)) for p in random_prompts([4, 9, 30])]
+        for h in hs:
+            h.result(60)
+        assert eng.wait_idle(10)
+        log = list(eng.phase_log)
+    finally:
+        eng.close()
+    assert log, "no iteration recorded"
+    for _, phases in log:
+        assert tuple(name for name, _ in phases) == PHASES
+        assert all(seconds >= 0 for _, seconds in phases)
+
+
+@pytest.mark.timeout(30)
+def test_token_budget_splits_a_long_prompt_into_chunks():
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=10, watermark=0.0), bm)
+    sched.add_request(_req(0, 25))
+    chunks = []
+    for _ in range(3):
+        out = sched.schedule()
+        chunks.append([s.num_new_tokens for s in out.scheduled])
+        _fake_step(sched, out)
+    # 25 prompt tokens under a 10-token budget: 10 + 10 + 5 (the last chunk samples the first token).
+    assert chunks == [[10], [10], [5]]
+    assert sched.running[0].output_token_ids == [7]
+
+
+@pytest.mark.timeout(30)
+def test_decodes_come_before_prefill_chunks_and_take_one_token_each():
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=12, watermark=0.0), bm)
+    sched.add_request(_req(0, 3, new=10, t=0))
+    _fake_step(sched, sched.schedule())  # prefill of request 0
+    sched.add_request(_req(1, 20, t=1))
+    out = sched.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [(0, 1), (1, 11)]
+
+
+@pytest.mark.timeout(30)
+def test_admission_follows_priority_then_arrival():
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, watermark=0.0), bm)
+    sched.add_request(_req(0, 4, priority=1, t=0))
+    sched.add_request(_req(1, 4, priority=0, t=2))
+    sched.add_request(_req(2, 4, priority=0, t=1))
+    out = sched.schedule()
+    assert [r.request_id for r in out.admitted] == [2, 1]
+
+
+@pytest.mark.timeout(30)
+def test_preemption_picks_lowest_priority_then_latest_and_keeps_its_tokens():
+    bm = BlockManager(num_blocks=6, block_size=4)  # 24 tokens
+    sched = Scheduler(SchedulerConfig(watermark=0.0), bm)
+    for rid, prio, t in [(0, 0, 0), (1, 1, 1), (2, 0, 2)]:
+        sched.add_request(_req(rid, 7, new=12, priority=prio, t=t))
+    preempted = []
+    for _ in range(12):
+        out = sched.schedule()
+        preempted += out.preempted
+        bm.check_invariants()
+        assert bm.num_free_blocks >= 0
+        _fake_step(sched, out)
+        if preempted:
+            break
+    assert preempted, "the pool of 6 blocks cannot hold three growing requests"
+    victim = preempted[0]
+    assert victim.request_id == 1  # lowest priority (largest value)
+    assert victim.num_computed_tokens == 0 and len(victim.output_token_ids) > 0  # generated tokens kept
+    assert victim in sched.waiting
+
+
+@pytest.mark.timeout(30)
+def test_all_blocks_free_after_everything_finishes():
+    bm = BlockManager(num_blocks=20, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16, watermark=0.0), bm)
+    for rid, n in enumerate([3, 9, 14, 1, 6]):
+        sched.add_request(_req(rid, n, new=6, t=rid))
+    for _ in range(200):
+        out = sched.schedule()
+        bm.check_invariants()
+        if not sched.has_work:
+            break
+        _fake_step(sched, out)
+    assert not sched.has_work
+    assert bm.num_free_blocks == bm.num_blocks

@@ -1,0 +1,292 @@
+"""Property-based specifications of the scheduler and block manager, driven by a fake model.
+
+The fake model stands in for the engine's step five. It keeps, for every device and host KV slot, the
+``(position, token)`` whose KV the slot holds; executes the plan's swap and copy mappings in the
+engine's order; checks that every scheduled request's whole context reads back its own tokens through
+its block table; and "samples" a token that is a fixed function of the request's tokens and id. The
+expected outputs are therefore computable without the scheduler (``expected_output``): a lost,
+duplicated or corrupted token, in the KV or in the output, shows up as a mismatch.
+
+After EVERY iteration: the phases ran in order; the block bookkeeping is consistent (ref counts,
+free queue, prefix hash map) in both pools; no scheduled token is written into a shared block; the
+token budget and ``max_num_seqs`` hold; reservations are never negative; admissions respect the
+watermark; every table belongs to a live request of the right state. At the end every request has
+finished (or was rejected at submit) within a bound on iterations, and every block is free.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hf_contbatch.config import SchedulerConfig
+from hf_contbatch.core.block_manager import BlockManager
+from hf_contbatch.core.scheduler import PHASES, Scheduler
+from hf_contbatch.request import Request, RequestStatus, SamplingParams
+
+VOCAB = 40
+EOS_TOKENS = (7, 11)
+
+
+def fake_next_token(tokens: list[int], salt: int) -> int:
+    """The fake model's 'sampled' token: depends on the request's tokens (through its KV) and id.
+    Two times in three it copies the token that followed the last token's previous occurrence (as
+    text often repeats itself), so prompt-lookup drafts are sometimes right and sometimes wrong."""
+    h = hash((tuple(tokens[-6:]), len(tokens), salt))
+    if h % 3:
+        for j in range(len(tokens) - 2, -1, -1):
+            if tokens[j] == tokens[-1]:
+                return tokens[j + 1]
+    return h % (VOCAB - 3) + 3
+
+
+def expected_output(prompt: list[int], request_id: int, max_new: int, eos: tuple) -> list[int]:
+    """What the request must produce, computed without any scheduler."""
+    tokens, out = list(prompt), []
+    while len(out) < max_new:
+        t = fake_next_token(tokens, request_id)
+        out.append(t)
+        tokens.append(t)
+        if t in eos:
+            break
+    return out
+
+
+class FakeModel:
+    """Slot contents of both pools; moves blocks as the engine does and checks every context read."""
+
+    def __init__(self, num_blocks: int, num_host_blocks: int, block_size: int) -> None:
+        self.bs = block_size
+        self.device = [[None] * block_size for _ in range(num_blocks)]
+        self.host = [[None] * block_size for _ in range(num_host_blocks)]
+
+    def move_blocks(self, out) -> None:
+        # LLMEngine._move_blocks order: swap in, swap out, copy (sources read before writes).
+        for h, d in out.blocks_to_swap_in:
+            self.device[d] = list(self.host[h])
+        for d, h in out.blocks_to_swap_out:
+            self.host[h] = list(self.device[d])
+        copies = [list(self.device[s]) for s, _ in out.blocks_to_copy]
+        for (_, d), content in zip(out.blocks_to_copy, copies):
+            self.device[d] = content
+
+    def forward(self, out, bm: BlockManager) -> dict[int, int]:
+        bs = self.bs
+        # Like a real forward: every layer stores this step's K/V before any attention reads.
+        # A request verifying drafts runs its last token and the drafts: one "greedy" token per row.
+        for s in out.scheduled:
+            req, table = s.request, bm.get_block_table(s.request.request_id)
+            tokens = req.all_token_ids + s.draft_token_ids
+            for p in range(req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens):
+                self.device[table[p // bs]][p % bs] = (p, tokens[p])
+        sampled = {}
+        for s in out.scheduled:
+            req, table = s.request, bm.get_block_table(s.request.request_id)
+            tokens = req.all_token_ids + s.draft_token_ids
+            context = [self.device[table[p // bs]][p % bs] for p in range(req.num_computed_tokens + s.num_new_tokens)]
+            assert context == [(p, tokens[p]) for p in range(len(context))], (
+                f"request {req.request_id} reads corrupt KV"
+            )
+            if s.draft_token_ids:
+                sampled[req.request_id] = [
+                    fake_next_token(tokens[: req.num_tokens + i], req.request_id) for i in range(s.num_new_tokens)
+                ]
+            elif s.samples:
+                sampled[req.request_id] = fake_next_token(tokens, req.request_id)
+        return sampled
+
+
+def finish_as_the_engine_does(req: Request) -> bool:
+    """The engine's stop check after each new token (EOS, then max_new_tokens)."""
+    if req.output_token_ids[-1] in req.sampling.eos_token_ids:
+        req.status = RequestStatus.FINISHED_STOPPED
+    elif len(req.output_token_ids) >= req.sampling.max_new_tokens:
+        req.status = RequestStatus.FINISHED_LENGTH
+    return req.status.is_finished
+
+
+def check_iteration(sched: Scheduler, out, prior_running: set, max_num_seqs: int) -> None:
+    bm, host = sched.block_manager, sched.host_block_manager
+    assert [name for name, _ in out.phases] == list(PHASES[:4])
+    bm.check_invariants()
+    host.check_invariants()
+    owed = sum(len(r.pending_forks) for r in sched.running)
+    assert len(sched.running) + owed <= max_num_seqs
+    assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
+    assert out.reserved_blocks >= 0
+    ids = [s.request.request_id for s in out.scheduled]
+    assert len(ids) == len(set(ids)), "a request scheduled twice in one step"
+    for s in out.scheduled:
+        req = s.request
+        assert s.num_new_tokens >= 1 and req.status is RequestStatus.RUNNING
+        table = bm.get_block_table(req.request_id)
+        assert len(table) * bm.block_size >= req.num_computed_tokens + s.num_new_tokens
+        for p in range(req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens):
+            assert bm.ref_counts[table[p // bm.block_size]] == 1, "a write into a shared block (no copy-on-write)"
+        if s.draft_token_ids:
+            assert s.samples and req.num_computed_tokens + 1 == req.num_tokens
+            assert s.num_new_tokens == 1 + len(s.draft_token_ids)
+            assert len(req.output_token_ids) + s.num_new_tokens <= req.sampling.max_new_tokens
+        else:
+            assert s.samples == (req.num_computed_tokens + s.num_new_tokens == req.num_tokens)
+    running = {r.request_id for r in sched.running}
+    swapped = {r.request_id: r for r in sched.swapped}
+    assert set(bm.block_tables) <= running, "a device block table outlived its request's running state"
+    assert set(host.block_tables) == set(swapped), "host tables and the swapped queue disagree"
+    for rid, req in swapped.items():
+        assert len(host.get_block_table(rid)) == bm.blocks_for_tokens(req.num_computed_tokens)
+    assert all(r.status is RequestStatus.WAITING for r in sched.waiting)
+    entered = out.admitted or out.swapped_in
+    if entered and prior_running and not out.preempted and not out.forked:
+        assert bm.num_free_blocks >= sched.watermark_blocks, "admission ate into the watermark"
+
+
+@st.composite
+def workloads(draw):
+    bs = draw(st.sampled_from([1, 2, 4, 8]))
+    tokens = st.integers(3, VOCAB - 1)
+    prefixes = [draw(st.lists(tokens, max_size=16)) for _ in range(2)]  # shared "system prompts"
+    requests = []
+    for _ in range(draw(st.integers(1, 10))):
+        prefix = draw(st.sampled_from(prefixes + [[]]))
+        prompt = prefix + draw(st.lists(tokens, min_size=0 if prefix else 1, max_size=20))
+        requests.append(
+            dict(
+                arrival=draw(st.integers(0, 12)),
+                prompt=prompt,
+                max_new=draw(st.integers(1, 10)),
+                priority=draw(st.integers(0, 2)),
+                n=draw(st.sampled_from([1, 1, 1, 2, 3])),
+                cancel_at=draw(st.none() | st.integers(0, 60)),
+                eos=draw(st.booleans()),
+            )
+        )
+    max_need = max(-(-(len(r["prompt"]) + r["max_new"]) // bs) for r in requests)
+    # Tight pools (preemption is the point); one block short of the largest request: it is rejected.
+    num_blocks = draw(st.integers(max(1, max_need - 1), 2 * max_need + 1))
+    config = SchedulerConfig(
+        max_num_seqs=draw(st.integers(1, 6)),
+        max_num_batched_tokens=draw(st.integers(1, 40)),
+        watermark=draw(st.sampled_from([0.0, 0.05, 0.2])),
+        preemption_mode=draw(st.sampled_from(["recompute", "swap", "auto"])),
+        long_prefill_token_threshold=draw(st.none() | st.integers(1, 12)),
+        max_preemptions=draw(st.integers(1, 4)),
+        aging_seconds=draw(st.sampled_from([None, 3.0])),
+        swap_cost_per_block=draw(st.sampled_from([0.0, 0.5, 4.0])),
+    )
+    host_blocks = draw(st.sampled_from([0, 1, max_need, 4 * num_blocks]))
+    prefix_caching = draw(st.booleans())
+    lookup = draw(st.sampled_from([0, 0, 1, 3]))  # prompt-lookup drafts (speculative decoding)
+    for r in requests:
+        r["lookup"] = lookup
+    return bs, num_blocks, host_blocks, prefix_caching, config, requests
+
+
+def run_workload(bs, num_blocks, host_blocks, prefix_caching, config, specs):
+    clock = [0.0]
+    bm = BlockManager(num_blocks, bs, enable_prefix_caching=prefix_caching)
+    host = BlockManager(host_blocks, bs)
+    sched = Scheduler(config, bm, clock=lambda: clock[0], host_block_manager=host)
+    model = FakeModel(num_blocks, host_blocks, bs)
+    next_id = 0
+    groups = []  # (spec, [requests]) of accepted submissions
+    work = 0
+    for spec in specs:
+        if -(-(len(spec["prompt"]) + spec["max_new"]) // bs) > num_blocks:
+            continue  # the engine rejects it at submit: it can never fit
+        sp = SamplingParams(
+            max_new_tokens=spec["max_new"],
+            eos_token_ids=EOS_TOKENS if spec["eos"] else (),
+            prompt_lookup_num_tokens=spec.get("lookup", 0),
+        )
+        seqs = []
+        for _ in range(spec["n"]):
+            seqs.append(
+                Request(
+                    next_id,
+                    list(spec["prompt"]),
+                    sp,
+                    priority=spec["priority"],
+                    arrival_time=float(spec["arrival"]),
+                    parent_id=None if not seqs else seqs[0].request_id,
+                )
+            )
+            next_id += 1
+        seqs[0].pending_forks = seqs[1:]
+        groups.append((spec, seqs))
+        work += spec["n"] * (len(spec["prompt"]) + spec["max_new"])
+    bound = 25 + 10 * (config.max_preemptions + 2) * (work + 1)
+    every = [r for _, seqs in groups for r in seqs]
+    empty_in_a_row = 0
+    for it in range(bound):
+        clock[0] = float(it)
+        for spec, seqs in groups:
+            if spec["arrival"] == it:
+                sched.add_request(seqs[0])
+            if spec["cancel_at"] == it:
+                for r in seqs:
+                    if not r.status.is_finished:
+                        r.cancel_requested = True
+        if it > 21 and not sched.has_work:
+            break
+        prior = {r.request_id for r in sched.running if not r.status.is_finished and not r.cancel_requested}
+        out = sched.schedule()
+        check_iteration(sched, out, prior, config.max_num_seqs)
+        empty_in_a_row = empty_in_a_row + 1 if (out.is_empty and sched.has_work and not out.reaped) else 0
+        assert empty_in_a_row < 3, "the scheduler stalls with work pending"
+        model.move_blocks(out)
+        sampled = model.forward(out, bm)
+        sched.update_from_output(out, sampled, on_token=finish_as_the_engine_does)
+    else:
+        pytest.fail(
+            f"not finished after {bound} iterations (livelock): {[(r.request_id, r.status) for r in every if not r.status.is_finished]}"
+        )
+    assert all(r.status.is_finished for r in every), "a request never finished"
+    assert bm.num_free_blocks == num_blocks and host.num_free_blocks == host_blocks, "blocks leaked"
+    bm.check_invariants()
+    for spec, seqs in groups:
+        for r in seqs:
+            want = expected_output(spec["prompt"], r.request_id, spec["max_new"], r.sampling.eos_token_ids)
+            if r.status is RequestStatus.FINISHED_CANCELLED:
+                assert r.output_token_ids == want[: len(r.output_token_ids)], "cancelled output is not a prefix"
+            else:
+                assert r.output_token_ids == want, f"request {r.request_id}: tokens lost, duplicated or corrupted"
+    return sched
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(workloads())
+def test_random_workloads_keep_every_invariant_and_every_token(workload):
+    run_workload(*workload)
+
+
+@pytest.mark.timeout(60)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    mode=st.sampled_from(["swap", "auto"]),
+    lengths=st.lists(st.integers(4, 30), min_size=3, max_size=8),
+    bs=st.sampled_from([2, 4]),
+)
+def test_tight_pools_swap_and_every_request_still_finishes(mode, lengths, bs):
+    # A pool for about two requests at a time and a roomy host pool: swap preemption must happen.
+    specs = [
+        dict(
+            arrival=0,
+            prompt=[3 + (i * 7 + j) % 30 for j in range(n)],
+            max_new=12,
+            priority=0,
+            n=1,
+            cancel_at=None,
+            eos=False,
+        )
+        for i, n in enumerate(lengths)
+    ]
+    num_blocks = 2 * -(-(max(lengths) + 12) // bs)
+    config = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=64, watermark=0.0, preemption_mode=mode, swap_cost_per_block=0.0
+    )
+    sched = run_workload(bs, num_blocks, 4 * num_blocks, False, config, specs)
+    assert sched.num_recompute_preemptions == 0, "a roomy host pool never needs the recompute fallback"
+    assert sched.num_blocks_swapped_in == sched.num_blocks_swapped_out  # nothing cancelled: all came back

@@ -1,0 +1,346 @@
+"""The dashboard reads stats snapshots, renders them, and refreshes from a sleeping daemon thread."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from hf_contbatch import CacheConfig, EngineConfig, EngineStats, LLMEngine, SamplingParams, SchedulerConfig
+from hf_contbatch.frontends.dashboard import (
+    Dashboard,
+    format_stats,
+    in_use_region,
+    phase_rows,
+    render_block_grid,
+    render_pools,
+)
+
+from conftest import random_prompts
+
+PHASES = ("reap", "budget", "admit", "preempt", "decode")
+
+
+def make_stats(**overrides) -> EngineStats:
+    """A snapshot of an 8-block pool: blocks 0-2 held by request 5, block 3 by request 7."""
+    base = dict(
+        num_blocks=8,
+        block_size=16,
+        num_free_blocks=4,
+        num_used_blocks=4,
+        peak_used_blocks=6,
+        capacity_tokens=128,
+        num_waiting=2,
+        num_running=2,
+        num_swapped=0,
+        num_finished=3,
+        num_preemptions=1,
+        num_generated_tokens=40,
+        num_iterations=12,
+        throughput_tokens_per_s=123.4,
+        mean_ttft_s=0.05,
+        mean_itl_s=0.01,
+        recent_phases=((11, tuple((p, 0.001) for p in PHASES)),),
+        block_owner=(5, 5, 5, 7, -1, -1, -1, -1),
+    )
+    base.update(overrides)
+    return EngineStats(**base)
+
+
+def with_fields(stats: EngineStats, **fields) -> EngineStats:
+    """``stats`` with optional fields set."""
+    return dataclasses.replace(stats, **fields)
+
+
+def eventually(condition, timeout_s: float = 10.0) -> bool:
+    """Poll ``condition`` every 20 ms until it holds or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+class FakeSource:
+    """Anything with stats(): counts the calls, returns whatever snapshot the test sets."""
+
+    def __init__(self, stats: EngineStats) -> None:
+        self.snapshot = stats
+        self.calls = 0
+        self.engine = self  # Dashboard looks for engine.closed like on a pipeline
+        self.closed = False
+
+    def stats(self) -> EngineStats:
+        self.calls += 1
+        return self.snapshot
+
+
+@pytest.mark.timeout(60)
+def test_importing_the_package_and_text_summary_needs_no_ipywidgets():
+    code = (
+        "import sys; sys.modules['ipywidgets'] = None\n"  # any `import ipywidgets` now raises ImportError
+        "import hf_contbatch\nfrom hf_contbatch.frontends.dashboard import format_stats\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=50)
+
+
+@pytest.mark.timeout(10)
+def test_format_stats_states_usage_queues_speed_and_phases():
+    text = format_stats(make_stats(), tokens_per_s_now=50.0)
+    assert "4/8 used (50%), peak 6" in text
+    assert "waiting 2 · running 2 · swapped 0 · finished 3 · preempted 1" in text
+    assert "50.0 tok/s now, 123.4 tok/s average" in text and "TTFT 50.0 ms" in text and "ITL 10.0 ms" in text
+    assert "decode 1.00 ms" in text
+
+
+@pytest.mark.timeout(10)
+def test_optional_fields_are_read_from_the_snapshot():
+    stats = with_fields(
+        make_stats(),
+        num_kv_tokens=50,
+        num_swap_blocks=6,
+        num_swapped_blocks=2,
+        num_preemptions_swap=1,
+        num_preemptions_recompute=0,
+        prefix_caching=True,
+        num_cached_blocks=3,
+        prefix_cache_hit_rate=0.25,
+        block_ref_counts=(1, 2, 1, 1, 0, 0, 0, 0),
+    )
+    text = format_stats(stats)
+    assert "50/128 tokens" in text
+    assert "swap pool  2/6 blocks used" in text
+    assert "preempted 1 (swap 1, recompute 0)" in text
+    assert "hit rate 25% · 1 shared blocks · 3 free blocks holding cached prefixes" in text
+    pools = render_pools(stats)
+    assert "CPU swap pool · 2/6 in use" in pools
+    assert pools.split("hfcb-swap")[1].count('title="block') == 2  # owners unknown: two cells drawn in use
+    assert "shared by 2 requests" in pools  # block 1 has ref count 2
+
+
+@pytest.mark.timeout(10)
+def test_block_grid_has_one_cell_per_block_with_the_request_on_hover():
+    html = render_block_grid((5, 5, -1, 7))
+    titles = re.findall(r'title="([^"]*)"', html)
+    assert html.count("<i") == 4
+    assert titles == ["block 0 · request 5", "block 1 · request 5", "block 3 · request 7"]
+
+
+@pytest.mark.timeout(10)
+def test_large_pools_aggregate_blocks_into_at_most_max_cells():
+    owners = tuple(i % 3 - 1 for i in range(10_000))  # -1, 0, 1 repeating: two thirds in use
+    html = render_block_grid(owners, max_cells=500)
+    assert html.count("<i") == 500 and 'data-blocks-per-cell="20"' in html
+    first = re.search(r'title="([^"]*)"', html).group(1)
+    assert first.startswith("blocks 0–19: 13 in use") and first.endswith("7 free")
+
+
+@pytest.mark.timeout(10)
+def test_phase_rows_reads_engine_and_flat_phase_logs():
+    engine_log = ((3, (("reap", 0.1), ("budget", 0.2), ("decode", 1.0))), (4, (("reap", 0.3),)))
+    assert phase_rows(engine_log) == [{"reap": 0.1, "budget": 0.2, "decode": 1.0}, {"reap": 0.3}]
+    flat = (("reap", 0.1), ("decode", 1.0), ("reap", 0.2), ("decode", 2.0))
+    assert phase_rows(flat) == [{"reap": 0.1, "decode": 1.0}, {"reap": 0.2, "decode": 2.0}]
+
+
+@pytest.mark.timeout(20)
+def test_dashboard_costs_nothing_until_displayed_and_its_refresher_sleeps():
+    source = FakeSource(make_stats())
+    dash = Dashboard(source, refresh_hz=5)
+    assert source.calls == 1 and not dash.running  # one synchronous refresh at construction, no thread
+    bundle = dash._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle and "4/8 used" in bundle["text/plain"]
+    assert not dash.running  # outside a kernel nothing would show the updates
+
+    dash.start()
+    try:
+        time.sleep(1.0)
+        assert source.calls - 1 <= 8, f"{source.calls - 1} snapshots in 1 s at refresh_hz=5"  # sleeps, never spins
+        assert eventually(lambda: source.calls >= 3)
+        renders = dash.num_refreshes
+        time.sleep(0.6)
+        assert dash.num_refreshes == renders  # nothing changed: nothing rendered, nothing sent
+        source.snapshot = dataclasses.replace(
+            source.snapshot, num_used_blocks=5, num_iterations=13, block_owner=(5, 5, 5, 7, 9, -1, -1, -1)
+        )
+        assert eventually(lambda: "5/8 in use" in dash.grid.value)
+        assert dash.num_refreshes > renders
+    finally:
+        dash.stop()
+    assert not dash.running
+    calls = source.calls
+    time.sleep(0.5)
+    assert source.calls == calls  # stopped means stopped
+
+
+@pytest.mark.timeout(20)
+def test_refresher_polls_once_a_second_after_two_quiet_seconds():
+    source = FakeSource(make_stats())
+    dash = Dashboard(source, refresh_hz=20).start()
+    try:
+        time.sleep(2.6)
+        calls = source.calls
+        time.sleep(2.0)
+        assert source.calls - calls <= 3, f"{source.calls - calls} snapshots in 2 quiet seconds"
+    finally:
+        dash.stop()
+
+
+@pytest.mark.timeout(20)
+def test_refresher_ends_by_itself_when_the_engine_closes():
+    source = FakeSource(make_stats())
+    dash = Dashboard(source, refresh_hz=10).start()
+    source.closed = True
+    assert eventually(lambda: not dash.running)
+    assert "closed" in dash.header.value
+
+
+@pytest.mark.timeout(10)
+def test_bad_arguments_are_rejected_with_the_argument_name():
+    source = FakeSource(make_stats())
+    with pytest.raises(ValueError, match="refresh_hz"):
+        Dashboard(source, refresh_hz=0)
+    with pytest.raises(ValueError, match="max_cells"):
+        Dashboard(source, max_cells=0)
+    with pytest.raises(ValueError, match="stats"):
+        Dashboard(object())
+
+
+@pytest.mark.timeout(120)
+def test_live_dashboard_follows_a_real_engine_under_preemption(llama_model):
+    engine = LLMEngine(
+        llama_model,
+        EngineConfig(
+            cache=CacheConfig(num_blocks=16, block_size=4), scheduler=SchedulerConfig(max_num_seqs=4), num_threads=1
+        ),
+    )
+    try:
+        dash = Dashboard(engine, refresh_hz=20)
+        shown_in_use = threading.Event()  # the refresher thread pushed a non-zero blocks-in-use value
+
+        def on_blocks(change):
+            if change["new"] > 0 and threading.current_thread() is not threading.main_thread():
+                shown_in_use.set()
+
+        dash.blocks_bar.observe(on_blocks, "value")
+        dash.start()
+
+        def hold_until_shown(request) -> bool:  # engine thread, after each token: never stops a request
+            shown_in_use.wait(timeout=10)  # pauses the engine, blocks in use, until the view has shown them
+            return False
+
+        prompts = random_prompts([5, 9, 7, 11, 6, 8, 10, 4, 12, 7, 5, 9])
+        handles = [engine.submit(p, SamplingParams(max_new_tokens=24), stop_checker=hold_until_shown) for p in prompts]
+        for h in handles:
+            h.result(timeout=90)
+        assert engine.wait_idle(timeout=30)
+        dash.stop()
+        stats = dash.refresh()
+        # 12 requests of 8-9 blocks each in a 16-block pool: only one or two fit at a time.
+        assert stats.num_preemptions > 0
+        assert shown_in_use.is_set(), "the refresher thread never showed a block in use"
+        assert dash.blocks_bar.value == 0 and "0/16 in use" in dash.grid.value  # every block freed
+        assert f"finished 12 · preempted {stats.num_preemptions}" in dash.summary()
+    finally:
+        engine.close()
+
+
+def _tile_value(tiles_html: str, label: str) -> str:
+    return re.search(rf"<small>{re.escape(label)}</small><b>([^<]*)</b>", tiles_html).group(1)
+
+
+def _legends(pools_html: str) -> list[str]:
+    return re.findall(r"one cell = ([^<]*)</span>", pools_html)
+
+
+@pytest.mark.timeout(10)
+def test_grid_draws_the_in_use_region_of_a_large_pool_one_cell_per_block():
+    owners = (3,) * 30 + (-1,) * 8162  # 30 of 8,192 blocks in use, the lowest ones (as allocated)
+    assert in_use_region(owners) == 64  # a power of two >= 30, at least 64
+    assert in_use_region(owners, high_water=200) == 256  # never shrinks below an earlier high-water mark
+    assert in_use_region((-1,) * 20) == 20  # a small pool is drawn whole
+    stats = make_stats(
+        num_blocks=8192, num_used_blocks=30, num_free_blocks=8162, capacity_tokens=8192 * 16, block_owner=owners
+    )
+    pools = render_pools(stats)
+    device = pools.split("hfcb-swap")[0]
+    grid = re.search(r'<div class="hfcb-grid"[^>]*>(.*?)</div>', device).group(0)
+    assert grid.count("<i") == 64  # one cell per block of the region, not 512 aggregated cells
+    assert len(re.findall(r'title="block \d+ · request 3"', device)) == 30
+    assert ",16px)" in grid  # 64 cells: 16 px each
+    assert "the other 8,128 have never been used" in device
+    assert _legends(pools) == ["1 block"]
+
+
+@pytest.mark.timeout(10)
+def test_each_grid_has_a_legend_true_for_it():
+    # a 48-block device pool beside a 4,096-block swap pool with 600 blocks swapped out
+    stats = with_fields(
+        make_stats(num_blocks=48, num_free_blocks=44, block_owner=(5, 5, 5, 7) + (-1,) * 44),
+        num_swap_blocks=4096,
+        num_swapped_blocks=600,
+    )
+    pools = render_pools(stats)
+    assert _legends(pools) == ["1 block", "2 blocks (darker = fuller)"]  # swap: 1,024 drawn in 512 cells
+    swap = pools.split("hfcb-swap")[1]
+    assert 'data-blocks-per-cell="2"' in swap and "the other 3,072 have never been used" in swap
+    assert "swapped out" in swap and "prefix-cached" not in swap
+
+
+@pytest.mark.timeout(20)
+def test_tokens_per_s_now_reads_a_dash_when_the_engine_is_idle():
+    source = FakeSource(make_stats(num_generated_tokens=40))
+    dash = Dashboard(source)
+    time.sleep(0.3)
+    source.snapshot = dataclasses.replace(source.snapshot, num_generated_tokens=100, num_iterations=20)
+    dash.refresh()
+    busy = _tile_value(dash.tiles.value, "tokens/s now")
+    assert busy != "—" and float(busy) > 0
+    source.snapshot = dataclasses.replace(source.snapshot, num_waiting=0, num_running=0, num_finished=7)
+    dash.refresh()
+    assert _tile_value(dash.tiles.value, "tokens/s now") == "—"
+    assert "tok/s now" not in dash.summary()
+
+
+@pytest.mark.timeout(20)
+def test_summary_takes_a_fresh_snapshot_while_the_refresher_runs():
+    source = FakeSource(make_stats())
+    dash = Dashboard(source, refresh_hz=0.2).start()  # the refresher sleeps 5 s first
+    try:
+        source.snapshot = dataclasses.replace(source.snapshot, num_waiting=0, num_running=0, num_finished=9)
+        assert "waiting 0 · running 0 · swapped 0 · finished 9" in dash.summary()
+    finally:
+        dash.stop()
+
+
+@pytest.mark.timeout(120)
+def test_frame_after_close_shows_nothing_in_flight(llama_model):
+    engine = LLMEngine(
+        llama_model, EngineConfig(cache=CacheConfig(num_blocks=128, block_size=4), linear_backend="torch")
+    )
+    dash = Dashboard(engine)
+    started = threading.Event()
+
+    def slow(request) -> bool:  # engine thread, after each token
+        started.set()
+        time.sleep(0.01)
+        return False
+
+    handles = [
+        engine.submit(p, SamplingParams(max_new_tokens=150), stop_checker=slow) for p in random_prompts([5, 9, 7])
+    ]
+    assert started.wait(60)
+    engine.close()
+    stats = dash.refresh()
+    assert all(h.done() for h in handles)
+    assert (stats.num_running, stats.num_waiting, stats.num_swapped, stats.num_used_blocks) == (0, 0, 0, 0)
+    assert stats.num_kv_tokens == 0
+    assert "closed" in dash.header.value
+    assert _tile_value(dash.tiles.value, "running") == "0" and _tile_value(dash.tiles.value, "tokens/s now") == "—"
+    assert dash.tokens_label.value.startswith("0 / ")

@@ -1,0 +1,237 @@
+"""lm-eval model type ``hf-contbatch``: the same numbers as lm-eval's own ``hf`` model on the same
+model, for local offline tasks (generate_until, multiple choice, rolling perplexity); the prompt
+log-prob engine feature against a plain forward; the ``hf-contbatch eval`` command."""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from hf_contbatch.default_model import default_model_path
+
+from conftest import build_model, random_prompts
+
+lm_eval = pytest.importorskip("lm_eval")
+
+ROOT = Path(__file__).resolve().parents[2]
+TASKS_DIR = "tests/data/lm_eval_tasks"  # the task YAMLs name their jsonl files relative to the repo root
+TASKS = ["hfcb_pydoc_gen", "hfcb_pydoc_choice", "hfcb_pydoc_text"]
+MODEL_ARGS = f"pretrained={default_model_path()},dtype=float32,device=cpu"
+
+
+@pytest.fixture(scope="module")
+def in_repo_root():
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    yield
+    os.chdir(cwd)
+
+
+def _evaluate(model: str) -> dict:
+    from lm_eval.tasks import TaskManager
+
+    import hf_contbatch.integrations.lm_eval  # noqa: F401  (registers hf-contbatch)
+
+    return lm_eval.simple_evaluate(
+        model=model,
+        model_args=MODEL_ARGS,
+        tasks=TASKS,
+        task_manager=TaskManager(include_path=TASKS_DIR),
+        log_samples=True,
+        bootstrap_iters=0,
+    )
+
+
+@pytest.fixture(scope="module")
+def hf_results(in_repo_root):
+    return _evaluate("hf")
+
+
+@pytest.fixture(scope="module")
+def our_results(in_repo_root):
+    return _evaluate("hf-contbatch")
+
+
+def _by_doc(results, task):
+    return {s["doc_id"]: s for s in results["samples"][task]}
+
+
+@pytest.mark.timeout(600)
+def test_generate_until_outputs_and_exact_match_equal_hf(hf_results, our_results):
+    task = "hfcb_pydoc_gen"
+    ours, theirs = _by_doc(our_results, task), _by_doc(hf_results, task)
+    assert ours.keys() == theirs.keys() and len(ours) == 8
+    for doc_id in theirs:
+        assert ours[doc_id]["filtered_resps"] == theirs[doc_id]["filtered_resps"], doc_id
+    assert our_results["results"][task]["exact_match,none"] == hf_results["results"][task]["exact_match,none"]
+
+
+@pytest.mark.timeout(600)
+def test_multiple_choice_loglikelihoods_and_accuracy_equal_hf(hf_results, our_results):
+    task = "hfcb_pydoc_choice"
+    ours, theirs = _by_doc(our_results, task), _by_doc(hf_results, task)
+    assert ours.keys() == theirs.keys() and len(ours) == 8
+    for doc_id in theirs:
+        for (lp, greedy), (ref_lp, ref_greedy) in zip(
+            ours[doc_id]["filtered_resps"], theirs[doc_id]["filtered_resps"], strict=True
+        ):
+            assert lp == pytest.approx(ref_lp, abs=1e-4)
+            assert greedy == ref_greedy
+    for metric in ("acc,none", "acc_norm,none"):
+        assert our_results["results"][task][metric] == hf_results["results"][task][metric]
+
+
+@pytest.mark.timeout(600)
+def test_rolling_loglikelihood_and_perplexities_equal_hf(hf_results, our_results):
+    # The long document spans two windows, the first filling the model's whole 1024-token context.
+    task = "hfcb_pydoc_text"
+    ours, theirs = _by_doc(our_results, task), _by_doc(hf_results, task)
+    for doc_id in theirs:
+        assert ours[doc_id]["filtered_resps"][0] == pytest.approx(theirs[doc_id]["filtered_resps"][0], rel=1e-5)
+    for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+        assert our_results["results"][task][metric] == pytest.approx(hf_results["results"][task][metric], rel=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_loglikelihoods_with_prefix_caching_of_shared_contexts_equal_hf(hf_results, in_repo_root):
+    from lm_eval.tasks import TaskManager
+
+    from hf_contbatch.integrations.lm_eval import ContinuousBatchingLM
+
+    # a few sequences at a time, so later requests of a question find its context's blocks cached
+    lm = ContinuousBatchingLM(
+        default_model_path(), dtype="float32", device="cpu", enable_prefix_caching=True, block_size=4, max_num_seqs=4
+    )
+    try:
+        task = "hfcb_pydoc_choice"
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=[task],
+            task_manager=TaskManager(include_path=TASKS_DIR),
+            log_samples=True,
+            bootstrap_iters=0,
+        )
+        assert lm.engine.block_manager.num_prefix_hit_tokens > 0
+        ours, theirs = _by_doc(results, task), _by_doc(hf_results, task)
+        for doc_id in theirs:
+            for (lp, greedy), (ref_lp, ref_greedy) in zip(
+                ours[doc_id]["filtered_resps"], theirs[doc_id]["filtered_resps"], strict=True
+            ):
+                assert lp == pytest.approx(ref_lp, abs=1e-4) and greedy == ref_greedy
+    finally:
+        lm.close()
+
+
+@pytest.mark.timeout(120)
+def test_prompt_logprobs_equal_a_plain_forward_with_chunked_prefill_and_a_full_context():
+    model = build_model("llama", max_position_embeddings=48)
+    prompts = random_prompts([6, 48, 48, 20], seed=3)
+    with torch.no_grad():
+        refs = [torch.log_softmax(model(torch.tensor([p])).logits[0].float(), -1) for p in prompts]
+    engine = LLMEngine(
+        model,
+        EngineConfig(
+            cache=CacheConfig(block_size=4, num_blocks=64),
+            scheduler=SchedulerConfig(max_num_batched_tokens=16),
+        ),
+    )
+    try:
+        starts = [1, 30, 1, True]
+        # prompts of 48 tokens + 1 scored token: 48 fed, the model's whole context
+        handles = [
+            engine.submit(p[:-1], SamplingParams(max_new_tokens=1, prompt_logprobs=k, score_token_id=p[-1]))
+            for p, k in zip(prompts, starts)
+        ]
+        for h, p, ref, k in zip(handles, prompts, refs, starts):
+            h.result(60)
+            got = h.request.prompt_logprobs
+            assert all(x is None for x in got[: int(k)])
+            for t in range(int(k), len(p)):
+                lp, is_argmax = got[t]
+                assert lp == pytest.approx(ref[t - 1, p[t]].item(), abs=1e-4)
+                assert is_argmax == (ref[t - 1].argmax().item() == p[t])
+        with pytest.raises(ValueError, match="context"):  # generation still needs room for its token
+            engine.submit(prompts[1], SamplingParams(max_new_tokens=1))
+        assert engine.wait_idle(30) and engine.block_manager.num_free_blocks == 64
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_default_model_and_generation_driven_in_the_callers_thread():
+    """No ``pretrained`` (``hf-contbatch eval`` without --model_args) loads the embedded model, and
+    ``generate_until`` runs the engine's iterations in the calling thread, as the pipeline does."""
+    import threading
+
+    from lm_eval.api.instance import Instance
+
+    from hf_contbatch.integrations.lm_eval import ContinuousBatchingLM
+
+    lm = ContinuousBatchingLM(dtype="float32", device="cpu", num_blocks=64)
+    try:
+        assert Path(lm.model.name_or_path) == Path(default_model_path())
+        stepping_threads = []
+        step = lm.engine.step
+
+        def recording_step():
+            stepping_threads.append(threading.get_ident())
+            return step()
+
+        lm.engine.step = recording_step
+        requests = [
+            Instance(
+                request_type="generate_until",
+                doc={},
+                idx=0,
+                arguments=(prompt, {"until": ["\n\n"], "max_gen_toks": 8, "do_sample": False}),
+            )
+            for prompt in ("def add(a, b):", "The for statement", "A class is")
+        ]
+        texts = lm.generate_until(requests, disable_tqdm=True)
+        assert len(texts) == 3 and all(isinstance(t, str) for t in texts)
+        # The background thread, started by the first submit, may finish the one iteration it began
+        # before the caller takes over; every other iteration runs in the caller's thread.
+        elsewhere = [t for t in stepping_threads if t != threading.get_ident()]
+        assert len(stepping_threads) >= 8 and len(elsewhere) <= 1, (len(stepping_threads), len(elsewhere))
+    finally:
+        lm.close()
+
+
+@pytest.mark.timeout(300)
+def test_eval_command_runs_lm_eval_with_our_model_type(tmp_path):
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable,
+        "-m",
+        "hf_contbatch.cli",
+        "eval",
+        "--tasks",
+        "hfcb_pydoc_choice",
+        "--include_path",
+        TASKS_DIR,
+        "--model_args",
+        f"pretrained={default_model_path()},dtype=float32",
+        "--device",
+        "cpu",
+        "--limit",
+        "3",
+        "--output_path",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = glob.glob(str(out / "**" / "results_*.json"), recursive=True)
+    assert files, proc.stderr[-2000:]
+    results = json.loads(Path(files[0]).read_text())
+    assert results["config"]["model"] == "hf-contbatch"  # --model defaulted to our type
+    acc = results["results"]["hfcb_pydoc_choice"]["acc,none"]
+    assert 0.0 <= acc <= 1.0 and not math.isnan(acc)

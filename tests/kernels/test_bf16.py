@@ -1,0 +1,52 @@
+"""bfloat16 models on the CPU path (a speed option on CPUs with native bf16; greedy tokens may change,
+so these are tolerance tests, not exactness tests: fp32 exactness is tested elsewhere)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_torch_attention import _batch
+
+from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from hf_contbatch.kernels.attention.torch_paged import torch_paged_attention
+
+from conftest import build_model, random_prompts
+from reference_attention import reference_paged_attention
+
+
+@pytest.mark.timeout(60)
+def test_bf16_paged_attention_within_bf16_tolerance_of_fp32_reference():
+    decode_lens = [1, 3, 9, 17, 40, 41, 70, 2]
+    query, k_pool, v_pool, meta = _batch(decode_lens, [(5, 5), (3, 20)], seed=7)
+    want = reference_paged_attention(query, k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.3)
+    got = torch_paged_attention(query.bfloat16(), k_pool.bfloat16(), v_pool.bfloat16(), meta, 0.3)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.timeout(180)
+def test_bf16_engine_greedy_tokens_are_near_argmax_under_fp32():
+    model = build_model("llama")
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    prompts = random_prompts([5, 19, 33], seed=5)
+    engine = LLMEngine(bf16, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=64)))
+    try:
+        outs = [
+            engine.submit(p, SamplingParams(max_new_tokens=8, ignore_eos=True)).result(120).output_token_ids
+            for p in prompts
+        ]
+    finally:
+        engine.close()
+    assert engine.cache.key_cache == [] and all(len(o) == 8 for o in outs)
+    worst = 0.0
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([p + out])).logits[0].float(), -1)
+        for t, tok in enumerate(out):
+            row = logp[len(p) - 1 + t]
+            worst = max(worst, float(row.max() - row[tok]))
+    # Each bf16 greedy token is the fp32 argmax or within bf16 rounding of it (bf16 keeps 8 bits
+    # of mantissa: logits of order 1 move by ~1e-2 through a few layers).
+    assert worst < 0.15, worst

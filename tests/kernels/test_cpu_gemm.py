@@ -1,0 +1,99 @@
+"""Our float32 GEMM (``hf_contbatch.cpu_linear.NativeGEMM``, ``cpu_gemm.c``) against arithmetic:
+float64 products within the standard dot-product error bound, rows independent of the batch they
+are in, columns independent of the panels packed beside them, any thread count the same bits."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from hf_contbatch.kernels.cpu_linear import NativeGEMM
+
+EPS = 2.0**-24  # float32 unit roundoff
+
+
+@pytest.fixture(scope="module")
+def gemm():
+    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
+        # linear_backend="auto" then packs for oneDNN (tested in test_cpu_linear); .ci/run installs gcc.
+        pytest.skip("no C compiler on this machine: our GEMM cannot be built")
+    return NativeGEMM()  # raises if a compiler is here but the build fails
+
+
+def _check_against_float64(y, x, w, b):
+    """|y - x.W^T - b| <= K * eps * (|x|.|W|^T + |b|) elementwise (Higham, "Accuracy and Stability
+    of Numerical Algorithms", 2nd ed., section 3.1: the bound gamma_K of a K-term dot product)."""
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())
+    bound = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
+    k = x.shape[-1] + 1
+    assert ((y.double() - exact).abs() <= 1.01 * k * EPS * bound + 1e-30).all()
+
+
+@pytest.mark.parametrize(
+    "m", [1, 2, 3, 4, 5, 6, 7, 8, 13, 14, 15, 32, 97, 103, 200]
+)  # 1-3: narrow; 7, 13-14: 7-row tiles
+@pytest.mark.parametrize(("k", "n"), [(1, 1), (7, 3), (64, 16), (100, 33), (257, 130), (768, 1280)])
+def test_products_match_float64_within_the_error_bound(gemm, m, k, n):
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    packed = gemm.pack(w)
+    assert packed.shape == (-(-n // 16), k, 16)
+    for bias in (None, b):
+        y = gemm.linear(x, packed, bias, n)
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        _check_against_float64(y, x, w, bias)
+
+
+def test_a_rows_result_does_not_depend_on_the_batch_it_runs_in(gemm):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 200, generator=g)
+    packed = gemm.pack(w)
+    x = torch.randn(150, 200, generator=g)
+    alone = torch.cat([gemm.linear(x[i : i + 1], packed, None, 300) for i in range(150)])
+    for m in (2, 3, 4, 6, 7, 8, 13, 14, 31, 96, 97, 103, 150):  # narrow (1-3), 7-row tiles (7, 13-14, 96+7)
+        assert torch.equal(gemm.linear(x[:m], packed, None, 300), alone[:m])
+
+
+def test_columns_packed_together_give_the_bits_they_give_apart(gemm):
+    g = torch.Generator().manual_seed(2)
+    ws = [torch.randn(n, 96, generator=g) for n in (40, 24, 24)]  # q/k/v-like, not panel multiples
+    for m in (1, 3, 9):  # the narrow path groups panels, the general one does not
+        x = torch.randn(m, 96, generator=g)
+        fused = gemm.linear(x, gemm.pack(torch.cat(ws)), None, 88)
+        apart = torch.cat([gemm.linear(x, gemm.pack(w), None, w.shape[0]) for w in ws], dim=1)
+        assert torch.equal(fused, apart)
+
+
+def test_thread_count_does_not_change_the_bits(gemm):
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(130, 64, generator=g), torch.randn(20, 64, generator=g)
+    packed = gemm.pack(w)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(gemm.linear(x, packed, None, 130))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_empty_strided_and_batched_inputs(gemm):
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(20, 12, generator=g)
+    packed = gemm.pack(w)
+    assert gemm.linear(torch.empty(0, 12), packed, None, 20).shape == (0, 20)
+    bias = torch.randn(3, generator=g)
+    no_features = gemm.linear(torch.empty(4, 0), gemm.pack(torch.empty(3, 0)), bias, 3)
+    assert torch.equal(no_features, bias.expand(4, 3))  # an empty sum is zero
+    wide = torch.randn(5, 24, generator=g)
+    strided = wide[:, ::2]  # not contiguous
+    _check_against_float64(gemm.linear(strided, packed, None, 20), strided, w, None)
+    x3 = torch.randn(2, 3, 12, generator=g)
+    y3 = gemm.linear(x3, packed, None, 20)
+    assert y3.shape == (2, 3, 20)
+    _check_against_float64(y3.reshape(6, 20), x3.reshape(6, 12), w, None)

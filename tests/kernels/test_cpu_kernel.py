@@ -1,0 +1,117 @@
+"""The compiled CPU decode-attention kernel (``hf_contbatch/attention/cpu_decode.c``) against the
+naive reference, and its fallback to the torch path where it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+from test_torch_attention import _batch, reference_for
+
+from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from hf_contbatch.kernels.attention.cpu_kernel import CPUDecodeKernel
+from hf_contbatch.kernels.attention.torch_paged import torch_paged_attention
+from hf_contbatch.kernels.cpu_linear import _load_native_library
+
+from conftest import random_prompts, reference_greedy
+
+DECODE_LENS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64, 65, 100, 127]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
+        # The engine then uses the torch path (its fallback is tested below); .ci/run installs gcc.
+        pytest.skip("no C compiler on this machine: the compiled CPU decode kernel cannot be built")
+    k = CPUDecodeKernel()
+    assert k.available, f"a C compiler is here but the CPU decode kernel did not build: {k.error}"
+    return k
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "heads,kvh,dim,block_size",
+    [(4, 2, 8, 4), (8, 8, 16, 16), (8, 1, 80, 8), (12, 4, 64, 16), (6, 3, 32, 1), (4, 2, 12, 4), (8, 4, 128, 16)],
+    ids=["gqa", "mha", "mqa-d80", "small-model", "block1", "d12-scalar-tail", "d128"],
+)
+@pytest.mark.parametrize("sliding_window,softcap", [(None, None), (5, None), (None, 20.0), (7, 30.0), (500, None)])
+def test_kernel_matches_the_reference_with_prefills_in_the_same_batch(
+    kernel, heads, kvh, dim, block_size, sliding_window, softcap
+):
+    prefill = [(5, 5), (3, 20)]  # served by the torch path in the same call
+    query, k_pool, v_pool, meta = _batch(DECODE_LENS, prefill, block_size=block_size, kvh=kvh, heads=heads, dim=dim)
+    got = torch_paged_attention(
+        query, k_pool, v_pool, meta, 0.3, sliding_window=sliding_window, softcap=softcap, decode_kernel=kernel
+    )
+    want = reference_for(query, k_pool, v_pool, meta, 0.3, sliding_window=sliding_window, softcap=softcap)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("split_heads", [False, True], ids=["task-per-sequence", "task-per-kv-head"])
+@pytest.mark.parametrize("decode_lens", [[300], [7, 150, 33], DECODE_LENS], ids=["one", "three", "fourteen"])
+@pytest.mark.parametrize("heads,kvh,dim", [(12, 4, 64), (8, 4, 32), (6, 2, 20)], ids=["d64", "d32", "d20"])
+def test_both_work_splits_match_the_reference(kernel, split_heads, decode_lens, heads, kvh, dim):
+    # The kernel picks per-(sequence, KV head) tasks for a few sequences and per-sequence tasks for
+    # many; both are forced here, whatever this machine's thread count would pick.
+    query, k_pool, v_pool, meta = _batch(decode_lens, [], block_size=16, kvh=kvh, heads=heads, dim=dim, seed=3)
+    for sliding_window, softcap in [(None, None), (40, 25.0)]:
+        got = kernel(
+            query,
+            k_pool,
+            v_pool,
+            meta.block_tables,
+            meta.seq_lens,
+            0.2,
+            softcap,
+            sliding_window,
+            split_heads=split_heads,
+        )
+        want = reference_for(query, k_pool, v_pool, meta, 0.2, sliding_window=sliding_window, softcap=softcap)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_serves_float32_cpu_only(kernel):
+    q = torch.zeros(2, 4, 8)
+    pool = torch.zeros(3, 4, 2, 8)
+    assert kernel.can_serve(q, pool, pool.clone())
+    assert not kernel.can_serve(q.bfloat16(), pool.bfloat16(), pool.bfloat16())
+    # The kernel reads both pools as dense float32 arrays: any other value pool goes to the torch path.
+    assert not kernel.can_serve(q, pool, pool.bfloat16())
+    assert not kernel.can_serve(q, pool, torch.zeros(3, 4, 2, 16)[..., :8])
+
+
+@pytest.mark.timeout(60)
+def test_a_strided_value_pool_is_served_by_the_torch_path_with_the_reference_result(kernel):
+    query, k_pool, v_pool, meta = _batch([5, 17, 40], [], block_size=4, kvh=2, heads=4, dim=8, seed=5)
+    strided_v = torch.cat([v_pool, torch.zeros_like(v_pool)], dim=-1)[..., :8]  # same values, not dense
+    got = torch_paged_attention(query, k_pool, strided_v, meta, 0.3, decode_kernel=kernel)
+    want = reference_for(query, k_pool, v_pool, meta, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(180)
+def test_without_a_compiler_the_torch_path_serves_with_one_warning(llama_model, monkeypatch, tmp_path, caplog, request):
+    monkeypatch.setenv("CC", "/bin/false")  # every build fails
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built before
+    # The engine below also tries to build our GEMM, and the process keeps that outcome: forget it
+    # before and after, or a failure here fails every later GEMM test in this process.
+    _load_native_library.cache_clear()
+    request.addfinalizer(_load_native_library.cache_clear)
+    prompts = random_prompts([5, 17, 30], seed=9)
+    refs = [reference_greedy(llama_model, p, 12) for p in prompts]
+    eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=64)))
+    try:
+        with caplog.at_level(logging.WARNING, logger="hf_contbatch.kernels.attention.cpu_kernel"):
+            outs = [eng.submit(p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in prompts]
+            outs = [h.result(60).output_token_ids for h in outs]
+        assert outs == refs
+        kernel = eng.cache.cpu_decode_kernel
+        assert not kernel.available and "/bin/false" in kernel.error
+        warnings = [r for r in caplog.records if "using the torch path" in r.getMessage()]
+        assert len(warnings) == 1
+    finally:
+        eng.close()

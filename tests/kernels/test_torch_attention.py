@@ -1,0 +1,81 @@
+"""The plain-torch paged attention (the CPU path) against the naive reference, on batches that mix
+many decodes of very different context lengths (several length buckets) with prefill chunks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hf_contbatch.kernels.attention.torch_paged import torch_paged_attention
+from hf_contbatch.kernels.paged_cache import AttentionMetadata
+
+from reference_attention import reference_paged_attention
+
+
+def _batch(decode_lens, prefill, block_size=4, kvh=2, heads=4, dim=8, seed=0):
+    """``prefill``: list of (query_len, seq_len). Blocks are shuffled across the pool."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    reqs = [(1, n) for n in decode_lens] + list(prefill)
+    need = sum(-(-s // block_size) for _, s in reqs)
+    num_blocks = need + 3
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    tables, k = [], 0
+    for _, s in reqs:
+        nb = -(-s // block_size)
+        tables.append(ids[k : k + nb])
+        k += nb
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q_lens = [q for q, _ in reqs]
+    qsl = [0]
+    for q in q_lens:
+        qsl.append(qsl[-1] + q)
+    k_pool = torch.randn(num_blocks, block_size, kvh, dim, generator=g)
+    v_pool = torch.randn(num_blocks, block_size, kvh, dim, generator=g)
+    query = torch.randn(qsl[-1], heads, dim, generator=g)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(qsl[-1], dtype=torch.long),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor([s for _, s in reqs], dtype=torch.int32),
+        block_tables=block_tables,
+        num_decodes=len(decode_lens),
+        max_query_len=max(q_lens),
+        max_seq_len=max(s for _, s in reqs),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=[s for _, s in reqs],
+        block_size=block_size,
+        num_kv_heads=kvh,
+    )
+    return query, k_pool, v_pool, meta
+
+
+def reference_for(query, k_pool, v_pool, meta, scale, **kwargs):
+    """The naive reference over the batch ``meta`` describes (``sliding_window``, ``softcap``)."""
+    return reference_paged_attention(
+        query, k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, **kwargs
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sliding_window,softcap", [(None, None), (5, None), (None, 20.0), (7, 30.0)])
+def test_mixed_decode_buckets_and_prefill_chunks_match_reference(sliding_window, softcap):
+    decode_lens = [1, 2, 3, 4, 4, 5, 8, 9, 12, 16, 17, 30, 33, 40, 41, 64, 65, 66, 70, 90, 100, 101, 120, 3, 2]
+    prefill = [(5, 5), (3, 20), (16, 16), (1, 9)]  # fresh prompt, chunk after a cached prefix, ...
+    query, k_pool, v_pool, meta = _batch(decode_lens, prefill)
+    scale = 0.3
+    got = torch_paged_attention(query, k_pool, v_pool, meta, scale, sliding_window=sliding_window, softcap=softcap)
+    want = reference_for(query, k_pool, v_pool, meta, scale, sliding_window=sliding_window, softcap=softcap)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(60)
+def test_only_prefill_and_only_decode_batches_match_reference():
+    for decode_lens, prefill in [([], [(7, 7), (2, 11)]), ([3, 50, 9], [])]:
+        query, k_pool, v_pool, meta = _batch(decode_lens, prefill, seed=4)
+        got = torch_paged_attention(query, k_pool, v_pool, meta, 0.5)
+        want = reference_for(query, k_pool, v_pool, meta, 0.5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
