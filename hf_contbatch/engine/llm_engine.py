@@ -25,7 +25,8 @@ import torch
 from ..config import EngineConfig, is_int, resolve_compile_model
 from ..core.block_manager import BlockManager
 from ..core.phases import PhaseTimer
-from ..core.scheduler import Scheduler, SchedulerOutput
+from ..core.plan import StepPlan, StepResult
+from ..core.scheduler import Scheduler
 from ..kernels.attention import resolve_backend
 from ..kernels.cpu_linear import pack_linears
 from ..kernels.fused_linear import fuse_siblings
@@ -310,63 +311,65 @@ class LLMEngine(KVPoolSizing, EngineDriver):
         restore_attention(self.model, self._previous_attn)
 
     # --- the iteration ---------------------------------------------------------------------------
-    def step(self) -> SchedulerOutput:
+    def step(self) -> StepResult:
         """One iteration, the five steps in order (each one's seconds recorded under its name):
 
         1. reap: finished and cancelled requests leave, their blocks are freed, handles complete;
         2. budget: free blocks minus this step's reservations minus the watermark;
-        3. admit: forks, swap-ins, then waiting requests by rank (a priority preemption for an
-           admission counts as "preempt");
+        3. admit: forks, swap-ins, waiting requests by rank, then drafts (a priority preemption
+           for an admission counts as "preempt");
         4. preempt: until the running requests' blocks fit, then every planned request gets its
-           blocks (``Scheduler._allocate_slots``);
+           blocks (``Scheduler.allocate_slots``);
         5. decode: swap/copy the planned blocks, one batched forward, sample, append tokens and
            decide who finished (``hf_contbatch.engine.stopping.finish_status``).
 
-        Returns the iteration's ``SchedulerOutput``.
+        Returns the iteration's plan and report (``StepResult``).
         """
         sched = self.scheduler
         t0 = time.monotonic()
         timer = PhaseTimer()
         with self._state_lock:
-            out = sched.begin_iteration()
-            out.reaped = sched.reap()
-        for req in out.reaped:
+            result = sched.begin_iteration()
+            result.report.reaped = sched.reap()
+        for req in result.report.reaped:
             self._complete(req)
         timer.charge("reap")
         with self._state_lock:
-            budget = sched.budget(out)
+            budget = sched.budget(result.report)
             timer.charge("budget")
-            sched.admit(out, budget, timer)
+            sched.admit(result, budget, timer)
             timer.charge("admit")
-            sched.preempt(out, budget)
+            sched.preempt(result, budget)
             timer.charge("preempt")
-            sched.finish_plan(out, budget)
+            sched.finish_plan(result, budget)
+        plan = result.plan
         t_move = time.monotonic()
-        self._move_blocks(out)
+        self._move_blocks(plan)
         swap_seconds = time.monotonic() - t_move
         # A failing forward is narrowed down to the requests that fail alone; the others advance.
-        sampled, failed = execute_isolating_failures(self.runner.execute, out)
+        sampled, failed = execute_isolating_failures(self.runner.execute, plan)
         with self._state_lock:
             for s, exc in failed:
                 self._fail_in_step(s.request, exc)
             now = time.monotonic()
-            sched.update_from_output(out, sampled, on_token=lambda req: self._on_new_token(req, now))
+            sched.update_from_output(plan, sampled, on_token=lambda req: self._on_new_token(req, now))
             timer.charge("decode")
-            out.phases = list(timer.as_tuple())
-            self.counters.record_iteration(out, self.block_manager.num_used_blocks, time.monotonic() - t0, swap_seconds)
+            result.report.phases = list(timer.as_tuple())
+            used_blocks = self.block_manager.num_used_blocks
+            self.counters.record_iteration(result, used_blocks, time.monotonic() - t0, swap_seconds)
         # Finished requests are released by the next reap; the driver makes sure there is one.
-        return out
+        return result
 
-    def _move_blocks(self, out: SchedulerOutput) -> None:
+    def _move_blocks(self, plan: StepPlan) -> None:
         """Execute the plan's KV moves before the forward, in the order the scheduler relies on:
         swap in (its host blocks may be reused by this step's swap-outs), swap out (its device
         blocks may be reused as this step's copy targets), then copy-on-write of forked blocks."""
-        if out.blocks_to_swap_in:
-            self.cache.swap_in(out.blocks_to_swap_in)
-        if out.blocks_to_swap_out:
-            self.cache.swap_out(out.blocks_to_swap_out)
-        if out.blocks_to_copy:
-            self.cache.copy_blocks(out.blocks_to_copy)
+        if plan.blocks_to_swap_in:
+            self.cache.swap_in(plan.blocks_to_swap_in)
+        if plan.blocks_to_swap_out:
+            self.cache.swap_out(plan.blocks_to_swap_out)
+        if plan.blocks_to_copy:
+            self.cache.copy_blocks(plan.blocks_to_copy)
 
     def _on_new_token(self, req: Request, now: float) -> bool:
         """Count, stream and stop-check the token just appended to ``req`` (one at a time, also for

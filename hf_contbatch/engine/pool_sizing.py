@@ -11,8 +11,8 @@ from typing import Optional, Sequence
 import torch
 
 from ..core.block_manager import BlockManager
+from ..core.plan import ScheduledRequest, StepPlan
 from ..core.pool_size import default_host_kv_blocks, default_swap_blocks
-from ..core.scheduler import ScheduledRequest, SchedulerOutput
 from ..kernels.attention import ATTENTION_NAME, register_attention
 from ..kernels.paged_cache import PagedKVCache, kv_bytes_per_block
 from ..request import Request, SamplingParams
@@ -148,17 +148,17 @@ class KVPoolSizing:
             attention_backend=self.backend,
         )
         probe_bm = BlockManager(num_blocks, bs)
-        out = SchedulerOutput(iteration=-1)
+        plan = StepPlan(iteration=-1)
         for i, n in enumerate(lengths):
             req = Request(request_id=-1 - i, prompt_token_ids=[0] * n, sampling=SamplingParams(max_new_tokens=1))
             probe_bm.allocate(req.request_id, n)
-            out.scheduled.append(ScheduledRequest.for_tokens(req, n))
+            plan.scheduled.append(ScheduledRequest.for_tokens(req, n))
         previous = getattr(self.model.config, "_attn_implementation", None)
         register_attention()
         self.model.set_attn_implementation(ATTENTION_NAME)
         try:
             sampler = Sampler(torch.Generator(device="cpu"))
-            ModelRunner(self.model, probe, probe_bm, self.device, sampler).execute(out)
+            ModelRunner(self.model, probe, probe_bm, self.device, sampler).execute(plan)
             for d in {d for d in layer_devices if d.type == "cuda"}:
                 torch.cuda.synchronize(d)
         finally:

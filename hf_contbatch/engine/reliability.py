@@ -21,6 +21,7 @@ import threading
 from typing import Callable, Optional, Sequence
 
 from ..config import is_int
+from ..core.plan import ScheduledRequest, StepPlan
 from ..request import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -92,39 +93,40 @@ def check_request(prompt_token_ids: Sequence[int], sampling: SamplingParams, voc
         raise bad("max_matching_ngram_size", "None or an int >= 1")
 
 
-def execute_isolating_failures(execute: Callable, out) -> tuple[dict[int, int], list[tuple[object, Exception]]]:
-    """Run ``execute(out)``; if it raises, run the step's requests again in halves until each
+def execute_isolating_failures(
+    execute: Callable[[StepPlan], dict], plan: StepPlan
+) -> tuple[dict[int, int], list[tuple[ScheduledRequest, Exception]]]:
+    """Run ``execute(plan)``; if it raises, run the step's requests again in halves until each
     failing group is one request, which fails alone.
 
     Re-running is safe because nothing of a failed forward is kept: ``num_computed_tokens`` only
     advances after it, so the retry writes the same KV slots again, and the block moves of the
     step (swap, copy) already happened before the first try. A request is run at most
-    ``1 + log2(len(out.scheduled))`` times in the step. Greedy tokens of the innocent requests are
+    ``1 + log2(len(plan.scheduled))`` times in the step. Greedy tokens of the innocent requests are
     the ones a batch without the culprit would give; a request sampled from the engine's shared
     generator draws different (equally valid) random numbers than without the failure.
 
     Args:
-        execute: ``ModelRunner.execute``: a ``SchedulerOutput`` to ``{request_id: token}``.
-        out: the step's ``SchedulerOutput`` (not modified).
+        execute: ``ModelRunner.execute``: a ``StepPlan`` to ``{request_id: token}``.
+        plan: the step's plan (not modified); each retry runs a copy with part of its requests.
 
     Returns:
         ``({request_id: sampled token}, [(ScheduledRequest, exception), ...])`` for the requests
         that completed and those that failed even when run alone.
     """
     try:
-        return execute(out), []
+        return execute(plan), []
     except Exception as exc:  # noqa: BLE001 - isolated below, then reported per request
-        if len(out.scheduled) <= 1:
-            return {}, [(s, exc) for s in out.scheduled]
+        if len(plan.scheduled) <= 1:
+            return {}, [(s, exc) for s in plan.scheduled]
         logger.warning(
-            "a step of %d requests failed (%r); running them again in smaller groups", len(out.scheduled), exc
+            "a step of %d requests failed (%r); running them again in smaller groups", len(plan.scheduled), exc
         )
     sampled: dict[int, int] = {}
     failed: list = []
-    half = len(out.scheduled) // 2
-    for part in (out.scheduled[:half], out.scheduled[half:]):
-        sub = dataclasses.replace(out, scheduled=list(part), num_batched_tokens=sum(s.num_new_tokens for s in part))
-        got, bad = execute_isolating_failures(execute, sub)
+    half = len(plan.scheduled) // 2
+    for part in (plan.scheduled[:half], plan.scheduled[half:]):
+        got, bad = execute_isolating_failures(execute, dataclasses.replace(plan, scheduled=list(part)))
         sampled.update(got)
         failed += bad
     return sampled, failed

@@ -1,22 +1,62 @@
-"""Builds one flattened, unpadded batch from a ``SchedulerOutput``, runs the model, samples.
+"""Builds one flattened, unpadded batch from a ``StepPlan``, runs the model, samples.
 
 All requests' new tokens are concatenated into a single ``[1, T]`` sequence (decode tokens first,
-then prefill chunks); the paged attention keeps them apart through the step's metadata, so there is
-no padding and no dense mask. Only the rows that produce a token reach the LM head
-(``logits_to_keep`` as an index tensor).
+then requests verifying drafts, then prefill chunks); the paged attention keeps them apart through
+the step's metadata, so there is no padding and no dense mask. Only the rows whose logits are used
+reach the LM head (``logits_to_keep`` as an index tensor); ``StepInputs`` documents the layout.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+from dataclasses import dataclass
 
 import torch
 
 from ..core.block_manager import BlockManager
-from ..core.scheduler import SchedulerOutput
+from ..core.plan import StepPlan
 from ..kernels.paged_cache import AttentionMetadata, PagedKVCache
+from ..request import Request
 from .sampler import Sampler
+
+
+@dataclass
+class StepInputs:
+    """The flattened forward of one step, and which of its rows reach the LM head.
+
+    Row layout: the batch is one ``[1, T]`` sequence with a row per token the step computes, request
+    by request in the plan's order: decodes (one row each, the last token), then requests verifying
+    drafts (``1 + m`` rows each: the last token, then its ``m`` drafts), then prefill chunks (``n``
+    rows each, the chunk's tokens). The LM head reads ``logits_rows``: ``sample_rows``, then
+    ``score_rows``, then ``draft_rows``, and its logits come back in that order.
+
+    Attributes:
+        input_ids: ``[T]`` int64 token ids.
+        positions: ``[T]`` int64 positions.
+        metadata: the attention metadata; a request verifying ``m`` drafts enters it as ``1 + m``
+            decodes of the same block table with growing lengths, so each row attends to its own
+            prefix and the rows are served with the step's other decodes.
+        sample_rows: the last row of each request that samples a token this step (requests
+            verifying drafts excepted), in plan order.
+        score_rows: each row whose next prompt token is scored (``SamplingParams.prompt_logprobs``),
+            in plan order.
+        score_targets: per score row, ``(request, prompt position scored, that prompt token id)``.
+        draft_rows: the ``1 + m`` rows of each request verifying drafts, in plan order.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    sample_rows: list[int]
+    score_rows: list[int]
+    score_targets: list[tuple[Request, int, int]]
+    draft_rows: list[int]
+
+    @property
+    def logits_rows(self) -> list[int]:
+        """The rows the LM head reads, in the order its logits come back."""
+        return self.sample_rows + self.score_rows + self.draft_rows
 
 
 class ModelRunner:
@@ -46,14 +86,9 @@ class ModelRunner:
         self._supports_logits_to_keep = "logits_to_keep" in params
         self.block_size = block_manager.block_size
 
-    def build_metadata(self, out: SchedulerOutput):
-        """Flattened ``input_ids`` ``[T]``, ``positions`` ``[T]``, the metadata, the row of each
-        sampled request in the flattened batch, and the rows of each request verifying drafts.
-
-        A request verifying ``m`` drafts (its last token plus the drafts, ``1 + m`` rows) enters the
-        attention metadata as ``1 + m`` decodes of the same block table with growing lengths, so
-        each row attends to its own prefix and the rows are served with the step's other decodes.
-        """
+    def build_metadata(self, plan: StepPlan) -> StepInputs:
+        """The flattened inputs of ``plan``'s forward, its attention metadata and the rows the LM
+        head reads (see ``StepInputs`` for the row layout)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -62,12 +97,12 @@ class ModelRunner:
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         sample_rows: list[int] = []
-        spec_rows: list[int] = []
+        draft_rows: list[int] = []
         num_decodes = 0
         num_tokens = 0
         # Positions and slots are plain Python ints (a step's few hundred at most): cheaper than
-        # building them with tensor ops (repeat_interleave, arange, gathers: ~0.3 ms a step).
-        for s in out.scheduled:  # decodes first (the scheduler's order)
+        # building them with tensor ops (repeat_interleave, arange, gathers).
+        for s in plan.scheduled:  # decodes first (the scheduler's order)
             req, n = s.request, s.num_new_tokens
             start = req.num_computed_tokens
             table = self.block_manager.get_block_table(req.request_id)
@@ -81,7 +116,7 @@ class ModelRunner:
                     q_lens.append(1)
                     seq_lens.append(p + 1)
                     tables.append(table)
-                    spec_rows.append(num_tokens + i)
+                    draft_rows.append(num_tokens + i)
                 num_decodes += n
                 num_tokens += n
                 continue
@@ -124,30 +159,37 @@ class ModelRunner:
             block_size=bs,
             num_kv_heads=self.cache.num_kv_heads,
         )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        return ids, torch.tensor(positions, dtype=torch.long, device=dev), meta, sample_rows, spec_rows
+        score_rows, score_targets = self._prompt_logprob_rows(plan)
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            metadata=meta,
+            sample_rows=sample_rows,
+            score_rows=score_rows,
+            score_targets=score_targets,
+            draft_rows=draft_rows,
+        )
 
     def _linears_step(self):
         return contextlib.nullcontext() if self.packed_linears is None else self.packed_linears.verified_step()
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[int, int]:
+    def execute(self, plan: StepPlan) -> dict[int, int]:
         """Run the step's forward and return ``{request_id: sampled token}`` for sampling requests,
         and ``{request_id: [greedy token per row]}`` for requests verifying drafts."""
-        if out.is_empty:
+        if plan.is_empty:
             return {}
-        ids, positions, meta, sample_rows, spec_rows = self.build_metadata(out)
-        score_rows, score_slots = self._prompt_logprob_rows(out)
-        self.cache.metadata = meta
+        inputs = self.build_metadata(plan)
+        self.cache.metadata = inputs.metadata
         try:
             kwargs = {
-                "input_ids": ids.unsqueeze(0),
-                "position_ids": positions.unsqueeze(0),
+                "input_ids": inputs.input_ids.unsqueeze(0),
+                "position_ids": inputs.positions.unsqueeze(0),
                 self._cache_arg: self.cache,
                 "use_cache": True,
                 "paged_cache": self.cache,
             }
-            rows = torch.tensor(sample_rows + score_rows + spec_rows, dtype=torch.long, device=self.device)
+            rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=self.device)
             if self._supports_logits_to_keep:
                 kwargs["logits_to_keep"] = rows
             with self._linears_step():
@@ -157,32 +199,32 @@ class ModelRunner:
         finally:
             self.cache.metadata = None
         result: dict = {}
-        if spec_rows:
+        num_sample_rows, num_score_rows = len(inputs.sample_rows), len(inputs.score_rows)
+        if inputs.draft_rows:
             # Drafting requests are plain greedy (SamplingParams.can_draft): the argmax of every row,
             # as the sampler's plain path takes it.
-            greedy = logits[len(sample_rows) + len(score_rows) :].float().argmax(dim=-1).tolist()
-            logits = logits[: len(sample_rows) + len(score_rows)]
+            greedy = logits[num_sample_rows + num_score_rows :].float().argmax(dim=-1).tolist()
+            logits = logits[: num_sample_rows + num_score_rows]
             at = 0
-            for s in out.scheduled:
-                if s.draft_token_ids:
-                    result[s.request.request_id] = greedy[at : at + s.num_new_tokens]
-                    at += s.num_new_tokens
-        sampled_reqs = [s.request for s in out.scheduled if s.samples and not s.draft_token_ids]
-        if score_rows or any(r.sampling.score_token_id is not None for r in sampled_reqs):
-            self._record_prompt_logprobs(logits, sampled_reqs, score_slots)
-            logits = logits[: len(sample_rows)]
+            for s in plan.drafting:
+                result[s.request.request_id] = greedy[at : at + s.num_new_tokens]
+                at += s.num_new_tokens
+        sampled_reqs = [s.request for s in plan.scheduled if s.samples and not s.draft_token_ids]
+        if num_score_rows or any(r.sampling.score_token_id is not None for r in sampled_reqs):
+            self._record_prompt_logprobs(logits, sampled_reqs, inputs.score_targets)
+            logits = logits[:num_sample_rows]
         tokens = self.sampler.sample(logits, sampled_reqs)
         result.update((r.request_id, t) for r, t in zip(sampled_reqs, tokens))
         return result
 
     # --- prompt log-probs (SamplingParams.prompt_logprobs; lm-eval scoring) ----------------------
-    def _prompt_logprob_rows(self, out: SchedulerOutput) -> tuple[list[int], list[tuple]]:
+    def _prompt_logprob_rows(self, plan: StepPlan) -> tuple[list[int], list[tuple[Request, int, int]]]:
         """Extra LM-head rows for requests scoring their prompt: the flattened row of each position
         ``p`` this step computes whose next prompt token ``p + 1`` is requested, with that target."""
         rows: list[int] = []
-        slots: list[tuple] = []
+        targets: list[tuple[Request, int, int]] = []
         offset = 0
-        for s in out.scheduled:
+        for s in plan.scheduled:
             req, n = s.request, s.num_new_tokens
             k = int(req.sampling.prompt_logprobs)
             if k:
@@ -190,12 +232,12 @@ class ModelRunner:
                 # position p predicts prompt token p + 1, for p + 1 in [k, num_prompt_tokens)
                 for p in range(max(start, k - 1), min(start + n, req.num_prompt_tokens - 1)):
                     rows.append(offset + p - start)
-                    slots.append((req, p + 1, req.prompt_token_ids[p + 1]))
+                    targets.append((req, p + 1, req.prompt_token_ids[p + 1]))
             offset += n
-        return rows, slots
+        return rows, targets
 
     @staticmethod
-    def _record_prompt_logprobs(logits: torch.Tensor, sampled_reqs, score_slots) -> None:
+    def _record_prompt_logprobs(logits: torch.Tensor, sampled_reqs, score_targets) -> None:
         """Store (log-prob, is_argmax) per scored position in ``Request.prompt_logprobs``; rows after
         the sampling rows are the prompt rows, and a sampling row scores ``score_token_id``."""
         # A sampling row of a request with no output yet is its prompt's last row.
@@ -205,7 +247,7 @@ class ModelRunner:
             if req.sampling.score_token_id is not None and not req.output_token_ids
         ]
         n_sample = len(sampled_reqs)
-        targets += [(req, t, tok, n_sample + j) for j, (req, t, tok) in enumerate(score_slots)]
+        targets += [(req, t, tok, n_sample + j) for j, (req, t, tok) in enumerate(score_targets)]
         if not targets:
             return
         idx = torch.tensor([row for *_, row in targets], device=logits.device)

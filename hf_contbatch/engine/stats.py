@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..core.phases import PHASES
+from ..core.plan import StepResult
 
 
 @dataclass(frozen=True)
@@ -99,18 +100,19 @@ class EngineCounters:
         req.last_token_time = now
         self.num_generated += 1
 
-    def record_iteration(self, out, used_blocks: int, busy_seconds: float, swap_seconds: float) -> None:
-        """One iteration's plan ``out`` (a ``SchedulerOutput`` with its phases), the pool's used
+    def record_iteration(self, result: StepResult, used_blocks: int, busy_seconds: float, swap_seconds: float) -> None:
+        """One iteration's plan and report (``result``, the report with its phases), the pool's used
         blocks after it, its wall seconds and the seconds spent moving blocks."""
+        plan, report = result.plan, result.report
         self.peak_used_blocks = max(self.peak_used_blocks, used_blocks)
-        if not out.is_empty:
+        if not plan.is_empty:
             self.busy_seconds += busy_seconds
-        self.phase_log.append((out.iteration, tuple(out.phases)))
-        for name, seconds in out.phases:
+        self.phase_log.append((report.iteration, tuple(report.phases)))
+        for name, seconds in report.phases:
             self.phase_totals[name] += seconds
-        if out.blocks_to_swap_in or out.blocks_to_swap_out or out.blocks_to_copy:
+        if plan.moves_blocks:
             self.swap_seconds += swap_seconds
-        self.last_budget = (out.budget_blocks, out.reserved_blocks)
+        self.last_budget = (report.budget_blocks, report.reserved_blocks)
 
     def snapshot(self, sched, bm, host_bm) -> EngineStats:
         """An ``EngineStats`` of the counters, the scheduler ``sched``, the device pool's ``bm`` and
@@ -122,6 +124,7 @@ class EngineCounters:
         itl = list(self.itls)
         ttft = list(self.ttfts)
         recent = tuple(list(self.phase_log)[-32:])
+        counts = sched.counters
         return EngineStats(
             num_blocks=bm.num_blocks,
             block_size=bm.block_size,
@@ -133,7 +136,7 @@ class EngineCounters:
             num_running=len(sched.running),
             num_swapped=len(sched.swapped),
             num_finished=self.num_finished,
-            num_preemptions=sched.num_preemptions,
+            num_preemptions=counts.num_preemptions,
             num_generated_tokens=self.num_generated,
             num_iterations=sched.iteration,
             throughput_tokens_per_s=self.num_generated / self.busy_seconds if self.busy_seconds else 0.0,
@@ -147,11 +150,11 @@ class EngineCounters:
             num_swap_blocks=host_bm.num_blocks,
             swap_capacity_tokens=host_bm.num_blocks * bm.block_size,
             num_swapped_blocks=host_bm.num_used_blocks,
-            num_preemptions_swap=sched.num_swap_preemptions,
-            num_preemptions_recompute=sched.num_recompute_preemptions,
-            num_swap_fallbacks=sched.num_swap_fallbacks,
-            num_blocks_swapped_out=sched.num_blocks_swapped_out,
-            num_blocks_swapped_in=sched.num_blocks_swapped_in,
+            num_preemptions_swap=counts.num_swap_preemptions,
+            num_preemptions_recompute=counts.num_recompute_preemptions,
+            num_swap_fallbacks=counts.num_swap_fallbacks,
+            num_blocks_swapped_out=counts.num_blocks_swapped_out,
+            num_blocks_swapped_in=counts.num_blocks_swapped_in,
             swap_seconds=self.swap_seconds,
             prefix_caching=bm.enable_prefix_caching,
             num_cached_blocks=bm.num_cached_free_blocks,
@@ -159,12 +162,12 @@ class EngineCounters:
             prefix_cache_query_tokens=bm.num_prefix_query_tokens,
             prefix_cache_hit_tokens=bm.num_prefix_hit_tokens,
             num_prefix_evictions=bm.num_evictions,
-            num_forks=sched.num_forks,
-            num_fork_fallbacks=sched.num_fork_fallbacks,
+            num_forks=counts.num_forks,
+            num_fork_fallbacks=counts.num_fork_fallbacks,
             block_ref_counts=tuple(bm.ref_counts),
             phase_seconds=tuple(self.phase_totals.items()),
             last_phases=recent[-1][1] if recent else (),
             num_kv_tokens=sum(r.num_computed_tokens for r in sched.running),
-            num_draft_tokens=sched.num_draft_tokens,
-            num_accepted_draft_tokens=sched.num_accepted_draft_tokens,
+            num_draft_tokens=counts.num_draft_tokens,
+            num_accepted_draft_tokens=counts.num_accepted_draft_tokens,
         )

@@ -14,8 +14,8 @@ from conftest import random_prompts
 
 def _fake_step(sched: Scheduler, out, token: int = 7) -> None:
     """Stand-in for the model: every sampling request gets ``token``; finish at max_new_tokens."""
-    sampled = {s.request.request_id: token for s in out.scheduled if s.samples}
-    for req in sched.update_from_output(out, sampled):
+    sampled = {s.request.request_id: token for s in out.plan.scheduled if s.samples}
+    for req in sched.update_from_output(out.plan, sampled):
         if len(req.output_token_ids) >= req.sampling.max_new_tokens:
             from hf_contbatch.request import RequestStatus
 
@@ -51,7 +51,7 @@ def test_token_budget_splits_a_long_prompt_into_chunks():
     chunks = []
     for _ in range(3):
         out = sched.schedule()
-        chunks.append([s.num_new_tokens for s in out.scheduled])
+        chunks.append([s.num_new_tokens for s in out.plan.scheduled])
         _fake_step(sched, out)
     # 25 prompt tokens under a 10-token budget: 10 + 10 + 5 (the last chunk samples the first token).
     assert chunks == [[10], [10], [5]]
@@ -66,7 +66,7 @@ def test_decodes_come_before_prefill_chunks_and_take_one_token_each():
     _fake_step(sched, sched.schedule())  # prefill of request 0
     sched.add_request(_req(1, 20, t=1))
     out = sched.schedule()
-    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [(0, 1), (1, 11)]
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.plan.scheduled] == [(0, 1), (1, 11)]
 
 
 @pytest.mark.timeout(30)
@@ -77,7 +77,7 @@ def test_admission_follows_priority_then_arrival():
     sched.add_request(_req(1, 4, priority=0, t=2))
     sched.add_request(_req(2, 4, priority=0, t=1))
     out = sched.schedule()
-    assert [r.request_id for r in out.admitted] == [2, 1]
+    assert [r.request_id for r in out.report.admitted] == [2, 1]
 
 
 @pytest.mark.timeout(30)
@@ -89,7 +89,7 @@ def test_preemption_picks_lowest_priority_then_latest_and_keeps_its_tokens():
     preempted = []
     for _ in range(12):
         out = sched.schedule()
-        preempted += out.preempted
+        preempted += out.report.preempted
         bm.check_invariants()
         assert bm.num_free_blocks >= 0
         _fake_step(sched, out)

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from hf_contbatch.config import SchedulerConfig
 from hf_contbatch.core.block_manager import BlockManager
+from hf_contbatch.core.plan import StepPlan, StepResult
 from hf_contbatch.core.scheduler import PHASES, Scheduler
 from hf_contbatch.request import Request, RequestStatus, SamplingParams
 
@@ -61,27 +62,27 @@ class FakeModel:
         self.device = [[None] * block_size for _ in range(num_blocks)]
         self.host = [[None] * block_size for _ in range(num_host_blocks)]
 
-    def move_blocks(self, out) -> None:
+    def move_blocks(self, plan: StepPlan) -> None:
         # LLMEngine._move_blocks order: swap in, swap out, copy (sources read before writes).
-        for h, d in out.blocks_to_swap_in:
+        for h, d in plan.blocks_to_swap_in:
             self.device[d] = list(self.host[h])
-        for d, h in out.blocks_to_swap_out:
+        for d, h in plan.blocks_to_swap_out:
             self.host[h] = list(self.device[d])
-        copies = [list(self.device[s]) for s, _ in out.blocks_to_copy]
-        for (_, d), content in zip(out.blocks_to_copy, copies):
+        copies = [list(self.device[s]) for s, _ in plan.blocks_to_copy]
+        for (_, d), content in zip(plan.blocks_to_copy, copies):
             self.device[d] = content
 
-    def forward(self, out, bm: BlockManager) -> dict[int, int]:
+    def forward(self, plan: StepPlan, bm: BlockManager) -> dict[int, int]:
         bs = self.bs
         # Like a real forward: every layer stores this step's K/V before any attention reads.
         # A request verifying drafts runs its last token and the drafts: one "greedy" token per row.
-        for s in out.scheduled:
+        for s in plan.scheduled:
             req, table = s.request, bm.get_block_table(s.request.request_id)
             tokens = req.all_token_ids + s.draft_token_ids
             for p in range(req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens):
                 self.device[table[p // bs]][p % bs] = (p, tokens[p])
         sampled = {}
-        for s in out.scheduled:
+        for s in plan.scheduled:
             req, table = s.request, bm.get_block_table(s.request.request_id)
             tokens = req.all_token_ids + s.draft_token_ids
             context = [self.device[table[p // bs]][p % bs] for p in range(req.num_computed_tokens + s.num_new_tokens)]
@@ -106,18 +107,18 @@ def finish_as_the_engine_does(req: Request) -> bool:
     return req.status.is_finished
 
 
-def check_iteration(sched: Scheduler, out, prior_running: set, max_num_seqs: int) -> None:
+def check_iteration(sched: Scheduler, out: StepResult, prior_running: set, max_num_seqs: int) -> None:
     bm, host = sched.block_manager, sched.host_block_manager
-    assert [name for name, _ in out.phases] == list(PHASES[:4])
+    assert [name for name, _ in out.report.phases] == list(PHASES[:4])
     bm.check_invariants()
     host.check_invariants()
     owed = sum(len(r.pending_forks) for r in sched.running)
     assert len(sched.running) + owed <= max_num_seqs
-    assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
-    assert out.reserved_blocks >= 0
-    ids = [s.request.request_id for s in out.scheduled]
+    assert out.plan.num_batched_tokens <= sched.config.max_num_batched_tokens
+    assert out.report.reserved_blocks >= 0
+    ids = [s.request.request_id for s in out.plan.scheduled]
     assert len(ids) == len(set(ids)), "a request scheduled twice in one step"
-    for s in out.scheduled:
+    for s in out.plan.scheduled:
         req = s.request
         assert s.num_new_tokens >= 1 and req.status is RequestStatus.RUNNING
         table = bm.get_block_table(req.request_id)
@@ -137,8 +138,8 @@ def check_iteration(sched: Scheduler, out, prior_running: set, max_num_seqs: int
     for rid, req in swapped.items():
         assert len(host.get_block_table(rid)) == bm.blocks_for_tokens(req.num_computed_tokens)
     assert all(r.status is RequestStatus.WAITING for r in sched.waiting)
-    entered = out.admitted or out.swapped_in
-    if entered and prior_running and not out.preempted and not out.forked:
+    entered = out.report.admitted or out.report.swapped_in
+    if entered and prior_running and not out.report.preempted and not out.report.forked:
         assert bm.num_free_blocks >= sched.watermark_blocks, "admission ate into the watermark"
 
 
@@ -233,11 +234,11 @@ def run_workload(bs, num_blocks, host_blocks, prefix_caching, config, specs):
         prior = {r.request_id for r in sched.running if not r.status.is_finished and not r.cancel_requested}
         out = sched.schedule()
         check_iteration(sched, out, prior, config.max_num_seqs)
-        empty_in_a_row = empty_in_a_row + 1 if (out.is_empty and sched.has_work and not out.reaped) else 0
+        empty_in_a_row = empty_in_a_row + 1 if (out.plan.is_empty and sched.has_work and not out.report.reaped) else 0
         assert empty_in_a_row < 3, "the scheduler stalls with work pending"
-        model.move_blocks(out)
-        sampled = model.forward(out, bm)
-        sched.update_from_output(out, sampled, on_token=finish_as_the_engine_does)
+        model.move_blocks(out.plan)
+        sampled = model.forward(out.plan, bm)
+        sched.update_from_output(out.plan, sampled, on_token=finish_as_the_engine_does)
     else:
         pytest.fail(
             f"not finished after {bound} iterations (livelock): {[(r.request_id, r.status) for r in every if not r.status.is_finished]}"
@@ -288,5 +289,7 @@ def test_tight_pools_swap_and_every_request_still_finishes(mode, lengths, bs):
         max_num_seqs=8, max_num_batched_tokens=64, watermark=0.0, preemption_mode=mode, swap_cost_per_block=0.0
     )
     sched = run_workload(bs, num_blocks, 4 * num_blocks, False, config, specs)
-    assert sched.num_recompute_preemptions == 0, "a roomy host pool never needs the recompute fallback"
-    assert sched.num_blocks_swapped_in == sched.num_blocks_swapped_out  # nothing cancelled: all came back
+    assert sched.counters.num_recompute_preemptions == 0, "a roomy host pool never needs the recompute fallback"
+    assert (
+        sched.counters.num_blocks_swapped_in == sched.counters.num_blocks_swapped_out
+    )  # nothing cancelled: all came back

@@ -89,10 +89,10 @@ def test_step_positions_and_slot_mapping_follow_the_block_tables():
     checked = {"steps": 0, "mid_block_chunks": 0}
     real = eng.runner.build_metadata
 
-    def spy(out):
-        ids, positions, meta, sample_rows, spec_rows = real(out)
+    def spy(plan):
+        inputs = real(plan)
         want_pos, want_slots = [], []
-        for s in out.scheduled:
+        for s in plan.scheduled:
             table = eng.block_manager.get_block_table(s.request.request_id)
             start = s.request.num_computed_tokens
             if not s.is_decode and start % bs:
@@ -100,10 +100,10 @@ def test_step_positions_and_slot_mapping_follow_the_block_tables():
             for p in range(start, start + s.num_new_tokens):
                 want_pos.append(p)
                 want_slots.append(table[p // bs] * bs + p % bs)
-        assert positions.tolist() == want_pos
-        assert meta.slot_mapping.tolist() == want_slots
+        assert inputs.positions.tolist() == want_pos
+        assert inputs.metadata.slot_mapping.tolist() == want_slots
         checked["steps"] += 1
-        return ids, positions, meta, sample_rows, spec_rows
+        return inputs
 
     eng.runner.build_metadata = spy
     try:

@@ -140,14 +140,14 @@ def test_admission_sets_num_computed_tokens_from_hits_and_counts_the_hit_rate():
     first = Request(0, system + [1, 2], SamplingParams(max_new_tokens=2), arrival_time=0.0)
     sched.add_request(first)
     out = sched.schedule()
-    sched.update_from_output(out, {0: 7})
+    sched.update_from_output(out.plan, {0: 7})
     second = Request(1, system + [3, 4, 5], SamplingParams(max_new_tokens=2), arrival_time=1.0)
     sched.add_request(second)
     out = sched.schedule()
-    assert second in out.admitted and second.num_computed_tokens == 16
-    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [(0, 1), (1, 3)]
+    assert second in out.report.admitted and second.num_computed_tokens == 16
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.plan.scheduled] == [(0, 1), (1, 3)]
     assert bm.get_block_table(1)[:4] == bm.get_block_table(0)[:4]
-    assert out.num_prefix_hit_tokens == 16
+    assert out.report.num_prefix_hit_tokens == 16
     assert bm.prefix_hit_rate == pytest.approx(16 / (18 + 19))
     bm.check_invariants()
 

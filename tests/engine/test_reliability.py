@@ -201,7 +201,7 @@ def test_pool_exhausted_mid_decode_finishes_with_length_and_keeps_the_tokens():
         assert 2 <= len(out.output_token_ids) < 30
         assert out.output_token_ids == refs[0][: len(out.output_token_ids)]
         assert second.result(60).output_token_ids == refs[1]
-        assert eng.scheduler.num_pool_wall_stops == 1
+        assert eng.scheduler.counters.num_pool_wall_stops == 1
         eng.block_manager.free(hog)
         _assert_at_rest(eng, 24)
         assert eng.submit(prompts[0], _greedy(30)).result(60).output_token_ids == refs[0]

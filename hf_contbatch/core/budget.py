@@ -1,0 +1,107 @@
+"""One iteration's budget: what the budget step measured, and the rules admit and preempt spend it by.
+
+The budget step fills a ``StepBudget`` without changing a queue or handing out a block: the tokens of
+the running requests, their blocks for those tokens, the forks that are due and the swap-ins that
+fit. Admit carries those reservations out and spends what is left on waiting requests and drafts;
+preempt gives tokens and blocks back when it takes a request out.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..config import SchedulerConfig
+from ..request import Request
+from .block_manager import BlockManager
+from .plan import ScheduledRequest
+from .queues import Rank, RequestQueues
+
+__all__ = ["StepBudget"]
+
+
+class StepBudget:
+    """The budget of one iteration, spent by admit and preempt.
+
+    Args:
+        queues: the scheduler's queues (read: the running requests and the forks they are owed).
+        block_manager: the device pool's bookkeeping (read only).
+        config: the scheduler limits.
+        watermark_blocks: blocks kept free at admission.
+
+    Attributes:
+        rows: the requests scheduled so far with their token counts, in the order they were
+            planned (the layout order is set when the plan is finished).
+        token_budget: tokens left of ``max_num_batched_tokens``.
+        block_budget: blocks left for admissions (free - reservations - watermark; may be negative).
+        forks: parents whose forks are reserved for this step.
+        detached_forks: parents whose forks do not fit now; admit queues the forks as independent
+            waiting requests.
+        swap_ins: (swapped request, tokens) reserved to resume this step.
+        swap_barrier_rank: rank of the first swapped request that stays out; no waiting request
+            ranked after it is admitted (it would overtake the swapped one).
+        kv_arrives: ids of requests whose KV arrives this step by swap-in or fork copy; they cannot
+            be swapped out in the same step (the engine swaps out before it copies).
+    """
+
+    def __init__(
+        self, queues: RequestQueues, block_manager: BlockManager, config: SchedulerConfig, watermark_blocks: int
+    ) -> None:
+        self._queues = queues
+        self._block_manager = block_manager
+        self._config = config
+        self._watermark_blocks = watermark_blocks
+        self.rows: list[ScheduledRequest] = []
+        self.token_budget = config.max_num_batched_tokens
+        self.block_budget = 0
+        self.forks: list[Request] = []
+        self.detached_forks: list[Request] = []
+        self.swap_ins: list[tuple[Request, int]] = []
+        self.swap_barrier_rank: Optional[Rank] = None
+        self.kv_arrives: set[int] = set()
+
+    def tokens_to_schedule(self, req: Request, computed: Optional[int] = None, stop_at_fork: bool = True) -> int:
+        """Tokens ``req`` may run this step: what it lacks after ``computed`` (default: its
+        ``num_computed_tokens``) tokens, within the token budget and ``long_prefill_token_threshold``.
+        With ``stop_at_fork``, a request with pending forks stops one token before the end of its
+        prompt (the fork point)."""
+        computed = req.num_computed_tokens if computed is None else computed
+        todo = req.num_tokens - computed
+        if stop_at_fork and req.pending_forks:
+            todo = req.num_prompt_tokens - 1 - computed
+        n = min(todo, self.token_budget)
+        if self._config.long_prefill_token_threshold is not None:
+            n = min(n, self._config.long_prefill_token_threshold)
+        return max(n, 0)
+
+    def reservation(self, rows: list[ScheduledRequest]) -> int:
+        """Blocks the requests of ``rows`` still need for this step's tokens."""
+        bm = self._block_manager
+        return sum(
+            bm.num_blocks_needed(s.request.request_id, s.request.num_computed_tokens + s.num_new_tokens) for s in rows
+        )
+
+    def block_limit(self, alone: bool = False) -> int:
+        """Blocks an admission may take: the block budget, plus the watermark when nothing else
+        runs (``alone``, or no running request, reserved fork or swap-in): the watermark then has
+        nobody to protect."""
+        alone = alone or not (self._queues.running or self.forks or self.swap_ins)
+        return self.block_budget + (self._watermark_blocks if alone else 0)
+
+    def seats_left(self) -> int:
+        """``max_num_seqs`` minus running requests, the forks they are owed, and reserved swap-ins
+        with their forks."""
+        owed = sum(len(r.pending_forks) for r in self._queues.running if not any(r is p for p in self.detached_forks))
+        reserved = sum(1 + len(r.pending_forks) for r, _ in self.swap_ins)
+        return self._config.max_num_seqs - len(self._queues.running) - owed - reserved
+
+    def add_row(self, row: ScheduledRequest) -> None:
+        """Schedule ``row``, spending its tokens (its blocks are the caller's to count)."""
+        self.rows.append(row)
+        self.token_budget -= row.num_new_tokens
+
+    def remove_rows_of(self, req: Request) -> list[ScheduledRequest]:
+        """Take ``req`` out of this step's rows, giving its tokens back; returns its rows."""
+        removed = [s for s in self.rows if s.request is req]
+        self.rows[:] = [s for s in self.rows if s.request is not req]
+        self.token_budget += sum(s.num_new_tokens for s in removed)
+        return removed
