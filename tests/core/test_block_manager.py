@@ -1,0 +1,300 @@
+"""Block manager specifications: pure bookkeeping, no model and no torch.
+
+Expected values are arithmetic on the pool: ``ceil(tokens / block_size)`` blocks per table, a free
+queue that hands out never-used blocks in id order, freed unhashed blocks first and cached blocks
+least recently freed first, and ref counts equal to table memberships.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hf_contbatch.core.block_manager import BlockManager, hash_block_tokens
+
+
+def _tokens(n: int, start: int = 10) -> list[int]:
+    return list(range(start, start + n))
+
+
+# --- allocate / free ------------------------------------------------------------------------------
+def test_allocate_grows_a_table_to_ceil_tokens_over_block_size_and_returns_only_the_new_blocks():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    assert bm.allocate("a", 5) == [0, 1]  # ceil(5 / 4) = 2 blocks, never-used ones in id order
+    assert bm.allocate("a", 8) == []  # 8 tokens still fit in 2 blocks
+    assert bm.allocate("a", 9) == [2]
+    assert bm.get_block_table("a") == [0, 1, 2]
+    assert bm.num_free_blocks == 5 and bm.num_used_blocks == 3
+    assert bm.ref_counts[:4] == [1, 1, 1, 0]
+    bm.check_invariants()
+
+
+def test_blocks_for_tokens_and_num_blocks_needed_are_ceil_division():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    assert [bm.blocks_for_tokens(n) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+    assert bm.num_blocks_needed("unknown", 9) == 3
+    bm.allocate("a", 5)
+    assert (bm.num_blocks_needed("a", 8), bm.num_blocks_needed("a", 9), bm.num_blocks_needed("a", 3)) == (0, 1, 0)
+
+
+def test_free_returns_every_block_of_the_table_and_they_are_handed_out_again():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    bm.allocate("a", 12)
+    bm.allocate("b", 4)
+    assert bm.free("a") == 3
+    assert bm.free("a") == 0  # a second free of the same request does nothing
+    assert bm.free("never-allocated") == 0
+    assert bm.num_free_blocks == 7 and bm.get_block_table("a") == []
+    # Freed blocks without a prefix hash go to the front of the queue: reused before untouched ones.
+    assert bm.allocate("c", 12) == [0, 1, 2]
+    bm.check_invariants()
+
+
+def test_over_allocation_raises_and_leaves_the_pool_unchanged():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    bm.allocate("a", 12)  # 3 of 4 blocks
+    with pytest.raises(RuntimeError, match="KV pool exhausted: request b needs 2 blocks, 1 free"):
+        bm.allocate("b", 8)
+    with pytest.raises(RuntimeError, match="KV pool exhausted"):
+        bm.allocate("a", 20)  # growing an existing table: 5 blocks, 3 held, 2 needed
+    assert bm.num_free_blocks == 1 and "b" not in bm.block_tables and bm.get_block_table("a") == [0, 1, 2]
+    bm.check_invariants()
+
+
+def test_can_allocate_is_true_up_to_the_free_block_count():
+    bm = BlockManager(num_blocks=3, block_size=2)
+    assert [bm.can_allocate(n) for n in (0, 3, 4)] == [True, True, False]
+    bm.allocate("a", 3)  # 2 blocks
+    assert [bm.can_allocate(n) for n in (1, 2)] == [True, False]
+    empty_swap_pool = BlockManager(num_blocks=0, block_size=2)
+    assert empty_swap_pool.can_allocate(0) and not empty_swap_pool.can_allocate(1)
+
+
+# --- forks and copy-on-write ------------------------------------------------------------------------
+def test_fork_shares_the_full_blocks_and_copies_the_partial_last_block():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    bm.allocate("parent", 6)  # blocks 0 (full) and 1 (2 of 4 tokens)
+    copy = bm.fork("parent", "child", 6)
+    assert copy == (1, 2)  # the partial block 1 is copied into the next free block, 2
+    assert bm.get_block_table("child") == [0, 2]
+    assert bm.ref_counts[:3] == [2, 1, 1]
+    assert bm.num_free_blocks == 5
+    bm.check_invariants()
+    assert bm.free("parent") == 1  # block 0 stays with the child
+    assert bm.free("child") == 2
+    assert bm.num_free_blocks == 8 and bm.ref_counts == [0] * 8
+
+
+def test_fork_at_a_block_boundary_shares_every_block_and_copies_nothing():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    bm.allocate("parent", 8)
+    assert bm.fork("parent", "child", 8) is None
+    assert bm.get_block_table("child") == [0, 1] and bm.ref_counts[:2] == [2, 2]
+    assert bm.num_free_blocks == 2
+    bm.check_invariants()
+
+
+def test_fork_errors_for_an_existing_target_and_for_an_empty_pool():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    bm.allocate("parent", 6)  # both blocks
+    with pytest.raises(RuntimeError, match="fork of request parent needs 1 block, 0 free"):
+        bm.fork("parent", "child", 6)
+    assert "child" not in bm.block_tables
+    bm.fork("parent", "child", 4)  # a whole block: nothing to copy
+    with pytest.raises(RuntimeError, match="already has a block table"):
+        bm.fork("parent", "child", 4)
+    bm.check_invariants()
+
+
+# --- trim ---------------------------------------------------------------------------------------------
+def test_trim_releases_the_blocks_beyond_the_kept_tokens():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    bm.allocate("a", 11)  # blocks 0, 1, 2
+    assert bm.trim("a", 5) == 1  # 5 tokens keep ceil(5 / 4) = 2 blocks
+    assert bm.get_block_table("a") == [0, 1]
+    assert bm.trim("a", 8) == 0 and bm.trim("unknown", 3) == 0
+    assert bm.allocate("b", 1) == [2]  # the trimmed block is handed out first
+    bm.check_invariants()
+
+
+def test_trimming_a_shared_block_drops_one_reference_and_frees_nothing():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    bm.allocate("parent", 8)
+    bm.fork("parent", "child", 8)
+    assert bm.trim("child", 4) == 0
+    assert bm.get_block_table("child") == [0] and bm.ref_counts[:2] == [2, 1]
+    assert bm.num_free_blocks == 2
+    bm.check_invariants()
+
+
+# --- prefix caching -------------------------------------------------------------------------------------
+def test_full_computed_blocks_get_chained_hashes_and_a_later_prompt_hits_them():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    tokens = _tokens(10)
+    hashes: list[int] = []
+    bm.allocate("a", 10)  # blocks 0, 1, 2
+    bm.cache_full_blocks("a", tokens, hashes, num_computed_tokens=10)
+    h0 = hash((None, tuple(tokens[0:4])))
+    h1 = hash((h0, tuple(tokens[4:8])))
+    assert hashes == [h0, h1] == [hash_block_tokens(None, tokens[0:4]), hash_block_tokens(h0, tokens[4:8])]
+    assert [bm.is_cached(b) for b in (0, 1, 2)] == [True, True, False]  # block 2 is not full
+    assert bm.num_hashed_blocks("a") == 2
+    # Same first 8 tokens, another tail: both full blocks hit while "a" still holds them.
+    other = tokens[:8] + [99, 98, 97]
+    hits = bm.match_prefix(other, [])
+    assert hits == [0, 1]
+    assert bm.num_blocks_needed_with_prefix(hits, len(other)) == 1  # ceil(11 / 4) - 2 hits; hits are held
+    assert bm.allocate("b", len(other), prefix_blocks=hits) == [3]
+    assert bm.get_block_table("b") == [0, 1, 3] and bm.ref_counts[:4] == [2, 2, 1, 1]
+    assert bm.num_hashed_blocks("b") == 2
+    bm.check_invariants()
+
+
+def test_a_prefix_hit_leaves_at_least_one_token_to_compute():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    tokens = _tokens(8)
+    bm.allocate("a", 8)
+    bm.cache_full_blocks("a", tokens, [], 8)
+    # 8 identical tokens: at most (8 - 1) // 4 = 1 block may hit (the last token samples).
+    assert bm.match_prefix(tokens, []) == [0]
+    assert bm.match_prefix(tokens + [5], []) == [0, 1]
+
+
+def test_hits_follow_the_hash_chain_a_changed_first_block_hits_nothing():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    tokens = _tokens(12)
+    bm.allocate("a", 12)
+    bm.cache_full_blocks("a", tokens, [], 12)
+    changed_first = [0] + tokens[1:]  # same second and third blocks, different first
+    assert bm.match_prefix(changed_first + [1], []) == []
+    changed_second = tokens[:4] + [0] + tokens[5:]
+    assert bm.match_prefix(changed_second + [1], []) == [0]
+
+
+def test_prefix_caching_off_never_hashes_or_hits():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    tokens = _tokens(9)
+    bm.allocate("a", 9)
+    bm.cache_full_blocks("a", tokens, [], 9)
+    assert not bm.is_cached(0) and bm.match_prefix(tokens, []) == []
+    bm.check_invariants()
+
+
+def test_the_same_content_computed_twice_is_cached_under_one_block_only():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    tokens = _tokens(5)
+    bm.allocate("a", 5)  # block 0 full
+    bm.allocate("b", 5)  # computed separately (no lookup): block 2 holds the same tokens
+    bm.cache_full_blocks("a", tokens, [], 5)
+    bm.cache_full_blocks("b", tokens, [], 5)
+    assert bm.is_cached(0) and not bm.is_cached(2)
+    assert bm.match_prefix(tokens, []) == [0]
+    bm.check_invariants()
+
+
+def test_a_freed_cached_block_serves_hits_until_the_queue_hands_it_out_tail_blocks_first():
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=True)
+    tokens = _tokens(9)
+    bm.allocate("a", 8)  # blocks 0, 1
+    bm.cache_full_blocks("a", tokens, [], 8)
+    bm.free("a")  # queue [2, 3] + [1, 0]: the tail block 1 is freed first, so it is evicted first
+    assert bm.num_free_blocks == 4 and bm.num_cached_free_blocks == 2
+    hits = bm.match_prefix(tokens, [])
+    assert hits == [0, 1]
+    assert bm.num_blocks_needed_with_prefix(hits, 9) == 3  # 1 fresh + 2 hits that sit in the free queue
+    assert bm.allocate("b", 12) == [2, 3, 1]  # the third block evicts block 1's prefix
+    assert bm.num_evictions == 1 and bm.num_cached_free_blocks == 1
+    assert not bm.is_cached(1) and bm.is_cached(0)
+    assert bm.match_prefix(tokens, []) == [0]
+    bm.check_invariants()
+
+
+def test_freed_blocks_without_a_hash_are_handed_out_before_cached_ones():
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=True)
+    bm.allocate("a", 6)  # block 0 full (hashed below), block 1 partial
+    bm.cache_full_blocks("a", _tokens(6), [], 6)
+    bm.free("a")  # block 1 to the front, cached block 0 to the back: [1, 2, 3, 0]
+    assert bm.allocate("b", 12) == [1, 2, 3]
+    assert bm.is_cached(0) and bm.num_evictions == 0
+    assert bm.allocate("c", 1) == [0]  # only now is the prefix evicted
+    assert bm.num_evictions == 1
+    bm.check_invariants()
+
+
+def test_taking_a_cached_free_block_as_a_prefix_hit_takes_it_out_of_the_free_queue():
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=True)
+    tokens = _tokens(5)
+    bm.allocate("a", 4)
+    bm.cache_full_blocks("a", tokens, [], 4)
+    bm.free("a")
+    assert bm.allocate("b", 5, prefix_blocks=[0]) == [1]
+    assert bm.get_block_table("b") == [0, 1] and bm.ref_counts[:2] == [1, 1]
+    assert bm.num_free_blocks == 2 and bm.num_cached_free_blocks == 0 and bm.num_evictions == 0
+    bm.check_invariants()
+
+
+def test_prefix_blocks_for_an_existing_table_raise():
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=True)
+    bm.allocate("a", 4)
+    bm.cache_full_blocks("a", _tokens(4), [], 4)
+    bm.allocate("b", 1)
+    with pytest.raises(RuntimeError, match="already has a block table"):
+        bm.allocate("b", 5, prefix_blocks=[0])
+
+
+def test_prefix_hit_rate_is_hit_tokens_over_looked_up_tokens():
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=True)
+    assert bm.prefix_hit_rate == 0.0
+    bm.record_prefix_lookup(10, 8)
+    bm.record_prefix_lookup(6, 0)
+    assert (bm.num_prefix_query_tokens, bm.num_prefix_hit_tokens, bm.prefix_hit_rate) == (16, 8, 0.5)
+
+
+# --- no leaks ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(20))
+def test_every_block_is_free_after_freeing_every_table_whatever_happened_before(seed):
+    rng = random.Random(seed)
+    bs = rng.choice([1, 2, 4])
+    bm = BlockManager(num_blocks=24, block_size=bs, enable_prefix_caching=rng.random() < 0.5)
+    prompts = [_tokens(rng.randint(1, 12), start=rng.choice([10, 10, 50])) for _ in range(4)]
+    computed: dict[int, int] = {}
+    tokens: dict[int, list[int]] = {}
+    hashes: dict[int, list[int]] = {}
+    for _ in range(200):
+        rid = rng.randint(0, 11)
+        op = rng.choice(["allocate", "grow", "fork", "trim", "cache", "free"])
+        try:
+            if op == "allocate" and rid not in computed:
+                tokens[rid], hashes[rid] = list(rng.choice(prompts)), []
+                hits = bm.match_prefix(tokens[rid], hashes[rid])
+                bm.allocate(rid, len(tokens[rid]), prefix_blocks=hits)
+                computed[rid] = len(tokens[rid])
+            elif op == "grow" and rid in computed:
+                tokens[rid] += [rng.randint(3, 60) for _ in range(rng.randint(1, 5))]
+                bm.allocate(rid, len(tokens[rid]))
+                computed[rid] = len(tokens[rid])
+            elif op == "fork" and rid in computed:
+                child = rng.randint(0, 11)
+                if child not in computed:
+                    n = rng.randint(0, computed[rid])
+                    bm.fork(rid, child, n)
+                    tokens[child], hashes[child], computed[child] = tokens[rid][:n], [], n
+            elif op == "trim" and rid in computed:
+                computed[rid] = rng.randint(0, computed[rid])
+                tokens[rid] = tokens[rid][: computed[rid]]
+                hashes[rid] = hashes[rid][: computed[rid] // bs]
+                bm.trim(rid, computed[rid])
+            elif op == "cache" and rid in computed:
+                bm.cache_full_blocks(rid, tokens[rid], hashes[rid], computed[rid])
+            elif op == "free" and rid in computed:
+                bm.free(rid)
+                del computed[rid]
+        except RuntimeError as exc:
+            assert "KV pool exhausted" in str(exc)  # the only allowed failure: the pool is full
+        bm.check_invariants()
+    for rid in list(computed):
+        bm.free(rid)
+    bm.check_invariants()
+    assert bm.num_free_blocks == 24 and bm.num_used_blocks == 0
+    assert bm.ref_counts == [0] * 24 and bm.block_tables == {}
