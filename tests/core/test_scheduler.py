@@ -7,7 +7,7 @@ import pytest
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from hf_contbatch.core.block_manager import BlockManager
 from hf_contbatch.core.scheduler import PHASES, Scheduler
-from hf_contbatch.request import Request
+from hf_contbatch.request import Request, RequestStatus
 
 from conftest import random_prompts
 
@@ -17,8 +17,6 @@ def _fake_step(sched: Scheduler, out, token: int = 7) -> None:
     sampled = {s.request.request_id: token for s in out.plan.scheduled if s.samples}
     for req in sched.update_from_output(out.plan, sampled):
         if len(req.output_token_ids) >= req.sampling.max_new_tokens:
-            from hf_contbatch.request import RequestStatus
-
             req.status = RequestStatus.FINISHED_LENGTH
 
 
@@ -116,3 +114,74 @@ def test_all_blocks_free_after_everything_finishes():
         _fake_step(sched, out)
     assert not sched.has_work
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def _at_fork_point(cancel_parent: bool):
+    """A parent of 6 prompt tokens with two pending forks, run to its fork point (5 tokens of KV)
+    under a 2-token budget, which cannot hold its 3 fork tokens: the forks must detach."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=2, watermark=0.0), bm)
+    parent = _req(0, 6, new=3)
+    children = [Request(rid, list(parent.prompt_token_ids), parent.sampling, parent_id=0) for rid in (1, 2)]
+    parent.pending_forks = list(children)
+    sched.add_request(parent)
+    for _ in range(3):  # 2 + 2 + 1 prompt tokens: the fork point
+        _fake_step(sched, sched.schedule())
+    assert parent.at_fork_point
+    parent.cancel_requested = cancel_parent
+    return sched, bm, parent, children
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("cancel_parent", [False, True])
+def test_budget_changes_no_queue_and_frees_no_block_admit_carries_out_a_detached_fork(cancel_parent):
+    sched, bm, parent, children = _at_fork_point(cancel_parent)
+    result = sched.begin_iteration()
+    result.report.reaped = sched.reap()
+    queues = [list(q) for q in (sched.running, sched.waiting, sched.swapped)]
+    tables = {rid: list(t) for rid, t in bm.block_tables.items()}
+    free = bm.num_free_blocks
+
+    step = sched.budget(result.report)
+    assert [list(q) for q in (sched.running, sched.waiting, sched.swapped)] == queues
+    assert bm.block_tables == tables and bm.num_free_blocks == free
+    assert parent.pending_forks == children and parent.status is RequestStatus.RUNNING
+    assert step.detached_forks == [parent] and not step.forks
+    # The parent goes on alone with its last prompt token, unless it was cancelled.
+    assert [(s.request.request_id, s.num_new_tokens) for s in step.rows] == ([] if cancel_parent else [(0, 1)])
+
+    sched.admit(result, step)
+    assert parent.pending_forks == [] and sched.counters.num_fork_fallbacks == 2
+    queued = [r.request_id for r in sched.waiting + result.report.admitted]
+    assert sorted(queued) == [1, 2]  # independent requests now, admitted as the budget allows
+    if cancel_parent:
+        assert parent.status is RequestStatus.FINISHED_CANCELLED and 0 not in bm.block_tables
+    sched.preempt(result, step)
+    sched.finish_plan(result, step)
+    bm.check_invariants()
+
+
+@pytest.mark.timeout(30)
+def test_drop_all_requests_empties_every_queue_and_frees_both_pools():
+    bm, host = BlockManager(num_blocks=6, block_size=4), BlockManager(num_blocks=16, block_size=4)
+    sched = Scheduler(SchedulerConfig(watermark=0.0, preemption_mode="swap"), bm, host_block_manager=host)
+    for rid, prio in [(0, 0), (1, 1), (2, 0)]:
+        sched.add_request(_req(rid, 7, new=12, priority=prio, t=rid))
+    for _ in range(20):  # three growing requests in 6 blocks: one is swapped out
+        _fake_step(sched, sched.schedule())
+        if sched.swapped:
+            break
+    assert sched.swapped and sched.running and host.num_used_blocks > 0
+    parent = _req(3, 5, t=3)
+    parent.pending_forks = [Request(4, list(parent.prompt_token_ids), parent.sampling, parent_id=3)]
+    sched.add_request(parent)
+
+    dropped = sched.drop_all_requests()
+    assert sorted(r.request_id for r in dropped) == [0, 1, 2, 3, 4]
+    assert dropped[-1].request_id == 4  # pending forks come last
+    assert not (sched.running or sched.swapped or sched.waiting or sched.has_work)
+    assert parent.pending_forks == []
+    assert bm.num_free_blocks == 6 and host.num_free_blocks == 16
+    bm.check_invariants()
+    host.check_invariants()
+    assert sched.drop_all_requests() == []

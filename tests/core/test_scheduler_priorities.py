@@ -8,6 +8,7 @@ import pytest
 
 from hf_contbatch.config import SchedulerConfig
 from hf_contbatch.core.block_manager import BlockManager
+from hf_contbatch.core.queues import Rank
 from hf_contbatch.core.scheduler import Scheduler
 from hf_contbatch.request import Request, RequestStatus, SamplingParams
 
@@ -98,6 +99,18 @@ def test_aging_lets_a_long_waiting_low_priority_request_overtake_newer_high_prio
     assert order.index(1) < order.index(122)
     without_aging = _sched(max_num_seqs=1, aging_seconds=None)
     assert without_aging.rank(_req(122, 3, priority=0, t=22.0)) < without_aging.rank(_req(1, 3, priority=2, t=0.0))
+
+
+def test_rank_names_its_fields_escalation_tier_aged_level_arrival_and_id():
+    sched = _sched(aging_seconds=4.0, max_preemptions=2, clock=lambda: 10.0)  # aging counts from t=10
+    req = _req(7, 3, priority=2, t=16.0)
+    rank = sched.rank(req)
+    assert rank == Rank(tier=1, level=2 + (16.0 - 10.0) / 4.0, arrival=16.0, request_id=7)
+    assert (rank.level, rank.escalated) == (3.5, False)
+    req.num_preemptions = 2  # max_preemptions reached: ahead of any priority level
+    escalated = sched.rank(req)
+    assert escalated.tier == 0 and escalated.escalated
+    assert escalated < sched.rank(_req(8, 3, priority=0, t=0.0))
 
 
 @pytest.mark.timeout(30)

@@ -16,6 +16,8 @@ finished (or was rejected at submit) within a bound on iterations, and every blo
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -293,3 +295,28 @@ def test_tight_pools_swap_and_every_request_still_finishes(mode, lengths, bs):
     assert (
         sched.counters.num_blocks_swapped_in == sched.counters.num_blocks_swapped_out
     )  # nothing cancelled: all came back
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(workloads())
+def test_device_blocks_are_handed_out_only_by_allocate_slots(workload):
+    calls = []  # (pool, caller) of every allocate and fork
+    originals = BlockManager.allocate, BlockManager.fork
+
+    def recording(original):
+        def call(self, *args, **kwargs):
+            calls.append((self, sys._getframe(1).f_code.co_name))
+            return original(self, *args, **kwargs)
+
+        return call
+
+    BlockManager.allocate, BlockManager.fork = (recording(f) for f in originals)
+    try:
+        sched = run_workload(*workload)
+    finally:
+        BlockManager.allocate, BlockManager.fork = originals
+    device = {caller for pool, caller in calls if pool is sched.block_manager}
+    host = {caller for pool, caller in calls if pool is sched.host_block_manager}
+    assert device <= {"allocate_slots"}, f"device blocks handed out by {device - {'allocate_slots'}}"
+    assert host <= {"swap_out"}, "host blocks are taken only by a swap-out"
