@@ -1,9 +1,9 @@
 """Default sizes of the host-memory pools: the KV pool on CPU and the swap pool.
 
 Pure arithmetic (no torch), so the rules are easy to test and to read. A pool much larger than the
-model can ever fill costs memory and makes the dashboard's grid unreadable (a 1 GiB pool is 16,384
-blocks for the 4M-parameter embedded model, whose 128 requests at its 1,024-token context can hold
-8,192 at most), so the defaults are sized from what the model can use:
+model can ever fill costs memory and makes the dashboard's grid unreadable (a small model's blocks
+are small, so a fixed byte budget can hold many times what ``max_num_seqs`` requests at its full
+context need), so the defaults are sized from what the model can use:
 
 - **KV pool on CPU** (``CacheConfig.cpu_cache_gib=None``): ``max_num_seqs`` requests each at the
   model's full context (``max_position_embeddings``), in blocks; capped at ``HOST_CAP_GIB`` and at
