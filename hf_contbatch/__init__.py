@@ -4,7 +4,7 @@ from .config import CacheConfig, EngineConfig, SchedulerConfig
 from .engine import EngineError, EngineStats, LLMEngine, RequestHandle, RequestOutput
 from .request import SamplingParams
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "CacheConfig",
