@@ -731,3 +731,17 @@ class Scheduler:
             if on_token is not None and on_token(req):
                 break
         self.block_manager.trim(req.request_id, req.num_computed_tokens)
+
+    def drop_all_requests(self) -> list[Request]:
+        """Remove every unfinished request from the queues (pending forks included), free their
+        device and host blocks, and return them; the caller finishes them (``LLMEngine.close``, a
+        failed step)."""
+        dropped = self.all_requests()
+        for queue in (self.running, self.swapped, self.waiting):
+            queue.clear()
+        for req in dropped:
+            req.pending_forks = []
+            self.block_manager.free(req.request_id)
+            self.host_block_manager.free(req.request_id)
+            self.proposer.forget(req.request_id)
+        return dropped

@@ -101,7 +101,7 @@ def test_two_engines_side_by_side_and_close_restores_attention():
         e1.close()
         e2.close()
     assert m1.config._attn_implementation == before
-    assert not e1._thread.is_alive() and not e2._thread.is_alive()
+    assert not e1.driver.thread.is_alive() and not e2.driver.thread.is_alive()
     assert e1.cache.key_cache == []
     with pytest.raises(RuntimeError, match="closed"):
         e1.submit(p, SamplingParams(max_new_tokens=1))

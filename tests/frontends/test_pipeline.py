@@ -144,6 +144,6 @@ def test_context_manager_closes_the_engine():
         default_model_path(), dtype=torch.float32, cache_config=CacheConfig(num_blocks=16)
     ) as p:
         p("import", do_sample=False, max_new_tokens=2)
-    assert not p.engine._thread.is_alive()
+    assert not p.engine.driver.thread.is_alive()
     with pytest.raises(RuntimeError, match="closed"):
         p("import", max_new_tokens=2)
