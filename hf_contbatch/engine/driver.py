@@ -96,6 +96,8 @@ class EngineDriver:
         Raises:
             RuntimeError: the driver was stopped (the engine is closed); nothing is queued then.
         """
+        if not requests:
+            return  # nothing arrives: the engine stays idle
         with self._cv:
             if self._stopped:
                 raise RuntimeError("the engine is closed")
