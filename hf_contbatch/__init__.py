@@ -19,7 +19,8 @@ __all__ = [
     "__version__",
 ]
 
-from .frontends.pipeline import ContinuousBatchingPipeline, GenerationHandle, pipeline  # noqa: E402
+from .frontends.generation_handle import GenerationHandle  # noqa: E402
+from .frontends.pipeline import ContinuousBatchingPipeline, pipeline  # noqa: E402
 
 __all__ += ["ContinuousBatchingPipeline", "GenerationHandle", "pipeline"]
 

@@ -1,4 +1,9 @@
-"""Request handles: what ``LLMEngine.submit`` returns, to wait for, stream or cancel one request."""
+"""Request handles: what ``LLMEngine.submit`` returns, to wait for, stream or cancel one request.
+
+A handle reaches its engine through ``HandleOwner`` (cancel, drive, cancel now); the engine feeds
+it through ``push_tokens`` and ``finish``, and keeps its handles in a ``HandleRegistry``. Neither
+imports the other's module.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +12,9 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Protocol, Sequence
 
 from ..request import Request
-
-if TYPE_CHECKING:
-    from .llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +60,41 @@ class RequestOutput:
     top_logprobs: Optional[list] = None
 
 
-class RequestHandle:
-    """A submitted request: wait for it, stream its tokens, or cancel it."""
+class HandleOwner(Protocol):
+    """What a ``RequestHandle`` needs of the engine that queued its request (``LLMEngine``)."""
 
-    def __init__(self, engine: "LLMEngine", request: Request) -> None:
-        self._engine = engine
+    @property
+    def blocking_calls_drive(self) -> bool:
+        """Whether a blocking wait should run the engine's iterations in its own thread."""
+        ...
+
+    def in_iteration(self) -> bool:
+        """True when called from inside an iteration."""
+        ...
+
+    def drive(self, until: Callable[[], bool]) -> None:
+        """Run iterations in the calling thread until ``until()`` is true."""
+        ...
+
+    def cancel(self, request_id: int) -> None:
+        """Ask for the request to stop at the next reap step."""
+        ...
+
+    def cancel_now(self, handles: Sequence["RequestHandle"]) -> None:
+        """Cancel these requests and release them before returning."""
+        ...
+
+
+class RequestHandle:
+    """A submitted request: wait for it, stream its tokens, or cancel it.
+
+    Args:
+        owner: the engine that queued ``request``.
+        request: the request (the engine changes it; read it, do not change it).
+    """
+
+    def __init__(self, owner: HandleOwner, request: Request) -> None:
+        self._owner = owner
         self.request = request
         self._done = threading.Event()
         self._stream: "queue.SimpleQueue[Optional[list[int]]]" = queue.SimpleQueue()
@@ -102,18 +134,18 @@ class RequestHandle:
             # timeout=0 polls; inside an iteration (a done-callback) a timed wait stays a wait.
             if (
                 not self._done.is_set()
-                and self._engine.blocking_calls_drive
+                and self._owner.blocking_calls_drive
                 and timeout != 0
-                and (timeout is None or not self._engine.in_iteration())
+                and (timeout is None or not self._owner.in_iteration())
             ):
                 # Drive in this thread (one OpenMP team, see EngineDriver.drive) until done or the
                 # deadline; the iteration running at the deadline finishes first.
-                self._engine.drive(
+                self._owner.drive(
                     lambda: self._done.is_set() or (deadline is not None and time.monotonic() >= deadline)
                 )
             finished = self._done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         except KeyboardInterrupt:
-            self._engine.cancel_now([self])
+            self._owner.cancel_now([self])
             raise
         if not finished:
             raise TimeoutError(f"request {self.request_id} not finished after {timeout} s")
@@ -145,7 +177,7 @@ class RequestHandle:
         """Ask the engine to stop this request; it is freed at the next reap step (its tokens so far
         are kept, ``finish_reason`` becomes "cancelled"). A finished request is left as it is;
         never raises."""
-        self._engine.cancel(self.request_id)
+        self._owner.cancel(self.request_id)
 
     def add_done_callback(self, fn: Callable[["RequestHandle"], None]) -> None:
         """Call ``fn(handle)`` when finished (from the engine thread; keep it short)."""
@@ -163,11 +195,15 @@ class RequestHandle:
                 return
             yield item
 
-    # engine side
-    def _push(self, tokens: Sequence[int]) -> None:
+    # --- engine side: called by the engine that owns the request --------------------------------
+    def push_tokens(self, tokens: Sequence[int]) -> None:
+        """Hand new token ids to ``token_stream()`` readers (the engine, after each new token)."""
         self._stream.put(list(tokens))
 
-    def _finish(self) -> None:
+    def finish(self) -> None:
+        """Mark the request done: end the token stream, wake waiters, run the done-callbacks (the
+        engine, once the request left it: finished, cancelled or failed). A callback that raises is
+        logged, never propagated."""
         with self._lock:
             self._stream.put(None)
             self._done.set()
@@ -177,3 +213,46 @@ class RequestHandle:
                 fn(self)
             except Exception:  # a user callback must not take the engine down
                 logger.exception("done-callback of request %s raised", self.request_id)
+
+
+class HandleRegistry:
+    """The handles of one engine's requests, by request id, from queueing until they finish.
+
+    Args:
+        owner: the engine whose requests these are.
+    """
+
+    def __init__(self, owner: HandleOwner) -> None:
+        self._owner = owner
+        self._handles: dict[int, RequestHandle] = {}
+
+    def open(self, requests: Sequence[Request]) -> list[list[RequestHandle]]:
+        """New handles for ``requests``: per request, its own handle, then its pending forks'."""
+        handles = [[RequestHandle(self._owner, r) for r in (req, *req.pending_forks)] for req in requests]
+        for h in (h for hs in handles for h in hs):
+            self._handles[h.request_id] = h
+        return handles
+
+    def discard(self, handles: Sequence[Sequence[RequestHandle]]) -> None:
+        """Forget handles whose requests were never queued."""
+        for h in (h for hs in handles for h in hs):
+            self._handles.pop(h.request_id, None)
+
+    def request_cancel(self, request_id: int) -> None:
+        """Mark an unfinished request for cancellation (the next reap frees it); unknown or finished
+        ids are ignored."""
+        handle = self._handles.get(request_id)
+        if handle is not None and not handle.request.status.is_finished:
+            handle.request.cancel_requested = True
+
+    def push_token(self, request: Request) -> None:
+        """Stream the newest token of ``request`` to its handle."""
+        handle = self._handles.get(request.request_id)
+        if handle is not None:
+            handle.push_tokens([request.output_token_ids[-1]])
+
+    def finish(self, request: Request) -> None:
+        """Finish the handle of ``request`` (it left the engine) and forget it."""
+        handle = self._handles.pop(request.request_id, None)
+        if handle is not None:
+            handle.finish()

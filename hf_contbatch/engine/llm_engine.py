@@ -1,19 +1,24 @@
 """The engine: continuous batching over a paged KV cache for one transformers causal LM.
 
-Callers ``submit()`` token ids and get a ``RequestHandle`` back; they wait on events (never spin:
-on 2 cores a spinning waiter slows the model's OpenMP threads by an order of magnitude). Errors in
-an iteration fail the affected requests' handles with the exception and the engine keeps serving;
-``close()`` stops the thread, frees the KV pool and restores the model's attention.
+Callers ``submit()`` token ids and get a ``RequestHandle`` back; they wait on events, never spin (a
+spinning waiter takes the cores the model's OpenMP threads run on). Errors in an iteration fail the
+affected requests' handles with the exception and the engine keeps serving; ``close()`` stops the
+thread, frees the KV pool and restores the model's attention.
 
 This file holds the iteration (``LLMEngine.step``: reap -> budget -> admit -> preempt -> decode)
-and a request's life in the engine. Around it: ``pool_sizing`` (how many blocks), ``driver`` (which
-thread runs iterations), ``stats`` (counters and ``EngineStats``), ``handles`` (``RequestHandle``),
-``attention_switch`` (the model's attention implementation), ``stopping`` (when a request ends).
+and a request's life in the engine. The engine holds objects with one job each: ``KVPools`` (the
+cache and its block bookkeeping, sized by ``pool_sizing.KVPoolSizer``), ``ModelPatches`` (what it
+changes on the model, undone by ``close``), a ``RequestFactory`` (the one place requests are
+validated), a ``HandleRegistry`` (the handles it streams to and finishes), and an ``EngineDriver``
+(which thread runs iterations; it calls the engine back through ``driver.DrivenEngine``). Around
+them: ``stats`` (counters and ``EngineStats``), ``stopping`` (when a request ends).
+
+A request's path: ``build_request`` (validate, no side effect) -> ``enqueue`` (register handles,
+put into the driver's inbox) -> ``take_inbox`` (to the scheduler) -> ``step`` -> ``_complete``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -22,21 +27,18 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..config import EngineConfig, is_int, resolve_compile_model
-from ..core.block_manager import BlockManager
+from ..config import EngineConfig
 from ..core.phases import PhaseTimer
 from ..core.plan import StepPlan, StepResult
 from ..core.scheduler import Scheduler
-from ..kernels.attention import resolve_backend
-from ..kernels.cpu_linear import pack_linears
-from ..kernels.fused_linear import fuse_siblings
-from ..kernels.paged_cache import PagedKVCache, kv_bytes_per_block
-from ..request import Request, RequestIdCounter, RequestStatus, SamplingParams
-from .attention_switch import restore_attention, switch_to_paged_attention
-from .driver import EngineDriver
-from .handles import EngineError, RequestHandle, RequestOutput
-from .pool_sizing import KVPoolSizing, available_host_memory, layer_devices, text_config
-from .reliability import check_request, execute_isolating_failures
+from ..request import Request, RequestStatus, SamplingParams
+from .driver import Cancel, EngineDriver, InboxItem
+from .handles import EngineError, HandleRegistry, RequestHandle, RequestOutput
+from .kv_pools import KVPools
+from .model_patches import ModelPatches
+from .pool_sizing import text_config
+from .reliability import execute_isolating_failures
+from .request_factory import RequestFactory
 from .runner import ModelRunner
 from .sampler import Sampler
 from .stats import EngineCounters, EngineStats
@@ -47,7 +49,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["EngineError", "EngineStats", "LLMEngine", "RequestHandle", "RequestOutput", "SUPPORTED_MODEL_TYPES"]
 
 # Families whose attention goes through transformers' AttentionInterface and whose layers call
-# ``cache.update(...)`` right before attention (tests/test_engine_equivalence.py checks greedy equality).
+# ``cache.update(...)`` right before attention (tests/engine/test_engine_equivalence.py checks greedy equality).
 SUPPORTED_MODEL_TYPES = (
     "llama",
     "mistral",
@@ -65,7 +67,25 @@ SUPPORTED_MODEL_TYPES = (
 )
 
 
-class LLMEngine(KVPoolSizing, EngineDriver):
+def check_supported_model(model) -> None:
+    """Raise ``ValueError`` naming the supported families unless ``model`` is one of them and its
+    attention goes through transformers' ``AttentionInterface``."""
+    model_type = getattr(text_config(model), "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES or not getattr(model, "_supports_attention_backend", True):
+        raise ValueError(
+            f"model type {model_type!r} is not supported by hf_contbatch; supported families: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
+def seeded_generator(seed: Optional[int]) -> torch.Generator:
+    """The engine's CPU sampling generator, seeded with ``seed`` (None: from ``os.urandom``)."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+    return gen
+
+
+class LLMEngine:
     """Continuous batching over a paged KV cache for one transformers causal LM.
 
     Args:
@@ -77,92 +97,32 @@ class LLMEngine(KVPoolSizing, EngineDriver):
     """
 
     def __init__(self, model, config: Optional[EngineConfig] = None) -> None:
-        self.config = config or EngineConfig()
+        self.config = cfg = config or EngineConfig()
         self.model = model
-        text_cfg = text_config(model)
-        model_type = getattr(text_cfg, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES or not getattr(model, "_supports_attention_backend", True):
-            raise ValueError(
-                f"model type {model_type!r} is not supported by hf_contbatch; supported families: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        self.num_layers = text_cfg.num_hidden_layers
-        self.num_kv_heads = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
-        self.head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
-        self.max_model_len = getattr(text_cfg, "max_position_embeddings", None)
-        self.device = model.get_input_embeddings().weight.device
+        check_supported_model(model)
+        pools = KVPools.for_model(model, cfg)
+        g, sizes = pools.geometry, pools.sizes
+        self.num_layers, self.num_kv_heads, self.head_dim = g.num_layers, g.num_kv_heads, g.head_dim
+        self.max_model_len, self.device, self.backend = g.max_model_len, pools.device, pools.backend
         self.vocab_size = model.get_input_embeddings().weight.shape[0]  # ids at submit must index it
-        cache_cfg = self.config.cache
-        dtype = getattr(torch, cache_cfg.dtype) if cache_cfg.dtype else next(model.parameters()).dtype
-        self.backend = resolve_backend(
-            self.config.attention_backend,
-            self.device,
-            dtype=dtype,
-            head_dim=self.head_dim,
-            num_heads=text_cfg.num_attention_heads,
-            num_kv_heads=self.num_kv_heads,
-            block_size=cache_cfg.block_size,
-        )
-        devices = layer_devices(model, self.num_layers)
-        block_bytes = kv_bytes_per_block(self.num_layers, cache_cfg.block_size, self.num_kv_heads, self.head_dim, dtype)
-        self.pool_sizing: dict[str, str] = {}  # pool -> why it has its size (logged, shown by the dashboard)
-        num_blocks = cache_cfg.num_blocks or self._blocks_from_memory(block_bytes, devices, dtype)
-        swap_blocks = self._swap_blocks(block_bytes, num_blocks)
-        self._log_pool_sizes(num_blocks, swap_blocks, block_bytes)
-        self.cache = PagedKVCache(
-            self.num_layers,
-            self.num_kv_heads,
-            self.head_dim,
-            num_blocks,
-            cache_cfg.block_size,
-            dtype,
-            devices,
-            num_swap_blocks=swap_blocks,
-            attention_backend=self.backend,
-        )
-        self.block_manager = BlockManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
-        self.host_block_manager = BlockManager(swap_blocks, cache_cfg.block_size)
+        self.pool_sizing: dict[str, str] = dict(sizes.reasons)  # pool -> why it has its size (dashboard)
+        self.cache, bm, host_bm = pools.cache, pools.block_manager, pools.host_block_manager
+        self.block_manager, self.host_block_manager = bm, host_bm
         self.scheduler = Scheduler(
-            self.config.scheduler,
-            self.block_manager,
-            host_block_manager=self.host_block_manager,
-            swap_cost_per_block=self._estimate_swap_cost_per_block(block_bytes),
+            cfg.scheduler, bm, host_block_manager=host_bm, swap_cost_per_block=sizes.swap_cost_per_block
         )
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(self.config.seed if self.config.seed is not None else int.from_bytes(os.urandom(4), "little"))
-        self.sampler = Sampler(gen)
-        self.runner = ModelRunner(model, self.cache, self.block_manager, self.device, self.sampler)
-
-        # Before anything changes the model: a bad HF_CONTBATCH_COMPILE raises with the model untouched.
-        compile_model = resolve_compile_model(self.config.compile_model)
-        # Before the attention switch: a forced backend that cannot pack raises with nothing changed.
-        self.packed_linears = pack_linears(model, self.config.linear_backend, available_host_memory)
-        if self.config.fuse_linears:
-            fuse_siblings(model, self.packed_linears)
-        try:
-            self._previous_attn = switch_to_paged_attention(model)
-        except BaseException:
-            if self.packed_linears is not None:
-                self.packed_linears.restore()
-            raise
-        model.eval()
-        self.compiled_forward = None
-        if compile_model:
-            from ..kernels.compiled_forward import CompiledForward
-
-            self.compiled_forward = CompiledForward(model, self.cache, self.runner._cache_arg, self.packed_linears)
-            self.runner.model = self.compiled_forward
-        else:  # eager steps check the packed linears once a step (a compiled forward refreshes them itself)
-            self.runner.packed_linears = self.packed_linears
-
-        self._ids = RequestIdCounter()
-        self._handles: dict[int, RequestHandle] = {}
+        self.sampler = Sampler(seeded_generator(cfg.seed))
+        self.runner = ModelRunner(model, self.cache, bm, self.device, self.sampler)
+        self.patches = ModelPatches(model, cfg, self.cache, self.runner)  # linears, attention, compiled forward
+        self.packed_linears, self.compiled_forward = self.patches.packed_linears, self.patches.compiled_forward
+        self.request_factory = RequestFactory(self.vocab_size, g.max_model_len, bm, cfg.prompt_lookup_num_tokens)
+        self._handles = HandleRegistry(self)
         self._closed = False
         # Guards the scheduler's and block managers' state: held by the driving thread while it
         # changes them (not during the forward), and by ``stats()`` for one consistent snapshot.
         self._state_lock = threading.RLock()
-        self.counters = EngineCounters(record_phases=self.config.record_phases)
-        self._init_driver()
+        self.counters = EngineCounters(record_phases=cfg.record_phases)
+        self.driver = EngineDriver(self, drive_in_caller=cfg.drive_in_caller, num_threads=cfg.num_threads)
 
     @property
     def phase_log(self):
@@ -179,7 +139,7 @@ class LLMEngine(KVPoolSizing, EngineDriver):
         """Tokens the whole device pool holds (blocks x block size)."""
         return self.block_manager.num_blocks * self.block_manager.block_size
 
-    # --- public API ----------------------------------------------------------------------------
+    # --- requests in -----------------------------------------------------------------------------
     def submit(
         self,
         prompt_token_ids: Sequence[int],
@@ -188,7 +148,8 @@ class LLMEngine(KVPoolSizing, EngineDriver):
         stop_checker: Optional[Callable[[Request], bool]] = None,
         num_return_sequences: Optional[int] = None,
     ) -> "RequestHandle | list[RequestHandle]":
-        """Queue a request; returns at once.
+        """Queue a request (``build_request`` then ``enqueue``); returns its ``RequestHandle`` at once,
+        or a list of them when ``num_return_sequences`` is given.
 
         Args:
             prompt_token_ids: the prompt as a non-empty sequence of ints.
@@ -196,14 +157,7 @@ class LLMEngine(KVPoolSizing, EngineDriver):
             priority: lower is served first.
             stop_checker: called after each new token (engine thread); True finishes with "stop".
             num_return_sequences: None for one sequence (returns a handle); an int n >= 1 returns a
-                list of n handles. The n sequences share the prompt's KV: the first one prefills
-                it, the others are forked off it before the last prompt token (full blocks shared
-                by ref count, the partial block copied), so each samples its own first token. With
-                ``sampling.seed`` set, sequence k uses seed ``seed + k``. A fork that finds no room
-                degrades to independent requests (they recompute the prompt, or hit the prefix cache).
-
-        Returns:
-            a ``RequestHandle``, or a list of them when ``num_return_sequences`` is given.
+                list of n handles, sequences that share the prompt's KV (``RequestFactory.build``).
 
         Raises:
             ValueError: empty prompt, a token id outside the model's input embedding (the message
@@ -213,71 +167,74 @@ class LLMEngine(KVPoolSizing, EngineDriver):
                 a positive int. Nothing enters the engine then.
             RuntimeError: the engine is closed.
         """
+        req = self.build_request(prompt_token_ids, sampling, priority, stop_checker, num_return_sequences)
+        handles = self.enqueue([req])[0]
+        return handles[0] if num_return_sequences is None else handles
+
+    def build_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        priority: int = 0,
+        stop_checker: Optional[Callable[[Request], bool]] = None,
+        num_return_sequences: Optional[int] = None,
+    ) -> Request:
+        """Validate and build a request without queueing it (arguments and errors as ``submit``),
+        so that a caller with many prompts can check them all before queueing any (``enqueue``)."""
         if self._closed:
             raise RuntimeError("the engine is closed")
-        num_sequences = 1 if num_return_sequences is None else num_return_sequences
-        if not is_int(num_sequences) or num_sequences < 1:
-            raise ValueError(f"`num_return_sequences` must be an int >= 1 or None, got {num_return_sequences!r}")
-        ids = list(prompt_token_ids)
-        if not ids:
-            raise ValueError("the prompt is empty (0 tokens); give at least one token")
-        if not all(is_int(t) for t in ids):
-            raise ValueError("`prompt_token_ids` must be a sequence of ints")
-        if not is_int(priority):
-            raise ValueError(f"`priority` must be an int (lower runs first), got {priority!r}")
-        if sampling.prompt_lookup_num_tokens is None and self.config.prompt_lookup_num_tokens:
-            sampling = dataclasses.replace(sampling, prompt_lookup_num_tokens=self.config.prompt_lookup_num_tokens)
-        check_request(ids, sampling, self.vocab_size)
-        n = len(ids)
-        # A one-token scoring request (prompt log-probs) never feeds its sampled token, so its prompt
-        # may fill the whole context (lm-eval scores windows of exactly the model's length).
-        scoring = bool(sampling.prompt_logprobs) and sampling.max_new_tokens == 1
-        if self.max_model_len is not None and n + (0 if scoring else 1) > self.max_model_len:
-            raise ValueError(
-                f"prompt of {n} tokens + 1 new token exceeds the model's context of {self.max_model_len} tokens"
-            )
-        worst = n + sampling.max_new_tokens
-        if self.max_model_len is not None:
-            worst = min(worst, self.max_model_len)
-        if worst > self.capacity_tokens:
-            raise ValueError(
-                f"request needs up to {worst} tokens of KV (prompt {n} + max_new_tokens {sampling.max_new_tokens}) "
-                f"but the whole pool holds {self.capacity_tokens} tokens ({self.block_manager.num_blocks} blocks "
-                f"of {self.block_manager.block_size}); lower max_new_tokens or enlarge the cache"
-            )
-        req = Request(
-            request_id=self._ids(),
-            prompt_token_ids=ids,
-            sampling=sampling,
-            priority=priority,
-            stop_checker=stop_checker,
-            max_total_tokens=self.max_model_len,
-        )
-        for k in range(1, num_sequences):
-            sampling_k = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + k)
-            req.pending_forks.append(
-                Request(
-                    request_id=self._ids(),
-                    prompt_token_ids=list(ids),
-                    sampling=sampling_k,
-                    priority=priority,
-                    arrival_time=req.arrival_time,
-                    stop_checker=stop_checker,
-                    max_total_tokens=self.max_model_len,
-                    parent_id=req.request_id,
-                )
-            )
-        handles = [RequestHandle(self, r) for r in [req, *req.pending_forks]]
-        for h in handles:
-            self._handles[h.request_id] = h
-        self._enqueue(("add", req))
-        return handles[0] if num_return_sequences is None else handles
+        return self.request_factory.build(prompt_token_ids, sampling, priority, stop_checker, num_return_sequences)
+
+    def enqueue(self, requests: Sequence[Request]) -> list[list[RequestHandle]]:
+        """Queue requests from ``build_request``, all at once; returns at once. A request arrives
+        (``arrival_time``, from which TTFT counts) when it is queued (``EngineDriver.add``).
+
+        Returns:
+            per request, the handles of its sequences: its own, then its forks'.
+
+        Raises:
+            RuntimeError: the engine is closed; nothing is queued then.
+        """
+        handles = self._handles.open(requests)  # before the requests can run: they stream to them
+        try:
+            self.driver.add(requests)
+        except RuntimeError:  # closed
+            self._handles.discard(handles)
+            raise
+        return handles
 
     def cancel(self, request_id: int) -> None:
         """Ask the engine to stop request ``request_id``; it is freed at the next reap step with
         finish reason "cancelled" (tokens so far kept). Unknown or finished ids are ignored; never
         raises, and returns at once."""
-        self._enqueue(("cancel", request_id))
+        self.driver.cancel(request_id)
+
+    def cancel_now(self, handles: Sequence[RequestHandle]) -> None:
+        """Cancel these requests and release them before returning (see ``EngineDriver.cancel_now``)."""
+        self.driver.cancel_now(handles)
+
+    def drive(self, until: Callable[[], bool], after_iteration: Optional[Callable[[], None]] = None) -> None:
+        """Run iterations in the calling thread until ``until()`` is true (see ``EngineDriver.drive``)."""
+        self.driver.drive(until, after_iteration)
+
+    def wait_idle(self, timeout: Optional[float] = None) -> bool:
+        """Block until idle or ``timeout`` seconds passed; True if idle (see ``EngineDriver.wait_idle``)."""
+        return self.driver.wait_idle(timeout)
+
+    def add_live_view(self, view) -> None:
+        """Register a live view (see ``EngineDriver.add_live_view``)."""
+        self.driver.add_live_view(view)
+
+    @property
+    def blocking_calls_drive(self) -> bool:
+        """Whether blocking calls run iterations in their own thread (see ``EngineDriver``)."""
+        return self.driver.blocking_calls_drive
+
+    drives_callers = blocking_calls_drive  # the former name
+
+    def in_iteration(self) -> bool:
+        """True when called from inside an iteration (e.g. from a request's done-callback)."""
+        return self.driver.in_iteration()
 
     def stats(self) -> EngineStats:
         """An immutable snapshot of the pool, the queues, the counters and the phase timings (see
@@ -291,24 +248,11 @@ class LLMEngine(KVPoolSizing, EngineDriver):
         if self._closed:
             return
         self._closed = True
-        self._stop_worker()
+        not_taken = [item for item in self.driver.stop() if isinstance(item, Request)]
         err = RuntimeError("the engine was closed before the request finished")
-        with self._state_lock:
-            for req in self.scheduler.all_requests():
-                self._fail(req, err, status=RequestStatus.FINISHED_CANCELLED)
-            for kind, item in list(self._inbox):
-                if kind == "add":
-                    for req in [item, *item.pending_forks]:
-                        self._fail(req, err, status=RequestStatus.FINISHED_CANCELLED)
-            self._inbox.clear()
-            for q in (self.scheduler.running, self.scheduler.waiting, self.scheduler.swapped):
-                q.clear()  # the last stats() (the dashboard's final frame) shows nothing in flight
-        if self.compiled_forward is not None:
-            self.compiled_forward.close()
+        self.fail_all(err, not_taken, status=RequestStatus.FINISHED_CANCELLED)
+        self.patches.undo()
         self.cache.release()
-        if self.packed_linears is not None:
-            self.packed_linears.restore()
-        restore_attention(self.model, self._previous_attn)
 
     # --- the iteration ---------------------------------------------------------------------------
     def step(self) -> StepResult:
@@ -377,9 +321,7 @@ class LLMEngine(KVPoolSizing, EngineDriver):
         fails ``req`` alone."""
         try:
             self.counters.record_token(req, now)
-            handle = self._handles.get(req.request_id)
-            if handle is not None:
-                handle._push([req.output_token_ids[-1]])
+            self._handles.push_token(req)
             status = finish_status(req)
             if status is None and req.sampling.stopping_criteria and self.sampler.should_stop(req):
                 status = RequestStatus.FINISHED_STOPPED  # the call's stopping_criteria, on its own ids
@@ -399,33 +341,43 @@ class LLMEngine(KVPoolSizing, EngineDriver):
         for child in req.pending_forks:
             child.error = exc
 
-    def _apply_cancel(self, request_id: int) -> None:
-        handle = self._handles.get(request_id)
-        if handle is not None and not handle.request.status.is_finished:
-            handle.request.cancel_requested = True
-
     def _complete(self, req: Request) -> None:
         req.finish_time = time.monotonic()
         self.sampler.forget(req.request_id)
         with self._state_lock:
             self.counters.num_finished += 1
-        handle = self._handles.pop(req.request_id, None)
-        if handle is not None:
-            handle._finish()
+        self._handles.finish(req)
 
-    def _fail(self, req: Request, exc: BaseException, status=RequestStatus.FINISHED_ERROR) -> None:
-        req.error = exc
-        req.status = status
-        self.block_manager.free(req.request_id)
-        self.host_block_manager.free(req.request_id)
-        self._complete(req)
+    # --- what the driver calls (``DrivenEngine``) ------------------------------------------------
+    def has_requests(self) -> bool:
+        """True while the scheduler holds requests (waiting, running or swapped)."""
+        return self.scheduler.has_work
 
-    def _fail_all(self, exc: BaseException) -> None:
-        """An error in a step fails every request in flight; the engine then serves new ones."""
+    def take_inbox(self, items: Sequence[InboxItem]) -> None:
+        """Hand new requests and cancellations to the scheduler, in arrival order."""
         with self._state_lock:
-            for req in self.scheduler.all_requests():
-                self._fail(req, exc)
-            self.scheduler.running.clear()
-            self.scheduler.waiting.clear()
-            self.scheduler.swapped.clear()
+            for item in items:
+                if isinstance(item, Cancel):
+                    self._handles.request_cancel(item.request_id)
+                else:
+                    self.scheduler.add_request(item)
+
+    def release_finished(self) -> None:
+        """A reap outside an iteration: free finished and cancelled requests, finish their handles."""
+        with self._state_lock:
+            reaped = self.scheduler.reap()
+        for req in reaped:
+            self._complete(req)
+
+    def fail_all(
+        self, exc: BaseException, not_taken: Sequence[Request] = (), status=RequestStatus.FINISHED_ERROR
+    ) -> None:
+        """Fail every request in flight (and ``not_taken``, requests still in the inbox) with ``exc``:
+        the scheduler drops them, so the next ``stats()`` (the dashboard's last frame after
+        ``close``) shows nothing in flight. After a failed step the engine then serves new ones."""
+        with self._state_lock:
+            for req in self.scheduler.drop_all_requests() + [r for q in not_taken for r in (q, *q.pending_forks)]:
+                req.error = exc
+                req.status = status
+                self._complete(req)
             self.cache.metadata = None

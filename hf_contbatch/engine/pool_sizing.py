@@ -1,15 +1,21 @@
 """Sizing the KV pools: device blocks from memory (profiling on CUDA), the host swap pool, and the
-swap-versus-recompute cost estimate. A mixin of ``LLMEngine`` (it reads the engine's config, model
-and geometry); kept apart so the engine file holds the iteration, not the arithmetic of memory."""
+swap-versus-recompute cost estimate.
+
+``LLMEngine`` asks a ``KVPoolSizer`` once, before it allocates anything, and gets a ``PoolSizes``
+back: the sizes and, per pool, why it has its size (logged, and shown by the dashboard through
+``LLMEngine.pool_sizing``).
+"""
 
 from __future__ import annotations
 
 import collections
 import logging
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 
+from ..config import EngineConfig
 from ..core.block_manager import BlockManager
 from ..core.plan import ScheduledRequest, StepPlan
 from ..core.pool_size import default_host_kv_blocks, default_swap_blocks
@@ -57,14 +63,104 @@ def available_host_memory() -> Optional[int]:
     return None
 
 
-class KVPoolSizing:
-    """Pool sizing for ``LLMEngine`` (uses ``config``, ``model``, ``device``, ``backend``,
-    ``num_layers``, ``num_kv_heads``, ``head_dim`` and ``max_model_len`` of the engine)."""
+@dataclass(frozen=True)
+class KVGeometry:
+    """The model's shape as the KV pool sees it (read from the text model's config).
 
-    def _blocks_from_memory(self, block_bytes: int, layer_devices: Sequence[torch.device], dtype) -> int:
+    Attributes:
+        num_layers: decoder layers (each has its slice of every block).
+        num_heads: query heads.
+        num_kv_heads: key/value heads (fewer than ``num_heads`` under grouped-query attention).
+        head_dim: channels per head.
+        max_model_len: the model's context in tokens (``max_position_embeddings``); None if unset.
+    """
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_model_len: Optional[int]
+
+    @classmethod
+    def of(cls, model) -> "KVGeometry":
+        """The geometry of ``model`` (a transformers causal LM; multimodal configs nest the text one)."""
+        cfg = text_config(model)
+        return cls(
+            num_layers=cfg.num_hidden_layers,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            max_model_len=getattr(cfg, "max_position_embeddings", None),
+        )
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    """The KV pools' sizes, as ``KVPoolSizer.size`` decided them.
+
+    Attributes:
+        num_blocks: blocks of the device pool.
+        num_swap_blocks: blocks of the host swap pool (0: no swapping).
+        block_bytes: bytes of one block over all layers (keys and values).
+        swap_cost_per_block: a swap round trip of one block in tokens of recompute (the
+            scheduler's estimate for ``preemption_mode="auto"``).
+        reasons: pool ("kv", and "swap" when there is one) -> why it has its size.
+    """
+
+    num_blocks: int
+    num_swap_blocks: int
+    block_bytes: int
+    swap_cost_per_block: float
+    reasons: dict = field(default_factory=dict)
+
+
+class KVPoolSizer:
+    """Decides how many blocks the device pool and the host swap pool get.
+
+    Args:
+        model: the model the pools serve (its parameters count for the swap cost; on CUDA one
+            profiling forward runs through it).
+        config: the engine configuration (cache and scheduler settings).
+        geometry: the model's KV geometry.
+        device: the device of the model's input embedding.
+        backend: the attention backend the profiling forward uses.
+    """
+
+    def __init__(self, model, config: EngineConfig, geometry: KVGeometry, *, device: torch.device, backend) -> None:
+        self.model = model
+        self.config = config
+        self.geometry = geometry
+        self.device = device
+        self.backend = backend
+
+    def size(self, layer_devices: Sequence[torch.device], dtype: torch.dtype) -> PoolSizes:
+        """The pools' sizes for KV of ``dtype`` with each layer's slice on ``layer_devices[i]``;
+        logs them in one INFO line.
+
+        Raises:
+            ValueError: the memory left cannot hold one block, or ``cpu_cache_gib`` /
+                ``swap_space_gib`` exceed the available host memory.
+        """
+        cache_cfg = self.config.cache
+        g = self.geometry
+        block_bytes = kv_bytes_per_block(g.num_layers, cache_cfg.block_size, g.num_kv_heads, g.head_dim, dtype)
+        reasons: dict[str, str] = {}
+        if cache_cfg.num_blocks:
+            num_blocks = cache_cfg.num_blocks
+            reasons["kv"] = f"num_blocks={num_blocks}"
+        else:
+            num_blocks, reasons["kv"] = self._blocks_from_memory(block_bytes, layer_devices, dtype)
+        swap_blocks, swap_reason = self._swap_blocks(block_bytes, num_blocks)
+        if swap_reason:
+            reasons["swap"] = swap_reason
+        sizes = PoolSizes(num_blocks, swap_blocks, block_bytes, self._swap_cost_per_block(block_bytes), reasons)
+        self._log(sizes)
+        return sizes
+
+    def _blocks_from_memory(self, block_bytes: int, layer_devices: Sequence[torch.device], dtype) -> tuple[int, str]:
         """Pool size when ``num_blocks`` is None: ``gpu_memory_utilization`` on CUDA (after a
         profiling forward); on CPU ``cpu_cache_gib`` (checked against the available RAM) or, when
-        that is None, what the model can use (``kv.pool_size.default_host_kv_blocks``).
+        that is None, what the model can use (``core.pool_size.default_host_kv_blocks``).
 
         Raises:
             ValueError: the memory left cannot hold one block, or ``cpu_cache_gib`` exceeds the
@@ -72,25 +168,27 @@ class KVPoolSizing:
         """
         cache_cfg = self.config.cache
         if any(d.type == "cuda" for d in layer_devices):
-            self.pool_sizing["kv"] = f"gpu_memory_utilization={cache_cfg.gpu_memory_utilization:g}"
-            return self._blocks_from_device_memory(layer_devices, dtype)
+            reason = f"gpu_memory_utilization={cache_cfg.gpu_memory_utilization:g}"
+            return self.blocks_from_device_memory(layer_devices, dtype), reason
         available = available_host_memory()
         if cache_cfg.cpu_cache_gib is None:
             size = default_host_kv_blocks(
-                block_bytes, cache_cfg.block_size, self.config.scheduler.max_num_seqs, self.max_model_len, available
+                block_bytes,
+                cache_cfg.block_size,
+                self.config.scheduler.max_num_seqs,
+                self.geometry.max_model_len,
+                available,
             )
-            self.pool_sizing["kv"] = size.reason
-            return size.num_blocks
-        self.pool_sizing["kv"] = f"cpu_cache_gib={cache_cfg.cpu_cache_gib:g}"
+            return size.num_blocks, size.reason
         want = cache_cfg.cpu_cache_gib * 2**30
         if available is not None and want > available:
             raise ValueError(
                 f"`cpu_cache_gib`={cache_cfg.cpu_cache_gib} exceeds the available host memory "
                 f"({available / 2**30:.1f} GiB); lower it or pass `num_blocks`"
             )
-        return max(1, int(want // block_bytes))
+        return max(1, int(want // block_bytes)), f"cpu_cache_gib={cache_cfg.cpu_cache_gib:g}"
 
-    def _blocks_from_device_memory(self, layer_devices: Sequence[torch.device], dtype) -> int:
+    def blocks_from_device_memory(self, layer_devices: Sequence[torch.device], dtype) -> int:
         """vLLM's ``gpu_memory_utilization`` sizing, per CUDA device holding layers.
 
         KV budget of a device = total * utilization - memory in use before profiling (weights, the
@@ -108,8 +206,9 @@ class KVPoolSizing:
             torch.cuda.reset_peak_memory_stats(d)
             free, total = torch.cuda.mem_get_info(d)
             before[d] = (total, total - free, torch.cuda.memory_allocated(d))
-        probe_bytes = self._profile_forward(layer_devices, dtype)
-        per_layer_block = kv_bytes_per_block(1, self.config.cache.block_size, self.num_kv_heads, self.head_dim, dtype)
+        probe_bytes = self.profile_forward(layer_devices, dtype)
+        g = self.geometry
+        per_layer_block = kv_bytes_per_block(1, self.config.cache.block_size, g.num_kv_heads, g.head_dim, dtype)
         counts = []
         for d, num_layers in layers_on.items():
             total, used, allocated = before[d]
@@ -129,18 +228,18 @@ class KVPoolSizing:
         return min(counts)
 
     @torch.inference_mode()
-    def _profile_forward(self, layer_devices: Sequence[torch.device], dtype) -> dict:
+    def profile_forward(self, layer_devices: Sequence[torch.device], dtype) -> dict:
         """One forward over ``max_num_batched_tokens`` dummy prompt tokens through the real step path
         (paged attention, a throwaway pool just big enough); returns that pool's bytes per device."""
         bs = self.config.cache.block_size
         budget = self.config.scheduler.max_num_batched_tokens
-        per_request = min(budget, self.max_model_len or budget)
+        per_request = min(budget, self.geometry.max_model_len or budget)
         lengths = [per_request] * (budget // per_request) + ([budget % per_request] if budget % per_request else [])
         num_blocks = sum(-(-n // bs) for n in lengths)
         probe = PagedKVCache(
-            self.num_layers,
-            self.num_kv_heads,
-            self.head_dim,
+            self.geometry.num_layers,
+            self.geometry.num_kv_heads,
+            self.geometry.head_dim,
             num_blocks,
             bs,
             dtype,
@@ -170,15 +269,15 @@ class KVPoolSizing:
         probe.release()
         return dict(sizes)
 
-    def _swap_blocks(self, block_bytes: int, num_blocks: int) -> int:
-        """Host swap pool size in blocks (0 unless a swapping preemption mode is on).
+    def _swap_blocks(self, block_bytes: int, num_blocks: int) -> tuple[int, str]:
+        """Host swap pool size in blocks (0 unless a swapping preemption mode is on), and why.
 
         Raises:
             ValueError: the swap pool (plus the KV pool, when that is on the host too) exceeds the
                 available host memory.
         """
         if self.config.scheduler.preemption_mode not in ("swap", "auto"):
-            return 0
+            return 0, ""
         gib = self.config.cache.swap_space_gib
         host_kv = num_blocks * block_bytes if self.device.type == "cpu" else 0
         available = available_host_memory()
@@ -188,37 +287,34 @@ class KVPoolSizing:
                 num_blocks,
                 self.config.cache.block_size,
                 self.config.scheduler.max_num_seqs,
-                self.max_model_len,
+                self.geometry.max_model_len,
                 available,
                 host_kv,
             )
-            self.pool_sizing["swap"] = size.reason
-            return size.num_blocks
-        self.pool_sizing["swap"] = f"swap_space_gib={gib:g}"
+            return size.num_blocks, size.reason
         swap_blocks = int(gib * 2**30 // block_bytes)
         if available is not None and swap_blocks * block_bytes + host_kv > available:
             raise ValueError(
                 f"`swap_space_gib`={gib} plus the {host_kv / 2**30:.2f} GiB KV pool exceeds the available host "
                 f"memory ({available / 2**30:.1f} GiB); lower swap_space_gib or use preemption_mode='recompute'"
             )
-        return swap_blocks
+        return swap_blocks, f"swap_space_gib={gib:g}"
 
-    def _log_pool_sizes(self, num_blocks: int, swap_blocks: int, block_bytes: int) -> None:
-        """One INFO line per engine: the pools' sizes and why (``pool_sizing``)."""
+    def _log(self, sizes: PoolSizes) -> None:
+        """One INFO line per engine: the pools' sizes and why."""
         bs = self.config.cache.block_size
-        self.pool_sizing.setdefault("kv", f"num_blocks={num_blocks}")
+        n, swap, block_bytes = sizes.num_blocks, sizes.num_swap_blocks, sizes.block_bytes
         line = (
-            f"KV pool: {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens, "
-            f"{num_blocks * block_bytes / 2**20:.0f} MiB on {self.device.type}; {self.pool_sizing['kv']})"
+            f"KV pool: {n} blocks of {bs} tokens ({n * bs} tokens, "
+            f"{n * block_bytes / 2**20:.0f} MiB on {self.device.type}; {sizes.reasons['kv']})"
         )
-        if swap_blocks:
+        if swap:
             line += (
-                f"; swap pool: {swap_blocks} blocks ({swap_blocks * block_bytes / 2**20:.0f} MiB; "
-                f"{self.pool_sizing.get('swap', '')})"
+                f"; swap pool: {swap} blocks ({swap * block_bytes / 2**20:.0f} MiB; {sizes.reasons.get('swap', '')})"
             )
         logger.info(line)
 
-    def _estimate_swap_cost_per_block(self, block_bytes: int) -> float:
+    def _swap_cost_per_block(self, block_bytes: int) -> float:
         """Cost of moving one block to the host and back, in tokens of recompute ("auto" mode).
 
         Recomputing a token costs about ``2 * parameters`` FLOPs; a swap round trip moves

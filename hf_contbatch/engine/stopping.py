@@ -2,7 +2,7 @@
 
 ``finish_status`` is the engine's check after each new token; ``StopStringCheckers`` builds the
 per-request stop-string check that the pipeline and the lm-eval integration pass to
-``LLMEngine.submit`` (transformers' ``StopStringCriteria``, which matches stop strings against the
+``LLMEngine.build_request`` (transformers' ``StopStringCriteria``, which matches stop strings against the
 token strings, so a stop string spanning tokens is found without decoding).
 """
 
@@ -55,7 +55,7 @@ class StopStringCheckers:
         self._lock = threading.Lock()
 
     def checker(self, stop_strings: "str | Sequence[str] | None") -> Optional[StopChecker]:
-        """A check for ``LLMEngine.submit(stop_checker=...)``: True once the request's new tokens end
+        """A check for ``LLMEngine.submit``/``build_request(stop_checker=...)``: True once the request's new tokens end
         with one of ``stop_strings``; None when there are none.
 
         Raises:

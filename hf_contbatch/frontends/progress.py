@@ -2,7 +2,7 @@
 lm-eval integration.
 
 Where the engine lets blocking callers drive (``LLMEngine.blocking_calls_drive``), the waiting
-thread runs the iterations itself (see ``LLMEngine.drive`` for why that is faster on CPU);
+thread runs the iterations itself (see ``EngineDriver.drive`` for why that is faster on CPU);
 otherwise it sleeps on the requests' completion events. Either way the bar advances once per
 finished request and shows the generated tokens per second.
 """
@@ -35,19 +35,7 @@ def wait_for(engine, handles: Sequence[RequestHandle], *, desc: str = "hf_contba
     """
     t0 = time.monotonic()
     done_q: "queue.SimpleQueue[RequestHandle]" = queue.SimpleQueue()
-    for h in handles:
-        h.add_done_callback(done_q.put)
     bar = None
-    if show:
-        from tqdm.auto import tqdm
-
-        # Rates in our own words: tqdm writes "3.78s/req" below one request a second.
-        bar = tqdm(
-            total=len(handles),
-            desc=desc,
-            unit="req",
-            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
-        )
     tokens = 0
     finished = 0
 
@@ -66,7 +54,19 @@ def wait_for(engine, handles: Sequence[RequestHandle], *, desc: str = "hf_contba
             except queue.Empty:
                 return
 
-    try:
+    try:  # from here on, any exception (an interrupt during the first tqdm import too) cancels them
+        for h in handles:
+            h.add_done_callback(done_q.put)
+        if show:
+            from tqdm.auto import tqdm
+
+            # Rates in our own words: tqdm writes "3.78s/req" below one request a second.
+            bar = tqdm(
+                total=len(handles),
+                desc=desc,
+                unit="req",
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
+            )
         if engine.blocking_calls_drive:
             engine.drive(lambda: all(h.done() for h in handles), after_iteration=drain)
             drain()

@@ -101,7 +101,7 @@ def test_two_engines_side_by_side_and_close_restores_attention():
         e1.close()
         e2.close()
     assert m1.config._attn_implementation == before
-    assert not e1._thread.is_alive() and not e2._thread.is_alive()
+    assert not e1.driver.thread.is_alive() and not e2.driver.thread.is_alive()
     assert e1.cache.key_cache == []
     with pytest.raises(RuntimeError, match="closed"):
         e1.submit(p, SamplingParams(max_new_tokens=1))
@@ -254,3 +254,62 @@ def test_a_timed_result_polled_inside_a_done_callback_times_out_instead_of_nesti
     finally:
         eng.close()
     assert len(seen) == 1 and isinstance(seen[0], TimeoutError)
+
+
+@pytest.mark.timeout(120)
+def test_build_request_queues_nothing_and_enqueue_queues_every_built_request(llama_model):
+    prompts = random_prompts([6, 11, 4], seed=8)
+    refs = [reference_greedy(build_model("llama"), p, 5) for p in prompts]
+    eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=40)))
+    try:
+        built = [eng.build_request(p, SamplingParams(max_new_tokens=5)) for p in prompts]
+        sampled = eng.build_request(prompts[0], SamplingParams(max_new_tokens=3, do_sample=True, seed=1), 0, None, 2)
+        with pytest.raises(ValueError, match="token id 512 at position 1"):
+            eng.build_request([5, 512], SamplingParams(max_new_tokens=5))
+        assert not eng.driver.has_work(), "building a request queued it"
+        assert eng.stats().num_iterations == 0
+        handles = eng.enqueue([*built, sampled])
+        assert [len(hs) for hs in handles] == [1, 1, 1, 2]  # a request's own handle, then its fork's
+        assert [hs[0].result(60).output_token_ids for hs in handles[:3]] == refs
+        assert [len(h.result(60).output_token_ids) for h in handles[3]] == [3, 3]
+        assert eng.wait_idle(10)
+        assert eng.stats().num_free_blocks == 40
+    finally:
+        eng.close()
+
+
+@pytest.mark.timeout(120)
+def test_close_cancels_running_and_still_queued_requests_and_frees_every_block(llama_model):
+    eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=40), drive_in_caller=False))
+    original = eng.step
+    in_step, release = threading.Event(), threading.Event()
+
+    def held_step():
+        in_step.set()
+        release.wait(30)  # hold the background thread inside the first iteration
+        return original()
+
+    eng.step = held_step
+    running = eng.submit([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=100))
+    assert in_step.wait(30)
+    queued = eng.submit([10, 11], SamplingParams(max_new_tokens=100))  # waits in the inbox: the thread is busy
+    threading.Timer(0.5, release.set).start()  # let the iteration end while close() waits for the thread
+    eng.close()
+    for h in (running, queued):
+        assert h.done() and h.output().finish_reason == "cancelled"
+        with pytest.raises(EngineError, match="closed before the request finished"):
+            h.result(0)
+    stats = eng.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_swapped) == (0, 0, 0)
+    assert stats.num_free_blocks == 40
+    eng.block_manager.check_invariants()
+
+
+@pytest.mark.timeout(60)
+def test_enqueueing_no_requests_leaves_the_engine_idle(llama_model):
+    eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(num_blocks=16)))
+    try:
+        assert eng.enqueue([]) == []
+        assert eng.wait_idle(5)
+    finally:
+        eng.close()

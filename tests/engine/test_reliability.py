@@ -49,7 +49,7 @@ def test_out_of_range_or_negative_token_id_is_refused_at_submit_naming_id_positi
             eng.submit([5, 6], SamplingParams(max_new_tokens=1, prompt_logprobs=1, score_token_id=512))
         with pytest.raises(ValueError, match="max_new_tokens"):
             eng.submit([5, 6], SamplingParams(max_new_tokens=0))
-        assert not eng._inbox and not eng.scheduler.has_work, "a refused request entered the engine"
+        assert not eng.driver.has_work(), "a refused request entered the engine"  # inbox and scheduler
         ref = reference_greedy(build_model("llama"), [5, 6, 7], 4)
         assert eng.submit([5, 6, 7], _greedy(4)).result(30).output_token_ids == ref
         _assert_at_rest(eng, 16)

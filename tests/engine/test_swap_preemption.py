@@ -11,6 +11,7 @@ import torch
 
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from hf_contbatch.core.scheduler import PHASES
+from hf_contbatch.engine.pool_sizing import KVGeometry, KVPoolSizer
 from hf_contbatch.kernels.paged_cache import kv_bytes_per_block
 
 from conftest import build_model, random_prompts, reference_greedy
@@ -134,6 +135,11 @@ def test_stats_snapshot_reports_memory_management_and_phase_times(llama_model):
 
 
 # --- sizing from memory ---------------------------------------------------------------------------------
+def _sizer(eng: LLMEngine) -> KVPoolSizer:
+    """The pool sizer ``eng`` asked at construction (same model, configuration and backend)."""
+    return KVPoolSizer(eng.model, eng.config, KVGeometry.of(eng.model), device=eng.device, backend=eng.backend)
+
+
 @pytest.mark.timeout(120)
 def test_profiling_forward_runs_the_token_budget_through_the_paged_path(llama_model):
     eng = LLMEngine(
@@ -145,7 +151,7 @@ def test_profiling_forward_runs_the_token_budget_through_the_paged_path(llama_mo
     try:
         before = llama_model.config._attn_implementation
         cpu = [torch.device("cpu")] * eng.num_layers
-        probe = eng._profile_forward(cpu, torch.float32)
+        probe = _sizer(eng).profile_forward(cpu, torch.float32)
         assert llama_model.config._attn_implementation == before
         # 1100 tokens exceed the 512-token context: split into 512 + 512 + 76 -> 128 + 128 + 19 blocks.
         assert probe == {torch.device("cpu"): 275 * kv_bytes_per_block(2, 4, 2, 16, torch.float32)}
@@ -175,16 +181,17 @@ def test_gpu_memory_utilization_sizing_subtracts_memory_in_use_and_the_activatio
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (memory[d]["free"], memory[d]["total"]))
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: memory[d]["allocated"])
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: memory[d]["peak"])
-        monkeypatch.setattr(eng, "_profile_forward", lambda devices, dtype: {d0: gib, d1: gib // 2})
+        sizer = _sizer(eng)
+        monkeypatch.setattr(sizer, "profile_forward", lambda devices, dtype: {d0: gib, d1: gib // 2})
         per_layer_block = kv_bytes_per_block(1, 16, 2, 16, torch.float32)
         # One device: 80 * 0.5 - 10 in use - (5 - 2 - 1 probe) activation = 28 GiB over both layers.
-        assert eng._blocks_from_device_memory([d0, d0], torch.float32) == int(28 * gib // (2 * per_layer_block))
+        assert sizer.blocks_from_device_memory([d0, d0], torch.float32) == int(28 * gib // (2 * per_layer_block))
         # Layers split over two devices: each holds one layer's slice; the tighter device decides.
         # d1: 40 - 4 - (3 - 1 - 0.5) = 34.5 GiB; d0: 28 GiB.
-        assert eng._blocks_from_device_memory([d0, d1], torch.float32) == int(28 * gib // per_layer_block)
+        assert sizer.blocks_from_device_memory([d0, d1], torch.float32) == int(28 * gib // per_layer_block)
         memory[d0]["free"] = 30 * gib  # 50 GiB in use: above 0.5 of 80 GiB
         with pytest.raises(ValueError, match="gpu_memory_utilization=0.5"):
-            eng._blocks_from_device_memory([d0, d0], torch.float32)
+            sizer.blocks_from_device_memory([d0, d0], torch.float32)
     finally:
         eng.close()
 

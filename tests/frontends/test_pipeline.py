@@ -144,6 +144,17 @@ def test_context_manager_closes_the_engine():
         default_model_path(), dtype=torch.float32, cache_config=CacheConfig(num_blocks=16)
     ) as p:
         p("import", do_sample=False, max_new_tokens=2)
-    assert not p.engine._thread.is_alive()
+    assert not p.engine.driver.thread.is_alive()
     with pytest.raises(RuntimeError, match="closed"):
         p("import", max_new_tokens=2)
+
+
+@pytest.mark.timeout(120)
+def test_a_call_with_one_bad_prompt_queues_none_of_its_prompts(pipe):
+    assert pipe.engine.wait_idle(30)
+    finished = pipe.stats().num_finished
+    with pytest.raises(ValueError, match="context"):
+        pipe([*PROMPTS, "word " * 2000], max_new_tokens=4, do_sample=False)  # the fifth exceeds the context
+    assert not pipe.engine.driver.has_work(), "a prompt of the refused call entered the engine"
+    assert pipe.engine.wait_idle(30)
+    assert pipe.stats().num_finished == finished  # none was queued, so none finished (not even cancelled)

@@ -102,7 +102,7 @@ def test_stop_while_streaming_cancels_that_request_and_reraises(pipe):
     with pytest.raises(KeyboardInterrupt, match="cancelled") as stopped:
         for _delta in handle:
             first.set()
-    assert {Path(str(e.path)).name for e in stopped.traceback} <= {Path(__file__).name, "pipeline.py"}
+    assert {Path(str(e.path)).name for e in stopped.traceback} <= {Path(__file__).name, "generation_handle.py"}
     assert handle.handles[0].result(timeout=60).finish_reason == "cancelled"
     assert other.result()  # the other request is not affected
     assert other.finish_reasons() == ["length"] and len(other.handles[0].request.output_token_ids) == 60

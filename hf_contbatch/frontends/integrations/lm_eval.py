@@ -28,7 +28,8 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
 from ...config import CacheConfig, EngineConfig, SchedulerConfig
-from ...engine.llm_engine import LLMEngine, RequestHandle
+from ...engine.handles import RequestHandle
+from ...engine.llm_engine import LLMEngine
 from ...engine.logits_processors import logits_device, with_processors
 from ...engine.stopping import StopStringCheckers
 from ...request import SamplingParams
@@ -111,7 +112,7 @@ class ContinuousBatchingLM(HFLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
         """``(sum log-prob, all greedy)`` of each continuation, scored as ``hf`` does: the last
         ``max_length + 1`` tokens of context + continuation, the final one never fed to the model."""
-        handles = []
+        built = []
         spans = []
         for _, context_enc, continuation_enc in requests:
             if not context_enc or not continuation_enc:
@@ -125,8 +126,9 @@ class ContinuousBatchingLM(HFLM):
             whole = (context_enc + continuation_enc)[-(self.max_length + 1) :]
             first = len(whole) - len(continuation_enc)  # position of the first continuation token
             sp = SamplingParams(max_new_tokens=1, prompt_logprobs=first, score_token_id=whole[-1])
-            handles.append(self.engine.submit(whole[:-1], sp))
+            built.append(self.engine.build_request(whole[:-1], sp))
             spans.append((first, len(whole) - 1))
+        handles = [hs[0] for hs in self.engine.enqueue(built)]  # all validated: none queued if one is bad
         self._wait_all(handles, "Running loglikelihood requests", disable_tqdm)
         results = []
         for (request_str, _, _), h, (first, last) in zip(requests, handles, spans):
@@ -194,35 +196,31 @@ class ContinuousBatchingLM(HFLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Every request submitted at once; the text is post-processed as ``hf`` does."""
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
-        handles: list[RequestHandle] = []
+        built = []
         untils = []
-        try:
-            for req in requests:
-                context, gen_kwargs = req.args
-                if not isinstance(gen_kwargs, dict):
-                    raise ValueError(f"Expected `kwargs` to be of type `dict` but got {type(gen_kwargs)}")
-                kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
-                until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
-                max_gen_toks = kwargs.pop("max_gen_toks")
-                max_ctx_len = self.max_length - max_gen_toks
-                if max_ctx_len <= 0:
-                    raise ValueError(
-                        f"Invalid configuration: requested max tokens to generate ({max_gen_toks}) must be less than "
-                        f"model's maximum sequence length ({self.max_length})."
-                    )
-                # one context at a time: hf's special-token decision looks at the batch's first string
-                ids, _ = self.tok_batch_encode([context], left_truncate_len=max_ctx_len, truncation=self.truncation)
-                prompt = ids[0].tolist()
-                sp = self._sampling_for(kwargs, prompt, max_gen_toks)
-                handles.append(
-                    self.engine.submit(prompt, sp, stop_checker=self._stop_checkers.checker([u for u in until if u]))
+        for req in requests:
+            context, gen_kwargs = req.args
+            if not isinstance(gen_kwargs, dict):
+                raise ValueError(f"Expected `kwargs` to be of type `dict` but got {type(gen_kwargs)}")
+            kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+            max_gen_toks = kwargs.pop("max_gen_toks")
+            max_ctx_len = self.max_length - max_gen_toks
+            if max_ctx_len <= 0:
+                raise ValueError(
+                    f"Invalid configuration: requested max tokens to generate ({max_gen_toks}) must be less than "
+                    f"model's maximum sequence length ({self.max_length})."
                 )
-                untils.append(until)
-            self._wait_all(handles, "Running generate_until requests", disable_tqdm)
-        except BaseException:
-            for h in handles:
-                h.cancel()
-            raise
+            # one context at a time: hf's special-token decision looks at the batch's first string
+            ids, _ = self.tok_batch_encode([context], left_truncate_len=max_ctx_len, truncation=self.truncation)
+            prompt = ids[0].tolist()
+            sp = self._sampling_for(kwargs, prompt, max_gen_toks)
+            checker = self._stop_checkers.checker([u for u in until if u])
+            built.append(self.engine.build_request(prompt, sp, stop_checker=checker))
+            untils.append(until)
+        # Every request validated before any is queued; the wait cancels them all if interrupted.
+        handles: list[RequestHandle] = [hs[0] for hs in self.engine.enqueue(built)]
+        self._wait_all(handles, "Running generate_until requests", disable_tqdm)
         results = []
         for req, h, until in zip(requests, handles, untils):
             cont_toks = h.result().output_token_ids

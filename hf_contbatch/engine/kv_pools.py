@@ -1,0 +1,83 @@
+"""The KV pools of one engine, built for its model: the attention backend, the pools' sizes (from
+``KVPoolSizer``), the paged cache tensors, and the block bookkeeping of the device pool and of the
+host swap pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import EngineConfig
+from ..core.block_manager import BlockManager
+from ..kernels.attention import resolve_backend
+from ..kernels.paged_cache import PagedKVCache
+from .pool_sizing import KVGeometry, KVPoolSizer, PoolSizes, layer_devices
+
+
+@dataclass
+class KVPools:
+    """The KV pools of one engine.
+
+    Attributes:
+        geometry: the model's KV geometry.
+        device: the device of the model's input embedding.
+        backend: the attention backend (``kernels.attention.resolve_backend``).
+        sizes: the pools' sizes and why each has its size.
+        cache: the K/V block tensors of every layer, and the host swap pool.
+        block_manager: the device pool's bookkeeping.
+        host_block_manager: the host swap pool's bookkeeping (0 blocks: no swapping).
+    """
+
+    geometry: KVGeometry
+    device: torch.device
+    backend: object
+    sizes: PoolSizes
+    cache: PagedKVCache
+    block_manager: BlockManager
+    host_block_manager: BlockManager
+
+    @classmethod
+    def for_model(cls, model, config: EngineConfig) -> "KVPools":
+        """Size and allocate the pools for ``model`` under ``config`` (KV dtype: ``config.cache.dtype``,
+        else the model's; each layer's slice on that layer's device).
+
+        Raises:
+            ValueError: an unknown or unusable ``attention_backend``, or pools that do not fit in
+                memory (see ``KVPoolSizer.size``).
+        """
+        geometry = KVGeometry.of(model)
+        device = model.get_input_embeddings().weight.device
+        cache_cfg = config.cache
+        dtype = getattr(torch, cache_cfg.dtype) if cache_cfg.dtype else next(model.parameters()).dtype
+        backend = resolve_backend(
+            config.attention_backend,
+            device,
+            dtype=dtype,
+            head_dim=geometry.head_dim,
+            num_heads=geometry.num_heads,
+            num_kv_heads=geometry.num_kv_heads,
+            block_size=cache_cfg.block_size,
+        )
+        devices = layer_devices(model, geometry.num_layers)
+        sizes = KVPoolSizer(model, config, geometry, device=device, backend=backend).size(devices, dtype)
+        cache = PagedKVCache(
+            geometry.num_layers,
+            geometry.num_kv_heads,
+            geometry.head_dim,
+            sizes.num_blocks,
+            cache_cfg.block_size,
+            dtype,
+            devices,
+            num_swap_blocks=sizes.num_swap_blocks,
+            attention_backend=backend,
+        )
+        return cls(
+            geometry=geometry,
+            device=device,
+            backend=backend,
+            sizes=sizes,
+            cache=cache,
+            block_manager=BlockManager(sizes.num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching),
+            host_block_manager=BlockManager(sizes.num_swap_blocks, cache_cfg.block_size),
+        )

@@ -1,0 +1,64 @@
+"""What an engine changes on its model, and how ``LLMEngine.close`` undoes it: packed (and fused)
+linears, the switch to paged attention, and a compiled forward."""
+
+from __future__ import annotations
+
+from ..config import EngineConfig, resolve_compile_model
+from ..kernels.cpu_linear import pack_linears
+from ..kernels.fused_linear import fuse_siblings
+from .attention_switch import restore_attention, switch_to_paged_attention
+from .pool_sizing import available_host_memory
+
+
+class ModelPatches:
+    """The engine's changes to one model: applied by the constructor, undone by ``undo``.
+
+    Args:
+        model: the engine's model.
+        config: the engine configuration (``linear_backend``, ``fuse_linears``, ``compile_model``).
+        cache: the engine's ``PagedKVCache`` (a compiled forward stores K/V into it itself).
+        runner: the engine's ``ModelRunner``: it runs the compiled forward, or checks the packed
+            linears once a step when the forward is eager.
+
+    Attributes:
+        packed_linears: the ``PackedLinears`` (None when the linears stay as they are).
+        compiled_forward: the ``CompiledForward`` (None unless ``compile_model``).
+        previous_attention: the model's own attention implementation, restored by ``undo``.
+
+    Raises:
+        ValueError: a bad ``HF_CONTBATCH_COMPILE``, or a forced linear backend that cannot pack.
+            On any error the model is left as it was.
+    """
+
+    def __init__(self, model, config: EngineConfig, cache, runner) -> None:
+        self.model = model
+        # Before anything changes the model: a bad HF_CONTBATCH_COMPILE raises with the model untouched.
+        compile_model = resolve_compile_model(config.compile_model)
+        # Before the attention switch: a forced backend that cannot pack raises with nothing changed.
+        self.packed_linears = pack_linears(model, config.linear_backend, available_host_memory)
+        if config.fuse_linears:
+            fuse_siblings(model, self.packed_linears)
+        try:
+            self.previous_attention = switch_to_paged_attention(model)
+        except BaseException:
+            if self.packed_linears is not None:
+                self.packed_linears.restore()
+            raise
+        model.eval()
+        self.compiled_forward = None
+        if compile_model:
+            from ..kernels.compiled_forward import CompiledForward
+
+            self.compiled_forward = CompiledForward(model, cache, runner._cache_arg, self.packed_linears)
+            runner.model = self.compiled_forward
+        else:  # eager steps check the packed linears once a step (a compiled forward refreshes them itself)
+            runner.packed_linears = self.packed_linears
+
+    def undo(self) -> None:
+        """Stop the compiled forward, restore the original linears and the model's attention (the
+        last engine open on the model restores it)."""
+        if self.compiled_forward is not None:
+            self.compiled_forward.close()
+        if self.packed_linears is not None:
+            self.packed_linears.restore()
+        restore_attention(self.model, self.previous_attention)

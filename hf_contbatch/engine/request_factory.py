@@ -1,0 +1,126 @@
+"""Building engine requests: the one place a prompt and its sampling parameters are validated.
+
+``RequestFactory.build`` turns a prompt's token ids and ``SamplingParams`` into a ``Request`` (with
+the pending forks of its extra sequences), or raises ``ValueError`` for anything that would fail
+later: inside a step, where the error would reach every request batched with the bad one, or in
+the queue, where a request that can never fit would wait forever. Building queues nothing, so a
+caller can build every request of a call before queueing any (``LLMEngine.enqueue``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Sequence
+
+from ..config import is_int
+from ..core.block_manager import BlockManager
+from ..request import Request, RequestIdCounter, SamplingParams
+from .reliability import check_request
+
+
+class RequestFactory:
+    """Validated requests for one engine.
+
+    Args:
+        vocab_size: rows of the model's input embedding (prompt ids must be in ``[0, vocab_size)``).
+        max_model_len: the model's context in tokens; None when the config sets none.
+        block_manager: the device pool's bookkeeping (its size bounds a request's KV).
+        prompt_lookup_num_tokens: the engine's default for requests that do not set it
+            (``EngineConfig.prompt_lookup_num_tokens``).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        max_model_len: Optional[int],
+        block_manager: BlockManager,
+        prompt_lookup_num_tokens: Optional[int] = None,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.num_blocks = block_manager.num_blocks
+        self.block_size = block_manager.block_size
+        self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
+        self._ids = RequestIdCounter()
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the whole device pool holds (blocks x block size)."""
+        return self.num_blocks * self.block_size
+
+    def build(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        priority: int = 0,
+        stop_checker: Optional[Callable[[Request], bool]] = None,
+        num_return_sequences: Optional[int] = None,
+    ) -> Request:
+        """A new request (and, for ``num_return_sequences=n > 1``, its ``n - 1`` pending forks).
+
+        Arguments as ``LLMEngine.submit``. The ``n`` sequences share the prompt's KV: the first one
+        prefills it, the others are forked off it before the last prompt token (full blocks shared
+        by ref count, the partial block copied), so each samples its own first token. With
+        ``sampling.seed`` set, sequence ``k`` uses seed ``seed + k``. A fork that finds no room
+        degrades to independent requests (they recompute the prompt, or hit the prefix cache).
+
+        Raises:
+            ValueError: as ``LLMEngine.submit`` documents; nothing is built then.
+        """
+        num_sequences = 1 if num_return_sequences is None else num_return_sequences
+        if not is_int(num_sequences) or num_sequences < 1:
+            raise ValueError(f"`num_return_sequences` must be an int >= 1 or None, got {num_return_sequences!r}")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("the prompt is empty (0 tokens); give at least one token")
+        if not all(is_int(t) for t in ids):
+            raise ValueError("`prompt_token_ids` must be a sequence of ints")
+        if not is_int(priority):
+            raise ValueError(f"`priority` must be an int (lower runs first), got {priority!r}")
+        if sampling.prompt_lookup_num_tokens is None and self.prompt_lookup_num_tokens:
+            sampling = dataclasses.replace(sampling, prompt_lookup_num_tokens=self.prompt_lookup_num_tokens)
+        check_request(ids, sampling, self.vocab_size)
+        self._check_fits(len(ids), sampling)
+        req = Request(
+            request_id=self._ids(),
+            prompt_token_ids=ids,
+            sampling=sampling,
+            priority=priority,
+            stop_checker=stop_checker,
+            max_total_tokens=self.max_model_len,
+        )
+        for k in range(1, num_sequences):
+            sampling_k = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + k)
+            req.pending_forks.append(
+                Request(
+                    request_id=self._ids(),
+                    prompt_token_ids=list(ids),
+                    sampling=sampling_k,
+                    priority=priority,
+                    arrival_time=req.arrival_time,
+                    stop_checker=stop_checker,
+                    max_total_tokens=self.max_model_len,
+                    parent_id=req.request_id,
+                )
+            )
+        return req
+
+    def _check_fits(self, n: int, sampling: SamplingParams) -> None:
+        """Raise ``ValueError`` for an ``n``-token prompt that can never run: prompt + 1 token
+        beyond the model's context, or prompt + ``max_new_tokens`` beyond the whole KV pool."""
+        # A one-token scoring request (prompt log-probs) never feeds its sampled token, so its prompt
+        # may fill the whole context (lm-eval scores windows of exactly the model's length).
+        scoring = bool(sampling.prompt_logprobs) and sampling.max_new_tokens == 1
+        if self.max_model_len is not None and n + (0 if scoring else 1) > self.max_model_len:
+            raise ValueError(
+                f"prompt of {n} tokens + 1 new token exceeds the model's context of {self.max_model_len} tokens"
+            )
+        worst = n + sampling.max_new_tokens
+        if self.max_model_len is not None:
+            worst = min(worst, self.max_model_len)
+        if worst > self.capacity_tokens:
+            raise ValueError(
+                f"request needs up to {worst} tokens of KV (prompt {n} + max_new_tokens {sampling.max_new_tokens}) "
+                f"but the whole pool holds {self.capacity_tokens} tokens ({self.num_blocks} blocks "
+                f"of {self.block_size}); lower max_new_tokens or enlarge the cache"
+            )

@@ -1,0 +1,126 @@
+"""The package's import graph, read with ``ast`` (no import runs): no circle among modules, and no
+module imports from a layer above its own (ARCHITECTURE.md: root config/request <- core <- kernels
+<- engine <- frontends). Every import statement counts, also those inside functions or under
+``TYPE_CHECKING``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "hf_contbatch"
+# Bottom up. The root package, ``cli`` and the ``integrations`` aliases face users, as the front ends do.
+LAYERS = {
+    "config": 0,
+    "request": 0,
+    "default_model": 0,
+    "core": 1,
+    "kernels": 2,
+    "engine": 3,
+    "frontends": 4,
+    "integrations": 4,
+    "cli": 4,
+}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = path
+    return mods
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (a name inside a module resolves to the module)."""
+    mods = _modules()
+
+    def resolve(name: str):
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                origin = (base + ("." + node.module if node.module else "")) if node.level else node.module
+                names = [f"{origin}.{a.name}" if f"{origin}.{a.name}" in mods else origin for a in node.names]
+            else:
+                continue
+            for name in names:
+                target = resolve(name) if name and name.startswith("hf_contbatch") else None
+                if target and target != mod:
+                    graph[mod].add(target)
+    return graph
+
+
+def _layer(mod: str) -> int:
+    parts = mod.split(".")
+    return 4 if len(parts) == 1 else LAYERS[parts[1]]
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_sees_the_package_and_its_imports():
+    graph = _import_graph()
+    assert {"hf_contbatch.engine.llm_engine", "hf_contbatch.core.scheduler", "hf_contbatch.frontends.pipeline"} <= set(
+        graph
+    )
+    assert "hf_contbatch.engine.driver" in graph["hf_contbatch.engine.llm_engine"]
+    assert "hf_contbatch.core.scheduler" in graph["hf_contbatch.engine.llm_engine"]
+
+
+def test_no_import_circle_among_modules():
+    assert _circles(_import_graph()) == []
+
+
+def test_no_module_imports_from_a_higher_layer():
+    graph = _import_graph()
+    upward = sorted((a, b) for a, deps in graph.items() for b in deps if _layer(b) > _layer(a))
+    assert upward == []
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
