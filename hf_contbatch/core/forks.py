@@ -125,12 +125,14 @@ class Forks:
             result.report.forked.append(child)
         self._counters.num_forks += len(children)
         if parent.cancel_requested:
-            self._finish_cancelled_parent(parent)
+            # Finished, but its blocks stay until the next reap: the copies of its partial block are
+            # made after this step's swap-ins, which must not be handed that block.
+            parent.status = RequestStatus.FINISHED_CANCELLED
         else:
             step.rows.append(ScheduledRequest.for_tokens(parent, 1))
 
     def _finish_cancelled_parent(self, parent: Request) -> None:
-        """A cancelled parent lived on only to compute its forks' prefix. Its blocks go now (the
-        shared ones stay with the forks), so nobody waits on them; the next reap reports it."""
+        """A cancelled parent whose forks were detached lived on only to compute their prefix. Its
+        blocks go now (nothing copies from them), so nobody waits on them; the next reap reports it."""
         parent.status = RequestStatus.FINISHED_CANCELLED
         self._block_manager.free(parent.request_id)

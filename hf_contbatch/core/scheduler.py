@@ -224,6 +224,9 @@ class Scheduler:
         assert step.token_budget >= 0, "token budget overspent"
         assert result.plan.num_batched_tokens <= self.config.max_num_batched_tokens, "token budget exceeded"
         assert len(self.running) <= self.config.max_num_seqs, "max_num_seqs exceeded"
+        # The engine swaps in before it copies: a copy source overwritten by a swap-in is lost.
+        swapped_in = {dst for _, dst in result.plan.blocks_to_swap_in}
+        assert not any(src in swapped_in for src, _ in result.plan.blocks_to_copy), "copy source swapped over"
 
     def allocate_slots(
         self,

@@ -162,6 +162,7 @@ def workloads(draw):
                 priority=draw(st.integers(0, 2)),
                 n=draw(st.sampled_from([1, 1, 1, 2, 3])),
                 cancel_at=draw(st.none() | st.integers(0, 60)),
+                cancel_parent_only=draw(st.booleans()),  # its forks go on (it computes their prefix)
                 eos=draw(st.booleans()),
             )
         )
@@ -228,7 +229,7 @@ def run_workload(bs, num_blocks, host_blocks, prefix_caching, config, specs):
             if spec["arrival"] == it:
                 sched.add_request(seqs[0])
             if spec["cancel_at"] == it:
-                for r in seqs:
+                for r in seqs[:1] if spec.get("cancel_parent_only") else seqs:
                     if not r.status.is_finished:
                         r.cancel_requested = True
         if it > 21 and not sched.has_work:
@@ -320,3 +321,33 @@ def test_device_blocks_are_handed_out_only_by_allocate_slots(workload):
     host = {caller for pool, caller in calls if pool is sched.host_block_manager}
     assert device <= {"allocate_slots"}, f"device blocks handed out by {device - {'allocate_slots'}}"
     assert host <= {"swap_out"}, "host blocks are taken only by a swap-out"
+
+
+@pytest.mark.timeout(60)
+def test_a_cancelled_parents_copy_source_survives_a_swap_in_of_the_same_step():
+    # Found by a random search: request 9's parent is cancelled before it arrives, so it lives only
+    # to compute its fork's prefix; the step that forks it also swaps a request in. The fork's
+    # partial block is copied from the parent's, and the engine swaps in before it copies: the
+    # parent's block must not be handed to the swap-in (the fork would read another request's KV).
+    def spec(arrival, prompt, max_new, priority, n, cancel_at, eos, parent_only):
+        return dict(arrival=arrival, prompt=prompt, max_new=max_new, priority=priority, n=n, cancel_at=cancel_at,
+                    eos=eos, cancel_parent_only=parent_only, lookup=0)  # fmt: skip
+
+    long_prompt = [24, 17, 36, 12, 9, 29, 30, 25, 10, 18, 9, 24, 30, 11, 4, 37, 17, 19, 24, 34, 9, 16, 7, 5, 38, 9, 35]
+    specs = [
+        spec(2, [5, 21], 8, 1, 1, 48, True, False),
+        spec(3, long_prompt, 9, 1, 1, 47, False, True),
+        spec(1, [16], 10, 2, 3, None, True, False),
+        spec(10, [20, 8], 3, 1, 2, 0, False, True),
+    ]
+    config = SchedulerConfig(
+        max_num_seqs=5,
+        max_num_batched_tokens=31,
+        watermark=0.05,
+        preemption_mode="swap",
+        long_prefill_token_threshold=11,
+        max_preemptions=3,
+        aging_seconds=None,
+        swap_cost_per_block=4.0,
+    )
+    run_workload(4, 18, 9, False, config, specs)
