@@ -27,8 +27,7 @@ from ..core.block_manager import BlockManager
 from ..core.phases import PhaseTimer
 from ..core.scheduler import Scheduler, SchedulerOutput
 from ..kernels.attention import resolve_backend
-from ..kernels.cpu_linear import pack_linears
-from ..kernels.fused_linear import fuse_siblings
+from ..kernels.linears import fuse_siblings, pack_linears
 from ..kernels.paged_cache import PagedKVCache, kv_bytes_per_block
 from ..request import Request, RequestIdCounter, RequestStatus, SamplingParams
 from .attention_switch import restore_attention, switch_to_paged_attention

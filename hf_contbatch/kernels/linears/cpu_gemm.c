@@ -1,6 +1,6 @@
 /* float32 GEMM for the small row counts of serving steps: y[M][N] = x[M][K] . W^T (+ bias).
  *
- * Built on first use by hf_contbatch/cpu_linear.py with the system C compiler (-O3 -march=native
+ * Built on first use by hf_contbatch/kernels/linears/native_gemm.py with the system C compiler (-O3 -march=native
  * -fopenmp, no -ffast-math) and called through ctypes on torch's own OpenMP runtime.
  *
  * Why our own: a decode step multiplies a few to a few dozen rows by every weight of the model, so
