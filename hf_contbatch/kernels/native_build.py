@@ -1,4 +1,4 @@
-"""Build and cache our small C kernels with the system C compiler (no torch headers, ~1 s each).
+"""Build and cache our small C kernels with the system C compiler (no torch headers: quick builds).
 
 A library is compiled once per source text, compiler, flags and CPU (``-march=native``) into
 ``$XDG_CACHE_HOME/hf_contbatch`` (default ``~/.cache``) and reused by later processes; it is
