@@ -111,15 +111,15 @@ def _instrument(engine, timers: _Timers) -> None:
     if compiled:
         # Inside a compiled graph module hooks would be traced (and break it): time our GEMM's C
         # call instead, which the opaque custom op looks up at run time.
-        from hf_contbatch.kernels import cpu_linear
+        from hf_contbatch.kernels.linears import native_gemm
 
-        lookup = cpu_linear._native_library
+        lookup = native_gemm.native_library
 
         def timed_library():
             pack, gemm = lookup()
             return pack, timers.wrap(gemm, "linears")
 
-        cpu_linear._native_library = timed_library
+        native_gemm.native_library = timed_library
         return
     perf = timers.clock
     starts: dict = {}

@@ -21,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from hf_contbatch.kernels.cpu_linear import NativeGEMM, OneDNNGEMM, onednn_available
+from hf_contbatch.kernels.linears import NativeGEMM, OneDNNGEMM, onednn_available
 
 from workload import MODEL_SIZES
 

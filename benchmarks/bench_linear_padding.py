@@ -1,4 +1,4 @@
-"""Cost of padding row counts in the packed linears (hf_contbatch/cpu_linear.py, ``padded_rows``).
+"""Cost of padding row counts in the packed linears (hf_contbatch/kernels/linears/onednn_gemm.py, ``padded_rows``).
 
     python benchmarks/bench_linear_padding.py            # the 100M model's linear shapes
     python benchmarks/bench_linear_padding.py --size tiny
@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from hf_contbatch.kernels.cpu_linear import _padded_linear, _reorder  # noqa: E402
+from hf_contbatch.kernels.linears.onednn_gemm import OneDNNGEMM  # noqa: E402
 
 from workload import MODEL_SIZES  # noqa: E402
 
@@ -49,11 +49,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=20)
     args = p.parse_args()
     ratios = []
+    onednn = OneDNNGEMM()
     with torch.no_grad():
         for k, n in shapes(args.size):
             w = torch.randn(n, k) / k**0.5
             b = torch.randn(n)
-            packed = _reorder(w)
+            packed = onednn.pack(w)
             for m in ROWS:
                 x = torch.randn(m, k)
 
@@ -61,7 +62,7 @@ def main() -> None:
                     return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
 
                 def padded(x=x, packed=packed, b=b, n=n):
-                    return _padded_linear(x, packed, b, n)
+                    return onednn.linear(x, packed, b, n)
 
                 def plain(x=x, w=w, b=b):
                     return torch.nn.functional.linear(x, w, b)

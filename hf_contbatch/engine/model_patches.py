@@ -4,8 +4,7 @@ linears, the switch to paged attention, and a compiled forward."""
 from __future__ import annotations
 
 from ..config import EngineConfig, resolve_compile_model
-from ..kernels.cpu_linear import pack_linears
-from ..kernels.fused_linear import fuse_siblings
+from ..kernels.linears import fuse_siblings, pack_linears
 from .attention_switch import restore_attention, switch_to_paged_attention
 from .pool_sizing import available_host_memory
 

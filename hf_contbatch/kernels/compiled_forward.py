@@ -29,8 +29,8 @@ from .attention import register_compiled_cache
 
 logger = logging.getLogger(__name__)
 
-# torch.compile's tracing and compiling are not thread-safe (measured here: two engines compiling
-# in two threads fail with RecursionError inside AOTAutograd), and engines drive from their own
+# torch.compile's tracing and compiling are not thread-safe (two engines compiling in two threads
+# fail with RecursionError inside AOTAutograd), and engines drive from their own
 # threads, so compiled forwards run one at a time in a process. On CPU two forwards at once would
 # share the same cores anyway.
 _COMPILED_CALLS = threading.Lock()

@@ -1,9 +1,9 @@
-"""Build and cache our small C kernels with the system C compiler (no torch headers, ~1 s each).
+"""Build and cache our small C kernels with the system C compiler (no torch headers: quick builds).
 
 A library is compiled once per source text, compiler, flags and CPU (``-march=native``) into
 ``$XDG_CACHE_HOME/hf_contbatch`` (default ``~/.cache``) and reused by later processes; it is
 loaded with ctypes and runs on torch's own OpenMP runtime (the same ``libgomp.so.1``). Used by
-``hf_contbatch.kernels.attention.cpu_kernel`` (paged decode attention) and ``hf_contbatch.kernels.cpu_linear``
+``hf_contbatch.kernels.attention.cpu_kernel`` (paged decode attention) and ``hf_contbatch.kernels.linears.native_gemm``
 (the packed GEMM).
 """
 

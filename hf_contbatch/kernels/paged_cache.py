@@ -203,8 +203,7 @@ class PagedKVCache:
         """
         if not mapping:
             return
-        src_cpu = torch.tensor([s for s, _ in mapping])
-        dst_cpu = torch.tensor([d for _, d in mapping])
+        src_cpu, dst_cpu = _block_ids(mapping)
         indices: dict = {}
         for layer in range(self.num_layers):
             dev = self.key_cache[layer].device
@@ -220,8 +219,7 @@ class PagedKVCache:
             return
         if not self.num_swap_blocks:
             raise RuntimeError("swap requested but the swap pool is empty (swap_space_gib=0)")
-        src_cpu = torch.tensor([s for s, _ in mapping])
-        dst_cpu = torch.tensor([d for _, d in mapping])
+        src_cpu, dst_cpu = _block_ids(mapping)
         on_device: dict = {}
         for layer in range(self.num_layers):
             dev = self.key_cache[layer].device
@@ -248,3 +246,8 @@ class PagedKVCache:
         self.swap_key_cache.clear()
         self.swap_value_cache.clear()
         self.metadata = None
+
+
+def _block_ids(mapping: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (src, dst) block ids of ``mapping``'s pairs as two int64 CPU tensors."""
+    return torch.tensor([s for s, _ in mapping]), torch.tensor([d for _, d in mapping])

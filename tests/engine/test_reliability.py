@@ -352,7 +352,7 @@ def test_packed_linear_memory_is_bounded_whatever_the_row_counts():
     """Every row count 1..1024 through one packed linear, as a serving engine produces them. oneDNN
     keeps a primitive per input shape (~0.6 MB measured), so unpadded this grew RSS by about
     600 MiB; padded to at most 64 shapes it must stay under 64 MiB. The outputs stay F.linear's."""
-    from hf_contbatch.kernels.cpu_linear import onednn_available, pack_linears
+    from hf_contbatch.kernels.linears import onednn_available, pack_linears
 
     if not onednn_available():
         pytest.skip("this torch build has no oneDNN packed-linear ops")

@@ -1,4 +1,4 @@
-"""Our float32 GEMM (``hf_contbatch.cpu_linear.NativeGEMM``, ``cpu_gemm.c``) against arithmetic:
+"""Our float32 GEMM (``hf_contbatch.kernels.linears.NativeGEMM``, ``cpu_gemm.c``) against arithmetic:
 float64 products within the standard dot-product error bound, rows independent of the batch they
 are in, columns independent of the panels packed beside them, any thread count the same bits."""
 
@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from hf_contbatch.kernels.cpu_linear import NativeGEMM
+from hf_contbatch.kernels.linears import NativeGEMM
 
 EPS = 2.0**-24  # float32 unit roundoff
 

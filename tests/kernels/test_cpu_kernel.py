@@ -14,7 +14,7 @@ from test_torch_attention import _batch, reference_for
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from hf_contbatch.kernels.attention.cpu_kernel import CPUDecodeKernel
 from hf_contbatch.kernels.attention.torch_paged import torch_paged_attention
-from hf_contbatch.kernels.cpu_linear import _load_native_library
+from hf_contbatch.kernels.linears.native_gemm import _load_native_library
 
 from conftest import random_prompts, reference_greedy
 

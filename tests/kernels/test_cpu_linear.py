@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams
-from hf_contbatch.kernels.cpu_linear import onednn_available, pack_linears
+from hf_contbatch.kernels.linears import onednn_available, pack_linears
 
 from conftest import build_model, random_prompts, reference_greedy
 
@@ -171,7 +171,7 @@ def test_autograd_through_a_packed_module_falls_back_to_f_linear(kernel):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_a_failure_while_packing_leaves_the_model_untouched(monkeypatch, kernel):
-    import hf_contbatch.kernels.cpu_linear as cl
+    from hf_contbatch.kernels.linears import NativeGEMM, OneDNNGEMM
 
     model = build_model("llama")
     calls = {"n": 0}
@@ -185,10 +185,8 @@ def test_a_failure_while_packing_leaves_the_model_untouched(monkeypatch, kernel)
 
         return pack
 
-    if kernel == "native":
-        monkeypatch.setattr(cl.NativeGEMM, "pack", failing(cl.NativeGEMM.pack))
-    else:
-        monkeypatch.setattr(cl, "_reorder", failing(cl._reorder))
+    gemm = {"native": NativeGEMM, "onednn": OneDNNGEMM}[kernel]
+    monkeypatch.setattr(gemm, "pack", failing(gemm.pack))
     with pytest.raises(RuntimeError, match="simulated"):
         pack_linears(model, kernel)
     assert _instance_forwards(model) == 0
@@ -213,7 +211,7 @@ def test_without_a_c_compiler_native_raises_and_auto_uses_onednn(tmp_path):
         import sys
         sys.path.insert(0, sys.argv[1])
         from conftest import build_model
-        from hf_contbatch.kernels.cpu_linear import onednn_available, pack_linears
+        from hf_contbatch.kernels.linears import onednn_available, pack_linears
         model = build_model("llama")
         try:
             pack_linears(model, "native")
@@ -272,7 +270,7 @@ def test_inputs_and_biases_that_do_not_fit_get_torchs_own_error_and_strided_bias
 def test_writes_through_data_are_followed_after_repack(kernel):
     model = build_model("llama")
     packed = pack_linears(model, kernel)
-    from hf_contbatch.kernels.fused_linear import fuse_siblings
+    from hf_contbatch.kernels.linears import fuse_siblings
 
     fuse_siblings(model, packed)
     try:
@@ -312,19 +310,19 @@ def test_a_bias_added_to_a_fused_member_while_open_is_followed(kernel):
 
 
 def test_a_repack_that_fails_falls_back_to_f_linear_with_a_warning(monkeypatch, caplog):
-    import hf_contbatch.kernels.cpu_linear as cl
+    from hf_contbatch.kernels.linears import NativeGEMM
 
     if not _have_cc():
         pytest.skip("no C compiler: our GEMM cannot be built")
     model = build_model("llama")
     packed = pack_linears(model, "native")
     try:
-        monkeypatch.setattr(cl.NativeGEMM, "pack", lambda self, w: (_ for _ in ()).throw(RuntimeError("simulated")))
+        monkeypatch.setattr(NativeGEMM, "pack", lambda self, w: (_ for _ in ()).throw(RuntimeError("simulated")))
         lin = model.model.layers[0].mlp.down_proj
         with torch.no_grad():
             lin.weight.mul_(2)  # changed: the next call repacks, which fails
         x = torch.randn(3, lin.in_features)
-        with caplog.at_level("WARNING", logger="hf_contbatch.kernels.cpu_linear"):
+        with caplog.at_level("WARNING", logger="hf_contbatch.kernels.linears.packed_forward"):
             got, want = _probe(lin, x)
         assert torch.equal(got, want)
         assert "runs F.linear from now on" in caplog.text
@@ -337,7 +335,7 @@ def test_cc_may_carry_arguments(tmp_path):
     cc = shutil.which("gcc") or shutil.which("cc") or shutil.which("clang")
     if cc is None:
         pytest.skip("no C compiler")
-    script = "from hf_contbatch.kernels.cpu_linear import NativeGEMM; NativeGEMM(); print('built')"
+    script = "from hf_contbatch.kernels.linears import NativeGEMM; NativeGEMM(); print('built')"
     env = {**os.environ, "CC": f"{cc} -w", "XDG_CACHE_HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=110)
     assert out.returncode == 0 and "built" in out.stdout, out.stderr[-2000:]
@@ -350,7 +348,7 @@ def test_a_verified_step_computes_the_same_bits_and_other_threads_keep_their_che
     """Inside ``PackedLinears.verified_step`` (the engine's eager steps) calls skip the per-call
     weight checks: same logits bit for bit as the checked calls; another thread's calls, and calls
     after the block, still follow weights changed in place."""
-    from hf_contbatch.kernels.fused_linear import fuse_siblings
+    from hf_contbatch.kernels.linears import fuse_siblings
 
     model = build_model(family)
     other = build_model(family, seed=1)
@@ -362,20 +360,20 @@ def test_a_verified_step_computes_the_same_bits_and_other_threads_keep_their_che
             checked = model(input_ids=ids).logits
             with packed.verified_step():
                 if kernel == "native":  # the verified calls go straight to the GEMM, unchecked
-                    import hf_contbatch.kernels.cpu_linear as cl
+                    from hf_contbatch.kernels.linears import native_gemm
 
                     counts = {"checked": 0}
-                    real = cl._native_linear
+                    real = native_gemm.native_linear
 
                     def counting(*args):
                         counts["checked"] += 1
                         return real(*args)
 
-                    cl._native_linear = counting
+                    native_gemm.native_linear = counting
                     try:
                         verified = model(input_ids=ids).logits
                     finally:
-                        cl._native_linear = real
+                        native_gemm.native_linear = real
                     assert counts["checked"] == 0
                 else:
                     verified = model(input_ids=ids).logits
@@ -415,7 +413,7 @@ def test_a_verified_step_computes_the_same_bits_and_other_threads_keep_their_che
 def test_a_weight_no_longer_float32_is_not_packed_but_runs_f_linear(kernel, caplog):
     """A weight given float64 storage while packed (``.data = ...``) cannot be repacked (both
     kernels read float32): the module warns once and runs ``F.linear`` from then on."""
-    from hf_contbatch.kernels.fused_linear import fuse_siblings
+    from hf_contbatch.kernels.linears import fuse_siblings
 
     model = build_model("llama")
     packed = pack_linears(model, kernel)

@@ -8,8 +8,7 @@ import copy
 import pytest
 import torch
 
-from hf_contbatch.kernels.cpu_linear import onednn_available, pack_linears
-from hf_contbatch.kernels.fused_linear import fuse_siblings
+from hf_contbatch.kernels.linears import fuse_siblings, onednn_available, pack_linears
 
 from conftest import build_model
 

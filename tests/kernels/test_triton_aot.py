@@ -1,7 +1,7 @@
 """Ahead-of-time compile check: the kernel variants the launchers produce compile for sm_75, sm_80,
 sm_86 and sm_90 with the triton wheel's ptxas, fit each arch's shared memory, and do not spill.
 
-No GPU needed (see ``hf_contbatch/attention/triton_aot.py``). The sampled plan runs here; the full
+No GPU needed (see ``hf_contbatch/kernels/attention/triton_aot.py``). The sampled plan runs here; the full
 plan and its table: ``python benchmarks/triton_compile_table.py``. The compiles run in fresh worker
 processes (no ``TRITON_INTERPRET``) with a new, empty Triton cache each run.
 """
@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from hf_contbatch.kernels.attention import triton_aot  # noqa: E402
+from hf_contbatch.kernels.attention import triton_aot, triton_tiles  # noqa: E402
 from hf_contbatch.kernels.attention import triton_kernels as tk  # noqa: E402
 
 _ELEM_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
@@ -46,10 +46,10 @@ def test_every_sampled_variant_compiles_and_fits_shared_memory(sampled_results):
                 # The estimate tiles are admitted with bounds Triton's real allocation, so variants
                 # outside the sample stay within the limit too.
                 rows = c.get("BLOCK_M", c.get("BLOCK_G"))
-                estimate = tk._shared_estimate(
+                estimate = triton_tiles.shared_memory_estimate(
                     rows, c["BLOCK_N"], c["BLOCK_D"], _ELEM_BYTES[r["case"]["dtype"]], k["num_stages"]
                 )
-                assert k["shared"] <= estimate + tk._SHARED_MARGIN, (r["arch"], r["label"], k, estimate)
+                assert k["shared"] <= estimate + triton_tiles.SHARED_MARGIN, (r["arch"], r["label"], k, estimate)
 
 
 @pytest.mark.timeout(600)

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 pytest.importorskip("triton")
 
 from hf_contbatch.kernels.attention import triton_kernels as tk  # noqa: E402
+from hf_contbatch.kernels.attention import triton_tiles  # noqa: E402
 
 from reference_attention import reference_paged_attention, reference_store_kv  # noqa: E402
 
@@ -516,8 +517,8 @@ def test_sm75_fma_tiles_with_gqa_window_and_softcap_match_reference(monkeypatch)
     # sm_75 tiles: no tensor cores, 64 KiB -> 32 prefill rows x 16 keys, 16 decode keys.
     _as_on(monkeypatch, 75)
     pre, dec = (
-        tk._prefill_config(128, 8, torch.float16, tk.arch_limits(75)),
-        tk._decode_config(128, 8, torch.float16, tk.arch_limits(75)),
+        triton_tiles.prefill_tile_config(128, 8, torch.float16, tk.arch_limits(75)),
+        triton_tiles.decode_tile_config(128, 8, torch.float16, tk.arch_limits(75)),
     )
     assert (pre.rows, pre.block_n, pre.heads) == (32, 16, 8) and (dec.rows, dec.block_n, dec.heads) == (16, 16, 8)
     case = make_paged_case(
@@ -549,7 +550,10 @@ def test_gqa_group_split_over_programs_matches_reference(monkeypatch, arch):
     # (the second chunk partly masked); on sm_75 also with a single pipeline stage.
     _as_on(monkeypatch, arch)
     limits = tk.arch_limits(arch)
-    pre, dec = tk._prefill_config(256, 24, torch.float32, limits), tk._decode_config(256, 24, torch.float32, limits)
+    pre, dec = (
+        triton_tiles.prefill_tile_config(256, 24, torch.float32, limits),
+        triton_tiles.decode_tile_config(256, 24, torch.float32, limits),
+    )
     assert (pre.heads, dec.heads) == (16, 16)
     assert (pre.num_stages, dec.num_stages) == ((1, 1) if arch == 75 else (2, 2))
     case = make_paged_case(

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from hf_contbatch.kernels.attention import resolve_backend  # noqa: E402
+from hf_contbatch.kernels.attention import resolve_backend, triton_tiles  # noqa: E402
 from hf_contbatch.kernels.attention import triton_kernels as tk  # noqa: E402
 
 CUDA = torch.device("cuda", 0)  # a device object only; the limits come from the arch table
@@ -27,14 +27,14 @@ def test_every_supported_shape_gets_tiles_within_the_arch_shared_memory(arch):
     dtypes = (torch.float16, torch.float32) + ((torch.bfloat16,) if arch >= 80 else ())
     for dtype in dtypes:
         for head_dim in tk.SUPPORTED_HEAD_SIZES:
-            block_d = tk._next_power_of_2(head_dim)
-            for group in range(1, tk._MAX_GQA_GROUP + 1):
+            block_d = triton_tiles.next_power_of_2(head_dim)
+            for group in range(1, triton_tiles.MAX_GQA_GROUP + 1):
                 for cfg, min_rows in (
-                    (tk._decode_config(block_d, group, dtype, limits), 16),
-                    (tk._prefill_config(block_d, group, dtype, limits), 16),
+                    (triton_tiles.decode_tile_config(block_d, group, dtype, limits), 16),
+                    (triton_tiles.prefill_tile_config(block_d, group, dtype, limits), 16),
                 ):
-                    assert cfg.shared_bytes + tk._SHARED_MARGIN <= tk.ARCH_SHARED_MEMORY[arch]
-                    assert cfg.shared_bytes == tk._shared_estimate(
+                    assert cfg.shared_bytes + triton_tiles.SHARED_MARGIN <= tk.ARCH_SHARED_MEMORY[arch]
+                    assert cfg.shared_bytes == triton_tiles.shared_memory_estimate(
                         cfg.rows, cfg.block_n, block_d, torch.finfo(dtype).bits // 8, cfg.num_stages
                     )
                     assert 1 <= cfg.heads <= group and cfg.rows >= max(min_rows, cfg.heads)
@@ -54,19 +54,19 @@ def test_shared_memory_estimate_bounds_the_allocations_measured_for_triton_3_9()
         ((32, 32, 128, 4, 2), 53248),
     ]
     for args, shared in measured:
-        assert tk._shared_estimate(*args) >= shared
+        assert triton_tiles.shared_memory_estimate(*args) >= shared
 
 
 @pytest.mark.timeout(30)
 def test_tiles_shrink_to_fit_the_device_not_a_fixed_budget():
     # sm_75's 64 KiB: the 96 KiB fp16 prefill tile of sm_80 does not fit, a smaller one is chosen.
-    a100 = tk._prefill_config(128, 1, torch.float16, tk.arch_limits(80))
-    t4 = tk._prefill_config(128, 1, torch.float16, tk.arch_limits(75))
+    a100 = triton_tiles.prefill_tile_config(128, 1, torch.float16, tk.arch_limits(80))
+    t4 = triton_tiles.prefill_tile_config(128, 1, torch.float16, tk.arch_limits(75))
     assert (a100.rows, a100.block_n, a100.num_warps) == (128, 64, 8)
-    assert t4.shared_bytes + tk._SHARED_MARGIN <= 64 * 1024 < a100.shared_bytes
+    assert t4.shared_bytes + triton_tiles.SHARED_MARGIN <= 64 * 1024 < a100.shared_bytes
     tiny = tk.DeviceLimits("tiny", (8, 0), 16 * 1024)
     with pytest.raises(ValueError, match="no prefill tile fits the 16 KiB of shared memory per block of tiny"):
-        tk._prefill_config(256, 1, torch.float32, tiny)
+        triton_tiles.prefill_tile_config(256, 1, torch.float32, tiny)
 
 
 @pytest.mark.timeout(30)

@@ -19,9 +19,7 @@
  * once for all of them), a float32 softmax per head, then one pass over its value rows
  * accumulating every head's output. Rows are walked in order, so within a page the reads are
  * sequential; at each row the same row of the next page is prefetched, which hides the jump
- * between pages. This second version (prefetch, constant head_dim, per-head tasks) takes 1.3-2x
- * less time than the first at 48 sequences of 150-300 tokens and 2-3x less at 1-4 sequences
- * (measured here, 2 threads; the prefetch alone 0.9-1.7x across runs at 48 sequences).
+ * between pages.
  * head_dim 32, 64 and 128 get code with the dimension as a constant (loops fully unrolled into
  * 8-float vectors); any other head_dim runs the same code with a runtime dimension and a scalar
  * tail for head_dim % 8.

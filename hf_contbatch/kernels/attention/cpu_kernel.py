@@ -1,18 +1,14 @@
 """A compiled CPU kernel for paged decode attention, built on first use with the system C compiler.
 
 Why: the plain-torch decode path gathers every request's keys out of the pool each layer and runs
-small batched matmuls (two query rows per KV head); measured here (2 threads) it took 0.8 ms a
-layer for 12 requests of 100-400 tokens (tiny model shapes) and 2.6 ms for 32. Reading keys and
-values in place, one OpenMP task per request, each key and value row loaded once for all its query
-heads, takes 0.38 and 1.1 ms; whole workloads 1.22x (tiny) and 1.07x (small) tokens/s, outputs
-unchanged (``benchmarks/bench_breakdown.py``, variants ``default;tree=PATH``). Its second version
-(head dimension as a compile-time constant, the next page prefetched, one task per KV head when
-there are few sequences) took the small anchor workload's decode attention from 3.36 to 2.38 s
-(1.41x) and the tiny one's from 0.375 to 0.324 s; alone, 2-3x at 1-4 sequences, 1.3-2x at 48
-sequences of 150-300 tokens. The kernel (``cpu_decode.c``) is plain C with no torch headers,
-so it compiles in about a second (``cc -O3 -march=native -ffast-math -fopenmp``), is cached per source, compiler
-and CPU (``hf_contbatch.kernels.native_build``), and runs on torch's own OpenMP runtime. Without a C compiler, or if the build fails, the torch
-path serves and one warning says why.
+small batched matmuls (two query rows per KV head). The kernel reads keys and values in place, one
+OpenMP task per request (or per KV head when there are few requests), each key and value row
+loaded once for all its query heads, with the head dimension a compile-time constant and the next
+page prefetched; outputs are unchanged (``benchmarks/bench_breakdown.py`` compares the two paths,
+variants ``default;tree=PATH``). The kernel (``cpu_decode.c``) is plain C with no torch headers, so
+it compiles quickly (``cc -O3 -march=native -ffast-math -fopenmp``), is cached per source, compiler
+and CPU (``hf_contbatch.kernels.native_build``), and runs on torch's own OpenMP runtime. Without a C
+compiler, or if the build fails, the torch path serves and one warning says why.
 """
 
 from __future__ import annotations

@@ -114,9 +114,9 @@ def plan(name: str, archs: Iterable[int] = ARCHS) -> list:
     both on, both decode modes, all three dtypes, store_kv from every dtype into every dtype - about
     900 cases per arch, for ``benchmarks/triton_compile_table.py``.
     "corners": every head size and dtype at GQA groups 1, 7 and 64 with window, softcap and the
-    split decode on (~140 per arch; about 40 minutes for four archs on 2 cores).
+    split decode on (~140 per arch).
     "sampled": the corners that decide shared memory, registers and dtype support, for the test
-    suite (about 30 compiles for the four archs, ~2 minutes on 2 cores): on every arch the common
+    suite (about 30 compiles for the four archs): on every arch the common
     fp16 prefill (head size 128), the widest bf16 prefill (256, 64 query heads per KV head, window
     and softcap), the widest decode tile with its split reduce, and a bf16 store_kv conversion; the
     fp32 (FMA-path) tiles on sm_75 and sm_86, the archs with the least shared memory (fp32 tiles do

@@ -1,14 +1,13 @@
 /* float32 GEMM for the small row counts of serving steps: y[M][N] = x[M][K] . W^T (+ bias).
  *
- * Built on first use by hf_contbatch/cpu_linear.py with the system C compiler (-O3 -march=native
- * -fopenmp, no -ffast-math) and called through ctypes on torch's own OpenMP runtime.
+ * Built on first use by hf_contbatch/kernels/linears/native_gemm.py with the system C compiler
+ * (-O3 -march=native -fopenmp, no -ffast-math) and called through ctypes on torch's own OpenMP
+ * runtime.
  *
  * Why our own: a decode step multiplies a few to a few dozen rows by every weight of the model, so
- * it streams the weights from memory once per step. oneDNN's brgemm (what torch offers) took 40 ms
- * for the 12 layers of a 100M Llama at 16 rows on the 2-core machines we measure on, 7 GB/s of
- * weights against the 21 GB/s the memory gives. This kernel takes 1.35-1.95x less time than oneDNN
- * there from 1 to 32 rows, 1.2x less at 64, about the same from 128 to 1024 (0.96-0.99x; on the
- * 4-layer hidden-256 model 0.85x at 1024 rows) (benchmarks/bench_gemm.py).
+ * it streams the weights from memory once per step, and is bound by how fast the weights stream.
+ * oneDNN's brgemm (what torch offers) reads them well below the memory's bandwidth at these row
+ * counts; this kernel streams them close to it (benchmarks/bench_gemm.py compares the two).
  *
  * The layout and loop nest follow the BLIS/GotoBLAS design (Goto & van de Geijn, "Anatomy of
  * High-Performance Matrix Multiplication", ACM TOMS 2008; the 6x16 register tile of BLIS's
@@ -53,7 +52,7 @@ void hf_contbatch_gemm_pack_f32(const float *w, int64_t n, int64_t k, float *out
  * PREFETCH: a thread's panels lie one after another in memory and it walks their slices in order,
  * so the line one slice (16 KB) ahead is the same position in the next slice, of this panel or of
  * its next one. Fetching it while the current slice is multiplied hides the memory latency of the
- * first pass over each slice (measured here: 5-15% less time at 16-32 rows than 1 KB ahead, none at 64). */
+ * first pass over each slice (better than 1 KB ahead at 16-32 rows, no worse at 64). */
 #define TILE(ROWS)                                                                                  \
     static inline void tile_##ROWS(const float *x, int64_t ldx, const float *w, int64_t kc, float *acc) { \
         v8 a[ROWS][2];                                                                              \
@@ -85,15 +84,11 @@ TILE(6)
 TILE(7)
 
 /* 1-3 rows: a tile of ROWS rows gives only 2 * ROWS multiply-add chains, and each chain waits
- * for its previous FMA (4 cycles on the machines we measure), so a one-panel tile runs at a
- * quarter to three quarters of the FMA throughput (measured here, one thread, a 512x256 weight in
- * L2: 1 row took 19 us, 4 rows 32, 6 rows 30). These
- * tiles span G panels instead (8-12 accumulators), over all of K at once. Each output is still one
- * in-order FMA chain over k, so the bits equal those of the general path. Prefetch: each panel's
- * stream one slice (KC features) ahead, as there. Measured here over the 12 layers of the small
- * anchor model (their shapes from benchmarks/bench_gemm.py, the two builds compared side by side
- * in one process): 17.4 -> 14.9 ms at 1 and 2 rows, 19.2 -> 16.3 at 3,
- * i.e. 22 GB/s of weights, what two threads can read from memory on this machine. */
+ * for its previous FMA (several cycles of latency), so a one-panel tile runs at a fraction of the
+ * FMA throughput. These tiles span G panels instead (8-12 accumulators), over all of K at once.
+ * Each output is still one in-order FMA chain over k, so the bits equal those of the general path.
+ * Prefetch: each panel's stream one slice (KC features) ahead, as there. With them 1-3 rows read
+ * the weights about as fast as the memory gives them (benchmarks/bench_gemm.py). */
 #define NARROW(ROWS, G)                                                                               \
     static inline void narrow_##ROWS##_##G(const float *x, int64_t k, const float *w, float *out) {   \
         v8 a[ROWS][G][2];                                                                             \
@@ -183,9 +178,8 @@ void hf_contbatch_gemm_f32(const float *x, int64_t m, int64_t k, const float *pa
             /* Tiles of near-equal height (32 rows: 6+6+5+5+5+5, not 6x5+2), of up to 7 rows (14
              * accumulators; the weights become FMA memory operands) where that saves a pass over
              * each slice and there are at most 14 rows: 7 rows in one tile instead of 4+3, 13-14
-             * in two instead of three (measured here: 1.25-1.43x at 7 rows, 1.23-1.38x at 13,
-             * 1.0-1.14x at 14). At more rows the 7-row tile's loads of the weights cost more than
-             * the saved passes (3-23% slower at 48-256 rows). */
+             * in two instead of three. At more rows the 7-row tile's loads of the weights cost more
+             * than the saved passes. */
             const int64_t tiles = rows <= 2 * (MR + 1) && (rows + MR) / (MR + 1) < (rows + MR - 1) / MR
                                       ? (rows + MR) / (MR + 1)
                                       : (rows + MR - 1) / MR;

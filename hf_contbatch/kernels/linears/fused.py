@@ -1,15 +1,14 @@
 """One GEMM for sibling projections that read the same input (q/k/v, gate/up), model unmodified.
 
-On CPU a decode step's linears cost per call more than per FLOP (a 4-layer hidden-256 Llama makes
-29 linear calls a step). Attention's ``q_proj``/``k_proj``/``v_proj`` and the MLP's
-``gate_proj``/``up_proj`` read the same hidden states, so one GEMM over their concatenated packed
-weights gives all their outputs: 29 calls become 17 on that model. The fused output equals the
-separate ones bit for bit (neither our GEMM nor oneDNN's ``_linear_pointwise``, measured here,
-makes the reduction over the input features depend on the number of output columns), so greedy
-tokens do not change.
+On CPU a decode step's linears cost per call more than per FLOP. Attention's
+``q_proj``/``k_proj``/``v_proj`` and the MLP's ``gate_proj``/``up_proj`` read the same hidden
+states, so one GEMM over their concatenated packed weights gives all their outputs: two calls a
+layer instead of five. The fused output equals the separate ones bit for bit (neither our GEMM nor
+oneDNN's ``_linear_pointwise`` makes the reduction over the input features depend on the number of
+output columns; ``tests/kernels/test_fused_linear.py`` checks it), so greedy tokens do not change.
 
 How it is plugged in without touching the model's code: the packed forwards of a group (see
-``hf_contbatch.kernels.cpu_linear``) share a :class:`FusedGroup`. The first member's call (the *leader*,
+``hf_contbatch.kernels.linears.packed_forward``) share a :class:`FusedGroup`. The first member's call (the *leader*,
 ``q_proj``/``gate_proj``) runs the fused GEMM, returns its own slice and keeps the others' slices
 for the same input tensor; a later member called with that very tensor object takes its slice. A
 member called with another input, or before the leader, or twice, computes its own output
@@ -24,7 +23,8 @@ import logging
 
 import torch
 
-from .cpu_linear import PackedLinears, _check_packable, _PackedForward, _weight_key
+from .packed_forward import PackedForward, check_packable, weight_key
+from .packed_linears import PackedLinears
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 class FusedGroup:
     """The shared state of one group of packed sibling linears (same input, same in_features)."""
 
-    def __init__(self, members: list[_PackedForward]) -> None:
+    def __init__(self, members: list[PackedForward]) -> None:
         self.members = members
         self.kernel = members[0].kernel  # grouped only with the same kernel (see fuse_siblings)
         self.sizes = [f.module.out_features for f in members]
@@ -52,8 +52,8 @@ class FusedGroup:
     def _pack(self) -> None:
         mods = [f.module for f in self.members]
         for m in mods:
-            _check_packable(m.weight)
-        keys = tuple(_weight_key(m.weight) for m in mods)  # before reading, as in cpu_linear
+            check_packable(m.weight)
+        keys = tuple(weight_key(m.weight) for m in mods)  # before reading, as in packed_forward
         bias_keys = self._bias_keys()
         with torch.no_grad():
             self.packed = self.kernel.pack(torch.cat([m.weight.detach() for m in mods]))
@@ -72,11 +72,11 @@ class FusedGroup:
         self.keys, self.bias_keys = keys, bias_keys
 
     def _bias_keys(self) -> tuple:
-        return tuple(None if f.module.bias is None else _weight_key(f.module.bias) for f in self.members)
+        return tuple(None if f.module.bias is None else weight_key(f.module.bias) for f in self.members)
 
     def _current(self) -> bool:
         mods = [f.module for f in self.members]
-        if self.packed is None or self.keys != tuple(_weight_key(m.weight) for m in mods):
+        if self.packed is None or self.keys != tuple(weight_key(m.weight) for m in mods):
             return False
         return self.bias_keys == self._bias_keys()  # also a bias added or removed since packing
 
@@ -112,7 +112,7 @@ class FusedGroup:
         self.packed = self.bias = self._pending = None
         self._weights = []
 
-    def __call__(self, member: _PackedForward, x: torch.Tensor, verified: bool = False) -> torch.Tensor:
+    def __call__(self, member: PackedForward, x: torch.Tensor, verified: bool = False) -> torch.Tensor:
         """``member``'s output for ``x``: the leader runs the fused GEMM, a sibling takes its
         slice. ``verified``: inside ``PackedLinears.verified_step`` (the fused weight is current)."""
         index = member.group_index
@@ -125,7 +125,7 @@ class FusedGroup:
                     if self.packed is None:  # released: the repack failed
                         return torch.nn.functional.linear(x, member.module.weight, member.module.bias)
                 out = self.kernel.linear(x, self.packed, self.bias, self.total)
-            # Slices are taken when asked for (narrow: ~1 us each, where split costs ~10 us).
+            # Slices are taken when asked for (narrow is cheaper than split).
             self._pending = (x, out, [False] + [True] * (len(self.sizes) - 1))
             return out.narrow(-1, 0, self.sizes[0])
         pending = self._pending

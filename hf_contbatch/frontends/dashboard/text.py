@@ -1,0 +1,72 @@
+"""The text form of a stats snapshot (:func:`format_stats`), for scripts, logs and terminals."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ...core.phases import PHASES
+from .snapshot import phase_rows, stat_field
+
+
+def format_ms(seconds: Optional[float]) -> str:
+    """``seconds`` as milliseconds with one decimal ("—" for None)."""
+    return "—" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def preemption_kinds(stats, template: str = "{}") -> str:
+    """Preemptions by kind ("swap N, recompute M") put into ``template``; "" when the snapshot has
+    no counts by kind."""
+    swap, recompute = stat_field(stats, "num_preemptions_swap"), stat_field(stats, "num_preemptions_recompute")
+    if swap is None and recompute is None:
+        return ""
+    return template.format(f"swap {swap or 0}, recompute {recompute or 0}")
+
+
+def format_stats(stats, tokens_per_s_now: Optional[float] = None, width: int = 30) -> str:
+    """A few lines describing one ``EngineStats`` snapshot (for scripts, logs and terminals).
+
+    Args:
+        stats: an ``EngineStats`` (or any object with its fields).
+        tokens_per_s_now: a recent generation rate to show beside the engine's average.
+        width: characters of the usage bar.
+    """
+    n = max(stats.num_blocks, 1)
+    used = stats.num_used_blocks
+    filled = round(width * used / n)
+    bar = "#" * filled + "." * (width - filled)
+    kv_tokens = stat_field(stats, "num_kv_tokens")
+    tokens = (
+        f"{kv_tokens}/{stats.capacity_tokens} tokens"
+        if kv_tokens is not None
+        else f"{used * stats.block_size}/{stats.capacity_tokens} token slots"
+    )
+    lines = [
+        f"KV blocks  [{bar}] {used}/{stats.num_blocks} used ({100 * used / n:.0f}%), "
+        f"peak {stats.peak_used_blocks}, {tokens}",
+    ]
+    swap_blocks = stat_field(stats, "num_swap_blocks", 0)
+    if swap_blocks:
+        lines.append(f"swap pool  {stat_field(stats, 'num_swapped_blocks', 0)}/{swap_blocks} blocks used")
+    if stat_field(stats, "prefix_caching", False):
+        shared = sum(1 for r in stat_field(stats, "block_ref_counts", ()) if r > 1)
+        lines.append(
+            f"prefix     hit rate {100 * stat_field(stats, 'prefix_cache_hit_rate', 0.0):.0f}% · {shared} shared blocks"
+            f" · {stat_field(stats, 'num_cached_blocks', 0)} free blocks holding cached prefixes"
+        )
+    lines.append(
+        f"queues     waiting {stats.num_waiting} · running {stats.num_running} · swapped {stats.num_swapped}"
+        f" · finished {stats.num_finished} · preempted {stats.num_preemptions}{preemption_kinds(stats, ' ({})')}"
+    )
+    now = "" if tokens_per_s_now is None else f"{tokens_per_s_now:.1f} tok/s now, "
+    lines.append(
+        f"speed      {now}{stats.throughput_tokens_per_s:.1f} tok/s average · TTFT {format_ms(stats.mean_ttft_s)}"
+        f" · ITL {format_ms(stats.mean_itl_s)} · {stats.num_generated_tokens} tokens in {stats.num_iterations} iterations"
+    )
+    rows = phase_rows(stats.recent_phases)
+    if rows:
+        means = {p: sum(r.get(p, 0.0) for r in rows) / len(rows) for p in PHASES}
+        lines.append(
+            f"phases     mean of last {len(rows)} iterations: "
+            + " · ".join(f"{p} {means[p] * 1e3:.2f} ms" for p in PHASES)
+        )
+    return "\n".join(lines)
