@@ -90,7 +90,10 @@ class _Timers:
 
 def _instrument(engine, timers: _Timers) -> None:
     """Wrap the parts of a step with timers (instance attributes and module functions only)."""
-    from hf_contbatch.kernels.attention import torch_paged
+    try:
+        from hf_contbatch.kernels.attention import torch_paged
+    except ImportError:  # a checkout from before the layer folders (``tree=`` variants)
+        from hf_contbatch.attention import torch_paged
 
     sched, runner = engine.scheduler, engine.runner
     engine._on_new_token = timers.wrap(engine._on_new_token, "on token")

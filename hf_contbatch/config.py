@@ -162,15 +162,16 @@ class EngineConfig:
             weights for our own GEMM (built with the system C compiler), or for oneDNN where it
             cannot be built, when the packed copy takes at most a quarter of the available memory;
             "native" (ours) and "onednn" always pack with that kernel; "torch" never packs
-            (``F.linear``). Packed linears are 1.1-1.9x faster end to end on CPU; they cost a copy
-            of the weights and are removed on close (see ``hf_contbatch.kernels.cpu_linear``).
+            (``F.linear``). Packed weights skip the per-call layout work of ``F.linear`` at small row
+            counts; they cost a copy of the weights and are removed on close (see
+            ``hf_contbatch.kernels.linears``; figures in ``docs/benchmarks.md``).
         fuse_linears: with packed linears, run sibling projections that read the same input
             (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``) as one GEMM over their
             concatenated packed weights; outputs are bit-identical, the model is not modified, and
-            the fused copy replaces the members' own (see ``hf_contbatch.kernels.fused_linear``).
+            the fused copy replaces the members' own (see ``hf_contbatch.kernels.linears.fused``).
         drive_in_caller: a blocking call (``pipe(...)``, ``handle.result()``) runs the engine's
-            iterations in the calling thread while the background thread leaves; on CPU this is up
-            to 1.5x faster than handing every step to a second thread. False keeps all work on the
+            iterations in the calling thread while the background thread leaves, so one thread's
+            OpenMP team runs torch instead of two competing for the cores. False keeps all work on the
             background thread, as does a running live dashboard (it needs the CPU to render).
         prompt_lookup_num_tokens: default for requests that do not set it: draft up to this many
             tokens per step by prompt lookup and verify them in the batch (speculative decoding,
@@ -179,9 +180,9 @@ class EngineConfig:
             work (editing, extraction, code) and cost a little elsewhere.
         compile_model: compile the model forward with ``torch.compile`` (inductor), attention and
             packed linears kept as opaque ops (``hf_contbatch.kernels.compiled_forward``). On CPU this
-            fuses transformers' small ops around the GEMMs: decode steps 1.1-1.4x faster on small models, but
-            the first steps compile for tens of seconds (faster in later processes, from
-            inductor's on-disk cache), so it pays off on long jobs. None (default) reads the
+            fuses transformers' small ops around the GEMMs (fewer ops per step), but the first steps
+            compile for tens of seconds (faster in later processes, from inductor's on-disk cache),
+            so it pays off on long jobs. None (default) reads the
             environment variable ``HF_CONTBATCH_COMPILE`` ("1" on, "0" or unset off). Needs a C++
             compiler; where compiling fails the model runs eagerly with one warning.
     """

@@ -146,6 +146,13 @@ class Scheduler:
         result = self.begin_iteration()
         result.report.reaped = self.reap()
         timer.charge("reap")
+        self.plan(result, timer)
+        result.report.phases = list(timer.as_tuple()[:4])
+        return result
+
+    def plan(self, result: StepResult, timer: PhaseTimer) -> None:
+        """Steps 2-4 after the reap, each charged to ``timer`` under its name: budget, admit,
+        preempt; then the plan's rows are laid out and the iteration's invariants checked."""
         step = self.budget(result.report)
         timer.charge("budget")
         self.admit(result, step, timer)
@@ -153,8 +160,6 @@ class Scheduler:
         self.preempt(result, step)
         timer.charge("preempt")
         self.finish_plan(result, step)
-        result.report.phases = list(timer.as_tuple()[:4])
-        return result
 
     def begin_iteration(self) -> StepResult:
         """An empty plan and report for the next iteration number."""

@@ -279,13 +279,7 @@ class LLMEngine:
             self._complete(req)
         timer.charge("reap")
         with self._state_lock:
-            budget = sched.budget(result.report)
-            timer.charge("budget")
-            sched.admit(result, budget, timer)
-            timer.charge("admit")
-            sched.preempt(result, budget)
-            timer.charge("preempt")
-            sched.finish_plan(result, budget)
+            sched.plan(result, timer)  # budget, admit, preempt
         plan = result.plan
         t_move = time.monotonic()
         self._move_blocks(plan)
