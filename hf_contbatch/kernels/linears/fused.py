@@ -139,6 +139,12 @@ class FusedGroup:
         return torch.nn.functional.linear(x, module.weight, module.bias)
 
 
+def _base_linear(module):
+    """``module``, or the ``nn.Linear`` a LoRA wrapper (``base_layer``) holds."""
+    base = getattr(module, "base_layer", None)
+    return base if isinstance(base, torch.nn.Linear) else module
+
+
 def fuse_siblings(model: torch.nn.Module, packed: PackedLinears | None) -> int:
     """Group the packed sibling projections of ``model`` (see the module docstring).
 
@@ -157,7 +163,9 @@ def fuse_siblings(model: torch.nn.Module, packed: PackedLinears | None) -> int:
     for owner in model.modules():
         children = dict(owner.named_children())
         for names in FUSED_GROUPS:
-            mods = [children.get(n) for n in names]
+            # A LoRA wrapper (peft's lora.Linear) stands for its base layer: the LoRA delta is added
+            # on top of the fused output (hf_contbatch.kernels.lora).
+            mods = [_base_linear(children.get(n)) for n in names]
             if any(m is None or id(m) not in by_module for m in mods):
                 continue
             if len({m.in_features for m in mods}) != 1 or len({m.bias is None for m in mods}) != 1:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import Callable, Optional
+from typing import Callable, Collection, Optional
 
 import torch
 
@@ -141,7 +141,10 @@ def _pack_all(modules: list[torch.nn.Linear], name: str) -> list[PackedForward]:
 
 
 def pack_linears(
-    model: torch.nn.Module, mode: str, available_bytes: Optional[Callable[[], Optional[int]]] = None
+    model: torch.nn.Module,
+    mode: str,
+    available_bytes: Optional[Callable[[], Optional[int]]] = None,
+    exclude: Collection[torch.nn.Module] = (),
 ) -> Optional[PackedLinears]:
     """Pack the model's float32 CPU ``nn.Linear`` weights for a faster GEMM, or do nothing.
 
@@ -152,6 +155,7 @@ def pack_linears(
             else nothing; only when the packed copy takes at most a quarter of the available host
             memory). A probe output must match ``F.linear`` before anything is installed.
         available_bytes: returns the available host memory in bytes (None when unknown).
+        exclude: modules left as they are (LoRA's A and B matrices, which ``kernels.lora`` reads).
 
     Returns:
         The packed modules (``backend`` names the kernel), or None when nothing was packed.
@@ -162,7 +166,8 @@ def pack_linears(
     """
     if mode == "torch":
         return None
-    modules = [m for m in model.modules() if _eligible(m)]
+    skip = {id(m) for m in exclude}
+    modules = [m for m in model.modules() if _eligible(m) and id(m) not in skip]
     if not modules:
         return None
     total = sum(m.weight.numel() * m.weight.element_size() for m in modules)
