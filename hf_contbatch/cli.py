@@ -76,9 +76,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         preemption_mode=args.preemption_mode,
     )
     t_load = time.monotonic()
+    model, adapter_names = args.model, None
+    if args.adapter:  # LoRA adapters over the base model, each prompt on its own (frontends.adapters)
+        model, adapter_names = _model_with_adapters(args, len(prompts))
     pipe = pipeline(
         "text-generation",
-        model=args.model,
+        model=model,
+        tokenizer=args.model if args.adapter else None,
         dtype=args.dtype,
         engine_config=EngineConfig(
             cache=cache,
@@ -94,14 +98,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         gen_kwargs.update(temperature=args.temperature, top_p=args.top_p)
     if args.stop:
         gen_kwargs["stop_strings"] = args.stop
+    if adapter_names is not None:
+        gen_kwargs["adapter_names"] = adapter_names
     with pipe:
         results = pipe(prompts, progress_bar=not args.quiet, **gen_kwargs)
         call = pipe.last_call_stats
         stats = pipe.stats()
     out_f = open(args.output, "w", encoding="utf-8") if args.output else None
     try:
-        for prompt, recs in zip(prompts, results):
+        for i, (prompt, recs) in enumerate(zip(prompts, results)):
             row = {"prompt": prompt, "generated_text": recs[0]["generated_text"]}
+            if adapter_names is not None:
+                row["adapter"] = adapter_names[i]
             if out_f:
                 out_f.write(json.dumps(row, ensure_ascii=False) + "\n")
             elif not args.quiet:
@@ -130,6 +138,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.output:
         print(f"wrote {args.output}", file=sys.stderr)
     return 0
+
+
+def _model_with_adapters(args: argparse.Namespace, num_prompts: int):
+    """The base model (``--model``) with ``--adapter NAME=PATH`` adapters loaded, and each prompt's
+    adapter: a .jsonl prompt's "adapter", else the first adapter given."""
+    from transformers import AutoModelForCausalLM
+
+    from .default_model import default_model_path
+    from .frontends.adapters import load_adapters, parse_adapter_args, prompt_adapters
+
+    adapters = parse_adapter_args(args.adapter)
+    if args.model is None:
+        args.model = default_model_path()
+    base = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.dtype)
+    first = next(iter(adapters))
+    names = [name or first for name in prompt_adapters(args.input, num_prompts)]
+    return load_adapters(base, adapters), names
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -196,6 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="compile the model forward with torch.compile (faster steps after tens of seconds of compiling; "
         "EngineConfig.compile_model)",
+    )
+    g.add_argument(
+        "--adapter",
+        action="append",
+        default=None,
+        metavar="NAME=PATH",
+        help='a PEFT LoRA adapter over --model (repeatable); a .jsonl prompt picks one with "adapter", '
+        'else the first is used ("__base__": the base model)',
     )
     g.add_argument("--quiet", action="store_true")
     g.set_defaults(func=cmd_generate)

@@ -130,7 +130,7 @@ class LLMEngine:
         # Guards the scheduler's and block managers' state: held by the driving thread while it
         # changes them (not during the forward), and by ``stats()`` for one consistent snapshot.
         self._state_lock = threading.RLock()
-        self.counters = EngineCounters(record_phases=cfg.record_phases)
+        self.counters = EngineCounters(record_phases=cfg.record_phases, per_adapter=self.adapters is not None)
         self.driver = EngineDriver(self, drive_in_caller=cfg.drive_in_caller, num_threads=cfg.num_threads)
 
     @property

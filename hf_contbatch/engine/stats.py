@@ -8,6 +8,7 @@ from typing import Optional
 
 from ..core.phases import PHASES
 from ..core.plan import StepResult
+from ..request import BASE_ADAPTER
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,9 @@ class EngineStats:
     # Prompt-lookup speculative decoding (cumulative): drafts verified, and those kept.
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    # LoRA adapters (a peft.PeftModel): ((adapter, waiting, running, swapped), ...) by adapter name,
+    # "__base__" for the base model; empty when the engine serves a plain model.
+    requests_per_adapter: tuple = ()
 
     @property
     def draft_acceptance_rate(self) -> Optional[float]:
@@ -76,9 +80,11 @@ class EngineCounters:
 
     Args:
         record_phases: keep the per-iteration phase log (``EngineConfig.record_phases``).
+        per_adapter: count requests per LoRA adapter (the engine serves a ``peft.PeftModel``).
     """
 
-    def __init__(self, record_phases: bool = True) -> None:
+    def __init__(self, record_phases: bool = True, per_adapter: bool = False) -> None:
+        self.per_adapter = per_adapter
         self.phase_log: collections.deque = collections.deque(maxlen=4096 if record_phases else 0)
         self.num_finished = 0
         self.num_generated = 0
@@ -170,4 +176,14 @@ class EngineCounters:
             num_kv_tokens=sum(r.num_computed_tokens for r in sched.running),
             num_draft_tokens=counts.num_draft_tokens,
             num_accepted_draft_tokens=counts.num_accepted_draft_tokens,
+            requests_per_adapter=_requests_per_adapter(sched) if self.per_adapter else (),
         )
+
+
+def _requests_per_adapter(sched) -> tuple:
+    """``((adapter, waiting, running, swapped), ...)`` sorted by name (base model: "__base__")."""
+    counts: dict[str, list[int]] = {}
+    for state, queue in enumerate((sched.waiting, sched.running, sched.swapped)):
+        for req in queue:
+            counts.setdefault(req.sampling.adapter_name or BASE_ADAPTER, [0, 0, 0])[state] += 1
+    return tuple((name, *c) for name, c in sorted(counts.items()))

@@ -67,7 +67,8 @@ class ContinuousBatchingPipeline:
     """Drop-in for ``transformers.pipeline("text-generation")`` with continuous batching.
 
     Args:
-        model: a ``PreTrainedModel`` or a name/path for ``AutoModelForCausalLM.from_pretrained``.
+        model: a ``PreTrainedModel`` or a name/path for ``AutoModelForCausalLM.from_pretrained``; or a
+            ``peft.PeftModel``, whose loaded LoRA adapters serve requests side by side (``adapter_names``).
         tokenizer: a tokenizer or name/path; defaults to the model's.
         engine_config: full engine configuration; or give ``cache_config`` / ``scheduler_config``.
         dtype: load dtype when ``model`` is a name ("auto", "float32", a ``torch.dtype``...).
@@ -257,6 +258,8 @@ class ContinuousBatchingPipeline:
                 ``top_k``, ``top_p``, ``repetition_penalty``, ``eos_token_id``, ``stop_strings``,
                 ``num_return_sequences``...; ``max_new_tokens`` may also be a list, one per input),
                 ``return_full_text``, ``priority`` (int or one per input; lower first), ``progress_bar`` (bool; default on for several inputs),
+                ``adapter_names`` (a ``peft.PeftModel``'s LoRA adapter: one name, or one per input;
+                ``"__base__"`` for the base model; default: the model's active adapter),
                 ``streamer`` (a transformers ``TextStreamer``/``TextIteratorStreamer``; one prompt),
                 ``prefix``, ``stop_sequence``, ``continue_final_message``, ``return_tensors``,
                 ``return_text``, ``handle_long_generation`` as in transformers.

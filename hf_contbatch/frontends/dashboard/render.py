@@ -10,7 +10,7 @@ import math
 from typing import Optional, Sequence
 
 from ...core.phases import PHASES
-from .snapshot import device_owners, phase_rows, stat_field, swap_owners
+from .snapshot import adapter_counts, device_owners, phase_rows, stat_field, swap_owners
 from .text import format_ms, preemption_kinds
 
 PHASE_COLOURS = {"reap": "#94a3b8", "budget": "#a78bfa", "admit": "#38bdf8", "preempt": "#f87171", "decode": "#34d399"}
@@ -248,6 +248,8 @@ def render_tiles(stats, tokens_per_s_now: Optional[float], history: Sequence[tup
     ]
     if hit is not None:
         tiles.append(_tile("prefix hits", f"{100 * hit:.0f}%"))
+    for name, requests, detail in adapter_counts(stats):  # requests per LoRA adapter (a peft.PeftModel)
+        tiles.append(_tile(f"adapter {html.escape(name)}", str(requests), detail))
     rates = [r for _, r, _ in history]
     used = [u for _, _, u in history]
     spark = (

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ...core.phases import PHASES
-from .snapshot import phase_rows, stat_field
+from .snapshot import adapter_counts, phase_rows, stat_field
 
 
 def format_ms(seconds: Optional[float]) -> str:
@@ -57,6 +57,9 @@ def format_stats(stats, tokens_per_s_now: Optional[float] = None, width: int = 3
         f"queues     waiting {stats.num_waiting} · running {stats.num_running} · swapped {stats.num_swapped}"
         f" · finished {stats.num_finished} · preempted {stats.num_preemptions}{preemption_kinds(stats, ' ({})')}"
     )
+    adapters = adapter_counts(stats)
+    if adapters:
+        lines.append("adapters   " + " · ".join(f"{name}: {detail}" for name, _, detail in adapters))
     now = "" if tokens_per_s_now is None else f"{tokens_per_s_now:.1f} tok/s now, "
     lines.append(
         f"speed      {now}{stats.throughput_tokens_per_s:.1f} tok/s average · TTFT {format_ms(stats.mean_ttft_s)}"
