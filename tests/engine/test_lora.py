@@ -170,6 +170,12 @@ def test_unknown_adapter_is_refused_naming_the_loaded_ones_and_the_engine_keeps_
         h = engine.submit(prompts[0], SamplingParams(max_new_tokens=NEW))  # None: the active adapter ("sql")
         assert h.request.sampling.adapter_name == "sql"
         assert h.result(60).output_token_ids == expected[0]
+        with engine.model.disable_adapter():  # PEFT's own switch: no adapter name means the base model
+            h = engine.submit(prompts[2], SamplingParams(max_new_tokens=NEW))
+        assert h.request.sampling.adapter_name is None and h.result(60).output_token_ids == expected[2]
+        engine.model.base_model.set_adapter(["sql", "chat"])  # several active: a name is needed
+        with pytest.raises(ValueError, match="2 active adapters"):
+            engine.submit(prompts[0], SamplingParams(max_new_tokens=NEW))
     finally:
         engine.close()
     plain = LLMEngine(build_model("llama"), EngineConfig(cache=CacheConfig(block_size=4, num_blocks=32)))
