@@ -111,8 +111,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.input) if args.input else _default_prompts()
     if args.output:
         check_output(args.output)
-    if args.model:
-        check_model(args.model)
+    model = check_model(args.model) if args.model else None  # None: the embedded model
     config = engine_config(args)
     gen_kwargs = _generation_kwargs(args)
 
@@ -127,7 +126,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         transformers.utils.logging.disable_progress_bar()  # the weights' loading bar
     kernel_s = _prebuild_kernels(args)
     t_load = time.monotonic()
-    pipe = pipeline("text-generation", model=args.model, dtype=args.dtype, engine_config=config)
+    pipe = pipeline("text-generation", model=model, dtype=args.dtype, engine_config=config)
     load_s = time.monotonic() - t_load
     with pipe:
         results = pipe(prompts, progress_bar=not args.quiet, **gen_kwargs)

@@ -46,7 +46,7 @@ def float_in(low: float, high: Optional[float], low_open: bool = False):
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be a number in {bounds}, got {text!r}") from None
-        if not (value > low if low_open else value >= low) or (high is not None and value > high) or value != value:
+        if not (value > low if low_open else value >= low) or (high is not None and value > high):  # NaN fails too
             raise argparse.ArgumentTypeError(f"must be a number in {bounds}, got {text}")
         return value
 
@@ -57,7 +57,7 @@ def float_in(low: float, high: Optional[float], low_open: bool = False):
 def _json_kind(value) -> str:
     """What a JSON value is, in JSON's words."""
     if isinstance(value, bool):
-        return f"{str(value).lower()}"
+        return "true" if value else "false"
     if value is None:
         return "null"
     if isinstance(value, (int, float)):
@@ -163,19 +163,21 @@ def _looks_local(name: str) -> bool:
     return name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1 or name.endswith("/")
 
 
-def check_model(name: str) -> None:
+def check_model(name: str) -> str:
     """``--model`` must be a model directory (with a ``config.json``) or a Hub id that resolves: in
-    the Hugging Face cache or on the Hub (``HF_HUB_OFFLINE=1`` allows the cache only)."""
+    the Hugging Face cache or on the Hub (``HF_HUB_OFFLINE=1`` allows the cache only). Returns what
+    to load: the directory (``~`` expanded) or the Hub id."""
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UsageError(f"--model {name}: the directory has no config.json (not a transformers model directory)")
-        return
+        return str(path)
     if path.exists():
         raise UsageError(f"--model {name}: is a file; give the model's directory (with config.json) or a Hub id")
     if _looks_local(name):
         raise UsageError(f"--model {name}: no such directory")
     _check_hub_model(name)
+    return name
 
 
 def _check_hub_model(repo_id: str) -> None:

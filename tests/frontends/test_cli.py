@@ -46,11 +46,14 @@ def run_cli(*args: str, cwd: Path, timeout: int = 60, **env: str) -> subprocess.
 
 @pytest.mark.timeout(180)
 def test_generate_writes_records_equal_to_transformers_greedy(tmp_path, capsys):
-    prompts = ["The for statement", "A class is", "Exceptions are raised"]
+    chat = [{"role": "user", "content": "What is a generator?"}]
+    prompts = ["The for statement", "A class is", chat]
     inp = tmp_path / "prompts.jsonl"
-    inp.write_text("\n".join(json.dumps({"prompt": p}) for p in prompts) + "\n", encoding="utf-8")
+    lines = [json.dumps({"prompt": prompts[0]}), json.dumps(prompts[1]), json.dumps({"messages": chat})]
+    inp.write_text("\n".join(lines) + "\n", encoding="utf-8")
     out = tmp_path / "out.jsonl"
-    assert main(["generate", "--input", str(inp), "--output", str(out), "--max-new-tokens", "12", "--quiet"]) == 0
+    args = ["generate", "--model", default_model_path(), "--input", str(inp), "--output", str(out), "--quiet"]
+    assert main([*args, "--max-new-tokens", "12"]) == 0
     rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     hf = transformers.pipeline("text-generation", model=default_model_path(), dtype=torch.float32)
     expected = [hf(p, max_new_tokens=12, do_sample=False, return_full_text=False)[0]["generated_text"] for p in prompts]
