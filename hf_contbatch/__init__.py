@@ -28,6 +28,10 @@ _LAZY = {
     "register_pipeline": ".integrations",  # an explicit call; importing it registers nothing
 }
 
+# Subpackages that ``import hf_contbatch`` used to load: ``hf_contbatch.integrations.TASK_NAME`` works
+# after a plain ``import hf_contbatch``.
+_SUBPACKAGES = ("core", "kernels", "engine", "frontends", "integrations")
+
 __all__ = [
     "CacheConfig",
     "EngineConfig",
@@ -53,6 +57,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str):
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f".{name}", __name__)  # the import sets it as an attribute
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -62,4 +68,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBPACKAGES))
