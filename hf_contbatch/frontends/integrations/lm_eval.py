@@ -18,7 +18,7 @@ the engine serves the resulting ``peft.PeftModel`` with the adapter on every req
 
 Engine settings are extra ``model_args``: ``block_size``, ``num_blocks``, ``cache_gib``,
 ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_prefix_caching``, ``attention_backend``,
-``engine_seed``.
+``engine_seed`` (defaults and meanings in ``lm_eval_args``, which ``hf-contbatch eval --help`` prints).
 """
 
 from __future__ import annotations
@@ -40,19 +40,9 @@ from ...engine.stopping import StopStringCheckers
 from ...request import SamplingParams
 from ..generation_args import resolve_generate_config, sampling_params_from_config
 from ..progress import wait_for
+from .lm_eval_args import ENGINE_ARGS, MODEL_TYPE
 
-MODEL_TYPE = "hf-contbatch"
-
-_ENGINE_ARGS = {
-    "block_size": 16,
-    "num_blocks": None,
-    "cache_gib": None,
-    "max_num_seqs": 256,
-    "max_num_batched_tokens": 2048,
-    "enable_prefix_caching": False,
-    "attention_backend": "auto",
-    "engine_seed": None,
-}
+_ENGINE_ARGS = {name: default for name, (default, _) in ENGINE_ARGS.items()}
 
 
 @register_model(MODEL_TYPE)
