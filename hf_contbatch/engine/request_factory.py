@@ -16,6 +16,7 @@ from ..config import is_int
 from ..core.block_manager import BlockManager
 from ..request import Request, RequestIdCounter, SamplingParams
 from .reliability import check_request
+from .structured import GrammarCompilation, GrammarSpec
 
 
 class RequestFactory:
@@ -27,6 +28,8 @@ class RequestFactory:
         block_manager: the device pool's bookkeeping (its size bounds a request's KV).
         prompt_lookup_num_tokens: the engine's default for requests that do not set it
             (``EngineConfig.prompt_lookup_num_tokens``).
+        grammars: the engine's grammar compilation (``SamplingParams.structured_outputs``); None:
+            requests with structured outputs are refused.
     """
 
     def __init__(
@@ -35,12 +38,14 @@ class RequestFactory:
         max_model_len: Optional[int],
         block_manager: BlockManager,
         prompt_lookup_num_tokens: Optional[int] = None,
+        grammars: Optional[GrammarCompilation] = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.num_blocks = block_manager.num_blocks
         self.block_size = block_manager.block_size
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
+        self.grammars = grammars
         self._ids = RequestIdCounter()
 
     @property
@@ -63,9 +68,12 @@ class RequestFactory:
         by ref count, the partial block copied), so each samples its own first token. With
         ``sampling.seed`` set, sequence ``k`` uses seed ``seed + k``. A fork that finds no room
         degrades to independent requests (they recompute the prompt, or hit the prefix cache).
+        ``sampling.structured_outputs`` is checked and parsed here (``structured.GrammarSpec``);
+        compiling it waits for the engine's worker thread.
 
         Raises:
             ValueError: as ``LLMEngine.submit`` documents; nothing is built then.
+            ImportError: structured outputs without xgrammar installed (the message names the extra).
         """
         num_sequences = 1 if num_return_sequences is None else num_return_sequences
         if not is_int(num_sequences) or num_sequences < 1:
@@ -80,6 +88,12 @@ class RequestFactory:
         if sampling.prompt_lookup_num_tokens is None and self.prompt_lookup_num_tokens:
             sampling = dataclasses.replace(sampling, prompt_lookup_num_tokens=self.prompt_lookup_num_tokens)
         check_request(ids, sampling, self.vocab_size)
+        if sampling.structured_outputs is not None:
+            spec = GrammarSpec.parse(sampling.structured_outputs)
+            if self.grammars is None:
+                raise ValueError("`structured_outputs` is not available in this engine")
+            self.grammars.check_ready_for(spec)
+            sampling = dataclasses.replace(sampling, structured_outputs=spec)
         self._check_fits(len(ids), sampling)
         req = Request(
             request_id=self._ids(),
