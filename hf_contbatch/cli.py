@@ -45,6 +45,38 @@ def _read_prompts(path: str) -> list:
     raise SystemExit(f"--input must be a .jsonl or .txt file, got {path}")
 
 
+def _as_response_format(obj, where: str) -> dict:
+    """A response_format object (OpenAI's shape), or a bare JSON schema wrapped as one."""
+    if not isinstance(obj, dict):
+        raise SystemExit(f"{where}: a response_format must be a JSON object, got {type(obj).__name__}")
+    if obj.get("type") in ("json_schema", "json_object", "text"):
+        return obj
+    return {"type": "json_schema", "json_schema": {"name": "schema", "schema": obj}}
+
+
+def _read_response_formats(args: argparse.Namespace, num_prompts: int):
+    """One response_format per prompt (None: unconstrained), or None when nothing asks for one:
+    ``--response-format FILE.json`` for every prompt, overridden by a ``.jsonl`` line's own
+    ``"response_format"``. A file or line may hold a response_format object or a bare JSON schema."""
+    default = None
+    if args.response_format:
+        path = Path(args.response_format)
+        if not path.exists():
+            raise SystemExit(f"--response-format: file not found: {path}")
+        try:
+            default = _as_response_format(json.loads(path.read_text(encoding="utf-8")), "--response-format")
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"--response-format {path}: not valid JSON ({exc})") from None
+    formats = [default] * num_prompts
+    if args.input and Path(args.input).suffix == ".jsonl":
+        lines = [line for line in Path(args.input).read_text(encoding="utf-8").splitlines() if line.strip()]
+        for i, line in enumerate(lines):
+            obj = json.loads(line)
+            if isinstance(obj, dict) and obj.get("response_format") is not None:
+                formats[i] = _as_response_format(obj["response_format"], f"--input line {i + 1}")
+    return formats if any(f is not None for f in formats) else None
+
+
 def _default_prompts() -> list[str]:
     return [
         "The for statement",
@@ -69,6 +101,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise SystemExit(f"--max-new-tokens must be an int >= 1, got {args.max_new_tokens}")
     prompts = _read_prompts(args.input) if args.input else _default_prompts()  # fail before loading the model
+    response_formats = _read_response_formats(args, len(prompts))
     cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, cpu_cache_gib=args.cache_gib)
     sched = SchedulerConfig(
         max_num_seqs=args.max_num_seqs,
@@ -94,6 +127,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         gen_kwargs.update(temperature=args.temperature, top_p=args.top_p)
     if args.stop:
         gen_kwargs["stop_strings"] = args.stop
+    if response_formats is not None:
+        gen_kwargs["response_format"] = response_formats
     with pipe:
         results = pipe(prompts, progress_bar=not args.quiet, **gen_kwargs)
         call = pipe.last_call_stats
@@ -197,6 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="compile the model forward with torch.compile (faster steps after tens of seconds of compiling; "
         "EngineConfig.compile_model)",
     )
+    g.add_argument(
+        "--response-format",
+        default=None,
+        metavar="FILE.json",
+        help="constrain every output to this response_format ({'type': 'json_schema', ...} or a bare JSON "
+        "schema); a .jsonl line's own 'response_format' overrides it (needs hf_contbatch[structured])",
+    )
     g.add_argument("--quiet", action="store_true")
     g.set_defaults(func=cmd_generate)
     e = sub.add_parser(
@@ -215,7 +257,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as exc:
+    except (ValueError, ImportError) as exc:
         parser.exit(2, f"hf-contbatch: error: {exc}\n")
 
 

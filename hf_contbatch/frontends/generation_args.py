@@ -52,6 +52,8 @@ ENGINE_KWARGS = (
     "prefix_allowed_tokens_fn",
     "stopping_criteria",
     "logprobs",
+    "response_format",  # structured outputs (frontends.response_format)
+    "structured_outputs",
 )
 # Generation settings the engine does not run (beam search, contrastive search, DoLa...): any value
 # but a neutral one, from the call or from the model's generation_config, is rejected by name with

@@ -161,7 +161,7 @@ class ContinuousBatchingPipeline:
         if prefix is not None and "prefix" not in kwargs:
             kwargs["prefix"] = prefix  # transformers' pipeline takes the model's prompt prefix by default
         init_kwargs = split_call_kwargs(kwargs)  # bad arguments raise before the engine changes the model
-        self.engine = LLMEngine(model, engine_config)
+        self.engine = LLMEngine(model, engine_config, tokenizer=tokenizer)
         self._call_requests = CallRequestBuilder(self.engine, tokenizer, init_kwargs)
         self.last_call_stats: dict = {}
 
@@ -257,6 +257,8 @@ class ContinuousBatchingPipeline:
                 ``top_k``, ``top_p``, ``repetition_penalty``, ``eos_token_id``, ``stop_strings``,
                 ``num_return_sequences``...; ``max_new_tokens`` may also be a list, one per input),
                 ``return_full_text``, ``priority`` (int or one per input; lower first), ``progress_bar`` (bool; default on for several inputs),
+                ``response_format`` / ``structured_outputs`` (output constrained to a JSON schema, regex,
+                choice or grammar; one value or one per input; see ``frontends.response_format``),
                 ``streamer`` (a transformers ``TextStreamer``/``TextIteratorStreamer``; one prompt),
                 ``prefix``, ``stop_sequence``, ``continue_final_message``, ``return_tensors``,
                 ``return_text``, ``handle_long_generation`` as in transformers.
