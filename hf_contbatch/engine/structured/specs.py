@@ -10,7 +10,8 @@ whitespace can emit it until ``max_new_tokens``), and in xgrammar's strict mode 
 items not in the schema are not generated). xgrammar 0.2 lowers a string with
 ``minLength``/``maxLength`` to a bare character class that admits raw control characters (which
 ``json.loads`` rejects) and no escapes (xgrammar issue #800); such a string is rewritten to the
-equivalent anchored ``pattern``, which xgrammar compiles JSON-string aware.
+equivalent anchored ``pattern``, which xgrammar compiles JSON-string aware: no raw control
+characters (escapes stay out of reach in a length-bounded string, as before).
 """
 
 from __future__ import annotations
