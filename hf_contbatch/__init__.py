@@ -2,7 +2,7 @@
 
 from .config import CacheConfig, EngineConfig, SchedulerConfig
 from .engine import EngineError, EngineStats, LLMEngine, RequestHandle, RequestOutput
-from .request import SamplingParams
+from .request import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.2.0"
 
@@ -16,6 +16,7 @@ __all__ = [
     "RequestHandle",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
 ]
 
