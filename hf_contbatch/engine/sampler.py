@@ -4,7 +4,8 @@ Each request's scores go through the ``LogitsProcessorList`` ``generate`` would 
 (``SamplingParams.logits_processor``, built by ``generation.build_logits_processor``; for engine
 callers that give only the plain fields, the same processors built here). Per step:
 
-* plain greedy rows (no processor): one batched argmax over the raw logits;
+* plain greedy rows (no processor): one batched argmax over the raw logits (with greedy rows whose
+  only processor is their grammar: the step's bitmask first, then that one argmax);
 * every other row: the processors before its trailing temperature / top-k / top-p warpers run on
   its own ``[1, seq]`` history (a preallocated ``TokenHistory``, grown by the new tokens only),
   as ``generate`` calls them; then the trailing warpers of all rows run together with per-row
@@ -71,6 +72,7 @@ class _RowState:
     tail: LogitsProcessorList  # processors after the grammar mask that cannot be batched (rare)
     grammar: bool  # masked by its grammar before ``tail`` and ``fast``
     generator: Optional[torch.Generator] = None
+    argmax_after_mask: bool = False  # greedy with no processor: the argmax of the masked row
     history: Optional[TokenHistory] = None
     last_scores: Optional[torch.Tensor] = None  # [1, vocab], for stopping criteria
 
@@ -112,6 +114,7 @@ class Sampler:
                 tail, fast = split_fast_suffix(LogitsProcessorList(split[1]))
             plain = not params.do_sample and len(procs) == 0 and not grammar
             st = _RowState(head=head, fast=fast, plain=plain, tail=tail, grammar=grammar)
+            st.argmax_after_mask = not params.do_sample and not head and not tail and fast is None
             self._states[req.request_id] = st
         return st
 
@@ -155,13 +158,19 @@ class Sampler:
             tokens = scores.argmax(dim=-1).tolist()
             self._after(scores, requests, states, tokens)
             return tokens
+        constrained = [i for i, st in enumerate(states) if st.grammar]
+        if all(st.plain or (st.grammar and st.argmax_after_mask) for st in states):
+            # greedy rows, some under a grammar only: one bitmask, one argmax
+            self.grammar.mask_rows(scores, constrained, [requests[i] for i in constrained])
+            tokens = scores.argmax(dim=-1).tolist()
+            self._after(scores, requests, states, tokens)
+            return tokens
         # Per request first (its own history), then the grammars' one bitmask, then the trailing
         # warpers of every row batched.
         for i, st in enumerate(states):
             if st.head:
                 ids = self.history(requests[i], dev)
                 scores[i : i + 1] = st.head(ids, scores[i : i + 1].clone())
-        constrained = [i for i, st in enumerate(states) if st.grammar]
         if constrained:
             self.grammar.mask_rows(scores, constrained, [requests[i] for i in constrained])
             for i in constrained:
