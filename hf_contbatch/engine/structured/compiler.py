@@ -10,6 +10,7 @@ belongs to one engine, so to one tokenizer): the same schema compiles once.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -85,7 +86,11 @@ class GrammarCompilation:
         if self._compiler is None:
             xgr = import_xgrammar()
             self._tokenizer_info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
-            self._compiler = xgr.GrammarCompiler(self._tokenizer_info)
+            # Few threads: compiling shares the cores with the decode steps it must not hold up
+            # (xgrammar releases the GIL while it compiles).
+            self._compiler = xgr.GrammarCompiler(
+                self._tokenizer_info, max_threads=max(1, (os.cpu_count() or 2) // 2 - 1)
+            )
         return self._compiler.compile_grammar(spec.grammar)
 
     def close(self) -> None:
