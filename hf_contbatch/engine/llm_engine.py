@@ -177,8 +177,10 @@ class LLMEngine:
             ValueError: empty prompt, a token id outside the model's input embedding (the message
                 names the id, its position and the vocabulary size), a sampling value out of range,
                 a request that can never fit (prompt + 1 token beyond the model's context, or
-                prompt + max_new_tokens beyond the whole KV pool), or ``num_return_sequences`` not
-                a positive int. Nothing enters the engine then.
+                prompt + max_new_tokens beyond the whole KV pool), ``num_return_sequences`` not a
+                positive int, or a ``structured_outputs`` the grammar library refuses (the message
+                names the problem). Nothing enters the engine then.
+            ImportError: ``structured_outputs`` without xgrammar installed (names the extra).
             RuntimeError: the engine is closed.
         """
         req = self.build_request(prompt_token_ids, sampling, priority, stop_checker, num_return_sequences)

@@ -343,3 +343,26 @@ def test_a_logits_processor_factory_is_called_once_per_request_and_fork(pipe):
         assert proc.lengths == list(range(proc.lengths[0], proc.lengths[0] + len(proc.lengths)))
     with pytest.raises(ValueError, match="logits_processor"):
         pipe("A class is", max_new_tokens=2, logits_processor=RowsSeen())  # a processor, not a list or factory
+
+
+@pytest.mark.timeout(120)
+def test_max_new_tokens_still_ends_a_constrained_request_as_length_and_cancel_or_failure_leaves_nothing(pipe):
+    handle = pipe.submit("A class is", do_sample=False, max_new_tokens=3, structured_outputs={"json": PERSON})
+    handle.result()
+    assert handle.finish_reasons() == ["length"]
+    assert len(handle.handles[0].request.output_token_ids) == 3
+
+    def failing():
+        def boom(input_ids, scores):
+            raise RuntimeError("processor failed")
+
+        return [boom]
+
+    failed = pipe.submit("A class is", max_new_tokens=40, logits_processor=failing, structured_outputs={"json": PERSON})
+    cancelled = pipe.submit("Exceptions are", max_new_tokens=400, structured_outputs={"json_object": True})
+    cancelled.cancel()
+    with pytest.raises(hf_contbatch.EngineError):
+        failed.result()
+    cancelled.result()
+    assert cancelled.finish_reasons() == ["cancelled"]
+    assert_nothing_left(pipe.engine)
