@@ -47,6 +47,7 @@ class RequestFactory:
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
         self.grammars = grammars
         self._ids = RequestIdCounter()
+        self._last_spec: tuple = (None, None)  # (structured_outputs given, its GrammarSpec): a call's prompts share one
 
     @property
     def capacity_tokens(self) -> int:
@@ -89,7 +90,10 @@ class RequestFactory:
             sampling = dataclasses.replace(sampling, prompt_lookup_num_tokens=self.prompt_lookup_num_tokens)
         check_request(ids, sampling, self.vocab_size)
         if sampling.structured_outputs is not None:
-            spec = GrammarSpec.parse(sampling.structured_outputs)
+            given, spec = self._last_spec
+            if given is not sampling.structured_outputs:
+                spec = GrammarSpec.parse(sampling.structured_outputs)
+                self._last_spec = (sampling.structured_outputs, spec)
             if self.grammars is None:
                 raise ValueError("`structured_outputs` is not available in this engine")
             self.grammars.check_ready_for(spec)
