@@ -48,7 +48,10 @@ SCHEMA = {
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 4},
         "source": {
             "type": "object",
-            "properties": {"file": {"type": "string", "maxLength": 20}, "line": {"type": "integer", "minimum": 1, "maximum": 9999}},
+            "properties": {
+                "file": {"type": "string", "maxLength": 20},
+                "line": {"type": "integer", "minimum": 1, "maximum": 9999},
+            },
             "required": ["file", "line"],
         },
         "public": {"type": "boolean"},
