@@ -73,6 +73,7 @@ class _RowState:
     grammar: bool  # masked by its grammar before ``tail`` and ``fast``
     generator: Optional[torch.Generator] = None
     argmax_after_mask: bool = False  # greedy with no processor: the argmax of the masked row
+    needs_scores: bool = False  # its stopping criteria read the processed row
     history: Optional[TokenHistory] = None
     last_scores: Optional[torch.Tensor] = None  # [1, vocab], for stopping criteria
 
@@ -115,6 +116,7 @@ class Sampler:
             plain = not params.do_sample and len(procs) == 0 and not grammar
             st = _RowState(head=head, fast=fast, plain=plain, tail=tail, grammar=grammar)
             st.argmax_after_mask = not params.do_sample and not head and not tail and fast is None
+            st.needs_scores = bool(params.stopping_criteria)  # they read the processed row
             self._states[req.request_id] = st
         return st
 
@@ -160,8 +162,12 @@ class Sampler:
             return tokens
         constrained = [i for i, st in enumerate(states) if st.grammar]
         if all(st.plain or (st.grammar and st.argmax_after_mask) for st in states):
-            # greedy rows, some under a grammar only: one bitmask, one argmax
-            self.grammar.mask_rows(scores, constrained, [requests[i] for i in constrained])
+            # greedy rows, some under a grammar only: one bitmask, one argmax (rows whose masked
+            # scores nobody reads need the mask only where their argmax is refused)
+            argmax_only = [
+                i for i in constrained if requests[i].sampling.logprobs is None and not states[i].needs_scores
+            ]
+            self.grammar.mask_rows(scores, constrained, [requests[i] for i in constrained], argmax_only=argmax_only)
             tokens = scores.argmax(dim=-1).tolist()
             self._after(scores, requests, states, tokens)
             return tokens

@@ -9,7 +9,8 @@ goes when the request ends (``forget``).
 
 Per step the sampler asks for one ``[rows, ceil(vocab / 32)]`` int32 bitmask for the constrained
 rows (filled by xgrammar's ``BatchGrammarMatcher``, in parallel where it has threads) and applies
-it with one call of xgrammar's kernel. Prompt-lookup drafts of a constrained greedy request are
+it with one call of xgrammar's kernel (a greedy row that only needs its argmax is left unmasked
+when its argmax is allowed: the kernel's cost grows with the vocabulary, the check's does not). Prompt-lookup drafts of a constrained greedy request are
 cut to the prefix its grammar accepts before they are scheduled (``draft_prefix``, a look-ahead
 rolled back at once), and each verification row is masked with the state after the drafts before
 it (``mask_draft_rows``), so drafting never changes constrained greedy output.
@@ -141,20 +142,37 @@ class GrammarMatchers:
         return drafts[:n]
 
     # --- the step's bitmask ------------------------------------------------------------------------
-    def mask_rows(self, scores: torch.Tensor, rows: Sequence[int], requests: Sequence[Request]) -> None:
+    def mask_rows(
+        self,
+        scores: torch.Tensor,
+        rows: Sequence[int],
+        requests: Sequence[Request],
+        argmax_only: Sequence[int] = (),
+    ) -> None:
         """Set to ``-inf`` the scores of tokens each request's grammar does not allow next.
 
         Args:
             scores: ``[N, vocab]`` float32 scores, changed in place.
             rows: the rows of ``scores`` to mask, one per request.
             requests: the constrained requests of those rows.
+            argmax_only: rows (of ``rows``) whose caller reads only the argmax: they are masked
+                only when their argmax is a token the grammar refuses. Exact: when the first
+                maximum of a row is allowed, it is also the first maximum of the masked row.
         """
         bitmask = self._bitmask_rows(scores.shape[0])
         matchers = [self._synced(r, len(r.output_token_ids)).matcher for r in requests]
         if self._batch is None:
             self._batch = import_xgrammar().BatchGrammarMatcher()
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask, list(rows))
-        self._apply(scores, bitmask, list(rows))
+        apply = list(rows)
+        if argmax_only:
+            lazy = torch.tensor(list(argmax_only), dtype=torch.long)
+            best = scores.index_select(0, lazy.to(scores.device)).argmax(dim=-1).cpu()
+            allowed = (bitmask[lazy, best >> 5] >> (best & 31)) & 1
+            keep = {row for row, ok in zip(argmax_only, allowed.tolist()) if ok}
+            apply = [row for row in apply if row not in keep]
+        if apply:
+            self._apply(scores, bitmask, apply)
 
     def mask_draft_rows(self, scores: torch.Tensor, drafting: Sequence[tuple[int, Request, list[int]]]) -> None:
         """Mask the verification rows of requests with drafts: ``(first row, request, drafts)``;
