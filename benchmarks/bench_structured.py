@@ -157,6 +157,18 @@ def run_generate(model, tok, ids, max_new: int):
     return time.perf_counter() - t0, outs
 
 
+def parsing(tok, outs) -> str:
+    """How many of ``outs`` (token-id lists) ``json.loads`` parses, as "k/n"."""
+    ok = 0
+    for o in outs:
+        try:
+            json.loads(tok.decode(o, skip_special_tokens=True))
+            ok += 1
+        except ValueError:  # e.g. a raw control character in a length-bounded string
+            pass
+    return f"{ok}/{len(outs)}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="embedded,small")
@@ -186,15 +198,6 @@ def main() -> None:
         tokens_c, tokens_u = sum(lengths), sum(len(o) for o in outs_u)
         tps_c, tps_u = tokens_c / wall_c, tokens_u / wall_u
         tps_g = sum(len(o) for o in outs_g) / wall_g
-        def parsing(outs) -> str:
-            ok = 0
-            for o in outs:
-                try:
-                    json.loads(tok.decode(o, skip_special_tokens=True))
-                    ok += 1
-                except ValueError:  # e.g. a raw control character in a length-bounded string
-                    pass
-            return f"{ok}/{len(outs)}"
         row = {
             "constrained_tok_s": tps_c,
             "unconstrained_tok_s": tps_u,
@@ -207,8 +210,8 @@ def main() -> None:
             "steps_with_mask": mask["steps"],
             "compile_cold_ms": 1e3 * cold,
             "compile_warm_ms": 1e3 * warm,
-            "outputs_parsing": parsing(outs_c),
-            "generate_outputs_parsing": parsing(outs_g),
+            "outputs_parsing": parsing(tok, outs_c),
+            "generate_outputs_parsing": parsing(tok, outs_g),
             "equal_to_generate": f"{sum(a == b for a, b in zip(outs_c, outs_g))}/{n_base}",
         }
         report[name] = row
