@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from .config import CacheConfig, EngineConfig, SchedulerConfig
-from .request import SamplingParams
+from .request import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.2.0"
 
@@ -42,6 +42,7 @@ __all__ = [
     "RequestHandle",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
     "ContinuousBatchingPipeline",
     "GenerationHandle",

@@ -26,6 +26,7 @@ from .frontends.cli_checks import (
     float_in,
     int_at_least,
     read_prompts,
+    read_response_formats,
 )
 
 DESCRIPTION = """\
@@ -114,6 +115,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model = check_model(args.model) if args.model else None  # None: the embedded model
     config = engine_config(args)
     gen_kwargs = _generation_kwargs(args)
+    response_formats = read_response_formats(args.response_format, args.input, len(prompts))
+    if response_formats is not None:
+        gen_kwargs["response_format"] = response_formats
 
     import torch
     import transformers
@@ -297,6 +301,14 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--seed", type=int, default=0, help="the engine's sampling seed")
     g.add_argument(
+        "--response-format",
+        default=None,
+        metavar="FILE.json",
+        help="constrain every output to this response_format ({'type': 'json_schema', ...} or a bare JSON "
+        "schema); a .jsonl line's own 'response_format' overrides it (needs hf_contbatch[structured]) "
+        "(default: unconstrained)",
+    )
+    g.add_argument(
         "--stop",
         action="append",
         default=None,
@@ -417,7 +429,7 @@ def main(argv=None) -> int:
         parser.command_parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
-    except (UsageError, ValueError) as exc:  # ValueError: the library's own checks of bad input
+    except (UsageError, ValueError, ImportError) as exc:  # the library's own checks; a missing extra
         if _debug(args):
             raise
         message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())

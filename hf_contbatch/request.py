@@ -62,7 +62,9 @@ class SamplingParams:
             can fill the model's whole context.
         logits_processor: the request's full ``transformers.LogitsProcessorList`` as ``generate``
             builds it (``generation.build_logits_processor``); it replaces the processors built
-            from the fields above. None: built from the fields above.
+            from the fields above. None: built from the fields above. Or a zero-argument callable
+            returning such a list, called once per request and per fork when it first samples
+            (``engine.logits_processors.PerRequestProcessors``: stateful processors get their own).
         stopping_criteria: a ``transformers.StoppingCriteriaList`` evaluated on the request's own
             ``[1, seq]`` ids after each token; True finishes it as "stop".
         logprobs: None (off), 0 (record the log-prob of each chosen token under the processed
@@ -79,6 +81,10 @@ class SamplingParams:
             ``BASE_ADAPTER`` ("__base__") for the base model, or None for the model's active adapter
             (the base model when the model has no adapters). On a built request: the adapter that
             runs, or None for the base model.
+        structured_outputs: a ``StructuredOutputsParams`` (or a dict of its fields, vLLM's names):
+            the output must match this JSON schema, regex, choice or grammar; the engine masks
+            every step's logits with the request's grammar and the grammar decides where it may
+            stop (``hf_contbatch.engine.structured``). None: unconstrained.
     """
 
     max_new_tokens: int = 256
@@ -99,15 +105,17 @@ class SamplingParams:
     prompt_lookup_num_tokens: Optional[int] = None
     max_matching_ngram_size: Optional[int] = None
     adapter_name: Optional[str] = None
+    structured_outputs: Any = field(default=None, compare=False)
 
     @property
     def can_draft(self) -> bool:
         """True when prompt-lookup drafts are on and can be verified exactly by comparing them with
-        the argmax of each row: greedy with no processor, no per-token scores, no stopping criteria
-        (sampled requests and processors that read the history skip drafting)."""
+        the argmax of each row (under the request's grammar mask, if any): greedy with no
+        processor, no per-token scores, no stopping criteria (sampled requests and processors that
+        read the history skip drafting)."""
         return (
             bool(self.prompt_lookup_num_tokens)
-            and self.is_greedy_plain
+            and self.is_greedy_unprocessed
             and self.logprobs is None
             and not self.prompt_logprobs
             and self.score_token_id is None
@@ -116,9 +124,18 @@ class SamplingParams:
 
     @property
     def is_greedy_plain(self) -> bool:
-        """True when the next token is a plain argmax (no processor changes the ranking)."""
-        if self.logits_processor is not None:
-            return not self.do_sample and len(self.logits_processor) == 0
+        """True when the next token is a plain argmax (no processor or grammar changes the ranking)."""
+        return self.structured_outputs is None and self.is_greedy_unprocessed
+
+    @property
+    def is_greedy_unprocessed(self) -> bool:
+        """True when the next token is the argmax of the logits, masked by the request's grammar if
+        it has one: greedy, and no logits processor but the grammar mask's place in the list."""
+        procs = self.logits_processor
+        if procs is not None:
+            if not isinstance(procs, (list, tuple)):
+                return False  # a factory: its processors are unknown until it is called
+            return not self.do_sample and all(getattr(p, "is_grammar_mask_slot", False) for p in procs)
         return not self.do_sample and (self.repetition_penalty in (None, 1.0)) and self.min_new_tokens == 0
 
 
@@ -138,6 +155,8 @@ class Request:
         pending_forks: the other sequences of a ``num_return_sequences > 1`` request, not yet
             forked; they are forked off this one once its prompt, minus the last token, has KV.
         parent_id: for a forked sequence, the request it was forked from.
+        waiting_for_grammar: True while the grammar of its ``structured_outputs`` compiles (in
+            the engine's worker thread): admission passes over it, as vLLM's WAITING_FOR_FSM.
     """
 
     request_id: int
@@ -161,6 +180,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     pending_forks: list["Request"] = field(default_factory=list)
     parent_id: Optional[int] = None
+    waiting_for_grammar: bool = False
     # With SamplingParams.prompt_logprobs: entry t is (log-prob, is_argmax) of prompt token t given
     # the tokens before it (None where not requested); entry len(prompt) scores score_token_id.
     prompt_logprobs: Optional[list] = None
@@ -211,3 +231,31 @@ class RequestIdCounter:
 
     def __call__(self) -> int:
         return next(self._counter)
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must match, in vLLM's terms; set exactly one field.
+
+    Attributes:
+        json: a JSON schema (a dict, or its JSON text): the output is one JSON value valid under it,
+            written compactly (one line, ``", "`` and ``": "`` separators).
+        regex: a regular expression the whole output matches.
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF grammar (xgrammar's GBNF dialect, start rule ``root``) the output matches.
+        json_object: True: the output is any JSON object.
+    """
+
+    json: Any = None
+    regex: Optional[str] = None
+    choice: Optional[tuple] = None
+    grammar: Optional[str] = None
+    json_object: bool = False
+
+    FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    @property
+    def kind(self) -> Optional[str]:
+        """The one field that is set (its name), or None when none is."""
+        set_fields = [name for name in self.FIELDS if getattr(self, name) not in (None, False)]
+        return set_fields[0] if len(set_fields) == 1 else None

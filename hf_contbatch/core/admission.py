@@ -5,7 +5,8 @@ block budget, after prefix-cache hits) and tokens (the token budget) allow; a re
 overtakes an earlier one of its rank, nor a swapped request that ranks before it and could not
 resume. A waiting request at least one priority level above a running one may preempt it for a
 seat or for blocks. A request with pending forks takes the seats of its forks at admission, so its
-forks rarely degrade to independent requests.
+forks rarely degrade to independent requests. A request whose grammar still compiles
+(``Request.waiting_for_grammar``) is passed over without holding back the ones behind it.
 """
 
 from __future__ import annotations
@@ -50,8 +51,12 @@ class WaitingAdmission:
         request one priority level below for a seat or blocks (``timer`` charges that to
         "preempt")."""
         waiting, rank = self._queues.waiting, self._queues.rank
-        while waiting and step.token_budget > 0:
-            req = waiting[0]
+        passed = 0  # requests at the head whose grammar is not ready yet: passed over, not blocking
+        while len(waiting) > passed and step.token_budget > 0:
+            req = waiting[passed]
+            if req.waiting_for_grammar:
+                passed += 1
+                continue
             if step.swap_barrier_rank is not None and rank(req) > step.swap_barrier_rank:
                 break  # a swapped request ranks before it and could not resume
             if self._try_admit(result, step, req):

@@ -6,7 +6,9 @@ proposed from its own context (``prompt_lookup.NgramProposer``) as one query of 
 take only what the step has left once running requests, forks, swap-ins and admissions have their
 tokens and blocks: a draft never holds back, preempts or keeps waiting anything else, and never
 takes the watermark. After the forward the longest prefix of drafts equal to the greedy tokens is
-kept, with the greedy token after it, so the output is exactly plain greedy decoding's.
+kept, with the greedy token after it, so the output is exactly plain greedy decoding's. A request
+with a grammar drafts only the prefix its grammar accepts (the engine's ``draft_filter``), so
+verification under the grammar's mask keeps the output exactly constrained greedy decoding's.
 """
 
 from __future__ import annotations
@@ -28,11 +30,19 @@ class Drafts:
     Args:
         block_manager: the device pool's bookkeeping.
         counters: the scheduler's counters (``num_draft_tokens``, ``num_accepted_draft_tokens``).
+        draft_filter: ``(request, drafts) -> the longest prefix of drafts the request may verify``
+            (the engine's grammar check for requests with structured outputs); None keeps all.
     """
 
-    def __init__(self, block_manager: BlockManager, counters: SchedulerCounters) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        counters: SchedulerCounters,
+        draft_filter: Optional[Callable[[Request, list[int]], list[int]]] = None,
+    ) -> None:
         self._block_manager = block_manager
         self._counters = counters
+        self._draft_filter = draft_filter
         self.proposer = NgramProposer()
 
     def add(self, step: StepBudget) -> None:
@@ -68,7 +78,10 @@ class Drafts:
         if k <= 0:
             return []
         max_ngram = sp.max_matching_ngram_size or DEFAULT_MAX_MATCHING_NGRAM_SIZE
-        return self.proposer.propose(req.request_id, req.all_token_ids, k, max_ngram)
+        drafts = self.proposer.propose(req.request_id, req.all_token_ids, k, max_ngram)
+        if drafts and self._draft_filter is not None:
+            drafts = self._draft_filter(req, drafts)
+        return drafts
 
     def accept(
         self, row: ScheduledRequest, tokens: list[int], on_token: Optional[Callable[[Request], bool]] = None

@@ -51,6 +51,8 @@ class Scheduler:
         swap_cost_per_block: cost of swapping one block out and back in, in tokens of recompute
             (``preemption_mode="auto"``); ``config.swap_cost_per_block`` overrides it. The engine
             estimates it from the model size and the block bytes.
+        draft_filter: cuts a request's prompt-lookup drafts to the prefix it may verify
+            (``Drafts``; the engine's grammar check); None keeps them all.
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         host_block_manager: Optional[BlockManager] = None,
         swap_cost_per_block: float = 1.0,
+        draft_filter: Optional[Callable[[Request, list[int]], list[int]]] = None,
     ) -> None:
         self.config = config
         self.block_manager = block_manager
@@ -81,7 +84,7 @@ class Scheduler:
             self.allocate_slots,
             swap_cost_per_block,
         )
-        self.drafts = Drafts(block_manager, self.counters)
+        self.drafts = Drafts(block_manager, self.counters, draft_filter)
         self.preemption = Preemption(config, self.queues, block_manager, self.swap, self.counters)
         self.waiting_admission = WaitingAdmission(self.queues, block_manager, self.preemption, self.allocate_slots)
 

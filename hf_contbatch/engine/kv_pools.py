@@ -10,6 +10,7 @@ import torch
 
 from ..config import EngineConfig
 from ..core.block_manager import BlockManager
+from ..core.plan import StepPlan
 from ..kernels.attention import resolve_backend
 from ..kernels.paged_cache import PagedKVCache
 from .pool_sizing import KVGeometry, KVPoolSizer, PoolSizes, layer_devices
@@ -81,3 +82,15 @@ class KVPools:
             block_manager=BlockManager(sizes.num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching),
             host_block_manager=BlockManager(sizes.num_swap_blocks, cache_cfg.block_size),
         )
+
+
+def move_blocks(cache: PagedKVCache, plan: StepPlan) -> None:
+    """Execute the plan's KV moves before the forward, in the order the scheduler relies on:
+    swap in (its host blocks may be reused by this step's swap-outs), swap out (its device
+    blocks may be reused as this step's copy targets), then copy-on-write of forked blocks."""
+    if plan.blocks_to_swap_in:
+        cache.swap_in(plan.blocks_to_swap_in)
+    if plan.blocks_to_swap_out:
+        cache.swap_out(plan.blocks_to_swap_out)
+    if plan.blocks_to_copy:
+        cache.copy_blocks(plan.blocks_to_copy)

@@ -11,7 +11,9 @@ cache and its block bookkeeping, sized by ``pool_sizing.KVPoolSizer``), ``ModelP
 changes on the model, undone by ``close``), a ``RequestFactory`` (the one place requests are
 validated), a ``HandleRegistry`` (the handles it streams to and finishes), and an ``EngineDriver``
 (which thread runs iterations; it calls the engine back through ``driver.DrivenEngine``). Around
-them: ``stats`` (counters and ``EngineStats``), ``stopping`` (when a request ends).
+them: ``stats`` (counters and ``EngineStats``), ``stopping`` (when a request ends), and
+``structured.GrammarMatchers`` (the grammars of requests with structured outputs: compiled in a
+worker thread, one matcher per request, advanced on the tokens it keeps).
 
 A request's path: ``build_request`` (validate, no side effect) -> ``enqueue`` (register handles,
 put into the driver's inbox) -> ``take_inbox`` (to the scheduler) -> ``step`` -> ``_complete``.
@@ -29,12 +31,12 @@ import torch
 
 from ..config import EngineConfig
 from ..core.phases import PhaseTimer
-from ..core.plan import StepPlan, StepResult
+from ..core.plan import StepResult
 from ..core.scheduler import Scheduler
 from ..request import Request, RequestStatus, SamplingParams
 from .driver import Cancel, EngineDriver, InboxItem
 from .handles import EngineError, HandleRegistry, RequestHandle, RequestOutput
-from .kv_pools import KVPools
+from .kv_pools import KVPools, move_blocks
 from .lora_adapters import LoraAdapters, is_peft_model
 from .model_patches import ModelPatches
 from .pool_sizing import text_config
@@ -44,6 +46,7 @@ from .runner import ModelRunner
 from .sampler import Sampler
 from .stats import EngineCounters, EngineStats
 from .stopping import finish_status
+from .structured import GrammarCompilation, GrammarMatchers
 
 logger = logging.getLogger(__name__)
 
@@ -94,13 +97,15 @@ class LLMEngine:
             ``peft.PeftModel`` over one, whose LoRA adapters requests choose per request
             (``SamplingParams.adapter_name``).
         config: engine configuration.
+        tokenizer: the model's Hugging Face tokenizer; needed only by requests with
+            ``SamplingParams.structured_outputs`` (their grammars are compiled against it).
 
     Raises:
         ValueError: unsupported model family, a pool that does not fit in memory, or a PEFT
             feature per-request adapters cannot serve (named in the message).
     """
 
-    def __init__(self, model, config: Optional[EngineConfig] = None) -> None:
+    def __init__(self, model, config: Optional[EngineConfig] = None, tokenizer=None) -> None:
         self.config = cfg = config or EngineConfig()
         self.model = model
         # A peft.PeftModel runs as its inner model, its LoRA adapters per row (lora_adapters).
@@ -115,15 +120,22 @@ class LLMEngine:
         self.pool_sizing: dict[str, str] = dict(sizes.reasons)  # pool -> why it has its size (dashboard)
         self.cache, bm, host_bm = pools.cache, pools.block_manager, pools.host_block_manager
         self.block_manager, self.host_block_manager = bm, host_bm
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        logits_width = head.weight.shape[0] if getattr(head, "weight", None) is not None else self.vocab_size
+        self.grammars = GrammarMatchers(GrammarCompilation(tokenizer, logits_width))
         self.scheduler = Scheduler(
-            cfg.scheduler, bm, host_block_manager=host_bm, swap_cost_per_block=sizes.swap_cost_per_block
+            cfg.scheduler,
+            bm,
+            host_block_manager=host_bm,
+            swap_cost_per_block=sizes.swap_cost_per_block,
+            draft_filter=self.grammars.draft_prefix,
         )
-        self.sampler = Sampler(seeded_generator(cfg.seed))
+        self.sampler = Sampler(seeded_generator(cfg.seed), self.grammars)
         self.runner = ModelRunner(model, self.cache, bm, self.device, self.sampler)
         self.patches = ModelPatches(model, cfg, self.cache, self.runner)  # linears, attention, compiled forward
         self.packed_linears, self.compiled_forward = self.patches.packed_linears, self.patches.compiled_forward
         self.request_factory = RequestFactory(
-            self.vocab_size, g.max_model_len, bm, cfg.prompt_lookup_num_tokens, self.adapters
+            self.vocab_size, g.max_model_len, bm, cfg.prompt_lookup_num_tokens, self.adapters, self.grammars.compilation
         )
         self._handles = HandleRegistry(self)
         self._closed = False
@@ -172,9 +184,11 @@ class LLMEngine:
             ValueError: empty prompt, a token id outside the model's input embedding (the message
                 names the id, its position and the vocabulary size), a sampling value out of range,
                 a request that can never fit (prompt + 1 token beyond the model's context, or
-                prompt + max_new_tokens beyond the whole KV pool), ``num_return_sequences`` not
-                a positive int, or an unknown ``sampling.adapter_name`` (the message lists the
-                loaded adapters). Nothing enters the engine then.
+                prompt + max_new_tokens beyond the whole KV pool), ``num_return_sequences`` not a
+                positive int, an unknown ``sampling.adapter_name`` (the message lists the loaded
+                adapters), or a ``structured_outputs`` the grammar library refuses (the message
+                names the problem). Nothing enters the engine then.
+            ImportError: ``structured_outputs`` without xgrammar installed (names the extra).
             RuntimeError: the engine is closed.
         """
         req = self.build_request(prompt_token_ids, sampling, priority, stop_checker, num_return_sequences)
@@ -261,6 +275,7 @@ class LLMEngine:
         not_taken = [item for item in self.driver.stop() if isinstance(item, Request)]
         err = RuntimeError("the engine was closed before the request finished")
         self.fail_all(err, not_taken, status=RequestStatus.FINISHED_CANCELLED)
+        self.grammars.compilation.close()
         self.patches.undo()
         self.cache.release()
 
@@ -270,8 +285,8 @@ class LLMEngine:
 
         1. reap: finished and cancelled requests leave, their blocks are freed, handles complete;
         2. budget: free blocks minus this step's reservations minus the watermark;
-        3. admit: forks, swap-ins, waiting requests by rank, then drafts (a priority preemption
-           for an admission counts as "preempt");
+        3. admit: forks, swap-ins, waiting requests by rank (those whose grammar is ready), then
+           drafts (a priority preemption for an admission counts as "preempt");
         4. preempt: until the running requests' blocks fit, then every planned request gets its
            blocks (``Scheduler.allocate_slots``);
         5. decode: swap/copy the planned blocks, one batched forward, sample, append tokens and
@@ -289,10 +304,14 @@ class LLMEngine:
             self._complete(req)
         timer.charge("reap")
         with self._state_lock:
+            for req, exc in self.grammars.poll():  # grammars compiled since: admissible (or failed)
+                self._fail_in_step(req, exc)
             sched.plan(result, timer)  # budget, admit, preempt
         plan = result.plan
+        if plan.is_empty and self.grammars.has_waiting:
+            self.grammars.wait(timeout=0.05)  # nothing else to run: wait for a compile, not spin
         t_move = time.monotonic()
-        self._move_blocks(plan)
+        move_blocks(self.cache, plan)
         swap_seconds = time.monotonic() - t_move
         # A failing forward is narrowed down to the requests that fail alone; the others advance.
         sampled, failed = execute_isolating_failures(self.runner.execute, plan)
@@ -308,25 +327,15 @@ class LLMEngine:
         # Finished requests are released by the next reap; the driver makes sure there is one.
         return result
 
-    def _move_blocks(self, plan: StepPlan) -> None:
-        """Execute the plan's KV moves before the forward, in the order the scheduler relies on:
-        swap in (its host blocks may be reused by this step's swap-outs), swap out (its device
-        blocks may be reused as this step's copy targets), then copy-on-write of forked blocks."""
-        if plan.blocks_to_swap_in:
-            self.cache.swap_in(plan.blocks_to_swap_in)
-        if plan.blocks_to_swap_out:
-            self.cache.swap_out(plan.blocks_to_swap_out)
-        if plan.blocks_to_copy:
-            self.cache.copy_blocks(plan.blocks_to_copy)
-
     def _on_new_token(self, req: Request, now: float) -> bool:
-        """Count, stream and stop-check the token just appended to ``req`` (one at a time, also for
-        accepted drafts); True when ``req`` finished. An error here (a stop checker, a streamer)
-        fails ``req`` alone."""
+        """Count, stream, advance the grammar and stop-check the token just appended to ``req`` (one
+        at a time, also for accepted drafts); True when ``req`` finished (the grammar's end finishes
+        it as "stop"). An error here (a stop checker, a streamer, a grammar) fails ``req`` alone."""
         try:
             self.counters.record_token(req, now)
             self._handles.push_token(req)
-            status = finish_status(req)
+            grammar_done = self.grammars.accept(req)
+            status = finish_status(req) or (RequestStatus.FINISHED_STOPPED if grammar_done else None)
             if status is None and req.sampling.stopping_criteria and self.sampler.should_stop(req):
                 status = RequestStatus.FINISHED_STOPPED  # the call's stopping_criteria, on its own ids
         except Exception as exc:  # noqa: BLE001 - a stop checker or stream of one request
@@ -348,6 +357,7 @@ class LLMEngine:
     def _complete(self, req: Request) -> None:
         req.finish_time = time.monotonic()
         self.sampler.forget(req.request_id)
+        self.grammars.forget(req.request_id)
         with self._state_lock:
             self.counters.num_finished += 1
         self._handles.finish(req)
@@ -364,6 +374,7 @@ class LLMEngine:
                 if isinstance(item, Cancel):
                     self._handles.request_cancel(item.request_id)
                 else:
+                    self.grammars.track(item)  # its grammar compiles meanwhile; admission waits for it
                     self.scheduler.add_request(item)
 
     def release_finished(self) -> None:

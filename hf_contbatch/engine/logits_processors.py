@@ -13,6 +13,7 @@ and are warped batched (``warp_batched``), bit for bit as transformers' warpers.
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from typing import Callable, Optional, Sequence
 
@@ -25,6 +26,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingCriteriaList
+
+from .per_request_processors import PerRequestProcessors, is_processor_factory
 
 # Settings whose non-neutral values hf_contbatch rejects: (neutral values, reason, alternative).
 UNSUPPORTED_GENERATION = {
@@ -391,21 +394,33 @@ def with_processors(
     stopping_criteria: Optional[StoppingCriteriaList] = None,
     logprobs: Optional[int] = None,
     device: Optional[torch.device] = None,
+    grammar_mask: bool = False,
 ):
     """``sampling`` (a ``SamplingParams``) with the request's transformers-built processors and
     stopping criteria attached, and ``logprobs`` (``output_scores=True`` means 0) set.
     ``cfg``: a config from ``prepare_generation_config`` (or a resolved one, prepared here).
+    ``logits_processor`` may be a list (shared by every request and fork of the call, as one list
+    given to ``generate`` is shared by its batch rows) or a zero-argument factory returning one
+    (``PerRequestProcessors``: called once per request and fork). ``grammar_mask``: the request
+    has structured outputs; its mask goes where ``generate`` runs a custom processor
+    (``structured.GrammarMaskSlot``).
 
     Raises:
         ValueError: a malformed argument, naming it.
     """
     import dataclasses
 
-    if logits_processor is not None and not (
-        isinstance(logits_processor, (list, tuple)) and all(callable(p) for p in logits_processor)
+    from .structured import GrammarMaskSlot
+
+    factory = logits_processor if is_processor_factory(logits_processor) else None
+    if (
+        logits_processor is not None
+        and factory is None
+        and not (isinstance(logits_processor, (list, tuple)) and all(callable(p) for p in logits_processor))
     ):
         raise ValueError(
-            f"`logits_processor` must be a LogitsProcessorList (a list of callables), got {logits_processor!r}"
+            "`logits_processor` must be a LogitsProcessorList (a list of callables) or a zero-argument "
+            f"callable returning one (called once per request), got {logits_processor!r}"
         )
     if prefix_allowed_tokens_fn is not None and not callable(prefix_allowed_tokens_fn):
         raise ValueError(
@@ -425,14 +440,20 @@ def with_processors(
         logprobs = 0
     if not hasattr(cfg, "_eos_token_tensor"):  # not prepared yet (``generate`` adds it)
         cfg = prepare_generation_config(model, cfg, device)
-    procs = build_logits_processor(
+    build = functools.partial(
+        build_logits_processor,
         model,
         cfg,
-        prompt_token_ids,
+        list(prompt_token_ids),
         sampling.max_new_tokens,
-        logits_processor=LogitsProcessorList(logits_processor) if logits_processor is not None else None,
         prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
         device=device,
     )
+    extra = [GrammarMaskSlot()] if grammar_mask else []
+    if factory is not None:
+        procs = PerRequestProcessors(factory, lambda custom: build(logits_processor=custom), extra)
+    else:
+        custom = list(logits_processor or []) + extra
+        procs = build(logits_processor=LogitsProcessorList(custom) if logits_processor is not None or extra else None)
     criteria = build_stopping_criteria(cfg, StoppingCriteriaList(stopping_criteria) if stopping_criteria else None)
     return dataclasses.replace(sampling, logits_processor=procs, stopping_criteria=criteria, logprobs=logprobs)

@@ -17,6 +17,7 @@ from ..core.block_manager import BlockManager
 from ..request import Request, RequestIdCounter, SamplingParams
 from .lora_adapters import LoraAdapters, resolve_without_adapters
 from .reliability import check_request
+from .structured import GrammarCompilation, GrammarSpec
 
 
 class RequestFactory:
@@ -30,6 +31,8 @@ class RequestFactory:
             (``EngineConfig.prompt_lookup_num_tokens``).
         adapters: the LoRA adapters of a served ``peft.PeftModel`` (None for a plain model); a
             request's ``SamplingParams.adapter_name`` is resolved against them.
+        grammars: the engine's grammar compilation (``SamplingParams.structured_outputs``); None:
+            requests with structured outputs are refused.
     """
 
     def __init__(
@@ -39,6 +42,7 @@ class RequestFactory:
         block_manager: BlockManager,
         prompt_lookup_num_tokens: Optional[int] = None,
         adapters: Optional[LoraAdapters] = None,
+        grammars: Optional[GrammarCompilation] = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -46,7 +50,9 @@ class RequestFactory:
         self.block_size = block_manager.block_size
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
         self.adapters = adapters
+        self.grammars = grammars
         self._ids = RequestIdCounter()
+        self._last_spec: tuple = (None, None)  # (structured_outputs given, its GrammarSpec): a call's prompts share one
 
     @property
     def capacity_tokens(self) -> int:
@@ -70,9 +76,12 @@ class RequestFactory:
         degrades to independent requests (they recompute the prompt, or hit the prefix cache).
         ``sampling.adapter_name`` is resolved here (``LoraAdapters.resolve``): the built request
         names the adapter that runs, or None for the base model.
+        ``sampling.structured_outputs`` is checked and parsed here (``structured.GrammarSpec``);
+        compiling it waits for the engine's worker thread.
 
         Raises:
             ValueError: as ``LLMEngine.submit`` documents; nothing is built then.
+            ImportError: structured outputs without xgrammar installed (the message names the extra).
         """
         num_sequences = 1 if num_return_sequences is None else num_return_sequences
         if not is_int(num_sequences) or num_sequences < 1:
@@ -94,6 +103,15 @@ class RequestFactory:
         if adapter != sampling.adapter_name:  # the adapter that runs, fixed now (None: the base model)
             sampling = dataclasses.replace(sampling, adapter_name=adapter)
         check_request(ids, sampling, self.vocab_size)
+        if sampling.structured_outputs is not None:
+            given, spec = self._last_spec
+            if given is not sampling.structured_outputs:
+                spec = GrammarSpec.parse(sampling.structured_outputs)
+                self._last_spec = (sampling.structured_outputs, spec)
+            if self.grammars is None:
+                raise ValueError("`structured_outputs` is not available in this engine")
+            self.grammars.check_ready_for(spec)
+            sampling = dataclasses.replace(sampling, structured_outputs=spec)
         self._check_fits(len(ids), sampling)
         req = Request(
             request_id=self._ids(),

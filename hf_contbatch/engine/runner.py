@@ -218,9 +218,9 @@ class ModelRunner:
         result: dict = {}
         num_sample_rows, num_score_rows = len(inputs.sample_rows), len(inputs.score_rows)
         if inputs.draft_rows:
-            # Drafting requests are plain greedy (SamplingParams.can_draft): the argmax of every row,
-            # as the sampler's plain path takes it.
-            greedy = logits[num_sample_rows + num_score_rows :].float().argmax(dim=-1).tolist()
+            # Drafting requests are greedy (SamplingParams.can_draft): the argmax of every row, under
+            # the request's grammar where it has one.
+            greedy = self.sampler.verify_drafts(logits[num_sample_rows + num_score_rows :], plan.drafting)
             logits = logits[: num_sample_rows + num_score_rows]
             at = 0
             for s in plan.drafting:

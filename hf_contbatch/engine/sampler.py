@@ -4,11 +4,18 @@ Each request's scores go through the ``LogitsProcessorList`` ``generate`` would 
 (``SamplingParams.logits_processor``, built by ``generation.build_logits_processor``; for engine
 callers that give only the plain fields, the same processors built here). Per step:
 
-* plain greedy rows (no processor): one batched argmax over the raw logits;
+* plain greedy rows (no processor): one batched argmax over the raw logits (with greedy rows whose
+  only processor is their grammar: the step's bitmask first, then that one argmax);
 * every other row: the processors before its trailing temperature / top-k / top-p warpers run on
   its own ``[1, seq]`` history (a preallocated ``TokenHistory``, grown by the new tokens only),
   as ``generate`` calls them; then the trailing warpers of all rows run together with per-row
   parameter tensors (``generation.warp_batched``, equal to transformers' warpers row by row).
+
+A request with structured outputs is masked by its grammar between the two: its processors up to
+the grammar's place in its list (``structured.GrammarMaskSlot``, where ``generate`` would run a
+grammar library's processor), then one bitmask for every constrained row of the step, applied in
+one op (``structured.GrammarMatchers``), then its processors after that place. Steps without a
+constrained request never reach the grammar code.
 
 Then greedy rows take the argmax of their processed scores, sampled rows draw from their softmax:
 one ``torch.multinomial`` over all unseeded rows with the engine's generator (over the top-k
@@ -31,8 +38,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from ..core.plan import ScheduledRequest
 from ..request import Request, SamplingParams
 from .logits_processors import TokenHistory, split_fast_suffix, warp_batched
+from .structured import GrammarMaskSlot, GrammarMatchers, spec_of, split_at_mask_slot
 
 
 def build_logits_processors(params: SamplingParams, prompt_len: int) -> LogitsProcessorList:
@@ -43,6 +52,8 @@ def build_logits_processors(params: SamplingParams, prompt_len: int) -> LogitsPr
         procs.append(RepetitionPenaltyLogitsProcessor(penalty=params.repetition_penalty))
     if params.min_new_tokens > 0 and params.eos_token_ids:
         procs.append(MinNewTokensLengthLogitsProcessor(prompt_len, params.min_new_tokens, list(params.eos_token_ids)))
+    if spec_of(params) is not None:
+        procs.append(GrammarMaskSlot())  # where generate runs a custom processor: before the warpers
     if params.do_sample:
         if params.temperature is not None and params.temperature != 1.0:
             procs.append(TemperatureLogitsWarper(params.temperature))
@@ -57,8 +68,12 @@ def build_logits_processors(params: SamplingParams, prompt_len: int) -> LogitsPr
 class _RowState:
     head: LogitsProcessorList  # processors run on this request's own history (may be empty)
     fast: Optional[tuple]  # then (temperature, top_k, top_p), batched with other rows; None: none
-    plain: bool  # greedy with no processor
+    plain: bool  # greedy with no processor and no grammar
+    tail: LogitsProcessorList  # processors after the grammar mask that cannot be batched (rare)
+    grammar: bool  # masked by its grammar before ``tail`` and ``fast``
     generator: Optional[torch.Generator] = None
+    argmax_after_mask: bool = False  # greedy with no processor: the argmax of the masked row
+    needs_scores: bool = False  # its stopping criteria read the processed row
     history: Optional[TokenHistory] = None
     last_scores: Optional[torch.Tensor] = None  # [1, vocab], for stopping criteria
 
@@ -68,10 +83,13 @@ class Sampler:
 
     Args:
         generator: the engine's own ``torch.Generator`` (no global RNG state is touched).
+        grammar: the engine's grammar matchers (requests with structured outputs); None: no
+            request has a grammar.
     """
 
-    def __init__(self, generator: torch.Generator) -> None:
+    def __init__(self, generator: torch.Generator, grammar: Optional[GrammarMatchers] = None) -> None:
         self.generator = generator
+        self.grammar = grammar
         self._states: dict[int, _RowState] = {}
 
     def forget(self, request_id: int) -> None:
@@ -86,8 +104,19 @@ class Sampler:
             procs = params.logits_processor
             if procs is None:
                 procs = build_logits_processors(params, req.num_prompt_tokens)
-            head, fast = split_fast_suffix(procs)
-            st = _RowState(head=head, fast=fast, plain=not params.do_sample and len(procs) == 0)
+            elif not isinstance(procs, (list, tuple)):
+                procs = procs()  # a factory: this request's (or fork's) own processors
+            grammar = spec_of(params) is not None
+            split = split_at_mask_slot(procs) if grammar else None
+            if split is None:  # no grammar, or none placed: the mask goes before the batched warpers
+                (head, fast), tail = split_fast_suffix(procs), LogitsProcessorList()
+            else:
+                head = LogitsProcessorList(split[0])
+                tail, fast = split_fast_suffix(LogitsProcessorList(split[1]))
+            plain = not params.do_sample and len(procs) == 0 and not grammar
+            st = _RowState(head=head, fast=fast, plain=plain, tail=tail, grammar=grammar)
+            st.argmax_after_mask = not params.do_sample and not head and not tail and fast is None
+            st.needs_scores = bool(params.stopping_criteria)  # they read the processed row
             self._states[req.request_id] = st
         return st
 
@@ -131,11 +160,29 @@ class Sampler:
             tokens = scores.argmax(dim=-1).tolist()
             self._after(scores, requests, states, tokens)
             return tokens
-        # Per request first (its own history), then the trailing warpers of every row batched.
+        constrained = [i for i, st in enumerate(states) if st.grammar]
+        if all(st.plain or (st.grammar and st.argmax_after_mask) for st in states):
+            # greedy rows, some under a grammar only: one bitmask, one argmax (rows whose masked
+            # scores nobody reads need the mask only where their argmax is refused)
+            argmax_only = [
+                i for i in constrained if requests[i].sampling.logprobs is None and not states[i].needs_scores
+            ]
+            self.grammar.mask_rows(scores, constrained, [requests[i] for i in constrained], argmax_only=argmax_only)
+            tokens = scores.argmax(dim=-1).tolist()
+            self._after(scores, requests, states, tokens)
+            return tokens
+        # Per request first (its own history), then the grammars' one bitmask, then the trailing
+        # warpers of every row batched.
         for i, st in enumerate(states):
             if st.head:
                 ids = self.history(requests[i], dev)
                 scores[i : i + 1] = st.head(ids, scores[i : i + 1].clone())
+        if constrained:
+            self.grammar.mask_rows(scores, constrained, [requests[i] for i in constrained])
+            for i in constrained:
+                if states[i].tail:
+                    ids = self.history(requests[i], dev)
+                    scores[i : i + 1] = states[i].tail(ids, scores[i : i + 1].clone())
         fast = [i for i, st in enumerate(states) if st.fast is not None]
         candidates = None  # top-k candidate ids of the fast rows (None: not every fast row has one)
         if fast:
@@ -163,6 +210,26 @@ class Sampler:
             tokens[i] = int(torch.multinomial(probs, 1, generator=st.generator).item())
         self._after(scores, requests, states, tokens)
         return tokens  # type: ignore[return-value]
+
+    def verify_drafts(self, logits: torch.Tensor, drafting: Sequence[ScheduledRequest]) -> list[int]:
+        """The greedy token of every verification row of requests with drafts (plain greedy ones,
+        ``SamplingParams.can_draft``), each row masked first by its request's grammar, if any, in
+        the state after the drafts before it.
+
+        Args:
+            logits: ``[R, vocab]``, the ``1 + len(drafts)`` rows of each of ``drafting`` in order.
+        Returns:
+            R token ids.
+        """
+        scores = logits.float()
+        rows, at = [], 0
+        for s in drafting:
+            if spec_of(s.request.sampling) is not None:
+                rows.append((at, s.request, s.draft_token_ids))
+            at += s.num_new_tokens
+        if rows:
+            self.grammar.mask_draft_rows(scores, rows)
+        return scores.argmax(dim=-1).tolist()
 
     def _draw_unseeded(self, scores, rows, fast, candidates, tokens) -> None:
         """One ``torch.multinomial`` with the engine's generator for all unseeded sampled rows.

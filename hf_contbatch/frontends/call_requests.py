@@ -25,6 +25,7 @@ from ..engine.logits_processors import logits_device, prepare_generation_config,
 from ..engine.stopping import StopStringCheckers
 from ..request import Request
 from .generation_args import resolve_pipeline_generation_config, sampling_params_from_config, split_call_kwargs
+from .response_format import structured_outputs_per_prompt
 from .text_io import TextInput, prefix_length, tokenize_prompt, truncate_for_hole
 
 
@@ -102,8 +103,11 @@ class CallRequestBuilder:
         if prefix_len and cfg.min_length and cfg.min_new_tokens is None:
             # transformers' pipeline counts min_length without the prefix (adds its length)
             proc_cfg.min_length = cfg.min_length + prefix_len
+        constraints = structured_outputs_per_prompt(
+            eng.get("response_format"), eng.get("structured_outputs"), len(prompts)
+        )
         requests = []
-        for prompt, priority, prompt_cfg, adapter in zip(prompts, priorities, cfgs, adapters):
+        for prompt, priority, prompt_cfg, adapter, constraint in zip(prompts, priorities, cfgs, adapters, constraints):
             ids = tokenize_prompt(self.tokenizer, prompt, pre)
             if len(ids) == 0:
                 raise ValueError("a prompt tokenized to 0 tokens; give a non-empty prompt")
@@ -116,6 +120,8 @@ class CallRequestBuilder:
                 seed=eng.get("seed"),
                 prefix_len=prefix_len,
             )
+            if constraint is not None:
+                sp = dataclasses.replace(sp, structured_outputs=constraint)
             # The processors generate would build for this prompt (transformers' own list and order).
             sp = with_processors(
                 self.model,
@@ -127,6 +133,7 @@ class CallRequestBuilder:
                 stopping_criteria=eng.get("stopping_criteria"),
                 logprobs=eng.get("logprobs"),
                 device=logits_device(self.model),
+                grammar_mask=constraint is not None,
             )
             if adapter is not None:  # resolved and checked by the engine (LoraAdapters.resolve)
                 sp = dataclasses.replace(sp, adapter_name=adapter)

@@ -241,3 +241,37 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         for field, option in _OPTION_OF_FIELD.items():
             message = message.replace(f"`{field}`", option)
         raise UsageError(message) from None
+
+
+def _as_response_format(obj, where: str) -> dict:
+    """A response_format object (OpenAI's shape), or a bare JSON schema wrapped as one."""
+    if not isinstance(obj, dict):
+        raise UsageError(f"{where}: a response_format must be a JSON object, found {_json_kind(obj)}")
+    if obj.get("type") in ("json_schema", "json_object", "text"):
+        return obj
+    return {"type": "json_schema", "json_schema": {"name": "schema", "schema": obj}}
+
+
+def read_response_formats(response_format: Optional[str], input_path: Optional[str], num_prompts: int):
+    """One response_format per prompt (None: unconstrained), or None when nothing asks for one:
+    the file ``--response-format FILE.json`` for every prompt, overridden by a ``.jsonl`` prompt
+    line's own ``"response_format"``. A file or line may hold a response_format object or a bare
+    JSON schema. Raises UsageError naming the file (and line)."""
+    default = None
+    if response_format:
+        path = Path(response_format)
+        if not path.is_file():
+            raise UsageError(f"--response-format {path}: no such file")
+        try:
+            default = _as_response_format(json.loads(path.read_text(encoding="utf-8")), f"--response-format {path}")
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"--response-format {path}: not valid JSON ({exc})") from None
+    formats = [default] * num_prompts
+    if input_path and Path(input_path).suffix == ".jsonl":
+        lines = Path(input_path).read_text(encoding="utf-8").splitlines()
+        numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]  # prompts skip blank lines
+        for i, (n, line) in enumerate(numbered):
+            obj = json.loads(line)  # read_prompts checked every line already
+            if isinstance(obj, dict) and obj.get("response_format") is not None:
+                formats[i] = _as_response_format(obj["response_format"], f"--input {input_path} line {n}")
+    return formats if any(f is not None for f in formats) else None

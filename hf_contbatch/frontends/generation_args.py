@@ -53,6 +53,8 @@ ENGINE_KWARGS = (
     "stopping_criteria",
     "logprobs",
     "adapter_names",  # LoRA adapter per prompt (PEFT's mixed-batch spelling; a peft.PeftModel)
+    "response_format",  # structured outputs (frontends.response_format)
+    "structured_outputs",
 )
 # Generation settings the engine does not run (beam search, contrastive search, DoLa...): any value
 # but a neutral one, from the call or from the model's generation_config, is rejected by name with

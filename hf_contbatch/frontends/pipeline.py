@@ -162,7 +162,7 @@ class ContinuousBatchingPipeline:
         if prefix is not None and "prefix" not in kwargs:
             kwargs["prefix"] = prefix  # transformers' pipeline takes the model's prompt prefix by default
         init_kwargs = split_call_kwargs(kwargs)  # bad arguments raise before the engine changes the model
-        self.engine = LLMEngine(model, engine_config)
+        self.engine = LLMEngine(model, engine_config, tokenizer=tokenizer)
         self._call_requests = CallRequestBuilder(self.engine, tokenizer, init_kwargs)
         self.last_call_stats: dict = {}
 
@@ -274,6 +274,8 @@ class ContinuousBatchingPipeline:
                 ``return_full_text``, ``priority`` (int or one per input; lower first), ``progress_bar`` (bool; default on for several inputs),
                 ``adapter_names`` (a ``peft.PeftModel``'s LoRA adapter: one name, or one per input;
                 ``"__base__"`` for the base model; default: the model's active adapter),
+                ``response_format`` / ``structured_outputs`` (output constrained to a JSON schema, regex,
+                choice or grammar; one value or one per input; see ``frontends.response_format``),
                 ``streamer`` (a transformers ``TextStreamer``/``TextIteratorStreamer``; one prompt),
                 ``prefix``, ``stop_sequence``, ``continue_final_message``, ``return_tensors``,
                 ``return_text``, ``handle_long_generation`` as in transformers.
