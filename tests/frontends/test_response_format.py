@@ -43,7 +43,7 @@ def test_one_value_or_one_per_prompt():
 
 
 @pytest.mark.timeout(180)
-def test_cli_response_format_file_and_per_line_response_format(tmp_path):
+def test_cli_response_format_file_and_per_line_response_format(tmp_path, capsys):
     (tmp_path / "schema.json").write_text(json.dumps(SCHEMA), encoding="utf-8")  # a bare schema
     line_fmt = {
         "type": "json_schema",
@@ -63,5 +63,7 @@ def test_cli_response_format_file_and_per_line_response_format(tmp_path):
     rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     jsonschema.validate(json.loads(rows[0]["generated_text"]), SCHEMA)
     assert 0 <= json.loads(rows[1]["generated_text"]) <= 9
-    with pytest.raises(SystemExit, match="not found"):
+    with pytest.raises(SystemExit) as exit_info:  # one error line naming the file, exit status 2
         main(["generate", "--response-format", str(tmp_path / "missing.json")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().endswith("missing.json: no such file")
