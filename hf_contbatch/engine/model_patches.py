@@ -4,7 +4,7 @@ linears, the switch to paged attention, and a compiled forward."""
 from __future__ import annotations
 
 from ..config import EngineConfig, resolve_compile_model
-from ..kernels.linears import fuse_siblings, pack_linears
+from ..kernels.linears import pack_linears
 from .attention_switch import restore_attention, switch_to_paged_attention
 from .pool_sizing import available_host_memory
 
@@ -34,9 +34,14 @@ class ModelPatches:
         # Before anything changes the model: a bad HF_CONTBATCH_COMPILE raises with the model untouched.
         compile_model = resolve_compile_model(config.compile_model)
         # Before the attention switch: a forced backend that cannot pack raises with nothing changed.
-        self.packed_linears = pack_linears(model, config.linear_backend, available_host_memory)
-        if config.fuse_linears:
-            fuse_siblings(model, self.packed_linears)
+        self.packed_linears = pack_linears(
+            model,
+            config.linear_backend,
+            available_host_memory,
+            fuse=config.fuse_linears,
+            max_rows=config.scheduler.max_num_batched_tokens,
+            max_head_rows=config.scheduler.max_num_seqs,
+        )
         try:
             self.previous_attention = switch_to_paged_attention(model)
         except BaseException:
