@@ -126,7 +126,7 @@ class PagedKVCache:
         self.cpu_decode_kernel = None
         if (
             attention_backend == "torch"
-            and dtype == torch.float32
+            and dtype in (torch.float32, torch.bfloat16)
             and all(torch.device(d).type == "cpu" for d in layer_devices)
         ):
             from .attention.cpu_kernel import CPUDecodeKernel
