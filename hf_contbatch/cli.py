@@ -1,48 +1,65 @@
-"""``hf-contbatch`` command line: ``generate`` (the main job) and ``eval`` (lm-eval with our model type)."""
+"""The ``hf-contbatch`` command: ``generate`` (the main job) and ``eval`` (lm-eval with our model type).
+
+Only the standard library and the configs are imported before a command runs, so ``--help`` and
+argument errors answer without loading torch. Every user error (an argument, the input file, the
+model name) is one line, ``hf-contbatch: error: ...``, and exit status 2, argparse's convention;
+``--debug`` or ``HF_CONTBATCH_DEBUG=1`` shows the traceback instead. ``generate``'s options are
+added by one function per group (``add_*_arguments``); its checks before any model is loaded are
+in ``frontends.cli_checks``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
-from pathlib import Path
 
+from . import __version__
 from .config import ATTENTION_BACKENDS, PREEMPTION_MODES  # light: no torch import
+from .frontends.cli_checks import (
+    UsageError,
+    check_model,
+    check_output,
+    engine_config,
+    float_in,
+    int_at_least,
+    read_prompts,
+)
+
+DESCRIPTION = """\
+Continuous batching over a paged KV cache for Hugging Face text generation.
+
+Run `hf-contbatch COMMAND --help` for a command's options. Errors print one line; set
+HF_CONTBATCH_DEBUG=1 (or pass --debug to generate) for the traceback."""
+
+GENERATE_DESCRIPTION = """\
+Generate for every prompt of a file with continuous batching and print the throughput.
+Decoding is greedy unless --do-sample is given; outputs then equal transformers' greedy
+pipeline on the same model."""
+
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+DEFAULT_TEMPERATURE = 0.7  # with --do-sample: transformers' text-generation pipeline default
+DEFAULT_TOP_P = 1.0
+SAMPLING_OPTIONS = ("temperature", "top_p", "top_k")  # apply only with --do-sample
 
 
-def _read_prompts(path: str) -> list:
-    """Prompts from a .txt file (one per line) or a .jsonl file (objects with "prompt" or
-    "messages", or bare strings)."""
-    p = Path(path)
-    if not p.exists():
-        raise SystemExit(f"--input: file not found: {path}")
-    if p.suffix == ".jsonl":
-        prompts = []
-        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise SystemExit(f"--input {path} line {n}: not valid JSON ({exc})") from None
-            if isinstance(obj, str):
-                prompts.append(obj)
-            elif isinstance(obj, dict) and "prompt" in obj:
-                prompts.append(obj["prompt"])
-            elif isinstance(obj, dict) and "messages" in obj:
-                prompts.append(obj["messages"])
-            else:
-                raise SystemExit(f"--input line {n}: expected a string or an object with 'prompt' or 'messages'")
-        if not prompts:
-            raise SystemExit(f"--input {path}: no prompts in the file")
-        return prompts
-    if p.suffix == ".txt":
-        prompts = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
-        if not prompts:
-            raise SystemExit(f"--input {path}: no prompts in the file")
-        return prompts
-    raise SystemExit(f"--input must be a .jsonl or .txt file, got {path}")
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line, like the command's other user errors."""
+
+    def error(self, message: str):
+        self.exit(2, f"hf-contbatch: error: {message} (see `{self.prog} --help`)\n")
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions as written; each option's default shown, except None (the help says what it
+    means) and the False of a flag."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _default_prompts() -> list[str]:
@@ -58,50 +75,76 @@ def _default_prompts() -> list[str]:
     ]
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
+def _generation_kwargs(args: argparse.Namespace) -> dict:
+    """The pipeline call's generation arguments; sampling options given without ``--do-sample``
+    are ignored with a warning (as transformers warns when ``do_sample=False``)."""
+    kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample, "return_full_text": False}
+    given = [name for name in SAMPLING_OPTIONS if getattr(args, name) is not None]
+    if args.do_sample:
+        kwargs["temperature"] = DEFAULT_TEMPERATURE if args.temperature is None else args.temperature
+        kwargs["top_p"] = DEFAULT_TOP_P if args.top_p is None else args.top_p
+        if args.top_k is not None:
+            kwargs["top_k"] = args.top_k
+    elif given:
+        names = ", ".join("--" + name.replace("_", "-") for name in given)
+        print(f"hf-contbatch: warning: {names} ignored without --do-sample (decoding is greedy)", file=sys.stderr)
+    if args.stop:
+        kwargs["stop_strings"] = args.stop
+    return kwargs
 
-    from . import CacheConfig, EngineConfig, SchedulerConfig
+
+def _prebuild_kernels(args: argparse.Namespace) -> float:
+    """Build (or load) the C kernels before anything is timed; returns the seconds it took. The
+    first run on a machine compiles them, and says so."""
+    if args.dtype not in ("float32", "bfloat16", "auto"):
+        return 0.0  # the C kernels serve float32 and bfloat16
+    from .kernels.prebuild import prebuild_cpu_kernels
+
+    build = prebuild_cpu_kernels()
+    if build.built:
+        print(f"built CPU kernels in {build.seconds:.1f} s (cached for next time)", file=sys.stderr)
+    return build.seconds
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    # Everything that can be wrong with the arguments is found before torch or the model loads.
+    prompts = read_prompts(args.input) if args.input else _default_prompts()
+    if args.output:
+        check_output(args.output)
+    model = check_model(args.model) if args.model else None  # None: the embedded model
+    config = engine_config(args)
+    gen_kwargs = _generation_kwargs(args)
+
+    import torch
+    import transformers
+
     from .frontends.pipeline import pipeline
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.max_new_tokens < 1:
-        raise SystemExit(f"--max-new-tokens must be an int >= 1, got {args.max_new_tokens}")
-    prompts = _read_prompts(args.input) if args.input else _default_prompts()  # fail before loading the model
-    cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, cpu_cache_gib=args.cache_gib)
-    sched = SchedulerConfig(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        preemption_mode=args.preemption_mode,
-    )
+    if args.quiet:
+        transformers.utils.logging.disable_progress_bar()  # the weights' loading bar
+    kernel_s = _prebuild_kernels(args)
     t_load = time.monotonic()
-    pipe = pipeline(
-        "text-generation",
-        model=args.model,
-        dtype=args.dtype,
-        engine_config=EngineConfig(
-            cache=cache,
-            scheduler=sched,
-            attention_backend=args.attention_backend,
-            seed=args.seed,
-            compile_model=True if args.compile else None,
-        ),
-    )
+    tokenizer = adapter_names = None
+    if args.adapter:  # LoRA adapters over the base model, a prompt's own or the first (frontends.adapters)
+        model, adapter_names, tokenizer = _model_with_adapters(args, model, len(prompts))
+        gen_kwargs["adapter_names"] = adapter_names
+    pipe = pipeline("text-generation", model=model, tokenizer=tokenizer, dtype=args.dtype, engine_config=config)
     load_s = time.monotonic() - t_load
-    gen_kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample, "return_full_text": False}
-    if args.do_sample:
-        gen_kwargs.update(temperature=args.temperature, top_p=args.top_p)
-    if args.stop:
-        gen_kwargs["stop_strings"] = args.stop
+    tuner = getattr(pipe.engine.patches.packed_linears, "tuner", None)
+    if tuner is not None and tuner.measured_seconds:  # the first engine on this CPU times the GEMMs
+        print(f"timed the GEMMs for this CPU in {tuner.measured_seconds:.1f} s (cached for next time)", file=sys.stderr)
     with pipe:
         results = pipe(prompts, progress_bar=not args.quiet, **gen_kwargs)
         call = pipe.last_call_stats
         stats = pipe.stats()
     out_f = open(args.output, "w", encoding="utf-8") if args.output else None
     try:
-        for prompt, recs in zip(prompts, results):
+        for i, (prompt, recs) in enumerate(zip(prompts, results)):
             row = {"prompt": prompt, "generated_text": recs[0]["generated_text"]}
+            if adapter_names is not None:
+                row["adapter"] = adapter_names[i]
             if out_f:
                 out_f.write(json.dumps(row, ensure_ascii=False) + "\n")
             elif not args.quiet:
@@ -120,6 +163,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "num_blocks": stats.num_blocks,
         "block_size": stats.block_size,
         "load_seconds": round(load_s, 2),
+        "kernel_build_seconds": round(kernel_s, 2),
     }
     print(
         f"{summary['requests']} requests, {summary['generated_tokens']} generated tokens in {summary['seconds']} s: "
@@ -132,26 +176,58 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_with_adapters(args: argparse.Namespace, model, num_prompts: int):
+    """The base model (``model``: the checked ``--model``, None for the embedded one) with the
+    ``--adapter NAME=PATH`` adapters loaded, each prompt's adapter (a .jsonl prompt's "adapter",
+    else the first adapter given), and the base model's path for the tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    from .default_model import default_model_path
+    from .frontends.adapters import load_adapters, parse_adapter_args, prompt_adapters
+
+    adapters = parse_adapter_args(args.adapter)
+    path = model if model is not None else default_model_path()
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=args.dtype)
+    first = next(iter(adapters))
+    names = [name or first for name in prompt_adapters(args.input, num_prompts)]
+    return load_adapters(base, adapters), names, path
+
+
+def _eval_help() -> str:
+    from .frontends.integrations.lm_eval_args import MODEL_TYPE, describe_engine_args
+
+    return (
+        "usage: hf-contbatch eval [lm_eval run options]\n\n"
+        f"lm-eval's command line with the {MODEL_TYPE} model type registered. --model defaults to\n"
+        f"{MODEL_TYPE}: lm-eval's hf model with every request of every task in the engine at once.\n"
+        "--model_args takes the hf model's arguments (pretrained=..., dtype=..., trust_remote_code=...;\n"
+        "without pretrained=, the embedded model) and these engine settings (name=default):\n"
+        f"{describe_engine_args()}\n"
+        "example: hf-contbatch eval --model_args pretrained=HuggingFaceTB/SmolLM2-135M,max_num_seqs=64 "
+        "--tasks hellaswag\n"
+    )
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     """``lm_eval``'s own command line with the ``hf-contbatch`` model type registered (the stock
     ``lm_eval`` command cannot see a plugin model). ``--model`` defaults to ``hf-contbatch``."""
-    try:
-        import lm_eval.__main__ as lm_eval_main
-    except ImportError:
-        raise SystemExit('hf-contbatch eval needs lm-eval: pip install "hf_contbatch[eval]"') from None
-    from .frontends.integrations import lm_eval as _plugin  # noqa: F401  (registers the model type)
-
     rest = list(args.lm_eval_args)
     if rest and rest[0] == "--":
         rest = rest[1:]
+    wants_help = "-h" in rest or "--help" in rest
+    if wants_help:
+        print(_eval_help() + "\nlm-eval's own options follow.\n", flush=True)
+    try:
+        import lm_eval.__main__ as lm_eval_main
+    except ImportError:
+        raise UsageError('hf-contbatch eval needs lm-eval: pip install "hf_contbatch[eval]"') from None
+    from .frontends.integrations.lm_eval_args import MODEL_TYPE
+
+    if not wants_help:
+        from .frontends.integrations import lm_eval as _plugin  # noqa: F401  (registers the model type)
     is_run = not rest or rest[0] not in ("ls", "validate")
-    if (
-        is_run
-        and not any(a == "--model" or a.startswith("--model=") for a in rest)
-        and "-h" not in rest
-        and "--help" not in rest
-    ):
-        rest = ["--model", _plugin.MODEL_TYPE] + rest
+    if is_run and not any(a == "--model" or a.startswith("--model=") for a in rest) and not wants_help:
+        rest = ["--model", MODEL_TYPE] + rest
     if is_run and (not rest or rest[0] != "run"):
         rest = ["run"] + rest
     saved = sys.argv
@@ -163,60 +239,192 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-contbatch", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate for a file of prompts with continuous batching")
-    g.add_argument("--model", default=None, help="Hub id or local path (default: the embedded model)")
-    g.add_argument("--input", default=None, help="prompts.jsonl or prompts.txt (default: a few built-in prompts)")
-    g.add_argument("--output", default=None, help="out.jsonl (default: print to stdout)")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--do-sample", action="store_true")
-    g.add_argument("--temperature", type=float, default=0.7)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or auto")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-blocks", type=int, default=None)
+# --- the parser: one function per group of generate's options ---------------------------------------
+def add_input_output_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("input and output")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="a local model directory or a Hugging Face Hub id (name or namespace/name) (default: the "
+        "embedded 4M-parameter model, offline)",
+    )
+    g.add_argument(
+        "--input",
+        default=None,
+        metavar="FILE",
+        help='prompts: .txt (one per line) or .jsonl (per line a string, {"prompt": "..."} or '
+        '{"messages": [{"role": "user", "content": "..."}]}) (default: eight built-in prompts)',
+    )
+    g.add_argument(
+        "--output",
+        default=None,
+        metavar="FILE",
+        help='write {"prompt": ..., "generated_text": ...} per prompt to this .jsonl (default: print the '
+        "texts to stdout)",
+    )
+    g.add_argument(
+        "--quiet", action="store_true", help="no progress bars and no texts on stdout; the summary still goes to stderr"
+    )
+
+
+def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group(
+        "generation",
+        "Greedy decoding unless --do-sample is given; --temperature, --top-p and --top-k apply only with\n"
+        "--do-sample (without it they are ignored, with a warning).",
+    )
+    g.add_argument("--max-new-tokens", type=int_at_least(1), default=64, metavar="N", help="most tokens per prompt")
+    g.add_argument("--do-sample", action="store_true", help="sample instead of decoding greedily")
+    g.add_argument(
+        "--temperature",
+        type=float_in(0.0, None, low_open=True),
+        default=None,
+        metavar="T",
+        help=f"sampling temperature, > 0 (default: {DEFAULT_TEMPERATURE} with --do-sample)",
+    )
+    g.add_argument(
+        "--top-p",
+        type=float_in(0.0, 1.0, low_open=True),
+        default=None,
+        metavar="P",
+        help=f"nucleus sampling: keep the most likely tokens up to probability P, in (0, 1] (default: "
+        f"{DEFAULT_TOP_P}, i.e. off, with --do-sample)",
+    )
+    g.add_argument(
+        "--top-k",
+        type=int_at_least(0),
+        default=None,
+        metavar="K",
+        help="sample among the K most likely tokens, 0 for all (default: the model's generation_config, "
+        "else transformers' 50)",
+    )
+    g.add_argument("--seed", type=int, default=0, help="the engine's sampling seed")
+    g.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="stop a prompt's generation at this text, which is kept in the output (repeatable; default: none)",
+    )
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model and engine")
+    g.add_argument("--dtype", default="float32", choices=DTYPES, help="the weights' dtype (auto: the checkpoint's)")
+    g.add_argument("--block-size", type=int_at_least(1), default=16, metavar="N", help="tokens per KV block")
+    g.add_argument(
+        "--num-blocks",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help="KV blocks in the pool (default: see --cache-gib)",
+    )
     g.add_argument(
         "--cache-gib",
-        type=float,
+        type=float_in(0.0, None, low_open=True),
         default=None,
+        metavar="GIB",
         help="KV pool size on CPU when --num-blocks is not given (default: --max-num-seqs requests at "
         "the model's full context, at most 1 GiB)",
     )
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    g.add_argument("--preemption-mode", default="recompute", choices=list(PREEMPTION_MODES))
-    g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS))
-    g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    g.add_argument(
+        "--max-num-seqs", type=int_at_least(1), default=128, metavar="N", help="most requests running at once"
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int_at_least(1),
+        default=1024,
+        metavar="N",
+        help="token budget of one step (longer prompts are prefilled in chunks)",
+    )
+    g.add_argument(
+        "--preemption-mode",
+        default="recompute",
+        choices=list(PREEMPTION_MODES),
+        help="when the pool is full: free a request's blocks and recompute it later, swap them to a host "
+        "pool, or choose by cost (auto)",
+    )
+    g.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=list(ATTENTION_BACKENDS),
+        help="paged attention kernels (auto: Triton on CUDA where they serve the model, else torch; on CPU "
+        "torch with a C decode kernel)",
+    )
+    g.add_argument(
+        "--threads", type=int_at_least(1), default=None, metavar="N", help="torch threads (default: torch's choice)"
+    )
     g.add_argument(
         "--compile",
         action="store_true",
         help="compile the model forward with torch.compile (faster steps after tens of seconds of compiling; "
         "EngineConfig.compile_model)",
     )
-    g.add_argument("--quiet", action="store_true")
+    g.add_argument(
+        "--adapter",
+        action="append",
+        default=None,
+        metavar="NAME=PATH",
+        help='a PEFT LoRA adapter over --model (repeatable); a .jsonl prompt picks one with "adapter", '
+        'else the first is used ("__base__": the base model) (default: none, the model as it is)',
+    )
+
+
+def add_generate_parser(sub) -> argparse.ArgumentParser:
+    g = sub.add_parser(
+        "generate",
+        help="generate for a file of prompts with continuous batching",
+        description=GENERATE_DESCRIPTION,
+        formatter_class=_HelpFormatter,
+    )
+    add_input_output_arguments(g)
+    add_generation_arguments(g)
+    add_engine_arguments(g)
+    g.add_argument("--debug", action="store_true", help="show an error's traceback (also HF_CONTBATCH_DEBUG=1)")
     g.set_defaults(func=cmd_generate)
+    return g
+
+
+def add_eval_parser(sub) -> argparse.ArgumentParser:
+    # Every argument goes to lm-eval as it is (no option of ours: "\0" is never a prefix).
     e = sub.add_parser(
         "eval",
         add_help=False,
         prefix_chars="\0",
-        help="lm-eval with the hf-contbatch model type (arguments as for lm_eval; --model defaults to hf-contbatch)",
+        help="lm-eval's command line with the hf-contbatch model type as --model's default",
     )
     e.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
     e.set_defaults(func=cmd_eval)
+    return e
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hf-contbatch", description=DESCRIPTION, formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"hf-contbatch {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
+    add_generate_parser(sub)
+    add_eval_parser(sub)
+    parser.command_parsers = sub.choices  # for errors about a command's arguments
     return parser
 
 
+def _debug(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "debug", False)) or os.environ.get("HF_CONTBATCH_DEBUG", "0") not in ("", "0")
+
+
 def main(argv=None) -> int:
+    """Run the command; returns its exit status (0), or exits with 2 after a one-line user error."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command's parser, whose --help lists its options
+        parser.command_parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
-    except ValueError as exc:
-        parser.exit(2, f"hf-contbatch: error: {exc}\n")
+    except (UsageError, ValueError) as exc:  # ValueError: the library's own checks of bad input
+        if _debug(args):
+            raise
+        message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        parser.exit(2, f"hf-contbatch: error: {message}\n")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,9 @@ class RequestStatus(enum.Enum):
         return self.value.startswith("finished")
 
 
+#: The ``adapter_names`` entry for the base model, PEFT's spelling in mixed-batch inference.
+BASE_ADAPTER = "__base__"
+
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
@@ -71,6 +74,11 @@ class SamplingParams:
             output is exactly the one without drafts.
         max_matching_ngram_size: longest context suffix looked up for drafts (transformers' name);
             None means 2, transformers' default.
+        adapter_name: the LoRA adapter of a ``peft.PeftModel`` that serves this request (PEFT's
+            ``adapter_names`` entry). Given to ``LLMEngine.build_request``: a loaded adapter's name,
+            ``BASE_ADAPTER`` ("__base__") for the base model, or None for the model's active adapter
+            (the base model when the model has no adapters). On a built request: the adapter that
+            runs, or None for the base model.
     """
 
     max_new_tokens: int = 256
@@ -90,6 +98,7 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_lookup_num_tokens: Optional[int] = None
     max_matching_ngram_size: Optional[int] = None
+    adapter_name: Optional[str] = None
 
     @property
     def can_draft(self) -> bool:
@@ -182,6 +191,12 @@ class Request:
         """True when its forks are due: every prompt token but the last has KV (parallel sampling
         forks here so each sequence samples its own first token from the shared prefix)."""
         return bool(self.pending_forks) and self.num_computed_tokens == self.num_prompt_tokens - 1
+
+    @property
+    def prefix_cache_key(self) -> Optional[str]:
+        """What besides the tokens decides this request's KV: its LoRA adapter (None for the base
+        model). Prefix-cache blocks are shared only between requests with the same key."""
+        return self.sampling.adapter_name
 
     @property
     def finish_reason(self) -> Optional[str]:

@@ -6,7 +6,11 @@ module imports from a layer above its own (ARCHITECTURE.md: root config/request 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hf_contbatch"
 # Bottom up. The root package, ``cli`` and the ``integrations`` aliases face users, as the front ends do.
@@ -124,3 +128,20 @@ def test_no_module_imports_from_a_higher_layer():
 
 def test_the_circle_finder_finds_a_circle():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+@pytest.mark.timeout(120)
+def test_importing_the_package_loads_no_torch_and_each_name_on_first_use():
+    code = (
+        "import sys\nimport hf_contbatch\n"
+        "assert not {'torch', 'transformers'} & set(sys.modules), 'import hf_contbatch loaded torch'\n"
+        "exported = {name: getattr(hf_contbatch, name) for name in hf_contbatch.__all__}\n"
+        "subpackages = [hf_contbatch.core, hf_contbatch.kernels, hf_contbatch.engine, hf_contbatch.frontends]\n"
+        "from hf_contbatch.engine import LLMEngine\n"
+        "from hf_contbatch.frontends.pipeline import pipeline\n"
+        "assert exported['LLMEngine'] is LLMEngine and exported['pipeline'] is pipeline\n"
+        "assert hf_contbatch.integrations.TASK_NAME == 'continuous-batching-text-generation'\n"
+        "namespace = {}\nexec('from hf_contbatch import *', namespace)\n"
+        "assert set(hf_contbatch.__all__) <= set(namespace)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=100)

@@ -69,7 +69,7 @@ class WaitingAdmission:
         bm = self._block_manager
         hits = []
         if bm.enable_prefix_caching and req.num_computed_tokens == 0:
-            hits = bm.match_prefix(req.all_token_ids, req.block_hashes)
+            hits = bm.match_prefix(req.all_token_ids, req.block_hashes, req.prefix_cache_key)
         if req.pending_forks:  # leave the parent at least one token before its fork point
             hits = hits[: max(0, (req.num_prompt_tokens - 2) // bm.block_size)]
         if req.sampling.prompt_logprobs:  # rows from prompt_logprobs - 1 on must be computed

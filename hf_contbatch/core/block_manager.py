@@ -7,11 +7,14 @@ host swap pool (the latter without prefix caching).
 Prefix caching (vLLM v1 ``BlockPool``, nano-vllm ``BlockManager``): every full, computed block gets a
 chained hash ``hash((parent_hash, tokens))`` and enters a hash -> block map. A freed block keeps its
 hash and stays in the free queue, reusable by a later request with the same prefix until it is
-evicted; the free queue is ordered least-recently-freed first, so eviction is LRU.
+evicted; the free queue is ordered least-recently-freed first, so eviction is LRU. An *extra key*
+(the request's LoRA adapter, ``Request.prefix_cache_key``) seeds the chain as the first block's
+parent, as vLLM puts its extra keys into the hash: the same tokens under two keys never share a block.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from typing import Hashable, Optional, Sequence
 
@@ -24,6 +27,14 @@ def hash_block_tokens(parent_hash: Optional[int], token_ids: Sequence[int]) -> i
     two *parent* hashes with equal block tokens could alias two prefixes.
     """
     return hash((parent_hash, tuple(token_ids)))
+
+
+def chain_root(extra_key: Optional[str]) -> Optional[int]:
+    """The parent hash of a chain's first block: None without an extra key (the plain chain), else
+    a 64-bit digest of the key (blake2b: deterministic across processes, unlike ``hash`` of a str)."""
+    if extra_key is None:
+        return None
+    return int.from_bytes(hashlib.blake2b(extra_key.encode(), digest_size=8).digest(), "little")
 
 
 class BlockManager:
@@ -102,17 +113,23 @@ class BlockManager:
         return self._num_hashed.get(request_id, 0)
 
     # --- prefix caching ----------------------------------------------------------------------
-    def update_block_hashes(self, token_ids: Sequence[int], block_hashes: list[int]) -> list[int]:
-        """Extend ``block_hashes`` in place to cover every full block of ``token_ids``; returns it."""
+    def update_block_hashes(
+        self, token_ids: Sequence[int], block_hashes: list[int], extra_key: Optional[str] = None
+    ) -> list[int]:
+        """Extend ``block_hashes`` in place to cover every full block of ``token_ids``; returns it.
+        ``extra_key``: what besides the tokens decides the blocks' KV (see :func:`chain_root`)."""
         bs = self.block_size
-        parent = block_hashes[-1] if block_hashes else None
+        parent = block_hashes[-1] if block_hashes else chain_root(extra_key)
         for i in range(len(block_hashes), len(token_ids) // bs):
             parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
             block_hashes.append(parent)
         return block_hashes
 
-    def match_prefix(self, token_ids: Sequence[int], block_hashes: list[int]) -> list[int]:
-        """Cached blocks holding the longest full-block prefix of ``token_ids`` (read-only).
+    def match_prefix(
+        self, token_ids: Sequence[int], block_hashes: list[int], extra_key: Optional[str] = None
+    ) -> list[int]:
+        """Cached blocks holding the longest full-block prefix of ``token_ids`` under ``extra_key``
+        (read-only).
 
         At most ``(len(token_ids) - 1) // block_size`` blocks: at least one token is always
         recomputed, because the step that computes the last token is the one that samples.
@@ -120,9 +137,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
-        self.update_block_hashes(token_ids, block_hashes)
+        self.update_block_hashes(token_ids, block_hashes, extra_key)
         hits: list[int] = []
-        parent = None
+        parent = chain_root(extra_key)
         for i in range((len(token_ids) - 1) // bs):
             h = block_hashes[i]
             b = self._cached.get(h)
@@ -143,9 +160,15 @@ class BlockManager:
         self.num_prefix_hit_tokens += num_hit_tokens
 
     def cache_full_blocks(
-        self, request_id: Hashable, token_ids: Sequence[int], block_hashes: list[int], num_computed_tokens: int
+        self,
+        request_id: Hashable,
+        token_ids: Sequence[int],
+        block_hashes: list[int],
+        num_computed_tokens: int,
+        extra_key: Optional[str] = None,
     ) -> None:
-        """Register the blocks of ``request_id`` that are full and computed in the hash map.
+        """Register the blocks of ``request_id`` that are full and computed in the hash map
+        (``extra_key`` as for :meth:`match_prefix`).
 
         A block whose content is already cached under another block stays unhashed (no dedup, as in
         vLLM); its twin keeps serving hits.
@@ -159,8 +182,9 @@ class BlockManager:
         start = self._num_hashed.get(request_id, 0)
         if full <= start:
             return
-        self.update_block_hashes(token_ids[: full * self.block_size], block_hashes)
+        self.update_block_hashes(token_ids[: full * self.block_size], block_hashes, extra_key)
         bs = self.block_size
+        root = chain_root(extra_key)
         for i in range(start, full):
             b = table[i]
             h = block_hashes[i]
@@ -168,7 +192,7 @@ class BlockManager:
                 continue
             self._cached[h] = b
             self._block_hash[b] = h
-            self._block_content[b] = (block_hashes[i - 1] if i else None, tuple(token_ids[i * bs : (i + 1) * bs]))
+            self._block_content[b] = (block_hashes[i - 1] if i else root, tuple(token_ids[i * bs : (i + 1) * bs]))
         self._num_hashed[request_id] = full
 
     # --- mutations ---------------------------------------------------------------------------

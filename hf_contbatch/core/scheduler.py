@@ -295,5 +295,7 @@ class Scheduler:
             if bm.enable_prefix_caching and req.num_computed_tokens // bm.block_size > bm.num_hashed_blocks(
                 req.request_id
             ):
-                bm.cache_full_blocks(req.request_id, req.all_token_ids, req.block_hashes, req.num_computed_tokens)
+                bm.cache_full_blocks(
+                    req.request_id, req.all_token_ids, req.block_hashes, req.num_computed_tokens, req.prefix_cache_key
+                )
         return advanced

@@ -35,6 +35,7 @@ from ..request import Request, RequestStatus, SamplingParams
 from .driver import Cancel, EngineDriver, InboxItem
 from .handles import EngineError, HandleRegistry, RequestHandle, RequestOutput
 from .kv_pools import KVPools
+from .lora_adapters import LoraAdapters, is_peft_model
 from .model_patches import ModelPatches
 from .pool_sizing import text_config
 from .reliability import execute_isolating_failures
@@ -89,16 +90,22 @@ class LLMEngine:
     """Continuous batching over a paged KV cache for one transformers causal LM.
 
     Args:
-        model: a ``PreTrainedModel`` of a supported family (``SUPPORTED_MODEL_TYPES``).
+        model: a ``PreTrainedModel`` of a supported family (``SUPPORTED_MODEL_TYPES``), or a
+            ``peft.PeftModel`` over one, whose LoRA adapters requests choose per request
+            (``SamplingParams.adapter_name``).
         config: engine configuration.
 
     Raises:
-        ValueError: unsupported model family, or a pool that does not fit in memory.
+        ValueError: unsupported model family, a pool that does not fit in memory, or a PEFT
+            feature per-request adapters cannot serve (named in the message).
     """
 
     def __init__(self, model, config: Optional[EngineConfig] = None) -> None:
         self.config = cfg = config or EngineConfig()
         self.model = model
+        # A peft.PeftModel runs as its inner model, its LoRA adapters per row (lora_adapters).
+        self.adapters = LoraAdapters(model) if is_peft_model(model) else None
+        model = model if self.adapters is None else self.adapters.model
         check_supported_model(model)
         pools = KVPools.for_model(model, cfg)
         g, sizes = pools.geometry, pools.sizes
@@ -115,13 +122,15 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache, bm, self.device, self.sampler)
         self.patches = ModelPatches(model, cfg, self.cache, self.runner)  # linears, attention, compiled forward
         self.packed_linears, self.compiled_forward = self.patches.packed_linears, self.patches.compiled_forward
-        self.request_factory = RequestFactory(self.vocab_size, g.max_model_len, bm, cfg.prompt_lookup_num_tokens)
+        self.request_factory = RequestFactory(
+            self.vocab_size, g.max_model_len, bm, cfg.prompt_lookup_num_tokens, self.adapters
+        )
         self._handles = HandleRegistry(self)
         self._closed = False
         # Guards the scheduler's and block managers' state: held by the driving thread while it
         # changes them (not during the forward), and by ``stats()`` for one consistent snapshot.
         self._state_lock = threading.RLock()
-        self.counters = EngineCounters(record_phases=cfg.record_phases)
+        self.counters = EngineCounters(record_phases=cfg.record_phases, per_adapter=self.adapters is not None)
         self.driver = EngineDriver(self, drive_in_caller=cfg.drive_in_caller, num_threads=cfg.num_threads)
 
     @property
@@ -163,8 +172,9 @@ class LLMEngine:
             ValueError: empty prompt, a token id outside the model's input embedding (the message
                 names the id, its position and the vocabulary size), a sampling value out of range,
                 a request that can never fit (prompt + 1 token beyond the model's context, or
-                prompt + max_new_tokens beyond the whole KV pool), or ``num_return_sequences`` not
-                a positive int. Nothing enters the engine then.
+                prompt + max_new_tokens beyond the whole KV pool), ``num_return_sequences`` not
+                a positive int, or an unknown ``sampling.adapter_name`` (the message lists the
+                loaded adapters). Nothing enters the engine then.
             RuntimeError: the engine is closed.
         """
         req = self.build_request(prompt_token_ids, sampling, priority, stop_checker, num_return_sequences)

@@ -1,11 +1,13 @@
 """What an engine changes on its model, and how ``LLMEngine.close`` undoes it: packed (and fused)
-linears, the switch to paged attention, and a compiled forward."""
+linears, per-row LoRA forwards (a ``peft.PeftModel``'s adapters), the switch to paged attention,
+and a compiled forward."""
 
 from __future__ import annotations
 
 from ..config import EngineConfig, resolve_compile_model
 from ..kernels.linears import pack_linears
 from .attention_switch import restore_attention, switch_to_paged_attention
+from .lora_adapters import acquire_lora_layers, release_lora_layers
 from .pool_sizing import available_host_memory
 
 
@@ -13,7 +15,7 @@ class ModelPatches:
     """The engine's changes to one model: applied by the constructor, undone by ``undo``.
 
     Args:
-        model: the engine's model.
+        model: the engine's model (the inner transformers model of a ``peft.PeftModel``).
         config: the engine configuration (``linear_backend``, ``fuse_linears``, ``compile_model``).
         cache: the engine's ``PagedKVCache`` (a compiled forward stores K/V into it itself).
         runner: the engine's ``ModelRunner``: it runs the compiled forward, or checks the packed
@@ -21,32 +23,51 @@ class ModelPatches:
 
     Attributes:
         packed_linears: the ``PackedLinears`` (None when the linears stay as they are).
+        lora_layers: the model's ``LoraLayers`` (None without LoRA layers), shared by the engines
+            serving the model (``lora_adapters.acquire_lora_layers``).
         compiled_forward: the ``CompiledForward`` (None unless ``compile_model``).
         previous_attention: the model's own attention implementation, restored by ``undo``.
 
     Raises:
-        ValueError: a bad ``HF_CONTBATCH_COMPILE``, or a forced linear backend that cannot pack.
-            On any error the model is left as it was.
+        ValueError: a bad ``HF_CONTBATCH_COMPILE``, a forced linear backend that cannot pack, a
+            LoRA feature per-row adapters cannot serve (``kernels.lora.find_lora_layers``), or
+            ``compile_model`` with LoRA adapters. On any error the model is left as it was.
     """
 
     def __init__(self, model, config: EngineConfig, cache, runner) -> None:
         self.model = model
         # Before anything changes the model: a bad HF_CONTBATCH_COMPILE raises with the model untouched.
         compile_model = resolve_compile_model(config.compile_model)
-        # Before the attention switch: a forced backend that cannot pack raises with nothing changed.
-        self.packed_linears = pack_linears(
-            model,
-            config.linear_backend,
-            available_host_memory,
-            fuse=config.fuse_linears,
-            max_rows=config.scheduler.max_num_batched_tokens,
-            max_head_rows=config.scheduler.max_num_seqs,
-        )
+        # Before anything changes the model: unsupported LoRA features raise with the model untouched.
+        self.lora_layers = acquire_lora_layers(model)
+        if self.lora_layers is not None and compile_model:
+            release_lora_layers(model)
+            raise ValueError(
+                "compile_model (HF_CONTBATCH_COMPILE=1) cannot serve LoRA adapters per request; turn it off for a "
+                "peft.PeftModel"
+            )
+        self.packed_linears = None
         try:
+            # LoRA's A and B stay unpacked (kernels.lora reads them); the base weights pack as usual.
+            lora_ab = [
+                ab for m in getattr(self.lora_layers, "modules", ()) for ab in (*m.lora_A.values(), *m.lora_B.values())
+            ]
+            # Before the attention switch: a forced backend that cannot pack raises with nothing changed.
+            self.packed_linears = pack_linears(
+                model,
+                config.linear_backend,
+                available_host_memory,
+                exclude=lora_ab,
+                fuse=config.fuse_linears,
+                max_rows=config.scheduler.max_num_batched_tokens,
+                max_head_rows=config.scheduler.max_num_seqs,
+            )
             self.previous_attention = switch_to_paged_attention(model)
         except BaseException:
             if self.packed_linears is not None:
                 self.packed_linears.restore()
+            if self.lora_layers is not None:
+                release_lora_layers(model)
             raise
         model.eval()
         self.compiled_forward = None
@@ -57,12 +78,15 @@ class ModelPatches:
             runner.model = self.compiled_forward
         else:  # eager steps check the packed linears once a step (a compiled forward refreshes them itself)
             runner.packed_linears = self.packed_linears
+        runner.lora_layers = self.lora_layers
 
     def undo(self) -> None:
-        """Stop the compiled forward, restore the original linears and the model's attention (the
-        last engine open on the model restores it)."""
+        """Stop the compiled forward, restore the original linears, LoRA layers and the model's
+        attention (the last engine open on the model restores the shared ones)."""
         if self.compiled_forward is not None:
             self.compiled_forward.close()
         if self.packed_linears is not None:
             self.packed_linears.restore()
+        if self.lora_layers is not None:
+            release_lora_layers(self.model)
         restore_attention(self.model, self.previous_attention)

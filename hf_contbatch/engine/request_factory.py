@@ -15,6 +15,7 @@ from typing import Callable, Optional, Sequence
 from ..config import is_int
 from ..core.block_manager import BlockManager
 from ..request import Request, RequestIdCounter, SamplingParams
+from .lora_adapters import LoraAdapters, resolve_without_adapters
 from .reliability import check_request
 
 
@@ -27,6 +28,8 @@ class RequestFactory:
         block_manager: the device pool's bookkeeping (its size bounds a request's KV).
         prompt_lookup_num_tokens: the engine's default for requests that do not set it
             (``EngineConfig.prompt_lookup_num_tokens``).
+        adapters: the LoRA adapters of a served ``peft.PeftModel`` (None for a plain model); a
+            request's ``SamplingParams.adapter_name`` is resolved against them.
     """
 
     def __init__(
@@ -35,12 +38,14 @@ class RequestFactory:
         max_model_len: Optional[int],
         block_manager: BlockManager,
         prompt_lookup_num_tokens: Optional[int] = None,
+        adapters: Optional[LoraAdapters] = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.num_blocks = block_manager.num_blocks
         self.block_size = block_manager.block_size
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
+        self.adapters = adapters
         self._ids = RequestIdCounter()
 
     @property
@@ -63,6 +68,8 @@ class RequestFactory:
         by ref count, the partial block copied), so each samples its own first token. With
         ``sampling.seed`` set, sequence ``k`` uses seed ``seed + k``. A fork that finds no room
         degrades to independent requests (they recompute the prompt, or hit the prefix cache).
+        ``sampling.adapter_name`` is resolved here (``LoraAdapters.resolve``): the built request
+        names the adapter that runs, or None for the base model.
 
         Raises:
             ValueError: as ``LLMEngine.submit`` documents; nothing is built then.
@@ -79,6 +86,13 @@ class RequestFactory:
             raise ValueError(f"`priority` must be an int (lower runs first), got {priority!r}")
         if sampling.prompt_lookup_num_tokens is None and self.prompt_lookup_num_tokens:
             sampling = dataclasses.replace(sampling, prompt_lookup_num_tokens=self.prompt_lookup_num_tokens)
+        if self.adapters is None:
+            resolve_without_adapters(sampling.adapter_name)
+            adapter = None
+        else:
+            adapter = self.adapters.resolve(sampling.adapter_name)
+        if adapter != sampling.adapter_name:  # the adapter that runs, fixed now (None: the base model)
+            sampling = dataclasses.replace(sampling, adapter_name=adapter)
         check_request(ids, sampling, self.vocab_size)
         self._check_fits(len(ids), sampling)
         req = Request(

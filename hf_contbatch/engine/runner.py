@@ -11,11 +11,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from ..core.block_manager import BlockManager
 from ..core.plan import StepPlan
+from ..kernels.lora import AdapterRows
 from ..kernels.paged_cache import AttentionMetadata, PagedKVCache
 from ..request import Request
 from .sampler import Sampler
@@ -43,6 +45,7 @@ class StepInputs:
             in plan order.
         score_targets: per score row, ``(request, prompt position scored, that prompt token id)``.
         draft_rows: the ``1 + m`` rows of each request verifying drafts, in plan order.
+        adapter_rows: which rows run which LoRA adapter (None when the model has no LoRA layers).
     """
 
     input_ids: torch.Tensor
@@ -52,6 +55,7 @@ class StepInputs:
     score_rows: list[int]
     score_targets: list[tuple[Request, int, int]]
     draft_rows: list[int]
+    adapter_rows: Optional[AdapterRows] = None
 
     @property
     def logits_rows(self) -> list[int]:
@@ -81,6 +85,8 @@ class ModelRunner:
         # The model's packed linears (hf_contbatch.kernels.cpu_linear.PackedLinears), checked once per step
         # instead of per call; set by the engine for eager forwards (a compiled one refreshes them).
         self.packed_linears = None
+        # The model's per-row LoRA forwards (hf_contbatch.kernels.lora.LoraLayers), set by the engine.
+        self.lora_layers = None
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._supports_logits_to_keep = "logits_to_keep" in params
@@ -160,6 +166,13 @@ class ModelRunner:
             num_kv_heads=self.cache.num_kv_heads,
         )
         score_rows, score_targets = self._prompt_logprob_rows(plan)
+        adapter_rows = None
+        if self.lora_layers is not None:
+            adapter_rows = AdapterRows.build(
+                [(s.request.sampling.adapter_name, s.num_new_tokens) for s in plan.scheduled],
+                sample_rows + score_rows + draft_rows if self._supports_logits_to_keep else None,
+                dev,
+            )
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
@@ -168,10 +181,14 @@ class ModelRunner:
             score_rows=score_rows,
             score_targets=score_targets,
             draft_rows=draft_rows,
+            adapter_rows=adapter_rows,
         )
 
     def _linears_step(self):
         return contextlib.nullcontext() if self.packed_linears is None else self.packed_linears.verified_step()
+
+    def _lora_step(self, inputs: StepInputs):
+        return contextlib.nullcontext() if inputs.adapter_rows is None else self.lora_layers.step(inputs.adapter_rows)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> dict[int, int]:
@@ -192,7 +209,7 @@ class ModelRunner:
             rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=self.device)
             if self._supports_logits_to_keep:
                 kwargs["logits_to_keep"] = rows
-            with self._linears_step():
+            with self._linears_step(), self._lora_step(inputs):
                 logits = self.model(**kwargs).logits[0]
             if not self._supports_logits_to_keep:
                 logits = logits.index_select(0, rows)

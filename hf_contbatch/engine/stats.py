@@ -8,6 +8,7 @@ from typing import Optional
 
 from ..core.phases import PHASES
 from ..core.plan import StepResult
+from ..request import BASE_ADAPTER
 
 
 @dataclass(frozen=True)
@@ -56,15 +57,42 @@ class EngineStats:
     block_ref_counts: tuple = ()  # per block; > 1 means shared (prefix cache or fork)
     phase_seconds: tuple = ()  # ((phase, total seconds), ...) over all iterations, in PHASES order
     last_phases: tuple = ()  # ((phase, seconds), ...) of the latest iteration
-    num_kv_tokens: int = 0  # tokens whose KV the running requests hold (dashboard's tokens bar)
+    # Tokens of KV in the device pool: each slot once, though a block shared by forks or prefix-cache
+    # hits serves several requests (at most num_used_blocks * block_size; the dashboard's tokens bar).
+    num_kv_tokens: int = 0
+    num_logical_kv_tokens: int = 0  # the same tokens as the requests see them: a shared block once per request
     # Prompt-lookup speculative decoding (cumulative): drafts verified, and those kept.
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    # LoRA adapters (a peft.PeftModel): ((adapter, waiting, running, swapped), ...) by adapter name,
+    # "__base__" for the base model; empty when the engine serves a plain model.
+    requests_per_adapter: tuple = ()
 
     @property
     def draft_acceptance_rate(self) -> Optional[float]:
         """Accepted / verified draft tokens; None before any draft."""
         return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+
+def kv_token_counts(requests, bm) -> tuple[int, int]:
+    """``(tokens in distinct slots, logical tokens)`` of the KV in the device pool ``bm`` (a
+    ``BlockManager``) for ``requests`` (those holding its blocks, with ``num_computed_tokens``).
+
+    A request's first ``num_computed_tokens`` positions are written, position ``p`` in slot
+    ``p % block_size`` of block ``table[p // block_size]``. A block shared by forks or prefix-cache
+    hits is counted once in the first figure (its fullest user decides how many of its slots hold
+    KV) and once per request in the second."""
+    bs = bm.block_size
+    computed = {r.request_id: r.num_computed_tokens for r in requests}
+    filled: dict[int, int] = {}  # block -> slots holding KV
+    logical = 0
+    for rid, table in bm.block_tables.items():
+        n = min(computed.get(rid, 0), len(table) * bs)
+        logical += n
+        for i in range(-(-n // bs)):
+            b = table[i]
+            filled[b] = max(filled.get(b, 0), min(bs, n - i * bs))
+    return sum(filled.values()), logical
 
 
 class EngineCounters:
@@ -76,9 +104,11 @@ class EngineCounters:
 
     Args:
         record_phases: keep the per-iteration phase log (``EngineConfig.record_phases``).
+        per_adapter: count requests per LoRA adapter (the engine serves a ``peft.PeftModel``).
     """
 
-    def __init__(self, record_phases: bool = True) -> None:
+    def __init__(self, record_phases: bool = True, per_adapter: bool = False) -> None:
+        self.per_adapter = per_adapter
         self.phase_log: collections.deque = collections.deque(maxlen=4096 if record_phases else 0)
         self.num_finished = 0
         self.num_generated = 0
@@ -125,6 +155,7 @@ class EngineCounters:
         ttft = list(self.ttfts)
         recent = tuple(list(self.phase_log)[-32:])
         counts = sched.counters
+        kv_tokens, logical_kv_tokens = kv_token_counts(sched.all_requests(), bm)
         return EngineStats(
             num_blocks=bm.num_blocks,
             block_size=bm.block_size,
@@ -167,7 +198,18 @@ class EngineCounters:
             block_ref_counts=tuple(bm.ref_counts),
             phase_seconds=tuple(self.phase_totals.items()),
             last_phases=recent[-1][1] if recent else (),
-            num_kv_tokens=sum(r.num_computed_tokens for r in sched.running),
+            num_kv_tokens=kv_tokens,
+            num_logical_kv_tokens=logical_kv_tokens,
             num_draft_tokens=counts.num_draft_tokens,
             num_accepted_draft_tokens=counts.num_accepted_draft_tokens,
+            requests_per_adapter=_requests_per_adapter(sched) if self.per_adapter else (),
         )
+
+
+def _requests_per_adapter(sched) -> tuple:
+    """``((adapter, waiting, running, swapped), ...)`` sorted by name (base model: "__base__")."""
+    counts: dict[str, list[int]] = {}
+    for state, queue in enumerate((sched.waiting, sched.running, sched.swapped)):
+        for req in queue:
+            counts.setdefault(req.sampling.adapter_name or BASE_ADAPTER, [0, 0, 0])[state] += 1
+    return tuple((name, *c) for name, c in sorted(counts.items()))

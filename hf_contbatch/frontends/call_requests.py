@@ -13,6 +13,7 @@ built before any is queued, so a call with one bad prompt queues nothing.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -95,13 +96,14 @@ class CallRequestBuilder:
             )
         checker = self.stop_checkers.checker(stop_strings)
         priorities = _priorities(eng.get("priority", 0), len(prompts))
+        adapters = _adapter_names(eng.get("adapter_names"), len(prompts))
         prefix_len = prefix_length(self.tokenizer, pre) if cfg.max_new_tokens is None or cfg.min_length else 0
         proc_cfg = prepare_generation_config(self.model, cfg, logits_device(self.model))  # once per call
         if prefix_len and cfg.min_length and cfg.min_new_tokens is None:
             # transformers' pipeline counts min_length without the prefix (adds its length)
             proc_cfg.min_length = cfg.min_length + prefix_len
         requests = []
-        for prompt, priority, prompt_cfg in zip(prompts, priorities, cfgs):
+        for prompt, priority, prompt_cfg, adapter in zip(prompts, priorities, cfgs, adapters):
             ids = tokenize_prompt(self.tokenizer, prompt, pre)
             if len(ids) == 0:
                 raise ValueError("a prompt tokenized to 0 tokens; give a non-empty prompt")
@@ -126,6 +128,8 @@ class CallRequestBuilder:
                 logprobs=eng.get("logprobs"),
                 device=logits_device(self.model),
             )
+            if adapter is not None:  # resolved and checked by the engine (LoraAdapters.resolve)
+                sp = dataclasses.replace(sp, adapter_name=adapter)
             # One engine request forked after prefill: the prompt's KV is computed once and shared;
             # sequence k samples with seed + k when a seed is set.
             requests.append(
@@ -157,6 +161,22 @@ class CallRequestBuilder:
             for v in dict.fromkeys(values)
         }
         return [resolved[v] for v in values]
+
+
+def _adapter_names(names, num_prompts: int) -> list:
+    """The call's ``adapter_names`` (None, one name for all prompts, or a list with one per prompt,
+    as PEFT's ``generate(adapter_names=...)``) as one entry per prompt; the engine checks the names.
+
+    Raises:
+        ValueError: a list of the wrong length.
+    """
+    if isinstance(names, (list, tuple)):
+        if len(names) != num_prompts:
+            raise ValueError(
+                f"`adapter_names` has {len(names)} entries for {num_prompts} prompts; give one name or one per prompt"
+            )
+        return list(names)
+    return [names] * num_prompts
 
 
 def _priorities(priority, num_prompts: int) -> list:

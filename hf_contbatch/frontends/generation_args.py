@@ -52,6 +52,7 @@ ENGINE_KWARGS = (
     "prefix_allowed_tokens_fn",
     "stopping_criteria",
     "logprobs",
+    "adapter_names",  # LoRA adapter per prompt (PEFT's mixed-batch spelling; a peft.PeftModel)
 )
 # Generation settings the engine does not run (beam search, contrastive search, DoLa...): any value
 # but a neutral one, from the call or from the model's generation_config, is rejected by name with

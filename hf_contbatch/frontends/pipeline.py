@@ -67,7 +67,8 @@ class ContinuousBatchingPipeline:
     """Drop-in for ``transformers.pipeline("text-generation")`` with continuous batching.
 
     Args:
-        model: a ``PreTrainedModel`` or a name/path for ``AutoModelForCausalLM.from_pretrained``.
+        model: a ``PreTrainedModel`` or a name/path for ``AutoModelForCausalLM.from_pretrained``; or a
+            ``peft.PeftModel``, whose loaded LoRA adapters serve requests side by side (``adapter_names``).
         tokenizer: a tokenizer or name/path; defaults to the model's.
         engine_config: full engine configuration; or give ``cache_config`` / ``scheduler_config``.
         dtype: load dtype when ``model`` is a name ("auto", "float32", a ``torch.dtype``...).
@@ -167,8 +168,16 @@ class ContinuousBatchingPipeline:
 
     # --- context management ----------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the engine thread, free the KV pool and restore the model's attention."""
+        """Stop the engine thread, free the KV pool and restore the model's attention. The pipeline
+        cannot generate afterwards (calls raise ``RuntimeError``); build a new one."""
         self.engine.close()
+
+    def _check_open(self) -> None:
+        if self.engine.closed:
+            raise RuntimeError(
+                "this pipeline is closed (close() ran, or its `with` block ended) and cannot generate: "
+                'build a new pipeline, e.g. hf_contbatch.pipeline("text-generation", model=...)'
+            )
 
     def __enter__(self) -> "ContinuousBatchingPipeline":
         return self
@@ -204,7 +213,13 @@ class ContinuousBatchingPipeline:
 
     # --- public calls ------------------------------------------------------------------------------
     def submit(self, prompt: TextInput, **kwargs) -> GenerationHandle:
-        """Queue one prompt without blocking; returns a ``GenerationHandle`` (iterate for text deltas)."""
+        """Queue one prompt without blocking; returns a ``GenerationHandle`` (iterate for text deltas).
+
+        Raises:
+            ValueError: a bad prompt or argument; nothing is queued then.
+            RuntimeError: the pipeline is closed.
+        """
+        self._check_open()
         if not (isinstance(prompt, str) or is_chat(prompt)):
             raise ValueError(
                 f"`prompt` must be a string or a chat (list of role/content dicts), got {type(prompt).__name__}"
@@ -257,6 +272,8 @@ class ContinuousBatchingPipeline:
                 ``top_k``, ``top_p``, ``repetition_penalty``, ``eos_token_id``, ``stop_strings``,
                 ``num_return_sequences``...; ``max_new_tokens`` may also be a list, one per input),
                 ``return_full_text``, ``priority`` (int or one per input; lower first), ``progress_bar`` (bool; default on for several inputs),
+                ``adapter_names`` (a ``peft.PeftModel``'s LoRA adapter: one name, or one per input;
+                ``"__base__"`` for the base model; default: the model's active adapter),
                 ``streamer`` (a transformers ``TextStreamer``/``TextIteratorStreamer``; one prompt),
                 ``prefix``, ``stop_sequence``, ``continue_final_message``, ``return_tensors``,
                 ``return_text``, ``handle_long_generation`` as in transformers.
@@ -269,6 +286,7 @@ class ContinuousBatchingPipeline:
             ValueError: bad inputs or arguments, token ids outside the model's vocabulary (a
                 tokenizer with added tokens and no ``resize_token_embeddings``); nothing is
                 submitted then.
+            RuntimeError: the pipeline is closed (``close()`` ran, or its ``with`` block ended).
             EngineError: the engine failed one of this call's requests. The others ran to the end;
                 ``exc.partial_results`` is what the call would have returned, the failed
                 sequence's text cut where it failed.
@@ -276,6 +294,7 @@ class ContinuousBatchingPipeline:
                 are cancelled and their blocks freed before it propagates; requests submitted
                 elsewhere keep running.
         """
+        self._check_open()
         streamer = kwargs.pop("streamer", None)
         if streamer is not None:
             return self._call_with_streamer(text_inputs, streamer, kwargs)

@@ -7,6 +7,7 @@ least recently freed first, and ref counts equal to table memberships.
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import pytest
@@ -170,6 +171,27 @@ def test_hits_follow_the_hash_chain_a_changed_first_block_hits_nothing():
     assert bm.match_prefix(changed_first + [1], []) == []
     changed_second = tokens[:4] + [0] + tokens[5:]
     assert bm.match_prefix(changed_second + [1], []) == [0]
+
+
+def test_an_extra_key_seeds_the_chain_so_the_same_tokens_under_two_keys_never_share_a_block():
+    # The request's LoRA adapter is the extra key (vLLM's extra keys): a 64-bit blake2b digest of it
+    # is the first block's parent; no key is the plain chain.
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    tokens = _tokens(9)
+    cached = {}
+    for key in (None, "sql", "chat"):
+        hashes: list[int] = []
+        bm.allocate(key or "base", 9)
+        bm.cache_full_blocks(key or "base", tokens, hashes, 9, extra_key=key)
+        cached[key] = hashes
+    root = int.from_bytes(hashlib.blake2b(b"sql", digest_size=8).digest(), "little")
+    assert cached["sql"][0] == hash((root, tuple(tokens[0:4])))
+    assert cached[None][0] == hash((None, tuple(tokens[0:4])))  # unchanged without a key
+    assert len({h for hs in cached.values() for h in hs}) == 6  # three keys, two full blocks each
+    for key, owner in ((None, "base"), ("sql", "sql"), ("chat", "chat")):
+        assert bm.match_prefix(tokens, [], extra_key=key) == bm.get_block_table(owner)[:2]
+    assert bm.match_prefix(tokens, [], extra_key="poem") == []
+    bm.check_invariants()
 
 
 def test_prefix_caching_off_never_hashes_or_hits():

@@ -1,25 +1,59 @@
 """`hf-contbatch generate`, the main job: reads prompts, writes one record per prompt, equal to
-transformers' greedy pipeline on the same model, and rejects bad input before loading anything."""
+transformers' greedy pipeline on the same model, and rejects bad input before loading anything:
+one line, ``hf-contbatch: error: ...``, exit status 2 (argparse's convention). ``--help`` answers
+without importing torch. The error tests run the installed entry point in a subprocess."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
+from hf_contbatch import cli
 from hf_contbatch.cli import main
 from hf_contbatch.default_model import default_model_path
+from hf_contbatch.frontends.integrations.lm_eval_args import ENGINE_ARGS
+
+ROOT = Path(__file__).resolve().parents[2]
+ENTRY_POINT = Path(sys.executable).with_name("hf-contbatch")  # pyproject's [project.scripts]
+
+
+def cli_command() -> list[str]:
+    """The installed ``hf-contbatch`` script (it runs ``hf_contbatch.cli:main``), else the module."""
+    return [str(ENTRY_POINT)] if ENTRY_POINT.exists() else [sys.executable, "-m", "hf_contbatch.cli"]
+
+
+def cli_env(**extra: str) -> dict:
+    """The environment of a CLI subprocess: this checkout's package first on the path, offline."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_CONTBATCH_DEBUG", None)
+    return {**env, **extra}
+
+
+def run_cli(*args: str, cwd: Path, timeout: int = 60, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        cli_command() + list(args), cwd=cwd, env=cli_env(**env), capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.mark.timeout(180)
 def test_generate_writes_records_equal_to_transformers_greedy(tmp_path, capsys):
-    prompts = ["The for statement", "A class is", "Exceptions are raised"]
+    chat = [{"role": "user", "content": "What is a generator?"}]
+    prompts = ["The for statement", "A class is", chat]
     inp = tmp_path / "prompts.jsonl"
-    inp.write_text("\n".join(json.dumps({"prompt": p}) for p in prompts) + "\n", encoding="utf-8")
+    lines = [json.dumps({"prompt": prompts[0]}), json.dumps(prompts[1]), json.dumps({"messages": chat})]
+    inp.write_text("\n".join(lines) + "\n", encoding="utf-8")
     out = tmp_path / "out.jsonl"
-    assert main(["generate", "--input", str(inp), "--output", str(out), "--max-new-tokens", "12", "--quiet"]) == 0
+    args = ["generate", "--model", default_model_path(), "--input", str(inp), "--output", str(out), "--quiet"]
+    assert main([*args, "--max-new-tokens", "12"]) == 0
     rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     hf = transformers.pipeline("text-generation", model=default_model_path(), dtype=torch.float32)
     expected = [hf(p, max_new_tokens=12, do_sample=False, return_full_text=False)[0]["generated_text"] for p in prompts]
@@ -29,19 +63,281 @@ def test_generate_writes_records_equal_to_transformers_greedy(tmp_path, capsys):
     assert "3 requests" in summary and "tok/s" in summary and "peak blocks" in summary
 
 
+# (input file name, its content, extra arguments, the one line on stderr). Relative paths: the
+# subprocess runs in the test's directory, so the messages are exact.
+PRE_LOAD_ERRORS = {
+    "invalid JSON": (
+        "p.jsonl",
+        '{"prompt": "x"}\nnot json\n',
+        [],
+        "--input p.jsonl line 2: not valid JSON (Expecting value: line 1 column 1 (char 0))",
+    ),
+    "no prompts": ("p.txt", "\n  \n", [], "--input p.txt: no prompts in the file"),
+    "unknown key": (
+        "p.jsonl",
+        '{"prompt": "a"}\n\n{"text": "x"}\n',
+        [],
+        "--input p.jsonl line 3: found the key 'text'; each line must be a string or an object with 'prompt' "
+        "or 'messages' (an array of role/content objects)",
+    ),
+    "messages not a list": (
+        "p.jsonl",
+        '{"messages": "not a list"}\n',
+        [],
+        """--input p.jsonl line 1: 'messages' must be an array of {"role": ..., "content": ...} objects, found a string""",
+    ),
+    "message without content": (
+        "p.jsonl",
+        '{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user"}]}\n',
+        [],
+        "--input p.jsonl line 1: messages[1] has no 'content' (its keys: 'role')",
+    ),
+    "prompt not a string": (
+        "p.jsonl",
+        '{"prompt": 5}\n',
+        [],
+        "--input p.jsonl line 1: 'prompt' must be a string, found the number 5",
+    ),
+    "prompt and messages": (
+        "p.jsonl",
+        '{"prompt": "a", "messages": []}\n',
+        [],
+        "--input p.jsonl line 1: found both 'prompt' and 'messages'; give one",
+    ),
+    "not a string or object": (
+        "p.jsonl",
+        "[1, 2]\n",
+        [],
+        "--input p.jsonl line 1: found an array; each line must be a string or an object with 'prompt' or 'messages'",
+    ),
+    "wrong suffix": ("p.csv", "x\n", [], "--input p.csv: must be a .jsonl or .txt file"),
+    "missing input": ("p.txt", "x\n", ["--input", "nope.txt"], "--input nope.txt: no such file"),
+    "max new tokens": (
+        "p.txt",
+        "x\n",
+        ["--max-new-tokens", "0"],
+        "argument --max-new-tokens: must be an int >= 1, got 0 (see `hf-contbatch generate --help`)",
+    ),
+    "threads": (
+        "p.txt",
+        "x\n",
+        ["--threads", "zero"],
+        "argument --threads: must be an int >= 1, got 'zero' (see `hf-contbatch generate --help`)",
+    ),
+    "temperature": (
+        "p.txt",
+        "x\n",
+        ["--do-sample", "--temperature", "0"],
+        "argument --temperature: must be a number in (0, inf), got 0 (see `hf-contbatch generate --help`)",
+    ),
+    "block size a config rejects": (
+        "p.txt",
+        "x\n",
+        ["--block-size", "3"],
+        "--block-size must be a power of two between 1 and 256, got 3",
+    ),
+    "output directory": (
+        "p.txt",
+        "x\n",
+        ["--output", "no/such/dir/out.jsonl"],
+        "--output no/such/dir/out.jsonl: the directory no/such/dir does not exist",
+    ),
+    "local model path": ("p.txt", "x\n", ["--model", "./no/such/dir"], "--model ./no/such/dir: no such directory"),
+    "model directory without a config": (
+        "p.txt",
+        "x\n",
+        ["--model", "."],
+        "--model .: the directory has no config.json (not a transformers model directory)",
+    ),
+    "hub id offline": (
+        "p.txt",
+        "x\n",
+        ["--model", "no-such-org/no-such-model"],
+        "--model no-such-org/no-such-model: neither a local directory nor reachable on the Hub: offline "
+        "(HF_HUB_OFFLINE=1) and not in the Hugging Face cache",
+    ),
+    "unknown option": (
+        "p.txt",
+        "x\n",
+        ["--max-tokens", "3"],
+        "unrecognized arguments: --max-tokens 3 (see `hf-contbatch generate --help`)",
+    ),
+}
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(
-    "content,suffix,args,message",
-    [
-        ('{"prompt": "x"}\nnot json\n', ".jsonl", [], "line 2: not valid JSON"),
-        ("", ".txt", [], "no prompts"),
-        ('{"text": "x"}\n', ".jsonl", [], "'prompt' or 'messages'"),
-        ("x\n", ".csv", [], ".jsonl or .txt"),
-        ("x\n", ".txt", ["--max-new-tokens", "0"], "--max-new-tokens must be an int >= 1"),
-    ],
-)
-def test_bad_input_files_and_arguments_fail_with_a_message_naming_them(tmp_path, content, suffix, args, message):
-    inp = tmp_path / f"prompts{suffix}"
-    inp.write_text(content, encoding="utf-8")
-    with pytest.raises(SystemExit, match=message):
-        main(["generate", "--input", str(inp), *args])
+@pytest.mark.parametrize("case", list(PRE_LOAD_ERRORS))
+def test_a_user_error_is_one_line_naming_the_option_or_file_line_and_exit_status_2(tmp_path, case):
+    name, content, args, message = PRE_LOAD_ERRORS[case]
+    (tmp_path / name).write_text(content, encoding="utf-8")
+    args = args if "--input" in args else ["--input", name, *args]
+    proc = run_cli("generate", *args, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [f"hf-contbatch: error: {message}"]
+    assert proc.stdout == ""
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_dtype_lists_the_allowed_ones(tmp_path):
+    proc = run_cli("generate", "--dtype", "bogus", cwd=tmp_path)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("hf-contbatch: error: argument --dtype: invalid choice: 'bogus' (choose from ")
+    assert all(dtype in line for dtype in ("float32", "bfloat16", "float16", "auto"))
+
+
+@pytest.mark.timeout(180)
+def test_an_error_found_by_the_engine_is_one_line_too(tmp_path):
+    (tmp_path / "p.txt").write_text("x\n", encoding="utf-8")
+    proc = run_cli(
+        "generate",
+        "--input",
+        "p.txt",
+        "--num-blocks",
+        "1",
+        "--max-new-tokens",
+        "40",
+        "--quiet",
+        cwd=tmp_path,
+        timeout=170,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("built CPU kernels")]
+    assert lines == [
+        "hf-contbatch: error: request needs up to 41 tokens of KV (prompt 1 + max_new_tokens 40) but the whole "
+        "pool holds 16 tokens (1 blocks of 16); lower max_new_tokens or enlarge the cache"
+    ]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["--debug", "HF_CONTBATCH_DEBUG=1"])
+def test_debug_shows_the_traceback(tmp_path, how):
+    args, env = (["--debug"], {}) if how == "--debug" else ([], {"HF_CONTBATCH_DEBUG": "1"})
+    proc = run_cli("generate", "--model", "./no/such/dir", *args, cwd=tmp_path, **env)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("Traceback (most recent call last):")
+    assert (
+        proc.stderr.splitlines()[-1]
+        == "hf_contbatch.frontends.cli_checks.UsageError: --model ./no/such/dir: no such directory"
+    )
+
+
+def _imported_top_level_packages(importtime_log: str) -> set[str]:
+    """Top-level packages named by ``python -X importtime``'s log (``... | cumulative | name``)."""
+    return {
+        line.rsplit("|", 1)[1].strip().split(".")[0]
+        for line in importtime_log.splitlines()
+        if line.startswith("import time:")
+    }
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["eval", "--help"]])
+def test_help_answers_without_importing_torch(tmp_path, args):
+    runner = [str(ENTRY_POINT)] if ENTRY_POINT.exists() else ["-m", "hf_contbatch.cli"]
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", *runner, *args],
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    imported = _imported_top_level_packages(proc.stderr)
+    assert "hf_contbatch" in imported and "argparse" in imported  # the log is read right
+    assert not imported & {"torch", "transformers"}
+    assert "``" not in proc.stdout  # plain text, not reStructuredText
+
+
+def _generate_parser():
+    return cli.build_parser().command_parsers["generate"]
+
+
+def test_every_generate_option_has_a_help_text_and_shows_its_default():
+    parser = _generate_parser()
+    text = parser.format_help()
+    flat = " ".join(text.split())
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, f"{action.option_strings} has no help text"
+        if action.default is not None and action.default is not False:
+            assert f"(default: {action.default})" in flat, f"{action.option_strings} does not show its default"
+        else:  # None: the help says what happens without the option
+            assert action.default is False or "default:" in action.help, action.option_strings
+    assert "Greedy decoding unless --do-sample is given; --temperature, --top-p and --top-k apply only with" in text
+
+
+def test_top_level_help_is_plain_text_naming_both_commands():
+    text = cli.build_parser().format_help()
+    assert "``" not in text and "generate" in text and "eval" in text and "HF_CONTBATCH_DEBUG=1" in text
+
+
+def test_eval_help_names_the_default_model_type_and_every_engine_setting():
+    text = cli._eval_help()
+    assert "--model defaults to\nhf-contbatch" in text
+    for name, (default, _) in ENGINE_ARGS.items():
+        assert f"  {name}={default}: " in text
+
+
+def test_sampling_options_without_do_sample_are_ignored_with_a_warning(capsys):
+    args = _generate_parser().parse_args(["--temperature", "0.3", "--top-k", "5", "--max-new-tokens", "7"])
+    assert cli._generation_kwargs(args) == {"max_new_tokens": 7, "do_sample": False, "return_full_text": False}
+    assert capsys.readouterr().err == (
+        "hf-contbatch: warning: --temperature, --top-k ignored without --do-sample (decoding is greedy)\n"
+    )
+    args = _generate_parser().parse_args(["--do-sample", "--top-k", "5"])
+    kwargs = cli._generation_kwargs(args)
+    assert (kwargs["do_sample"], kwargs["temperature"], kwargs["top_p"], kwargs["top_k"]) == (True, 0.7, 1.0, 5)
+    assert capsys.readouterr().err == ""
+
+
+def _has_c_compiler() -> bool:
+    import shutil
+
+    return bool(os.environ.get("CC", "").strip()) or any(shutil.which(cc) for cc in ("cc", "gcc", "clang"))
+
+
+# Runs the command with a spy on the timed call: which kernel libraries the cache holds when it starts.
+_SPY = """
+import os, sys, pathlib
+from hf_contbatch.frontends import pipeline as p
+timed_call = p.ContinuousBatchingPipeline._run
+def spy(self, prompts, kwargs):
+    cache = pathlib.Path(os.environ["XDG_CACHE_HOME"], "hf_contbatch")
+    names = sorted(f.name.rsplit("_", 1)[0] for f in cache.glob("*.so")) if cache.is_dir() else []
+    print("libraries when the timed call starts:", names, file=sys.stderr)
+    return timed_call(self, prompts, kwargs)
+p.ContinuousBatchingPipeline._run = spy
+from hf_contbatch.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(240)
+def test_first_run_builds_the_c_kernels_before_the_timed_call_and_says_so_once(tmp_path):
+    """A first run on a machine (an empty kernel cache) builds the kernels before the timed call,
+    and prints the build time on a line of its own; the next run finds them cached."""
+    (tmp_path / "p.txt").write_text("The for statement\n", encoding="utf-8")
+    cmd = [sys.executable, "-c", _SPY, "generate", "--input", "p.txt", "--max-new-tokens", "2", "--quiet"]
+    env = cli_env(XDG_CACHE_HOME=str(tmp_path / "cache"))
+    env.pop("HF_CONTBATCH_CPU_KERNEL", None)
+    runs = [subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=110) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    first, second = (run.stderr.splitlines() for run in runs)
+    if _has_c_compiler():
+        assert re.fullmatch(r"built CPU kernels in \d+\.\d s \(cached for next time\)", first[0]), first
+        assert "libraries when the timed call starts: ['cpu_decode', 'cpu_gemm']" in first
+    else:  # nothing to build: the torch paths serve, and the engine's warnings say why
+        assert not any(line.startswith("built CPU kernels") for line in first)
+    assert not any(line.startswith("built CPU kernels") for line in second)
+    # The GEMM timings of linear_backend="auto" are measured once per CPU, before the timed call.
+    timed = [line for line in first if line.startswith("timed the GEMMs")]
+    assert len(timed) == 1 and re.fullmatch(
+        r"timed the GEMMs for this CPU in \d+\.\d s \(cached for next time\)", timed[0]
+    )
+    assert first.index(timed[0]) < first.index(next(line for line in first if line.startswith("libraries when")))
+    assert not any(line.startswith("timed the GEMMs") for line in second)
+    assert first[-1].startswith("1 requests, 2 generated tokens in ") and second[-1].startswith("1 requests")

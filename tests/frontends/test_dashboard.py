@@ -124,6 +124,22 @@ def test_optional_fields_are_read_from_the_snapshot():
     assert "shared by 2 requests" in pools  # block 1 has ref count 2
 
 
+@pytest.mark.timeout(20)
+def test_tokens_held_and_logical_tokens_are_labelled_apart_when_blocks_are_shared():
+    shared = with_fields(make_stats(), num_kv_tokens=50, num_logical_kv_tokens=80)
+    assert "4/8 used (50%), peak 6, 50/128 tokens (80 logical: shared blocks once per request)\n" in format_stats(
+        shared
+    )
+    unshared = with_fields(make_stats(), num_kv_tokens=50, num_logical_kv_tokens=50)
+    assert "4/8 used (50%), peak 6, 50/128 tokens\n" in format_stats(unshared)
+    dash = Dashboard(FakeSource(shared))
+    assert (
+        dash.tokens_label.value
+        == "50 / 128 tokens (in 64 allocated slots) (80 logical: shared blocks once per request)"
+    )
+    assert (dash.tokens_bar.value, dash.tokens_bar.max) == (50, 128)
+
+
 @pytest.mark.timeout(10)
 def test_block_grid_has_one_cell_per_block_with_the_request_on_hover():
     html = render_block_grid((5, 5, -1, 7))

@@ -149,6 +149,19 @@ def test_context_manager_closes_the_engine():
         p("import", max_new_tokens=2)
 
 
+@pytest.mark.timeout(60)
+def test_a_closed_pipeline_says_to_build_a_new_one_for_every_call():
+    p = ContinuousBatchingPipeline(default_model_path(), dtype=torch.float32, cache_config=CacheConfig(num_blocks=16))
+    p.close()
+    message = r"this pipeline is closed .* build a new pipeline"
+    with pytest.raises(RuntimeError, match=message):
+        p("import", max_new_tokens=2)
+    with pytest.raises(RuntimeError, match=message):
+        p(["import", "class"], max_new_tokens=2)
+    with pytest.raises(RuntimeError, match=message):
+        p.submit("import", max_new_tokens=2)
+
+
 @pytest.mark.timeout(120)
 def test_a_call_with_one_bad_prompt_queues_none_of_its_prompts(pipe):
     assert pipe.engine.wait_idle(30)

@@ -10,7 +10,8 @@ ipywidgets is imported only when a ``Dashboard`` is built, so ``import hf_contba
 Fields beyond the core ``EngineStats`` ones are optional -- looked up as attributes, with
 defaults -- so the view also reads snapshots that publish fewer:
 
-- ``num_kv_tokens``: tokens whose KV the running requests hold (the tokens bar; else block slots);
+- ``num_kv_tokens``: tokens of KV in the pool, each slot once (the tokens bar; else block slots), and
+  ``num_logical_kv_tokens``: the same with a shared block counted once per request;
 - ``num_swap_blocks``, ``num_swapped_blocks``: the CPU swap pool's size and blocks in use;
 - ``block_ref_counts``: per device block; above 1 the block is shared (prefix cache or fork);
 - ``prefix_caching``, ``num_cached_blocks`` (free blocks still holding a reusable prefix),
@@ -24,6 +25,7 @@ from .render import (
     CACHED_COLOUR,
     FREE_COLOUR,
     PHASE_COLOURS,
+    REQUEST_COLOURS,
     SWAPPED_COLOUR,
     blocks_per_cell,
     in_use_region,
@@ -41,6 +43,7 @@ __all__ = [
     "CACHED_COLOUR",
     "FREE_COLOUR",
     "PHASE_COLOURS",
+    "REQUEST_COLOURS",
     "SWAPPED_COLOUR",
     "Dashboard",
     "blocks_per_cell",

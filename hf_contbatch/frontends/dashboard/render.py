@@ -10,7 +10,7 @@ import math
 from typing import Optional, Sequence
 
 from ...core.phases import PHASES
-from .snapshot import device_owners, phase_rows, stat_field, swap_owners
+from .snapshot import adapter_counts, device_owners, phase_rows, stat_field, swap_owners
 from .text import format_ms, preemption_kinds
 
 PHASE_COLOURS = {"reap": "#94a3b8", "budget": "#a78bfa", "admit": "#38bdf8", "preempt": "#f87171", "decode": "#34d399"}
@@ -37,9 +37,17 @@ _STYLE = """<style>
 </style>"""
 
 
-def request_colour(request_id: int, lightness: int = 48) -> str:
-    """A stable, well-spread colour for a request id (golden-angle hues)."""
-    return f"hsl({(request_id * 137.508) % 360:.0f},62%,{lightness}%)"
+# Request colours: Paul Tol's colour-blind-safe "muted" scheme (https://personal.sron.nl/~pault/)
+# without its sand and olive, which read as the prefix-cached amber; in the order that keeps
+# consecutive request ids farthest apart. None is near FREE_COLOUR, CACHED_COLOUR or SWAPPED_COLOUR,
+# also for colour-blind readers (tests/frontends/test_dashboard_colours.py).
+REQUEST_COLOURS = ("#332288", "#44aa99", "#882255", "#117733", "#aa4499", "#88ccee", "#cc6677")
+
+
+def request_colour(request_id: int) -> str:
+    """The colour of a request's blocks: ``REQUEST_COLOURS`` in turn, so consecutive ids differ;
+    never a colour the legend reserves (free, prefix-cached, swapped out)."""
+    return REQUEST_COLOURS[request_id % len(REQUEST_COLOURS)]
 
 
 def _columns(num_cells: int) -> int:
@@ -69,7 +77,6 @@ def render_block_grid(
     owners: Sequence[int],
     ref_counts: Sequence[int] = (),
     max_cells: int = 512,
-    lightness: int = 48,
     colour: Optional[str] = None,
     region: Optional[int] = None,
 ) -> str:
@@ -80,7 +87,6 @@ def render_block_grid(
         owners: per block, the owning request id or -1 when free.
         ref_counts: per block (optional); above 1 the block is shared (prefix cache or fork).
         max_cells: most cells drawn; larger regions aggregate ``ceil(n / max_cells)`` blocks a cell.
-        lightness: HSL lightness of request colours (the swap pool uses a lighter shade).
         colour: one colour for every block in use instead of one per request (owners unknown).
         region: draw only the first ``region`` blocks (see ``in_use_region``); None draws all.
     """
@@ -102,9 +108,7 @@ def render_block_grid(
             elif colour is not None:
                 cells.append(f'<i style="background:{colour}" title="block {start} · in use"></i>')
             else:
-                cells.append(
-                    f'<i style="background:{request_colour(rid, lightness)}" title="block {start} · request {rid}"></i>'
-                )
+                cells.append(f'<i style="background:{request_colour(rid)}" title="block {start} · request {rid}"></i>')
             continue
         in_use = collections.Counter(owners[b] for b in range(start, stop) if owners[b] >= 0)
         num_used = sum(in_use.values())
@@ -118,13 +122,9 @@ def render_block_grid(
         if num_shared * 2 > num_used:
             cells.append(f'<i class="c" title="{title}"></i>')
         elif num_used:
-            rid = in_use.most_common(1)[0][0]
-            # Fuller groups are darker: the grid reads as a heat map of occupancy.
-            light = round(88 - (88 - lightness) * num_used / size)
-            fill = (
-                request_colour(rid, light) if colour is None else f"{colour};opacity:{0.3 + 0.7 * num_used / size:.2f}"
-            )
-            cells.append(f'<i style="background:{fill}" title="{title}"></i>')
+            # Fuller groups are more opaque: the grid reads as a heat map of occupancy.
+            fill = colour if colour is not None else request_colour(in_use.most_common(1)[0][0])
+            cells.append(f'<i style="background:{fill};opacity:{0.3 + 0.7 * num_used / size:.2f}" title="{title}"></i>')
         else:
             cells.append(f'<i title="{title}"></i>')
     cols, px = _columns(len(cells)), _cell_px(len(cells))
@@ -248,6 +248,8 @@ def render_tiles(stats, tokens_per_s_now: Optional[float], history: Sequence[tup
     ]
     if hit is not None:
         tiles.append(_tile("prefix hits", f"{100 * hit:.0f}%"))
+    for name, requests, detail in adapter_counts(stats):  # requests per LoRA adapter (a peft.PeftModel)
+        tiles.append(_tile(f"adapter {html.escape(name)}", str(requests), detail))
     rates = [r for _, r, _ in history]
     used = [u for _, _, u in history]
     spark = (

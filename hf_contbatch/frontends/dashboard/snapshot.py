@@ -54,3 +54,13 @@ def swap_owners(stats) -> tuple:
 def num_active(stats) -> int:
     """Requests waiting, running or swapped out in a snapshot."""
     return stats.num_waiting + stats.num_running + stats.num_swapped
+
+
+def adapter_counts(stats) -> list[tuple[str, int, str]]:
+    """Requests per LoRA adapter in flight (``EngineStats.requests_per_adapter``), as
+    ``(name, requests, "2 running, 1 waiting")``; empty for a plain model."""
+    entries = []
+    for name, waiting, running, swapped in stat_field(stats, "requests_per_adapter", ()):
+        parts = [f"{n} {state}" for n, state in ((running, "running"), (waiting, "waiting"), (swapped, "swapped")) if n]
+        entries.append((name, waiting + running + swapped, ", ".join(parts)))
+    return entries

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ...core.phases import PHASES
-from .snapshot import phase_rows, stat_field
+from .snapshot import adapter_counts, phase_rows, stat_field
 
 
 def format_ms(seconds: Optional[float]) -> str:
@@ -22,6 +22,13 @@ def preemption_kinds(stats, template: str = "{}") -> str:
     return template.format(f"swap {swap or 0}, recompute {recompute or 0}")
 
 
+def logical_tokens_note(stats) -> str:
+    """ " (N logical: shared blocks once per request)" when blocks shared by forks or prefix-cache
+    hits make the requests see more tokens than the pool's slots hold; else ""."""
+    logical, held = stat_field(stats, "num_logical_kv_tokens", 0), stat_field(stats, "num_kv_tokens", 0)
+    return f" ({logical} logical: shared blocks once per request)" if logical > held else ""
+
+
 def format_stats(stats, tokens_per_s_now: Optional[float] = None, width: int = 30) -> str:
     """A few lines describing one ``EngineStats`` snapshot (for scripts, logs and terminals).
 
@@ -36,7 +43,7 @@ def format_stats(stats, tokens_per_s_now: Optional[float] = None, width: int = 3
     bar = "#" * filled + "." * (width - filled)
     kv_tokens = stat_field(stats, "num_kv_tokens")
     tokens = (
-        f"{kv_tokens}/{stats.capacity_tokens} tokens"
+        f"{kv_tokens}/{stats.capacity_tokens} tokens{logical_tokens_note(stats)}"
         if kv_tokens is not None
         else f"{used * stats.block_size}/{stats.capacity_tokens} token slots"
     )
@@ -57,6 +64,9 @@ def format_stats(stats, tokens_per_s_now: Optional[float] = None, width: int = 3
         f"queues     waiting {stats.num_waiting} · running {stats.num_running} · swapped {stats.num_swapped}"
         f" · finished {stats.num_finished} · preempted {stats.num_preemptions}{preemption_kinds(stats, ' ({})')}"
     )
+    adapters = adapter_counts(stats)
+    if adapters:
+        lines.append("adapters   " + " · ".join(f"{name}: {detail}" for name, _, detail in adapters))
     now = "" if tokens_per_s_now is None else f"{tokens_per_s_now:.1f} tok/s now, "
     lines.append(
         f"speed      {now}{stats.throughput_tokens_per_s:.1f} tok/s average · TTFT {format_ms(stats.mean_ttft_s)}"

@@ -20,7 +20,7 @@ from typing import Any, Optional
 from ...config import check_int, is_int
 from .render import in_use_region, render_phases, render_pools, render_tiles
 from .snapshot import device_owners, num_active, stat_field, swap_owners
-from .text import format_stats
+from .text import format_stats, logical_tokens_note
 
 logger = logging.getLogger(__name__)
 
@@ -278,6 +278,7 @@ class Dashboard:
             f"{slots} / {stats.capacity_tokens} token slots allocated"
             if kv_tokens is None
             else f"{shown_tokens} / {stats.capacity_tokens} tokens (in {slots} allocated slots)"
+            + logical_tokens_note(stats)
         )
         return {
             (self.header, "value"): header,

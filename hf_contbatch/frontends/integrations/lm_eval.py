@@ -11,9 +11,14 @@ the post-processing of generations are lm-eval's own; only the model calls chang
 - ``loglikelihood`` / ``loglikelihood_rolling`` score through the paged prefill with prompt
   log-probabilities (``SamplingParams.prompt_logprobs``), all requests in flight together.
 
+LoRA adapters: ``peft=PATH`` (lm-eval's ``hf`` spelling) loads a PEFT adapter over ``pretrained``;
+the engine serves the resulting ``peft.PeftModel`` with the adapter on every request. Under
+``accelerate launch`` with several processes each process serves its own shard of the requests
+(lm-eval's data parallelism), also on CPU, where ``hf`` itself would give every process all of them.
+
 Engine settings are extra ``model_args``: ``block_size``, ``num_blocks``, ``cache_gib``,
 ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_prefix_caching``, ``attention_backend``,
-``engine_seed``.
+``engine_seed`` (defaults and meanings in ``lm_eval_args``, which ``hf-contbatch eval --help`` prints).
 """
 
 from __future__ import annotations
@@ -35,19 +40,9 @@ from ...engine.stopping import StopStringCheckers
 from ...request import SamplingParams
 from ..generation_args import resolve_generate_config, sampling_params_from_config
 from ..progress import wait_for
+from .lm_eval_args import ENGINE_ARGS, MODEL_TYPE
 
-MODEL_TYPE = "hf-contbatch"
-
-_ENGINE_ARGS = {
-    "block_size": 16,
-    "num_blocks": None,
-    "cache_gib": None,
-    "max_num_seqs": 256,
-    "max_num_batched_tokens": 2048,
-    "enable_prefix_caching": False,
-    "attention_backend": "auto",
-    "engine_seed": None,
-}
+_ENGINE_ARGS = {name: default for name, (default, _) in ENGINE_ARGS.items()}
 
 
 @register_model(MODEL_TYPE)
@@ -57,6 +52,7 @@ class ContinuousBatchingLM(HFLM):
     Args:
         pretrained: Hub id, local path or a loaded causal LM (as for lm-eval's ``hf``); None (no
             ``model_args``) uses the embedded default model, as ``hf-contbatch generate`` does.
+            With ``peft=PATH`` (an ``hf`` argument) a LoRA adapter over it serves every request.
         block_size, num_blocks, cache_gib, max_num_seqs, max_num_batched_tokens,
         enable_prefix_caching, attention_backend, engine_seed: engine settings (see ``EngineConfig``).
         **kwargs: every other ``hf`` model argument (``dtype``, ``device``, ``max_length``,
@@ -75,6 +71,11 @@ class ContinuousBatchingLM(HFLM):
         if kwargs.get("device") is None:
             kwargs["device"] = "cuda" if torch.cuda.is_available() else "cpu"
         super().__init__(pretrained, **kwargs)
+        accelerator = getattr(self, "accelerator", None)
+        if accelerator is not None and accelerator.num_processes > 1 and self._world_size == 1:
+            # hf shards requests over processes only when it counts several GPUs; on CPU (gloo)
+            # every process would run every request: shard there too (evaluator gathers by rank).
+            self._rank, self._world_size = accelerator.process_index, accelerator.num_processes
         if self.backend != "causal":
             raise ValueError(f"{MODEL_TYPE} serves causal (decoder-only) models; this one is {self.backend}")
         cache = CacheConfig(

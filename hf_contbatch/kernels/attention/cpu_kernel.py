@@ -48,7 +48,7 @@ class _Kernel:
             with self._lock:
                 if not self._tried:
                     try:
-                        self._fn = _load(build_library(_SOURCE, _FLAGS))
+                        self._fn = _load(build_decode_library())
                     except Exception as exc:  # noqa: BLE001 - any failure means the torch path serves
                         self.error = f"{type(exc).__name__}: {exc}"
                         logger.warning(
@@ -56,6 +56,12 @@ class _Kernel:
                         )
                     self._tried = True
         return self._fn
+
+
+def build_decode_library() -> Path:
+    """Path of the compiled decode kernel, compiled now when the cache has none for this source,
+    compiler and CPU (errors as ``native_build.build_library``)."""
+    return build_library(_SOURCE, _FLAGS)
 
 
 def _load(path: Path):

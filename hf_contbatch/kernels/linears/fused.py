@@ -145,16 +145,24 @@ class FusedGroup:
         return torch.nn.functional.linear(x, module.weight, module.bias)
 
 
+def _base_linear(module):
+    """``module``, or the ``nn.Linear`` a LoRA wrapper (``base_layer``) holds."""
+    base = getattr(module, "base_layer", None)
+    return base if isinstance(base, torch.nn.Linear) else module
+
+
 def sibling_groups(model: torch.nn.Module, modules: list[torch.nn.Linear]) -> list[list[torch.nn.Linear]]:
     """The groups of ``modules`` that can share one GEMM: every member of a :data:`FUSED_GROUPS`
     name tuple a child of the same parent and in ``modules``, with one ``in_features``, one weight
-    dtype, and either all or none with a bias. Leaders first."""
+    dtype, and either all or none with a bias. Leaders first. A LoRA wrapper (peft's
+    ``lora.Linear``) stands for its base layer: the LoRA delta is added on top of the fused output
+    (``hf_contbatch.kernels.lora``)."""
     wanted = {id(m) for m in modules}
     groups = []
     for owner in model.modules():
         children = dict(owner.named_children())
         for names in FUSED_GROUPS:
-            mods = [children.get(n) for n in names]
+            mods = [_base_linear(children.get(n)) for n in names]
             if any(m is None or id(m) not in wanted for m in mods):
                 continue
             if len({(m.in_features, m.weight.dtype) for m in mods}) != 1 or len({m.bias is None for m in mods}) != 1:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import Callable, Optional
+from typing import Callable, Collection, Optional
 
 import torch
 
@@ -212,6 +212,7 @@ def pack_linears(
     model: torch.nn.Module,
     mode: str,
     available_bytes: Optional[Callable[[], Optional[int]]] = None,
+    exclude: Collection[torch.nn.Module] = (),
     *,
     fuse: bool = False,
     max_rows: int = 1024,
@@ -230,6 +231,7 @@ def pack_linears(
             quarter of the available host memory. A probe output must match ``F.linear`` before
             anything is installed.
         available_bytes: returns the available host memory in bytes (None when unknown).
+        exclude: modules left as they are (LoRA's A and B matrices, which ``kernels.lora`` reads).
         fuse: fuse sibling projections (q/k/v, gate/up) into one GEMM while packing
             (:mod:`~hf_contbatch.kernels.linears.fused`); with "auto" their fused shape is the one tuned.
         max_rows: the most rows a call has (the token budget): the row buckets "auto" times.
@@ -247,7 +249,8 @@ def pack_linears(
     """
     if mode == "torch":
         return None
-    modules = [m for m in model.modules() if _eligible(m)]
+    skip = {id(m) for m in exclude}
+    modules = [m for m in model.modules() if _eligible(m) and id(m) not in skip]
     if not modules:
         return None
     total = sum(m.weight.numel() * m.weight.element_size() for m in modules)

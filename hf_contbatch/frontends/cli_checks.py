@@ -1,0 +1,243 @@
+"""What ``hf-contbatch generate`` checks before it loads torch or a model: the prompts file, the
+output path, the model name or path, the engine settings, and the argparse types of its numbers.
+
+Each problem raises :class:`UsageError` with one line that names the option (or the file and line),
+what was found and what is allowed; the command prints it and exits with status 2. Standard library
+only (the Hub check imports ``huggingface_hub``, which loads no torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Optional
+
+from ..config import CacheConfig, EngineConfig, SchedulerConfig
+
+
+class UsageError(Exception):
+    """A user error of the command line: printed as one line, exit status 2."""
+
+
+# --- argparse types -----------------------------------------------------------------------------------
+def int_at_least(low: int):
+    """An argparse ``type``: an int >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def float_in(low: float, high: Optional[float], low_open: bool = False):
+    """An argparse ``type``: a float in ``[low, high]`` (``(low, high]`` when ``low_open``; no upper
+    bound when ``high`` is None)."""
+    bounds = f"{'(' if low_open else '['}{low:g}, {'inf)' if high is None else f'{high:g}]'}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number in {bounds}, got {text!r}") from None
+        if not (value > low if low_open else value >= low) or (high is not None and value > high):  # NaN fails too
+            raise argparse.ArgumentTypeError(f"must be a number in {bounds}, got {text}")
+        return value
+
+    return parse
+
+
+# --- the prompts file ---------------------------------------------------------------------------------
+def _json_kind(value) -> str:
+    """What a JSON value is, in JSON's words."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (int, float)):
+        return f"the number {value}"
+    return {str: "a string", list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _checked_messages(messages, where: str) -> list:
+    """``messages`` if it is a chat: a non-empty array of objects with a string "role" and a
+    "content" (a string, or an array of content parts)."""
+    if not isinstance(messages, list) or not messages:
+        found = "an empty array" if messages == [] else _json_kind(messages)
+        raise UsageError(
+            f'{where}: \'messages\' must be an array of {{"role": ..., "content": ...}} objects, found {found}'
+        )
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise UsageError(
+                f"{where}: messages[{i}] must be an object with 'role' and 'content', found {_json_kind(message)}"
+            )
+        for key in ("role", "content"):
+            if key not in message:
+                keys = ", ".join(repr(k) for k in message) or "none"
+                raise UsageError(f"{where}: messages[{i}] has no '{key}' (its keys: {keys})")
+        if not isinstance(message["role"], str):
+            raise UsageError(f"{where}: messages[{i}]['role'] must be a string, found {_json_kind(message['role'])}")
+        if not isinstance(message["content"], (str, list)):
+            raise UsageError(
+                f"{where}: messages[{i}]['content'] must be a string (or an array of content parts), "
+                f"found {_json_kind(message['content'])}"
+            )
+    return messages
+
+
+def prompt_from_json(obj, where: str):
+    """The prompt of one ``.jsonl`` line: a string, ``{"prompt": str}`` or ``{"messages": [...]}``.
+    ``where`` names the file and line in errors."""
+    if isinstance(obj, str):
+        return obj
+    if not isinstance(obj, dict):
+        raise UsageError(
+            f"{where}: found {_json_kind(obj)}; each line must be a string or an object with 'prompt' or 'messages'"
+        )
+    if "prompt" in obj and "messages" in obj:
+        raise UsageError(f"{where}: found both 'prompt' and 'messages'; give one")
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str):
+            raise UsageError(f"{where}: 'prompt' must be a string, found {_json_kind(obj['prompt'])}")
+        return obj["prompt"]
+    if "messages" in obj:
+        return _checked_messages(obj["messages"], where)
+    keys = ", ".join(repr(k) for k in obj)
+    found = f"the keys {keys}" if len(obj) > 1 else f"the key {keys}" if obj else "an empty object"
+    raise UsageError(
+        f"{where}: found {found}; each line must be a string or an object with 'prompt' or 'messages' "
+        "(an array of role/content objects)"
+    )
+
+
+def read_prompts(path: str) -> list:
+    """Prompts from a ``.txt`` file (one per non-empty line) or a ``.jsonl`` file (see
+    :func:`prompt_from_json`; blank lines skipped). Raises UsageError naming the file and line."""
+    p = Path(path)
+    if p.suffix not in (".jsonl", ".txt"):
+        raise UsageError(f"--input {path}: must be a .jsonl or .txt file")
+    if not p.is_file():
+        raise UsageError(f"--input {path}: no such file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--input {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise UsageError(f"--input {path}: cannot be read ({exc.strerror})") from None
+    if p.suffix == ".txt":
+        prompts = [line for line in text.splitlines() if line.strip()]
+    else:
+        prompts = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"--input {path} line {n}: not valid JSON ({exc})") from None
+            prompts.append(prompt_from_json(obj, f"--input {path} line {n}"))
+    if not prompts:
+        raise UsageError(f"--input {path}: no prompts in the file")
+    return prompts
+
+
+# --- output, model, engine settings -------------------------------------------------------------------
+def check_output(path: str) -> None:
+    """``--output`` must name a file in an existing directory (checked before hours of generating)."""
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"--output {path}: is a directory; give a file name such as {p / 'out.jsonl'}")
+    if not p.parent.is_dir():
+        raise UsageError(f"--output {path}: the directory {p.parent} does not exist")
+
+
+def _looks_local(name: str) -> bool:
+    """A path rather than a Hub id (``name`` or ``namespace/name``)."""
+    return name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1 or name.endswith("/")
+
+
+def check_model(name: str) -> str:
+    """``--model`` must be a model directory (with a ``config.json``) or a Hub id that resolves: in
+    the Hugging Face cache or on the Hub (``HF_HUB_OFFLINE=1`` allows the cache only). Returns what
+    to load: the directory (``~`` expanded) or the Hub id."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UsageError(f"--model {name}: the directory has no config.json (not a transformers model directory)")
+        return str(path)
+    if path.exists():
+        raise UsageError(f"--model {name}: is a file; give the model's directory (with config.json) or a Hub id")
+    if _looks_local(name):
+        raise UsageError(f"--model {name}: no such directory")
+    _check_hub_model(name)
+    return name
+
+
+def _check_hub_model(repo_id: str) -> None:
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    where = f"--model {repo_id}: neither a local directory nor"
+    try:
+        huggingface_hub.hf_hub_download(repo_id, "config.json")
+    except errors.HFValidationError:
+        raise UsageError(f"{where} a Hub id (name or namespace/name)") from None
+    except errors.LocalEntryNotFoundError:  # before EntryNotFoundError, its base class
+        why = (
+            "offline (HF_HUB_OFFLINE=1) and not in the Hugging Face cache"
+            if huggingface_hub.constants.HF_HUB_OFFLINE
+            else "the Hub cannot be reached and the Hugging Face cache has no copy"
+        )
+        raise UsageError(f"{where} reachable on the Hub: {why}") from None
+    except errors.GatedRepoError:  # before RepositoryNotFoundError, its base class
+        raise UsageError(
+            f"--model {repo_id}: a gated model; accept its terms on the Hub and log in (hf auth login)"
+        ) from None
+    except errors.RepositoryNotFoundError:
+        raise UsageError(f"{where} a model on the Hub (a private one needs hf auth login)") from None
+    except errors.EntryNotFoundError:
+        raise UsageError(
+            f"--model {repo_id}: the Hub repository has no config.json (not a transformers model)"
+        ) from None
+
+
+# The configs name their fields; the command line's options are spelled differently.
+_OPTION_OF_FIELD = {
+    "block_size": "--block-size",
+    "num_blocks": "--num-blocks",
+    "cpu_cache_gib": "--cache-gib",
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "preemption_mode": "--preemption-mode",
+    "attention_backend": "--attention-backend",
+    "seed": "--seed",
+}
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The ``EngineConfig`` of ``generate``'s options; a value the configs reject raises UsageError
+    naming the option."""
+    try:
+        return EngineConfig(
+            cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, cpu_cache_gib=args.cache_gib),
+            scheduler=SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                preemption_mode=args.preemption_mode,
+            ),
+            attention_backend=args.attention_backend,
+            seed=args.seed,
+            compile_model=True if args.compile else None,
+        )
+    except ValueError as exc:
+        message = str(exc)
+        for field, option in _OPTION_OF_FIELD.items():
+            message = message.replace(f"`{field}`", option)
+        raise UsageError(message) from None
