@@ -83,15 +83,17 @@ def test_f_linear_winning_leaves_the_shape_unpacked_unless_it_is_a_fused_group()
     assert tuner.choose(64, 192, torch.float32, 16, packed_only=True).backend == "a"
 
 
-def test_a_second_kernel_serves_the_buckets_it_wins_by_ten_percent_when_memory_allows():
-    table = {"a": 1.0, "b": {b: (0.85 if b >= 256 else 1.5) for b in ROW_BUCKETS}, "torch": 9.0}
+def test_a_second_kernel_serves_the_buckets_it_wins_by_fifteen_percent_when_memory_allows():
+    table = {"a": 1.0, "b": {b: (0.8 if b >= 256 else 1.5) for b in ROW_BUCKETS}, "torch": 9.0}
     tuner = _tuner(table)
     choice = tuner.choose(64, 64, torch.float32, max_rows=1024)
     assert choice.backend == "a+b"
     assert choice.per_bucket == ("a",) * 8 + ("b",) * 3
     assert tuner.choose(64, 64, torch.float32, max_rows=1024, allow_dual=False).backend == "a"
-    close = _tuner({"a": 1.0, "b": {b: (0.95 if b >= 256 else 1.5) for b in ROW_BUCKETS}, "torch": 9.0})
-    assert close.choose(64, 64, torch.float32, max_rows=1024).backend == "a"  # 5% is not worth a copy
+    close = _tuner({"a": 1.0, "b": {b: (0.9 if b >= 256 else 1.5) for b in ROW_BUCKETS}, "torch": 9.0})
+    assert close.choose(64, 64, torch.float32, max_rows=1024).backend == "a"  # 10% is not worth a copy
+    once = _tuner({"a": 1.0, "b": {b: (0.5 if b == 1024 else 1.5) for b in ROW_BUCKETS}, "torch": 9.0})
+    assert once.choose(64, 64, torch.float32, max_rows=1024).backend == "a"  # one bucket could be noise
 
 
 def test_a_dispatching_gemm_runs_the_kernel_of_each_calls_row_bucket():

@@ -10,8 +10,8 @@ stream from memory as a model's layers do, and keeps per shape:
 
 - the candidate with the lowest geometric mean of its time relative to the fastest one over the
   buckets (``F.linear`` included: a shape it wins is not packed), and
-- where another packed backend is at least :data:`DUAL_MARGIN` faster at some buckets and memory
-  allows a second packed copy, both, each serving the buckets it wins (:class:`DispatchGEMM`).
+- where another packed backend is at least :data:`DUAL_MARGIN` faster at two or more buckets and
+  memory allows a second packed copy, both, each serving the buckets it wins (:class:`DispatchGEMM`).
 
 Timings are cached on disk per CPU, torch version, GEMM build and thread count (beside the C kernels,
 in ``native_build.cache_dir()``), so only the first engine on a machine pays for them;
@@ -37,12 +37,14 @@ logger = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 """Row counts timed per shape; a call with ``m`` rows takes the choice of the smallest bucket >= m."""
-DUAL_MARGIN = 0.10
+DUAL_MARGIN = 0.15
 """A second packed backend serves the buckets where its time is at most ``1 - DUAL_MARGIN`` of the
-first's, if memory allows it a packed copy of its own."""
+first's, if there are at least two such buckets (one could be noise) and memory allows it a packed
+copy of its own."""
 _STREAM_BYTES = 96 * 2**20  # weight bytes per timing pass: more than a last-level cache holds
 _MAX_COPIES = 16  # small weights: call overhead dominates, cache misses matter less
 _PASSES = 2
+_COMPUTE_ROWS = 64  # from this many rows a GEMM reuses each weight enough to be compute-bound
 _TIMEOUT_RATIO = 4.0  # a candidate this much slower than the best stops being timed at larger buckets
 
 Measure = Callable[[int, int, torch.dtype, Sequence[int]], "dict[str, dict[int, float]]"]
@@ -205,7 +207,8 @@ class KernelTuner:
         """Seconds per call of every candidate at ``buckets`` for a random ``[out, in]`` weight:
         the minimum over a few passes (candidates interleaved, so a drift in load hits them alike)
         of a pass over weight copies adding up to more than a last-level cache (up to 16 copies),
-        so the weights stream from memory as a model's layers do. A candidate ``4x`` slower than the fastest at a
+        so the weights stream from memory as a model's layers do (one copy from 64 rows on, where
+        the GEMM is compute-bound). A candidate ``4x`` slower than the fastest at a
         bucket is not timed at larger ones (``inf``)."""
         g = torch.Generator().manual_seed(0)
         weight_bytes = in_features * out_features * torch.empty((), dtype=dtype).element_size()
@@ -229,8 +232,10 @@ class KernelTuner:
                     self.candidates[name].linear(x, packs[name][0], None, out_features)
                 for _ in range(_PASSES):
                     for name in alive:
-                        # The path an engine step takes (arguments checked once a step, not per call).
+                        # The path an engine step takes (arguments checked once a step, not per call);
+                        # from _COMPUTE_ROWS rows on the GEMM is compute-bound: one copy is enough.
                         run, packed = self.candidates[name].linear_verified, packs[name]
+                        packed = packed if rows < _COMPUTE_ROWS else packed[:1]
                         t0 = time.perf_counter()
                         for p in packed:
                             run(x, p, None, out_features)
@@ -276,7 +281,7 @@ class KernelTuner:
         if first != "torch" and allow_dual and others:
             other = others[0]
             wins = [i for i, b in enumerate(buckets) if times[other][b] <= (1 - DUAL_MARGIN) * times[first][b]]
-            if wins:
+            if len(wins) >= 2:
                 for i in wins:
                     per_bucket[i] = other
                 backend = f"{first}+{other}"

@@ -17,8 +17,9 @@
  * vectors: 32 with AVX-512, 16 with 256-bit vectors), [ceil(N/NR)][K][NR] (zero columns pad the
  * last panel), so a panel streams sequentially. Threads take whole panels (each weight byte is read
  * by one thread); inside a panel, rows go in blocks of at most MB, the panel in slices of KC input
- * features that stay in L1 while every row tile of up to 6 rows passes over them with 12 vector
- * accumulators (tiles of 7 rows, 14 accumulators, for 7 and 13-14 rows). One to three rows (a
+ * features that stay in L1 while every row tile of up to MR rows passes over them with 2 x MR vector
+ * accumulators (MR = 10 of AVX-512's 32 registers; 6 of AVX2's 16, with tiles of 7 rows for 7 and
+ * 13-14 rows). One to three rows (a
  * notebook's single request, the end of a batch) take a narrow path whose tiles span 2-4 panels
  * instead (see NARROW).
  *
@@ -53,9 +54,22 @@
 typedef float v8 __attribute__((vector_size(VW * 4), aligned(4)));
 
 #define NR (2 * VW) /* output columns per panel: two vectors */
-#define MR 6        /* rows per register tile: 6 x 2 accumulators + 2 weight vectors + 1 broadcast */
+/* rows per register tile: MR x 2 accumulators + 2 weight vectors + 1 broadcast must fit the vector
+ * registers (32 with AVX-512: 10 rows; 16 with AVX2: 6, with 7-row tiles where they save a pass) */
+#if VW == 16
+#define MR 10
+#else
+#define MR 6
+#endif
 #define MB 96       /* rows per block: their accumulators stay in L1 */
-#define KC 256      /* input features per panel slice: KC x NR floats, in L1 for every row tile */
+/* input features per panel slice: KC x NR floats (16 KB with AVX-512, 16 KB with 256-bit vectors),
+ * in L1 for every row tile, with room for the next slice being prefetched (a 32 KB AVX-512 slice and
+ * its successor would not fit a 48 KB L1 together) */
+#if VW == 16
+#define KC 128
+#else
+#define KC 256
+#endif
 
 /* What this build is: the output columns per packed panel, and the instruction set its vectors
  * compile to (the Python side sizes packed weights with the first, and reports the second). */
@@ -107,6 +121,9 @@ TILE(4)
 TILE(5)
 TILE(6)
 TILE(7)
+TILE(8)
+TILE(9)
+TILE(10)
 
 /* 1-3 rows: a tile of ROWS rows gives only 2 * ROWS multiply-add chains, and each chain waits
  * for its previous FMA (several cycles of latency), so a one-panel tile runs at a fraction of the
@@ -200,14 +217,18 @@ void hf_contbatch_gemm_f32(const float *x, int64_t m, int64_t k, const float *pa
         for (int64_t row0 = 0; row0 < m; row0 += MB) {
             const int64_t rows = m - row0 < MB ? m - row0 : MB;
             memset(acc, 0, sizeof(float) * (size_t)(rows * NR));
-            /* Tiles of near-equal height (32 rows: 6+6+5+5+5+5, not 6x5+2), of up to 7 rows (14
-             * accumulators; the weights become FMA memory operands) where that saves a pass over
-             * each slice and there are at most 14 rows: 7 rows in one tile instead of 4+3, 13-14
-             * in two instead of three. At more rows the 7-row tile's loads of the weights cost more
-             * than the saved passes. */
+            /* Tiles of near-equal height (32 rows with MR 6: 6+6+5+5+5+5, not 6x5+2). With 256-bit
+             * vectors, tiles of up to 7 rows (14 accumulators; the weights become FMA memory
+             * operands) where that saves a pass over each slice and there are at most 14 rows: 7
+             * rows in one tile instead of 4+3, 13-14 in two instead of three. At more rows the
+             * 7-row tile's loads of the weights cost more than the saved passes. */
+#if VW == 16
+            const int64_t tiles = (rows + MR - 1) / MR;
+#else
             const int64_t tiles = rows <= 2 * (MR + 1) && (rows + MR) / (MR + 1) < (rows + MR - 1) / MR
                                       ? (rows + MR) / (MR + 1)
                                       : (rows + MR - 1) / MR;
+#endif
             for (int64_t k0 = 0; k0 < k; k0 += KC) {
                 const int64_t kc = k - k0 < KC ? k - k0 : KC;
                 const float *w = packed + (p * k + k0) * NR;
@@ -223,7 +244,10 @@ void hf_contbatch_gemm_f32(const float *x, int64_t m, int64_t k, const float *pa
                         case 4: tile_4(xt, k, w, kc, at); break;
                         case 5: tile_5(xt, k, w, kc, at); break;
                         case 6: tile_6(xt, k, w, kc, at); break;
-                        default: tile_7(xt, k, w, kc, at); break;
+                        case 7: tile_7(xt, k, w, kc, at); break;
+                        case 8: tile_8(xt, k, w, kc, at); break;
+                        case 9: tile_9(xt, k, w, kc, at); break;
+                        default: tile_10(xt, k, w, kc, at); break;
                     }
                     r0 += h;
                 }
@@ -251,6 +275,7 @@ void hf_contbatch_gemm_f32(const float *x, int64_t m, int64_t k, const float *pa
 int hf_contbatch_gemm_has_bf16(void) { return 1; }
 
 #define NRB 32 /* output columns per bf16 panel: two vectors of 16 float32 accumulators */
+#define MRB 6  /* rows per bf16 tile (tile_bf16_1 .. tile_bf16_6) */
 
 void hf_contbatch_gemm_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
     const int64_t panels = (n + NRB - 1) / NRB, k2 = k / 2;
@@ -318,7 +343,7 @@ void hf_contbatch_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint1
         for (int64_t row0 = 0; row0 < m; row0 += MB) {
             const int64_t rows = m - row0 < MB ? m - row0 : MB;
             memset(acc, 0, sizeof(float) * (size_t)(rows * NRB));
-            const int64_t tiles = (rows + MR - 1) / MR;
+            const int64_t tiles = (rows + MRB - 1) / MRB;
             for (int64_t k0 = 0; k0 < k2; k0 += kc2) {
                 const int64_t kc = k2 - k0 < kc2 ? k2 - k0 : kc2;
                 const uint16_t *w = packed + (p * k2 + k0) * NRB * 2;
