@@ -169,7 +169,9 @@ class PagedKVCache:
             from .attention.triton_kernels import store_kv
 
             store_kv(key, value, k_pool, self.value_cache[layer_idx], meta.slot_mapping)
-        else:
+        elif self.cpu_decode_kernel is None or not self.cpu_decode_kernel.store(
+            key, value, k_pool, self.value_cache[layer_idx], meta.slot_mapping
+        ):
             flat_k = k_pool.view(-1, self.num_kv_heads, self.head_dim)
             flat_v = self.value_cache[layer_idx].view(-1, self.num_kv_heads, self.head_dim)
             flat_k.index_copy_(0, meta.slot_mapping, key.to(self.dtype))

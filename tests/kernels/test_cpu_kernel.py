@@ -129,3 +129,21 @@ def test_without_a_compiler_the_torch_path_serves_with_one_warning(llama_model, 
         assert len(warnings) == 1
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kv_store_writes_exactly_what_index_copy_writes(kernel, dtype):
+    g = torch.Generator().manual_seed(11)
+    blocks, bs, kvh, d, t = 6, 4, 3, 20, 9
+    # The [T, KVH, D] views transformers' [1, KVH, T, D] states give (K rotated and dense, V transposed).
+    key = torch.randn(1, kvh, t, d, generator=g).to(dtype)[0].transpose(0, 1)
+    value = torch.randn(1, t, kvh, d, generator=g).to(dtype).transpose(1, 2)[0].transpose(0, 1)
+    slots = torch.randperm(blocks * bs, generator=g)[:t]
+    pools = [torch.randn(blocks, bs, kvh, d, generator=g).to(dtype) for _ in range(2)]
+    want = [p.clone() for p in pools]
+    want[0].view(-1, kvh, d).index_copy_(0, slots, key)
+    want[1].view(-1, kvh, d).index_copy_(0, slots, value)
+    assert kernel.store(key, value, pools[0], pools[1], slots)
+    assert torch.equal(pools[0], want[0]) and torch.equal(pools[1], want[1])
+    # Not its case: nothing written, the caller stores them.
+    assert not kernel.store(key.float() if dtype == torch.bfloat16 else key.double(), value, *pools, slots)

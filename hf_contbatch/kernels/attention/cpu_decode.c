@@ -189,3 +189,23 @@ int64_t hf_contbatch_paged_decode(const float *q, const void *k_pool, const void
     }
     return failed;
 }
+
+/* Store one step's K and V rows into their slots: key/value element (h, t, d) at
+ * key + t * stride_t + h * stride_h + d (the [1, KVH, T, D] tensors transformers passes, often
+ * transposed views), pool row of slot s at pool + (s * num_kv_heads + h) * head_dim; elem_bytes 4
+ * (float32) or 2 (bfloat16), the pools' dtype. One call for both pools: an index_copy_ per pool
+ * costs more than the copy at a decode step's few rows. */
+void hf_contbatch_store_kv(const void *key, const void *value, int64_t k_stride_t, int64_t k_stride_h,
+                           int64_t v_stride_t, int64_t v_stride_h, void *k_pool, void *v_pool,
+                           const int64_t *slots, int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t elem_bytes) {
+    const size_t row = (size_t)(head_dim * elem_bytes);
+    for (int64_t t = 0; t < num_tokens; t++) {
+        char *kd = (char *)k_pool + slots[t] * num_kv_heads * (int64_t)row;
+        char *vd = (char *)v_pool + slots[t] * num_kv_heads * (int64_t)row;
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            memcpy(kd + h * (int64_t)row, (const char *)key + (t * k_stride_t + h * k_stride_h) * elem_bytes, row);
+            memcpy(vd + h * (int64_t)row, (const char *)value + (t * v_stride_t + h * v_stride_h) * elem_bytes, row);
+        }
+    }
+}

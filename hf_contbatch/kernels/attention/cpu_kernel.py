@@ -65,12 +65,16 @@ def build_decode_library() -> Path:
 
 
 def _load(path: Path):
+    """(decode attention, KV store) functions of the built library."""
     lib = ctypes.CDLL(str(path))
-    fn = lib.hf_contbatch_paged_decode
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    fn = lib.hf_contbatch_paged_decode
     fn.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, f32, i64, i64, ptr]
     fn.restype = i64
-    return fn
+    store = lib.hf_contbatch_store_kv
+    store.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64]
+    store.restype = None
+    return fn, store
 
 
 POOL_DTYPES = (torch.float32, torch.bfloat16)
@@ -89,6 +93,12 @@ class CPUDecodeKernel:
     @property
     def available(self) -> bool:
         return self.enabled and self._kernel.get() is not None
+
+    @property
+    def built_ok(self) -> bool:
+        """Whether the library is usable at all (the KV store serves even where the decode path chose
+        the torch attention); False under ``HF_CONTBATCH_CPU_KERNEL=0``."""
+        return os.environ.get("HF_CONTBATCH_CPU_KERNEL", "1") != "0" and self._kernel.get() is not None
 
     @property
     def error(self) -> Optional[str]:
@@ -110,6 +120,54 @@ class CPUDecodeKernel:
             and v_pool.shape == k_pool.shape
             and self.available
         )
+
+    def store(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> bool:
+        """Write this step's K and V rows into their slots in one call, if this kernel can: ``key``
+        and ``value`` ``[T, KVH, D]`` (views with unit stride in D), of the dense pools' dtype
+        (float32 or bfloat16), CPU, ``slot_mapping`` int64 ``[T]``. Returns False (nothing
+        written) where it cannot: the caller stores them itself. Works whether or not the decode
+        path chose the kernel (storing is a copy: same bits either way)."""
+        lib = self._kernel.get() if self.built_ok else None
+        if (
+            lib is None
+            or key.dtype != k_pool.dtype
+            or value.dtype != k_pool.dtype
+            or k_pool.dtype not in POOL_DTYPES
+            or v_pool.dtype != k_pool.dtype
+            or not (key.is_cpu and value.is_cpu and k_pool.is_cpu and v_pool.is_cpu)
+            or key.stride(-1) != 1
+            or value.stride(-1) != 1
+            or not (k_pool.is_contiguous() and v_pool.is_contiguous())
+            or slot_mapping.dtype != torch.int64
+            or not slot_mapping.is_contiguous()
+            or key.shape != value.shape
+            or key.shape[1:] != k_pool.shape[2:]
+        ):
+            return False
+        t, kvh, d = key.shape
+        lib[1](
+            key.data_ptr(),
+            value.data_ptr(),
+            key.stride(0),
+            key.stride(1),
+            value.stride(0),
+            value.stride(1),
+            k_pool.data_ptr(),
+            v_pool.data_ptr(),
+            slot_mapping.data_ptr(),
+            t,
+            kvh,
+            d,
+            key.element_size(),
+        )
+        return True
 
     def __call__(
         self,
@@ -135,7 +193,7 @@ class CPUDecodeKernel:
         Raises:
             MemoryError: the kernel's scratch (``H * seq_len`` floats per task) could not be allocated.
         """
-        fn = self._kernel.get()
+        fn = self._kernel.get()[0]
         q = query.to(torch.float32).contiguous()
         tables = block_tables.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
