@@ -42,7 +42,7 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from workload import build_model, make_workload
+from workload import build_model, workload_for
 
 PARTS = ("scheduler", "inputs", "linears", "attention", "kv store", "model other", "sampling", "outputs")
 
@@ -71,6 +71,7 @@ class _Timers:
         self.calls = defaultdict(int)
         self.on = False
         self.clock = clock
+        self.kind = "decode"  # the kind of the step running now: "prefill" or "decode"
 
     def wrap(self, fn, name):
         perf = self.clock
@@ -99,7 +100,15 @@ def _instrument(engine, timers: _Timers) -> None:
     engine._on_new_token = timers.wrap(engine._on_new_token, "on token")
     engine.step = timers.wrap(engine.step, "step")
     runner.build_metadata = timers.wrap(runner.build_metadata, "inputs")
-    runner.execute = timers.wrap(runner.execute, "execute")
+    timed_execute = timers.wrap(runner.execute, "execute")
+
+    def execute(plan):
+        # "prefill" steps hold at least one prefill chunk; "decode" steps only decodes (and drafts).
+        timers.kind = "decode" if all(s.is_decode or s.draft_token_ids for s in plan.scheduled) else "prefill"
+        timers.calls[f"{timers.kind} steps"] += 1 if timers.on else 0
+        return timed_execute(plan)
+
+    runner.execute = execute
     engine.sampler.sample = timers.wrap(engine.sampler.sample, "sampling")
     sched.update_from_output = timers.wrap(sched.update_from_output, "update")
     engine.cache.update = timers.wrap(engine.cache.update, "kv store")
@@ -134,8 +143,14 @@ def _instrument(engine, timers: _Timers) -> None:
     def post(mod, args, out):
         t0 = starts.pop(id(mod), None)
         if t0 is not None:
-            timers.total["linears"] += perf() - t0
+            dt = perf() - t0
+            timers.total["linears"] += dt
             timers.calls["linears"] += 1
+            # Per step kind: seconds, FLOPs (2 x rows x in x out) and weight bytes read (once a call).
+            rows = args[0].numel() // mod.in_features
+            timers.total[f"linears {timers.kind}"] += dt
+            timers.total[f"flops {timers.kind}"] += 2.0 * rows * mod.in_features * mod.out_features
+            timers.total[f"weight bytes {timers.kind}"] += mod.weight.numel() * mod.weight.element_size()
 
     for m in runner.model.modules():
         if isinstance(m, torch.nn.Linear):
@@ -182,6 +197,16 @@ def _breakdown(timers: _Timers, steps: int) -> dict:
         "step_ms": 1e3 * total / steps,
         "linear_calls_per_step": timers.calls["linears"] / steps,
         "attention_calls_per_step": timers.calls["attention"] / steps,
+        # Linears by step kind (eager forwards only: a compiled graph runs no module hooks).
+        "by_kind": {
+            kind: {
+                "steps": timers.calls[f"{kind} steps"],
+                "linears_ms_per_step": 1e3 * t[f"linears {kind}"] / max(1, timers.calls[f"{kind} steps"]),
+                "gflops": t[f"flops {kind}"] / t[f"linears {kind}"] / 1e9 if t[f"linears {kind}"] else 0.0,
+                "weight_gbs": t[f"weight bytes {kind}"] / t[f"linears {kind}"] / 1e9 if t[f"linears {kind}"] else 0.0,
+            }
+            for kind in ("prefill", "decode")
+        },
     }
 
 
@@ -190,7 +215,7 @@ def run_single(args, variant: str) -> dict:
 
     torch.set_num_threads(args.threads)
     model = build_model(args.model)
-    prompts, new_tokens = make_workload(args.requests, model.config.vocab_size, args.seed)
+    prompts, new_tokens = workload_for(args.model, model.config.vocab_size, args.seed, args.requests)
     kwargs = _parse_variant(variant)
     kwargs.pop("tree", None)
     t_build = time.perf_counter()
@@ -241,10 +266,10 @@ def run_single(args, variant: str) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny,small", help="comma-separated: tiny, small")
+    ap.add_argument("--model", default="tiny,small", help="comma-separated: tiny, small, medium, or saved model paths")
     ap.add_argument("--variants", default="default", help="';'-separated EngineConfig kwargs lists")
     ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds over the variants")
-    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=None, help="default: 64 (medium: 32)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
@@ -265,6 +290,13 @@ def main(argv=None) -> int:
         return 0
     variants = args.variants.split(";")
     report = {}
+    from cpu_peak import copy_bandwidth_gbs, cpu_name, fma_peak_gflops
+
+    torch.set_num_threads(args.threads)
+    peaks = (fma_peak_gflops(args.threads)[0], copy_bandwidth_gbs())
+    print(f"{cpu_name()}: FMA peak {peaks[0]:.0f} GFLOP/s float32, copy {peaks[1]:.1f} GB/s ({args.threads} threads)")
+    print("prefill lin: linear ms per step with a prefill chunk, GFLOP/s (share of the FMA peak);")
+    print(" decode lin: linear ms per decode-only step, weight GB/s read (share of the copy bandwidth)")
     for model in args.model.split(","):
         runs = defaultdict(list)
         for _ in range(args.repeats):
@@ -279,8 +311,7 @@ def main(argv=None) -> int:
                         model,
                         "--variants",
                         v,
-                        "--requests",
-                        str(args.requests),
+                        *(["--requests", str(args.requests)] if args.requests else []),
                         "--seed",
                         str(args.seed),
                         "--threads",
@@ -293,7 +324,8 @@ def main(argv=None) -> int:
                     subprocess.run(cmd, check=True, env=env)
                     with open(tmp.name) as f:
                         runs[v].append(json.load(f))
-        print(f"\n== {model}: {args.requests} requests, {args.threads} threads, {args.repeats} round(s) ==")
+        num_requests = len(runs[variants[0]][0]["outputs"])
+        print(f"\n== {model}: {num_requests} requests, {args.threads} threads, {args.repeats} round(s) ==")
         header = f"{'part':>12} " + " ".join(f"{v[:22]:>24}" for v in variants)
         print(header)
         rows = {}
@@ -313,6 +345,13 @@ def main(argv=None) -> int:
             ("warm-up s", "warmup_s", "{:.2f}"),
         ):
             print(f"{label:>12} " + " ".join(f"{fmt.format(rows[v][key]):>24}" for v in variants))
+        for kind, what in (("prefill", "gflops"), ("decode", "weight_gbs")):
+            unit, peak = ("GFLOP/s", peaks[0]) if what == "gflops" else ("GB/s", peaks[1])
+            cells = []
+            for v in variants:
+                k = rows[v]["by_kind"][kind]
+                cells.append(f"{k['linears_ms_per_step']:.1f} ms {k[what]:.0f} {unit[:-2]} ({k[what] / peak:.0%})")
+            print(f"{kind + ' lin':>12} " + " ".join(f"{c:>24}" for c in cells))
         walls = {v: [round(r["wall_s"], 2) for r in runs[v]] for v in variants}
         cpus = {v: [round(r["cpu_s"], 2) for r in runs[v]] for v in variants}
         print(f"{'all walls':>12} {walls}")
@@ -326,7 +365,7 @@ def main(argv=None) -> int:
 
             print(
                 f"{v}: {med(walls[base]) / med(walls[v]):.2f}x (wall), {med(cpus[base]) / med(cpus[v]):.2f}x (cpu) "
-                f"vs {base}; identical outputs {same}/{args.requests}"
+                f"vs {base}; identical outputs {same}/{num_requests}"
             )
         report[model] = {v: {k: val for k, val in rows[v].items() if k != "outputs"} for v in variants}
     if args.json:

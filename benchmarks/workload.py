@@ -1,9 +1,11 @@
 """The standard workload, shared by the benchmarks.
 
 64 requests, prompt lengths uniform in [8, 256] tokens, max_new_tokens drawn from 16/32/64/256 with
-weights 0.4/0.3/0.2/0.1, EOS ignored (the models have no EOS), greedy. Models are random-weight
-Llamas built from a config; prompts are words of a word-level tokenizer ("w17 w3 ..."), so text and
-token ids round-trip exactly and every engine sees the same token ids.
+weights 0.4/0.3/0.2/0.1, EOS ignored (the models have no EOS), greedy. The ``medium`` model (the size
+people run on a CPU) has the peers' medium workload: 32 requests, prompts 8..192, max_new_tokens
+16/32/64/128 (``WORKLOADS``). Models are random-weight Llamas built from a config (or any saved
+model: ``build_model(path)``); prompts are words of a word-level tokenizer ("w17 w3 ..."), so text
+and token ids round-trip exactly and every engine sees the same token ids.
 """
 
 from __future__ import annotations
@@ -31,12 +33,29 @@ MODEL_SIZES = {
         num_attention_heads=12,
         num_key_value_heads=4,
     ),
+    # SmolLM2-360M's shape (../shared/peers' third anchor): 32 layers, tied 49,152-token embeddings.
+    "medium": dict(
+        vocab_size=49152,
+        hidden_size=960,
+        intermediate_size=2560,
+        num_hidden_layers=32,
+        num_attention_heads=15,
+        num_key_value_heads=5,
+        tie_word_embeddings=True,
+    ),
 }
+# (requests, longest prompt, max_new_tokens choices) by model size; the rest use the standard one.
+WORKLOADS = {"medium": (32, 192, (16, 32, 64, 128))}
 
 
 def build_model(size: str = "tiny", seed: int = 0, dtype=torch.float32):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A random-weight Llama of ``MODEL_SIZES[size]``, or the model saved at the path ``size``."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+    if size not in MODEL_SIZES:
+        model = AutoModelForCausalLM.from_pretrained(size, dtype=dtype).eval()
+        model.generation_config.eos_token_id = None
+        return model
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         **MODEL_SIZES[size], max_position_embeddings=2048, eos_token_id=None, bos_token_id=None, pad_token_id=0
@@ -61,15 +80,24 @@ def build_tokenizer(vocab_size: int):
     return fast
 
 
-def make_workload(num_requests: int = 64, vocab_size: int = 2048, seed: int = 0):
+def make_workload(
+    num_requests: int = 64, vocab_size: int = 2048, seed: int = 0, max_prompt: int = 256, lengths=(16, 32, 64, 256)
+):
     """Returns (prompt token-id lists, max_new_tokens list)."""
     rng = random.Random(seed)
     prompts, new_tokens = [], []
     for _ in range(num_requests):
-        n = rng.randint(8, 256)
+        n = rng.randint(8, max_prompt)
         prompts.append([rng.randrange(1, vocab_size) for _ in range(n)])
-        new_tokens.append(rng.choices([16, 32, 64, 256], weights=[0.4, 0.3, 0.2, 0.1])[0])
+        new_tokens.append(rng.choices(list(lengths), weights=[0.4, 0.3, 0.2, 0.1])[0])
     return prompts, new_tokens
+
+
+def workload_for(size: str, vocab_size: int, seed: int = 0, num_requests=None):
+    """``make_workload`` with the request count, prompt lengths and max_new_tokens of the model
+    size (``WORKLOADS``; the standard ones otherwise); ``num_requests`` overrides the count."""
+    n, max_prompt, lengths = WORKLOADS.get(size, (64, 256, (16, 32, 64, 256)))
+    return make_workload(num_requests or n, vocab_size, seed, max_prompt, lengths)
 
 
 def run_transformers_cb(model, prompts, new_tokens, num_blocks, block_size, max_batch_tokens):

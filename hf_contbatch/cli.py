@@ -97,8 +97,8 @@ def _generation_kwargs(args: argparse.Namespace) -> dict:
 def _prebuild_kernels(args: argparse.Namespace) -> float:
     """Build (or load) the C kernels before anything is timed; returns the seconds it took. The
     first run on a machine compiles them, and says so."""
-    if args.dtype not in ("float32", "auto"):
-        return 0.0  # the C kernels serve float32 only
+    if args.dtype not in ("float32", "bfloat16", "auto"):
+        return 0.0  # the C kernels serve float32 and bfloat16
     from .kernels.prebuild import prebuild_cpu_kernels
 
     build = prebuild_cpu_kernels()
@@ -136,6 +136,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         gen_kwargs["adapter_names"] = adapter_names
     pipe = pipeline("text-generation", model=model, tokenizer=tokenizer, dtype=args.dtype, engine_config=config)
     load_s = time.monotonic() - t_load
+    tuner = getattr(pipe.engine.patches.packed_linears, "tuner", None)
+    if tuner is not None and tuner.measured_seconds:  # the first engine on this CPU times the GEMMs
+        print(f"timed the GEMMs for this CPU in {tuner.measured_seconds:.1f} s (cached for next time)", file=sys.stderr)
     with pipe:
         results = pipe(prompts, progress_bar=not args.quiet, **gen_kwargs)
         call = pipe.last_call_stats

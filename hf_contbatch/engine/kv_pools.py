@@ -4,6 +4,7 @@ host swap pool."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -12,8 +13,11 @@ from ..config import EngineConfig
 from ..core.block_manager import BlockManager
 from ..core.plan import StepPlan
 from ..kernels.attention import resolve_backend
+from ..kernels.attention.cpu_kernel import choose_decode_path
 from ..kernels.paged_cache import PagedKVCache
 from .pool_sizing import KVGeometry, KVPoolSizer, PoolSizes, layer_devices
+
+logger = logging.getLogger("hf_contbatch.engine")
 
 
 @dataclass
@@ -73,6 +77,18 @@ class KVPools:
             num_swap_blocks=sizes.num_swap_blocks,
             attention_backend=backend,
         )
+        if cache.cpu_decode_kernel is not None:  # the compiled decode kernel where it is faster here
+            logger.info(
+                "%s",
+                choose_decode_path(
+                    cache.cpu_decode_kernel,
+                    geometry.num_heads,
+                    geometry.num_kv_heads,
+                    geometry.head_dim,
+                    cache_cfg.block_size,
+                    dtype,
+                ),
+            )
         return cls(
             geometry=geometry,
             device=device,

@@ -5,7 +5,7 @@ and a compiled forward."""
 from __future__ import annotations
 
 from ..config import EngineConfig, resolve_compile_model
-from ..kernels.linears import fuse_siblings, pack_linears
+from ..kernels.linears import pack_linears
 from .attention_switch import restore_attention, switch_to_paged_attention
 from .lora_adapters import acquire_lora_layers, release_lora_layers
 from .pool_sizing import available_host_memory
@@ -53,9 +53,15 @@ class ModelPatches:
                 ab for m in getattr(self.lora_layers, "modules", ()) for ab in (*m.lora_A.values(), *m.lora_B.values())
             ]
             # Before the attention switch: a forced backend that cannot pack raises with nothing changed.
-            self.packed_linears = pack_linears(model, config.linear_backend, available_host_memory, exclude=lora_ab)
-            if config.fuse_linears:
-                fuse_siblings(model, self.packed_linears)
+            self.packed_linears = pack_linears(
+                model,
+                config.linear_backend,
+                available_host_memory,
+                exclude=lora_ab,
+                fuse=config.fuse_linears,
+                max_rows=config.scheduler.max_num_batched_tokens,
+                max_head_rows=config.scheduler.max_num_seqs,
+            )
             self.previous_attention = switch_to_paged_attention(model)
         except BaseException:
             if self.packed_linears is not None:

@@ -26,7 +26,8 @@ def cache_dir() -> Path:
     return Path(base) / "hf_contbatch"
 
 
-def _cpu_id() -> str:
+def cpu_id() -> str:
+    """The machine and its CPU flags: what a build or a measurement made on this CPU depends on."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
@@ -50,7 +51,7 @@ def build_library(source: Path, flags: list[str]) -> Path:
     if cc is None:
         raise RuntimeError("no C compiler found (cc, gcc or clang on PATH, or $CC)")
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), *cc, version, " ".join(flags), _cpu_id()]).encode())
+    key = hashlib.sha256("\0".join([source.read_text(), *cc, version, " ".join(flags), cpu_id()]).encode())
     target = cache_dir() / f"{source.stem}_{key.hexdigest()[:16]}.so"
     if target.exists():
         return target

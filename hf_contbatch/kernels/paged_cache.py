@@ -126,7 +126,7 @@ class PagedKVCache:
         self.cpu_decode_kernel = None
         if (
             attention_backend == "torch"
-            and dtype == torch.float32
+            and dtype in (torch.float32, torch.bfloat16)
             and all(torch.device(d).type == "cpu" for d in layer_devices)
         ):
             from .attention.cpu_kernel import CPUDecodeKernel
@@ -169,7 +169,9 @@ class PagedKVCache:
             from .attention.triton_kernels import store_kv
 
             store_kv(key, value, k_pool, self.value_cache[layer_idx], meta.slot_mapping)
-        else:
+        elif self.cpu_decode_kernel is None or not self.cpu_decode_kernel.store(
+            key, value, k_pool, self.value_cache[layer_idx], meta.slot_mapping
+        ):
             flat_k = k_pool.view(-1, self.num_kv_heads, self.head_dim)
             flat_v = self.value_cache[layer_idx].view(-1, self.num_kv_heads, self.head_dim)
             flat_k.index_copy_(0, meta.slot_mapping, key.to(self.dtype))

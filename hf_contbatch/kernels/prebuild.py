@@ -39,7 +39,7 @@ def _libraries() -> set[str]:
 
 
 def prebuild_cpu_kernels() -> KernelBuild:
-    """Compile (or find in the cache) the float32 CPU kernels an engine uses: decode attention
+    """Compile (or find in the cache) the CPU kernels an engine uses: decode attention
     (unless ``HF_CONTBATCH_CPU_KERNEL=0``) and the packed linears' GEMM. The GEMM stays loaded for
     this process. Never raises: a kernel that cannot be built is reported in ``errors``."""
     before = _libraries()

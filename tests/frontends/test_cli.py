@@ -329,8 +329,15 @@ def test_first_run_builds_the_c_kernels_before_the_timed_call_and_says_so_once(t
     first, second = (run.stderr.splitlines() for run in runs)
     if _has_c_compiler():
         assert re.fullmatch(r"built CPU kernels in \d+\.\d s \(cached for next time\)", first[0]), first
-        assert first[1] == "libraries when the timed call starts: ['cpu_decode', 'cpu_gemm']"
+        assert "libraries when the timed call starts: ['cpu_decode', 'cpu_gemm']" in first
     else:  # nothing to build: the torch paths serve, and the engine's warnings say why
         assert not any(line.startswith("built CPU kernels") for line in first)
     assert not any(line.startswith("built CPU kernels") for line in second)
+    # The GEMM timings of linear_backend="auto" are measured once per CPU, before the timed call.
+    timed = [line for line in first if line.startswith("timed the GEMMs")]
+    assert len(timed) == 1 and re.fullmatch(
+        r"timed the GEMMs for this CPU in \d+\.\d s \(cached for next time\)", timed[0]
+    )
+    assert first.index(timed[0]) < first.index(next(line for line in first if line.startswith("libraries when")))
+    assert not any(line.startswith("timed the GEMMs") for line in second)
     assert first[-1].startswith("1 requests, 2 generated tokens in ") and second[-1].startswith("1 requests")

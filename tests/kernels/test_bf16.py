@@ -50,3 +50,45 @@ def test_bf16_engine_greedy_tokens_are_near_argmax_under_fp32():
     # Each bf16 greedy token is the fp32 argmax or within bf16 rounding of it (bf16 keeps 8 bits
     # of mantissa: logits of order 1 move by ~1e-2 through a few layers).
     assert worst < 0.15, worst
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["native", "onednn"])
+def test_bf16_linears_pack_where_the_kernel_has_a_bf16_path_and_agree_with_f_linear(backend):
+    from hf_contbatch.kernels.linears import pack_linears
+    from hf_contbatch.kernels.linears.packed_linears import available_kernels
+
+    kernel = available_kernels().get(backend)
+    probe = torch.zeros(8, 8, dtype=torch.bfloat16)
+    if kernel is None or not kernel.supports(probe):
+        pytest.skip(f"{backend} has no bf16 path on this CPU (AVX512-BF16 / oneDNN bf16)")
+    model = build_model("llama").to(torch.bfloat16)
+    packed = pack_linears(model, backend, fuse=True)
+    try:
+        assert packed is not None and len(packed) == sum(type(m) is torch.nn.Linear for m in model.modules())
+        g = torch.Generator().manual_seed(0)
+        for name in ("self_attn.k_proj", "mlp.down_proj"):
+            lin = model.model.layers[0].get_submodule(name)
+            x = torch.randn(5, lin.in_features, generator=g).bfloat16()
+            with torch.no_grad():
+                got = lin(x).float()
+                # float32 accumulation of the same bf16 values, rounded once (a bf16 ulp is 2**-8 relative)
+                want = torch.nn.functional.linear(x.float(), lin.weight.float())
+            assert got.dtype == torch.float32 and lin(x).dtype == torch.bfloat16
+            torch.testing.assert_close(got, want, rtol=2.0**-7, atol=1e-3)
+    finally:
+        packed.restore()
+
+
+@pytest.mark.timeout(120)
+def test_a_bf16_engine_has_the_compiled_decode_kernel_as_a_candidate_and_generates():
+    model = build_model("llama").to(torch.bfloat16)
+    engine = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=64)))
+    try:
+        # bf16 pools on CPU: the compiled decode kernel is a candidate (kept where it is faster here;
+        # its bf16 results are checked against the reference in test_cpu_kernel.py).
+        assert engine.cache.cpu_decode_kernel is not None and engine.cache.key_cache[0].dtype == torch.bfloat16
+        out = engine.submit([1, 2, 3, 4, 5], SamplingParams(max_new_tokens=6, ignore_eos=True)).result(60)
+        assert len(out.output_token_ids) == 6
+    finally:
+        engine.close()

@@ -1,16 +1,22 @@
-"""Our float32 GEMM (``hf_contbatch.kernels.linears.NativeGEMM``, ``cpu_gemm.c``) against arithmetic:
+"""Our GEMM (``hf_contbatch.kernels.linears.NativeGEMM``, ``cpu_gemm.c``) against arithmetic:
 float64 products within the standard dot-product error bound, rows independent of the batch they
-are in, columns independent of the panels packed beside them, any thread count the same bits."""
+are in, columns independent of the panels packed beside them, any thread count and any vector width
+the same bits; the instruction set the build reports is the one this CPU offers; the bfloat16 kernel
+(AVX512-BF16 CPUs) within the bound of float32 accumulation and one bf16 rounding."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 import shutil
 
 import pytest
 import torch
 
 from hf_contbatch.kernels.linears import NativeGEMM
+from hf_contbatch.kernels.linears.native_gemm import _GEMM_FLAGS, _GEMM_SOURCE
+from hf_contbatch.kernels.native_build import build_library
 
 EPS = 2.0**-24  # float32 unit roundoff
 
@@ -40,7 +46,8 @@ def test_products_match_float64_within_the_error_bound(gemm, m, k, n):
     g = torch.Generator().manual_seed(m * 1000 + k + n)
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     packed = gemm.pack(w)
-    assert packed.shape == (-(-n // 16), k, 16)
+    nr = gemm.library.nr
+    assert packed.shape == (-(-n // nr), k, nr)
     for bias in (None, b):
         y = gemm.linear(x, packed, bias, n)
         assert y.shape == (m, n) and y.dtype == torch.float32
@@ -97,3 +104,90 @@ def test_empty_strided_and_batched_inputs(gemm):
     y3 = gemm.linear(x3, packed, None, 20)
     assert y3.shape == (2, 3, 20)
     _check_against_float64(y3.reshape(6, 20), x3.reshape(6, 12), w, None)
+
+
+def _cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return set()
+
+
+def test_the_build_uses_the_widest_vectors_this_cpu_has_and_says_so(gemm):
+    flags, machine = _cpu_flags(), platform.machine()
+    if machine in ("x86_64", "AMD64") and flags:
+        want = "avx512f" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else "generic"
+    elif machine in ("aarch64", "arm64"):
+        want = "neon"
+    else:
+        pytest.skip(f"no expectation for {machine}")
+    assert gemm.library.isa == want
+    assert gemm.library.nr == (32 if want == "avx512f" else 16)  # two vectors of 16 or 8 floats
+    assert (torch.bfloat16 in gemm.library.dtypes) == ("avx512_bf16" in flags and want == "avx512f")
+
+
+def test_the_512_bit_build_gives_the_bits_of_the_256_bit_build(gemm):
+    if gemm.library.isa != "avx512f":
+        pytest.skip("this CPU has no AVX-512: there is one build")
+    narrow = ctypes.CDLL(str(build_library(_GEMM_SOURCE, [*_GEMM_FLAGS, "-mno-avx512f"])))
+    narrow.hf_contbatch_gemm_nr.restype = ctypes.c_int64
+    nr = narrow.hf_contbatch_gemm_nr()
+    assert nr == 16
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(200, 300, generator=g)
+    packed = torch.empty(-(-200 // nr), 300, nr)
+    narrow.hf_contbatch_gemm_pack_f32(ctypes.c_void_p(w.data_ptr()), ctypes.c_int64(200), ctypes.c_int64(300),
+                                      ctypes.c_void_p(packed.data_ptr()))  # fmt: skip
+    wide = gemm.pack(w)
+    for m in (1, 2, 3, 5, 7, 13, 40, 200):
+        x = torch.randn(m, 300, generator=g)
+        y = torch.empty(m, 200)
+        narrow.hf_contbatch_gemm_f32(
+            *map(ctypes.c_void_p, (x.data_ptr(),)), ctypes.c_int64(m), ctypes.c_int64(300),
+            ctypes.c_void_p(packed.data_ptr()), ctypes.c_int64(200), None, ctypes.c_void_p(y.data_ptr()),
+            ctypes.c_int64(torch.get_num_threads()),
+        )  # fmt: skip
+        assert torch.equal(gemm.linear(x, wide, None, 200), y), m
+
+
+@pytest.fixture(scope="module")
+def bf16_gemm(gemm):
+    if torch.bfloat16 not in gemm.library.dtypes:
+        pytest.skip("this CPU has no AVX512-BF16: our GEMM multiplies float32 only")
+    return gemm
+
+
+def _check_bf16_against_float64(y, x, w, b):
+    """float32 accumulation (the dot-product bound in float32) then one rounding to bf16 (relative
+    2**-8, round to nearest)."""
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())
+    bound = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
+    k = x.shape[-1] + 1
+    assert y.dtype == torch.bfloat16
+    err = (y.double() - exact).abs()
+    assert (err <= 2.0**-8 * exact.abs() * (1 + 1e-6) + 1.01 * k * EPS * bound * (1 + 2.0**-8) + 1e-30).all()
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 97])
+@pytest.mark.parametrize(("k", "n"), [(2, 1), (64, 33), (258, 130)])
+def test_bf16_products_match_float64_within_the_bound(bf16_gemm, m, k, n):
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    packed = bf16_gemm.pack(w)
+    assert packed.dtype == torch.bfloat16 and packed.shape == (-(-n // 32), k // 2, 32, 2)
+    for bias in (None, b):
+        _check_bf16_against_float64(bf16_gemm.linear(x, packed, bias, n), x, w, bias)
+    alone = torch.cat([bf16_gemm.linear(x[i : i + 1], packed, None, n) for i in range(m)])
+    assert torch.equal(bf16_gemm.linear(x, packed, None, n), alone)  # rows independent of the batch
+
+
+def test_bf16_needs_an_even_number_of_input_features(bf16_gemm):
+    w = torch.randn(8, 7).bfloat16()
+    assert not bf16_gemm.supports(w)
+    with pytest.raises(RuntimeError, match="cannot pack"):
+        bf16_gemm.pack(w)
+    packed = bf16_gemm.pack(torch.randn(8, 6).bfloat16())
+    with pytest.raises(RuntimeError, match="does not fit"):
+        bf16_gemm.linear(torch.randn(2, 6), packed, None, 8)  # float32 input for a bf16 weight

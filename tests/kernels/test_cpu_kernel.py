@@ -74,14 +74,28 @@ def test_both_work_splits_match_the_reference(kernel, split_heads, decode_lens, 
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_serves_float32_cpu_only(kernel):
+def test_kernel_serves_dense_float32_or_bfloat16_cpu_pools_only(kernel):
     q = torch.zeros(2, 4, 8)
     pool = torch.zeros(3, 4, 2, 8)
     assert kernel.can_serve(q, pool, pool.clone())
-    assert not kernel.can_serve(q.bfloat16(), pool.bfloat16(), pool.bfloat16())
-    # The kernel reads both pools as dense float32 arrays: any other value pool goes to the torch path.
+    assert kernel.can_serve(q.bfloat16(), pool.bfloat16(), pool.bfloat16())
+    assert not kernel.can_serve(q.half(), pool.half(), pool.half())
+    # The kernel reads both pools as dense arrays of one dtype: anything else goes to the torch path.
     assert not kernel.can_serve(q, pool, pool.bfloat16())
     assert not kernel.can_serve(q, pool, torch.zeros(3, 4, 2, 16)[..., :8])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("heads,kvh,dim", [(12, 4, 64), (8, 8, 32), (6, 2, 20)], ids=["d64", "d32", "d20"])
+def test_bfloat16_pools_give_the_float32_result_of_their_values(kernel, heads, kvh, dim):
+    # The kernel widens bf16 keys and values exactly and computes in float32, so it must give the
+    # float32 reference over the same (bf16-rounded) values, rounded once to bf16 at the end.
+    query, k_pool, v_pool, meta = _batch(DECODE_LENS, [], block_size=16, kvh=kvh, heads=heads, dim=dim, seed=7)
+    q16, k16, v16 = query.bfloat16(), k_pool.bfloat16(), v_pool.bfloat16()
+    got = torch_paged_attention(q16, k16, v16, meta, 0.3, decode_kernel=kernel)
+    assert got.dtype == torch.bfloat16
+    want = reference_for(q16.float(), k16.float(), v16.float(), meta, 0.3)
+    torch.testing.assert_close(got.float(), want, rtol=2.0**-8, atol=1e-5)
 
 
 @pytest.mark.timeout(60)
@@ -115,3 +129,21 @@ def test_without_a_compiler_the_torch_path_serves_with_one_warning(llama_model, 
         assert len(warnings) == 1
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kv_store_writes_exactly_what_index_copy_writes(kernel, dtype):
+    g = torch.Generator().manual_seed(11)
+    blocks, bs, kvh, d, t = 6, 4, 3, 20, 9
+    # The [T, KVH, D] views transformers' [1, KVH, T, D] states give (K rotated and dense, V transposed).
+    key = torch.randn(1, kvh, t, d, generator=g).to(dtype)[0].transpose(0, 1)
+    value = torch.randn(1, t, kvh, d, generator=g).to(dtype).transpose(1, 2)[0].transpose(0, 1)
+    slots = torch.randperm(blocks * bs, generator=g)[:t]
+    pools = [torch.randn(blocks, bs, kvh, d, generator=g).to(dtype) for _ in range(2)]
+    want = [p.clone() for p in pools]
+    want[0].view(-1, kvh, d).index_copy_(0, slots, key)
+    want[1].view(-1, kvh, d).index_copy_(0, slots, value)
+    assert kernel.store(key, value, pools[0], pools[1], slots)
+    assert torch.equal(pools[0], want[0]) and torch.equal(pools[1], want[1])
+    # Not its case: nothing written, the caller stores them.
+    assert not kernel.store(key.float() if dtype == torch.bfloat16 else key.double(), value, *pools, slots)

@@ -17,6 +17,7 @@ import torch
 
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from hf_contbatch.kernels.linears import onednn_available, pack_linears
+from hf_contbatch.kernels.linears.autotune import KernelTuner
 
 from conftest import build_model, random_prompts, reference_greedy
 
@@ -190,15 +191,24 @@ def test_a_failure_while_packing_leaves_the_model_untouched(monkeypatch, kernel)
     with pytest.raises(RuntimeError, match="simulated"):
         pack_linears(model, kernel)
     assert _instance_forwards(model) == 0
-    # "auto" tries ours, then oneDNN: with this kernel failing it packs with the other one.
-    calls["n"] = 0
-    packed = pack_linears(model, "auto")
+    # "auto", timed so that this kernel wins every shape: when it fails, the shapes are chosen again
+    # without it, and the other kernel packs them (or nothing, where it is not available).
     other = {"native": "onednn", "onednn": "native"}[kernel]
+    candidates = {kernel: gemm()}
+    if onednn_available() if other == "onednn" else _have_cc():
+        candidates[other] = {"native": NativeGEMM, "onednn": OneDNNGEMM}[other]()
+    seconds = {kernel: 1.0, other: 2.0, "torch": 3.0}
+    tuner = KernelTuner(
+        candidates, cache_path=None, measure=lambda i, o, d, bs: {n: dict.fromkeys(bs, t) for n, t in seconds.items()}
+    )
+    calls["n"] = 0
+    packed = pack_linears(model, "auto", fuse=True, tuner=tuner)
     try:
-        if not (onednn_available() if other == "onednn" else _have_cc()):
+        if other not in candidates:
             assert packed is None and _instance_forwards(model) == 0
         else:
             assert packed.backend == other and _instance_forwards(model) == len(packed)
+            assert kernel not in tuner.candidates  # left out after its failure
     finally:
         if packed is not None:
             packed.restore()
@@ -217,7 +227,13 @@ def test_without_a_c_compiler_native_raises_and_auto_uses_onednn(tmp_path):
             pack_linears(model, "native")
         except RuntimeError as exc:
             print("native raised:", exc)
-        packed = pack_linears(model, "auto")
+        from hf_contbatch.kernels.linears.autotune import KernelTuner
+        from hf_contbatch.kernels.linears.packed_linears import available_kernels
+        kernels = available_kernels()
+        print("candidates:", sorted(kernels))
+        # Timed so that a packed kernel wins every shape (timings are the CPU's business, not this test's).
+        tuner = KernelTuner(kernels, cache_path=None, measure=lambda i, o, d, bs: {n: dict.fromkeys(bs, 1.0 if n != "torch" else 2.0) for n in kernels | {"torch": 0}})
+        packed = pack_linears(model, "auto", tuner=tuner)
         print("auto:", None if packed is None else packed.backend, onednn_available())
         """
     )
@@ -229,6 +245,7 @@ def test_without_a_c_compiler_native_raises_and_auto_uses_onednn(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "native raised:" in out.stdout and "no-such-cc" in out.stdout, out.stdout
     assert ("auto: onednn True" in out.stdout) or ("auto: None False" in out.stdout), out.stdout
+    assert "candidates: ['onednn']" in out.stdout or "candidates: []" in out.stdout, out.stdout
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

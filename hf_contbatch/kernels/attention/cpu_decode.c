@@ -1,11 +1,13 @@
-/* Paged decode attention for CPU, float32: one query token per sequence, keys and values read in
- * place from the KV pool's pages through each sequence's block table (no gather, no copy).
+/* Paged decode attention for CPU: one query token per sequence, keys and values read in place from
+ * the KV pool's pages through each sequence's block table (no gather, no copy). Pools of float32,
+ * or of bfloat16 (widened to float32 as they are read: exact); queries, scores, the softmax and the
+ * output in float32.
  *
- * Built on first use by hf_contbatch/attention/cpu_kernel.py with the system C compiler
+ * Built on first use by hf_contbatch/kernels/attention/cpu_kernel.py with the system C compiler
  * (-O3 -march=native -ffast-math -fopenmp) and called through ctypes. OpenMP here is the libgomp
  * torch itself loads (same soname), so the kernel shares torch's thread team.
  *
- * Layouts (all contiguous): q and out [num_seqs, num_heads, head_dim]; k_pool and v_pool
+ * Layouts (all contiguous): q and out float32 [num_seqs, num_heads, head_dim]; k_pool and v_pool
  * [num_blocks, block_size, num_kv_heads, head_dim]; block_tables int32 [num_seqs, max_blocks];
  * seq_lens int32 [num_seqs] (context length including this step's token, whose K/V are stored).
  * Grouped-query attention: query head h reads KV head h / (num_heads / num_kv_heads).
@@ -21,52 +23,87 @@
  * sequential; at each row the same row of the next page is prefetched, which hides the jump
  * between pages.
  * head_dim 32, 64 and 128 get code with the dimension as a constant (loops fully unrolled into
- * 8-float vectors); any other head_dim runs the same code with a runtime dimension and a scalar
- * tail for head_dim % 8.
+ * vectors of VW floats: 16 with AVX-512, else 8); any other head_dim runs the same code with a
+ * runtime dimension and a scalar tail. The pool dtype is a constant too (always-inline functions
+ * called with a literal flag), so each combination compiles to its own loop.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
-/* 8 floats; aligned(4) lets loads and stores be unaligned. GCC/Clang vector extensions. */
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+/* VW floats; aligned(4)/(2) let loads and stores be unaligned. GCC/Clang vector extensions. */
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
+typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
 
-static inline float hsum8(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
+#define INLINE static inline __attribute__((always_inline))
 
-static inline __attribute__((always_inline)) float dot(const float *a, const float *b, const int64_t D) {
-    v8 acc = {0};
-    int64_t d = 0;
-    for (; d + 8 <= D; d += 8) acc += *(const v8 *)(a + d) * *(const v8 *)(b + d);
-    float s = hsum8(acc);
-    for (; d < D; d++) s += a[d] * b[d];
+INLINE float hsum(vf x) {
+    float s = 0.f;
+    for (int i = 0; i < VW / 2; i++) s += x[i] + x[i + VW / 2];
     return s;
 }
 
-static inline __attribute__((always_inline)) void axpy(float *y, float p, const float *x, const int64_t D) {
+/* VW pool elements from p as floats: a bf16 is the upper half of a float32, so widening is exact. */
+INLINE vf load(const void *p, const int bf16) {
+    if (!bf16) return *(const vf *)p;
+    const vu wide = __builtin_convertvector(*(const vh *)p, vu) << 16;
+    vf out;
+    memcpy(&out, &wide, sizeof out);
+    return out;
+}
+
+INLINE float load_one(const void *p, const int bf16) {
+    if (!bf16) return *(const float *)p;
+    const uint32_t u = (uint32_t) * (const uint16_t *)p << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* p + i elements of the pool's dtype */
+INLINE const void *at(const void *p, int64_t i, const int bf16) {
+    return (const char *)p + i * (bf16 ? 2 : 4);
+}
+
+INLINE float dot(const float *a, const void *b, const int64_t D, const int bf16) {
+    vf acc = {0};
     int64_t d = 0;
-    for (; d + 8 <= D; d += 8) *(v8 *)(y + d) += p * *(const v8 *)(x + d);
-    for (; d < D; d++) y[d] += p * x[d];
+    for (; d + VW <= D; d += VW) acc += *(const vf *)(a + d) * load(at(b, d, bf16), bf16);
+    float s = hsum(acc);
+    for (; d < D; d++) s += a[d] * load_one(at(b, d, bf16), bf16);
+    return s;
+}
+
+INLINE void axpy(float *y, float p, const void *x, const int64_t D, const int bf16) {
+    int64_t d = 0;
+    for (; d + VW <= D; d += VW) *(vf *)(y + d) += p * load(at(x, d, bf16), bf16);
+    for (; d < D; d++) y[d] += p * load_one(at(x, d, bf16), bf16);
 }
 
 /* Prefetch `bytes` from p (one line per 64 bytes). */
-static inline void prefetch_span(const float *p, int64_t bytes) {
+static inline void prefetch_span(const void *p, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)p + b);
 }
 
 /* One task: nh query heads (qs, o: [nh][D]) over positions [start, len) of one sequence; k_pool and
  * v_pool already offset to the task's first KV head; scores: nh * (len - start) floats of scratch. */
-static inline __attribute__((always_inline)) void attend(const float *qs, const float *k_pool, const float *v_pool,
-                                                         const int32_t *table, int64_t start, int64_t len,
-                                                         int64_t nh, int64_t groups, int64_t row, const int64_t D,
-                                                         int64_t block_size, float scale, float softcap,
-                                                         float *scores, float *o) {
-    const int64_t page = block_size * row, n = len - start, span = (nh / groups) * D * 4;
+INLINE void attend(const float *qs, const void *k_pool, const void *v_pool, const int32_t *table, int64_t start,
+                   int64_t len, int64_t nh, int64_t groups, int64_t row, const int64_t D, int64_t block_size,
+                   float scale, float softcap, float *scores, float *o, const int bf16) {
+    const int64_t page = block_size * row, n = len - start, span = (nh / groups) * D * (bf16 ? 2 : 4);
     int64_t i = 0;
     for (int64_t pos = start; pos < len; pos++, i++) {
         const int64_t blk = pos / block_size, off = (pos % block_size) * row;
-        if (pos + block_size < len) prefetch_span(k_pool + (int64_t)table[blk + 1] * page + off, span);
-        const float *kr = k_pool + (int64_t)table[blk] * page + off;
-        for (int64_t h = 0; h < nh; h++) scores[h * n + i] = dot(qs + h * D, kr + (h / groups) * D, D) * scale;
+        if (pos + block_size < len) prefetch_span(at(k_pool, (int64_t)table[blk + 1] * page + off, bf16), span);
+        const void *kr = at(k_pool, (int64_t)table[blk] * page + off, bf16);
+        for (int64_t h = 0; h < nh; h++) scores[h * n + i] = dot(qs + h * D, at(kr, (h / groups) * D, bf16), D, bf16) * scale;
     }
     for (int64_t h = 0; h < nh; h++) {
         float *sc = scores + h * n;
@@ -86,22 +123,47 @@ static inline __attribute__((always_inline)) void attend(const float *qs, const 
     i = 0;
     for (int64_t pos = start; pos < len; pos++, i++) {
         const int64_t blk = pos / block_size, off = (pos % block_size) * row;
-        if (pos + block_size < len) prefetch_span(v_pool + (int64_t)table[blk + 1] * page + off, span);
-        const float *vr = v_pool + (int64_t)table[blk] * page + off;
-        for (int64_t h = 0; h < nh; h++) axpy(o + h * D, scores[h * n + i], vr + (h / groups) * D, D);
+        if (pos + block_size < len) prefetch_span(at(v_pool, (int64_t)table[blk + 1] * page + off, bf16), span);
+        const void *vr = at(v_pool, (int64_t)table[blk] * page + off, bf16);
+        for (int64_t h = 0; h < nh; h++) axpy(o + h * D, scores[h * n + i], at(vr, (h / groups) * D, bf16), D, bf16);
     }
 }
 
-/* Returns 0, or 1 when scratch memory could not be allocated (the caller raises MemoryError). */
-int64_t hf_contbatch_paged_decode_f32(const float *q, const float *k_pool, const float *v_pool,
-                                   const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs,
-                                   int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                   int64_t block_size, float scale, float softcap, int64_t sliding_window,
-                                   int64_t split_heads, float *out) {
+/* One task with the head dimension (32, 64, 128: constants) and the pool dtype specialised. */
+static void attend_task(const float *qs, const void *kp, const void *vp, const int32_t *table, int64_t start,
+                        int64_t len, int64_t nh, int64_t groups, int64_t row, int64_t D, int64_t block_size,
+                        float scale, float softcap, float *scores, float *o, int bf16) {
+#define ATTEND(DIM, BF16) attend(qs, kp, vp, table, start, len, nh, groups, row, DIM, block_size, scale, softcap, scores, o, BF16)
+    if (bf16) {
+        switch (D) {
+            case 32: ATTEND(32, 1); break;
+            case 64: ATTEND(64, 1); break;
+            case 128: ATTEND(128, 1); break;
+            default: ATTEND(D, 1); break;
+        }
+    } else {
+        switch (D) {
+            case 32: ATTEND(32, 0); break;
+            case 64: ATTEND(64, 0); break;
+            case 128: ATTEND(128, 0); break;
+            default: ATTEND(D, 0); break;
+        }
+    }
+#undef ATTEND
+}
+
+/* pool_bf16: 0 for float32 pools, 1 for bfloat16 ones. Returns 0, or 1 when scratch memory could
+ * not be allocated (the caller raises MemoryError). */
+int64_t hf_contbatch_paged_decode(const float *q, const void *k_pool, const void *v_pool, int64_t pool_bf16,
+                                  const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs,
+                                  int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                  int64_t block_size, float scale, float softcap, int64_t sliding_window,
+                                  int64_t split_heads, float *out) {
     const int64_t groups = num_heads / num_kv_heads;
-    const int64_t row = num_kv_heads * head_dim; /* floats per token in a page */
+    const int64_t row = num_kv_heads * head_dim; /* elements per token in a page */
     const int64_t splits = split_heads ? num_kv_heads : 1;
     const int64_t nh = num_heads / splits;
+    const int bf16 = pool_bf16 != 0;
     int64_t failed = 0;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t t = 0; t < num_seqs * splits; t++) {
@@ -109,29 +171,41 @@ int64_t hf_contbatch_paged_decode_f32(const float *q, const float *k_pool, const
         const int64_t len = seq_lens[s];
         const int64_t start = (sliding_window > 0 && len > sliding_window) ? len - sliding_window : 0;
         const int64_t n = len - start;
-        const int64_t at = (s * num_heads + g0 * groups) * head_dim;
+        const int64_t q_at = (s * num_heads + g0 * groups) * head_dim;
         if (n <= 0) {
-            for (int64_t x = 0; x < nh * head_dim; x++) out[at + x] = 0.f;
+            for (int64_t x = 0; x < nh * head_dim; x++) out[q_at + x] = 0.f;
             continue;
         }
-        const int32_t *table = block_tables + s * max_blocks;
-        const float *kp = k_pool + g0 * head_dim, *vp = v_pool + g0 * head_dim;
         float *scores = (float *)malloc(sizeof(float) * (size_t)(nh * n));
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
             continue;
         }
-#define ATTEND(DIM) \
-    attend(q + at, kp, vp, table, start, len, nh, groups, row, DIM, block_size, scale, softcap, scores, out + at)
-        switch (head_dim) {
-            case 32: ATTEND(32); break;
-            case 64: ATTEND(64); break;
-            case 128: ATTEND(128); break;
-            default: ATTEND(head_dim); break;
-        }
-#undef ATTEND
+        attend_task(q + q_at, at(k_pool, g0 * head_dim, bf16), at(v_pool, g0 * head_dim, bf16),
+                    block_tables + s * max_blocks, start, len, nh, groups, row, head_dim, block_size, scale, softcap,
+                    scores, out + q_at, bf16);
         free(scores);
     }
     return failed;
+}
+
+/* Store one step's K and V rows into their slots: key/value element (h, t, d) at
+ * key + t * stride_t + h * stride_h + d (the [1, KVH, T, D] tensors transformers passes, often
+ * transposed views), pool row of slot s at pool + (s * num_kv_heads + h) * head_dim; elem_bytes 4
+ * (float32) or 2 (bfloat16), the pools' dtype. One call for both pools: an index_copy_ per pool
+ * costs more than the copy at a decode step's few rows. */
+void hf_contbatch_store_kv(const void *key, const void *value, int64_t k_stride_t, int64_t k_stride_h,
+                           int64_t v_stride_t, int64_t v_stride_h, void *k_pool, void *v_pool,
+                           const int64_t *slots, int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t elem_bytes) {
+    const size_t row = (size_t)(head_dim * elem_bytes);
+    for (int64_t t = 0; t < num_tokens; t++) {
+        char *kd = (char *)k_pool + slots[t] * num_kv_heads * (int64_t)row;
+        char *vd = (char *)v_pool + slots[t] * num_kv_heads * (int64_t)row;
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            memcpy(kd + h * (int64_t)row, (const char *)key + (t * k_stride_t + h * k_stride_h) * elem_bytes, row);
+            memcpy(vd + h * (int64_t)row, (const char *)value + (t * v_stride_t + h * v_stride_h) * elem_bytes, row);
+        }
+    }
 }

@@ -163,7 +163,7 @@ def torch_paged_attention(
         softcap: logit soft-capping ``softcap * tanh(s / softcap)`` (Gemma 2).
         key, value: optional ``[KVH, T, D]``, this step's K/V rows (as stored); a prefill chunk
             that is its request's whole context reads them instead of gathering from the pool.
-        decode_kernel: a ``cpu_kernel.CPUDecodeKernel``; where it can serve (float32, built), the
+        decode_kernel: a ``cpu_kernel.CPUDecodeKernel``; where it can serve (float32 or bf16 pools, built), the
             decode rows read the pool in place through it instead of the gather path below.
 
     Returns:

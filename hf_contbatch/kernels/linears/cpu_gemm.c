@@ -1,4 +1,5 @@
-/* float32 GEMM for the small row counts of serving steps: y[M][N] = x[M][K] . W^T (+ bias).
+/* GEMM for the small row counts of serving steps: y[M][N] = x[M][K] . W^T (+ bias), float32 and,
+ * on CPUs with AVX512-BF16, bfloat16 with float32 accumulation.
  *
  * Built on first use by hf_contbatch/kernels/linears/native_gemm.py with the system C compiler
  * (-O3 -march=native -fopenmp, no -ffast-math) and called through ctypes on torch's own OpenMP
@@ -6,36 +7,74 @@
  *
  * Why our own: a decode step multiplies a few to a few dozen rows by every weight of the model, so
  * it streams the weights from memory once per step, and is bound by how fast the weights stream.
- * oneDNN's brgemm (what torch offers) reads them well below the memory's bandwidth at these row
- * counts; this kernel streams them close to it (benchmarks/bench_gemm.py compares the two).
+ * oneDNN's brgemm (what torch offers) reads them below the memory's bandwidth at these row counts
+ * on some CPUs; this kernel streams them close to it (benchmarks/bench_gemm.py compares the two,
+ * and the engine times both on the CPU at hand before choosing: kernels/linears/autotune.py).
  *
  * The layout and loop nest follow the BLIS/GotoBLAS design (Goto & van de Geijn, "Anatomy of
  * High-Performance Matrix Multiplication", ACM TOMS 2008; the 6x16 register tile of BLIS's
- * Haswell kernel): W is packed once into panels of NR = 16 output columns, [ceil(N/16)][K][16]
- * (zero columns pad the last panel), so a panel streams sequentially. Threads take whole panels
- * (each weight byte is read by one thread); inside a panel, rows go in blocks of at most MB, the
- * panel in slices of KC input features that stay in L1 while every row tile of up to 6 rows
- * passes over them with 12 vector accumulators (tiles of 7 rows, 14 accumulators, for 7 and
- * 13-14 rows). One to three rows (a notebook's single request, the end of a batch) take a narrow
- * path whose tiles span 2-4 panels instead (see NARROW).
+ * Haswell kernel, two vectors wide): W is packed once into panels of NR output columns (two
+ * vectors: 32 with AVX-512, 16 with 256-bit vectors), [ceil(N/NR)][K][NR] (zero columns pad the
+ * last panel), so a panel streams sequentially. Threads take whole panels (each weight byte is read
+ * by one thread); inside a panel, rows go in blocks of at most MB, the panel in slices of KC input
+ * features that stay in L1 while every row tile of up to MR rows passes over them with 2 x MR vector
+ * accumulators (MR = 10 of AVX-512's 32 registers; 6 of AVX2's 16, with tiles of 7 rows for 7 and
+ * 13-14 rows). One to three rows (a
+ * notebook's single request, the end of a batch) take a narrow path whose tiles span 2-4 panels
+ * instead (see NARROW).
  *
- * Exactness: each output is one fused multiply-add chain over k = 0..K-1 in order (no
+ * Exactness (float32): each output is one fused multiply-add chain over k = 0..K-1 in order (no
  * reassociation: compiled without -ffast-math), whatever M, the row's position in the batch, the
- * tile it lands in, or the other columns packed beside it. So a row's result does not depend on
- * the batch it runs in, and sibling projections packed together (q/k/v) give the bits they give
- * apart.
+ * tile it lands in, the other columns packed beside it, or the vector width. So a row's result does
+ * not depend on the batch it runs in, sibling projections packed together (q/k/v) give the bits
+ * they give apart, and the AVX-512 build gives the bits of the 256-bit one.
  */
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
-/* 8 floats; aligned(4) lets loads and stores be unaligned. GCC/Clang vector extensions compile to
- * AVX2/FMA with -march=native on x86 and to NEON on arm64. */
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
+/* One vector of VW floats; aligned(4) lets loads and stores be unaligned. GCC/Clang vector
+ * extensions compile to AVX-512 (VW 16) or AVX2/FMA (VW 8) with -march=native on x86, and to NEON
+ * on arm64. */
+#if defined(__AVX512F__)
+#define VW 16
+#define GEMM_ISA "avx512f"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VW 8
+#define GEMM_ISA "avx2"
+#elif defined(__ARM_NEON)
+#define VW 8
+#define GEMM_ISA "neon"
+#else
+#define VW 8
+#define GEMM_ISA "generic"
+#endif
+typedef float v8 __attribute__((vector_size(VW * 4), aligned(4)));
 
-#define NR 16  /* output columns per panel: two 8-float vectors */
-#define MR 6   /* rows per register tile: 6 x 2 accumulators + 2 weight vectors + 1 broadcast */
-#define MB 96  /* rows per block: their accumulators (6 KB) stay in L1 */
-#define KC 256 /* input features per panel slice: 16 KB of weights, in L1 for every row tile */
+#define NR (2 * VW) /* output columns per panel: two vectors */
+/* rows per register tile: MR x 2 accumulators + 2 weight vectors + 1 broadcast must fit the vector
+ * registers (32 with AVX-512: 10 rows; 16 with AVX2: 6, with 7-row tiles where they save a pass) */
+#if VW == 16
+#define MR 10
+#else
+#define MR 6
+#endif
+#define MB 96       /* rows per block: their accumulators stay in L1 */
+/* input features per panel slice: KC x NR floats (16 KB with AVX-512, 16 KB with 256-bit vectors),
+ * in L1 for every row tile, with room for the next slice being prefetched (a 32 KB AVX-512 slice and
+ * its successor would not fit a 48 KB L1 together) */
+#if VW == 16
+#define KC 128
+#else
+#define KC 256
+#endif
+
+/* What this build is: the output columns per packed panel, and the instruction set its vectors
+ * compile to (the Python side sizes packed weights with the first, and reports the second). */
+int64_t hf_contbatch_gemm_nr(void) { return NR; }
+const char *hf_contbatch_gemm_isa(void) { return GEMM_ISA; }
 
 void hf_contbatch_gemm_pack_f32(const float *w, int64_t n, int64_t k, float *out) {
     const int64_t panels = (n + NR - 1) / NR;
@@ -48,20 +87,20 @@ void hf_contbatch_gemm_pack_f32(const float *w, int64_t n, int64_t k, float *out
             }
 }
 
-/* acc[r][0..15] += sum over kk < kc of x[r][kk] * w[kk][0..15], for r < ROWS.
+/* acc[r][0..NR-1] += sum over kk < kc of x[r][kk] * w[kk][0..NR-1], for r < ROWS.
  * PREFETCH: a thread's panels lie one after another in memory and it walks their slices in order,
- * so the line one slice (16 KB) ahead is the same position in the next slice, of this panel or of
- * its next one. Fetching it while the current slice is multiplied hides the memory latency of the
+ * so the line one slice (KC x NR floats) ahead is the same position in the next slice, of this
+ * panel or of its next one. Fetching it while the current slice is multiplied hides the memory latency of the
  * first pass over each slice (better than 1 KB ahead at 16-32 rows, no worse at 64). */
 #define TILE(ROWS)                                                                                  \
     static inline void tile_##ROWS(const float *x, int64_t ldx, const float *w, int64_t kc, float *acc) { \
         v8 a[ROWS][2];                                                                              \
         for (int r = 0; r < ROWS; r++) {                                                            \
             a[r][0] = *(const v8 *)(acc + r * NR);                                                  \
-            a[r][1] = *(const v8 *)(acc + r * NR + 8);                                              \
+            a[r][1] = *(const v8 *)(acc + r * NR + VW);                                              \
         }                                                                                           \
         for (int64_t kk = 0; kk < kc; kk++) {                                                       \
-            const v8 w0 = *(const v8 *)(w + kk * NR), w1 = *(const v8 *)(w + kk * NR + 8);          \
+            const v8 w0 = *(const v8 *)(w + kk * NR), w1 = *(const v8 *)(w + kk * NR + VW);          \
             /* the next slice (PREFETCH); integer arithmetic: it may lie past the buffer's end */ \
             __builtin_prefetch((const void *)((uintptr_t)w + (uintptr_t)((kk + KC) * NR * 4)));      \
             for (int r = 0; r < ROWS; r++) {                                                        \
@@ -72,7 +111,7 @@ void hf_contbatch_gemm_pack_f32(const float *w, int64_t n, int64_t k, float *out
         }                                                                                           \
         for (int r = 0; r < ROWS; r++) {                                                            \
             *(v8 *)(acc + r * NR) = a[r][0];                                                        \
-            *(v8 *)(acc + r * NR + 8) = a[r][1];                                                    \
+            *(v8 *)(acc + r * NR + VW) = a[r][1];                                                    \
         }                                                                                           \
     }
 TILE(1)
@@ -82,6 +121,9 @@ TILE(4)
 TILE(5)
 TILE(6)
 TILE(7)
+TILE(8)
+TILE(9)
+TILE(10)
 
 /* 1-3 rows: a tile of ROWS rows gives only 2 * ROWS multiply-add chains, and each chain waits
  * for its previous FMA (several cycles of latency), so a one-panel tile runs at a fraction of the
@@ -99,7 +141,7 @@ TILE(7)
             for (int g = 0; g < G; g++) {                                                             \
                 const float *wg = w + (g * k + kk) * NR;                                              \
                 w0[g] = *(const v8 *)wg;                                                              \
-                w1[g] = *(const v8 *)(wg + 8);                                                        \
+                w1[g] = *(const v8 *)(wg + VW);                                                        \
                 __builtin_prefetch((const void *)((uintptr_t)wg + (uintptr_t)(KC * NR * 4)));          \
             }                                                                                         \
             for (int r = 0; r < ROWS; r++) {                                                          \
@@ -113,7 +155,7 @@ TILE(7)
         for (int r = 0; r < ROWS; r++)                                                                \
             for (int g = 0; g < G; g++) {                                                             \
                 *(v8 *)(out + (r * G + g) * NR) = a[r][g][0];                                         \
-                *(v8 *)(out + (r * G + g) * NR + 8) = a[r][g][1];                                     \
+                *(v8 *)(out + (r * G + g) * NR + VW) = a[r][g][1];                                     \
             }                                                                                         \
     }
 NARROW(1, 4)
@@ -131,7 +173,7 @@ static void gemm_narrow(const float *x, int64_t m, int64_t k, const float *packe
     const int64_t groups = (panels + G - 1) / G;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t gi = 0; gi < groups; gi++) {
-        float acc[3 * 4 * NR] __attribute__((aligned(32)));
+        float acc[3 * 4 * NR] __attribute__((aligned(64)));
         const int64_t p0 = gi * G, np = panels - p0 < G ? panels - p0 : G;
         const float *w = packed + p0 * k * NR;
         if (np == G) {
@@ -140,7 +182,7 @@ static void gemm_narrow(const float *x, int64_t m, int64_t k, const float *packe
             else narrow_3_2(x, k, w, acc);
         } else {
             for (int64_t g = 0; g < np; g++) {
-                float one[3 * NR] __attribute__((aligned(32)));
+                float one[3 * NR] __attribute__((aligned(64)));
                 if (m == 1) narrow_1_1(x, k, w + g * k * NR, one);
                 else if (m == 2) narrow_2_1(x, k, w + g * k * NR, one);
                 else narrow_3_1(x, k, w + g * k * NR, one);
@@ -170,19 +212,23 @@ void hf_contbatch_gemm_f32(const float *x, int64_t m, int64_t k, const float *pa
     const int64_t panels = (n + NR - 1) / NR;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t p = 0; p < panels; p++) {
-        float acc[MB * NR] __attribute__((aligned(32)));
+        float acc[MB * NR] __attribute__((aligned(64)));
         const int64_t col0 = p * NR, cols = n - col0 < NR ? n - col0 : NR;
         for (int64_t row0 = 0; row0 < m; row0 += MB) {
             const int64_t rows = m - row0 < MB ? m - row0 : MB;
             memset(acc, 0, sizeof(float) * (size_t)(rows * NR));
-            /* Tiles of near-equal height (32 rows: 6+6+5+5+5+5, not 6x5+2), of up to 7 rows (14
-             * accumulators; the weights become FMA memory operands) where that saves a pass over
-             * each slice and there are at most 14 rows: 7 rows in one tile instead of 4+3, 13-14
-             * in two instead of three. At more rows the 7-row tile's loads of the weights cost more
-             * than the saved passes. */
+            /* Tiles of near-equal height (32 rows with MR 6: 6+6+5+5+5+5, not 6x5+2). With 256-bit
+             * vectors, tiles of up to 7 rows (14 accumulators; the weights become FMA memory
+             * operands) where that saves a pass over each slice and there are at most 14 rows: 7
+             * rows in one tile instead of 4+3, 13-14 in two instead of three. At more rows the
+             * 7-row tile's loads of the weights cost more than the saved passes. */
+#if VW == 16
+            const int64_t tiles = (rows + MR - 1) / MR;
+#else
             const int64_t tiles = rows <= 2 * (MR + 1) && (rows + MR) / (MR + 1) < (rows + MR - 1) / MR
                                       ? (rows + MR) / (MR + 1)
                                       : (rows + MR - 1) / MR;
+#endif
             for (int64_t k0 = 0; k0 < k; k0 += KC) {
                 const int64_t kc = k - k0 < KC ? k - k0 : KC;
                 const float *w = packed + (p * k + k0) * NR;
@@ -198,7 +244,10 @@ void hf_contbatch_gemm_f32(const float *x, int64_t m, int64_t k, const float *pa
                         case 4: tile_4(xt, k, w, kc, at); break;
                         case 5: tile_5(xt, k, w, kc, at); break;
                         case 6: tile_6(xt, k, w, kc, at); break;
-                        default: tile_7(xt, k, w, kc, at); break;
+                        case 7: tile_7(xt, k, w, kc, at); break;
+                        case 8: tile_8(xt, k, w, kc, at); break;
+                        case 9: tile_9(xt, k, w, kc, at); break;
+                        default: tile_10(xt, k, w, kc, at); break;
                     }
                     r0 += h;
                 }
@@ -214,3 +263,114 @@ void hf_contbatch_gemm_f32(const float *x, int64_t m, int64_t k, const float *pa
         }
     }
 }
+
+/* ---- bfloat16 with float32 accumulation (AVX512-BF16: VDPBF16PS) ----------------------------------
+ *
+ * W is packed as for float32 but in pairs of input features: [ceil(N/32)][K/2][32][2] bf16, so one
+ * 64-byte load holds 16 columns x 2 features and VDPBF16PS adds both products of each column into a
+ * float32 accumulator (x's pair broadcast to every column). K must be even (the pair layout); the
+ * Python side checks it. Accumulation is float32 over k in order, two features a step; the output
+ * is rounded to bf16 once, at the end (round to nearest even), plus a float32 bias before that. */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+int hf_contbatch_gemm_has_bf16(void) { return 1; }
+
+#define NRB 32 /* output columns per bf16 panel: two vectors of 16 float32 accumulators */
+#define MRB 6  /* rows per bf16 tile (tile_bf16_1 .. tile_bf16_6) */
+
+void hf_contbatch_gemm_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
+    const int64_t panels = (n + NRB - 1) / NRB, k2 = k / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t kk = 0; kk < k2; kk++)
+            for (int64_t j = 0; j < NRB; j++) {
+                const int64_t col = p * NRB + j;
+                uint16_t *o = out + ((p * k2 + kk) * NRB + j) * 2;
+                o[0] = col < n ? w[col * k + 2 * kk] : 0;
+                o[1] = col < n ? w[col * k + 2 * kk + 1] : 0;
+            }
+}
+
+/* acc[r][0..31] += x[r][2kk..2kk+1] . w[kk][0..31][0..1] for kk < k2, r < ROWS */
+#define TILE_BF16(ROWS)                                                                              \
+    static inline void tile_bf16_##ROWS(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t k2, \
+                                        float *acc) {                                                \
+        __m512 a[ROWS][2];                                                                           \
+        for (int r = 0; r < ROWS; r++) {                                                             \
+            a[r][0] = _mm512_loadu_ps(acc + r * NRB);                                                \
+            a[r][1] = _mm512_loadu_ps(acc + r * NRB + 16);                                           \
+        }                                                                                            \
+        for (int64_t kk = 0; kk < k2; kk++) {                                                        \
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + kk * NRB * 2);                      \
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + kk * NRB * 2 + 32);                 \
+            __builtin_prefetch((const void *)((uintptr_t)w + (uintptr_t)((kk + KC / 2) * NRB * 4)));\
+            for (int r = 0; r < ROWS; r++) {                                                         \
+                int32_t pair;                                                                        \
+                memcpy(&pair, x + r * ldx + 2 * kk, 4);                                              \
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);                               \
+                a[r][0] = _mm512_dpbf16_ps(a[r][0], xv, w0);                                         \
+                a[r][1] = _mm512_dpbf16_ps(a[r][1], xv, w1);                                         \
+            }                                                                                        \
+        }                                                                                            \
+        for (int r = 0; r < ROWS; r++) {                                                             \
+            _mm512_storeu_ps(acc + r * NRB, a[r][0]);                                                \
+            _mm512_storeu_ps(acc + r * NRB + 16, a[r][1]);                                           \
+        }                                                                                            \
+    }
+TILE_BF16(1)
+TILE_BF16(2)
+TILE_BF16(3)
+TILE_BF16(4)
+TILE_BF16(5)
+TILE_BF16(6)
+
+/* float32 -> bf16, round to nearest even (NaN kept a NaN) */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* x [m][k] bf16 row-major (k even), packed from hf_contbatch_gemm_pack_bf16, bias [n] float32 or
+ * NULL, y [m][n] bf16 row-major. */
+void hf_contbatch_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                            const float *bias, uint16_t *y, int64_t num_threads) {
+    const int64_t panels = (n + NRB - 1) / NRB, k2 = k / 2, kc2 = KC / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t p = 0; p < panels; p++) {
+        float acc[MB * NRB] __attribute__((aligned(64)));
+        const int64_t col0 = p * NRB, cols = n - col0 < NRB ? n - col0 : NRB;
+        for (int64_t row0 = 0; row0 < m; row0 += MB) {
+            const int64_t rows = m - row0 < MB ? m - row0 : MB;
+            memset(acc, 0, sizeof(float) * (size_t)(rows * NRB));
+            const int64_t tiles = (rows + MRB - 1) / MRB;
+            for (int64_t k0 = 0; k0 < k2; k0 += kc2) {
+                const int64_t kc = k2 - k0 < kc2 ? k2 - k0 : kc2;
+                const uint16_t *w = packed + (p * k2 + k0) * NRB * 2;
+                int64_t r0 = 0;
+                for (int64_t t = 0; t < tiles; t++) {
+                    const int64_t left = rows - r0, h = (left + (tiles - t) - 1) / (tiles - t);
+                    const uint16_t *xt = x + (row0 + r0) * k + 2 * k0;
+                    float *at = acc + r0 * NRB;
+                    switch (h) {
+                        case 1: tile_bf16_1(xt, k, w, kc, at); break;
+                        case 2: tile_bf16_2(xt, k, w, kc, at); break;
+                        case 3: tile_bf16_3(xt, k, w, kc, at); break;
+                        case 4: tile_bf16_4(xt, k, w, kc, at); break;
+                        case 5: tile_bf16_5(xt, k, w, kc, at); break;
+                        default: tile_bf16_6(xt, k, w, kc, at); break;
+                    }
+                    r0 += h;
+                }
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                uint16_t *yr = y + (row0 + r) * n + col0;
+                const float *ar = acc + r * NRB;
+                for (int64_t j = 0; j < cols; j++) yr[j] = to_bf16(bias ? ar[j] + bias[col0 + j] : ar[j]);
+            }
+        }
+    }
+}
+#else
+int hf_contbatch_gemm_has_bf16(void) { return 0; }
+#endif

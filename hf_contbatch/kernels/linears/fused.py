@@ -20,11 +20,14 @@ use. The outputs are column slices of one buffer (views, not copies).
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from .packed_forward import PackedForward, check_packable, weight_key
-from .packed_linears import PackedLinears
+
+if TYPE_CHECKING:
+    from .packed_linears import PackedLinears
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +38,10 @@ FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 class FusedGroup:
     """The shared state of one group of packed sibling linears (same input, same in_features)."""
 
-    def __init__(self, members: list[PackedForward]) -> None:
+    def __init__(self, members: list[PackedForward], kernel=None) -> None:
         self.members = members
-        self.kernel = members[0].kernel  # grouped only with the same kernel (see fuse_siblings)
+        # The kernel for the fused shape (the members' own when not given: grouped only alike).
+        self.kernel = kernel if kernel is not None else members[0].kernel
         self.sizes = [f.module.out_features for f in members]
         self.offsets = [sum(self.sizes[:i]) for i in range(len(members))]
         self.total = sum(self.sizes)
@@ -52,7 +56,7 @@ class FusedGroup:
     def _pack(self) -> None:
         mods = [f.module for f in self.members]
         for m in mods:
-            check_packable(m.weight)
+            check_packable(m.weight, self.kernel)
         keys = tuple(weight_key(m.weight) for m in mods)  # before reading, as in packed_forward
         bias_keys = self._bias_keys()
         with torch.no_grad():
@@ -61,11 +65,13 @@ class FusedGroup:
             if all(b is None for b in biases):
                 self.bias = None
             else:  # a member without a bias (one set to None while open) adds zeros
-                self.bias = torch.cat(
-                    [
-                        b.detach().to(torch.float32) if b is not None else m.weight.new_zeros(m.out_features)
-                        for b, m in zip(biases, mods)
-                    ]
+                self.bias = self.kernel.step_bias(
+                    torch.cat(
+                        [
+                            b.detach() if b is not None else m.weight.new_zeros(m.out_features)
+                            for b, m in zip(biases, mods)
+                        ]
+                    )
                 )
         # Keep weights and biases alive: their id() is in the keys.
         self._weights = [m.weight for m in mods] + [b for b in biases if b is not None]
@@ -145,13 +151,48 @@ def _base_linear(module):
     return base if isinstance(base, torch.nn.Linear) else module
 
 
-def fuse_siblings(model: torch.nn.Module, packed: PackedLinears | None) -> int:
-    """Group the packed sibling projections of ``model`` (see the module docstring).
+def sibling_groups(model: torch.nn.Module, modules: list[torch.nn.Linear]) -> list[list[torch.nn.Linear]]:
+    """The groups of ``modules`` that can share one GEMM: every member of a :data:`FUSED_GROUPS`
+    name tuple a child of the same parent and in ``modules``, with one ``in_features``, one weight
+    dtype, and either all or none with a bias. Leaders first. A LoRA wrapper (peft's
+    ``lora.Linear``) stands for its base layer: the LoRA delta is added on top of the fused output
+    (``hf_contbatch.kernels.lora``)."""
+    wanted = {id(m) for m in modules}
+    groups = []
+    for owner in model.modules():
+        children = dict(owner.named_children())
+        for names in FUSED_GROUPS:
+            mods = [_base_linear(children.get(n)) for n in names]
+            if any(m is None or id(m) not in wanted for m in mods):
+                continue
+            if len({(m.in_features, m.weight.dtype) for m in mods}) != 1 or len({m.bias is None for m in mods}) != 1:
+                continue
+            groups.append(mods)
+    return groups
 
-    A group forms when every member of a :data:`FUSED_GROUPS` name tuple is a packed ``nn.Linear``
-    child of the same parent, with one ``in_features`` and either all or none with a bias. The
-    members' own packed copies are freed (the fused copy replaces them), so fusing costs no memory.
-    Undone by ``PackedLinears.restore``.
+
+def form_group(members: list[PackedForward], kernel=None) -> Optional[FusedGroup]:
+    """Fuse packed forwards into one :class:`FusedGroup` (with ``kernel`` for the fused shape, or the
+    members'); their own packed copies are freed. None, with a warning, when packing the fused weight
+    fails (kernel error or out of memory): they then run on their own."""
+    if any(f.group is not None for f in members):
+        return None
+    try:
+        group = FusedGroup(members, kernel)
+    except RuntimeError as exc:
+        logger.warning("could not fuse %s (%s); running them separately", [f.module for f in members], exc)
+        return None
+    for i, f in enumerate(members):
+        f.group, f.group_index = group, i
+        f.packed = None  # the fused copy replaces each member's own
+    return group
+
+
+def fuse_siblings(model: torch.nn.Module, packed: Optional[PackedLinears]) -> int:
+    """Group the packed sibling projections of ``model`` (see the module docstring and
+    :func:`sibling_groups`) with their own kernel. The members' own packed copies are freed (the
+    fused copy replaces them), so fusing costs no memory. Undone by ``PackedLinears.restore``.
+    (``pack_linears(..., fuse=True)`` fuses while it packs, choosing a kernel for the fused shape.)
 
     Returns:
         The number of groups formed.
@@ -160,26 +201,8 @@ def fuse_siblings(model: torch.nn.Module, packed: PackedLinears | None) -> int:
         return 0
     by_module = {id(f.module): f for f in packed.forwards}
     groups = 0
-    for owner in model.modules():
-        children = dict(owner.named_children())
-        for names in FUSED_GROUPS:
-            # A LoRA wrapper (peft's lora.Linear) stands for its base layer: the LoRA delta is added
-            # on top of the fused output (hf_contbatch.kernels.lora).
-            mods = [_base_linear(children.get(n)) for n in names]
-            if any(m is None or id(m) not in by_module for m in mods):
-                continue
-            if len({m.in_features for m in mods}) != 1 or len({m.bias is None for m in mods}) != 1:
-                continue
-            members = [by_module[id(m)] for m in mods]
-            if any(f.group is not None for f in members):
-                continue
-            try:
-                group = FusedGroup(members)
-            except RuntimeError as exc:  # kernel error or out of memory: leave them unfused
-                logger.warning("could not fuse %s (%s); running them separately", names, exc)
-                continue
-            for i, f in enumerate(members):
-                f.group, f.group_index = group, i
-                f.packed = None  # the fused copy replaces each member's own
+    for mods in sibling_groups(model, [f.module for f in packed.forwards]):
+        members = [by_module[id(m)] for m in mods]
+        if len({type(f.kernel) for f in members}) == 1 and form_group(members) is not None:
             groups += 1
     return groups

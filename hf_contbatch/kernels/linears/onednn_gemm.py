@@ -44,8 +44,8 @@ def padded_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int
 ) -> torch.Tensor:
     """``x @ W.T + b`` through the packed weight (from :meth:`OneDNNGEMM.pack`), rows padded to
-    :func:`padded_rows`. Input ``[..., in]`` float32, output ``[..., out]``; oneDNN raises
-    RuntimeError on a mismatch."""
+    :func:`padded_rows`. Input ``[..., in]`` of the weight's dtype, output ``[..., out]``; oneDNN
+    raises RuntimeError on a mismatch."""
     if torch.compiler.is_compiling():
         # Opaque to torch.compile: inductor cannot lower oneDNN's packed layout, and the padding
         # keeps oneDNN's primitives bounded there too.
@@ -65,21 +65,38 @@ def padded_linear(
 
 
 class OneDNNGEMM:
-    """oneDNN's inner product over its blocked weight layout, rows padded (:func:`padded_rows`)."""
+    """oneDNN's inner product over its blocked weight layout, rows padded (:func:`padded_rows`);
+    float32 weights, and bfloat16 ones where oneDNN has bf16 kernels for this CPU."""
 
     name = "onednn"
 
+    def supports(self, weight: torch.Tensor) -> bool:
+        """Whether oneDNN packs ``weight``: a 2-D CPU float32 weight, or bfloat16 where supported."""
+        if weight.device.type != "cpu" or weight.dim() != 2:
+            return False
+        if weight.dtype == torch.bfloat16:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return weight.dtype == torch.float32
+
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """``[out, in]`` float32 → oneDNN's blocked copy (an opaque tensor)."""
+        """``[out, in]`` weight → oneDNN's blocked copy (an opaque tensor of the weight's dtype).
+        Raises RuntimeError for a weight it does not pack (:meth:`supports`)."""
+        if not self.supports(weight):
+            raise RuntimeError(f"oneDNN cannot pack a {tuple(weight.shape)} {weight.dtype} weight on {weight.device}")
         return torch.ops.mkldnn._reorder_linear_weight(weight)
 
     def linear(self, x, packed, bias, out_features: int) -> torch.Tensor:
-        """``x`` ``[..., in]`` float32 → ``[..., out_features]`` float32 through ``packed`` (from
-        :meth:`pack`), plus ``bias`` ``[out_features]`` if given; oneDNN raises RuntimeError on a
-        mismatch."""
+        """``x`` ``[..., in]`` (the weight's dtype) → ``[..., out_features]`` through ``packed``
+        (from :meth:`pack`), plus ``bias`` ``[out_features]`` (the same dtype) if given; oneDNN
+        raises RuntimeError on a mismatch."""
         return padded_linear(x, packed, bias, out_features)
 
     linear_verified = linear
+
+    @staticmethod
+    def step_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The bias as :meth:`linear_verified` takes it: dense (oneDNN reads a strided one wrong)."""
+        return None if bias is None else bias.detach().contiguous()
 
 
 register_linear_op("onednn_linear", padded_linear)

@@ -24,19 +24,21 @@ def weight_key(weight: torch.Tensor) -> tuple:
     return (id(weight), weight.data_ptr(), weight._version, weight.dtype)
 
 
-def check_packable(weight: torch.Tensor) -> None:
-    """Raise RuntimeError unless ``weight`` is float32 on the CPU (what both kernels pack)."""
-    if weight.dtype != torch.float32 or weight.device.type != "cpu":
-        raise RuntimeError(f"cannot pack a {weight.dtype} weight on {weight.device} (float32 CPU only)")
+def check_packable(weight: torch.Tensor, kernel) -> None:
+    """Raise RuntimeError unless ``kernel`` packs ``weight`` (float32 CPU weights for every kernel;
+    bfloat16 ones where the kernel has a bf16 path: ``kernel.supports``)."""
+    if not kernel.supports(weight):
+        raise RuntimeError(f"{kernel.name} cannot pack a {weight.dtype} weight on {weight.device}")
 
 
 class PackedForward:
     """The instance ``forward`` of one packed ``nn.Linear``: input ``[..., in_features]`` →
-    ``[..., out_features]``, float32."""
+    ``[..., out_features]``, in the weight's dtype (float32, or bfloat16 where the kernel packs it)."""
 
-    def __init__(self, module: torch.nn.Linear, kernel) -> None:
+    def __init__(self, module: torch.nn.Linear, kernel, pack: bool = True) -> None:
         self.module = module
-        self.kernel = kernel  # NativeGEMM or OneDNNGEMM
+        self.kernel = kernel  # NativeGEMM or OneDNNGEMM (or a DispatchGEMM choosing between them by rows)
+        self.dtype = module.weight.dtype  # what it is packed for: inputs of another dtype run F.linear
         self.active = True
         self.weight_key: Optional[tuple] = None
         self.packed: Optional[torch.Tensor] = None
@@ -46,16 +48,18 @@ class PackedForward:
         # per-call checks, and the step's bias (detached, dense).
         self.verified_thread: Optional[int] = None
         self.verified_bias: Optional[torch.Tensor] = None
-        self._pack()
+        self.weight_ref = None
+        if pack:  # not for a member of a fused group about to be formed: the group packs for all
+            self._pack()
 
     def _pack(self) -> None:
         weight = self.module.weight
-        check_packable(weight)
+        check_packable(weight, self.kernel)
         key = weight_key(weight)  # before reading: a write during the reorder repacks next call
         with torch.no_grad():
             self.packed = self.kernel.pack(weight.detach())
         # weight_ref keeps the packed weight alive, so its id() in the key cannot be reused.
-        self.weight_ref, self.weight_key = weight, key
+        self.weight_ref, self.weight_key, self.dtype = weight, key, weight.dtype
 
     def disable(self) -> None:
         """Plain ``F.linear`` from now on, and the packed copy freed (for references that outlive
@@ -72,6 +76,7 @@ class PackedForward:
         return {
             "module": self.module,
             "kernel": self.kernel,
+            "dtype": self.dtype,
             "active": self.active,
             "weight_ref": None,
             "weight_key": None,
@@ -96,16 +101,14 @@ class PackedForward:
     def verify(self) -> bool:
         """Whether this module's calls may skip their checks until the end of the step: active
         (packed, or its group's fused weight, for the current weights: :meth:`PackedLinears.refresh`
-        ran just before), float32 CPU weight and bias. Sets the step's bias. Called by
+        ran just before), CPU weight and bias of the packed dtype. Sets the step's bias. Called by
         :meth:`PackedLinears.verified_step`."""
         weight, bias = self.module.weight, self.module.bias
-        if not self.active or weight.dtype != torch.float32 or not weight.is_cpu:
+        if not self.active or weight.dtype != self.dtype or not weight.is_cpu:
             return False
-        if bias is not None:
-            if bias.dtype != torch.float32 or not bias.is_cpu or bias.shape != weight.shape[:1]:
-                return False
-            bias = bias.detach().contiguous()
-        self.verified_bias = bias
+        if bias is not None and (bias.dtype != self.dtype or not bias.is_cpu or bias.shape != weight.shape[:1]):
+            return False
+        self.verified_bias = self.kernel.step_bias(bias)
         return True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -113,7 +116,7 @@ class PackedForward:
         if (
             verified is not None
             and verified == threading.get_ident()
-            and x.dtype == torch.float32
+            and x.dtype == self.dtype
             and x.is_cpu
             and x.dim()
             and x.shape[-1] == self.module.in_features
@@ -126,14 +129,14 @@ class PackedForward:
         weight, bias = self.module.weight, self.module.bias
         if (
             not self.active
-            or x.dtype != torch.float32
-            or weight.dtype != torch.float32
+            or x.dtype != self.dtype
+            or weight.dtype != self.dtype
             or x.device.type != "cpu"
             or weight.device.type != "cpu"
             or x.dim() == 0
             or x.shape[-1] != weight.shape[1]
             or bias is not None
-            and (bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.shape != weight.shape[:1])
+            and (bias.dtype != self.dtype or bias.device.type != "cpu" or bias.shape != weight.shape[:1])
             or torch.is_grad_enabled()
             and (x.requires_grad or weight.requires_grad or bias is not None and bias.requires_grad)
         ):
@@ -145,4 +148,4 @@ class PackedForward:
             self.repack_if_changed()
             if not self.active:
                 return torch.nn.functional.linear(x, weight, bias)
-        return self.kernel.linear(x, self.packed, None if bias is None else bias.detach(), weight.shape[0])
+        return self.kernel.linear(x, self.packed, self.kernel.step_bias(bias), weight.shape[0])

@@ -1,0 +1,315 @@
+"""Choosing the GEMM for each linear shape by timing the candidates on the CPU at hand.
+
+Which GEMM is fastest depends on the CPU (vector width, caches, memory bandwidth), the shape and the
+number of rows: on one machine our kernel streams weights best at decode sizes, on another oneDNN's
+JIT kernels win, and ``F.linear`` rarely wins but needs no packed copy. So
+``linear_backend="auto"`` measures instead of guessing: for every ``(in, out, dtype)`` shape class of
+the model's linears (sibling projections fused), it times each candidate at each row bucket
+(:data:`ROW_BUCKETS`, up to the most rows a call will have) over enough weight copies that they
+stream from memory as a model's layers do, and keeps per shape:
+
+- the candidate with the lowest geometric mean of its time relative to the fastest one over the
+  buckets (``F.linear`` included: a shape it wins is not packed), and
+- where another packed backend is at least :data:`DUAL_MARGIN` faster at two or more buckets and
+  memory allows a second packed copy, both, each serving the buckets it wins (:class:`DispatchGEMM`).
+
+Timings are cached on disk per CPU, torch version, GEMM build and thread count (beside the C kernels,
+in ``native_build.cache_dir()``), so only the first engine on a machine pays for them;
+:meth:`KernelTuner.report` says what was measured and chosen.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..native_build import cache_dir, cpu_id
+
+logger = logging.getLogger(__name__)
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+"""Row counts timed per shape; a call with ``m`` rows takes the choice of the smallest bucket >= m."""
+DUAL_MARGIN = 0.15
+"""A second packed backend serves the buckets where its time is at most ``1 - DUAL_MARGIN`` of the
+first's, if there are at least two such buckets (one could be noise) and memory allows it a packed
+copy of its own."""
+_STREAM_BYTES = 96 * 2**20  # weight bytes per timing pass: more than a last-level cache holds
+_MAX_COPIES = 16  # small weights: call overhead dominates, cache misses matter less
+_PASSES = 2
+_COMPUTE_ROWS = 64  # from this many rows a GEMM reuses each weight enough to be compute-bound
+_TIMEOUT_RATIO = 4.0  # a candidate this much slower than the best stops being timed at larger buckets
+
+Measure = Callable[[int, int, torch.dtype, Sequence[int]], "dict[str, dict[int, float]]"]
+
+
+def bucket_index(rows: int) -> int:
+    """Index in :data:`ROW_BUCKETS` of the smallest bucket >= ``rows`` (the last one beyond it)."""
+    for i, b in enumerate(ROW_BUCKETS):
+        if rows <= b:
+            return i
+    return len(ROW_BUCKETS) - 1
+
+
+def buckets_up_to(max_rows: int) -> tuple[int, ...]:
+    """The buckets a call of at most ``max_rows`` rows can fall in (at least one)."""
+    return ROW_BUCKETS[: bucket_index(max(1, max_rows)) + 1]
+
+
+class TorchLinear:
+    """``F.linear`` as a tuning candidate: nothing packed (a shape it wins stays as it is)."""
+
+    name = "torch"
+
+    def supports(self, weight: torch.Tensor) -> bool:
+        return True
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight
+
+    def linear(self, x, packed, bias, out_features: int) -> torch.Tensor:
+        return torch.nn.functional.linear(x, packed, bias)
+
+    linear_verified = linear
+
+
+class DispatchGEMM:
+    """Two packed kernels for one shape class, each serving the row buckets it won.
+
+    ``pack`` returns a tuple with one packed copy per kernel, ``step_bias`` one bias per kernel;
+    ``linear`` runs the kernel of the call's row bucket. Under ``torch.compile`` (symbolic row
+    counts) the first kernel serves every call.
+
+    Args:
+        kernels: the packed kernels (``NativeGEMM``, ``OneDNNGEMM``), the overall winner first.
+        table: per :data:`ROW_BUCKETS` entry, the index in ``kernels`` that serves it.
+    """
+
+    def __init__(self, kernels: Sequence, table: Sequence[int]) -> None:
+        self.kernels = tuple(kernels)
+        self.table = tuple(table)
+        self.name = "+".join(k.name for k in self.kernels)
+
+    def supports(self, weight: torch.Tensor) -> bool:
+        return all(k.supports(weight) for k in self.kernels)
+
+    def pack(self, weight: torch.Tensor) -> tuple:
+        return tuple(k.pack(weight) for k in self.kernels)
+
+    def step_bias(self, bias: Optional[torch.Tensor]):
+        return None if bias is None else tuple(k.step_bias(bias) for k in self.kernels)
+
+    def _pick(self, x: torch.Tensor) -> int:
+        if torch.compiler.is_compiling() or not x.dim() or not x.shape[-1]:
+            return 0
+        return self.table[bucket_index(x.numel() // x.shape[-1])]
+
+    def linear(self, x, packed, bias, out_features: int) -> torch.Tensor:
+        i = self._pick(x)
+        return self.kernels[i].linear(x, packed[i], None if bias is None else bias[i], out_features)
+
+    def linear_verified(self, x, packed, bias, out_features: int) -> torch.Tensor:
+        i = self._pick(x)
+        return self.kernels[i].linear_verified(x, packed[i], None if bias is None else bias[i], out_features)
+
+
+@dataclass
+class ShapeChoice:
+    """What serves one shape class: ``backend`` ("native", "onednn", "native+onednn", "torch"...),
+    the backend name per timed bucket, and the measured seconds per call by backend and bucket."""
+
+    backend: str
+    per_bucket: tuple[str, ...]
+    seconds: dict[str, dict[int, float]] = field(default_factory=dict)
+
+
+def shape_key(in_features: int, out_features: int, dtype: torch.dtype) -> str:
+    """How a shape class is named in the cache and the report: ``"960x5120:float32"``."""
+    return f"{in_features}x{out_features}:{str(dtype).removeprefix('torch.')}"
+
+
+class KernelTuner:
+    """Times the candidate GEMMs per shape class and chooses (see the module docstring).
+
+    Args:
+        candidates: the packed kernels available here by name (``NativeGEMM``, ``OneDNNGEMM``);
+            ``F.linear`` (:class:`TorchLinear`) is always a candidate.
+        cache_path: the timings file; "default" is ``gemm_timings_<key>.json`` in
+            ``native_build.cache_dir()``, the key naming this CPU, torch, the kernels' builds and the
+            thread count; None keeps timings in memory only.
+        measure: ``(in, out, dtype, buckets) -> {backend: {bucket: seconds per call}}``; default
+            :meth:`measure` (tests pass fixed timings).
+    """
+
+    def __init__(self, candidates: dict, cache_path: Optional[str] = "default", measure: Optional[Measure] = None):
+        self.candidates = {**candidates, "torch": TorchLinear()}
+        self.threads = torch.get_num_threads()
+        if cache_path == "default":
+            cache_path = str(cache_dir() / f"gemm_timings_{self._cache_key()}.json")
+        self.cache_path = cache_path
+        self._measure = measure or self.measure
+        self._timings: dict = self._load()
+        self.choices: dict[str, ShapeChoice] = {}
+        self.measured_seconds = 0.0  # wall time spent timing (0 when everything came from the cache)
+
+    def _cache_key(self) -> str:
+        builds = ",".join(f"{n}:{getattr(k, 'build_id', '')}" for n, k in sorted(self.candidates.items()))
+        text = "|".join([cpu_id(), torch.__version__, builds, str(self.threads)])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def _load(self) -> dict:
+        if not self.cache_path:
+            return {}
+        try:
+            with open(self.cache_path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def _save(self) -> None:
+        if not self.cache_path:
+            return
+        try:
+            os.makedirs(os.path.dirname(self.cache_path), exist_ok=True)
+            tmp = f"{self.cache_path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(self._timings, f)
+            os.replace(tmp, self.cache_path)  # concurrent processes never read half a file
+        except OSError as exc:
+            logger.info("could not cache the GEMM timings (%s)", exc)
+
+    def timings(self, in_features: int, out_features: int, dtype: torch.dtype, buckets: Sequence[int]) -> dict:
+        """``{backend: {bucket: seconds per call}}`` for every candidate at ``buckets`` (``inf``
+        where a backend cannot run the shape or was left out as far too slow): read from the cache,
+        the missing buckets measured (and cached)."""
+        key = shape_key(in_features, out_features, dtype)
+        known = self._timings.setdefault(key, {})
+        missing = [b for b in buckets if any(str(b) not in known.get(n, {}) for n in self.candidates)]
+        if missing:
+            t0 = time.perf_counter()
+            measured = self._measure(in_features, out_features, dtype, missing)
+            self.measured_seconds += time.perf_counter() - t0
+            for name in self.candidates:
+                got = measured.get(name, {})
+                known.setdefault(name, {}).update({str(b): float(got.get(b, math.inf)) for b in missing})
+            self._save()
+        return {n: {b: float(known[n][str(b)]) for b in buckets} for n in self.candidates}
+
+    def measure(self, in_features: int, out_features: int, dtype: torch.dtype, buckets: Sequence[int]) -> dict:
+        """Seconds per call of every candidate at ``buckets`` for a random ``[out, in]`` weight:
+        the minimum over a few passes (candidates interleaved, so a drift in load hits them alike)
+        of a pass over weight copies adding up to more than a last-level cache (up to 16 copies),
+        so the weights stream from memory as a model's layers do (one copy from 64 rows on, where
+        the GEMM is compute-bound). A candidate ``4x`` slower than the fastest at a
+        bucket is not timed at larger ones (``inf``)."""
+        g = torch.Generator().manual_seed(0)
+        weight_bytes = in_features * out_features * torch.empty((), dtype=dtype).element_size()
+        copies = max(1, min(_MAX_COPIES, math.ceil(_STREAM_BYTES / max(1, weight_bytes))))
+        weights = [(torch.randn(out_features, in_features, generator=g) * 0.02).to(dtype) for _ in range(copies)]
+        packs = {}
+        for name, kernel in self.candidates.items():
+            try:
+                if kernel.supports(weights[0]):
+                    packs[name] = [kernel.pack(w) for w in weights]
+            except RuntimeError as exc:  # a kernel that cannot pack this shape is no candidate
+                logger.info("%s cannot pack %s: %s", name, shape_key(in_features, out_features, dtype), exc)
+        result: dict = {name: {} for name in self.candidates}
+        alive = sorted(packs)
+        strikes = dict.fromkeys(alive, 0)
+        with torch.inference_mode():
+            for rows in sorted(buckets):
+                x = torch.randn(rows, in_features, generator=g).to(dtype)
+                best = dict.fromkeys(alive, math.inf)
+                for name in alive:  # warm-up: primitives built, threads started
+                    self.candidates[name].linear(x, packs[name][0], None, out_features)
+                for _ in range(_PASSES):
+                    for name in alive:
+                        # The path an engine step takes (arguments checked once a step, not per call);
+                        # from _COMPUTE_ROWS rows on the GEMM is compute-bound: one copy is enough.
+                        run, packed = self.candidates[name].linear_verified, packs[name]
+                        packed = packed if rows < _COMPUTE_ROWS else packed[:1]
+                        t0 = time.perf_counter()
+                        for p in packed:
+                            run(x, p, None, out_features)
+                        best[name] = min(best[name], (time.perf_counter() - t0) / len(packed))
+                fastest = min(best.values()) if best else math.inf
+                for name, seconds in best.items():
+                    result[name][rows] = seconds
+                    strikes[name] = strikes[name] + 1 if seconds > _TIMEOUT_RATIO * fastest else 0
+                alive = [n for n in alive if strikes[n] < 2]  # far slower twice in a row: no contender
+        return result
+
+    def choose(
+        self,
+        in_features: int,
+        out_features: int,
+        dtype: torch.dtype,
+        max_rows: int,
+        allow_dual: bool = True,
+        packed_only: bool = False,
+    ) -> ShapeChoice:
+        """The choice for one shape class whose calls have at most ``max_rows`` rows (measuring it if
+        needed). ``allow_dual``: whether a second packed copy may be kept (the caller checked the
+        memory). ``packed_only``: ``F.linear`` is no candidate (fused siblings: left unpacked they
+        would be several calls, not the one timed), unless it is the only one."""
+        buckets = buckets_up_to(max_rows)
+        times = self.timings(in_features, out_features, dtype, buckets)
+        if packed_only and any(n != "torch" and not math.isinf(min(t.values())) for n, t in times.items()):
+            times = {n: t for n, t in times.items() if n != "torch"}
+        fastest = {b: min(t[b] for t in times.values()) for b in buckets}
+
+        def score(name: str) -> float:
+            """Geometric mean of the time relative to the fastest; a bucket where it was no longer
+            timed (far too slow) counts as twice the cut-off; inf when it could not run at all."""
+            ratios = [times[name][b] / fastest[b] for b in buckets]
+            if all(math.isinf(r) for r in ratios):
+                return math.inf
+            return math.exp(sum(math.log(min(r, 2 * _TIMEOUT_RATIO)) for r in ratios) / len(ratios))
+
+        ranked = sorted(times, key=lambda n: (score(n), n != "torch"))  # a tie: nothing packed
+        first = ranked[0]
+        per_bucket, backend = [first] * len(buckets), first
+        others = [n for n in ranked[1:] if n != "torch" and not math.isinf(score(n))]
+        if first != "torch" and allow_dual and others:
+            other = others[0]
+            wins = [i for i, b in enumerate(buckets) if times[other][b] <= (1 - DUAL_MARGIN) * times[first][b]]
+            if len(wins) >= 2:
+                for i in wins:
+                    per_bucket[i] = other
+                backend = f"{first}+{other}"
+        choice = ShapeChoice(backend, tuple(per_bucket), times)
+        self.choices[shape_key(in_features, out_features, dtype)] = choice
+        return choice
+
+    def kernel(self, choice: ShapeChoice):
+        """The kernel object serving a choice: a packed kernel, a :class:`DispatchGEMM`, or None for
+        ``F.linear``."""
+        names = choice.backend.split("+")
+        if names == ["torch"]:
+            return None
+        if len(names) == 1:
+            return self.candidates[names[0]]
+        table = [names.index(n) for n in choice.per_bucket]
+        table += [table[-1]] * (len(ROW_BUCKETS) - len(table))  # past the timed buckets: the last one's
+        return DispatchGEMM([self.candidates[n] for n in names], table)
+
+    def report(self) -> str:
+        """What was chosen per shape class, with each backend's ms per call at its timed buckets."""
+        how = f"measured in {self.measured_seconds:.1f} s" if self.measured_seconds else "timings cached"
+        lines = [f"GEMM per shape ({how}, {self.threads} threads):"]
+        for key, c in self.choices.items():
+            cells = "; ".join(
+                f"{n} " + " ".join("-" if math.isinf(s) else f"{1e3 * s:.3g}" for s in secs.values())
+                for n, secs in c.seconds.items()
+            )
+            rows = ",".join(str(b) for b in next(iter(c.seconds.values())))
+            lines.append(f"  {key}: {c.backend}  (ms at rows {rows}: {cells})")
+        return "\n".join(lines)

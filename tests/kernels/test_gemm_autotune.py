@@ -1,0 +1,174 @@
+"""``linear_backend="auto"``: each shape's GEMM chosen from timings (``kernels/linears/autotune.py``).
+
+The choice rules are specified with fixed timings (what a CPU measured is not this suite's business);
+one test runs the real measurement and checks only its form.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_contbatch.kernels.linears import pack_linears
+from hf_contbatch.kernels.linears.autotune import ROW_BUCKETS, DispatchGEMM, KernelTuner, bucket_index, buckets_up_to
+from hf_contbatch.kernels.linears.packed_linears import available_kernels
+
+from conftest import build_model
+
+
+class _Recording:
+    """A packed kernel that computes F.linear and records the row counts it served."""
+
+    def __init__(self, name):
+        self.name, self.rows = name, []
+
+    def supports(self, weight):
+        return weight.dtype == torch.float32
+
+    def pack(self, weight):
+        return weight.detach().clone()
+
+    def step_bias(self, bias):
+        return None if bias is None else bias.detach()
+
+    def linear(self, x, packed, bias, out_features):
+        self.rows.append(x.numel() // x.shape[-1])
+        return torch.nn.functional.linear(x, packed, bias)
+
+    linear_verified = linear
+
+
+def _fixed(table):
+    """A measure function: ``table[name]`` is seconds per call, one number or ``{bucket: s}``."""
+
+    def measure(in_features, out_features, dtype, buckets):
+        out = {}
+        for name, t in table.items():
+            out[name] = {b: (t[b] if isinstance(t, dict) else t) for b in buckets}
+        return out
+
+    return measure
+
+
+def _tuner(table, **kernels):
+    kernels = kernels or {"a": _Recording("a"), "b": _Recording("b")}
+    return KernelTuner(kernels, cache_path=None, measure=_fixed(table))
+
+
+def test_row_buckets_cover_every_row_count():
+    assert bucket_index(1) == 0 and bucket_index(2) == 1 and bucket_index(3) == 2 and bucket_index(1024) == 10
+    assert bucket_index(5000) == len(ROW_BUCKETS) - 1
+    assert buckets_up_to(48) == (1, 2, 4, 8, 16, 32, 64)  # 48 rows fall in the 64 bucket
+    assert buckets_up_to(1) == (1,)
+
+
+def test_the_lowest_geometric_mean_of_relative_times_wins():
+    # Over the 8 buckets up to 128 rows: "a" takes 2x "b"'s time at 1-4 rows, 0.95x at 8-128.
+    b_times = {b: (1.0 if b <= 4 else 2.0) for b in ROW_BUCKETS}
+    a_times = {b: (2.0 if b <= 4 else 0.95) * b_times[b] for b in ROW_BUCKETS}
+    tuner = _tuner({"a": a_times, "b": b_times, "torch": 10.0})
+    choice = tuner.choose(64, 64, torch.float32, max_rows=128, allow_dual=False)
+    score_a = (2.0**3) ** (1 / 8)  # relative to the fastest: 2 at three buckets, 1 at five
+    score_b = (1 / 0.95) ** (5 / 8)  # 1 at three buckets, 1/0.95 at five
+    assert score_b < score_a
+    assert choice.backend == "b" and choice.per_bucket == ("b",) * 8
+
+
+def test_f_linear_winning_leaves_the_shape_unpacked_unless_it_is_a_fused_group():
+    tuner = _tuner({"a": 2.0, "b": 3.0, "torch": 1.0})
+    assert tuner.choose(64, 64, torch.float32, 16).backend == "torch"
+    assert tuner.kernel(tuner.choose(64, 64, torch.float32, 16)) is None
+    assert tuner.choose(64, 192, torch.float32, 16, packed_only=True).backend == "a"
+
+
+def test_a_second_kernel_serves_the_buckets_it_wins_by_fifteen_percent_when_memory_allows():
+    table = {"a": 1.0, "b": {b: (0.8 if b >= 256 else 1.5) for b in ROW_BUCKETS}, "torch": 9.0}
+    tuner = _tuner(table)
+    choice = tuner.choose(64, 64, torch.float32, max_rows=1024)
+    assert choice.backend == "a+b"
+    assert choice.per_bucket == ("a",) * 8 + ("b",) * 3
+    assert tuner.choose(64, 64, torch.float32, max_rows=1024, allow_dual=False).backend == "a"
+    close = _tuner({"a": 1.0, "b": {b: (0.9 if b >= 256 else 1.5) for b in ROW_BUCKETS}, "torch": 9.0})
+    assert close.choose(64, 64, torch.float32, max_rows=1024).backend == "a"  # 10% is not worth a copy
+    once = _tuner({"a": 1.0, "b": {b: (0.5 if b == 1024 else 1.5) for b in ROW_BUCKETS}, "torch": 9.0})
+    assert once.choose(64, 64, torch.float32, max_rows=1024).backend == "a"  # one bucket could be noise
+
+
+def test_a_dispatching_gemm_runs_the_kernel_of_each_calls_row_bucket():
+    a, b = _Recording("a"), _Recording("b")
+    table = [0] * 8 + [1] * 3  # b from 129 rows on
+    gemm = DispatchGEMM([a, b], table)
+    w = torch.randn(12, 8)
+    packed = gemm.pack(w)
+    assert isinstance(packed, tuple) and len(packed) == 2
+    for rows in (1, 100, 128, 129, 700, 3000):
+        x = torch.randn(rows, 8)
+        torch.testing.assert_close(gemm.linear(x, packed, None, 12), x @ w.T)
+    assert a.rows == [1, 100, 128] and b.rows == [129, 700, 3000]
+
+
+def test_timings_are_measured_once_and_read_back_from_the_cache(tmp_path):
+    calls = []
+
+    def measure(i, o, d, buckets):
+        calls.append(tuple(buckets))
+        return {"a": dict.fromkeys(buckets, 1.0), "torch": dict.fromkeys(buckets, 2.0)}
+
+    path = str(tmp_path / "timings.json")
+    first = KernelTuner({"a": _Recording("a")}, cache_path=path, measure=measure)
+    assert first.choose(64, 32, torch.float32, max_rows=8).backend == "a"
+    assert first.choose(64, 32, torch.float32, max_rows=32).backend == "a"  # only 16 and 32 measured
+    assert calls == [(1, 2, 4, 8), (16, 32)]
+    second = KernelTuner({"a": _Recording("a")}, cache_path=path, measure=measure)
+    assert second.choose(64, 32, torch.float32, max_rows=32).backend == "a"
+    assert len(calls) == 2 and second.measured_seconds == 0.0
+    assert "64x32:float32: a" in second.report()
+
+
+def test_auto_packs_each_shape_with_its_kernel_and_outputs_follow_f_linear():
+    model = build_model("llama")
+    a, b = _Recording("a"), _Recording("b")
+    h = model.config.hidden_size
+    inter = model.config.intermediate_size
+
+    def measure(i, o, d, buckets):  # MLP down projection: b; LM head: F.linear; the rest: a
+        if (i, o) == (inter, h):
+            t = {"a": 2.0, "b": 1.0, "torch": 3.0}
+        elif o == model.config.vocab_size:
+            t = {"a": 2.0, "b": 3.0, "torch": 1.0}
+        else:
+            t = {"a": 1.0, "b": 2.0, "torch": 3.0}
+        return {n: dict.fromkeys(buckets, s) for n, s in t.items()}
+
+    tuner = KernelTuner({"a": a, "b": b}, cache_path=None, measure=measure)
+    packed = pack_linears(model, "auto", fuse=True, max_rows=64, tuner=tuner)
+    try:
+        layer = model.model.layers[0]
+        assert layer.mlp.down_proj.forward.kernel is b
+        assert layer.self_attn.q_proj.forward.group.kernel is a  # q/k/v fused, tuned as one shape
+        assert "forward" not in model.lm_head.__dict__  # F.linear won: left as it is
+        assert packed.backend == "a+b"
+        x = torch.randn(3, h)
+        with torch.no_grad():
+            torch.testing.assert_close(layer.mlp.down_proj(torch.randn(2, inter)).shape, torch.Size([2, h]))
+            torch.testing.assert_close(
+                layer.self_attn.k_proj(x), torch.nn.functional.linear(x, layer.self_attn.k_proj.weight)
+            )
+        assert b.rows and a.rows  # both served calls (the probes at least)
+    finally:
+        packed.restore()
+
+
+@pytest.mark.timeout(120)
+def test_the_real_measurement_times_every_available_kernel_at_every_bucket(tmp_path):
+    tuner = KernelTuner(available_kernels(), cache_path=str(tmp_path / "t.json"))
+    choice = tuner.choose(96, 80, torch.float32, max_rows=16)
+    assert set(choice.seconds) == set(tuner.candidates)
+    for name, by_bucket in choice.seconds.items():
+        assert list(by_bucket) == [1, 2, 4, 8, 16]
+        # Seconds per call: positive, and finite where the kernel was timed (all of them at 1 row).
+        assert all(s > 0 for s in by_bucket.values()) and math.isfinite(by_bucket[1]), (name, by_bucket)
+    assert choice.backend.split("+")[0] in tuner.candidates
+    assert tuner.measured_seconds > 0
