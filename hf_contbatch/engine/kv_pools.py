@@ -13,7 +13,7 @@ from ..config import EngineConfig
 from ..core.block_manager import BlockManager
 from ..core.plan import StepPlan
 from ..kernels.attention import resolve_backend
-from ..kernels.attention.cpu_kernel import choose_decode_path
+from ..kernels.attention.decode_choice import choose_decode_path
 from ..kernels.paged_cache import PagedKVCache
 from .pool_sizing import KVGeometry, KVPoolSizer, PoolSizes, layer_devices
 

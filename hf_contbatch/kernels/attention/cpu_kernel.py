@@ -15,22 +15,19 @@ compiler, or if the build fails, the torch path serves and one warning says why.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import json
 import logging
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from ..native_build import build_library, cache_dir, cpu_id
+from ..native_build import build_library
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_decode.c")
+DECODE_SOURCE = Path(__file__).with_name("cpu_decode.c")
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
@@ -61,7 +58,7 @@ class _Kernel:
 def build_decode_library() -> Path:
     """Path of the compiled decode kernel, compiled now when the cache has none for this source,
     compiler and CPU (errors as ``native_build.build_library``)."""
-    return build_library(_SOURCE, _FLAGS)
+    return build_library(DECODE_SOURCE, _FLAGS)
 
 
 def _load(path: Path):
@@ -224,87 +221,3 @@ class CPUDecodeKernel:
         if failed:
             raise MemoryError("paged decode attention: the kernel could not allocate its score scratch")
         return out if query.dtype == torch.float32 else out.to(query.dtype)
-
-
-def _decode_batch(
-    num_seqs: int, context: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype
-):
-    """A synthetic decode step (query, pools, metadata) of ``num_seqs`` sequences of ``context`` tokens."""
-    from ..paged_cache import AttentionMetadata
-
-    blocks = -(-context // block_size)
-    g = torch.Generator().manual_seed(0)
-    pool_shape = (num_seqs * blocks, block_size, num_kv_heads, head_dim)
-    k_pool = torch.randn(pool_shape, generator=g).to(dtype)
-    v_pool = torch.randn(pool_shape, generator=g).to(dtype)
-    query = torch.randn(num_seqs, num_heads, head_dim, generator=g).to(dtype)
-    tables = torch.arange(num_seqs * blocks, dtype=torch.int32).view(num_seqs, blocks)
-    lens = [context] * num_seqs
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(num_seqs, dtype=torch.long),
-        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-        block_tables=tables,
-        num_decodes=num_seqs,
-        max_query_len=1,
-        max_seq_len=context,
-        query_start_loc_cpu=list(range(num_seqs + 1)),
-        seq_lens_cpu=lens,
-        block_size=block_size,
-        num_kv_heads=num_kv_heads,
-    )
-    return query, k_pool, v_pool, meta
-
-
-def measure_decode_paths(
-    kernel: CPUDecodeKernel, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype
-) -> dict[str, float]:
-    """Seconds per call of the compiled kernel and of the torch path for one layer's decode
-    attention, summed over two steps: 16 sequences of 256 tokens and 2 of 512 (a full batch and the
-    tail). Minimum of 3 calls each, the two paths interleaved."""
-    from .torch_paged import torch_paged_attention
-
-    totals = {"kernel": 0.0, "torch": 0.0}
-    for num_seqs, context in ((16, 256), (2, 512)):
-        q, k, v, meta = _decode_batch(num_seqs, context, num_heads, num_kv_heads, head_dim, block_size, dtype)
-        best = {"kernel": float("inf"), "torch": float("inf")}
-        paths = {"kernel": kernel, "torch": None}
-        with torch.inference_mode():
-            for _ in range(4):  # the first round warms both up
-                for name, decode_kernel in paths.items():
-                    meta._derived.clear()  # a step's derived tensors are built once per step, as here
-                    t0 = time.perf_counter()
-                    torch_paged_attention(q, k, v, meta, head_dim**-0.5, decode_kernel=decode_kernel)
-                    best[name] = min(best[name], time.perf_counter() - t0)
-        for name in totals:
-            totals[name] += best[name]
-    return totals
-
-
-def choose_decode_path(
-    kernel: CPUDecodeKernel, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype
-) -> str:
-    """Turn ``kernel`` off where the torch path is faster for this geometry on this CPU (measured by
-    :func:`measure_decode_paths` once per CPU, torch version and kernel build, cached beside the
-    C kernels). Returns a line saying what was chosen and the times, for the engine's log."""
-    if not kernel.available:
-        return f"decode attention: torch path ({kernel.error or 'kernel disabled'})"
-    source = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
-    geometry = (num_heads, num_kv_heads, head_dim, block_size, str(dtype), torch.get_num_threads())
-    key = "|".join(map(str, (cpu_id(), torch.__version__, source, *geometry)))
-    path = cache_dir() / f"decode_choice_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    try:
-        times = json.loads(path.read_text())
-    except (OSError, ValueError):
-        times = measure_decode_paths(kernel, num_heads, num_kv_heads, head_dim, block_size, dtype)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(times))
-        except OSError:
-            pass
-    kernel.enabled = times["kernel"] <= times["torch"]
-    chosen = "compiled kernel" if kernel.enabled else "torch path"
-    return (
-        f"decode attention: {chosen} (per layer, 16 x 256 + 2 x 512 tokens: kernel {1e3 * times['kernel']:.3f} ms, "
-        f"torch {1e3 * times['torch']:.3f} ms)"
-    )

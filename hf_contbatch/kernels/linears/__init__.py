@@ -26,11 +26,11 @@ forward of one module), ``packed_linears`` (a model's collection and :func:`pack
 ``fused`` (sibling projections in one GEMM).
 """
 
-from .fused import FUSED_GROUPS, FusedGroup, fuse_siblings
+from .fused import FUSED_GROUPS, FusedGroup
 from .native_gemm import NativeGEMM
 from .onednn_gemm import OneDNNGEMM, onednn_available, padded_rows
 from .packed_forward import PackedForward
-from .packed_linears import PackedLinears, pack_linears
+from .packed_linears import PackedLinears, fuse_siblings, pack_linears
 
 __all__ = [
     "FUSED_GROUPS",

@@ -20,14 +20,11 @@ use. The outputs are column slices of one buffer (views, not copies).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from .packed_forward import PackedForward, check_packable, weight_key
-
-if TYPE_CHECKING:
-    from .packed_linears import PackedLinears
 
 logger = logging.getLogger(__name__)
 
@@ -186,23 +183,3 @@ def form_group(members: list[PackedForward], kernel=None) -> Optional[FusedGroup
         f.group, f.group_index = group, i
         f.packed = None  # the fused copy replaces each member's own
     return group
-
-
-def fuse_siblings(model: torch.nn.Module, packed: Optional[PackedLinears]) -> int:
-    """Group the packed sibling projections of ``model`` (see the module docstring and
-    :func:`sibling_groups`) with their own kernel. The members' own packed copies are freed (the
-    fused copy replaces them), so fusing costs no memory. Undone by ``PackedLinears.restore``.
-    (``pack_linears(..., fuse=True)`` fuses while it packs, choosing a kernel for the fused shape.)
-
-    Returns:
-        The number of groups formed.
-    """
-    if packed is None or not len(packed):
-        return 0
-    by_module = {id(f.module): f for f in packed.forwards}
-    groups = 0
-    for mods in sibling_groups(model, [f.module for f in packed.forwards]):
-        members = [by_module[id(m)] for m in mods]
-        if len({type(f.kernel) for f in members}) == 1 and form_group(members) is not None:
-            groups += 1
-    return groups
