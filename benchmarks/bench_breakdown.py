@@ -214,7 +214,7 @@ def run_single(args, variant: str) -> dict:
     from hf_contbatch import EngineConfig, LLMEngine, SamplingParams
 
     torch.set_num_threads(args.threads)
-    model = build_model(args.model)
+    model = build_model(args.model, dtype=getattr(torch, args.dtype))
     prompts, new_tokens = workload_for(args.model, model.config.vocab_size, args.seed, args.requests)
     kwargs = _parse_variant(variant)
     kwargs.pop("tree", None)
@@ -272,6 +272,7 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=None, help="default: 64 (medium: 32)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's weights")
     ap.add_argument(
         "--clock",
         default="wall",
@@ -316,6 +317,8 @@ def main(argv=None) -> int:
                         str(args.seed),
                         "--threads",
                         str(args.threads),
+                        "--dtype",
+                        args.dtype,
                         "--clock",
                         args.clock,
                     ]

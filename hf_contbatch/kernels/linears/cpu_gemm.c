@@ -275,7 +275,7 @@ void hf_contbatch_gemm_f32(const float *x, int64_t m, int64_t k, const float *pa
 int hf_contbatch_gemm_has_bf16(void) { return 1; }
 
 #define NRB 32 /* output columns per bf16 panel: two vectors of 16 float32 accumulators */
-#define MRB 6  /* rows per bf16 tile (tile_bf16_1 .. tile_bf16_6) */
+#define MRB 8  /* rows per bf16 tile: 16 accumulators (more rows reuse each loaded weight pair more) */
 
 void hf_contbatch_gemm_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
     const int64_t panels = (n + NRB - 1) / NRB, k2 = k / 2;
@@ -322,6 +322,8 @@ TILE_BF16(3)
 TILE_BF16(4)
 TILE_BF16(5)
 TILE_BF16(6)
+TILE_BF16(7)
+TILE_BF16(8)
 
 /* float32 -> bf16, round to nearest even (NaN kept a NaN) */
 static inline uint16_t to_bf16(float f) {
@@ -358,7 +360,9 @@ void hf_contbatch_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint1
                         case 3: tile_bf16_3(xt, k, w, kc, at); break;
                         case 4: tile_bf16_4(xt, k, w, kc, at); break;
                         case 5: tile_bf16_5(xt, k, w, kc, at); break;
-                        default: tile_bf16_6(xt, k, w, kc, at); break;
+                        case 6: tile_bf16_6(xt, k, w, kc, at); break;
+                        case 7: tile_bf16_7(xt, k, w, kc, at); break;
+                        default: tile_bf16_8(xt, k, w, kc, at); break;
                     }
                     r0 += h;
                 }
