@@ -106,9 +106,9 @@ def run_engine(model, tok, ids, max_new, constrained: bool):
         mask = {"seconds": 0.0, "steps": 0, "rows": 0}
         inner = engine.grammars.mask_rows
 
-        def timed(scores, rows, requests):
+        def timed(scores, rows, requests, **kwargs):
             t = time.perf_counter()
-            inner(scores, rows, requests)
+            inner(scores, rows, requests, **kwargs)
             mask["seconds"] += time.perf_counter() - t
             mask["steps"] += 1
             mask["rows"] += len(rows)
