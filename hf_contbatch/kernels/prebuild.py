@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from .attention.cpu_kernel import build_decode_library
 from .linears.native_gemm import native_library
 from .native_build import cache_dir
+from .token_bitmask import build_bitmask_library
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,8 @@ def _libraries() -> set[str]:
 
 def prebuild_cpu_kernels() -> KernelBuild:
     """Compile (or find in the cache) the CPU kernels an engine uses: decode attention
-    (unless ``HF_CONTBATCH_CPU_KERNEL=0``) and the packed linears' GEMM. The GEMM stays loaded for
-    this process. Never raises: a kernel that cannot be built is reported in ``errors``."""
+    (unless ``HF_CONTBATCH_CPU_KERNEL=0``), the packed linears' GEMM and the structured outputs'
+    token-bitmask kernel. The GEMM stays loaded for this process. Never raises: a kernel that cannot be built is reported in ``errors``."""
     before = _libraries()
     errors = []
     start = time.monotonic()
@@ -54,5 +55,9 @@ def prebuild_cpu_kernels() -> KernelBuild:
         native_library()
     except RuntimeError as exc:
         errors.append(f"GEMM: {exc}")
+    try:
+        build_bitmask_library()
+    except Exception as exc:  # noqa: BLE001 - xgrammar's kernel serves structured outputs instead
+        errors.append(f"token bitmask: {type(exc).__name__}: {exc}")
     seconds = time.monotonic() - start
     return KernelBuild(seconds, tuple(sorted(_libraries() - before)), tuple(errors))

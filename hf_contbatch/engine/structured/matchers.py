@@ -9,11 +9,13 @@ goes when the request ends (``forget``).
 
 Per step the sampler asks for one ``[rows, ceil(vocab / 32)]`` int32 bitmask for the constrained
 rows (filled by xgrammar's ``BatchGrammarMatcher``, in parallel where it has threads) and applies
-it with one call of xgrammar's kernel (a greedy row that only needs its argmax is left unmasked
-when its argmax is allowed: the kernel's cost grows with the vocabulary, the check's does not). Prompt-lookup drafts of a constrained greedy request are
-cut to the prefix its grammar accepts before they are scheduled (``draft_prefix``, a look-ahead
-rolled back at once), and each verification row is masked with the state after the drafts before
-it (``mask_draft_rows``), so drafting never changes constrained greedy output.
+it in one call: our C kernel on CPU float32 scores (``kernels/token_bitmask``, many times faster
+than xgrammar's there), xgrammar's kernel elsewhere. A greedy row that only needs its argmax is
+left unmasked when its argmax is allowed (exact, and cheaper than masking it). Prompt-lookup
+drafts of a constrained greedy request are cut to the prefix its grammar accepts before they are
+scheduled (``draft_prefix``, a look-ahead rolled back at once), and each verification row is
+masked with the state after the drafts before it (``mask_draft_rows``), so drafting never changes
+constrained greedy output.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ...kernels.token_bitmask import TokenBitmaskKernel
 from ...request import Request
 from .compiler import GrammarCompilation
 from .specs import import_xgrammar, spec_of
@@ -53,6 +56,7 @@ class GrammarMatchers:
         self._entries: dict[int, _Entry] = {}
         self._batch = None  # xgrammar.BatchGrammarMatcher, made on first use
         self._bitmask: Optional[torch.Tensor] = None  # reused between steps, grown as needed
+        self._kernel = TokenBitmaskKernel()  # ours on CPU float32 scores; xgrammar's otherwise
 
     @property
     def num_tracked(self) -> int:
@@ -155,8 +159,9 @@ class GrammarMatchers:
             scores: ``[N, vocab]`` float32 scores, changed in place.
             rows: the rows of ``scores`` to mask, one per request.
             requests: the constrained requests of those rows.
-            argmax_only: rows (of ``rows``) whose caller reads only the argmax: they are masked
-                only when their argmax is a token the grammar refuses. Exact: when the first
+            argmax_only: rows (of ``rows``) whose caller reads only the argmax: unless our kernel
+                serves ``scores`` (then masking every row costs less than the check), they are
+                masked only when their argmax is a token the grammar refuses. Exact: when the first
                 maximum of a row is allowed, it is also the first maximum of the masked row.
         """
         bitmask = self._bitmask_rows(scores.shape[0])
@@ -165,7 +170,7 @@ class GrammarMatchers:
             self._batch = import_xgrammar().BatchGrammarMatcher()
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask, list(rows))
         apply = list(rows)
-        if argmax_only:
+        if argmax_only and not self._kernel.serves(scores):
             lazy = torch.tensor(list(argmax_only), dtype=torch.long)
             best = scores.index_select(0, lazy.to(scores.device)).argmax(dim=-1).cpu()
             allowed = (bitmask[lazy, best >> 5] >> (best & 31)) & 1
@@ -222,7 +227,9 @@ class GrammarMatchers:
 
     def _apply(self, scores: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         bits = bitmask[: scores.shape[0]]
+        vocab = min(scores.shape[-1], bits.shape[-1] * 32)
+        if self._kernel.apply(scores, bits, rows, vocab):
+            return
         if bits.device != scores.device:
             bits = bits.to(scores.device, non_blocking=True)
-        vocab = min(scores.shape[-1], bits.shape[-1] * 32)
         import_xgrammar().apply_token_bitmask_inplace(scores, bits, vocab_size=vocab, indices=rows)
