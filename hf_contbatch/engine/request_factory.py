@@ -10,6 +10,7 @@ caller can build every request of a call before queueing any (``LLMEngine.enqueu
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Callable, Optional, Sequence
 
 from ..config import is_int
@@ -53,6 +54,8 @@ class RequestFactory:
         self.grammars = grammars
         self._ids = RequestIdCounter()
         self._last_spec: tuple = (None, None)  # (structured_outputs given, its GrammarSpec): a call's prompts share one
+        self._parsed_grammars: dict = {}  # GrammarSpec.key -> the library's parsed grammar (bounded)
+        self._parse_lock = threading.Lock()  # submit may come from several threads
 
     @property
     def capacity_tokens(self) -> int:
@@ -106,7 +109,8 @@ class RequestFactory:
         if sampling.structured_outputs is not None:
             given, spec = self._last_spec
             if given is not sampling.structured_outputs:
-                spec = GrammarSpec.parse(sampling.structured_outputs)
+                with self._parse_lock:
+                    spec = GrammarSpec.parse(sampling.structured_outputs, self._parsed_grammars)
                 self._last_spec = (sampling.structured_outputs, spec)
             if self.grammars is None:
                 raise ValueError("`structured_outputs` is not available in this engine")

@@ -277,6 +277,34 @@ def test_bad_constraints_are_refused_at_submit_and_the_pipeline_keeps_serving(pi
     assert_nothing_left(pipe.engine)
 
 
+@pytest.mark.timeout(120)
+def test_a_schema_repeated_over_submits_is_parsed_once_and_the_parsed_cache_is_bounded(pipe, monkeypatch):
+    from hf_contbatch.engine.structured.specs import PARSED_CACHE_SIZE
+
+    parses = []
+    original = xgr.Grammar.from_json_schema
+
+    def counting(schema, **kwargs):
+        parses.append(schema)
+        return original(schema, **kwargs)
+
+    monkeypatch.setattr(xgr.Grammar, "from_json_schema", staticmethod(counting))
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
+    handles = [  # a new dict each time, as callers building requests in a loop make them
+        pipe.submit(p, do_sample=False, max_new_tokens=12, structured_outputs={"json": json.loads(json.dumps(schema))})
+        for p in PROMPTS[:6]
+    ]
+    for h in handles:
+        text = pipe.tokenizer.decode(token_ids(h)[0], skip_special_tokens=True)
+        jsonschema.validate(json.loads(text), schema)
+    assert len(parses) == 1
+    for k in range(PARSED_CACHE_SIZE + 3):  # distinct schemas: each parsed, the oldest forgotten
+        pipe.engine.build_request([1, 2], SamplingParams(max_new_tokens=1, structured_outputs={"json": {"const": k}}))
+    assert len(pipe.engine.request_factory._parsed_grammars) == PARSED_CACHE_SIZE
+    assert len(parses) == 1 + PARSED_CACHE_SIZE + 3
+    assert_nothing_left(pipe.engine)
+
+
 def test_without_xgrammar_a_constrained_call_names_the_extra(pipe, monkeypatch):
     import sys
 

@@ -19,11 +19,13 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, MutableMapping, Optional
 
 from ...request import StructuredOutputsParams
 
 EXTRA = 'pip install "hf_contbatch[structured]"'
+PARSED_CACHE_SIZE = 64
+"""Parsed grammars a ``GrammarSpec.parse`` cache keeps."""
 JSON_SEPARATORS = (", ", ": ")
 # xgrammar's errors start with "[time] /path/file.cc:line: "; the rest is the message.
 _LIBRARY_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
@@ -119,12 +121,18 @@ class GrammarSpec:
 
     @property
     def key(self) -> tuple:
-        """Cache key of the compiled grammar (one engine, so one tokenizer)."""
+        """Cache key of the parsed and the compiled grammar (one engine, so one tokenizer)."""
         return (self.kind, self.strict, self.source)
 
     @classmethod
-    def parse(cls, value) -> "GrammarSpec":
+    def parse(cls, value, parsed: Optional[MutableMapping] = None) -> "GrammarSpec":
         """Check ``value`` (``SamplingParams.structured_outputs``) and parse its grammar.
+
+        Args:
+            value: a ``StructuredOutputsParams``, its dict form, or a ``GrammarSpec`` (returned).
+            parsed: the caller's cache of parsed grammars by ``key`` (the library takes about a
+                millisecond to parse a schema; requests often repeat one), at most
+                ``PARSED_CACHE_SIZE`` kept, the oldest dropped first. None: no cache.
 
         Raises:
             ValueError: a malformed value, or a schema, regex, choice list or grammar the library
@@ -164,7 +172,15 @@ class GrammarSpec:
             source = getattr(params, kind)
             if not isinstance(source, str) or not source:
                 raise ValueError(f"`structured_outputs` {kind} must be a non-empty string, got {source!r}")
-        return cls(params, kind, source, strict, _parse(kind, source, strict, params.kind))
+        key = (kind, strict, source)
+        grammar = parsed.get(key) if parsed is not None else None
+        if grammar is None:
+            grammar = _parse(kind, source, strict, params.kind)
+            if parsed is not None:
+                parsed[key] = grammar
+                while len(parsed) > PARSED_CACHE_SIZE:
+                    del parsed[next(iter(parsed))]
+        return cls(params, kind, source, strict, grammar)
 
 
 def _parse(kind: str, source: str, strict: bool, field: str):
