@@ -57,9 +57,11 @@ def test_compiled_greedy_equals_generate_two_engines_preemption_and_weight_chang
             assert stats.num_preemptions > 0, "the pool was meant to force preemption"
             assert stats.num_free_blocks == stats.num_blocks, "blocks leaked"
             e.block_manager.check_invariants()
-        # Really compiled, into a handful of graphs (one-token steps, one-row logits, the general case;
-        # per model class), not one per batch shape.
-        assert 1 <= _graphs() - before <= 8
+        # Really compiled, into a handful of graphs, not one per batch shape (18 distinct (model,
+        # tokens, sampled rows) shapes run here): per model class one-token steps, plus the general
+        # and the one-row-logits cases, each compiled static at its first shape and dynamic at its
+        # second (dynamo's automatic dynamic shapes) in whichever order the two engines meet them.
+        assert 1 <= _graphs() - before <= 10
 
         # An in-place weight change is followed (the packed copies are refreshed before each step),
         # before an engine opens and while it is open; ``shadow`` (never served) gives the references.
