@@ -82,6 +82,14 @@ def check_supported_model(model) -> None:
         )
 
 
+def vocab_widths(model) -> tuple[int, int]:
+    """(input embedding rows: every prompt id must index them; logits width: the LM head's rows, which
+    may exceed the tokenizer's vocabulary and are what a grammar's bitmask must cover)."""
+    vocab_size = model.get_input_embeddings().weight.shape[0]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return vocab_size, head.weight.shape[0] if getattr(head, "weight", None) is not None else vocab_size
+
+
 def seeded_generator(seed: Optional[int]) -> torch.Generator:
     """The engine's CPU sampling generator, seeded with ``seed`` (None: from ``os.urandom``)."""
     gen = torch.Generator(device="cpu")
@@ -116,12 +124,10 @@ class LLMEngine:
         g, sizes = pools.geometry, pools.sizes
         self.num_layers, self.num_kv_heads, self.head_dim = g.num_layers, g.num_kv_heads, g.head_dim
         self.max_model_len, self.device, self.backend = g.max_model_len, pools.device, pools.backend
-        self.vocab_size = model.get_input_embeddings().weight.shape[0]  # ids at submit must index it
+        self.vocab_size, logits_width = vocab_widths(model)
         self.pool_sizing: dict[str, str] = dict(sizes.reasons)  # pool -> why it has its size (dashboard)
         self.cache, bm, host_bm = pools.cache, pools.block_manager, pools.host_block_manager
         self.block_manager, self.host_block_manager = bm, host_bm
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        logits_width = head.weight.shape[0] if getattr(head, "weight", None) is not None else self.vocab_size
         self.grammars = GrammarMatchers(GrammarCompilation(tokenizer, logits_width))
         self.scheduler = Scheduler(
             cfg.scheduler,
@@ -281,18 +287,12 @@ class LLMEngine:
 
     # --- the iteration ---------------------------------------------------------------------------
     def step(self) -> StepResult:
-        """One iteration, the five steps in order (each one's seconds recorded under its name):
-
-        1. reap: finished and cancelled requests leave, their blocks are freed, handles complete;
-        2. budget: free blocks minus this step's reservations minus the watermark;
-        3. admit: forks, swap-ins, waiting requests by rank (those whose grammar is ready), then
-           drafts (a priority preemption for an admission counts as "preempt");
-        4. preempt: until the running requests' blocks fit, then every planned request gets its
-           blocks (``Scheduler.allocate_slots``);
-        5. decode: swap/copy the planned blocks, one batched forward, sample, append tokens and
-           decide who finished (``hf_contbatch.engine.stopping.finish_status``).
-
-        Returns the iteration's plan and report (``StepResult``).
+        """One iteration, the five steps in order, each one's seconds recorded under its name: reap
+        (finished and cancelled requests leave, their blocks freed, handles completed); budget (free
+        blocks minus reservations minus the watermark); admit (forks, swap-ins, waiting requests by
+        rank whose grammar is ready, then drafts); preempt (until the running requests' blocks fit,
+        then ``Scheduler.allocate_slots``); decode (swap/copy blocks, one batched forward, sample,
+        append, ``stopping.finish_status``). Returns the iteration's plan and report.
         """
         sched = self.scheduler
         t0 = time.monotonic()
