@@ -53,7 +53,6 @@ class RequestFactory:
         self.adapters = adapters
         self.grammars = grammars
         self._ids = RequestIdCounter()
-        self._last_spec: tuple = (None, None)  # (structured_outputs given, its GrammarSpec): a call's prompts share one
         self._parsed_grammars: dict = {}  # GrammarSpec.key -> the library's parsed grammar (bounded)
         self._parse_lock = threading.Lock()  # submit may come from several threads
 
@@ -107,11 +106,10 @@ class RequestFactory:
             sampling = dataclasses.replace(sampling, adapter_name=adapter)
         check_request(ids, sampling, self.vocab_size)
         if sampling.structured_outputs is not None:
-            given, spec = self._last_spec
-            if given is not sampling.structured_outputs:
-                with self._parse_lock:
-                    spec = GrammarSpec.parse(sampling.structured_outputs, self._parsed_grammars)
-                self._last_spec = (sampling.structured_outputs, spec)
+            # Parsed on every submit (the caller may have changed the dict in place); the library's
+            # parse, the slow part, is cached by the canonical schema text.
+            with self._parse_lock:
+                spec = GrammarSpec.parse(sampling.structured_outputs, self._parsed_grammars)
             if self.grammars is None:
                 raise ValueError("`structured_outputs` is not available in this engine")
             self.grammars.check_ready_for(spec)

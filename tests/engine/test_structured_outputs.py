@@ -305,6 +305,17 @@ def test_a_schema_repeated_over_submits_is_parsed_once_and_the_parsed_cache_is_b
     assert_nothing_left(pipe.engine)
 
 
+@pytest.mark.timeout(120)
+def test_a_constraint_changed_in_place_between_submits_is_followed(pipe):
+    constraint = {"choice": ["yes", "no"]}
+    first = pipe.engine.submit([1, 2, 3], SamplingParams(max_new_tokens=6, structured_outputs=constraint))
+    assert pipe.tokenizer.decode(first.result().output_token_ids, skip_special_tokens=True) in ("yes", "no")
+    constraint["choice"] = ["maybe", "never"]  # the same dict object, new contents
+    second = pipe.engine.submit([1, 2, 3], SamplingParams(max_new_tokens=6, structured_outputs=constraint))
+    assert pipe.tokenizer.decode(second.result().output_token_ids, skip_special_tokens=True) in ("maybe", "never")
+    assert_nothing_left(pipe.engine)
+
+
 def test_without_xgrammar_a_constrained_call_names_the_extra(pipe, monkeypatch):
     import sys
 
