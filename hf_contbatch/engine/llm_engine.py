@@ -21,10 +21,12 @@ put into the driver's inbox) -> ``take_inbox`` (to the scheduler) -> ``step`` ->
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
 import time
+import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -90,6 +92,22 @@ def vocab_widths(model) -> tuple[int, int]:
     return vocab_size, head.weight.shape[0] if getattr(head, "weight", None) is not None else vocab_size
 
 
+def register_close_at_exit(engine: "LLMEngine") -> Callable[[], None]:
+    """Register (and return, for ``atexit.unregister``) a hook that closes ``engine`` at interpreter
+    exit if it is still alive. Why: a script that ends with requests in flight and no ``close()``
+    would otherwise leave the engine's daemon thread inside torch's kernels while the interpreter
+    tears down, and the process aborts. The hook holds a weak reference: it keeps nothing alive."""
+    engine_ref = weakref.ref(engine)
+
+    def close() -> None:
+        alive = engine_ref()
+        if alive is not None:
+            alive.close()
+
+    atexit.register(close)
+    return close
+
+
 def seeded_generator(seed: Optional[int]) -> torch.Generator:
     """The engine's CPU sampling generator, seeded with ``seed`` (None: from ``os.urandom``)."""
     gen = torch.Generator(device="cpu")
@@ -150,6 +168,7 @@ class LLMEngine:
         self._state_lock = threading.RLock()
         self.counters = EngineCounters(record_phases=cfg.record_phases, per_adapter=self.adapters is not None)
         self.driver = EngineDriver(self, drive_in_caller=cfg.drive_in_caller, num_threads=cfg.num_threads)
+        self._close_at_exit = register_close_at_exit(self)  # a script that ends without close()
 
     @property
     def phase_log(self):
@@ -234,9 +253,8 @@ class LLMEngine:
         return handles
 
     def cancel(self, request_id: int) -> None:
-        """Ask the engine to stop request ``request_id``; it is freed at the next reap step with
-        finish reason "cancelled" (tokens so far kept). Unknown or finished ids are ignored; never
-        raises, and returns at once."""
+        """Ask the engine to stop request ``request_id`` (freed at the next reap, finish reason
+        "cancelled", tokens so far kept). Unknown or finished ids are ignored; never raises."""
         self.driver.cancel(request_id)
 
     def cancel_now(self, handles: Sequence[RequestHandle]) -> None:
@@ -284,6 +302,7 @@ class LLMEngine:
         self.grammars.compilation.close()
         self.patches.undo()
         self.cache.release()
+        atexit.unregister(self._close_at_exit)
 
     # --- the iteration ---------------------------------------------------------------------------
     def step(self) -> StepResult:
