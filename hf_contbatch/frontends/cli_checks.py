@@ -244,12 +244,24 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def _as_response_format(obj, where: str) -> dict:
-    """A response_format object (OpenAI's shape), or a bare JSON schema wrapped as one."""
+    """A response_format object (OpenAI's shape), or a bare JSON schema wrapped as one, checked as
+    the engine will check it (its schema parsed by the grammar library), so that an error names
+    ``where`` (the file, and the line of a ``.jsonl``) before the model loads."""
     if not isinstance(obj, dict):
         raise UsageError(f"{where}: a response_format must be a JSON object, found {_json_kind(obj)}")
-    if obj.get("type") in ("json_schema", "json_object", "text"):
-        return obj
-    return {"type": "json_schema", "json_schema": {"name": "schema", "schema": obj}}
+    if obj.get("type") not in ("json_schema", "json_object", "text"):
+        obj = {"type": "json_schema", "json_schema": {"name": "schema", "schema": obj}}
+    # Imported here: `hf-contbatch --help` must not import torch.
+    from ..engine.structured.specs import GrammarSpec
+    from .response_format import response_format_params
+
+    try:
+        params = response_format_params(obj)
+        if params is not None:
+            GrammarSpec.parse(params)
+    except ValueError as exc:
+        raise UsageError(f"{where}: {exc}") from None
+    return obj
 
 
 def read_response_formats(response_format: Optional[str], input_path: Optional[str], num_prompts: int):

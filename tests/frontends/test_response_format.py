@@ -67,3 +67,22 @@ def test_cli_response_format_file_and_per_line_response_format(tmp_path, capsys)
         main(["generate", "--response-format", str(tmp_path / "missing.json")])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().endswith("missing.json: no such file")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "bad, says",
+    [
+        ({"type": "json_schema"}, "needs 'json_schema'"),  # the OpenAI shape without its schema
+        ({"type": "wat"}, 'Unsupported type "wat"'),  # a bare schema the grammar library refuses
+    ],
+)
+def test_cli_a_bad_response_format_on_a_jsonl_line_is_one_error_naming_the_line(tmp_path, capsys, bad, says):
+    inp = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": "A", "response_format": {"type": "json_object"}}, {"prompt": "B", "response_format": bad}]
+    inp.write_text("\n".join(json.dumps(line) for line in lines) + "\n", encoding="utf-8")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--input", str(inp), "--max-new-tokens", "4", "--quiet"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"hf-contbatch: error: --input {inp} line 2: ") and says in err[0]
