@@ -41,7 +41,7 @@ from transformers.generation.logits_process import (
 from ..core.plan import ScheduledRequest
 from ..request import Request, SamplingParams
 from .logits_processors import TokenHistory, split_fast_suffix, warp_batched
-from .structured import GrammarMaskSlot, GrammarMatchers, spec_of, split_at_mask_slot
+from .structured import GrammarMaskSlot, GrammarMatchers, GrammarViolation, spec_of, split_at_mask_slot
 
 
 def build_logits_processors(params: SamplingParams, prompt_len: int) -> LogitsProcessorList:
@@ -183,6 +183,7 @@ class Sampler:
                 if states[i].tail:
                     ids = self.history(requests[i], dev)
                     scores[i : i + 1] = states[i].tail(ids, scores[i : i + 1].clone())
+            self._check_some_token_allowed(scores, constrained, requests)
         fast = [i for i, st in enumerate(states) if st.fast is not None]
         candidates = None  # top-k candidate ids of the fast rows (None: not every fast row has one)
         if fast:
@@ -210,6 +211,19 @@ class Sampler:
             tokens[i] = int(torch.multinomial(probs, 1, generator=st.generator).item())
         self._after(scores, requests, states, tokens)
         return tokens  # type: ignore[return-value]
+
+    @staticmethod
+    def _check_some_token_allowed(scores: torch.Tensor, rows: list[int], requests: Sequence[Request]) -> None:
+        """Raise ``GrammarViolation`` naming the request when a constrained row has no finite score
+        left (its grammar and its own processors together refuse every token), instead of torch's
+        error about the probabilities (the step's failure isolation then fails that request alone)."""
+        dead = torch.isneginf(scores.index_select(0, torch.tensor(rows, device=scores.device))).all(dim=-1)
+        if bool(dead.any()):
+            req = requests[rows[int(dead.nonzero()[0])]]
+            raise GrammarViolation(
+                f"request {req.request_id}: no token is allowed next: its grammar and its logits processors "
+                "(e.g. no_repeat_ngram_size, bad_words_ids) together refuse every token"
+            )
 
     def verify_drafts(self, logits: torch.Tensor, drafting: Sequence[ScheduledRequest]) -> list[int]:
         """The greedy token of every verification row of requests with drafts (plain greedy ones,

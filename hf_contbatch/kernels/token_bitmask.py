@@ -86,9 +86,9 @@ class TokenBitmaskKernel:
 
     def apply(self, scores: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int], vocab_size: int) -> bool:
         """Set ``scores[r, t]`` to ``-inf`` for every ``r`` in ``rows`` and ``t < vocab_size`` whose
-        bit ``t % 32`` of ``bitmask[r, t // 32]`` is 0; other scores are untouched. The result
-        equals ``xgrammar.apply_token_bitmask_inplace(scores, bitmask, vocab_size=vocab_size,
-        indices=rows)``.
+        bit ``t % 32`` of ``bitmask[r, t // 32]`` is 0; other scores are untouched. That is
+        ``xgrammar.apply_token_bitmask_inplace(scores, bitmask, vocab_size=vocab_size,
+        indices=rows)`` (whose CPU kernel departs from it below 32 tokens of vocabulary).
 
         Args:
             scores: ``[N, >= vocab_size]`` float32 CPU tensor, unit stride along the vocabulary;

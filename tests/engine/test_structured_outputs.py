@@ -316,6 +316,26 @@ def test_a_constraint_changed_in_place_between_submits_is_followed(pipe):
     assert_nothing_left(pipe.engine)
 
 
+@pytest.mark.timeout(120)
+def test_a_grammar_and_processors_that_refuse_every_token_fail_that_request_alone_saying_so(pipe):
+    # Every token may appear once (no_repeat_ngram_size=1) but the regex needs 40 "a"s: the
+    # vocabulary's few all-"a" tokens run out, and then nothing is allowed.
+    dead = pipe.submit(
+        "A class is", do_sample=True, no_repeat_ngram_size=1, structured_outputs={"regex": "a{40}"}, max_new_tokens=60
+    )
+    fine = pipe.submit(
+        "A class is",
+        do_sample=True,
+        max_new_tokens=8,
+        return_full_text=False,
+        structured_outputs={"choice": ["yes", "no"]},
+    )
+    with pytest.raises(hf_contbatch.EngineError, match="no token is allowed next"):
+        dead.result()
+    assert texts([fine.result()]) in (["yes"], ["no"])
+    assert_nothing_left(pipe.engine)
+
+
 def test_without_xgrammar_a_constrained_call_names_the_extra(pipe, monkeypatch):
     import sys
 
