@@ -42,7 +42,8 @@ def _libraries() -> set[str]:
 def prebuild_cpu_kernels() -> KernelBuild:
     """Compile (or find in the cache) the CPU kernels an engine uses: decode attention
     (unless ``HF_CONTBATCH_CPU_KERNEL=0``), the packed linears' GEMM and the structured outputs'
-    token-bitmask kernel. The GEMM stays loaded for this process. Never raises: a kernel that cannot be built is reported in ``errors``."""
+    token-bitmask kernel. The GEMM stays loaded for this process. Never raises: a kernel that
+    cannot be built is reported in ``errors``."""
     before = _libraries()
     errors = []
     start = time.monotonic()

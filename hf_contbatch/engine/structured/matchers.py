@@ -10,8 +10,8 @@ goes when the request ends (``forget``).
 Per step the sampler asks for one ``[rows, ceil(vocab / 32)]`` int32 bitmask for the constrained
 rows (filled by xgrammar's ``BatchGrammarMatcher``, in parallel where it has threads) and applies
 it in one call: our C kernel on CPU float32 scores (``kernels/token_bitmask``, many times faster
-than xgrammar's there), xgrammar's kernel elsewhere. A greedy row that only needs its argmax is
-left unmasked when its argmax is allowed (exact, and cheaper than masking it). Prompt-lookup
+than xgrammar's there), xgrammar's kernel elsewhere; where xgrammar's serves, a greedy row that
+only needs its argmax is left unmasked when its argmax is allowed (exact, and cheaper). Prompt-lookup
 drafts of a constrained greedy request are cut to the prefix its grammar accepts before they are
 scheduled (``draft_prefix``, a look-ahead rolled back at once), and each verification row is
 masked with the state after the drafts before it (``mask_draft_rows``), so drafting never changes
