@@ -10,13 +10,18 @@ loaded with ctypes and runs on torch's own OpenMP runtime (the same ``libgomp.so
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
+from typing import Any, Callable, Optional
+
+logger = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
@@ -68,3 +73,35 @@ def build_library(source: Path, flags: list[str]) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+class LoadedOnce:
+    """What ``load()`` returns (a loaded kernel library's functions), computed on the first
+    :meth:`get` of this object, thread-safe, and kept; or None for good when ``load()`` raised, with
+    ``error`` saying why and one warning logged ("``what`` unavailable (why); using ``fallback``").
+
+    Args:
+        load: builds (``build_library``) and loads the library; any exception means unavailable.
+        what: the kernel, for the warning (e.g. "compiled CPU decode attention").
+        fallback: what serves instead, for the warning (e.g. "the torch path").
+    """
+
+    def __init__(self, load: Callable[[], Any], what: str, fallback: str) -> None:
+        self._load, self._what, self._fallback = load, what, fallback
+        self._lock = threading.Lock()
+        self._value: Any = None
+        self._tried = False
+        self.error: Optional[str] = None
+
+    def get(self) -> Any:
+        """``load()``'s result, or None where it failed (loaded now on the first call)."""
+        if not self._tried:
+            with self._lock:
+                if not self._tried:
+                    try:
+                        self._value = self._load()
+                    except Exception as exc:  # noqa: BLE001 - any failure: the fallback serves
+                        self.error = f"{type(exc).__name__}: {exc}"
+                        logger.warning("%s unavailable (%s); using %s", self._what, self.error, self._fallback)
+                    self._tried = True
+        return self._value

@@ -13,16 +13,12 @@ xgrammar's kernel (:meth:`TokenBitmaskKernel.apply` returns False).
 from __future__ import annotations
 
 import ctypes
-import logging
-import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
-from .native_build import build_library
-
-logger = logging.getLogger(__name__)
+from .native_build import LoadedOnce, build_library
 
 SOURCE = Path(__file__).with_name("token_bitmask.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
@@ -36,6 +32,17 @@ def build_bitmask_library(extra_flags: Sequence[str] = ()) -> Path:
     return build_library(SOURCE, [*FLAGS, *extra_flags])
 
 
+def _load(extra_flags: Sequence[str]) -> tuple:
+    """(the apply function, the instruction set it was built for) of the built library."""
+    lib = ctypes.CDLL(str(build_bitmask_library(extra_flags)))
+    fn = lib.hf_contbatch_apply_token_bitmask
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64]
+    fn.restype = None
+    lib.hf_contbatch_bitmask_isa.restype = ctypes.c_char_p
+    return fn, lib.hf_contbatch_bitmask_isa().decode()
+
+
 class TokenBitmaskKernel:
     """Our bitmask kernel, loaded on first use; one per owner (no module state).
 
@@ -45,33 +52,24 @@ class TokenBitmaskKernel:
     """
 
     def __init__(self, extra_flags: Sequence[str] = ()) -> None:
-        self._extra_flags = tuple(extra_flags)
-        self._lock = threading.Lock()
-        self._fn = None
-        self._tried = False
-        self.isa: Optional[str] = None
-        """"avx512f" or "generic" once loaded; None before, or when it cannot be built."""
-        self.error: Optional[str] = None
+        self._library = LoadedOnce(lambda: _load(extra_flags), "compiled token-bitmask kernel", "xgrammar's")
+
+    @property
+    def isa(self) -> Optional[str]:
+        """The instruction set of the build, ``avx512f`` or ``generic``; None where the kernel cannot
+        be built (built now on first use)."""
+        loaded = self._library.get()
+        return loaded[1] if loaded is not None else None
+
+    @property
+    def error(self) -> Optional[str]:
         """Why the kernel cannot be built here (None when it was, or before the first try)."""
+        return self._library.error
 
     def _get(self):
-        if not self._tried:
-            with self._lock:
-                if not self._tried:
-                    try:
-                        lib = ctypes.CDLL(str(build_bitmask_library(self._extra_flags)))
-                        fn = lib.hf_contbatch_apply_token_bitmask
-                        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-                        fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64]
-                        fn.restype = None
-                        lib.hf_contbatch_bitmask_isa.restype = ctypes.c_char_p
-                        self.isa = lib.hf_contbatch_bitmask_isa().decode()
-                        self._fn = fn
-                    except Exception as exc:  # noqa: BLE001 - any failure: xgrammar's kernel serves
-                        self.error = f"{type(exc).__name__}: {exc}"
-                        logger.warning("compiled token-bitmask kernel unavailable (%s); using xgrammar's", self.error)
-                    self._tried = True
-        return self._fn
+        """The kernel's function (built and loaded now on the first call), or None."""
+        loaded = self._library.get()
+        return loaded[0] if loaded is not None else None
 
     def serves(self, scores: torch.Tensor) -> bool:
         """True when :meth:`apply` takes ``scores`` (a 2-D float32 CPU tensor with unit stride along

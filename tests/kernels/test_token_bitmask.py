@@ -107,3 +107,17 @@ def test_rows_or_a_vocabulary_out_of_range_are_refused_by_name(kernels):
         native.apply(scores, bitmask, [2], 64)
     with pytest.raises(ValueError, match="vocab_size 96 exceeds"):
         native.apply(scores, bitmask, [0], 96)
+
+
+def test_without_a_working_compiler_it_declines_and_says_why(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # an empty kernel cache
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    kernel = TokenBitmaskKernel()
+    scores = torch.randn(2, 64)
+    before = scores.clone()
+    with caplog.at_level("WARNING"):
+        assert not kernel.serves(scores)
+        assert not kernel.apply(scores, torch.zeros(2, 2, dtype=torch.int32), [0, 1], 64)
+    assert torch.equal(scores, before)  # the caller (xgrammar's kernel) does the masking instead
+    assert kernel.error is not None and kernel.isa is None
+    assert sum("token-bitmask kernel unavailable" in r.getMessage() for r in caplog.records) == 1

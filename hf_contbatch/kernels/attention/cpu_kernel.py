@@ -15,44 +15,16 @@ compiler, or if the build fails, the torch path serves and one warning says why.
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
-import threading
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from ..native_build import build_library
-
-logger = logging.getLogger(__name__)
+from ..native_build import LoadedOnce, build_library
 
 DECODE_SOURCE = Path(__file__).with_name("cpu_decode.c")
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-
-
-class _Kernel:
-    """The loaded library, or why there is none (built once per process, on first use)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._fn = None
-        self._tried = False
-        self.error: Optional[str] = None
-
-    def get(self):
-        if not self._tried:
-            with self._lock:
-                if not self._tried:
-                    try:
-                        self._fn = _load(build_decode_library())
-                    except Exception as exc:  # noqa: BLE001 - any failure means the torch path serves
-                        self.error = f"{type(exc).__name__}: {exc}"
-                        logger.warning(
-                            "compiled CPU decode attention unavailable (%s); using the torch path", self.error
-                        )
-                    self._tried = True
-        return self._fn
 
 
 def build_decode_library() -> Path:
@@ -84,7 +56,9 @@ class CPUDecodeKernel:
     a failed build, or ``HF_CONTBATCH_CPU_KERNEL=0`` in the environment."""
 
     def __init__(self) -> None:
-        self._kernel = _Kernel()
+        self._kernel = LoadedOnce(
+            lambda: _load(build_decode_library()), "compiled CPU decode attention", "the torch path"
+        )
         self.enabled = os.environ.get("HF_CONTBATCH_CPU_KERNEL", "1") != "0"
 
     @property
