@@ -144,6 +144,15 @@ class EngineDriver:
         """True when called from inside an iteration (e.g. from a request's done-callback)."""
         return self._iterating_thread == threading.get_ident()
 
+    def check_in_iteration(self, what: str) -> None:
+        """Raise ``RuntimeError`` naming ``what`` unless the calling thread is running this engine's
+        iteration (``drive`` or the background thread)."""
+        if not self.in_iteration():
+            raise RuntimeError(
+                f"{what} runs inside the engine's driver only (another thread may be iterating): "
+                "to iterate in this thread, call LLMEngine.drive(until)"
+            )
+
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
         """Block until no request is queued or running, or ``timeout`` seconds passed (None: no
         limit). Returns True if idle. Waits on the background thread; never drives."""

@@ -311,11 +311,11 @@ class LLMEngine:
         blocks minus reservations minus the watermark); admit (forks, swap-ins, waiting requests by
         rank whose grammar is ready, then drafts); preempt (until the running requests' blocks fit,
         then ``Scheduler.allocate_slots``); decode (swap/copy blocks, one batched forward, sample,
-        append, ``stopping.finish_status``). Returns the iteration's plan and report.
-        """
-        sched = self.scheduler
-        t0 = time.monotonic()
-        timer = PhaseTimer()
+        append, ``stopping.finish_status``). Returns the iteration's plan and report. Raises
+        ``RuntimeError`` outside the engine's driver (two threads must never iterate at once; to
+        iterate in the calling thread use ``drive``)."""
+        self.driver.check_in_iteration("LLMEngine.step()")
+        sched, t0, timer = self.scheduler, time.monotonic(), PhaseTimer()
         with self._state_lock:
             result = sched.begin_iteration()
             result.report.reaped = sched.reap()
@@ -341,8 +341,8 @@ class LLMEngine:
             sched.update_from_output(plan, sampled, on_token=lambda req: self._on_new_token(req, now))
             timer.charge("decode")
             result.report.phases = list(timer.as_tuple())
-            used_blocks = self.block_manager.num_used_blocks
-            self.counters.record_iteration(result, used_blocks, time.monotonic() - t0, swap_seconds)
+            used = self.block_manager.num_used_blocks
+            self.counters.record_iteration(result, used, time.monotonic() - t0, swap_seconds)
         # Finished requests are released by the next reap; the driver makes sure there is one.
         return result
 

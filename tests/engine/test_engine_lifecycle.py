@@ -356,3 +356,20 @@ def test_the_exit_hook_keeps_no_engine_alive(llama_model):
     del dropped
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.timeout(120)
+def test_step_from_outside_the_driver_is_refused_and_the_engine_keeps_serving(llama_model):
+    # Two threads iterating at once would race on the attention metadata and the KV pool (it
+    # crashed the process); only the driver iterates, and drive() lends it the calling thread.
+    prompts = random_prompts([6, 9], seed=11)
+    want = [reference_greedy(llama_model, p, 12) for p in prompts]  # before the engine switches attention
+    engine = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(num_blocks=64)))
+    try:
+        handles = [engine.submit(p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in prompts]
+        with pytest.raises(RuntimeError, match=r"LLMEngine\.step\(\) runs inside the engine's driver only"):
+            engine.step()
+        assert [h.result(timeout=60).output_token_ids for h in handles] == want
+        assert engine.wait_idle(timeout=30) and engine.stats().num_used_blocks == 0
+    finally:
+        engine.close()
