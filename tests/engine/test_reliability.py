@@ -306,8 +306,15 @@ def test_interrupting_blocking_calls_twice_cancels_only_their_requests(embedded)
     pipe = ContinuousBatchingPipeline(model, tok, engine_config=EngineConfig(cache=CacheConfig(num_blocks=64)))
     eng = pipe.engine
 
+    main_thread = threading.get_ident()
+
     def fg_running_with_tokens():
-        return any(r.prompt_token_ids == fg_ids and len(r.output_token_ids) >= 3 for r in list(eng.scheduler.running))
+        # Only while the main thread runs an iteration inside the blocking call: the submitted
+        # request of call 2 already decodes in the background before the main thread enters
+        # ``result()``, and an interrupt landing earlier (in ``Thread.start``) escapes the test.
+        return eng.driver._iterating_thread == main_thread and any(
+            r.prompt_token_ids == fg_ids and len(r.output_token_ids) >= 3 for r in list(eng.scheduler.running)
+        )
 
     try:
         bg = pipe.submit(bg_text, max_new_tokens=300, do_sample=False, ignore_eos=True)
