@@ -340,6 +340,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "the model's full context, at most 1 GiB)",
     )
     g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of repeated prompt prefixes (as vLLM; --no-enable-prefix-caching "
+        "recomputes every prompt)",
+    )
+    g.add_argument(
         "--max-num-seqs", type=int_at_least(1), default=128, metavar="N", help="most requests running at once"
     )
     g.add_argument(

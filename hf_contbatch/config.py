@@ -52,7 +52,11 @@ class CacheConfig:
         swap_space_gib: GiB of host memory for the swap pool used by swap preemption. None (the
             default) gives it as many blocks as the KV pool, at most what the model can use, under
             the same caps (``hf_contbatch.core.pool_size``).
-        enable_prefix_caching: reuse the KV blocks of identical full-block prompt prefixes.
+        enable_prefix_caching: reuse the KV blocks of identical full-block prompt prefixes (a
+            shared system prompt, few-shot contexts, a prompt sent again). On by default, as in
+            vLLM (V1) and SGLang: a finished request's blocks stay hashed in the free queue and are
+            evicted least-recently-freed first, so it costs no pool space; False recomputes every
+            prompt.
         dtype: KV cache dtype name ("float32", "float16", "bfloat16") or None for the model's dtype.
     """
 
@@ -61,7 +65,7 @@ class CacheConfig:
     cpu_cache_gib: Optional[float] = None
     gpu_memory_utilization: float = 0.9
     swap_space_gib: Optional[float] = None
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     dtype: Optional[str] = None
 
     def __post_init__(self) -> None:

@@ -226,7 +226,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     naming the option."""
     try:
         return EngineConfig(
-            cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, cpu_cache_gib=args.cache_gib),
+            cache=CacheConfig(
+                block_size=args.block_size,
+                num_blocks=args.num_blocks,
+                cpu_cache_gib=args.cache_gib,
+                enable_prefix_caching=args.enable_prefix_caching,
+            ),
             scheduler=SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,

@@ -281,6 +281,14 @@ def test_eval_help_names_the_default_model_type_and_every_engine_setting():
         assert f"  {name}={default}: " in text
 
 
+def test_prefix_caching_is_on_by_default_and_can_be_switched_off_as_in_vllm():
+    from hf_contbatch.frontends.cli_checks import engine_config
+
+    assert engine_config(_generate_parser().parse_args([])).cache.enable_prefix_caching is True
+    off = _generate_parser().parse_args(["--no-enable-prefix-caching"])
+    assert engine_config(off).cache.enable_prefix_caching is False
+
+
 def test_sampling_options_without_do_sample_are_ignored_with_a_warning(capsys):
     args = _generate_parser().parse_args(["--temperature", "0.3", "--top-k", "5", "--max-new-tokens", "7"])
     assert cli._generation_kwargs(args) == {"max_new_tokens": 7, "do_sample": False, "return_full_text": False}

@@ -13,7 +13,7 @@ ENGINE_ARGS: dict[str, tuple[object, str]] = {
     "cache_gib": (None, "KV pool size in GiB when num_blocks is not given (CacheConfig.cpu_cache_gib on CPU)"),
     "max_num_seqs": (256, "most requests running at once (SchedulerConfig.max_num_seqs)"),
     "max_num_batched_tokens": (2048, "token budget of one step (SchedulerConfig.max_num_batched_tokens)"),
-    "enable_prefix_caching": (False, "share the KV of common prompt prefixes (CacheConfig.enable_prefix_caching)"),
+    "enable_prefix_caching": (True, "share the KV of common prompt prefixes (CacheConfig.enable_prefix_caching)"),
     "attention_backend": ("auto", "auto, torch or triton (EngineConfig.attention_backend)"),
     "engine_seed": (None, "the engine's sampling seed (EngineConfig.seed)"),
 }
