@@ -87,6 +87,8 @@ class CacheConfig:
             and self.swap_space_gib >= 0
         ):
             raise ValueError(f"`swap_space_gib` must be a number >= 0 or None, got {self.swap_space_gib!r}")
+        if not isinstance(self.enable_prefix_caching, bool):  # a string "False" would read as on
+            raise ValueError(f"`enable_prefix_caching` must be True or False, got {self.enable_prefix_caching!r}")
         if self.dtype not in (None, "float32", "float16", "bfloat16"):
             raise ValueError(f"`dtype` must be one of None, 'float32', 'float16', 'bfloat16', got {self.dtype!r}")
 

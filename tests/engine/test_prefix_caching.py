@@ -263,3 +263,27 @@ def test_cancelling_a_not_yet_forked_sequence_resolves_it_and_keeps_its_siblings
     assert [o.finish_reason for o in outs] == ["length", "cancelled", "length"]
     assert outs[0].output_token_ids == outs[2].output_token_ids == reference_greedy(llama_model, prompt, 6)
     assert outs[1].output_token_ids == outs[0].output_token_ids[: len(outs[1].output_token_ids)]
+
+
+# --- the default ---------------------------------------------------------------------------------
+@pytest.mark.timeout(180)
+def test_by_default_a_prompt_sent_again_reuses_its_blocks_and_equals_generate(llama_model):
+    prompt = random_prompts([37], seed=21)[0]  # block 16: two full blocks, the third recomputed
+    ref = reference_greedy(llama_model, prompt, 8)
+    eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(num_blocks=32)))
+    try:
+        outs = [eng.submit(prompt, SamplingParams(max_new_tokens=8)).result(60) for _ in range(2)]
+        assert eng.wait_idle(10)
+        stats = eng.stats()
+        eng.block_manager.check_invariants()
+    finally:
+        eng.close()
+    assert [o.output_token_ids for o in outs] == [ref, ref]
+    assert stats.prefix_caching is True and stats.prefix_cache_hit_tokens == 2 * 16
+    assert stats.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("value", ["False", 0, 1, None])
+def test_enable_prefix_caching_takes_only_a_bool(value):
+    with pytest.raises(ValueError, match=r"`enable_prefix_caching` must be True or False, got " + repr(value)):
+        CacheConfig(enable_prefix_caching=value)

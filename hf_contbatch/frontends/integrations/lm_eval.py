@@ -82,7 +82,7 @@ class ContinuousBatchingLM(HFLM):
             block_size=engine_args["block_size"],
             num_blocks=engine_args["num_blocks"],
             cpu_cache_gib=engine_args["cache_gib"],
-            enable_prefix_caching=bool(engine_args["enable_prefix_caching"]),
+            enable_prefix_caching=engine_args["enable_prefix_caching"],
         )
         sched = SchedulerConfig(
             max_num_seqs=engine_args["max_num_seqs"],
