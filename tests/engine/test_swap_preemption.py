@@ -129,8 +129,7 @@ def test_stats_snapshot_reports_memory_management_and_phase_times(llama_model):
     assert [name for name, _ in stats.last_phases] == list(PHASES)
     assert stats.swap_seconds > 0
     assert stats.block_ref_counts == (0,) * 22
-    assert stats.prefix_caching is True  # the default, as in vLLM; recompute may hit its own blocks
-    assert 0.0 <= stats.prefix_cache_hit_rate <= 1.0
+    assert stats.prefix_caching is True  # the default, as in vLLM (hit counts: test_prefix_caching.py)
     with pytest.raises(AttributeError):  # dataclasses.FrozenInstanceError
         stats.num_swapped = 1  # a frozen snapshot
 
