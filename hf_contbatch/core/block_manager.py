@@ -113,6 +113,18 @@ class BlockManager:
         return self._num_hashed.get(request_id, 0)
 
     # --- prefix caching ----------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix hash (vLLM's ``reset_prefix_cache``). Only with no block in use
+        and no request tracked, so nothing running loses a hit it holds; returns False otherwise,
+        changing nothing. The free queue keeps its order; counters (hit rate) are kept."""
+        if self.num_used_blocks or self.block_tables or self._num_hashed:
+            return False
+        self._block_hash = [None] * self.num_blocks
+        self._block_content = [None] * self.num_blocks
+        self._cached.clear()
+        self._num_cached_free = 0
+        return True
+
     def update_block_hashes(
         self, token_ids: Sequence[int], block_hashes: list[int], extra_key: Optional[str] = None
     ) -> list[int]:

@@ -115,6 +115,16 @@ def seeded_generator(seed: Optional[int]) -> torch.Generator:
     return gen
 
 
+def _fail_in_step(req: Request, exc: Exception) -> None:
+    """Fail one request during a step: it keeps its tokens, the next reap frees its blocks and
+    finishes its handle (its pending forks with it); the other requests are untouched."""
+    logger.error("request %s failed after %d generated tokens: %r", req.request_id, len(req.output_token_ids), exc)
+    req.error = exc
+    req.status = RequestStatus.FINISHED_ERROR
+    for child in req.pending_forks:
+        child.error = exc
+
+
 class LLMEngine:
     """Continuous batching over a paged KV cache for one transformers causal LM.
 
@@ -291,6 +301,12 @@ class LLMEngine:
         with self._state_lock:
             return self.counters.snapshot(self.scheduler, self.block_manager, self.host_block_manager)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (as vLLM's ``LLM.reset_prefix_cache``), e.g. between
+        benchmark passes over the same prompts. False, changing nothing, while requests hold blocks."""
+        with self._state_lock:
+            return self.block_manager.reset_prefix_cache()
+
     def close(self) -> None:
         """Stop the thread, fail what is still queued, free the pool, restore the model's attention."""
         if self._closed:
@@ -324,7 +340,7 @@ class LLMEngine:
         timer.charge("reap")
         with self._state_lock:
             for req, exc in self.grammars.poll():  # grammars compiled since: admissible (or failed)
-                self._fail_in_step(req, exc)
+                _fail_in_step(req, exc)
             sched.plan(result, timer)  # budget, admit, preempt
         plan = result.plan
         if plan.is_empty and self.grammars.has_waiting:
@@ -336,7 +352,7 @@ class LLMEngine:
         sampled, failed = execute_isolating_failures(self.runner.execute, plan)
         with self._state_lock:
             for s, exc in failed:
-                self._fail_in_step(s.request, exc)
+                _fail_in_step(s.request, exc)
             now = time.monotonic()
             sched.update_from_output(plan, sampled, on_token=lambda req: self._on_new_token(req, now))
             timer.charge("decode")
@@ -358,20 +374,11 @@ class LLMEngine:
             if status is None and req.sampling.stopping_criteria and self.sampler.should_stop(req):
                 status = RequestStatus.FINISHED_STOPPED  # the call's stopping_criteria, on its own ids
         except Exception as exc:  # noqa: BLE001 - a stop checker or stream of one request
-            self._fail_in_step(req, exc)
+            _fail_in_step(req, exc)
             return True
         if status is not None:
             req.status = status
         return status is not None
-
-    def _fail_in_step(self, req: Request, exc: Exception) -> None:
-        """Fail one request during a step: it keeps its tokens, the next reap frees its blocks and
-        finishes its handle (its pending forks with it); the other requests are untouched."""
-        logger.error("request %s failed after %d generated tokens: %r", req.request_id, len(req.output_token_ids), exc)
-        req.error = exc
-        req.status = RequestStatus.FINISHED_ERROR
-        for child in req.pending_forks:
-            child.error = exc
 
     def _complete(self, req: Request) -> None:
         req.finish_time = time.monotonic()

@@ -194,6 +194,21 @@ def test_an_extra_key_seeds_the_chain_so_the_same_tokens_under_two_keys_never_sh
     bm.check_invariants()
 
 
+def test_reset_prefix_cache_is_refused_while_a_block_is_in_use_then_forgets_every_prefix():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    tokens = _tokens(10)
+    bm.allocate("a", 10)
+    bm.cache_full_blocks("a", tokens, [], num_computed_tokens=10)
+    assert bm.reset_prefix_cache() is False  # "a" holds its blocks: nothing changes
+    assert bm.match_prefix(tokens, []) == [0, 1]
+    bm.free("a")
+    assert bm.num_cached_free_blocks == 2 and bm.match_prefix(tokens, []) == [0, 1]
+    assert bm.reset_prefix_cache() is True
+    assert bm.num_cached_free_blocks == 0 and bm.match_prefix(tokens, []) == []
+    assert not any(bm.is_cached(b) for b in range(8)) and bm.num_free_blocks == 8
+    bm.check_invariants()
+
+
 def test_prefix_caching_off_never_hashes_or_hits():
     bm = BlockManager(num_blocks=8, block_size=4)
     tokens = _tokens(9)

@@ -283,6 +283,29 @@ def test_by_default_a_prompt_sent_again_reuses_its_blocks_and_equals_generate(ll
     assert stats.num_used_blocks == 0
 
 
+@pytest.mark.timeout(180)
+def test_reset_prefix_cache_makes_the_next_pass_recompute_and_is_refused_while_a_request_runs(llama_model):
+    prompt = random_prompts([37], seed=22)[0]
+    ref = reference_greedy(llama_model, prompt, 8)
+    eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(num_blocks=32)))
+    try:
+        first = eng.submit(prompt, SamplingParams(max_new_tokens=8)).result(60)
+        assert eng.wait_idle(10) and eng.stats().num_cached_blocks > 0
+        assert eng.reset_prefix_cache() is True
+        assert eng.stats().num_cached_blocks == 0
+        again = eng.submit(prompt, SamplingParams(max_new_tokens=8)).result(60)
+        assert eng.stats().prefix_cache_hit_tokens == 0  # recomputed: nothing was left to hit
+        long = eng.submit(prompt, SamplingParams(max_new_tokens=200, ignore_eos=True))
+        next(long.token_stream())  # it is running and holds blocks
+        assert eng.reset_prefix_cache() is False
+        long.cancel()
+        assert eng.wait_idle(30)
+        eng.block_manager.check_invariants()
+    finally:
+        eng.close()
+    assert first.output_token_ids == again.output_token_ids == ref
+
+
 @pytest.mark.parametrize("value", ["False", 0, 1, None])
 def test_enable_prefix_caching_takes_only_a_bool(value):
     with pytest.raises(ValueError, match=r"`enable_prefix_caching` must be True or False, got " + repr(value)):
