@@ -241,7 +241,14 @@ def run_single(args, variant: str) -> dict:
             t0 = time.perf_counter()
             workload()
             warmup += time.perf_counter() - t0
+            if hasattr(engine, "reset_prefix_cache"):
+                engine.reset_prefix_cache()
         wall, cpu, outs = workload()
+        # The same prompts again: without this the instrumented pass would reuse the first pass's
+        # prompt KV (prefix caching is on by default) and time a pass with almost no prefill.
+        # Older checkouts (``tree=``) have no prefix cache on by default, nor this method.
+        if hasattr(engine, "reset_prefix_cache"):
+            engine.reset_prefix_cache()
         timers.on = True
         calls_before = timers.calls["step"]
         wall_instr, _, outs2 = workload()
