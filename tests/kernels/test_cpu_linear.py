@@ -286,10 +286,7 @@ def test_inputs_and_biases_that_do_not_fit_get_torchs_own_error_and_strided_bias
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_writes_through_data_are_followed_after_repack(kernel):
     model = build_model("llama")
-    packed = pack_linears(model, kernel)
-    from hf_contbatch.kernels.linears import fuse_siblings
-
-    fuse_siblings(model, packed)
+    packed = pack_linears(model, kernel, fuse=True)
     try:
         for lin in (model.model.layers[0].self_attn.k_proj, model.model.layers[0].mlp.down_proj):
             lin.weight.data.mul_(2)  # the version counter does not see this
@@ -365,13 +362,10 @@ def test_a_verified_step_computes_the_same_bits_and_other_threads_keep_their_che
     """Inside ``PackedLinears.verified_step`` (the engine's eager steps) calls skip the per-call
     weight checks: same logits bit for bit as the checked calls; another thread's calls, and calls
     after the block, still follow weights changed in place."""
-    from hf_contbatch.kernels.linears import fuse_siblings
-
     model = build_model(family)
     other = build_model(family, seed=1)
     ids = torch.randint(1, 100, (1, 9), generator=torch.Generator().manual_seed(3))
-    packed = pack_linears(model, kernel)
-    fuse_siblings(model, packed)
+    packed = pack_linears(model, kernel, fuse=True)
     try:
         with torch.inference_mode():
             checked = model(input_ids=ids).logits
@@ -430,11 +424,8 @@ def test_a_verified_step_computes_the_same_bits_and_other_threads_keep_their_che
 def test_a_weight_no_longer_float32_is_not_packed_but_runs_f_linear(kernel, caplog):
     """A weight given float64 storage while packed (``.data = ...``) cannot be repacked (both
     kernels read float32): the module warns once and runs ``F.linear`` from then on."""
-    from hf_contbatch.kernels.linears import fuse_siblings
-
     model = build_model("llama")
-    packed = pack_linears(model, kernel)
-    fuse_siblings(model, packed)
+    packed = pack_linears(model, kernel, fuse=True)
     try:
         attn = model.model.layers[0].self_attn
         lin = model.model.layers[0].mlp.down_proj

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from hf_contbatch.kernels.linears import fuse_siblings, onednn_available, pack_linears
+from hf_contbatch.kernels.linears import onednn_available, pack_linears
 
 from conftest import build_model
 
@@ -28,7 +28,9 @@ def test_fused_forward_equals_separate_packed_bit_for_bit(family):
     plain = _logits(model, ids)
     packed = pack_linears(model, "onednn")
     separate = _logits(model, ids)
-    groups = fuse_siblings(model, packed)
+    packed.restore()
+    packed = pack_linears(model, "onednn", fuse=True)
+    groups = len({id(f.group) for f in packed.forwards if f.group is not None})
     assert groups == 2 * model.config.num_hidden_layers  # q/k/v and gate/up in every layer
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
@@ -55,8 +57,7 @@ def test_fused_forward_equals_separate_packed_bit_for_bit(family):
 def test_any_call_order_and_weight_changes_are_followed():
     model = build_model("llama")
     attn = model.model.layers[0].self_attn
-    packed = pack_linears(model, "onednn")
-    fuse_siblings(model, packed)
+    packed = pack_linears(model, "onednn", fuse=True)
     x = torch.randn(5, attn.q_proj.in_features)
     y = torch.randn(5, attn.q_proj.in_features)
 

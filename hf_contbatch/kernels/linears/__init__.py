@@ -30,7 +30,7 @@ from .fused import FUSED_GROUPS, FusedGroup
 from .native_gemm import NativeGEMM
 from .onednn_gemm import OneDNNGEMM, onednn_available, padded_rows
 from .packed_forward import PackedForward
-from .packed_linears import PackedLinears, fuse_siblings, pack_linears
+from .packed_linears import PackedLinears, pack_linears
 
 __all__ = [
     "FUSED_GROUPS",
@@ -39,7 +39,6 @@ __all__ = [
     "OneDNNGEMM",
     "PackedForward",
     "PackedLinears",
-    "fuse_siblings",
     "onednn_available",
     "pack_linears",
     "padded_rows",

@@ -35,10 +35,9 @@ FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 class FusedGroup:
     """The shared state of one group of packed sibling linears (same input, same in_features)."""
 
-    def __init__(self, members: list[PackedForward], kernel=None) -> None:
+    def __init__(self, members: list[PackedForward], kernel) -> None:
         self.members = members
-        # The kernel for the fused shape (the members' own when not given: grouped only alike).
-        self.kernel = kernel if kernel is not None else members[0].kernel
+        self.kernel = kernel  # the kernel chosen for the fused shape (may differ from the members')
         self.sizes = [f.module.out_features for f in members]
         self.offsets = [sum(self.sizes[:i]) for i in range(len(members))]
         self.total = sum(self.sizes)
@@ -168,9 +167,9 @@ def sibling_groups(model: torch.nn.Module, modules: list[torch.nn.Linear]) -> li
     return groups
 
 
-def form_group(members: list[PackedForward], kernel=None) -> Optional[FusedGroup]:
-    """Fuse packed forwards into one :class:`FusedGroup` (with ``kernel`` for the fused shape, or the
-    members'); their own packed copies are freed. None, with a warning, when packing the fused weight
+def form_group(members: list[PackedForward], kernel) -> Optional[FusedGroup]:
+    """Fuse packed forwards into one :class:`FusedGroup` with ``kernel`` for the fused shape; their
+    own packed copies are freed. None, with a warning, when packing the fused weight
     fails (kernel error or out of memory): they then run on their own."""
     if any(f.group is not None for f in members):
         return None

@@ -303,23 +303,3 @@ def _install(forwards: list[PackedForward], total: int, tuner: Optional[KernelTu
         f.module.__dict__["forward"] = f
     names = sorted({n for f in forwards for n in (f.group.kernel if f.group else f.kernel).name.split("+")})
     return PackedLinears(forwards, total, "+".join(names), tuner)
-
-
-def fuse_siblings(model: torch.nn.Module, packed: Optional[PackedLinears]) -> int:
-    """Group the packed sibling projections of ``model`` (see the module docstring and
-    :func:`sibling_groups`) with their own kernel. The members' own packed copies are freed (the
-    fused copy replaces them), so fusing costs no memory. Undone by ``PackedLinears.restore``.
-    (``pack_linears(..., fuse=True)`` fuses while it packs, choosing a kernel for the fused shape.)
-
-    Returns:
-        The number of groups formed.
-    """
-    if packed is None or not len(packed):
-        return 0
-    by_module = {id(f.module): f for f in packed.forwards}
-    groups = 0
-    for mods in sibling_groups(model, [f.module for f in packed.forwards]):
-        members = [by_module[id(m)] for m in mods]
-        if len({type(f.kernel) for f in members}) == 1 and form_group(members) is not None:
-            groups += 1
-    return groups
