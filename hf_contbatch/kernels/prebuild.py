@@ -8,11 +8,10 @@ there, and says how long that took and whether anything was compiled.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
-from .attention.cpu_kernel import build_decode_library
+from .attention.cpu_kernel import allowed_by_env, build_decode_library
 from .linears.native_gemm import native_library
 from .native_build import cache_dir
 from .token_bitmask import build_bitmask_library
@@ -47,7 +46,7 @@ def prebuild_cpu_kernels() -> KernelBuild:
     before = _libraries()
     errors = []
     start = time.monotonic()
-    if os.environ.get("HF_CONTBATCH_CPU_KERNEL", "1") != "0":
+    if allowed_by_env():
         try:
             build_decode_library()
         except Exception as exc:  # noqa: BLE001 - no compiler, a failed build: the torch path serves

@@ -46,6 +46,11 @@ def _load(path: Path):
     return fn, store
 
 
+def allowed_by_env() -> bool:
+    """False when ``HF_CONTBATCH_CPU_KERNEL=0`` is set: the torch paths serve, nothing is built."""
+    return os.environ.get("HF_CONTBATCH_CPU_KERNEL", "1") != "0"
+
+
 POOL_DTYPES = (torch.float32, torch.bfloat16)
 """KV pool dtypes the kernel reads (bfloat16 widened to float32 as it reads: exact)."""
 
@@ -59,7 +64,7 @@ class CPUDecodeKernel:
         self._kernel = LoadedOnce(
             lambda: _load(build_decode_library()), "compiled CPU decode attention", "the torch path"
         )
-        self.enabled = os.environ.get("HF_CONTBATCH_CPU_KERNEL", "1") != "0"
+        self.enabled = allowed_by_env()
 
     @property
     def available(self) -> bool:
@@ -69,7 +74,7 @@ class CPUDecodeKernel:
     def built_ok(self) -> bool:
         """Whether the library is usable at all (the KV store serves even where the decode path chose
         the torch attention); False under ``HF_CONTBATCH_CPU_KERNEL=0``."""
-        return os.environ.get("HF_CONTBATCH_CPU_KERNEL", "1") != "0" and self._kernel.get() is not None
+        return allowed_by_env() and self._kernel.get() is not None
 
     @property
     def error(self) -> Optional[str]:
