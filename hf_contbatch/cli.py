@@ -109,13 +109,14 @@ def _prebuild_kernels(args: argparse.Namespace) -> float:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     # Everything that can be wrong with the arguments is found before torch or the model loads.
-    prompts = read_prompts(args.input) if args.input else _default_prompts()
+    source = read_prompts(args.input) if args.input else None
+    prompts = source.prompts if source is not None else _default_prompts()
     if args.output:
         check_output(args.output)
     model = check_model(args.model) if args.model else None  # None: the embedded model
     config = engine_config(args)
     gen_kwargs = _generation_kwargs(args)
-    response_formats = read_response_formats(args.response_format, args.input, len(prompts))
+    response_formats = read_response_formats(args.response_format, source, len(prompts))
     if response_formats is not None:
         gen_kwargs["response_format"] = response_formats
 
@@ -132,7 +133,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     t_load = time.monotonic()
     tokenizer = adapter_names = None
     if args.adapter:  # LoRA adapters over the base model, a prompt's own or the first (frontends.adapters)
-        model, adapter_names, tokenizer = _model_with_adapters(args, model, len(prompts))
+        records = source.records if source is not None else []
+        model, adapter_names, tokenizer = _model_with_adapters(args, model, records, len(prompts))
         gen_kwargs["adapter_names"] = adapter_names
     pipe = pipeline("text-generation", model=model, tokenizer=tokenizer, dtype=args.dtype, engine_config=config)
     load_s = time.monotonic() - t_load
@@ -180,10 +182,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_with_adapters(args: argparse.Namespace, model, num_prompts: int):
+def _model_with_adapters(args: argparse.Namespace, model, records, num_prompts: int):
     """The base model (``model``: the checked ``--model``, None for the embedded one) with the
     ``--adapter NAME=PATH`` adapters loaded, each prompt's adapter (a .jsonl prompt's "adapter",
-    else the first adapter given), and the base model's path for the tokenizer."""
+    from ``records``, the ``PromptsFile.records`` of ``--input``; else the first adapter given), and
+    the base model's path for the tokenizer."""
     from transformers import AutoModelForCausalLM
 
     from .default_model import default_model_path
@@ -193,7 +196,7 @@ def _model_with_adapters(args: argparse.Namespace, model, num_prompts: int):
     path = model if model is not None else default_model_path()
     base = AutoModelForCausalLM.from_pretrained(path, dtype=args.dtype)
     first = next(iter(adapters))
-    names = [name or first for name in prompt_adapters(args.input, num_prompts)]
+    names = [name or first for name in prompt_adapters(records, num_prompts)]
     return load_adapters(base, adapters), names, path
 
 

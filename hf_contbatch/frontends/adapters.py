@@ -3,8 +3,6 @@ and the adapter each prompt of a .jsonl file names (``hf-contbatch generate --ad
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Optional, Sequence
 
 
@@ -50,15 +48,10 @@ def load_adapters(model, adapters: dict[str, str]):
     return peft_model.eval()
 
 
-def prompt_adapters(path: Optional[str], num_prompts: int) -> list[Optional[str]]:
-    """The ``"adapter"`` of each prompt object of a .jsonl prompts file, None where it names none
-    (and for .txt files and the built-in prompts); one entry per prompt, blank lines skipped as
-    the prompt reader skips them."""
-    if path is None or Path(path).suffix != ".jsonl":
+def prompt_adapters(records: Sequence[tuple[int, object]], num_prompts: int) -> list[Optional[str]]:
+    """The ``"adapter"`` of each prompt object of a .jsonl prompts file (``records``: per prompt,
+    its line number and parsed line, ``cli_checks.PromptsFile.records``), None where it names none;
+    all None without records (.txt files, the built-in prompts). One entry per prompt."""
+    if not records:
         return [None] * num_prompts
-    names = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            obj = json.loads(line)
-            names.append(obj.get("adapter") if isinstance(obj, dict) else None)
-    return names
+    return [obj.get("adapter") if isinstance(obj, dict) else None for _, obj in records]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -117,7 +118,23 @@ def prompt_from_json(obj, where: str):
     )
 
 
-def read_prompts(path: str) -> list:
+@dataclass(frozen=True)
+class PromptsFile:
+    """What ``--input`` holds.
+
+    Attributes:
+        path: the file as given.
+        prompts: one per non-empty line (a string, or a chat for ``.jsonl``).
+        records: for a ``.jsonl`` file, per prompt ``(line number, the line's parsed JSON value)``,
+            where per-line options live (``"response_format"``, ``"adapter"``); empty for ``.txt``.
+    """
+
+    path: str
+    prompts: list
+    records: list
+
+
+def read_prompts(path: str) -> PromptsFile:
     """Prompts from a ``.txt`` file (one per non-empty line) or a ``.jsonl`` file (see
     :func:`prompt_from_json`; blank lines skipped). Raises UsageError naming the file and line."""
     p = Path(path)
@@ -131,6 +148,7 @@ def read_prompts(path: str) -> list:
         raise UsageError(f"--input {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:
         raise UsageError(f"--input {path}: cannot be read ({exc.strerror})") from None
+    records = []
     if p.suffix == ".txt":
         prompts = [line for line in text.splitlines() if line.strip()]
     else:
@@ -143,9 +161,10 @@ def read_prompts(path: str) -> list:
             except json.JSONDecodeError as exc:
                 raise UsageError(f"--input {path} line {n}: not valid JSON ({exc})") from None
             prompts.append(prompt_from_json(obj, f"--input {path} line {n}"))
+            records.append((n, obj))
     if not prompts:
         raise UsageError(f"--input {path}: no prompts in the file")
-    return prompts
+    return PromptsFile(path, prompts, records)
 
 
 # --- output, model, engine settings -------------------------------------------------------------------
@@ -269,11 +288,12 @@ def _as_response_format(obj, where: str) -> dict:
     return obj
 
 
-def read_response_formats(response_format: Optional[str], input_path: Optional[str], num_prompts: int):
+def read_response_formats(response_format: Optional[str], source: Optional[PromptsFile], num_prompts: int):
     """One response_format per prompt (None: unconstrained), or None when nothing asks for one:
     the file ``--response-format FILE.json`` for every prompt, overridden by a ``.jsonl`` prompt
-    line's own ``"response_format"``. A file or line may hold a response_format object or a bare
-    JSON schema. Raises UsageError naming the file (and line)."""
+    line's own ``"response_format"`` (``source``: the ``--input`` file read, or None). A file or
+    line may hold a response_format object or a bare JSON schema. Raises UsageError naming the file
+    (and line)."""
     default = None
     if response_format:
         path = Path(response_format)
@@ -284,11 +304,7 @@ def read_response_formats(response_format: Optional[str], input_path: Optional[s
         except json.JSONDecodeError as exc:
             raise UsageError(f"--response-format {path}: not valid JSON ({exc})") from None
     formats = [default] * num_prompts
-    if input_path and Path(input_path).suffix == ".jsonl":
-        lines = Path(input_path).read_text(encoding="utf-8").splitlines()
-        numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]  # prompts skip blank lines
-        for i, (n, line) in enumerate(numbered):
-            obj = json.loads(line)  # read_prompts checked every line already
-            if isinstance(obj, dict) and obj.get("response_format") is not None:
-                formats[i] = _as_response_format(obj["response_format"], f"--input {input_path} line {n}")
+    for i, (n, obj) in enumerate(source.records if source is not None else ()):
+        if isinstance(obj, dict) and obj.get("response_format") is not None:
+            formats[i] = _as_response_format(obj["response_format"], f"--input {source.path} line {n}")
     return formats if any(f is not None for f in formats) else None
