@@ -10,6 +10,7 @@ loaded with ctypes and runs on torch's own OpenMP runtime (the same ``libgomp.so
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -73,6 +74,32 @@ def build_library(source: Path, flags: list[str]) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def read_json(path: Path | str) -> Any:
+    """The JSON value stored at ``path`` (measurements cached beside the kernels), or None when the
+    file is missing, unreadable or not JSON (the caller measures again)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def write_json(path: Path | str, value: Any) -> bool:
+    """Store ``value`` as JSON at ``path`` atomically (a temporary file, then ``os.replace``), so a
+    process reading it concurrently never sees half a file. False (and logged) when it cannot be
+    written: a cache, so nothing fails."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(value))
+        os.replace(tmp, path)
+        return True
+    except OSError as exc:
+        logger.info("could not cache %s (%s)", path.name, exc)
+        return False
 
 
 class LoadedOnce:

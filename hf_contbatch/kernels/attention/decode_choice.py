@@ -5,12 +5,11 @@ faster one kept (``LLMEngine`` builds its KV pools through ``choose_decode_path`
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 
 import torch
 
-from ..native_build import cache_dir, cpu_id
+from ..native_build import cache_dir, cpu_id, read_json, write_json
 from ..paged_cache import AttentionMetadata
 from .cpu_kernel import DECODE_SOURCE, CPUDecodeKernel
 from .torch_paged import torch_paged_attention
@@ -79,15 +78,10 @@ def choose_decode_path(
     geometry = (num_heads, num_kv_heads, head_dim, block_size, str(dtype), torch.get_num_threads())
     key = "|".join(map(str, (cpu_id(), torch.__version__, source, *geometry)))
     path = cache_dir() / f"decode_choice_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    try:
-        times = json.loads(path.read_text())
-    except (OSError, ValueError):
+    times = read_json(path)
+    if not (isinstance(times, dict) and {"kernel", "torch"} <= times.keys()):
         times = measure_decode_paths(kernel, num_heads, num_kv_heads, head_dim, block_size, dtype)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(times))
-        except OSError:
-            pass
+        write_json(path, times)
     kernel.enabled = times["kernel"] <= times["torch"]
     chosen = "compiled kernel" if kernel.enabled else "torch path"
     return (

@@ -21,17 +21,15 @@ in ``native_build.cache_dir()``), so only the first engine on a machine pays for
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..native_build import cache_dir, cpu_id
+from ..native_build import cache_dir, cpu_id, read_json, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -165,26 +163,12 @@ class KernelTuner:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def _load(self) -> dict:
-        if not self.cache_path:
-            return {}
-        try:
-            with open(self.cache_path) as f:
-                data = json.load(f)
-        except (OSError, ValueError):
-            return {}
+        data = read_json(self.cache_path) if self.cache_path else None
         return data if isinstance(data, dict) else {}
 
     def _save(self) -> None:
-        if not self.cache_path:
-            return
-        try:
-            os.makedirs(os.path.dirname(self.cache_path), exist_ok=True)
-            tmp = f"{self.cache_path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(self._timings, f)
-            os.replace(tmp, self.cache_path)  # concurrent processes never read half a file
-        except OSError as exc:
-            logger.info("could not cache the GEMM timings (%s)", exc)
+        if self.cache_path:
+            write_json(self.cache_path, self._timings)
 
     def timings(self, in_features: int, out_features: int, dtype: torch.dtype, buckets: Sequence[int]) -> dict:
         """``{backend: {bucket: seconds per call}}`` for every candidate at ``buckets`` (``inf``
