@@ -17,7 +17,7 @@ import sys
 import time
 
 from . import __version__
-from .config import ATTENTION_BACKENDS, PREEMPTION_MODES  # light: no torch import
+from .config import ATTENTION_BACKENDS, PREEMPTION_MODES, CacheConfig, EngineConfig, SchedulerConfig  # light: no torch
 from .frontends.cli_checks import (
     UsageError,
     check_model,
@@ -326,7 +326,9 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and engine")
     g.add_argument("--dtype", default="float32", choices=DTYPES, help="the weights' dtype (auto: the checkpoint's)")
-    g.add_argument("--block-size", type=int_at_least(1), default=16, metavar="N", help="tokens per KV block")
+    g.add_argument(
+        "--block-size", type=int_at_least(1), default=CacheConfig.block_size, metavar="N", help="tokens per KV block"
+    )
     g.add_argument(
         "--num-blocks",
         type=int_at_least(1),
@@ -345,30 +347,34 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=CacheConfig.enable_prefix_caching,
         help="reuse the KV blocks of repeated prompt prefixes (as vLLM; --no-enable-prefix-caching "
         "recomputes every prompt)",
     )
     g.add_argument(
-        "--max-num-seqs", type=int_at_least(1), default=128, metavar="N", help="most requests running at once"
+        "--max-num-seqs",
+        type=int_at_least(1),
+        default=SchedulerConfig.max_num_seqs,
+        metavar="N",
+        help="most requests running at once",
     )
     g.add_argument(
         "--max-num-batched-tokens",
         type=int_at_least(1),
-        default=1024,
+        default=SchedulerConfig.max_num_batched_tokens,
         metavar="N",
         help="token budget of one step (longer prompts are prefilled in chunks)",
     )
     g.add_argument(
         "--preemption-mode",
-        default="recompute",
+        default=SchedulerConfig.preemption_mode,
         choices=list(PREEMPTION_MODES),
         help="when the pool is full: free a request's blocks and recompute it later, swap them to a host "
         "pool, or choose by cost (auto)",
     )
     g.add_argument(
         "--attention-backend",
-        default="auto",
+        default=EngineConfig.attention_backend,
         choices=list(ATTENTION_BACKENDS),
         help="paged attention kernels (auto: Triton on CUDA where they serve the model, else torch; on CPU "
         "torch with a C decode kernel)",
