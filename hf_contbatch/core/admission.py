@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from ..request import Request, RequestStatus
+from ..request import Request
 from .block_manager import BlockManager
 from .budget import StepBudget
 from .phases import PhaseTimer
@@ -85,7 +85,6 @@ class WaitingAdmission:
         need_seats = 1 + len(req.pending_forks)
         if n == 0 or need_seats > step.seats_left() or need > step.block_limit():
             return False
-        self._queues.take_waiting(req)
         if req.num_computed_tokens == 0 and bm.enable_prefix_caching:
             bm.record_prefix_lookup(req.num_tokens, len(hits) * bm.block_size)
             result.report.num_prefix_hit_tokens += len(hits) * bm.block_size
@@ -93,9 +92,7 @@ class WaitingAdmission:
                 req.num_cached_prompt_tokens = len(hits) * bm.block_size
         req.num_computed_tokens = computed
         self._allocate_slots(req, n, prefix_blocks=hits)
-        step.block_budget -= need
-        req.status = RequestStatus.RUNNING
-        self._queues.running.append(req)
-        step.add_row(ScheduledRequest.for_tokens(req, n))
+        self._queues.admit_waiting(req)
+        step.schedule(ScheduledRequest.for_tokens(req, n), blocks=need)
         result.report.admitted.append(req)
         return True

@@ -20,7 +20,9 @@ __all__ = ["StepBudget"]
 
 
 class StepBudget:
-    """The budget of one iteration, spent by admit and preempt.
+    """The budget of one iteration, spent by admit and preempt. The only code that changes the
+    token and block budgets: the sub-steps call its verbs and read ``token_budget`` and
+    ``block_budget``.
 
     Args:
         queues: the scheduler's queues (read: the running requests and the forks they are owed).
@@ -30,9 +32,7 @@ class StepBudget:
 
     Attributes:
         rows: the requests scheduled so far with their token counts, in the order they were
-            planned (the layout order is set when the plan is finished).
-        token_budget: tokens left of ``max_num_batched_tokens``.
-        block_budget: blocks left for admissions (free - reservations - watermark; may be negative).
+            planned (the layout order is set when the plan is finished); read only outside.
         forks: parents whose forks are reserved for this step.
         detached_forks: parents whose forks do not fit now; admit queues the forks as independent
             waiting requests.
@@ -51,14 +51,25 @@ class StepBudget:
         self._config = config
         self._watermark_blocks = watermark_blocks
         self.rows: list[ScheduledRequest] = []
-        self.token_budget = config.max_num_batched_tokens
-        self.block_budget = 0
+        self._tokens = config.max_num_batched_tokens
+        self._blocks = 0
         self.forks: list[Request] = []
         self.detached_forks: list[Request] = []
         self.swap_ins: list[tuple[Request, int]] = []
         self.swap_barrier_rank: Optional[Rank] = None
         self.kv_arrives: set[int] = set()
 
+    @property
+    def token_budget(self) -> int:
+        """Tokens left of ``max_num_batched_tokens``."""
+        return self._tokens
+
+    @property
+    def block_budget(self) -> int:
+        """Blocks left for admissions (free - reservations - watermark; may be negative)."""
+        return self._blocks
+
+    # --- reading -----------------------------------------------------------------------------------
     def tokens_to_schedule(self, req: Request, computed: Optional[int] = None, stop_at_fork: bool = True) -> int:
         """Tokens ``req`` may run this step: what it lacks after ``computed`` (default: its
         ``num_computed_tokens``) tokens, within the token budget and ``long_prefill_token_threshold``.
@@ -68,7 +79,7 @@ class StepBudget:
         todo = req.num_tokens - computed
         if stop_at_fork and req.pending_forks:
             todo = req.num_prompt_tokens - 1 - computed
-        n = min(todo, self.token_budget)
+        n = min(todo, self._tokens)
         if self._config.long_prefill_token_threshold is not None:
             n = min(n, self._config.long_prefill_token_threshold)
         return max(n, 0)
@@ -76,16 +87,14 @@ class StepBudget:
     def reservation(self, rows: list[ScheduledRequest]) -> int:
         """Blocks the requests of ``rows`` still need for this step's tokens."""
         bm = self._block_manager
-        return sum(
-            bm.num_blocks_needed(s.request.request_id, s.request.num_computed_tokens + s.num_new_tokens) for s in rows
-        )
+        return sum(bm.num_blocks_needed(s.request_id, s.start_position + s.num_new_tokens) for s in rows)
 
     def block_limit(self, alone: bool = False) -> int:
         """Blocks an admission may take: the block budget, plus the watermark when nothing else
         runs (``alone``, or no running request, reserved fork or swap-in): the watermark then has
         nobody to protect."""
         alone = alone or not (self._queues.running or self.forks or self.swap_ins)
-        return self.block_budget + (self._watermark_blocks if alone else 0)
+        return self._blocks + (self._watermark_blocks if alone else 0)
 
     def seats_left(self) -> int:
         """``max_num_seqs`` minus running requests, the forks they are owed, and reserved swap-ins
@@ -94,14 +103,52 @@ class StepBudget:
         reserved = sum(1 + len(r.pending_forks) for r, _ in self.swap_ins)
         return self._config.max_num_seqs - len(self._queues.running) - owed - reserved
 
-    def add_row(self, row: ScheduledRequest) -> None:
-        """Schedule ``row``, spending its tokens (its blocks are the caller's to count)."""
-        self.rows.append(row)
-        self.token_budget -= row.num_new_tokens
+    # --- the verbs that change the budget ---------------------------------------------------------
+    def open_blocks(self, num_free_blocks: int) -> None:
+        """Budget step: the block budget is ``num_free_blocks`` minus the blocks the rows planned so
+        far need for this step's tokens, minus the watermark."""
+        self._blocks = num_free_blocks - self.reservation(self.rows) - self._watermark_blocks
 
-    def remove_rows_of(self, req: Request) -> list[ScheduledRequest]:
+    def schedule(self, row: ScheduledRequest, blocks: int = 0) -> None:
+        """Plan ``row``, spending its tokens and ``blocks``."""
+        self.rows.append(row)
+        self._tokens -= row.num_new_tokens
+        self._blocks -= blocks
+
+    def schedule_reserved(self, row: ScheduledRequest) -> None:
+        """Plan ``row`` of a fork or swap-in whose tokens and blocks were reserved at the budget step."""
+        self.rows.append(row)
+
+    def replace_row(self, index: int, row: ScheduledRequest, blocks: int = 0) -> None:
+        """Put ``row`` in place of ``rows[index]`` (a decode that takes drafts), spending the extra
+        tokens and ``blocks``."""
+        self._tokens -= row.num_new_tokens - self.rows[index].num_new_tokens
+        self.rows[index] = row
+        self._blocks -= blocks
+
+    def unschedule(self, req: Request) -> list[ScheduledRequest]:
         """Take ``req`` out of this step's rows, giving its tokens back; returns its rows."""
         removed = [s for s in self.rows if s.request is req]
         self.rows[:] = [s for s in self.rows if s.request is not req]
-        self.token_budget += sum(s.num_new_tokens for s in removed)
+        self._tokens += sum(s.num_new_tokens for s in removed)
         return removed
+
+    def reserve_fork(self, parent: Request, tokens: int, blocks: int) -> None:
+        """Reserve ``parent``'s due forks: ``tokens`` (one per sequence) and ``blocks``."""
+        self.forks.append(parent)
+        self._tokens -= tokens
+        self._blocks -= blocks
+
+    def reserve_swap_in(self, req: Request, tokens: int, blocks: int) -> None:
+        """Reserve the resumption of swapped ``req`` with ``tokens`` tokens in ``blocks`` blocks."""
+        self.swap_ins.append((req, tokens))
+        self._tokens -= tokens
+        self._blocks -= blocks
+
+    def take_blocks(self, blocks: int) -> None:
+        """Spend ``blocks`` (an admission's blocks after its prefix-cache hits)."""
+        self._blocks -= blocks
+
+    def give_back_blocks(self, blocks: int) -> None:
+        """Return ``blocks`` (what a preempted request held or had reserved)."""
+        self._blocks += blocks

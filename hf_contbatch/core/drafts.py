@@ -60,9 +60,7 @@ class Drafts:
             drafts = self._propose(req, min(step.token_budget, room))
             if drafts:
                 extra = bm.blocks_for_tokens(req.num_tokens + len(drafts)) - held
-                step.rows[i] = ScheduledRequest(req, 1 + len(drafts), True, drafts)
-                step.token_budget -= len(drafts)
-                step.block_budget -= extra
+                step.replace_row(i, ScheduledRequest.for_tokens(req, 1 + len(drafts), drafts), blocks=extra)
 
     def _propose(self, req: Request, room: int) -> list[int]:
         """Prompt-lookup drafts for a decoding request (``SamplingParams.can_draft``), at most

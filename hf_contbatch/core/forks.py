@@ -81,17 +81,15 @@ class Forks:
             need = k + (1 if parent.num_computed_tokens % self._block_manager.block_size == 0 else 0)
             alone = queues.running == [parent] and not step.forks
             if k + 1 <= step.token_budget and need <= step.block_limit(alone):
-                step.forks.append(parent)
-                step.token_budget -= k + 1
-                step.block_budget -= need
+                step.reserve_fork(parent, k + 1, need)
                 continue
             step.detached_forks.append(parent)
             if parent.cancel_requested:
                 continue  # admit finishes it: it lived on only for its forks
             n = step.tokens_to_schedule(parent, stop_at_fork=False)
             if n:
-                step.add_row(ScheduledRequest.for_tokens(parent, n))
-                step.block_budget -= step.reservation(step.rows[-1:])
+                row = ScheduledRequest.for_tokens(parent, n)
+                step.schedule(row, blocks=step.reservation([row]))
 
     def admit(self, result: StepResult, step: StepBudget) -> None:
         """Admit sub-step: queue the detached forks as waiting requests, then fork the reserved
@@ -118,10 +116,9 @@ class Forks:
             copy = self._allocate_slots(child, 0, fork_of=parent)
             if copy is not None:
                 result.plan.blocks_to_copy.append(copy)
-            child.status = RequestStatus.RUNNING
-            self._queues.running.append(child)
+            self._queues.start_running(child)
             step.kv_arrives.add(child.request_id)
-            step.rows.append(ScheduledRequest.for_tokens(child, 1))  # its token was reserved
+            step.schedule_reserved(ScheduledRequest.for_tokens(child, 1))
             result.report.forked.append(child)
         self._counters.num_forks += len(children)
         if parent.cancel_requested:
@@ -129,7 +126,7 @@ class Forks:
             # made after this step's swap-ins, which must not be handed that block.
             parent.status = RequestStatus.FINISHED_CANCELLED
         else:
-            step.rows.append(ScheduledRequest.for_tokens(parent, 1))
+            step.schedule_reserved(ScheduledRequest.for_tokens(parent, 1))
 
     def _finish_cancelled_parent(self, parent: Request) -> None:
         """A cancelled parent whose forks were detached lived on only to compute their prefix. Its

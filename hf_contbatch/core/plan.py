@@ -9,42 +9,110 @@ vLLM v1, the runner's input carries no bookkeeping it does not use.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 from ..request import Request
 
-__all__ = ["ScheduledRequest", "SchedulerCounters", "StepPlan", "StepReport", "StepResult"]
+__all__ = ["RunnerOutput", "ScheduledRequest", "SchedulerCounters", "StepPlan", "StepReport", "StepResult"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduledRequest:
-    """One request's part of a step: ``num_new_tokens`` rows of the flattened batch.
+    """One request's part of a step, ``num_new_tokens`` rows of the flattened batch: a value the
+    model runner builds its inputs from without reading the block manager or the live request.
+
+    The scheduler creates a row when it plans the request (``for_tokens``; the ids and positions
+    are fixed then) and adds the block table once every planned request has its blocks
+    (``with_blocks``, at the end of the preempt step).
 
     Attributes:
-        request: the request.
+        request: the live request, for the scheduler after the forward and for the sampler
+            (sampling parameters, logits processors, grammar). The runner's input building never
+            reads it; everything it needs is in the fields below.
         num_new_tokens: tokens whose KV this step computes.
         samples: True when this step completes the request's known tokens, so a token is sampled.
         draft_token_ids: prompt-lookup drafts that follow the request's last token this step
             (speculative decoding): ``num_new_tokens == 1 + len(draft_token_ids)``, and every row
             yields a greedy token.
+        request_id: the request's id.
+        token_ids: the ``num_new_tokens`` input token ids, in row order (a request verifying drafts:
+            its last token, then the drafts).
+        start_position: position of the first new token: the request's ``num_computed_tokens``
+            when it was planned.
+        is_decode: one query token that is the request's last known token (not a 1-token prefill
+            chunk). Decodes come first in a step's batch; attention serves them batched.
+        block_ids: the request's block table (device block ids) when the plan was finished; it
+            covers ``start_position + num_new_tokens`` tokens. Empty until ``with_blocks``.
+        prompt_logprobs: ``SamplingParams.prompt_logprobs``: positions ``p`` with ``p + 1`` in
+            ``[prompt_logprobs, num_prompt_tokens)`` score the next prompt token (0: none).
+        num_prompt_tokens: the prompt's length (bounds the scored positions).
+        score_token_ids: the prompt token ids this step's rows score, one per scored row, in row
+            order (``scored_positions``).
+        score_token_id: the token the sampling row scores (``SamplingParams.score_token_id`` while
+            no token has been generated), else None.
+        adapter_name: the LoRA adapter the rows run (None: the base model).
     """
 
-    request: Request
+    request: Request = field(repr=False, compare=False)
     num_new_tokens: int
     samples: bool
-    draft_token_ids: list[int] = field(default_factory=list)
+    draft_token_ids: tuple[int, ...] = ()
+    request_id: int = -1
+    token_ids: tuple[int, ...] = ()
+    start_position: int = 0
+    is_decode: bool = False
+    block_ids: tuple[int, ...] = ()
+    prompt_logprobs: int = 0
+    num_prompt_tokens: int = 0
+    score_token_ids: tuple[int, ...] = ()
+    score_token_id: Optional[int] = None
+    adapter_name: Optional[str] = None
 
     @classmethod
-    def for_tokens(cls, request: Request, num_new_tokens: int) -> "ScheduledRequest":
-        """``num_new_tokens`` more tokens of ``request``; it samples when they complete its known
-        tokens (decided now: ``num_computed_tokens`` advances after the forward)."""
-        return cls(request, num_new_tokens, request.num_computed_tokens + num_new_tokens == request.num_tokens)
+    def for_tokens(
+        cls, request: Request, num_new_tokens: int, draft_token_ids: Sequence[int] = ()
+    ) -> "ScheduledRequest":
+        """``num_new_tokens`` more tokens of ``request`` from its ``num_computed_tokens`` (with
+        ``draft_token_ids``: its last token and those drafts, ``num_new_tokens == 1 + len(drafts)``).
+        It samples when they complete its known tokens (decided now: ``num_computed_tokens``
+        advances after the forward)."""
+        start = request.num_computed_tokens
+        drafts = tuple(draft_token_ids)
+        if drafts:
+            token_ids = (request.all_token_ids[-1], *drafts)
+        else:
+            token_ids = tuple(request.all_token_ids[start : start + num_new_tokens])
+        sp = request.sampling
+        k = int(sp.prompt_logprobs)
+        num_prompt = request.num_prompt_tokens
+        scored = ()
+        if k:  # position p predicts prompt token p + 1, for p + 1 in [k, num_prompt_tokens)
+            lo, hi = max(start, k - 1), min(start + num_new_tokens, num_prompt - 1)
+            scored = tuple(request.prompt_token_ids[lo + 1 : hi + 1]) if hi > lo else ()
+        samples = bool(drafts) or start + num_new_tokens == request.num_tokens
+        score_token_id = sp.score_token_id if samples and not drafts and not request.output_token_ids else None
+        return cls(
+            request,
+            num_new_tokens,
+            samples,
+            drafts,
+            request.request_id,
+            token_ids,
+            start,
+            num_new_tokens == 1 and not request.is_prefill,
+            (),
+            k,
+            num_prompt,
+            scored,
+            score_token_id,
+            sp.adapter_name,
+        )
 
-    @property
-    def is_decode(self) -> bool:
-        """One query token that is the request's last known token (not a 1-token prefill chunk).
-        Decodes come first in a step's batch; attention serves them batched."""
-        return self.num_new_tokens == 1 and not self.request.is_prefill
+    def with_blocks(self, block_ids: Sequence[int]) -> "ScheduledRequest":
+        """This row with the request's block table ``block_ids``."""
+        return dataclasses.replace(self, block_ids=tuple(block_ids))
 
     @property
     def is_speculative(self) -> bool:
@@ -52,19 +120,30 @@ class ScheduledRequest:
         so these come right after the decodes."""
         return bool(self.draft_token_ids)
 
+    @property
+    def scored_positions(self) -> range:
+        """Positions of this step whose next prompt token is scored (``prompt_logprobs``), the
+        targets being ``p + 1``; empty when the request scores none."""
+        if not self.prompt_logprobs:
+            return range(0)
+        start = self.start_position
+        lo = max(start, self.prompt_logprobs - 1)
+        return range(lo, max(lo, min(start + self.num_new_tokens, self.num_prompt_tokens - 1)))
+
 
 @dataclass
 class StepPlan:
     """One iteration's plan: what the engine and the model runner execute.
 
     The engine applies the block mappings in this order before the forward: swap in, swap out, copy
-    (``LLMEngine._move_blocks``); the scheduler hands out only blocks that this order makes safe.
+    (``kv_pools.move_blocks``); the scheduler hands out only blocks that this order makes safe.
 
     Attributes:
         iteration: the iteration number.
         scheduled: the requests of the flattened batch in layout order: decodes (one token each),
             then requests verifying drafts (``1 + len(draft_token_ids)`` tokens), then prefill
-            chunks.
+            chunks; each row carries its token ids, first position and block table, so the runner
+            needs nothing else.
         blocks_to_swap_in: (host block, device block) pairs.
         blocks_to_swap_out: (device block, host block) pairs.
         blocks_to_copy: (src, dst) device block pairs (copy-on-write of a forked partial block).
@@ -87,6 +166,12 @@ class StepPlan:
         return sum(1 for s in self.scheduled if s.is_decode)
 
     @property
+    def sampling(self) -> list[ScheduledRequest]:
+        """The rows that sample one token this step (requests verifying drafts excepted), in
+        layout order."""
+        return [s for s in self.scheduled if s.samples and not s.draft_token_ids]
+
+    @property
     def drafting(self) -> list[ScheduledRequest]:
         """The requests verifying drafts this step, in layout order."""
         return [s for s in self.scheduled if s.draft_token_ids]
@@ -99,6 +184,33 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class RunnerOutput:
+    """What one step's forward produced (``ModelRunner.execute``), for
+    ``Scheduler.update_from_output``.
+
+    Attributes:
+        sampled: ``{request_id: token}`` for each sampling row (``StepPlan.sampling``).
+        greedy: ``{request_id: [token per row]}`` for each request verifying drafts: the greedy
+            token after its last token and after each draft (``1 + len(draft_token_ids)`` tokens).
+        prompt_logprobs: ``{request_id: [(position, log-prob, is_argmax), ...]}``: the log-prob of
+            the token at ``position`` given the ones before it (prompt tokens of
+            ``SamplingParams.prompt_logprobs``; ``num_prompt_tokens`` for ``score_token_id``), and
+            whether it was the argmax.
+    """
+
+    sampled: dict[int, int] = field(default_factory=dict)
+    greedy: dict[int, list[int]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[tuple[int, float, bool]]] = field(default_factory=dict)
+
+    def merge(self, other: "RunnerOutput") -> None:
+        """Add ``other``'s entries (another part of the same step's requests)."""
+        self.sampled.update(other.sampled)
+        self.greedy.update(other.greedy)
+        for rid, scores in other.prompt_logprobs.items():
+            self.prompt_logprobs.setdefault(rid, []).extend(scores)
 
 
 @dataclass

@@ -81,14 +81,13 @@ class Preemption:
         """Take ``req`` out of running and out of this step's rows, by swap or recompute
         (``Swap.choose_mode``); its tokens and blocks return to the step's budget."""
         bm = self._block_manager
-        reserved = step.reservation(step.remove_rows_of(req))
+        reserved = step.reservation(step.unschedule(req))
         before = bm.num_free_blocks
         if req.request_id in step.kv_arrives:  # its swap-in or fork copy is moot now
             table = set(bm.get_block_table(req.request_id))
             plan = result.plan
             plan.blocks_to_swap_in[:] = [p for p in plan.blocks_to_swap_in if p[1] not in table]
             plan.blocks_to_copy[:] = [p for p in plan.blocks_to_copy if p[1] not in table]
-        self._queues.running.remove(req)
         req.num_preemptions += 1  # before re-queuing: the queue position must see an escalation
         self._counters.num_preemptions += 1
         mode, fell_back = self._swap.choose_mode(req, step)
@@ -99,8 +98,8 @@ class Preemption:
             bm.free(req.request_id)
             req.num_computed_tokens = 0
             self._counters.num_recompute_preemptions += 1
-            self._queues.add_waiting(req)
-        step.block_budget += reserved + bm.num_free_blocks - before
+            self._queues.preempt_to_waiting(req)
+        step.give_back_blocks(reserved + bm.num_free_blocks - before)
         result.report.preempted.append(req)
 
     def _choose_victim(self) -> Optional[Request]:
@@ -120,7 +119,6 @@ class Preemption:
         for s in sorted(step.rows, key=lambda s: self._queues.rank(s.request), reverse=True):
             if step.reservation(step.rows) <= self._block_manager.num_free_blocks:
                 return
-            step.rows.remove(s)
-            step.token_budget += s.num_new_tokens
+            step.unschedule(s.request)
             s.request.status = RequestStatus.FINISHED_LENGTH
             self._counters.num_pool_wall_stops += 1

@@ -36,6 +36,10 @@ class Rank(NamedTuple):
 class RequestQueues:
     """Waiting, running and swapped requests; the waiting and swapped queues sorted by rank.
 
+    The only code that moves requests between queues (and sets the queue statuses WAITING, RUNNING,
+    SWAPPED): the scheduler's sub-steps call its verbs and only read ``waiting``, ``running`` and
+    ``swapped``.
+
     Args:
         config: the scheduler limits (``aging_seconds`` and ``max_preemptions`` shape the rank).
         epoch: the clock reading (seconds) that aging counts arrival from.
@@ -66,21 +70,65 @@ class RequestQueues:
         req.status = RequestStatus.SWAPPED
         bisect.insort(self.swapped, req, key=self.rank)
 
-    def take_waiting(self, req: Request) -> None:
-        """Remove ``req`` (this very object) from the waiting queue."""
-        del self.waiting[next(i for i, r in enumerate(self.waiting) if r is req)]
+    def start_running(self, req: Request) -> None:
+        """Run ``req``, which is in no queue (a sequence forked off its parent)."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def admit_waiting(self, req: Request) -> None:
+        """Move ``req`` (this very object) from the waiting queue to running."""
+        del self.waiting[_index(self.waiting, req)]
+        self.start_running(req)
+
+    def swap_in(self, req: Request) -> None:
+        """Move ``req`` from the swapped queue to running (its KV comes back this step)."""
+        del self.swapped[_index(self.swapped, req)]
+        self.start_running(req)
+
+    def preempt_to_waiting(self, req: Request) -> None:
+        """Move running ``req`` to the waiting queue, by rank (recompute preemption)."""
+        del self.running[_index(self.running, req)]
+        self.add_waiting(req)
+
+    def swap_out(self, req: Request) -> None:
+        """Move running ``req`` to the swapped queue, by rank (its KV is in the host pool now)."""
+        del self.running[_index(self.running, req)]
+        self.add_swapped(req)
+
+    def remove(self, gone: list[Request]) -> None:
+        """Take the requests of ``gone`` (finished or cancelled: the reap step) out of every queue."""
+        ids = {id(r) for r in gone}
+        for queue in (self.running, self.swapped, self.waiting):
+            queue[:] = [r for r in queue if id(r) not in ids]
+
+    def clear(self) -> None:
+        """Empty every queue."""
+        for queue in (self.running, self.swapped, self.waiting):
+            queue.clear()
 
     @property
     def has_work(self) -> bool:
         """True while any request is waiting, running or swapped out."""
         return bool(self.waiting or self.running or self.swapped)
 
+    def queued(self) -> list[Request]:
+        """Every queued request: running, swapped, then waiting (pending forks not included)."""
+        return self.running + self.swapped + self.waiting
+
     def all_requests(self) -> list[Request]:
         """Every unfinished request: running, swapped, waiting, then their pending forks."""
-        queued = self.running + self.swapped + self.waiting
+        queued = self.queued()
         return queued + [c for r in queued for c in r.pending_forks]
 
     def preemptible(self) -> list[Request]:
         """Running requests that may be preempted."""
         # A parent cancelled at its fork is finished but holds blocks until the next reap.
         return [r for r in self.running if not r.status.is_finished]
+
+
+def _index(queue: list[Request], req: Request) -> int:
+    """Position of this very object in ``queue`` (``ValueError`` if absent)."""
+    for i, r in enumerate(queue):
+        if r is req:
+            return i
+    raise ValueError(f"request {req.request_id} is not in the queue")

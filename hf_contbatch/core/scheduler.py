@@ -31,7 +31,7 @@ from .budget import StepBudget
 from .drafts import Drafts
 from .forks import Forks
 from .phases import PHASES, PhaseTimer
-from .plan import ScheduledRequest, SchedulerCounters, StepPlan, StepReport, StepResult
+from .plan import RunnerOutput, ScheduledRequest, SchedulerCounters, StepPlan, StepReport, StepResult
 from .preemption import Preemption
 from .queues import Rank, RequestQueues
 from .swap import Swap
@@ -137,8 +137,7 @@ class Scheduler:
             self.host_block_manager.free(req.request_id)
             self.drafts.forget(req.request_id)
             req.pending_forks = []
-        for queue in (self.queues.running, self.queues.swapped, self.queues.waiting):
-            queue.clear()
+        self.queues.clear()
         return dropped
 
     # --- the iteration ---------------------------------------------------------------------------
@@ -173,21 +172,19 @@ class Scheduler:
     def reap(self) -> list[Request]:
         """Step 1: drop finished and cancelled requests (any queue) and free their blocks at once."""
         reaped: list[Request] = []
-        for queue in (self.queues.running, self.queues.swapped, self.queues.waiting):
-            keep = []
-            for req in queue:
-                if req.pending_forks:
-                    reaped += self.forks.reap_pending(req)
-                if req.cancel_requested and not req.status.is_finished and not req.pending_forks:
-                    req.status = RequestStatus.FINISHED_CANCELLED
-                if req.status.is_finished:
-                    self.block_manager.free(req.request_id)
-                    self.host_block_manager.free(req.request_id)
-                    self.drafts.forget(req.request_id)
-                    reaped.append(req)
-                else:
-                    keep.append(req)
-            queue[:] = keep
+        gone: list[Request] = []
+        for req in self.queues.queued():
+            if req.pending_forks:
+                reaped += self.forks.reap_pending(req)
+            if req.cancel_requested and not req.status.is_finished and not req.pending_forks:
+                req.status = RequestStatus.FINISHED_CANCELLED
+            if req.status.is_finished:
+                self.block_manager.free(req.request_id)
+                self.host_block_manager.free(req.request_id)
+                self.drafts.forget(req.request_id)
+                reaped.append(req)
+                gone.append(req)
+        self.queues.remove(gone)
         return reaped
 
     def budget(self, report: StepReport) -> StepBudget:
@@ -199,9 +196,9 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: (r.is_prefill, self.rank(r))):
             n = step.tokens_to_schedule(req)
             if n:
-                step.add_row(ScheduledRequest.for_tokens(req, n))
+                step.schedule(ScheduledRequest.for_tokens(req, n))
         free = self.block_manager.num_free_blocks
-        step.block_budget = free - step.reservation(step.rows) - self._watermark_blocks
+        step.open_blocks(free)
         self.forks.reserve(step)
         self.swap.reserve_swap_ins(step)
         report.budget_blocks = step.block_budget
@@ -226,9 +223,11 @@ class Scheduler:
 
     def finish_plan(self, result: StepResult, step: StepBudget) -> None:
         """Put the rows into the plan in the layout attention metadata expects (decodes, then
-        requests verifying drafts, then prefill chunks) and check the iteration's invariants."""
-        step.rows.sort(key=lambda s: 0 if s.is_decode else 1 if s.is_speculative else 2)
-        result.plan.scheduled = step.rows
+        requests verifying drafts, then prefill chunks), each with its block table as it is now,
+        and check the iteration's invariants."""
+        rows = sorted(step.rows, key=lambda s: 0 if s.is_decode else 1 if s.is_speculative else 2)
+        bm = self.block_manager
+        result.plan.scheduled = [s.with_blocks(bm.get_block_table(s.request_id)) for s in rows]
         assert step.token_budget >= 0, "token budget overspent"
         assert result.plan.num_batched_tokens <= self.config.max_num_batched_tokens, "token budget exceeded"
         assert len(self.running) <= self.config.max_num_seqs, "max_num_seqs exceeded"
@@ -262,15 +261,17 @@ class Scheduler:
     def update_from_output(
         self,
         plan: StepPlan,
-        sampled: dict,
+        output: RunnerOutput,
         on_token: Optional[Callable[[Request], bool]] = None,
     ) -> list[Request]:
-        """Advance ``num_computed_tokens``, append sampled tokens; return requests that got a token.
+        """Record prompt log-probs, advance ``num_computed_tokens``, append sampled tokens; return
+        requests that got a token.
 
         Args:
             plan: the step's plan.
-            sampled: ``{request_id: token}``; for a request with drafts, ``{request_id: [token per
-                row]}``, the greedy token after its last token and after each draft.
+            output: the forward's tokens: ``sampled[request_id]`` for a sampling row,
+                ``greedy[request_id]`` for a request with drafts (the greedy token after its last
+                token and after each draft), and the scored prompt positions' log-probs.
             on_token: called after each appended token (the engine's stop checks and streaming);
                 True means the request finished and gets no further token of this step.
 
@@ -281,12 +282,15 @@ class Scheduler:
         """
         advanced = []
         bm = self.block_manager
+        if output.prompt_logprobs:
+            _record_prompt_logprobs(plan, output.prompt_logprobs)
+        sampled = output.sampled
         for s in plan.scheduled:
             req = s.request
             if req.status.is_finished:
                 continue
             if s.draft_token_ids:
-                self.drafts.accept(s, sampled[req.request_id], on_token)
+                self.drafts.accept(s, output.greedy[req.request_id], on_token)
                 advanced.append(req)
             else:
                 req.num_computed_tokens += s.num_new_tokens
@@ -302,3 +306,17 @@ class Scheduler:
                     req.request_id, req.all_token_ids, req.block_hashes, req.num_computed_tokens, req.prefix_cache_key
                 )
         return advanced
+
+
+def _record_prompt_logprobs(plan: StepPlan, scores: dict[int, list[tuple[int, float, bool]]]) -> None:
+    """Store (log-prob, is_argmax) per scored position in ``Request.prompt_logprobs`` (a list of
+    ``num_prompt_tokens + 1`` entries, None where nothing was scored)."""
+    for s in plan.scheduled:
+        got = scores.get(s.request_id)
+        if not got:
+            continue
+        req = s.request
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = [None] * (req.num_prompt_tokens + 1)
+        for position, logprob, is_argmax in got:
+            req.prompt_logprobs[position] = (logprob, is_argmax)

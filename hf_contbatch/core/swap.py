@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from ..config import SchedulerConfig
-from ..request import Request, RequestStatus
+from ..request import Request
 from .block_manager import BlockManager
 from .budget import StepBudget
 from .plan import ScheduledRequest, SchedulerCounters, StepResult
@@ -71,9 +71,7 @@ class Swap:
             if n == 0 or step.seats_left() < 1 + len(req.pending_forks) or need > step.block_limit():
                 step.swap_barrier_rank = rank(req)
                 return
-            step.swap_ins.append((req, n))
-            step.token_budget -= n
-            step.block_budget -= need
+            step.reserve_swap_in(req, n, need)
 
     def swap_in(self, result: StepResult, step: StepBudget) -> None:
         """Admit sub-step: resume the reserved swapped requests; their host blocks are free at once
@@ -85,11 +83,9 @@ class Swap:
             result.plan.blocks_to_swap_in.extend(zip(host_table, device_table))
             self._host_block_manager.free(req.request_id)
             self._counters.num_blocks_swapped_in += len(host_table)
-            self._queues.swapped.remove(req)
-            req.status = RequestStatus.RUNNING
-            self._queues.running.append(req)
+            self._queues.swap_in(req)
             step.kv_arrives.add(req.request_id)
-            step.rows.append(ScheduledRequest.for_tokens(req, n))  # its tokens were reserved
+            step.schedule_reserved(ScheduledRequest.for_tokens(req, n))
             result.report.swapped_in.append(req)
 
     def choose_mode(self, req: Request, step: StepBudget) -> tuple[str, bool]:
@@ -118,7 +114,8 @@ class Swap:
         return ("swap" if self.swap_cost_per_block * blocks < tokens_to_recompute else "recompute"), False
 
     def swap_out(self, result: StepResult, req: Request) -> None:
-        """Preempt sub-step: move ``req``'s computed KV to the host pool and queue it as swapped."""
+        """Preempt sub-step: move running ``req``'s computed KV to the host pool and queue it as
+        swapped."""
         bm = self._block_manager
         blocks = bm.blocks_for_tokens(req.num_computed_tokens)
         host_table = self._host_block_manager.allocate(req.request_id, blocks * bm.block_size)
@@ -127,5 +124,5 @@ class Swap:
         bm.free(req.request_id)
         self._counters.num_blocks_swapped_out += blocks
         self._counters.num_swap_preemptions += 1
-        self._queues.add_swapped(req)
+        self._queues.swap_out(req)
         result.report.swapped_out.append(req)

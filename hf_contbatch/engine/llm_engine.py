@@ -165,7 +165,9 @@ class LLMEngine:
             draft_filter=self.grammars.draft_prefix,
         )
         self.sampler = Sampler(seeded_generator(cfg.seed), self.grammars)
-        self.runner = ModelRunner(model, self.cache, bm, self.device, self.sampler)
+        self.runner = ModelRunner(
+            model, self.cache, self.device, self.sampler, bm.block_size, cfg.scheduler.max_num_batched_tokens
+        )
         self.patches = ModelPatches(model, cfg, self.cache, self.runner)  # linears, attention, compiled forward
         self.packed_linears, self.compiled_forward = self.patches.packed_linears, self.patches.compiled_forward
         self.request_factory = RequestFactory(
@@ -349,12 +351,12 @@ class LLMEngine:
         move_blocks(self.cache, plan)
         swap_seconds = time.monotonic() - t_move
         # A failing forward is narrowed down to the requests that fail alone; the others advance.
-        sampled, failed = execute_isolating_failures(self.runner.execute, plan)
+        output, failed = execute_isolating_failures(self.runner.execute, plan)
         with self._state_lock:
             for s, exc in failed:
                 _fail_in_step(s.request, exc)
             now = time.monotonic()
-            sched.update_from_output(plan, sampled, on_token=lambda req: self._on_new_token(req, now))
+            sched.update_from_output(plan, output, on_token=lambda req: self._on_new_token(req, now))
             timer.charge("decode")
             result.report.phases = list(timer.as_tuple())
             used = self.block_manager.num_used_blocks

@@ -251,13 +251,14 @@ class KVPoolSizer:
         for i, n in enumerate(lengths):
             req = Request(request_id=-1 - i, prompt_token_ids=[0] * n, sampling=SamplingParams(max_new_tokens=1))
             probe_bm.allocate(req.request_id, n)
-            plan.scheduled.append(ScheduledRequest.for_tokens(req, n))
+            row = ScheduledRequest.for_tokens(req, n)
+            plan.scheduled.append(row.with_blocks(probe_bm.get_block_table(req.request_id)))
         previous = getattr(self.model.config, "_attn_implementation", None)
         register_attention()
         self.model.set_attn_implementation(ATTENTION_NAME)
         try:
             sampler = Sampler(torch.Generator(device="cpu"))
-            ModelRunner(self.model, probe, probe_bm, self.device, sampler).execute(plan)
+            ModelRunner(self.model, probe, self.device, sampler, bs, budget).execute(plan)
             for d in {d for d in layer_devices if d.type == "cuda"}:
                 torch.cuda.synchronize(d)
         finally:

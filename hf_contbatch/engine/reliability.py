@@ -21,7 +21,7 @@ import threading
 from typing import Callable, Optional, Sequence
 
 from ..config import is_int
-from ..core.plan import ScheduledRequest, StepPlan
+from ..core.plan import RunnerOutput, ScheduledRequest, StepPlan
 from ..request import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -94,8 +94,8 @@ def check_request(prompt_token_ids: Sequence[int], sampling: SamplingParams, voc
 
 
 def execute_isolating_failures(
-    execute: Callable[[StepPlan], dict], plan: StepPlan
-) -> tuple[dict[int, int], list[tuple[ScheduledRequest, Exception]]]:
+    execute: Callable[[StepPlan], RunnerOutput], plan: StepPlan
+) -> tuple[RunnerOutput, list[tuple[ScheduledRequest, Exception]]]:
     """Run ``execute(plan)``; if it raises, run the step's requests again in halves until each
     failing group is one request, which fails alone.
 
@@ -107,29 +107,28 @@ def execute_isolating_failures(
     generator draws different (equally valid) random numbers than without the failure.
 
     Args:
-        execute: ``ModelRunner.execute``: a ``StepPlan`` to ``{request_id: token}``.
+        execute: ``ModelRunner.execute``: a ``StepPlan`` to its ``RunnerOutput``.
         plan: the step's plan (not modified); each retry runs a copy with part of its requests.
 
     Returns:
-        ``({request_id: sampled token}, [(ScheduledRequest, exception), ...])`` for the requests
-        that completed and those that failed even when run alone.
+        ``(RunnerOutput, [(ScheduledRequest, exception), ...])`` for the requests that completed and those that failed even when run alone.
     """
     try:
         return execute(plan), []
     except Exception as exc:  # noqa: BLE001 - isolated below, then reported per request
         if len(plan.scheduled) <= 1:
-            return {}, [(s, exc) for s in plan.scheduled]
+            return RunnerOutput(), [(s, exc) for s in plan.scheduled]
         logger.warning(
             "a step of %d requests failed (%r); running them again in smaller groups", len(plan.scheduled), exc
         )
-    sampled: dict[int, int] = {}
+    output = RunnerOutput()
     failed: list = []
     half = len(plan.scheduled) // 2
     for part in (plan.scheduled[:half], plan.scheduled[half:]):
         got, bad = execute_isolating_failures(execute, dataclasses.replace(plan, scheduled=list(part)))
-        sampled.update(got)
+        output.merge(got)
         failed += bad
-    return sampled, failed
+    return output, failed
 
 
 class DeferredInterrupt:

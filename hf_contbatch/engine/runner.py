@@ -15,11 +15,10 @@ from typing import Optional
 
 import torch
 
-from ..core.block_manager import BlockManager
-from ..core.plan import StepPlan
+from ..core.plan import RunnerOutput, ScheduledRequest, StepPlan
 from ..kernels.lora import AdapterRows
 from ..kernels.paged_cache import AttentionMetadata, PagedKVCache
-from ..request import Request
+from .input_buffers import InputBuffers
 from .sampler import Sampler
 
 
@@ -31,7 +30,8 @@ class StepInputs:
     by request in the plan's order: decodes (one row each, the last token), then requests verifying
     drafts (``1 + m`` rows each: the last token, then its ``m`` drafts), then prefill chunks (``n``
     rows each, the chunk's tokens). The LM head reads ``logits_rows``: ``sample_rows``, then
-    ``score_rows``, then ``draft_rows``, and its logits come back in that order.
+    ``score_rows``, then ``draft_rows``, and its logits come back in that order. The tensors are
+    slices of the runner's persistent input buffers: valid until the next step's inputs are built.
 
     Attributes:
         input_ids: ``[T]`` int64 token ids.
@@ -43,9 +43,10 @@ class StepInputs:
             verifying drafts excepted), in plan order.
         score_rows: each row whose next prompt token is scored (``SamplingParams.prompt_logprobs``),
             in plan order.
-        score_targets: per score row, ``(request, prompt position scored, that prompt token id)``.
+        score_targets: per score row, ``(request id, prompt position scored, that prompt token id)``.
         draft_rows: the ``1 + m`` rows of each request verifying drafts, in plan order.
         adapter_rows: which rows run which LoRA adapter (None when the model has no LoRA layers).
+        logits_index: int64 ``[len(logits_rows)]``, ``logits_rows`` on the device.
     """
 
     input_ids: torch.Tensor
@@ -53,9 +54,10 @@ class StepInputs:
     metadata: AttentionMetadata
     sample_rows: list[int]
     score_rows: list[int]
-    score_targets: list[tuple[Request, int, int]]
+    score_targets: list[tuple[int, int, int]]
     draft_rows: list[int]
     adapter_rows: Optional[AdapterRows] = None
+    logits_index: Optional[torch.Tensor] = None
 
     @property
     def logits_rows(self) -> list[int]:
@@ -64,25 +66,35 @@ class StepInputs:
 
 
 class ModelRunner:
-    """Runs the model for one scheduler step.
+    """Runs the model for one scheduler step, from the step's plan alone (each row's token ids,
+    first position and block table); it reads neither the block manager nor the live requests,
+    which only the sampler sees.
 
     Args:
         model: a transformers causal LM already switched to the paged attention implementation.
         cache: the paged KV cache passed to the forward.
-        block_manager: read for block tables (never modified here).
         device: device of the input embeddings.
         sampler: the sampler.
+        block_size: tokens per KV block.
+        max_num_tokens: rows the persistent input buffers are first sized for
+            (``max_num_batched_tokens``; they grow if a step needs more).
     """
 
     def __init__(
-        self, model, cache: PagedKVCache, block_manager: BlockManager, device: torch.device, sampler: Sampler
+        self,
+        model,
+        cache: PagedKVCache,
+        device: torch.device,
+        sampler: Sampler,
+        block_size: int,
+        max_num_tokens: int = 256,
     ) -> None:
         self.model = model
         self.cache = cache
-        self.block_manager = block_manager
         self.device = device
         self.sampler = sampler
-        # The model's packed linears (hf_contbatch.kernels.cpu_linear.PackedLinears), checked once per step
+        self.block_size = block_size
+        # The model's packed linears (hf_contbatch.kernels.linears.PackedLinears), checked once per step
         # instead of per call; set by the engine for eager forwards (a compiled one refreshes them).
         self.packed_linears = None
         # The model's per-row LoRA forwards (hf_contbatch.kernels.lora.LoraLayers), set by the engine.
@@ -90,18 +102,18 @@ class ModelRunner:
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._supports_logits_to_keep = "logits_to_keep" in params
-        self.block_size = block_manager.block_size
+        self.buffers = InputBuffers(device, max_num_tokens, 16 * max_num_tokens)
 
     def build_metadata(self, plan: StepPlan) -> StepInputs:
         """The flattened inputs of ``plan``'s forward, its attention metadata and the rows the LM
-        head reads (see ``StepInputs`` for the row layout)."""
+        head reads (see ``StepInputs`` for the row layout), from the plan's rows alone."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         q_lens: list[int] = []
         seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        tables: list[tuple[int, ...]] = []
         sample_rows: list[int] = []
         draft_rows: list[int] = []
         num_decodes = 0
@@ -109,12 +121,9 @@ class ModelRunner:
         # Positions and slots are plain Python ints (a step's few hundred at most): cheaper than
         # building them with tensor ops (repeat_interleave, arange, gathers).
         for s in plan.scheduled:  # decodes first (the scheduler's order)
-            req, n = s.request, s.num_new_tokens
-            start = req.num_computed_tokens
-            table = self.block_manager.get_block_table(req.request_id)
+            n, start, table = s.num_new_tokens, s.start_position, s.block_ids
+            input_ids.extend(s.token_ids)
             if s.draft_token_ids:  # right after the decodes (the scheduler's order)
-                input_ids.append(req.output_token_ids[-1])
-                input_ids.extend(s.draft_token_ids)
                 for i in range(n):
                     p = start + i
                     positions.append(p)
@@ -128,11 +137,9 @@ class ModelRunner:
                 continue
             if s.is_decode:
                 num_decodes += 1
-                input_ids.append(req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
-                input_ids.extend(req.all_token_ids[start : start + n])
                 end = start + n
                 positions.extend(range(start, end))
                 for b in range(start // bs, (end - 1) // bs + 1):  # the slots of each block touched
@@ -145,18 +152,19 @@ class ModelRunner:
             if s.samples:
                 sample_rows.append(num_tokens - 1)
         max_blocks = max(len(t) for t in tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
-        block_tables = torch.tensor(padded, dtype=torch.int32)
         query_start_loc_cpu = [0]
         for n in q_lens:
             query_start_loc_cpu.append(query_start_loc_cpu[-1] + n)
-        slot_mapping = torch.tensor(slots, dtype=torch.long)
+        score_rows, score_targets = self._prompt_logprob_rows(plan)
+        logits_rows = sample_rows + score_rows + draft_rows
+        buf = self.buffers
+        buf.reserve(num_tokens, len(tables) * max_blocks)
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev),
-            query_start_loc=torch.tensor(query_start_loc_cpu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=block_tables.to(dev),
+            slot_mapping=buf.fill("slot_mapping", slots),
+            query_start_loc=buf.fill("query_start_loc", query_start_loc_cpu),
+            seq_lens=buf.fill("seq_lens", seq_lens),
+            block_tables=buf.fill_block_tables(tables, max_blocks),
             num_decodes=num_decodes,
             max_query_len=max(q_lens),
             max_seq_len=max(seq_lens),
@@ -165,23 +173,23 @@ class ModelRunner:
             block_size=bs,
             num_kv_heads=self.cache.num_kv_heads,
         )
-        score_rows, score_targets = self._prompt_logprob_rows(plan)
         adapter_rows = None
         if self.lora_layers is not None:
             adapter_rows = AdapterRows.build(
-                [(s.request.sampling.adapter_name, s.num_new_tokens) for s in plan.scheduled],
-                sample_rows + score_rows + draft_rows if self._supports_logits_to_keep else None,
+                [(s.adapter_name, s.num_new_tokens) for s in plan.scheduled],
+                logits_rows if self._supports_logits_to_keep else None,
                 dev,
             )
         return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            input_ids=buf.fill("input_ids", input_ids),
+            positions=buf.fill("positions", positions),
             metadata=meta,
             sample_rows=sample_rows,
             score_rows=score_rows,
             score_targets=score_targets,
             draft_rows=draft_rows,
             adapter_rows=adapter_rows,
+            logits_index=buf.fill("logits_rows", logits_rows),
         )
 
     def _linears_step(self):
@@ -191,11 +199,12 @@ class ModelRunner:
         return contextlib.nullcontext() if inputs.adapter_rows is None else self.lora_layers.step(inputs.adapter_rows)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> dict[int, int]:
-        """Run the step's forward and return ``{request_id: sampled token}`` for sampling requests,
-        and ``{request_id: [greedy token per row]}`` for requests verifying drafts."""
+    def execute(self, plan: StepPlan) -> RunnerOutput:
+        """Run the step's forward; returns the sampled token of each sampling row, the greedy tokens
+        of each request verifying drafts, and the scored prompt positions' log-probs."""
+        output = RunnerOutput()
         if plan.is_empty:
-            return {}
+            return output
         inputs = self.build_metadata(plan)
         self.cache.metadata = inputs.metadata
         try:
@@ -206,7 +215,7 @@ class ModelRunner:
                 "use_cache": True,
                 "paged_cache": self.cache,
             }
-            rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=self.device)
+            rows = inputs.logits_index
             if self._supports_logits_to_keep:
                 kwargs["logits_to_keep"] = rows
             with self._linears_step(), self._lora_step(inputs):
@@ -215,7 +224,6 @@ class ModelRunner:
                 logits = logits.index_select(0, rows)
         finally:
             self.cache.metadata = None
-        result: dict = {}
         num_sample_rows, num_score_rows = len(inputs.sample_rows), len(inputs.score_rows)
         if inputs.draft_rows:
             # Drafting requests are greedy (SamplingParams.can_draft): the argmax of every row, under
@@ -224,55 +232,54 @@ class ModelRunner:
             logits = logits[: num_sample_rows + num_score_rows]
             at = 0
             for s in plan.drafting:
-                result[s.request.request_id] = greedy[at : at + s.num_new_tokens]
+                output.greedy[s.request_id] = greedy[at : at + s.num_new_tokens]
                 at += s.num_new_tokens
-        sampled_reqs = [s.request for s in plan.scheduled if s.samples and not s.draft_token_ids]
-        if num_score_rows or any(r.sampling.score_token_id is not None for r in sampled_reqs):
-            self._record_prompt_logprobs(logits, sampled_reqs, inputs.score_targets)
+        sampling = plan.sampling
+        if num_score_rows or any(s.score_token_id is not None for s in sampling):
+            output.prompt_logprobs = self._prompt_logprobs(logits, sampling, inputs.score_targets)
             logits = logits[:num_sample_rows]
-        tokens = self.sampler.sample(logits, sampled_reqs)
-        result.update((r.request_id, t) for r, t in zip(sampled_reqs, tokens))
-        return result
+        tokens = self.sampler.sample(logits, [s.request for s in sampling])
+        output.sampled.update((s.request_id, t) for s, t in zip(sampling, tokens))
+        return output
 
     # --- prompt log-probs (SamplingParams.prompt_logprobs; lm-eval scoring) ----------------------
-    def _prompt_logprob_rows(self, plan: StepPlan) -> tuple[list[int], list[tuple[Request, int, int]]]:
+    @staticmethod
+    def _prompt_logprob_rows(plan: StepPlan) -> tuple[list[int], list[tuple[int, int, int]]]:
         """Extra LM-head rows for requests scoring their prompt: the flattened row of each position
-        ``p`` this step computes whose next prompt token ``p + 1`` is requested, with that target."""
+        ``p`` this step computes whose next prompt token ``p + 1`` is requested, with
+        ``(request id, p + 1, that token)``."""
         rows: list[int] = []
-        targets: list[tuple[Request, int, int]] = []
+        targets: list[tuple[int, int, int]] = []
         offset = 0
         for s in plan.scheduled:
-            req, n = s.request, s.num_new_tokens
-            k = int(req.sampling.prompt_logprobs)
-            if k:
-                start = req.num_computed_tokens
-                # position p predicts prompt token p + 1, for p + 1 in [k, num_prompt_tokens)
-                for p in range(max(start, k - 1), min(start + n, req.num_prompt_tokens - 1)):
-                    rows.append(offset + p - start)
-                    targets.append((req, p + 1, req.prompt_token_ids[p + 1]))
-            offset += n
+            for p, token in zip(s.scored_positions, s.score_token_ids):
+                rows.append(offset + p - s.start_position)
+                targets.append((s.request_id, p + 1, token))
+            offset += s.num_new_tokens
         return rows, targets
 
     @staticmethod
-    def _record_prompt_logprobs(logits: torch.Tensor, sampled_reqs, score_targets) -> None:
-        """Store (log-prob, is_argmax) per scored position in ``Request.prompt_logprobs``; rows after
-        the sampling rows are the prompt rows, and a sampling row scores ``score_token_id``."""
-        # A sampling row of a request with no output yet is its prompt's last row.
+    def _prompt_logprobs(
+        logits: torch.Tensor, sampling: list[ScheduledRequest], score_targets: list[tuple[int, int, int]]
+    ) -> dict[int, list[tuple[int, float, bool]]]:
+        """``{request id: [(position, log-prob, is_argmax), ...]}`` of the scored positions; rows
+        after the sampling rows are the prompt rows, and a sampling row scores ``score_token_id``
+        at position ``num_prompt_tokens``."""
         targets = [
-            (req, req.num_prompt_tokens, req.sampling.score_token_id, i)
-            for i, req in enumerate(sampled_reqs)
-            if req.sampling.score_token_id is not None and not req.output_token_ids
+            (s.request_id, s.num_prompt_tokens, s.score_token_id, i)
+            for i, s in enumerate(sampling)
+            if s.score_token_id is not None
         ]
-        n_sample = len(sampled_reqs)
-        targets += [(req, t, tok, n_sample + j) for j, (req, t, tok) in enumerate(score_targets)]
+        n_sample = len(sampling)
+        targets += [(rid, t, tok, n_sample + j) for j, (rid, t, tok) in enumerate(score_targets)]
+        scores: dict[int, list[tuple[int, float, bool]]] = {}
         if not targets:
-            return
+            return scores
         idx = torch.tensor([row for *_, row in targets], device=logits.device)
         sel = logits.index_select(0, idx).float()
         tok = torch.tensor([t for _, _, t, _ in targets], device=logits.device)
         logprobs = torch.log_softmax(sel, dim=-1).gather(1, tok[:, None])[:, 0].tolist()
         argmax_ok = (sel.argmax(dim=-1) == tok).tolist()
-        for (req, t, _, _), lp, ok in zip(targets, logprobs, argmax_ok):
-            if req.prompt_logprobs is None:
-                req.prompt_logprobs = [None] * (req.num_prompt_tokens + 1)
-            req.prompt_logprobs[t] = (lp, bool(ok))
+        for (rid, t, _, _), lp, ok in zip(targets, logprobs, argmax_ok):
+            scores.setdefault(rid, []).append((t, lp, bool(ok)))
+        return scores

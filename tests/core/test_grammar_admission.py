@@ -11,6 +11,8 @@ from hf_contbatch.core.block_manager import BlockManager
 from hf_contbatch.core.scheduler import Scheduler
 from hf_contbatch.request import Request
 
+from runner_outputs import runner_output
+
 
 def _req(rid, n=6, **sampling):
     return Request(rid, list(range(3, 3 + n)), SamplingParams(max_new_tokens=8, **sampling), arrival_time=float(rid))
@@ -44,7 +46,7 @@ def test_the_draft_filter_cuts_a_requests_drafts_to_the_prefix_it_returns():
     req = Request(0, [5, 6, 7, 8, 9, 5, 6], SamplingParams(max_new_tokens=12, prompt_lookup_num_tokens=4))
     sched.add_request(req)
     out = sched.schedule()  # prefill, first token sampled below
-    sched.update_from_output(out.plan, {0: 7})  # context ... 5 6 7: the lookup proposes 8 9 5 6
+    sched.update_from_output(out.plan, runner_output({0: 7}))  # context ... 5 6 7: the lookup proposes 8 9 5 6
     out = sched.schedule()
     assert seen == [[8, 9, 5, 6]]
-    assert [s.draft_token_ids for s in out.plan.scheduled] == [[8, 9]]
+    assert [s.draft_token_ids for s in out.plan.scheduled] == [(8, 9)]

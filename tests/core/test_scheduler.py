@@ -10,12 +10,13 @@ from hf_contbatch.core.scheduler import PHASES, Scheduler
 from hf_contbatch.request import Request, RequestStatus
 
 from conftest import random_prompts
+from runner_outputs import runner_output
 
 
 def _fake_step(sched: Scheduler, out, token: int = 7) -> None:
     """Stand-in for the model: every sampling request gets ``token``; finish at max_new_tokens."""
     sampled = {s.request.request_id: token for s in out.plan.scheduled if s.samples}
-    for req in sched.update_from_output(out.plan, sampled):
+    for req in sched.update_from_output(out.plan, runner_output(sampled)):
         if len(req.output_token_ids) >= req.sampling.max_new_tokens:
             req.status = RequestStatus.FINISHED_LENGTH
 

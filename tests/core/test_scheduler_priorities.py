@@ -12,6 +12,8 @@ from hf_contbatch.core.queues import Rank
 from hf_contbatch.core.scheduler import Scheduler
 from hf_contbatch.request import Request, RequestStatus, SamplingParams
 
+from runner_outputs import runner_output
+
 
 def _req(rid, n, new=4, priority=0, t=0.0):
     return Request(rid, list(range(3, 3 + n)), SamplingParams(max_new_tokens=new), priority=priority, arrival_time=t)
@@ -30,7 +32,7 @@ def _step(sched, token=7):
     """One iteration with a fake model: every sampling request gets ``token``; finish at max_new_tokens."""
     out = sched.schedule()
     sampled = {s.request.request_id: token for s in out.plan.scheduled if s.samples}
-    for req in sched.update_from_output(out.plan, sampled):
+    for req in sched.update_from_output(out.plan, runner_output(sampled)):
         if len(req.output_token_ids) >= req.sampling.max_new_tokens:
             req.status = RequestStatus.FINISHED_LENGTH
     sched.block_manager.check_invariants()

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from hf_contbatch.config import SchedulerConfig
 from hf_contbatch.core.block_manager import BlockManager
-from hf_contbatch.core.plan import StepPlan, StepResult
+from hf_contbatch.core.plan import RunnerOutput, StepPlan, StepResult
 from hf_contbatch.core.scheduler import PHASES, Scheduler
 from hf_contbatch.request import Request, RequestStatus, SamplingParams
 
@@ -74,30 +74,34 @@ class FakeModel:
         for (_, d), content in zip(plan.blocks_to_copy, copies):
             self.device[d] = content
 
-    def forward(self, plan: StepPlan, bm: BlockManager) -> dict[int, int]:
+    def forward(self, plan: StepPlan) -> RunnerOutput:
+        """From the plan alone, as the model runner works: each row's token ids, first position and
+        block table; the context is read back from the KV pool (never from the live request)."""
         bs = self.bs
         # Like a real forward: every layer stores this step's K/V before any attention reads.
         # A request verifying drafts runs its last token and the drafts: one "greedy" token per row.
         for s in plan.scheduled:
-            req, table = s.request, bm.get_block_table(s.request.request_id)
-            tokens = req.all_token_ids + s.draft_token_ids
-            for p in range(req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens):
-                self.device[table[p // bs]][p % bs] = (p, tokens[p])
-        sampled = {}
+            for i, t in enumerate(s.token_ids):
+                p = s.start_position + i
+                self.device[s.block_ids[p // bs]][p % bs] = (p, t)
+        out = RunnerOutput()
         for s in plan.scheduled:
-            req, table = s.request, bm.get_block_table(s.request.request_id)
-            tokens = req.all_token_ids + s.draft_token_ids
-            context = [self.device[table[p // bs]][p % bs] for p in range(req.num_computed_tokens + s.num_new_tokens)]
+            req, table = s.request, s.block_ids
+            end = s.start_position + s.num_new_tokens
+            context = [self.device[table[p // bs]][p % bs] for p in range(end)]
+            tokens = req.all_token_ids + list(s.draft_token_ids)  # what the KV must hold (the oracle)
             assert context == [(p, tokens[p]) for p in range(len(context))], (
                 f"request {req.request_id} reads corrupt KV"
             )
+            kv_tokens = [t for _, t in context]
             if s.draft_token_ids:
-                sampled[req.request_id] = [
-                    fake_next_token(tokens[: req.num_tokens + i], req.request_id) for i in range(s.num_new_tokens)
+                out.greedy[s.request_id] = [
+                    fake_next_token(kv_tokens[: s.start_position + 1 + i], s.request_id)
+                    for i in range(s.num_new_tokens)
                 ]
             elif s.samples:
-                sampled[req.request_id] = fake_next_token(tokens, req.request_id)
-        return sampled
+                out.sampled[s.request_id] = fake_next_token(kv_tokens, s.request_id)
+        return out
 
 
 def finish_as_the_engine_does(req: Request) -> bool:
@@ -124,6 +128,15 @@ def check_iteration(sched: Scheduler, out: StepResult, prior_running: set, max_n
         req = s.request
         assert s.num_new_tokens >= 1 and req.status is RequestStatus.RUNNING
         table = bm.get_block_table(req.request_id)
+        # The plan is a value: each row holds what the runner reads, equal to the live state now.
+        assert s.request_id == req.request_id and s.block_ids == tuple(table)
+        assert s.start_position == req.num_computed_tokens
+        last_and_drafts = (req.all_token_ids[-1], *s.draft_token_ids)
+        want_ids = (
+            last_and_drafts if s.draft_token_ids else tuple(req.all_token_ids[s.start_position :][: s.num_new_tokens])
+        )
+        assert s.token_ids == want_ids and len(s.token_ids) == s.num_new_tokens
+        assert s.adapter_name == req.sampling.adapter_name
         assert len(table) * bm.block_size >= req.num_computed_tokens + s.num_new_tokens
         for p in range(req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens):
             assert bm.ref_counts[table[p // bm.block_size]] == 1, "a write into a shared block (no copy-on-write)"
@@ -240,8 +253,7 @@ def run_workload(bs, num_blocks, host_blocks, prefix_caching, config, specs):
         empty_in_a_row = empty_in_a_row + 1 if (out.plan.is_empty and sched.has_work and not out.report.reaped) else 0
         assert empty_in_a_row < 3, "the scheduler stalls with work pending"
         model.move_blocks(out.plan)
-        sampled = model.forward(out.plan, bm)
-        sched.update_from_output(out.plan, sampled, on_token=finish_as_the_engine_does)
+        sched.update_from_output(out.plan, model.forward(out.plan), on_token=finish_as_the_engine_does)
     else:
         pytest.fail(
             f"not finished after {bound} iterations (livelock): {[(r.request_id, r.status) for r in every if not r.status.is_finished]}"

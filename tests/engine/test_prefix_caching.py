@@ -13,6 +13,7 @@ from hf_contbatch.core.scheduler import Scheduler
 from hf_contbatch.request import Request
 
 from conftest import build_model, random_prompts, reference_greedy
+from runner_outputs import runner_output
 
 
 def _cached_table(bm, key, tokens):
@@ -140,7 +141,7 @@ def test_admission_sets_num_computed_tokens_from_hits_and_counts_the_hit_rate():
     first = Request(0, system + [1, 2], SamplingParams(max_new_tokens=2), arrival_time=0.0)
     sched.add_request(first)
     out = sched.schedule()
-    sched.update_from_output(out.plan, {0: 7})
+    sched.update_from_output(out.plan, runner_output({0: 7}))
     second = Request(1, system + [3, 4, 5], SamplingParams(max_new_tokens=2), arrival_time=1.0)
     sched.add_request(second)
     out = sched.schedule()

@@ -1,9 +1,12 @@
 """``ModelRunner.build_metadata``: the row layout of one flattened step, by arithmetic on a plan.
 
-No model runs: the runner only reads the plan, the block tables and the cache's head count here.
+No model runs: the runner reads only the plan and the cache's head count (never the block manager
+or the live requests, which the test takes away before building).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from types import SimpleNamespace
 
@@ -40,16 +43,22 @@ def test_rows_are_decodes_then_draft_rows_then_prefill_chunks_and_the_lm_head_re
     bm.allocate(1, 9)
     bm.allocate(2, 10)
     bm.allocate(3, 5)
+    rows = [
+        ScheduledRequest.for_tokens(decode, 1),
+        ScheduledRequest.for_tokens(drafting, 3, [31, 32]),
+        ScheduledRequest.for_tokens(scoring, 6),
+        ScheduledRequest.for_tokens(chunk, 5),
+    ]
+    table = {rid: bm.get_block_table(rid) for rid in range(4)}
+    # The plan is a value: the live requests and the block manager are gone when the runner reads it.
     plan = StepPlan(
-        iteration=0,
-        scheduled=[
-            ScheduledRequest.for_tokens(decode, 1),
-            ScheduledRequest(drafting, 3, True, [31, 32]),
-            ScheduledRequest.for_tokens(scoring, 6),
-            ScheduledRequest.for_tokens(chunk, 5),
-        ],
+        iteration=0, scheduled=[dataclasses.replace(s.with_blocks(table[s.request_id]), request=None) for s in rows]
     )
-    runner = ModelRunner(_ForwardSignature(), SimpleNamespace(num_kv_heads=2), bm, torch.device("cpu"), None)
+    for req in (decode, drafting, scoring, chunk):
+        bm.free(req.request_id)
+        req.output_token_ids.append(-1)
+        req.num_computed_tokens = -1
+    runner = ModelRunner(_ForwardSignature(), SimpleNamespace(num_kv_heads=2), torch.device("cpu"), None, bs, 4)
 
     inputs = runner.build_metadata(plan)
 
@@ -59,14 +68,13 @@ def test_rows_are_decodes_then_draft_rows_then_prefill_chunks_and_the_lm_head_re
     assert inputs.sample_rows == [0, 9]  # the decode and the scoring chunk's last row
     # Row 4 + (p - 4) predicts prompt token p + 1, for p + 1 in [1, 10) within this chunk.
     assert inputs.score_rows == [4, 5, 6, 7, 8]
-    assert [(r.request_id, t, tok) for r, t, tok in inputs.score_targets] == [(2, p + 1, 301 + p) for p in range(4, 9)]
+    assert inputs.score_targets == [(2, p + 1, 301 + p) for p in range(4, 9)]
     assert inputs.draft_rows == [1, 2, 3]
     assert inputs.logits_rows == [0, 9, 4, 5, 6, 7, 8, 1, 2, 3]
     meta = inputs.metadata
     assert meta.num_decodes == 4  # the decode and the drafting request's 3 rows
     assert meta.query_start_loc_cpu == [0, 1, 2, 3, 4, 10, 15]
     assert meta.seq_lens_cpu == [6, 7, 8, 9, 10, 5]
-    table = {rid: bm.get_block_table(rid) for rid in range(4)}
     want_slots = [table[0][1] * bs + 1]  # position 5: block 1, offset 1
     want_slots += [table[1][p // bs] * bs + p % bs for p in (6, 7, 8)]
     want_slots += [table[2][p // bs] * bs + p % bs for p in range(4, 10)]

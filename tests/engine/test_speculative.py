@@ -25,6 +25,7 @@ from hf_contbatch.default_model import default_model_path
 from hf_contbatch.request import Request
 
 from conftest import random_prompts, reference_greedy
+from runner_outputs import runner_output
 
 PATH = default_model_path()
 
@@ -138,7 +139,7 @@ def _decoding(sched: Scheduler, rid: int, prompt: list[int], first_token: int, k
     sched.add_request(req)
     out = sched.schedule()
     assert [s.request for s in out.plan.scheduled] == [req]
-    sched.update_from_output(out.plan, {rid: first_token})
+    sched.update_from_output(out.plan, runner_output({rid: first_token}))
     return req
 
 
@@ -148,11 +149,11 @@ def test_drafts_only_take_blocks_that_are_free_so_nobody_is_preempted_for_one():
     with_room = _sched(3)
     _decoding(with_room, 0, [3, 4, 5, 3, 4, 5, 3], 4)
     out = with_room.schedule()
-    assert out.plan.scheduled[0].draft_token_ids == [5, 3, 4] and out.plan.num_batched_tokens == 4
+    assert out.plan.scheduled[0].draft_token_ids == (5, 3, 4) and out.plan.num_batched_tokens == 4
     tight = _sched(2)
     req = _decoding(tight, 0, [3, 4, 5, 3, 4, 5, 3], 4)
     out = tight.schedule()
-    assert not out.report.preempted and out.plan.scheduled[0].draft_token_ids == [] and out.plan.num_batched_tokens == 1
+    assert not out.report.preempted and out.plan.scheduled[0].draft_token_ids == () and out.plan.num_batched_tokens == 1
     assert tight.block_manager.get_block_table(req.request_id) == tight.block_manager.get_block_table(0)
     assert len(tight.block_manager.get_block_table(0)) == 2
 
@@ -165,14 +166,14 @@ def test_drafts_give_way_to_an_admission_and_rejected_drafts_free_their_blocks()
     out = sched.schedule()
     assert waiting in out.report.admitted and not out.report.preempted
     assert all(not s.draft_token_ids for s in out.plan.scheduled)
-    sched.update_from_output(out.plan, {0: 5, 1: 6})
+    sched.update_from_output(out.plan, runner_output({0: 5, 1: 6}))
     waiting.status = waiting.status.FINISHED_LENGTH
     # Next step: drafts [3, 4, 5] (3 blocks in all); the model agrees with the first one only.
     out = sched.schedule()
     (s,) = out.plan.scheduled
-    assert s.draft_token_ids == [3, 4, 5] and len(sched.block_manager.get_block_table(0)) == 3
+    assert s.draft_token_ids == (3, 4, 5) and len(sched.block_manager.get_block_table(0)) == 3
     before = req.num_computed_tokens
-    sched.update_from_output(out.plan, {0: [3, 9, 9, 9]})
+    sched.update_from_output(out.plan, runner_output({0: [3, 9, 9, 9]}))
     assert req.output_token_ids[-3:] == [5, 3, 9]  # the accepted draft, then the model's token
     assert req.num_computed_tokens == before + 2 and req.num_tokens == req.num_computed_tokens + 1
     assert len(sched.block_manager.get_block_table(0)) == sched.block_manager.blocks_for_tokens(req.num_computed_tokens)
@@ -265,7 +266,7 @@ def _step_accepting_every_draft(sched: Scheduler):
             sampled[s.request.request_id] = [*s.draft_token_ids, _next_of(s.request)]
         elif s.samples:
             sampled[s.request.request_id] = _next_of(s.request)
-    sched.update_from_output(out.plan, sampled)
+    sched.update_from_output(out.plan, runner_output(sampled))
     return out
 
 
@@ -301,7 +302,7 @@ def test_a_priority_admission_preempts_no_more_than_without_drafts():
         ]
         for r in reqs:
             sched.add_request(r)
-        sched.update_from_output(sched.schedule().plan, {0: 1, 1: 9, 2: 9})
+        sched.update_from_output(sched.schedule().plan, runner_output({0: 1, 1: 9, 2: 9}))
         sched.add_request(Request(3, list(range(100, 144)), SamplingParams(max_new_tokens=2), priority=0))
         return [r.request_id for r in sched.schedule().report.preempted]
 
@@ -312,15 +313,15 @@ def test_accepted_drafts_after_a_stop_are_not_counted():
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), BlockManager(64, 4))
     req = Request(0, REPEATING[:16], SamplingParams(max_new_tokens=40, prompt_lookup_num_tokens=5, eos_token_ids=(2,)))
     sched.add_request(req)
-    sched.update_from_output(sched.schedule().plan, {0: 1})
+    sched.update_from_output(sched.schedule().plan, runner_output({0: 1}))
     out = sched.schedule()
-    assert out.plan.scheduled[0].draft_token_ids == [2, 3, 4, 5, 6]
+    assert out.plan.scheduled[0].draft_token_ids == (2, 3, 4, 5, 6)
 
     def stop_at_eos(r: Request) -> bool:
         if r.output_token_ids[-1] in r.sampling.eos_token_ids:
             r.status = r.status.FINISHED_STOPPED
         return r.status.is_finished
 
-    sched.update_from_output(out.plan, {0: [2, 3, 4, 5, 6, 7]}, on_token=stop_at_eos)
+    sched.update_from_output(out.plan, runner_output({0: [2, 3, 4, 5, 6, 7]}), on_token=stop_at_eos)
     assert req.output_token_ids == [1, 2]
     assert (sched.counters.num_accepted_draft_tokens, sched.counters.num_draft_tokens) == (1, 5)
