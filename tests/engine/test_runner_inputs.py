@@ -7,7 +7,6 @@ or the live requests, which the test takes away before building).
 from __future__ import annotations
 
 import dataclasses
-
 from types import SimpleNamespace
 
 import torch
@@ -80,3 +79,43 @@ def test_rows_are_decodes_then_draft_rows_then_prefill_chunks_and_the_lm_head_re
     want_slots += [table[2][p // bs] * bs + p % bs for p in range(4, 10)]
     want_slots += [table[3][p // bs] * bs + p % bs for p in range(0, 5)]
     assert meta.slot_mapping.tolist() == want_slots
+
+
+def test_the_persistent_buffers_give_a_small_step_after_a_large_one_what_a_fresh_runner_gives():
+    bs = 4
+    bm = BlockManager(num_blocks=64, block_size=bs)
+    big = [_request(i, range(10 * i, 10 * i + 9)) for i in range(3)]  # 27 prefill rows, 3 blocks each
+    small = _request(7, range(500, 506), output=[9], computed=6)  # one decode
+    for req in (*big, small):
+        bm.allocate(req.request_id, req.num_tokens)
+
+    def plan_of(reqs, n):
+        rows = [ScheduledRequest.for_tokens(r, n(r)) for r in reqs]
+        return StepPlan(0, [s.with_blocks(bm.get_block_table(s.request_id)) for s in rows])
+
+    def inputs_of(runner, plan):
+        i = runner.build_metadata(plan)
+        m = i.metadata
+        return (
+            i.input_ids.tolist(),
+            i.positions.tolist(),
+            m.slot_mapping.tolist(),
+            m.query_start_loc.tolist(),
+            m.seq_lens.tolist(),
+            m.block_tables.tolist(),
+            i.logits_index.tolist(),
+        )
+
+    def new_runner(capacity):
+        return ModelRunner(
+            _ForwardSignature(), SimpleNamespace(num_kv_heads=1), torch.device("cpu"), None, bs, capacity
+        )
+
+    reused = new_runner(2)  # grows on the first step
+    inputs_of(reused, plan_of(big, lambda r: r.num_tokens))
+    got = inputs_of(reused, plan_of([small], lambda r: 1))
+    table = bm.get_block_table(7)
+    # By arithmetic: position 6 of request 7 (block 1, offset 2), one query row of 7 tokens.
+    assert got == ([9], [6], [table[1] * bs + 2], [0, 1], [7], [table], [0])
+    assert got == inputs_of(new_runner(2), plan_of([small], lambda r: 1))
+    assert reused.build_metadata(plan_of([small], lambda r: 1)).metadata.block_tables.is_contiguous()
