@@ -421,4 +421,3 @@ class LLMEngine:
                 req.error = exc
                 req.status = status
                 self._complete(req)
-            self.cache.metadata = None

@@ -152,18 +152,15 @@ class ModelRunner:
             query_start_loc_cpu.append(query_start_loc_cpu[-1] + n)
         slot_mapping = torch.tensor(slots, dtype=torch.long)
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev),
-            query_start_loc=torch.tensor(query_start_loc_cpu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=block_tables.to(dev),
-            num_decodes=num_decodes,
-            max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens),
+        meta = self.cache.backend.build_metadata(
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
             query_start_loc_cpu=query_start_loc_cpu,
             seq_lens_cpu=seq_lens,
+            num_decodes=num_decodes,
             block_size=bs,
             num_kv_heads=self.cache.num_kv_heads,
+            device=dev,
         )
         score_rows, score_targets = self._prompt_logprob_rows(plan)
         adapter_rows = None
@@ -197,24 +194,21 @@ class ModelRunner:
         if plan.is_empty:
             return {}
         inputs = self.build_metadata(plan)
-        self.cache.metadata = inputs.metadata
-        try:
-            kwargs = {
-                "input_ids": inputs.input_ids.unsqueeze(0),
-                "position_ids": inputs.positions.unsqueeze(0),
-                self._cache_arg: self.cache,
-                "use_cache": True,
-                "paged_cache": self.cache,
-            }
-            rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=self.device)
-            if self._supports_logits_to_keep:
-                kwargs["logits_to_keep"] = rows
-            with self._linears_step(), self._lora_step(inputs):
-                logits = self.model(**kwargs).logits[0]
-            if not self._supports_logits_to_keep:
-                logits = logits.index_select(0, rows)
-        finally:
-            self.cache.metadata = None
+        step = self.cache.for_step(inputs.metadata)  # the step's metadata travels with the view, not on the cache
+        kwargs = {
+            "input_ids": inputs.input_ids.unsqueeze(0),
+            "position_ids": inputs.positions.unsqueeze(0),
+            self._cache_arg: step,
+            "use_cache": True,
+            "paged_cache": step,
+        }
+        rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=self.device)
+        if self._supports_logits_to_keep:
+            kwargs["logits_to_keep"] = rows
+        with self._linears_step(), self._lora_step(inputs):
+            logits = self.model(**kwargs).logits[0]
+        if not self._supports_logits_to_keep:
+            logits = logits.index_select(0, rows)
         result: dict = {}
         num_sample_rows, num_score_rows = len(inputs.sample_rows), len(inputs.score_rows)
         if inputs.draft_rows:
