@@ -10,7 +10,8 @@ function instead calls one opaque custom op, ``torch.ops.hf_contbatch.paged_atte
 the step's K/V and attends: torch.compile then fuses everything around it without tracing the
 pool, the block tables or the step's Python-side metadata (which change every step and would force
 a recompile). The op finds its cache through a handle (a 0-d int64 tensor, so its value is data,
-not a guard) in a weak registry: each step's view has its own handle, alive while the step runs. vLLM does the same with its ``unified_attention`` op and forward context.
+not a guard) in a weak registry: each step's view has its own handle, alive while the step runs.
+vLLM does the same with its ``unified_attention`` op and forward context.
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ import torch
 
 from .backends import resolve_backend_name
 
-ATTENTION_NAME = (
-    "hf_contbatch_paged"  # prefix of our names; no "sdpa"/"flash"/"flex" in it: transformers substring-checks names
-)
+# The prefix of our registered names; no "sdpa"/"flash"/"flex" in it: transformers substring-checks names.
+ATTENTION_NAME = "hf_contbatch_paged"
 
 
 def resolve_backend(requested: str, device: torch.device, **shape) -> str:
