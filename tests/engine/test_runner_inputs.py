@@ -1,6 +1,6 @@
 """``ModelRunner.build_metadata``: the row layout of one flattened step, by arithmetic on a plan.
 
-No model runs: the runner only reads the plan, the block tables and the cache's head count here.
+No model runs: the runner only reads the plan, the block tables, the cache's head count and its backend (which builds the metadata) here.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 from hf_contbatch.core.block_manager import BlockManager
 from hf_contbatch.core.plan import ScheduledRequest, StepPlan
 from hf_contbatch.engine.runner import ModelRunner
+from hf_contbatch.kernels.attention.backends import TorchAttentionBackend
 from hf_contbatch.request import Request, SamplingParams
 
 
@@ -49,7 +50,13 @@ def test_rows_are_decodes_then_draft_rows_then_prefill_chunks_and_the_lm_head_re
             ScheduledRequest.for_tokens(chunk, 5),
         ],
     )
-    runner = ModelRunner(_ForwardSignature(), SimpleNamespace(num_kv_heads=2), bm, torch.device("cpu"), None)
+    runner = ModelRunner(
+        _ForwardSignature(),
+        SimpleNamespace(num_kv_heads=2, backend=TorchAttentionBackend()),
+        bm,
+        torch.device("cpu"),
+        None,
+    )
 
     inputs = runner.build_metadata(plan)
 
