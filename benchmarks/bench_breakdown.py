@@ -13,7 +13,7 @@ time and tok/s that count) and once with timers around each part of a step:
   with ``compile_model=True`` (the modules run inside the compiled graph) the C call of our GEMM
   only, one per fused group (the custom op's Python around it goes to ``model other``);
 - ``attention``: the paged attention function (reads the pool);
-- ``kv store``: ``PagedKVCache.update`` (writes this step's K/V into its slots);
+- ``kv store``: ``AttentionBackend.store_kv`` (writes this step's K/V into its slots);
 - ``model other``: the rest of the forward (embedding, norms, rotary, activations, transformers'
   Python modules, logits selection);
 - ``sampling``: ``Sampler.sample``;
@@ -111,7 +111,10 @@ def _instrument(engine, timers: _Timers) -> None:
     runner.execute = execute
     engine.sampler.sample = timers.wrap(engine.sampler.sample, "sampling")
     sched.update_from_output = timers.wrap(sched.update_from_output, "update")
-    engine.cache.update = timers.wrap(engine.cache.update, "kv store")
+    if hasattr(engine.cache, "backend"):  # the attention backend stores K/V (older checkouts: the cache's update)
+        engine.cache.backend.store_kv = timers.wrap(engine.cache.backend.store_kv, "kv store")
+    else:
+        engine.cache.update = timers.wrap(engine.cache.update, "kv store")
     compiled = not isinstance(runner.model, torch.nn.Module)  # compile_model: a CompiledForward
     if compiled:
         runner.model = _TimedCall(runner.model, timers.wrap(runner.model, "forward"))

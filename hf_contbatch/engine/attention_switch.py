@@ -4,6 +4,10 @@ Engines sharing one model share its attention switch: the first remembers the mo
 implementation, the last to close restores it (closing one must not break the other). The count of
 open engines lives on the model itself (no globals: two models, or two engines on one model, in one
 process both work).
+
+While switched, the model's own calls (``model.generate`` outside an engine step) still run its
+previous implementation, with its masks: the name we switch to is registered per previous
+implementation (``kernels.attention.register_attention``).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import logging
 import sys
 from typing import Optional
 
-from ..kernels.attention import ATTENTION_NAME, register_attention
+from ..kernels.attention import is_paged_attention, register_attention
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +24,8 @@ _ATTN_USERS = "_hf_contbatch_attention_users"  # on the model: its own implement
 
 
 def switch_to_paged_attention(model) -> Optional[str]:
-    """Register our attention with transformers and switch ``model`` to it; count one more user.
+    """Register our attention over the model's own implementation with transformers and switch
+    ``model`` to it; count one more user.
 
     Returns the model's own attention implementation (to pass to ``restore_attention``).
     Raises whatever ``set_attn_implementation`` raises, with the count unchanged.
@@ -29,8 +34,7 @@ def switch_to_paged_attention(model) -> Optional[str]:
         _ATTN_USERS, {"previous": getattr(model.config, "_attn_implementation", None), "open": 0}
     )
     try:
-        register_attention()
-        model.set_attn_implementation(ATTENTION_NAME)
+        model.set_attn_implementation(register_attention(users["previous"]))
     except BaseException:
         if not users["open"]:
             model.__dict__.pop(_ATTN_USERS, None)
@@ -47,7 +51,7 @@ def restore_attention(model, previous: Optional[str]) -> None:
         if users["open"] > 0:
             return  # another open engine still serves this model through our attention
         model.__dict__.pop(_ATTN_USERS, None)
-    if previous is not None and getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME:
+    if previous is not None and is_paged_attention(getattr(model.config, "_attn_implementation", None)):
         try:
             model.set_attn_implementation(previous)
         except Exception:  # restoring must not turn close() into an error

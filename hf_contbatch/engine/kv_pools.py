@@ -12,8 +12,8 @@ import torch
 from ..config import EngineConfig
 from ..core.block_manager import BlockManager
 from ..core.plan import StepPlan
-from ..kernels.attention import resolve_backend
-from ..kernels.attention.decode_choice import choose_decode_path
+from ..kernels.attention.backends import AttentionBackend, select_backend
+from ..kernels.kv_spec import KVCacheSpec
 from ..kernels.paged_cache import PagedKVCache
 from .pool_sizing import KVGeometry, KVPoolSizer, PoolSizes, layer_devices
 
@@ -26,8 +26,9 @@ class KVPools:
 
     Attributes:
         geometry: the model's KV geometry.
+        spec: the cache layout every part reads (shapes, dtype, bytes per block).
         device: the device of the model's input embedding.
-        backend: the attention backend (``kernels.attention.resolve_backend``).
+        backend: the engine's attention backend (``kernels.attention.backends.select_backend``).
         sizes: the pools' sizes and why each has its size.
         cache: the K/V block tensors of every layer, and the host swap pool.
         block_manager: the device pool's bookkeeping.
@@ -35,8 +36,9 @@ class KVPools:
     """
 
     geometry: KVGeometry
+    spec: KVCacheSpec
     device: torch.device
-    backend: object
+    backend: AttentionBackend
     sizes: PoolSizes
     cache: PagedKVCache
     block_manager: BlockManager
@@ -55,42 +57,23 @@ class KVPools:
         device = model.get_input_embeddings().weight.device
         cache_cfg = config.cache
         dtype = getattr(torch, cache_cfg.dtype) if cache_cfg.dtype else next(model.parameters()).dtype
-        backend = resolve_backend(
-            config.attention_backend,
-            device,
-            dtype=dtype,
-            head_dim=geometry.head_dim,
-            num_heads=geometry.num_heads,
-            num_kv_heads=geometry.num_kv_heads,
+        spec = KVCacheSpec(
+            num_layers=geometry.num_layers,
             block_size=cache_cfg.block_size,
+            num_kv_heads=geometry.num_kv_heads,
+            head_size=geometry.head_dim,
+            dtype=dtype,
         )
         devices = layer_devices(model, geometry.num_layers)
-        sizes = KVPoolSizer(model, config, geometry, device=device, backend=backend).size(devices, dtype)
-        cache = PagedKVCache(
-            geometry.num_layers,
-            geometry.num_kv_heads,
-            geometry.head_dim,
-            sizes.num_blocks,
-            cache_cfg.block_size,
-            dtype,
-            devices,
-            num_swap_blocks=sizes.num_swap_blocks,
-            attention_backend=backend,
-        )
-        if cache.cpu_decode_kernel is not None:  # the compiled decode kernel where it is faster here
-            logger.info(
-                "%s",
-                choose_decode_path(
-                    cache.cpu_decode_kernel,
-                    geometry.num_heads,
-                    geometry.num_kv_heads,
-                    geometry.head_dim,
-                    cache_cfg.block_size,
-                    dtype,
-                ),
-            )
+        backend = select_backend(config.attention_backend, device, spec, geometry.num_heads, devices)
+        sizes = KVPoolSizer(model, config, geometry, device=device, backend=backend).size(devices, spec)
+        cache = PagedKVCache(spec, sizes.num_blocks, devices, backend, num_swap_blocks=sizes.num_swap_blocks)
+        line = backend.setup(spec, geometry.num_heads)  # e.g. the compiled decode kernel where it is faster here
+        if line:
+            logger.info("%s", line)
         return cls(
             geometry=geometry,
+            spec=spec,
             device=device,
             backend=backend,
             sizes=sizes,

@@ -423,4 +423,3 @@ class LLMEngine:
                 req.error = exc
                 req.status = status
                 self._complete(req)
-            self.cache.metadata = None

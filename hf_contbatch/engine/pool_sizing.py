@@ -19,9 +19,10 @@ from ..config import EngineConfig
 from ..core.block_manager import BlockManager
 from ..core.plan import ScheduledRequest, StepPlan
 from ..core.pool_size import default_host_kv_blocks, default_swap_blocks
-from ..kernels.attention import ATTENTION_NAME, register_attention
-from ..kernels.paged_cache import PagedKVCache, kv_bytes_per_block
+from ..kernels.kv_spec import KVCacheSpec
+from ..kernels.paged_cache import PagedKVCache
 from ..request import Request, SamplingParams
+from .attention_switch import restore_attention, switch_to_paged_attention
 from .runner import ModelRunner
 from .sampler import Sampler
 
@@ -133,23 +134,22 @@ class KVPoolSizer:
         self.device = device
         self.backend = backend
 
-    def size(self, layer_devices: Sequence[torch.device], dtype: torch.dtype) -> PoolSizes:
-        """The pools' sizes for KV of ``dtype`` with each layer's slice on ``layer_devices[i]``;
-        logs them in one INFO line.
+    def size(self, layer_devices: Sequence[torch.device], spec: KVCacheSpec) -> PoolSizes:
+        """The pools' sizes for a cache laid out by ``spec`` with each layer's slice on
+        ``layer_devices[i]``; logs them in one INFO line.
 
         Raises:
             ValueError: the memory left cannot hold one block, or ``cpu_cache_gib`` /
                 ``swap_space_gib`` exceed the available host memory.
         """
         cache_cfg = self.config.cache
-        g = self.geometry
-        block_bytes = kv_bytes_per_block(g.num_layers, cache_cfg.block_size, g.num_kv_heads, g.head_dim, dtype)
+        block_bytes = spec.bytes_per_block
         reasons: dict[str, str] = {}
         if cache_cfg.num_blocks:
             num_blocks = cache_cfg.num_blocks
             reasons["kv"] = f"num_blocks={num_blocks}"
         else:
-            num_blocks, reasons["kv"] = self._blocks_from_memory(block_bytes, layer_devices, dtype)
+            num_blocks, reasons["kv"] = self._blocks_from_memory(block_bytes, layer_devices, spec)
         swap_blocks, swap_reason = self._swap_blocks(block_bytes, num_blocks)
         if swap_reason:
             reasons["swap"] = swap_reason
@@ -157,7 +157,9 @@ class KVPoolSizer:
         self._log(sizes)
         return sizes
 
-    def _blocks_from_memory(self, block_bytes: int, layer_devices: Sequence[torch.device], dtype) -> tuple[int, str]:
+    def _blocks_from_memory(
+        self, block_bytes: int, layer_devices: Sequence[torch.device], spec: KVCacheSpec
+    ) -> tuple[int, str]:
         """Pool size when ``num_blocks`` is None: ``gpu_memory_utilization`` on CUDA (after a
         profiling forward); on CPU ``cpu_cache_gib`` (checked against the available RAM) or, when
         that is None, what the model can use (``core.pool_size.default_host_kv_blocks``).
@@ -169,7 +171,7 @@ class KVPoolSizer:
         cache_cfg = self.config.cache
         if any(d.type == "cuda" for d in layer_devices):
             reason = f"gpu_memory_utilization={cache_cfg.gpu_memory_utilization:g}"
-            return self.blocks_from_device_memory(layer_devices, dtype), reason
+            return self.blocks_from_device_memory(layer_devices, spec), reason
         available = available_host_memory()
         if cache_cfg.cpu_cache_gib is None:
             size = default_host_kv_blocks(
@@ -188,7 +190,7 @@ class KVPoolSizer:
             )
         return max(1, int(want // block_bytes)), f"cpu_cache_gib={cache_cfg.cpu_cache_gib:g}"
 
-    def blocks_from_device_memory(self, layer_devices: Sequence[torch.device], dtype) -> int:
+    def blocks_from_device_memory(self, layer_devices: Sequence[torch.device], spec: KVCacheSpec) -> int:
         """vLLM's ``gpu_memory_utilization`` sizing, per CUDA device holding layers.
 
         KV budget of a device = total * utilization - memory in use before profiling (weights, the
@@ -206,9 +208,8 @@ class KVPoolSizer:
             torch.cuda.reset_peak_memory_stats(d)
             free, total = torch.cuda.mem_get_info(d)
             before[d] = (total, total - free, torch.cuda.memory_allocated(d))
-        probe_bytes = self.profile_forward(layer_devices, dtype)
-        g = self.geometry
-        per_layer_block = kv_bytes_per_block(1, self.config.cache.block_size, g.num_kv_heads, g.head_dim, dtype)
+        probe_bytes = self.profile_forward(layer_devices, spec)
+        per_layer_block = spec.layer_bytes_per_block
         counts = []
         for d, num_layers in layers_on.items():
             total, used, allocated = before[d]
@@ -228,24 +229,15 @@ class KVPoolSizer:
         return min(counts)
 
     @torch.inference_mode()
-    def profile_forward(self, layer_devices: Sequence[torch.device], dtype) -> dict:
+    def profile_forward(self, layer_devices: Sequence[torch.device], spec: KVCacheSpec) -> dict:
         """One forward over ``max_num_batched_tokens`` dummy prompt tokens through the real step path
         (paged attention, a throwaway pool just big enough); returns that pool's bytes per device."""
-        bs = self.config.cache.block_size
+        bs = spec.block_size
         budget = self.config.scheduler.max_num_batched_tokens
         per_request = min(budget, self.geometry.max_model_len or budget)
         lengths = [per_request] * (budget // per_request) + ([budget % per_request] if budget % per_request else [])
         num_blocks = sum(-(-n // bs) for n in lengths)
-        probe = PagedKVCache(
-            self.geometry.num_layers,
-            self.geometry.num_kv_heads,
-            self.geometry.head_dim,
-            num_blocks,
-            bs,
-            dtype,
-            layer_devices,
-            attention_backend=self.backend,
-        )
+        probe = PagedKVCache(spec, num_blocks, layer_devices, self.backend)
         probe_bm = BlockManager(num_blocks, bs)
         plan = StepPlan(iteration=-1)
         for i, n in enumerate(lengths):
@@ -253,20 +245,17 @@ class KVPoolSizer:
             probe_bm.allocate(req.request_id, n)
             row = ScheduledRequest.for_tokens(req, n)
             plan.scheduled.append(row.with_blocks(probe_bm.get_block_table(req.request_id)))
-        previous = getattr(self.model.config, "_attn_implementation", None)
-        register_attention()
-        self.model.set_attn_implementation(ATTENTION_NAME)
+        previous = switch_to_paged_attention(self.model)
         try:
             sampler = Sampler(torch.Generator(device="cpu"))
             ModelRunner(self.model, probe, self.device, sampler, bs, budget).execute(plan)
             for d in {d for d in layer_devices if d.type == "cuda"}:
                 torch.cuda.synchronize(d)
         finally:
-            if previous is not None:
-                self.model.set_attn_implementation(previous)
+            restore_attention(self.model, previous)
         sizes: dict = collections.Counter()
-        for k, v in zip(probe.key_cache, probe.value_cache):
-            sizes[k.device] += k.numel() * k.element_size() + v.numel() * v.element_size()
+        for k in probe.key_cache:
+            sizes[k.device] += num_blocks * spec.layer_bytes_per_block
         probe.release()
         return dict(sizes)
 

@@ -160,18 +160,17 @@ class ModelRunner:
         buf = self.buffers
         buf.reserve(num_tokens, len(tables) * max_blocks)
         dev = self.device
-        meta = AttentionMetadata(
+        meta = self.cache.backend.build_metadata(
             slot_mapping=buf.fill("slot_mapping", slots),
+            block_tables=buf.fill_block_tables(tables, max_blocks),
             query_start_loc=buf.fill("query_start_loc", query_start_loc_cpu),
             seq_lens=buf.fill("seq_lens", seq_lens),
-            block_tables=buf.fill_block_tables(tables, max_blocks),
-            num_decodes=num_decodes,
-            max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens),
             query_start_loc_cpu=query_start_loc_cpu,
             seq_lens_cpu=seq_lens,
+            num_decodes=num_decodes,
             block_size=bs,
             num_kv_heads=self.cache.num_kv_heads,
+            device=dev,
         )
         adapter_rows = None
         if self.lora_layers is not None:
@@ -206,24 +205,21 @@ class ModelRunner:
         if plan.is_empty:
             return output
         inputs = self.build_metadata(plan)
-        self.cache.metadata = inputs.metadata
-        try:
-            kwargs = {
-                "input_ids": inputs.input_ids.unsqueeze(0),
-                "position_ids": inputs.positions.unsqueeze(0),
-                self._cache_arg: self.cache,
-                "use_cache": True,
-                "paged_cache": self.cache,
-            }
-            rows = inputs.logits_index
-            if self._supports_logits_to_keep:
-                kwargs["logits_to_keep"] = rows
-            with self._linears_step(), self._lora_step(inputs):
-                logits = self.model(**kwargs).logits[0]
-            if not self._supports_logits_to_keep:
-                logits = logits.index_select(0, rows)
-        finally:
-            self.cache.metadata = None
+        step = self.cache.for_step(inputs.metadata)  # the step's metadata travels with the view, not on the cache
+        kwargs = {
+            "input_ids": inputs.input_ids.unsqueeze(0),
+            "position_ids": inputs.positions.unsqueeze(0),
+            self._cache_arg: step,
+            "use_cache": True,
+            "paged_cache": step,
+        }
+        rows = inputs.logits_index
+        if self._supports_logits_to_keep:
+            kwargs["logits_to_keep"] = rows
+        with self._linears_step(), self._lora_step(inputs):
+            logits = self.model(**kwargs).logits[0]
+        if not self._supports_logits_to_keep:
+            logits = logits.index_select(0, rows)
         num_sample_rows, num_score_rows = len(inputs.sample_rows), len(inputs.score_rows)
         if inputs.draft_rows:
             # Drafting requests are greedy (SamplingParams.can_draft): the argmax of every row, under

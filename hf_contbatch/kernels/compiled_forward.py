@@ -6,7 +6,7 @@ them into a few C++ loops; vLLM's CPU build compiles its models the same way.
 
 What is compiled: the unmodified transformers model, with two custom ops left opaque to the
 compiler: the paged attention (``torch.ops.hf_contbatch.paged_attention``, which also stores the
-step's K/V, so the model is called without a cache) and the packed linears
+step's K/V, so the cache the model gets stores nothing) and the packed linears
 (``torch.ops.hf_contbatch.native_linear``, our GEMM, or ``onednn_linear``, rows padded as in eager). The token dimension and the
 logits rows are marked dynamic, so a handful of graphs serve every batch (one-token steps get their
 own). Inductor's on-disk caches (under ``TORCHINDUCTOR_CACHE_DIR``, default a ``torchinductor_$USER``
@@ -25,7 +25,7 @@ import warnings
 
 import torch
 
-from .attention import register_compiled_cache
+from .attention import step_handle
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,8 @@ class CompiledForward:
 
     Args:
         model: the transformers causal LM, already switched to the paged attention.
-        cache: the engine's ``PagedKVCache``; given a handle for the attention op.
+        cache: the engine's ``PagedKVCache``; the graph gets a view of it that stores nothing (the
+            attention op stores K/V through each step's own view, found by a per-step handle).
         cache_arg: the forward's cache argument name ("past_key_values" or "cache").
         packed_linears: the engine's ``PackedLinears`` (refreshed before each step) or None.
     """
@@ -52,20 +53,25 @@ class CompiledForward:
         self.cache = cache
         self.cache_arg = cache_arg
         self.packed_linears = packed_linears
-        cache.compiled_handle = register_compiled_cache(cache)
+        # One object for every call: the compiled graph guards on its identity. To transformers'
+        # mask code it is a paged cache, so the graph builds no mask either.
+        self.graph_cache = cache.for_step(None)
         self.compiled = torch.compile(model, dynamic=False)
         self.failed: Exception | None = None
         self.compile_seconds = 0.0  # wall time of the calls that compiled a new graph
 
     def __call__(self, **kwargs):
         """Run the forward with the model's keyword arguments (``input_ids``/``position_ids``
-        int64 ``[1, T]``, ``logits_to_keep`` int64 ``[R]``, the cache argument, which is replaced by
-        None) and return its output (``logits`` ``[1, R, vocab]``). Compile failures
+        int64 ``[1, T]``, ``logits_to_keep`` int64 ``[R]``, ``paged_cache`` the step's view, which the
+        graph gets as a handle, and the cache argument, which is replaced by a view that stores
+        nothing) and return its output (``logits`` ``[1, R, vocab]``). Compile failures
         (``TorchDynamoException``) fall back to eager with one ``RuntimeWarning``; errors of the
         computation itself propagate."""
         if self.packed_linears is not None:
             self.packed_linears.refresh()
-        kwargs[self.cache_arg] = None  # the attention op stores K/V
+        step = kwargs["paged_cache"]  # held until the call returns: the op's handle is weak
+        kwargs["paged_cache"] = step_handle(step)
+        kwargs[self.cache_arg] = self.graph_cache  # the attention op stores K/V
         kwargs["use_cache"] = False
         if self.failed is not None:
             return self.model(**kwargs)
@@ -109,7 +115,6 @@ class CompiledForward:
 
     def close(self) -> None:
         """Stop using the compiled graphs (the model's own forward is untouched)."""
-        self.cache.compiled_handle = None
         self.compiled = None
 
 

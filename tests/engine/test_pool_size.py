@@ -8,7 +8,6 @@ import pytest
 
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SchedulerConfig
 from hf_contbatch.core.pool_size import default_host_kv_blocks, default_swap_blocks
-from hf_contbatch.kernels.paged_cache import kv_bytes_per_block
 
 GIB = 2**30
 
@@ -60,7 +59,7 @@ def test_engine_default_pools_and_one_log_line(llama_model, caplog):
 
 
 def test_explicit_sizes_are_kept(llama_model):
-    block = kv_bytes_per_block(2, 16, 2, 16, __import__("torch").float32)  # 8 KiB
+    block = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 tokens, 2 heads, 16 channels, float32: 8 KiB
     cfg = CacheConfig(cpu_cache_gib=1 / 1024, swap_space_gib=2 / 1024)  # 1 MiB and 2 MiB
     engine = LLMEngine(
         llama_model, EngineConfig(cache=cfg, scheduler=SchedulerConfig(preemption_mode="swap"), linear_backend="torch")

@@ -1,7 +1,8 @@
 """``ModelRunner.build_metadata``: the row layout of one flattened step, by arithmetic on a plan.
 
-No model runs: the runner reads only the plan and the cache's head count (never the block manager
-or the live requests, which the test takes away before building).
+No model runs: the runner reads only the plan, the cache's head count and its backend (which
+builds the metadata); never the block manager or the live requests, which the test takes away
+before building.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from hf_contbatch.core.block_manager import BlockManager
 from hf_contbatch.core.plan import ScheduledRequest, StepPlan
 from hf_contbatch.engine.runner import ModelRunner
+from hf_contbatch.kernels.attention.backends import TorchAttentionBackend
 from hf_contbatch.request import Request, SamplingParams
 
 
@@ -57,7 +59,8 @@ def test_rows_are_decodes_then_draft_rows_then_prefill_chunks_and_the_lm_head_re
         bm.free(req.request_id)
         req.output_token_ids.append(-1)
         req.num_computed_tokens = -1
-    runner = ModelRunner(_ForwardSignature(), SimpleNamespace(num_kv_heads=2), torch.device("cpu"), None, bs, 4)
+    cache = SimpleNamespace(num_kv_heads=2, backend=TorchAttentionBackend())
+    runner = ModelRunner(_ForwardSignature(), cache, torch.device("cpu"), None, bs, 4)
 
     inputs = runner.build_metadata(plan)
 
@@ -108,7 +111,12 @@ def test_the_persistent_buffers_give_a_small_step_after_a_large_one_what_a_fresh
 
     def new_runner(capacity):
         return ModelRunner(
-            _ForwardSignature(), SimpleNamespace(num_kv_heads=1), torch.device("cpu"), None, bs, capacity
+            _ForwardSignature(),
+            SimpleNamespace(num_kv_heads=1, backend=TorchAttentionBackend()),
+            torch.device("cpu"),
+            None,
+            bs,
+            capacity,
         )
 
     reused = new_runner(2)  # grows on the first step

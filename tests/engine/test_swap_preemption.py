@@ -12,7 +12,7 @@ import torch
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from hf_contbatch.core.scheduler import PHASES
 from hf_contbatch.engine.pool_sizing import KVGeometry, KVPoolSizer
-from hf_contbatch.kernels.paged_cache import kv_bytes_per_block
+from hf_contbatch.kernels.kv_spec import KVCacheSpec
 
 from conftest import build_model, random_prompts, reference_greedy
 
@@ -60,7 +60,7 @@ def test_greedy_equals_generate_under_swap_preemption(family, mode):
 def test_full_swap_pool_falls_back_to_recompute_and_stays_exact(llama_model):
     prompts = random_prompts(LENGTHS, seed=3)
     refs = [reference_greedy(llama_model, p, NEW) for p in prompts]
-    block_bytes = kv_bytes_per_block(2, 4, 2, 16, torch.float32)
+    block_bytes = 2 * 2 * 4 * 2 * 16 * 4  # K and V, 2 layers, 4 tokens, 2 heads, 16 channels, float32
     outs, stats = _run(llama_model, prompts, _tight("swap", swap_gib=2 * block_bytes / 2**30))
     assert stats.num_swap_blocks == 2
     assert [o.output_token_ids for o in outs] == refs
@@ -151,10 +151,10 @@ def test_profiling_forward_runs_the_token_budget_through_the_paged_path(llama_mo
     try:
         before = llama_model.config._attn_implementation
         cpu = [torch.device("cpu")] * eng.num_layers
-        probe = _sizer(eng).profile_forward(cpu, torch.float32)
+        probe = _sizer(eng).profile_forward(cpu, KVCacheSpec(2, 4, 2, 16, torch.float32))
         assert llama_model.config._attn_implementation == before
         # 1100 tokens exceed the 512-token context: split into 512 + 512 + 76 -> 128 + 128 + 19 blocks.
-        assert probe == {torch.device("cpu"): 275 * kv_bytes_per_block(2, 4, 2, 16, torch.float32)}
+        assert probe == {torch.device("cpu"): 275 * 2 * 2 * 4 * 2 * 16 * 4}  # K and V of 2 layers
         assert eng.submit([5, 6, 7], SamplingParams(max_new_tokens=3)).result(30).finish_reason == "length"
     finally:
         eng.close()
@@ -182,16 +182,17 @@ def test_gpu_memory_utilization_sizing_subtracts_memory_in_use_and_the_activatio
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: memory[d]["allocated"])
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: memory[d]["peak"])
         sizer = _sizer(eng)
-        monkeypatch.setattr(sizer, "profile_forward", lambda devices, dtype: {d0: gib, d1: gib // 2})
-        per_layer_block = kv_bytes_per_block(1, 16, 2, 16, torch.float32)
+        monkeypatch.setattr(sizer, "profile_forward", lambda devices, spec: {d0: gib, d1: gib // 2})
+        per_layer_block = 2 * 16 * 2 * 16 * 4  # K and V of one layer: 16 tokens, 2 heads, 16 channels, float32
+        spec = KVCacheSpec(2, 16, 2, 16, torch.float32)
         # One device: 80 * 0.5 - 10 in use - (5 - 2 - 1 probe) activation = 28 GiB over both layers.
-        assert sizer.blocks_from_device_memory([d0, d0], torch.float32) == int(28 * gib // (2 * per_layer_block))
+        assert sizer.blocks_from_device_memory([d0, d0], spec) == int(28 * gib // (2 * per_layer_block))
         # Layers split over two devices: each holds one layer's slice; the tighter device decides.
         # d1: 40 - 4 - (3 - 1 - 0.5) = 34.5 GiB; d0: 28 GiB.
-        assert sizer.blocks_from_device_memory([d0, d1], torch.float32) == int(28 * gib // per_layer_block)
+        assert sizer.blocks_from_device_memory([d0, d1], spec) == int(28 * gib // per_layer_block)
         memory[d0]["free"] = 30 * gib  # 50 GiB in use: above 0.5 of 80 GiB
         with pytest.raises(ValueError, match="gpu_memory_utilization=0.5"):
-            sizer.blocks_from_device_memory([d0, d0], torch.float32)
+            sizer.blocks_from_device_memory([d0, d0], spec)
     finally:
         eng.close()
 

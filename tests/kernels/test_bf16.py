@@ -10,6 +10,7 @@ import torch
 from test_torch_attention import _batch
 
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from hf_contbatch.kernels.attention.backends import CPUKernelAttentionBackend
 from hf_contbatch.kernels.attention.torch_paged import torch_paged_attention
 
 from conftest import build_model, random_prompts
@@ -87,7 +88,10 @@ def test_a_bf16_engine_has_the_compiled_decode_kernel_as_a_candidate_and_generat
     try:
         # bf16 pools on CPU: the compiled decode kernel is a candidate (kept where it is faster here;
         # its bf16 results are checked against the reference in test_cpu_kernel.py).
-        assert engine.cache.cpu_decode_kernel is not None and engine.cache.key_cache[0].dtype == torch.bfloat16
+        assert (
+            isinstance(engine.cache.backend, CPUKernelAttentionBackend)
+            and engine.cache.key_cache[0].dtype == torch.bfloat16
+        )
         out = engine.submit([1, 2, 3, 4, 5], SamplingParams(max_new_tokens=6, ignore_eos=True)).result(60)
         assert len(out.output_token_ids) == 6
     finally:

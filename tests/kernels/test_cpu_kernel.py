@@ -123,7 +123,7 @@ def test_without_a_compiler_the_torch_path_serves_with_one_warning(llama_model, 
             outs = [eng.submit(p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in prompts]
             outs = [h.result(60).output_token_ids for h in outs]
         assert outs == refs
-        kernel = eng.cache.cpu_decode_kernel
+        kernel = eng.cache.backend.decode_kernel
         assert not kernel.available and "/bin/false" in kernel.error
         warnings = [r for r in caplog.records if "using the torch path" in r.getMessage()]
         assert len(warnings) == 1

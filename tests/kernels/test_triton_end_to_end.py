@@ -26,7 +26,7 @@ def test_triton_backend_greedy_equals_generate(family):
     )
     eng = LLMEngine(model, cfg)
     try:
-        assert eng.backend == "triton"
+        assert eng.backend.name == "triton"
         outs = [
             h.result(240).output_token_ids for h in [eng.submit(p, SamplingParams(max_new_tokens=6)) for p in prompts]
         ]

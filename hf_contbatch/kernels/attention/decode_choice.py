@@ -10,8 +10,8 @@ import time
 import torch
 
 from ..native_build import cache_dir, cpu_id, read_json, write_json
-from ..paged_cache import AttentionMetadata
 from .cpu_kernel import DECODE_SOURCE, CPUDecodeKernel
+from .metadata import AttentionMetadata
 from .torch_paged import torch_paged_attention
 
 

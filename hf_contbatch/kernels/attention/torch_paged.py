@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..paged_cache import AttentionMetadata
+from .metadata import AttentionMetadata
 
 
 def _attend(q, k, v, mask, scale: float, softcap: float | None, is_causal: bool = False):

@@ -1,0 +1,267 @@
+"""Attention backends: one object per way of storing K/V into the paged pool and attending over it.
+
+An engine selects its backend once (:func:`select_backend`, from ``EngineConfig.attention_backend``
+and ``HF_CONTBATCH_ATTENTION_BACKEND``); the backend then builds each step's metadata, stores the
+step's K/V and attends. A new KV layout (an int8 cache with scales, say) is a ``KVCacheSpec`` and one
+backend that accepts it in :meth:`AttentionBackend.check_spec`.
+
+* :class:`TorchAttentionBackend`: plain torch (``torch_paged``), any device.
+* :class:`CPUKernelAttentionBackend`: the torch path with decode attention and the KV store in the
+  compiled C kernel (``cpu_kernel``) where it is faster on this CPU (``decode_choice``).
+* :class:`TritonAttentionBackend`: the Triton kernels (``triton_kernels``), CUDA (or the interpreter).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from abc import ABC, abstractmethod
+from typing import ClassVar, Optional, Sequence
+
+import torch
+
+from ...config import ATTENTION_BACKENDS
+from ..kv_spec import KVCacheSpec
+from .metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    """How one engine stores K/V and attends; per engine (it may hold per-engine state).
+
+    Tensors: ``key``/``value`` ``[T, KVH, D]`` (this step's rows), pools ``spec.layer_shape(num_blocks)``,
+    ``query`` ``[T, H, D]``; :meth:`attend` returns ``[T, H, D]`` in the query's dtype.
+    """
+
+    name: ClassVar[str]
+
+    def check_spec(self, spec: KVCacheSpec) -> None:
+        """Raise ValueError where this backend cannot store ``spec``'s layout (the float backends
+        here store plain K/V, no scales)."""
+        if spec.is_quantized:
+            raise ValueError(f"attention backend {self.name!r} stores float K/V only, not a layout with scales")
+
+    def setup(self, spec: KVCacheSpec, num_heads: int) -> Optional[str]:
+        """Per-engine preparation once the pools exist (kernel timing); a line for the log, or None."""
+        return None
+
+    def build_metadata(
+        self,
+        *,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc_cpu: list[int],
+        seq_lens_cpu: list[int],
+        num_decodes: int,
+        block_size: int,
+        num_kv_heads: int,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        """The step's metadata from the runner's common inputs: ``slot_mapping`` int64 ``[T]``,
+        ``block_tables`` int32 ``[B, max_blocks]``, cumulative query lengths int32 ``[B + 1]`` and
+        context lengths int32 ``[B]`` (CPU or ``device``; the runner's persistent buffers), the same
+        two as lists, decodes first. Tensors end up on ``device``."""
+        return AttentionMetadata(
+            slot_mapping=slot_mapping.to(device),
+            query_start_loc=query_start_loc.to(device),
+            seq_lens=seq_lens.to(device),
+            block_tables=block_tables.to(device),
+            num_decodes=num_decodes,
+            max_query_len=max(b - a for a, b in zip(query_start_loc_cpu, query_start_loc_cpu[1:])),
+            max_seq_len=max(seq_lens_cpu),
+            query_start_loc_cpu=query_start_loc_cpu,
+            seq_lens_cpu=seq_lens_cpu,
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+        )
+
+    @abstractmethod
+    def store_kv(self, key, value, k_pool, v_pool, meta: AttentionMetadata) -> None:
+        """Write ``key``/``value`` into their slots (``meta.slot_mapping``), cast to the pool dtype."""
+
+    @abstractmethod
+    def attend(
+        self,
+        query,
+        k_pool,
+        v_pool,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window=None,
+        softcap=None,
+        key=None,
+        value=None,
+    ) -> torch.Tensor:
+        """Attention of every query row over its request's context in the pools (already holding
+        this step's K/V). ``key``/``value`` ``[KVH, T, D]`` may be passed for a path that reads a
+        whole-context prefill chunk from them instead of the pool."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Plain torch: ``index_copy_`` into the pool, ``torch_paged.torch_paged_attention``."""
+
+    name = "torch"
+
+    def store_kv(self, key, value, k_pool, v_pool, meta):
+        kvh, d = k_pool.shape[2], k_pool.shape[3]
+        k_pool.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, key.to(k_pool.dtype))
+        v_pool.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, value.to(v_pool.dtype))
+
+    def attend(self, query, k_pool, v_pool, meta, scale, sliding_window=None, softcap=None, key=None, value=None):
+        from .torch_paged import torch_paged_attention
+
+        return torch_paged_attention(
+            query, k_pool, v_pool, meta, scale, sliding_window, softcap, key=key, value=value, decode_kernel=None
+        )
+
+
+class CPUKernelAttentionBackend(TorchAttentionBackend):
+    """The torch path with the compiled CPU kernel (``cpu_kernel.CPUDecodeKernel``, built on first
+    use) storing K/V and serving decode rows, where :meth:`setup` timed it faster than torch here.
+    Prefill rows, and everything where the kernel cannot serve, take the torch path."""
+
+    name = "torch"
+    POOL_DTYPES = (torch.float32, torch.bfloat16)
+
+    def __init__(self) -> None:
+        from .cpu_kernel import CPUDecodeKernel
+
+        self.decode_kernel = CPUDecodeKernel()
+
+    def setup(self, spec, num_heads):
+        from .decode_choice import choose_decode_path
+
+        return choose_decode_path(
+            self.decode_kernel, num_heads, spec.num_kv_heads, spec.head_size, spec.block_size, spec.dtype
+        )
+
+    def store_kv(self, key, value, k_pool, v_pool, meta):
+        if not self.decode_kernel.store(key, value, k_pool, v_pool, meta.slot_mapping):
+            super().store_kv(key, value, k_pool, v_pool, meta)
+
+    def attend(self, query, k_pool, v_pool, meta, scale, sliding_window=None, softcap=None, key=None, value=None):
+        from .torch_paged import torch_paged_attention
+
+        return torch_paged_attention(
+            query,
+            k_pool,
+            v_pool,
+            meta,
+            scale,
+            sliding_window,
+            softcap,
+            key=key,
+            value=value,
+            decode_kernel=self.decode_kernel,
+        )
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """The Triton kernels: ``triton_kernels.store_kv`` and ``triton_kernels.paged_attention``."""
+
+    name = "triton"
+
+    def store_kv(self, key, value, k_pool, v_pool, meta):
+        from .triton_kernels import store_kv
+
+        store_kv(key, value, k_pool, v_pool, meta.slot_mapping)
+
+    def attend(self, query, k_pool, v_pool, meta, scale, sliding_window=None, softcap=None, key=None, value=None):
+        from .triton_kernels import paged_attention
+
+        return paged_attention(
+            query.contiguous(),
+            k_pool,
+            v_pool,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.max_query_len,
+            scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+        )
+
+
+def resolve_backend_name(requested: str, device: torch.device, **shape) -> str:
+    """Pick "torch" or "triton" for ``device``.
+
+    ``HF_CONTBATCH_ATTENTION_BACKEND`` overrides an "auto" request. ``shape`` (optional keywords
+    ``dtype``, ``head_dim``, ``num_heads``, ``num_kv_heads``, ``block_size``) describes the cache the
+    kernels will serve: "auto" then takes the torch path, with one warning, where the Triton kernels
+    cannot serve it (bfloat16 below compute capability 8.0, a head size, block size or GQA group the
+    kernels lack, no tile that fits the device's shared memory), and on GPUs below sm_80 (see
+    :func:`triton_kernels.prefers_torch`). "triton" needs CUDA tensors, or the interpreter
+    (``TRITON_INTERPRET=1``) on CPU, and a configuration the kernels serve; otherwise a ValueError
+    says why.
+    """
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"`attention_backend` must be one of {ATTENTION_BACKENDS}, got {requested!r}")
+    if requested == "auto":
+        env = os.environ.get("HF_CONTBATCH_ATTENTION_BACKEND", "auto")
+        if env not in ATTENTION_BACKENDS:
+            raise ValueError(f"HF_CONTBATCH_ATTENTION_BACKEND must be one of {ATTENTION_BACKENDS}, got {env!r}")
+        requested = env
+    if requested == "auto":
+        from . import triton_kernels as tk
+
+        if device.type != "cuda" or not tk.TRITON_AVAILABLE or tk.prefers_torch(device):
+            return "torch"
+        reason = tk.unsupported_reason(device, **shape)
+        if reason is not None:
+            warnings.warn(f"attention_backend='auto' uses the torch attention path: {reason}", stacklevel=4)
+            return "torch"
+        return "triton"
+    if requested == "triton":
+        from . import triton_kernels as tk
+
+        if not tk.TRITON_AVAILABLE:
+            raise ValueError("attention_backend='triton' but triton is not importable; use 'torch'")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "attention_backend='triton' on a CPU device needs TRITON_INTERPRET=1 (slow; for tests); use 'torch'"
+            )
+        reason = tk.unsupported_reason(device, **shape)
+        if reason is not None:
+            raise ValueError(f"attention_backend='triton' cannot serve this model here: {reason}")
+    return requested
+
+
+def select_backend(
+    requested: str,
+    device: torch.device,
+    spec: KVCacheSpec,
+    num_heads: int,
+    layer_devices: Optional[Sequence[torch.device]] = None,
+) -> AttentionBackend:
+    """A new backend object for one engine: ``requested`` ("auto", "torch" or "triton", see
+    :func:`resolve_backend_name` for the environment override, warnings and errors) for a cache of
+    ``spec`` whose layers live on ``layer_devices`` (default: all on ``device``). The torch path
+    uses the compiled CPU kernel where every layer is on the CPU and the pools are float32 or
+    bfloat16.
+
+    Raises:
+        ValueError: an unknown or unusable backend, or a layout the backend cannot store.
+    """
+    name = resolve_backend_name(
+        requested,
+        device,
+        dtype=spec.dtype,
+        head_dim=spec.head_size,
+        num_heads=num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        block_size=spec.block_size,
+    )
+    devices = [torch.device(d) for d in (layer_devices or [device])]
+    if name == "triton":
+        backend: AttentionBackend = TritonAttentionBackend()
+    elif spec.dtype in CPUKernelAttentionBackend.POOL_DTYPES and all(d.type == "cpu" for d in devices):
+        backend = CPUKernelAttentionBackend()
+    else:
+        backend = TorchAttentionBackend()
+    backend.check_spec(spec)
+    return backend

@@ -1,0 +1,83 @@
+"""What one KV block holds, as every part that sizes, allocates or reads the pools sees it.
+
+``KVCacheSpec`` is the single place that turns the model's KV geometry and the storage dtype into
+tensor shapes and bytes: pool sizing (``engine.pool_sizing``), the pool tensors and the swap pool
+(``kernels.paged_cache``) and the attention backends read it. A quantized layout (for example int8
+K/V with one float scale per token and KV head) is described by ``scale_dtype`` and
+``scales_per_token_head``; float caches leave them at None and 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The layout of the paged KV cache.
+
+    Attributes:
+        num_layers: decoder layers; every block has a slice in each layer's pool.
+        block_size: tokens per block.
+        num_kv_heads: key/value heads per layer.
+        head_size: channels per head.
+        dtype: storage dtype of the K and V pools.
+        scale_dtype: dtype of the per-token dequantization scales of a quantized layout (None: the
+            pools hold K/V as they are, no scales).
+        scales_per_token_head: scales stored per (token, KV head) for K and for V each (0 without a
+            quantized layout).
+
+    Raises:
+        ValueError: a non-positive size, or scales declared without a ``scale_dtype`` (or the reverse).
+    """
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    scale_dtype: Optional[torch.dtype] = None
+    scales_per_token_head: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"KVCacheSpec.{name} must be positive, got {getattr(self, name)}")
+        if (self.scale_dtype is None) != (self.scales_per_token_head == 0):
+            raise ValueError("KVCacheSpec: scale_dtype and scales_per_token_head go together (both set or neither)")
+
+    @property
+    def is_quantized(self) -> bool:
+        """Whether the pools store scales beside K/V."""
+        return self.scales_per_token_head > 0
+
+    def layer_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        """Shape of one layer's K (or V) pool: ``[num_blocks, block_size, num_kv_heads, head_size]``."""
+        return (num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+
+    def scale_shape(self, num_blocks: int) -> Optional[tuple[int, int, int, int]]:
+        """Shape of one layer's K (or V) scales, ``[num_blocks, block_size, num_kv_heads,
+        scales_per_token_head]``; None for a float cache."""
+        if not self.is_quantized:
+            return None
+        return (num_blocks, self.block_size, self.num_kv_heads, self.scales_per_token_head)
+
+    @property
+    def layer_bytes_per_block(self) -> int:
+        """Bytes of one block in one layer: K and V, scales included."""
+        tokens_heads = self.block_size * self.num_kv_heads
+        data = tokens_heads * self.head_size * _itemsize(self.dtype)
+        scales = tokens_heads * self.scales_per_token_head * _itemsize(self.scale_dtype) if self.is_quantized else 0
+        return 2 * (data + scales)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block over all layers: K and V, scales included."""
+        return self.num_layers * self.layer_bytes_per_block
