@@ -72,7 +72,7 @@ def test_close_removes_the_packed_forwards_and_the_model_computes_as_before(kern
         before = model(ids).logits
     num_linears = sum(type(m) is torch.nn.Linear for m in model.modules())
     eng = LLMEngine(model, EngineConfig(cache=CacheConfig(num_blocks=16), linear_backend=kernel))
-    assert len(eng.packed_linears) == num_linears and eng.packed_linears.backend == kernel
+    assert len(eng.packed_linears) == num_linears and eng.packed_linears.kernel_names == (kernel,)
     assert _instance_forwards(model) == num_linears
     eng.close()
     assert _instance_forwards(model) == 0
@@ -207,7 +207,7 @@ def test_a_failure_while_packing_leaves_the_model_untouched(monkeypatch, kernel)
         if other not in candidates:
             assert packed is None and _instance_forwards(model) == 0
         else:
-            assert packed.backend == other and _instance_forwards(model) == len(packed)
+            assert packed.kernel_names == (other,) and _instance_forwards(model) == len(packed)
             assert kernel not in tuner.candidates  # left out after its failure
     finally:
         if packed is not None:
@@ -228,13 +228,13 @@ def test_without_a_c_compiler_native_raises_and_auto_uses_onednn(tmp_path):
         except RuntimeError as exc:
             print("native raised:", exc)
         from hf_contbatch.kernels.linears.autotune import KernelTuner
-        from hf_contbatch.kernels.linears.packed_linears import available_kernels
+        from hf_contbatch.kernels.linears.registry import available_kernels
         kernels = available_kernels()
         print("candidates:", sorted(kernels))
         # Timed so that a packed kernel wins every shape (timings are the CPU's business, not this test's).
         tuner = KernelTuner(kernels, cache_path=None, measure=lambda i, o, d, bs: {n: dict.fromkeys(bs, 1.0 if n != "torch" else 2.0) for n in kernels | {"torch": 0}})
         packed = pack_linears(model, "auto", tuner=tuner)
-        print("auto:", None if packed is None else packed.backend, onednn_available())
+        print("auto:", None if packed is None else packed.label, onednn_available())
         """
     )
     env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "XDG_CACHE_HOME": str(tmp_path)}
