@@ -23,7 +23,7 @@ from conftest import build_model
 class _Recording:
     """A packed kernel that computes F.linear and records the row counts it served."""
 
-    isa, build_id, dtypes = "test", "", (torch.float32,)
+    isa, build_id, dtypes, exact_unpack = "test", "", (torch.float32,), False
 
     def __init__(self, name):
         self.name, self.rows = name, []
@@ -179,3 +179,17 @@ def test_the_real_measurement_times_every_available_kernel_at_every_bucket(tmp_p
         assert all(s > 0 for s in by_bucket.values()) and math.isfinite(by_bucket[1]), (name, by_bucket)
     assert set(choice.kernels) <= set(tuner.candidates)
     assert tuner.measured_seconds > 0
+
+
+def test_the_registry_names_every_linear_backend_but_auto_and_each_kernel_keeps_the_protocol():
+    from hf_contbatch.config import LINEAR_BACKENDS
+    from hf_contbatch.kernels.linears import KERNELS, GemmKernel
+
+    assert set(LINEAR_BACKENDS) == {"auto", *KERNELS}
+    for name, kernel in available_kernels().items():
+        assert kernel.name == name and isinstance(kernel, GemmKernel)
+        w = torch.randn(40, 24)
+        packed = kernel.pack(w)
+        assert packed.shape == (40, 24) and packed.dtype == torch.float32 and packed.nbytes >= w.numel() * 4
+        if kernel.exact_unpack:
+            assert torch.equal(kernel.unpack(packed), w)  # bit for bit: the float weight may be released

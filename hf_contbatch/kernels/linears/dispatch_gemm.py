@@ -39,6 +39,7 @@ class DispatchGEMM:
         self.name = self.names[0]  # the overall winner, for messages
         self.isa = "+".join(k.isa for k in self.kernels)
         self.build_id = ",".join(k.build_id for k in self.kernels)
+        self.exact_unpack = any(k.exact_unpack for k in self.kernels)
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:
@@ -52,9 +53,8 @@ class DispatchGEMM:
 
     def unpack(self, packed: PackedWeight) -> Optional[torch.Tensor]:
         for kernel, part in zip(self.kernels, packed.data):
-            weight = kernel.unpack(part)
-            if weight is not None:
-                return weight
+            if kernel.exact_unpack:
+                return kernel.unpack(part)
         return None
 
     def step_bias(self, bias: Optional[torch.Tensor]):

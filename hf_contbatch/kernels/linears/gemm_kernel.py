@@ -59,11 +59,14 @@ class GemmKernel(Protocol):
             "torch"): for reports.
         build_id: names the build whose timings stay valid ("" when nothing is compiled): part of the
             tuner's cache key.
+        exact_unpack: whether :meth:`unpack` gives the weight back bit for bit, so the module's
+            float weight can be released while packed (``packed_forward``).
 
     Construction raises ``RuntimeError`` when the kernel cannot run here (no C compiler, no oneDNN).
     """
 
     name: str
+    exact_unpack: bool
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]: ...

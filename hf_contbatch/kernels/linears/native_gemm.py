@@ -181,6 +181,7 @@ class NativeGEMM:
     """
 
     name = "native"
+    exact_unpack = True  # plain zero-padded panels: unpack gives the weight back bit for bit
 
     def __init__(self) -> None:
         native_library()  # raises here when the kernel cannot be built

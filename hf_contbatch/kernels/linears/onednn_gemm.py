@@ -74,6 +74,7 @@ class OneDNNGEMM:
     """
 
     name = "onednn"
+    exact_unpack = False  # an opaque blocked layout: the float weight is kept beside it
     isa = "onednn"
     build_id = ""  # part of torch: its version is in the tuner's cache key already
 

@@ -10,6 +10,7 @@ quarter of the available host memory.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -191,6 +192,7 @@ def pack_linears(
     max_head_rows: Optional[int] = None,
     tuner: Optional[KernelTuner] = None,
     choices: Optional[LinearChoices] = None,
+    release_weights: bool = False,
 ) -> Optional[PackedLinears]:
     """Pack the model's float32 (and, where a kernel has a bf16 path, bfloat16) CPU ``nn.Linear``
     weights for a faster GEMM, or do nothing.
@@ -213,6 +215,10 @@ def pack_linears(
         tuner: the ``KernelTuner`` for "auto" when ``choices`` is not given (default: one over the
             kernels available here, its timings cached on disk per CPU).
         choices: the "auto" choices made beforehand (same model, ``exclude`` and ``fuse``).
+        release_weights: drop each float weight the packed copy gives back bit for bit (not shared
+            with another module) until :meth:`PackedLinears.restore` (see ``packed_forward``). Off by
+            default: while released, a weight cannot be read, written through ``.data`` or converted
+            with ``module.to(dtype)``.
 
     Returns:
         The packed modules (``kernel_names`` names the kernels used; ``choices`` holds the "auto"
@@ -229,7 +235,7 @@ def pack_linears(
         modules = packable_modules(model, exclude)
         units = linear_units(model, modules, fuse)
         forwards = _pack_units(units, lambda i: kernel if kernel.supports(units[i][0].weight) else None)
-        return _install(forwards, weight_bytes(modules), None)
+        return _install(model, forwards, weight_bytes(modules), None, release_weights)
     if choices is None:
         choices = tune_linears(
             model,
@@ -260,14 +266,30 @@ def pack_linears(
             choices.choose()
             continue
         logger.info("%s", choices.report())
-        return _install(forwards, weight_bytes([m for u in choices.units for m in u]), choices)
+        return _install(model, forwards, weight_bytes([m for u in choices.units for m in u]), choices, release_weights)
 
 
-def _install(forwards: list[PackedForward], total: int, choices: Optional[LinearChoices]) -> Optional[PackedLinears]:
+def _install(
+    model: torch.nn.Module,
+    forwards: list[PackedForward],
+    total: int,
+    choices: Optional[LinearChoices],
+    release: bool,
+) -> Optional[PackedLinears]:
+    """Install the packed forwards and, with ``release``, release the float weights the packed
+    copies give back exactly, except weights shared with another module (an LM head tied to the
+    input embedding: the embedding still reads it)."""
     if not forwards:
         return None
+    uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     for f in forwards:
         f.module.__dict__["forward"] = f
+        f.releasable = release and uses[id(f.module.weight)] == 1
+    for f in forwards:
+        if f.group is None:
+            f.release()
+        elif f is f.group.members[0]:
+            f.group.release_weights()
     kernels = {f.group.kernel if f.group else f.kernel for f in forwards}
     names = sorted({n for k in kernels for n in getattr(k, "names", (k.name,))})
     return PackedLinears(forwards, total, tuple(names), choices)

@@ -15,6 +15,7 @@ class TorchLinear:
     it serves keeps its float weight and costs no memory."""
 
     name = "torch"
+    exact_unpack = False  # nothing packed: the weight itself serves
     isa = "torch"
     build_id = ""
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
