@@ -107,6 +107,21 @@ def _prebuild_kernels(args: argparse.Namespace) -> float:
     return build.seconds
 
 
+def _report_gemm_choices(packed_linears, quiet: bool) -> None:
+    """Say on stderr how long timing the GEMMs took (the first engine on a CPU) and, unless
+    ``quiet``, the kernel chosen per linear shape."""
+    choices = getattr(packed_linears, "choices", None)
+    if choices is None:
+        return
+    if choices.measured_seconds:
+        print(
+            f"timed the GEMMs for this CPU in {choices.measured_seconds:.1f} s (cached for next time)", file=sys.stderr
+        )
+    if not quiet:
+        shapes = ", ".join(f"{shape} {label}" for shape, label in choices.summary().items())
+        print(f"GEMM per linear shape: {shapes}", file=sys.stderr)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     # Everything that can be wrong with the arguments is found before torch or the model loads.
     source = read_prompts(args.input) if args.input else None
@@ -138,9 +153,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         gen_kwargs["adapter_names"] = adapter_names
     pipe = pipeline("text-generation", model=model, tokenizer=tokenizer, dtype=args.dtype, engine_config=config)
     load_s = time.monotonic() - t_load
-    tuner = getattr(pipe.engine.patches.packed_linears, "tuner", None)
-    if tuner is not None and tuner.measured_seconds:  # the first engine on this CPU times the GEMMs
-        print(f"timed the GEMMs for this CPU in {tuner.measured_seconds:.1f} s (cached for next time)", file=sys.stderr)
+    _report_gemm_choices(pipe.engine.patches.packed_linears, args.quiet)
     with pipe:
         results = pipe(prompts, progress_bar=not args.quiet, **gen_kwargs)
         call = pipe.last_call_stats

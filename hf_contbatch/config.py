@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-LINEAR_BACKENDS = ("auto", "torch", "native", "onednn")
+LinearBackend = Literal["auto", "torch", "native", "onednn"]
+LINEAR_BACKENDS = get_args(LinearBackend)
+"""The ``linear_backend`` names: "auto" and one per GEMM kernel (``kernels.linears.registry`` maps
+them to kernel classes and checks that the two lists agree)."""
 
 
 def is_int(value) -> bool:
@@ -196,7 +199,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    linear_backend: Literal["auto", "torch", "native", "onednn"] = "auto"
+    linear_backend: LinearBackend = "auto"
     num_threads: Optional[int] = None
     seed: Optional[int] = None
     record_phases: bool = True

@@ -5,7 +5,8 @@ and a compiled forward."""
 from __future__ import annotations
 
 from ..config import EngineConfig, resolve_compile_model
-from ..kernels.linears import pack_linears
+from ..kernels.linears import pack_linears, tune_linears
+from ..kernels.linears.registry import AUTO
 from .attention_switch import restore_attention, switch_to_paged_attention
 from .lora_adapters import acquire_lora_layers, release_lora_layers
 from .pool_sizing import available_host_memory
@@ -52,16 +53,28 @@ class ModelPatches:
             lora_ab = [
                 ab for m in getattr(self.lora_layers, "modules", ()) for ab in (*m.lora_A.values(), *m.lora_B.values())
             ]
+            # "auto": the kernel per GEMM unit is chosen first (timings from the tuner's disk cache,
+            # measured only on a CPU seen for the first time), then packed by those choices.
+            choices = None
+            if config.linear_backend == AUTO:
+                choices = tune_linears(
+                    model,
+                    available_bytes=available_host_memory,
+                    exclude=lora_ab,
+                    fuse=config.fuse_linears,
+                    max_rows=config.scheduler.max_num_batched_tokens,
+                    max_head_rows=config.scheduler.max_num_seqs,
+                )
             # Before the attention switch: a forced backend that cannot pack raises with nothing changed.
-            self.packed_linears = pack_linears(
-                model,
-                config.linear_backend,
-                available_host_memory,
-                exclude=lora_ab,
-                fuse=config.fuse_linears,
-                max_rows=config.scheduler.max_num_batched_tokens,
-                max_head_rows=config.scheduler.max_num_seqs,
-            )
+            if choices is not None or config.linear_backend != AUTO:
+                self.packed_linears = pack_linears(
+                    model,
+                    config.linear_backend,
+                    available_host_memory,
+                    exclude=lora_ab,
+                    fuse=config.fuse_linears,
+                    choices=choices,
+                )
             self.previous_attention = switch_to_paged_attention(model)
         except BaseException:
             if self.packed_linears is not None:

@@ -57,7 +57,7 @@ def test_bf16_engine_greedy_tokens_are_near_argmax_under_fp32():
 @pytest.mark.parametrize("backend", ["native", "onednn"])
 def test_bf16_linears_pack_where_the_kernel_has_a_bf16_path_and_agree_with_f_linear(backend):
     from hf_contbatch.kernels.linears import pack_linears
-    from hf_contbatch.kernels.linears.packed_linears import available_kernels
+    from hf_contbatch.kernels.linears.registry import available_kernels
 
     kernel = available_kernels().get(backend)
     probe = torch.zeros(8, 8, dtype=torch.bfloat16)

@@ -47,7 +47,7 @@ def test_products_match_float64_within_the_error_bound(gemm, m, k, n):
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     packed = gemm.pack(w)
     nr = gemm.library.nr
-    assert packed.shape == (-(-n // nr), k, nr)
+    assert packed.data.shape == (-(-n // nr), k, nr) and packed.shape == (n, k)
     for bias in (None, b):
         y = gemm.linear(x, packed, bias, n)
         assert y.shape == (m, n) and y.dtype == torch.float32
@@ -176,7 +176,7 @@ def test_bf16_products_match_float64_within_the_bound(bf16_gemm, m, k, n):
     x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16()
     packed = bf16_gemm.pack(w)
-    assert packed.dtype == torch.bfloat16 and packed.shape == (-(-n // 32), k // 2, 32, 2)
+    assert packed.data.dtype == torch.bfloat16 and packed.data.shape == (-(-n // 32), k // 2, 32, 2)
     for bias in (None, b):
         _check_bf16_against_float64(bf16_gemm.linear(x, packed, bias, n), x, w, bias)
     alone = torch.cat([bf16_gemm.linear(x[i : i + 1], packed, None, n) for i in range(m)])

@@ -12,14 +12,18 @@ import pytest
 import torch
 
 from hf_contbatch.kernels.linears import pack_linears
-from hf_contbatch.kernels.linears.autotune import ROW_BUCKETS, DispatchGEMM, KernelTuner, bucket_index, buckets_up_to
-from hf_contbatch.kernels.linears.packed_linears import available_kernels
+from hf_contbatch.kernels.linears.autotune import ROW_BUCKETS, KernelTuner, bucket_index, buckets_up_to
+from hf_contbatch.kernels.linears.dispatch_gemm import DispatchGEMM
+from hf_contbatch.kernels.linears.gemm_kernel import PackedWeight
+from hf_contbatch.kernels.linears.registry import available_kernels
 
 from conftest import build_model
 
 
 class _Recording:
     """A packed kernel that computes F.linear and records the row counts it served."""
+
+    isa, build_id, dtypes, exact_unpack = "test", "", (torch.float32,), False
 
     def __init__(self, name):
         self.name, self.rows = name, []
@@ -28,14 +32,17 @@ class _Recording:
         return weight.dtype == torch.float32
 
     def pack(self, weight):
-        return weight.detach().clone()
+        return PackedWeight(weight.detach().clone(), tuple(weight.shape), weight.dtype)
+
+    def unpack(self, packed):
+        return packed.data
 
     def step_bias(self, bias):
         return None if bias is None else bias.detach()
 
     def linear(self, x, packed, bias, out_features):
         self.rows.append(x.numel() // x.shape[-1])
-        return torch.nn.functional.linear(x, packed, bias)
+        return torch.nn.functional.linear(x, packed.data, bias)
 
     linear_verified = linear
 
@@ -73,36 +80,36 @@ def test_the_lowest_geometric_mean_of_relative_times_wins():
     score_a = (2.0**3) ** (1 / 8)  # relative to the fastest: 2 at three buckets, 1 at five
     score_b = (1 / 0.95) ** (5 / 8)  # 1 at three buckets, 1/0.95 at five
     assert score_b < score_a
-    assert choice.backend == "b" and choice.per_bucket == ("b",) * 8
+    assert choice.kernels == ("b",) and choice.per_bucket == ("b",) * 8
 
 
 def test_f_linear_winning_leaves_the_shape_unpacked_unless_it_is_a_fused_group():
     tuner = _tuner({"a": 2.0, "b": 3.0, "torch": 1.0})
-    assert tuner.choose(64, 64, torch.float32, 16).backend == "torch"
+    assert tuner.choose(64, 64, torch.float32, 16).kernels == ("torch",)
     assert tuner.kernel(tuner.choose(64, 64, torch.float32, 16)) is None
-    assert tuner.choose(64, 192, torch.float32, 16, packed_only=True).backend == "a"
+    assert tuner.choose(64, 192, torch.float32, 16, packed_only=True).kernels == ("a",)
 
 
 def test_a_second_kernel_serves_the_buckets_it_wins_by_fifteen_percent_when_memory_allows():
     table = {"a": 1.0, "b": {b: (0.8 if b >= 256 else 1.5) for b in ROW_BUCKETS}, "torch": 9.0}
     tuner = _tuner(table)
     choice = tuner.choose(64, 64, torch.float32, max_rows=1024)
-    assert choice.backend == "a+b"
+    assert choice.kernels == ("a", "b") and choice.label == "a+b"
     assert choice.per_bucket == ("a",) * 8 + ("b",) * 3
-    assert tuner.choose(64, 64, torch.float32, max_rows=1024, allow_dual=False).backend == "a"
+    assert tuner.choose(64, 64, torch.float32, max_rows=1024, allow_dual=False).kernels == ("a",)
     close = _tuner({"a": 1.0, "b": {b: (0.9 if b >= 256 else 1.5) for b in ROW_BUCKETS}, "torch": 9.0})
-    assert close.choose(64, 64, torch.float32, max_rows=1024).backend == "a"  # 10% is not worth a copy
+    assert close.choose(64, 64, torch.float32, max_rows=1024).kernels == ("a",)  # 10% is not worth a copy
     once = _tuner({"a": 1.0, "b": {b: (0.5 if b == 1024 else 1.5) for b in ROW_BUCKETS}, "torch": 9.0})
-    assert once.choose(64, 64, torch.float32, max_rows=1024).backend == "a"  # one bucket could be noise
+    assert once.choose(64, 64, torch.float32, max_rows=1024).kernels == ("a",)  # one bucket could be noise
 
 
 def test_a_dispatching_gemm_runs_the_kernel_of_each_calls_row_bucket():
     a, b = _Recording("a"), _Recording("b")
     table = [0] * 8 + [1] * 3  # b from 129 rows on
-    gemm = DispatchGEMM([a, b], table)
+    gemm = DispatchGEMM([a, b], table, ROW_BUCKETS)
     w = torch.randn(12, 8)
     packed = gemm.pack(w)
-    assert isinstance(packed, tuple) and len(packed) == 2
+    assert isinstance(packed.data, tuple) and len(packed.data) == 2 and packed.shape == (12, 8)
     for rows in (1, 100, 128, 129, 700, 3000):
         x = torch.randn(rows, 8)
         torch.testing.assert_close(gemm.linear(x, packed, None, 12), x @ w.T)
@@ -118,11 +125,11 @@ def test_timings_are_measured_once_and_read_back_from_the_cache(tmp_path):
 
     path = str(tmp_path / "timings.json")
     first = KernelTuner({"a": _Recording("a")}, cache_path=path, measure=measure)
-    assert first.choose(64, 32, torch.float32, max_rows=8).backend == "a"
-    assert first.choose(64, 32, torch.float32, max_rows=32).backend == "a"  # only 16 and 32 measured
+    assert first.choose(64, 32, torch.float32, max_rows=8).kernels == ("a",)
+    assert first.choose(64, 32, torch.float32, max_rows=32).kernels == ("a",)  # only 16 and 32 measured
     assert calls == [(1, 2, 4, 8), (16, 32)]
     second = KernelTuner({"a": _Recording("a")}, cache_path=path, measure=measure)
-    assert second.choose(64, 32, torch.float32, max_rows=32).backend == "a"
+    assert second.choose(64, 32, torch.float32, max_rows=32).kernels == ("a",)
     assert len(calls) == 2 and second.measured_seconds == 0.0
     assert "64x32:float32: a" in second.report()
 
@@ -149,7 +156,7 @@ def test_auto_packs_each_shape_with_its_kernel_and_outputs_follow_f_linear():
         assert layer.mlp.down_proj.forward.kernel is b
         assert layer.self_attn.q_proj.forward.group.kernel is a  # q/k/v fused, tuned as one shape
         assert "forward" not in model.lm_head.__dict__  # F.linear won: left as it is
-        assert packed.backend == "a+b"
+        assert packed.kernel_names == ("a", "b") and packed.label == "a+b"
         x = torch.randn(3, h)
         with torch.no_grad():
             torch.testing.assert_close(layer.mlp.down_proj(torch.randn(2, inter)).shape, torch.Size([2, h]))
@@ -170,5 +177,19 @@ def test_the_real_measurement_times_every_available_kernel_at_every_bucket(tmp_p
         assert list(by_bucket) == [1, 2, 4, 8, 16]
         # Seconds per call: positive, and finite where the kernel was timed (all of them at 1 row).
         assert all(s > 0 for s in by_bucket.values()) and math.isfinite(by_bucket[1]), (name, by_bucket)
-    assert choice.backend.split("+")[0] in tuner.candidates
+    assert set(choice.kernels) <= set(tuner.candidates)
     assert tuner.measured_seconds > 0
+
+
+def test_the_registry_names_every_linear_backend_but_auto_and_each_kernel_keeps_the_protocol():
+    from hf_contbatch.config import LINEAR_BACKENDS
+    from hf_contbatch.kernels.linears import KERNELS, GemmKernel
+
+    assert set(LINEAR_BACKENDS) == {"auto", *KERNELS}
+    for name, kernel in available_kernels().items():
+        assert kernel.name == name and isinstance(kernel, GemmKernel)
+        w = torch.randn(40, 24)
+        packed = kernel.pack(w)
+        assert packed.shape == (40, 24) and packed.dtype == torch.float32 and packed.nbytes >= w.numel() * 4
+        if kernel.exact_unpack:
+            assert torch.equal(kernel.unpack(packed), w)  # bit for bit: the float weight may be released

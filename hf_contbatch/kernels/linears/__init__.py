@@ -20,26 +20,50 @@ initialisers do) bypass the version counter and cannot be seen: call :meth:`Pack
 after them. Calls that need autograd (grad enabled and any of input, weight or bias requiring grad)
 run ``F.linear``. A deepcopy or pickle of the model drops the packed copy and repacks on first use.
 
-Modules, by job: ``native_gemm`` (our GEMM through ctypes), ``onednn_gemm`` (oneDNN's, rows
-padded), ``linear_op`` (both as opaque ops for compiled forwards), ``packed_forward`` (the instance
-forward of one module), ``packed_linears`` (a model's collection and :func:`pack_linears`),
-``fused`` (sibling projections in one GEMM).
+Modules, by job: ``gemm_kernel`` (the :class:`GemmKernel` protocol every kernel keeps and the
+:class:`PackedWeight` it packs into), ``registry`` (``linear_backend`` name → kernel class),
+``native_gemm`` (our GEMM through ctypes), ``onednn_gemm`` (oneDNN's, rows padded), ``torch_linear``
+(``F.linear``), ``dispatch_gemm`` (two kernels by row count), ``linear_op`` (the packed GEMMs as
+opaque ops for compiled forwards), ``autotune`` (timing, :class:`KernelChoice`), ``linear_choices``
+(:func:`tune_linears`: the choices for a model, before packing), ``linear_units`` (which modules
+pack, in which units), ``packed_forward`` (the instance forward of one module), ``fused`` (sibling
+projections in one GEMM), ``packed_linears`` (a model's collection and :func:`pack_linears`).
+
+Where a quantized (e.g. int8 weight-only) linear goes: its class keeping :class:`GemmKernel`
+(``pack`` returns a :class:`PackedWeight` with ``scales``/``zero_points``) with its C code beside
+it, registered as an op through ``linear_op.register_linear_op`` (the schema carries the scales),
+one line in ``registry.KERNELS`` and its name in ``config.LINEAR_BACKENDS``.
 """
 
+from .autotune import KernelChoice, KernelTuner
 from .fused import FUSED_GROUPS, FusedGroup
+from .gemm_kernel import GemmKernel, PackedWeight
+from .linear_choices import LinearChoices, tune_linears
 from .native_gemm import NativeGEMM
 from .onednn_gemm import OneDNNGEMM, onednn_available, padded_rows
 from .packed_forward import PackedForward
 from .packed_linears import PackedLinears, pack_linears
+from .registry import KERNELS, available_kernels, make_kernel
+from .torch_linear import TorchLinear
 
 __all__ = [
     "FUSED_GROUPS",
+    "KERNELS",
     "FusedGroup",
+    "GemmKernel",
+    "KernelChoice",
+    "KernelTuner",
+    "LinearChoices",
     "NativeGEMM",
     "OneDNNGEMM",
     "PackedForward",
     "PackedLinears",
+    "PackedWeight",
+    "TorchLinear",
+    "available_kernels",
+    "make_kernel",
     "onednn_available",
     "pack_linears",
     "padded_rows",
+    "tune_linears",
 ]

@@ -11,7 +11,10 @@ stream from memory as a model's layers do, and keeps per shape:
 - the candidate with the lowest geometric mean of its time relative to the fastest one over the
   buckets (``F.linear`` included: a shape it wins is not packed), and
 - where another packed backend is at least :data:`DUAL_MARGIN` faster at two or more buckets and
-  memory allows a second packed copy, both, each serving the buckets it wins (:class:`DispatchGEMM`).
+  memory allows a second packed copy, both, each serving the buckets it wins
+  (:class:`~hf_contbatch.kernels.linears.dispatch_gemm.DispatchGEMM`).
+
+Each choice is a :class:`KernelChoice` (kernel names per bucket, never a joined string to split).
 
 Timings are cached on disk per CPU, torch version, GEMM build and thread count (beside the C kernels,
 in ``native_build.cache_dir()``), so only the first engine on a machine pays for them;
@@ -30,6 +33,9 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..native_build import cache_dir, cpu_id, read_json, write_json
+from .dispatch_gemm import DispatchGEMM, bucket_of
+from .gemm_kernel import GemmKernel
+from .registry import UNPACKED, make_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +56,7 @@ Measure = Callable[[int, int, torch.dtype, Sequence[int]], "dict[str, dict[int, 
 
 def bucket_index(rows: int) -> int:
     """Index in :data:`ROW_BUCKETS` of the smallest bucket >= ``rows`` (the last one beyond it)."""
-    for i, b in enumerate(ROW_BUCKETS):
-        if rows <= b:
-            return i
-    return len(ROW_BUCKETS) - 1
+    return bucket_of(rows, ROW_BUCKETS)
 
 
 def buckets_up_to(max_rows: int) -> tuple[int, ...]:
@@ -61,71 +64,33 @@ def buckets_up_to(max_rows: int) -> tuple[int, ...]:
     return ROW_BUCKETS[: bucket_index(max(1, max_rows)) + 1]
 
 
-class TorchLinear:
-    """``F.linear`` as a tuning candidate: nothing packed (a shape it wins stays as it is)."""
+@dataclass(frozen=True)
+class KernelChoice:
+    """What serves one shape class.
 
-    name = "torch"
-
-    def supports(self, weight: torch.Tensor) -> bool:
-        return True
-
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight
-
-    def linear(self, x, packed, bias, out_features: int) -> torch.Tensor:
-        return torch.nn.functional.linear(x, packed, bias)
-
-    linear_verified = linear
-
-
-class DispatchGEMM:
-    """Two packed kernels for one shape class, each serving the row buckets it won.
-
-    ``pack`` returns a tuple with one packed copy per kernel, ``step_bias`` one bias per kernel;
-    ``linear`` runs the kernel of the call's row bucket. Under ``torch.compile`` (symbolic row
-    counts) the first kernel serves every call.
-
-    Args:
-        kernels: the packed kernels (``NativeGEMM``, ``OneDNNGEMM``), the overall winner first.
-        table: per :data:`ROW_BUCKETS` entry, the index in ``kernels`` that serves it.
+    Attributes:
+        kernels: the registry names of the kernels that serve it, the overall winner first (one
+            name; two when a second packed kernel serves the buckets it wins; ``("torch",)``: left to
+            ``F.linear``, nothing packed).
+        per_bucket: the kernel name serving each timed :data:`ROW_BUCKETS` entry (beyond the last
+            timed bucket, the last one's).
+        seconds: the measured seconds per call by kernel name and bucket.
     """
 
-    def __init__(self, kernels: Sequence, table: Sequence[int]) -> None:
-        self.kernels = tuple(kernels)
-        self.table = tuple(table)
-        self.name = "+".join(k.name for k in self.kernels)
-
-    def supports(self, weight: torch.Tensor) -> bool:
-        return all(k.supports(weight) for k in self.kernels)
-
-    def pack(self, weight: torch.Tensor) -> tuple:
-        return tuple(k.pack(weight) for k in self.kernels)
-
-    def step_bias(self, bias: Optional[torch.Tensor]):
-        return None if bias is None else tuple(k.step_bias(bias) for k in self.kernels)
-
-    def _pick(self, x: torch.Tensor) -> int:
-        if torch.compiler.is_compiling() or not x.dim() or not x.shape[-1]:
-            return 0
-        return self.table[bucket_index(x.numel() // x.shape[-1])]
-
-    def linear(self, x, packed, bias, out_features: int) -> torch.Tensor:
-        i = self._pick(x)
-        return self.kernels[i].linear(x, packed[i], None if bias is None else bias[i], out_features)
-
-    def linear_verified(self, x, packed, bias, out_features: int) -> torch.Tensor:
-        i = self._pick(x)
-        return self.kernels[i].linear_verified(x, packed[i], None if bias is None else bias[i], out_features)
-
-
-@dataclass
-class ShapeChoice:
-    """What serves one shape class: ``backend`` ("native", "onednn", "native+onednn", "torch"...),
-    the backend name per timed bucket, and the measured seconds per call by backend and bucket."""
-
-    backend: str
+    kernels: tuple[str, ...]
     per_bucket: tuple[str, ...]
-    seconds: dict[str, dict[int, float]] = field(default_factory=dict)
+    seconds: dict[str, dict[int, float]] = field(default_factory=dict, compare=False)
+
+    @property
+    def label(self) -> str:
+        """For reports: the kernel names joined by "+" ("native", "native+onednn"); never parsed."""
+        return "+".join(self.kernels)
+
+    @property
+    def table(self) -> tuple[int, ...]:
+        """Per :data:`ROW_BUCKETS` entry, the index in :attr:`kernels` serving it."""
+        table = [self.kernels.index(n) for n in self.per_bucket]
+        return tuple(table + [table[-1]] * (len(ROW_BUCKETS) - len(table)))
 
 
 def shape_key(in_features: int, out_features: int, dtype: torch.dtype) -> str:
@@ -137,8 +102,8 @@ class KernelTuner:
     """Times the candidate GEMMs per shape class and chooses (see the module docstring).
 
     Args:
-        candidates: the packed kernels available here by name (``NativeGEMM``, ``OneDNNGEMM``);
-            ``F.linear`` (:class:`TorchLinear`) is always a candidate.
+        candidates: the packed kernels available here by registry name (``registry.available_kernels``);
+            ``F.linear`` (``torch_linear.TorchLinear``) is always a candidate.
         cache_path: the timings file; "default" is ``gemm_timings_<key>.json`` in
             ``native_build.cache_dir()``, the key naming this CPU, torch, the kernels' builds and the
             thread count; None keeps timings in memory only.
@@ -146,15 +111,20 @@ class KernelTuner:
             :meth:`measure` (tests pass fixed timings).
     """
 
-    def __init__(self, candidates: dict, cache_path: Optional[str] = "default", measure: Optional[Measure] = None):
-        self.candidates = {**candidates, "torch": TorchLinear()}
+    def __init__(
+        self,
+        candidates: dict[str, GemmKernel],
+        cache_path: Optional[str] = "default",
+        measure: Optional[Measure] = None,
+    ):
+        self.candidates = {**candidates, UNPACKED: make_kernel(UNPACKED)}
         self.threads = torch.get_num_threads()
         if cache_path == "default":
             cache_path = str(cache_dir() / f"gemm_timings_{self._cache_key()}.json")
         self.cache_path = cache_path
         self._measure = measure or self.measure
         self._timings: dict = self._load()
-        self.choices: dict[str, ShapeChoice] = {}
+        self.choices: dict[str, KernelChoice] = {}
         self.measured_seconds = 0.0  # wall time spent timing (0 when everything came from the cache)
 
     def _cache_key(self) -> str:
@@ -239,15 +209,15 @@ class KernelTuner:
         max_rows: int,
         allow_dual: bool = True,
         packed_only: bool = False,
-    ) -> ShapeChoice:
+    ) -> KernelChoice:
         """The choice for one shape class whose calls have at most ``max_rows`` rows (measuring it if
         needed). ``allow_dual``: whether a second packed copy may be kept (the caller checked the
         memory). ``packed_only``: ``F.linear`` is no candidate (fused siblings: left unpacked they
         would be several calls, not the one timed), unless it is the only one."""
         buckets = buckets_up_to(max_rows)
         times = self.timings(in_features, out_features, dtype, buckets)
-        if packed_only and any(n != "torch" and not math.isinf(min(t.values())) for n, t in times.items()):
-            times = {n: t for n, t in times.items() if n != "torch"}
+        if packed_only and any(n != UNPACKED and not math.isinf(min(t.values())) for n, t in times.items()):
+            times = {n: t for n, t in times.items() if n != UNPACKED}
         fastest = {b: min(t[b] for t in times.values()) for b in buckets}
 
         def score(name: str) -> float:
@@ -258,32 +228,29 @@ class KernelTuner:
                 return math.inf
             return math.exp(sum(math.log(min(r, 2 * _TIMEOUT_RATIO)) for r in ratios) / len(ratios))
 
-        ranked = sorted(times, key=lambda n: (score(n), n != "torch"))  # a tie: nothing packed
+        ranked = sorted(times, key=lambda n: (score(n), n != UNPACKED))  # a tie: nothing packed
         first = ranked[0]
-        per_bucket, backend = [first] * len(buckets), first
-        others = [n for n in ranked[1:] if n != "torch" and not math.isinf(score(n))]
-        if first != "torch" and allow_dual and others:
+        per_bucket, kernels = [first] * len(buckets), (first,)
+        others = [n for n in ranked[1:] if n != UNPACKED and not math.isinf(score(n))]
+        if first != UNPACKED and allow_dual and others:
             other = others[0]
             wins = [i for i, b in enumerate(buckets) if times[other][b] <= (1 - DUAL_MARGIN) * times[first][b]]
             if len(wins) >= 2:
                 for i in wins:
                     per_bucket[i] = other
-                backend = f"{first}+{other}"
-        choice = ShapeChoice(backend, tuple(per_bucket), times)
+                kernels = (first, other)
+        choice = KernelChoice(kernels, tuple(per_bucket), times)
         self.choices[shape_key(in_features, out_features, dtype)] = choice
         return choice
 
-    def kernel(self, choice: ShapeChoice):
-        """The kernel object serving a choice: a packed kernel, a :class:`DispatchGEMM`, or None for
-        ``F.linear``."""
-        names = choice.backend.split("+")
-        if names == ["torch"]:
+    def kernel(self, choice: KernelChoice) -> Optional[GemmKernel]:
+        """The kernel object serving a choice: a packed kernel, a ``DispatchGEMM`` over two, or None
+        for ``F.linear``."""
+        if choice.kernels == (UNPACKED,):
             return None
-        if len(names) == 1:
-            return self.candidates[names[0]]
-        table = [names.index(n) for n in choice.per_bucket]
-        table += [table[-1]] * (len(ROW_BUCKETS) - len(table))  # past the timed buckets: the last one's
-        return DispatchGEMM([self.candidates[n] for n in names], table)
+        if len(choice.kernels) == 1:
+            return self.candidates[choice.kernels[0]]
+        return DispatchGEMM([self.candidates[n] for n in choice.kernels], choice.table, ROW_BUCKETS)
 
     def report(self) -> str:
         """What was chosen per shape class, with each backend's ms per call at its timed buckets."""
@@ -295,5 +262,5 @@ class KernelTuner:
                 for n, secs in c.seconds.items()
             )
             rows = ",".join(str(b) for b in next(iter(c.seconds.values())))
-            lines.append(f"  {key}: {c.backend}  (ms at rows {rows}: {cells})")
+            lines.append(f"  {key}: {c.label}  (ms at rows {rows}: {cells})")
         return "\n".join(lines)

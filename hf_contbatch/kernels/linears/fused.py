@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from .packed_forward import PackedForward, check_packable, weight_key
+from .packed_forward import PackedForward, check_packable, is_placeholder, release_weight, watch_loads, weight_key
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +47,54 @@ class FusedGroup:
         # (input, outputs not yet taken): replaced as one tuple, so a thread that checked the input
         # reads that input's outputs even if another engine thread shares the model.
         self._pending: tuple | None = None
+        # The members' float weights released while packed (see packed_forward), and their keys then.
+        self.released_keys: tuple | None = None
+        self.restore_from_packed = False  # a deepcopy/pickle of a group whose weights were released
         self._pack()
 
+    def release_weights(self) -> None:
+        """Release the members' float weights where every member allows it and the kernel gives
+        the fused weight back exactly (``PackedForward.releasable``, ``GemmKernel.exact_unpack``)."""
+        if self.released_keys is not None or self.packed is None or not self.kernel.exact_unpack:
+            return
+        if not all(f.releasable for f in self.members):
+            return
+        with torch.inference_mode(False), torch.no_grad():
+            for f in self.members:
+                release_weight(f.module.weight)
+                watch_loads(f.module, self._put_back)
+        self.released_keys = self.keys = tuple(weight_key(f.module.weight) for f in self.members)
+
+    def _put_back(self) -> None:
+        """The members' weights real again (see ``PackedForward._put_back``): each one's rows of the
+        unpacked fused weight where still released, or a ``fill_`` of the placeholder made real."""
+        mods = [f.module for f in self.members]
+        with torch.inference_mode(False), torch.no_grad():
+            full = None
+            for i, m in enumerate(mods):
+                exact = self.restore_from_packed or (
+                    is_placeholder(m.weight)
+                    and self.released_keys is not None
+                    and self.released_keys[i] == weight_key(m.weight)
+                )
+                if exact and self.packed is not None:
+                    if full is None:
+                        full = self.kernel.unpack(self.packed)
+                    m.weight.data = full[self.offsets[i] : self.offsets[i] + self.sizes[i]].clone()
+                elif is_placeholder(m.weight):
+                    m.weight.data = m.weight.data.contiguous()
+        if self.keys is not None and self.keys == self.released_keys:  # the packed copy still matches
+            self.keys = tuple(weight_key(m.weight) for m in mods)
+        self.released_keys, self.restore_from_packed = None, False
+
+    def materialize(self) -> None:
+        """Put the members' exact float weights back and keep them (a call needs them)."""
+        for f in self.members:
+            f.releasable = False
+        self._put_back()
+
     def _pack(self) -> None:
+        self._put_back()
         mods = [f.module for f in self.members]
         for m in mods:
             check_packable(m.weight, self.kernel)
@@ -72,6 +117,7 @@ class FusedGroup:
         # Keep weights and biases alive: their id() is in the keys.
         self._weights = [m.weight for m in mods] + [b for b in biases if b is not None]
         self.keys, self.bias_keys = keys, bias_keys
+        self.release_weights()
 
     def _bias_keys(self) -> tuple:
         return tuple(None if f.module.bias is None else weight_key(f.module.bias) for f in self.members)
@@ -103,7 +149,10 @@ class FusedGroup:
             "offsets": self.offsets,
             "total": self.total,
             "keys": None,
-            "packed": None,
+            # Released weights live only in the packed copy: a copy takes it along and puts them back.
+            "packed": self.packed if self.released_keys is not None else None,
+            "released_keys": None,
+            "restore_from_packed": self.released_keys is not None,
             "bias": None,
             "bias_keys": None,
             "_weights": [],
@@ -111,6 +160,8 @@ class FusedGroup:
         }
 
     def release(self) -> None:
+        """Put released member weights back, then free the fused copy."""
+        self.materialize()
         self.packed = self.bias = self._pending = None
         self._weights = []
 
@@ -124,7 +175,7 @@ class FusedGroup:
             else:
                 if not torch.compiler.is_compiling():  # compiled: see PackedLinears.refresh()
                     self.repack_if_changed()
-                    if self.packed is None:  # released: the repack failed
+                    if self.packed is None:  # freed: the repack failed (weights were put back)
                         return torch.nn.functional.linear(x, member.module.weight, member.module.bias)
                 out = self.kernel.linear(x, self.packed, self.bias, self.total)
             # Slices are taken when asked for (narrow is cheaper than split).
@@ -137,6 +188,7 @@ class FusedGroup:
             if not any(untaken) and self._pending is pending:
                 self._pending = None  # all taken: drop the references
             return pending[1].narrow(-1, self.offsets[index], self.sizes[index])
+        self.materialize()  # a call the fused output cannot serve needs the float weight
         module = member.module
         return torch.nn.functional.linear(x, module.weight, module.bias)
 

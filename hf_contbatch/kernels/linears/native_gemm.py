@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from ..native_build import build_library
+from .gemm_kernel import PackedWeight
 from .linear_op import register_linear_op
 
 _GEMM_SOURCE = Path(__file__).with_name("cpu_gemm.c")
@@ -110,7 +111,7 @@ def native_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int
 ) -> torch.Tensor:
     """``x @ W.T + b`` with our GEMM: ``x`` ``[..., in]`` CPU, of the packed weight's dtype
-    (float32, or bfloat16 where the build has it), ``packed`` from :meth:`NativeGEMM.pack`,
+    (float32, or bfloat16 where the build has it), ``packed`` the ``data`` of :meth:`NativeGEMM.pack`,
     ``bias`` ``[out]`` (any float dtype, added in float32) or None; returns ``[..., out]`` in
     ``x``'s dtype.
 
@@ -119,7 +120,7 @@ def native_linear(
             (the C kernel trusts its arguments, so they are checked here).
     """
     if torch.compiler.is_compiling():
-        return torch.ops.hf_contbatch.native_linear(x, packed, bias, out_features)
+        return torch.ops.hf_contbatch.native_linear(x, packed, None, None, bias, out_features)
     if not _fits(x, packed, out_features):
         raise RuntimeError(
             f"native linear: input {tuple(x.shape)} {x.dtype} on {x.device} does not fit a packed {packed.dtype} "
@@ -180,6 +181,7 @@ class NativeGEMM:
     """
 
     name = "native"
+    exact_unpack = True  # plain zero-padded panels: unpack gives the weight back bit for bit
 
     def __init__(self) -> None:
         native_library()  # raises here when the kernel cannot be built
@@ -195,6 +197,16 @@ class NativeGEMM:
         """Names this build (source, compiler, flags, CPU): timings measured with it stay valid."""
         return Path(self.library.path).stem
 
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        """float32, and bfloat16 where the CPU has AVX512-BF16."""
+        return self.library.dtypes
+
+    @property
+    def isa(self) -> str:
+        """The vectors the build compiled to: "avx512f", "avx2", "neon" or "generic"."""
+        return self.library.isa
+
     def supports(self, weight: torch.Tensor) -> bool:
         """Whether this build packs ``weight``: float32, or bfloat16 with an even number of input
         features where the CPU has AVX512-BF16; on the CPU."""
@@ -202,7 +214,7 @@ class NativeGEMM:
             return False
         return weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0
 
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+    def pack(self, weight: torch.Tensor) -> PackedWeight:
         """``[out, in]`` weight → the packed panels (a new tensor; the weight is only read).
         Raises RuntimeError for a weight this build does not pack (:meth:`supports`)."""
         if not self.supports(weight):
@@ -216,20 +228,32 @@ class NativeGEMM:
         else:
             out = torch.empty((-(-n // lib.nr), k, lib.nr), dtype=torch.float32)
             lib.pack_f32(w.data_ptr(), n, k, out.data_ptr())
-        return out
+        return PackedWeight(out, (n, k), weight.dtype)
+
+    def unpack(self, packed: PackedWeight) -> torch.Tensor:
+        """The ``[out, in]`` weight bit for bit: the panels hold every value once, zero-padded
+        (float32 ``[P, in, nr]``: ``W[p*nr + j, k] = panel[p, k, j]``; bf16 ``[P, in/2, 32, 2]``:
+        ``W[p*32 + j, 2k + t] = panel[p, k, j, t]``)."""
+        n, k = packed.shape
+        data = packed.data
+        if data.dim() == 4:
+            full = data.permute(0, 2, 1, 3).reshape(data.shape[0] * data.shape[2], k)
+        else:
+            full = data.permute(0, 2, 1).reshape(data.shape[0] * data.shape[2], k)
+        return full[:n].contiguous()
 
     def linear(self, x, packed, bias, out_features: int) -> torch.Tensor:
         """``x`` ``[..., in]`` → ``[..., out_features]`` (``x``'s dtype) through ``packed`` (from
         :meth:`pack`), plus ``bias`` ``[out_features]`` if given. Raises RuntimeError when ``x`` or
         ``bias`` does not fit the packed weight (see :func:`native_linear`)."""
-        return native_linear(x, packed, bias, out_features)
+        return native_linear(x, packed.data, bias, out_features)
 
     def linear_verified(self, x, packed, bias, out_features: int) -> torch.Tensor:
         """:meth:`linear` for arguments already checked (see ``PackedLinears.verified_step``);
         ``bias`` dense float32."""
         if torch.compiler.is_compiling():
-            return torch.ops.hf_contbatch.native_linear(x, packed, bias, out_features)
-        return _native_gemm(x, packed, bias, out_features)
+            return torch.ops.hf_contbatch.native_linear(x, packed.data, None, None, bias, out_features)
+        return _native_gemm(x, packed.data, bias, out_features)
 
     @staticmethod
     def step_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -237,4 +261,8 @@ class NativeGEMM:
         return None if bias is None else bias.detach().to(torch.float32).contiguous()
 
 
-register_linear_op("native_linear", native_linear)
+def _native_op(x, packed, scales, zero_points, bias, out_features: int) -> torch.Tensor:
+    return native_linear(x, packed, bias, out_features)  # a float layout: no scales
+
+
+register_linear_op("native_linear", _native_op)

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from .gemm_kernel import PackedWeight
 from .linear_op import register_linear_op
 
 
@@ -43,13 +44,13 @@ def onednn_available() -> bool:
 def padded_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int
 ) -> torch.Tensor:
-    """``x @ W.T + b`` through the packed weight (from :meth:`OneDNNGEMM.pack`), rows padded to
+    """``x @ W.T + b`` through the packed weight (the ``data`` of :meth:`OneDNNGEMM.pack`), rows padded to
     :func:`padded_rows`. Input ``[..., in]`` of the weight's dtype, output ``[..., out]``; oneDNN
     raises RuntimeError on a mismatch."""
     if torch.compiler.is_compiling():
         # Opaque to torch.compile: inductor cannot lower oneDNN's packed layout, and the padding
         # keeps oneDNN's primitives bounded there too.
-        return torch.ops.hf_contbatch.onednn_linear(x, packed, bias, out_features)
+        return torch.ops.hf_contbatch.onednn_linear(x, packed, None, None, bias, out_features)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -66,9 +67,26 @@ def padded_linear(
 
 class OneDNNGEMM:
     """oneDNN's inner product over its blocked weight layout, rows padded (:func:`padded_rows`);
-    float32 weights, and bfloat16 ones where oneDNN has bf16 kernels for this CPU."""
+    float32 weights, and bfloat16 ones where oneDNN has bf16 kernels for this CPU.
+
+    Raises:
+        RuntimeError: on construction, when this torch build has no oneDNN packed-linear ops.
+    """
 
     name = "onednn"
+    exact_unpack = False  # an opaque blocked layout: the float weight is kept beside it
+    isa = "onednn"
+    build_id = ""  # part of torch: its version is in the tuner's cache key already
+
+    def __init__(self) -> None:
+        if not onednn_available():
+            raise RuntimeError("linear_backend='onednn' needs a torch build with oneDNN (torch.backends.mkldnn)")
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        """float32, and bfloat16 where oneDNN has bf16 kernels for this CPU."""
+        bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
 
     def supports(self, weight: torch.Tensor) -> bool:
         """Whether oneDNN packs ``weight``: a 2-D CPU float32 weight, or bfloat16 where supported."""
@@ -78,18 +96,22 @@ class OneDNNGEMM:
             return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
         return weight.dtype == torch.float32
 
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+    def pack(self, weight: torch.Tensor) -> PackedWeight:
         """``[out, in]`` weight → oneDNN's blocked copy (an opaque tensor of the weight's dtype).
         Raises RuntimeError for a weight it does not pack (:meth:`supports`)."""
         if not self.supports(weight):
             raise RuntimeError(f"oneDNN cannot pack a {tuple(weight.shape)} {weight.dtype} weight on {weight.device}")
-        return torch.ops.mkldnn._reorder_linear_weight(weight)
+        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight), tuple(weight.shape), weight.dtype)
 
-    def linear(self, x, packed, bias, out_features: int) -> torch.Tensor:
+    def unpack(self, packed: PackedWeight) -> None:
+        """None: oneDNN's blocked layout is opaque, so the float weight is kept beside it."""
+        return None
+
+    def linear(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
         """``x`` ``[..., in]`` (the weight's dtype) → ``[..., out_features]`` through ``packed``
         (from :meth:`pack`), plus ``bias`` ``[out_features]`` (the same dtype) if given; oneDNN
         raises RuntimeError on a mismatch."""
-        return padded_linear(x, packed, bias, out_features)
+        return padded_linear(x, packed.data, bias, out_features)
 
     linear_verified = linear
 
@@ -99,4 +121,8 @@ class OneDNNGEMM:
         return None if bias is None else bias.detach().contiguous()
 
 
-register_linear_op("onednn_linear", padded_linear)
+def _onednn_op(x, packed, scales, zero_points, bias, out_features: int) -> torch.Tensor:
+    return padded_linear(x, packed, bias, out_features)  # a float layout: no scales
+
+
+register_linear_op("onednn_linear", _onednn_op)

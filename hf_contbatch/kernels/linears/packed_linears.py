@@ -2,13 +2,15 @@
 
 Packing happens before anything is installed and is probed against ``F.linear``, so a failure
 (no C compiler, no oneDNN, out of memory, a disagreeing kernel) leaves the model untouched.
-``linear_backend="auto"`` chooses each shape's kernel by timing them on this CPU (``autotune``),
+``linear_backend="auto"`` packs by the choices of :func:`~hf_contbatch.kernels.linears.linear_choices.tune_linears`
+(each shape's kernel timed on this CPU, ``autotune``; run as a step of its own or from here),
 chooses again without a kernel that fails, and packs only when the packed copy takes at most a
 quarter of the available host memory.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -16,27 +18,44 @@ from typing import Callable, Collection, Optional
 
 import torch
 
-from .autotune import DispatchGEMM, KernelTuner
-from .fused import form_group, sibling_groups
-from .native_gemm import NativeGEMM
-from .onednn_gemm import OneDNNGEMM, onednn_available
+from .autotune import KernelTuner
+from .dispatch_gemm import DispatchGEMM
+from .fused import form_group
+from .gemm_kernel import GemmKernel
+from .linear_choices import LinearChoices, tune_linears
+from .linear_units import linear_units, packable_modules, weight_bytes
 from .packed_forward import PackedForward
+from .registry import AUTO, UNPACKED, make_kernel
 
 logger = logging.getLogger(__name__)
 
 
 class PackedLinears:
     """The packed ``nn.Linear`` modules of one model; :meth:`restore` puts their forwards back.
-    ``backend`` names the kernels in use ("native", "onednn", or both joined by "+"); ``tuner`` holds
-    the per-shape choices of ``linear_backend="auto"`` (None otherwise)."""
+
+    Attributes:
+        forwards: the installed packed forwards.
+        packed_bytes: bytes of the float weights packed (what one packed copy costs).
+        kernel_names: the registry names of the kernels in use, sorted (("native",), ("native", "onednn")).
+        choices: the per-unit choices of ``linear_backend="auto"`` (None otherwise).
+    """
 
     def __init__(
-        self, forwards: list[PackedForward], packed_bytes: int, backend: str, tuner: Optional[KernelTuner] = None
+        self,
+        forwards: list[PackedForward],
+        packed_bytes: int,
+        kernel_names: tuple[str, ...],
+        choices: Optional[LinearChoices] = None,
     ) -> None:
         self.forwards = forwards
         self.packed_bytes = packed_bytes
-        self.backend = backend
-        self.tuner = tuner
+        self.kernel_names = kernel_names
+        self.choices = choices
+
+    @property
+    def label(self) -> str:
+        """The kernels in use, for reports: "native", "native+onednn"."""
+        return "+".join(self.kernel_names)
 
     @property
     def modules(self) -> list[torch.nn.Linear]:
@@ -111,44 +130,6 @@ class PackedLinears:
         self.forwards = []
 
 
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
-"""Weight dtypes whose linears are packed (bfloat16 where a kernel has a bf16 path)."""
-
-
-def _eligible(m: torch.nn.Module) -> bool:
-    return (
-        type(m) is torch.nn.Linear  # subclasses (quantized, LoRA, ...) have their own forward
-        and "forward" not in m.__dict__  # accelerate's hooks and other wrappers live here
-        and not getattr(m, "_hf_hook", None)
-        and not m._forward_hooks
-        and not m._forward_pre_hooks
-        and m.weight.device.type == "cpu"
-        and m.weight.dtype in PACKED_DTYPES
-        and m.weight.numel() > 0
-    )
-
-
-def _make_kernel(name: str):
-    """The kernel ``name`` ("native" or "onednn"); RuntimeError when it is unavailable here."""
-    if name == "native":
-        return NativeGEMM()
-    if not onednn_available():
-        raise RuntimeError("linear_backend='onednn' needs a torch build with oneDNN (torch.backends.mkldnn)")
-    return OneDNNGEMM()
-
-
-def available_kernels() -> dict:
-    """The packed kernels that work here by name: "native" (where a C compiler builds it) and
-    "onednn" (where torch has the oneDNN ops); the candidates of ``linear_backend="auto"``."""
-    kernels = {}
-    for name in ("native", "onednn"):
-        try:
-            kernels[name] = _make_kernel(name)
-        except RuntimeError as exc:
-            logger.info("packed linears: %s unavailable (%s)", name, exc)
-    return kernels
-
-
 def _probe(forward: PackedForward) -> None:
     """Raise RuntimeError unless ``forward`` (packed, installed or not) agrees with ``F.linear``."""
     m = forward.module
@@ -163,33 +144,22 @@ def _probe(forward: PackedForward) -> None:
         )
 
 
-def _units(model, modules: list[torch.nn.Linear], fuse: bool) -> list[list[torch.nn.Linear]]:
-    """The GEMM units: each fused sibling group as one unit, every other module alone."""
-    groups = sibling_groups(model, modules) if fuse else []
-    grouped = {id(m) for g in groups for m in g}
-    return groups + [[m] for m in modules if id(m) not in grouped]
-
-
-def _shape(unit: list[torch.nn.Linear]) -> tuple[int, int, torch.dtype]:
-    return unit[0].in_features, sum(m.out_features for m in unit), unit[0].weight.dtype
-
-
 class KernelFailed(RuntimeError):
     """Packing with ``kernel`` failed (it cannot pack a weight, ran out of memory, or disagrees with
     ``F.linear``); the cause is ``__cause__``."""
 
-    def __init__(self, kernel, cause: BaseException) -> None:
+    def __init__(self, kernel: GemmKernel, cause: BaseException) -> None:
         super().__init__(f"{kernel.name}: {cause}")
         self.kernel = kernel
 
 
-def _pack_units(units, kernel_of) -> list[PackedForward]:
-    """Pack every unit with ``kernel_of(unit)`` (None: left to F.linear), nothing installed yet;
-    each kernel probed once against ``F.linear``. Raises :class:`KernelFailed` when packing fails or
-    a kernel disagrees (fused groups that cannot be packed run their members on their own)."""
+def _pack_units(units, kernel_of: Callable[[int], Optional[GemmKernel]]) -> list[PackedForward]:
+    """Pack every unit with ``kernel_of(unit index)`` (None: left to F.linear), nothing installed
+    yet; each kernel probed once against ``F.linear``. Raises :class:`KernelFailed` when packing
+    fails or a kernel disagrees (fused groups that cannot be packed run their members on their own)."""
     forwards, probed = [], set()
-    for unit in units:
-        kernel = kernel_of(unit)
+    for index, unit in enumerate(units):
+        kernel = kernel_of(index)
         if kernel is None:
             continue
         try:
@@ -199,10 +169,13 @@ def _pack_units(units, kernel_of) -> list[PackedForward]:
                 members = [PackedForward(m, kernel, pack=False) for m in unit]
                 if form_group(members, kernel) is None:
                     members = [PackedForward(m, kernel) for m in unit]
-            if kernel.name not in probed:
+            names = getattr(kernel, "names", (kernel.name,))  # a DispatchGEMM: its kernels together
+            if names not in probed:
                 _probe(members[0])
-                probed.add(kernel.name)
+                probed.add(names)
         except RuntimeError as exc:  # kernel errors and out-of-memory surface as RuntimeError
+            for f in forwards:
+                f.disable()
             raise KernelFailed(kernel, exc) from exc
         forwards += members
     return forwards
@@ -218,88 +191,105 @@ def pack_linears(
     max_rows: int = 1024,
     max_head_rows: Optional[int] = None,
     tuner: Optional[KernelTuner] = None,
+    choices: Optional[LinearChoices] = None,
+    release_weights: bool = False,
 ) -> Optional[PackedLinears]:
     """Pack the model's float32 (and, where a kernel has a bf16 path, bfloat16) CPU ``nn.Linear``
     weights for a faster GEMM, or do nothing.
 
     Args:
         model: the model (modified only through instance attributes; see the package docstring).
-        mode: ``"torch"`` (do nothing), ``"native"`` (our GEMM, :class:`NativeGEMM`), ``"onednn"``
-            (oneDNN's; both raise if impossible) or ``"auto"``: the kernel of each shape class chosen
-            by timing the available ones on this CPU (:mod:`~hf_contbatch.kernels.linears.autotune`;
-            a shape ``F.linear`` wins is not packed), only when the packed copy takes at most a
-            quarter of the available host memory. A probe output must match ``F.linear`` before
-            anything is installed.
+        mode: a ``linear_backend`` name (``config.LINEAR_BACKENDS``): ``"torch"`` (do nothing), a
+            packed kernel's registry name (``"native"``, ``"onednn"``: raise if impossible) or
+            ``"auto"``: the kernel of each shape class chosen by timing the available ones on this
+            CPU (``choices`` from :func:`~hf_contbatch.kernels.linears.linear_choices.tune_linears`,
+            run here when not given; a shape ``F.linear`` wins is not packed), only when the packed
+            copy takes at most a quarter of the available host memory. A probe output must match
+            ``F.linear`` before anything is installed.
         available_bytes: returns the available host memory in bytes (None when unknown).
         exclude: modules left as they are (LoRA's A and B matrices, which ``kernels.lora`` reads).
         fuse: fuse sibling projections (q/k/v, gate/up) into one GEMM while packing
             (:mod:`~hf_contbatch.kernels.linears.fused`); with "auto" their fused shape is the one tuned.
         max_rows: the most rows a call has (the token budget): the row buckets "auto" times.
         max_head_rows: the most rows the model's output embedding (LM head) sees, when fewer.
-        tuner: the :class:`KernelTuner` for "auto" (default: one over the kernels available here,
-            its timings cached on disk per CPU).
+        tuner: the ``KernelTuner`` for "auto" when ``choices`` is not given (default: one over the
+            kernels available here, its timings cached on disk per CPU).
+        choices: the "auto" choices made beforehand (same model, ``exclude`` and ``fuse``).
+        release_weights: drop each float weight the packed copy gives back bit for bit (not shared
+            with another module) until :meth:`PackedLinears.restore` (see ``packed_forward``). Off by
+            default: while released, a weight cannot be read, written through ``.data`` or converted
+            with ``module.to(dtype)``.
 
     Returns:
-        The packed modules (``backend`` names the kernels used, e.g. "native" or "native+onednn";
-        ``tuner`` holds the "auto" choices), or None when nothing was packed.
+        The packed modules (``kernel_names`` names the kernels used; ``choices`` holds the "auto"
+        choices), or None when nothing was packed.
 
     Raises:
-        RuntimeError: ``mode="native"`` without a working C compiler, ``mode="onednn"`` on a torch
-            without the oneDNN ops, or the probe disagrees (not for ``"auto"``, which falls back).
+        RuntimeError: a named kernel that cannot run here (no working C compiler for "native", no
+            oneDNN ops for "onednn"), or the probe disagrees (not for ``"auto"``, which falls back).
     """
-    if mode == "torch":
+    if mode == UNPACKED:
         return None
-    skip = {id(m) for m in exclude}
-    modules = [m for m in model.modules() if _eligible(m) and id(m) not in skip]
-    if not modules:
-        return None
-    total = sum(m.weight.numel() * m.weight.element_size() for m in modules)
-    avail = available_bytes() if available_bytes is not None else None
-    if mode == "auto" and avail is not None and total > avail // 4:
-        logger.info(
-            "not packing %d linear layers: %.1f GiB is over a quarter of the available memory "
-            "(set linear_backend='native' or 'onednn' to force)",
-            len(modules),
-            total / 2**30,
+    if mode != AUTO:
+        kernel = make_kernel(mode)
+        modules = packable_modules(model, exclude)
+        units = linear_units(model, modules, fuse)
+        forwards = _pack_units(units, lambda i: kernel if kernel.supports(units[i][0].weight) else None)
+        return _install(model, forwards, weight_bytes(modules), None, release_weights)
+    if choices is None:
+        choices = tune_linears(
+            model,
+            tuner,
+            available_bytes=available_bytes,
+            exclude=exclude,
+            fuse=fuse,
+            max_rows=max_rows,
+            max_head_rows=max_head_rows,
         )
-        return None
-    units = _units(model, modules, fuse)
-    if mode != "auto":
-        kernel = _make_kernel(mode)
-        forwards = _pack_units(units, lambda unit: kernel if kernel.supports(unit[0].weight) else None)
-        return _install(forwards, total, None)
-    if tuner is None:
-        tuner = KernelTuner(available_kernels())
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    dual = [avail is None or 2 * total <= avail // 4]  # a second packed copy per shape fits
-
-    def kernel_of(unit):
-        rows = max_head_rows if unit[0] is head and max_head_rows else max_rows
-        return tuner.kernel(tuner.choose(*_shape(unit), max_rows=rows, allow_dual=dual[0], packed_only=len(unit) > 1))
-
+        if choices is None:
+            return None
     # A kernel that fails is left out and everything chosen again without it (two kernels for a
     # shape: one each from then on).
+    candidates = choices.tuner.candidates
     while True:
         try:
-            forwards = _pack_units(units, kernel_of)
+            forwards = _pack_units(choices.units, choices.kernel_of)
         except KernelFailed as exc:
             if isinstance(exc.kernel, DispatchGEMM):
-                dual[0] = False
+                choices.allow_dual = False
             else:
-                tuner.candidates.pop(exc.kernel.name, None)
+                candidates.pop(exc.kernel.name, None)
             logger.info("packed linears: %s; choosing again without it", exc)
-            if len(tuner.candidates) == 1:  # only F.linear is left
+            if len(candidates) == 1:  # only F.linear is left
                 logger.warning("packed linears unavailable (%s); using F.linear", exc)
                 return None
+            choices.choose()
             continue
-        logger.info("%s", tuner.report())
-        return _install(forwards, total, tuner)
+        logger.info("%s", choices.report())
+        return _install(model, forwards, weight_bytes([m for u in choices.units for m in u]), choices, release_weights)
 
 
-def _install(forwards: list[PackedForward], total: int, tuner: Optional[KernelTuner]) -> Optional[PackedLinears]:
+def _install(
+    model: torch.nn.Module,
+    forwards: list[PackedForward],
+    total: int,
+    choices: Optional[LinearChoices],
+    release: bool,
+) -> Optional[PackedLinears]:
+    """Install the packed forwards and, with ``release``, release the float weights the packed
+    copies give back exactly, except weights shared with another module (an LM head tied to the
+    input embedding: the embedding still reads it)."""
     if not forwards:
         return None
+    uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     for f in forwards:
         f.module.__dict__["forward"] = f
-    names = sorted({n for f in forwards for n in (f.group.kernel if f.group else f.kernel).name.split("+")})
-    return PackedLinears(forwards, total, "+".join(names), tuner)
+        f.releasable = release and uses[id(f.module.weight)] == 1
+    for f in forwards:
+        if f.group is None:
+            f.release()
+        elif f is f.group.members[0]:
+            f.group.release_weights()
+    kernels = {f.group.kernel if f.group else f.kernel for f in forwards}
+    names = sorted({n for k in kernels for n in getattr(k, "names", (k.name,))})
+    return PackedLinears(forwards, total, tuple(names), choices)
