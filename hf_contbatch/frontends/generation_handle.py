@@ -72,7 +72,7 @@ class GenerationHandle:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 outs.append(h.result(left))
         except KeyboardInterrupt:
-            self._pipe.engine.cancel_now(self.handles)  # all sequences of this prompt, not only the one waited on
+            self._pipe.engine.driver.cancel_now(self.handles)  # all sequences of this prompt, not only the one waited on
             raise
         except EngineError as exc:
             exc.partial_results = records_so_far(self._pipe.tokenizer, self.prompt, self.handles, self._post)
@@ -111,7 +111,7 @@ class GenerationHandle:
             )
             finished = True
         except KeyboardInterrupt:
-            self._pipe.engine.cancel_now([handle])  # Stop while the stream waits: this sequence only
+            self._pipe.engine.driver.cancel_now([handle])  # Stop while the stream waits: this sequence only
             # A fresh exception: its traceback ends here, not deep in a queue wait or a decoder.
             raise KeyboardInterrupt(f"streaming interrupted; request {handle.request_id} cancelled") from None
         finally:

@@ -256,7 +256,7 @@ class ContinuousBatchingPipeline:
                 for token in new:
                     streamer.put(torch.tensor([token]))
         except BaseException:  # the streamer raised, or an interrupt: this request only
-            self.engine.cancel_now(handle.handles)
+            self.engine.driver.cancel_now(handle.handles)
             raise
         finally:
             streamer.end()  # a TextIteratorStreamer consumer must never hang

@@ -202,17 +202,17 @@ def test_blocking_callers_leave_iterations_to_the_background_while_a_live_view_r
 
     eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(num_blocks=32)))
     try:
-        assert eng.blocking_calls_drive
+        assert eng.driver.blocking_calls_drive
         view = View()
-        eng.add_live_view(view)
-        assert not eng.blocking_calls_drive
+        eng.driver.add_live_view(view)
+        assert not eng.driver.blocking_calls_drive
         threads = []
         original = eng.step
         eng.step = lambda: threads.append(threading.get_ident()) or original()
         eng.submit([5, 6, 7], SamplingParams(max_new_tokens=4)).result(30)
         assert threads and threading.get_ident() not in threads
         view.running = False
-        assert eng.blocking_calls_drive
+        assert eng.driver.blocking_calls_drive
     finally:
         eng.close()
 
