@@ -72,7 +72,8 @@ class GenerationHandle:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 outs.append(h.result(left))
         except KeyboardInterrupt:
-            self._pipe.engine.driver.cancel_now(self.handles)  # all sequences of this prompt, not only the one waited on
+            # All sequences of this prompt, not only the one waited on.
+            self._pipe.engine.driver.cancel_now(self.handles)
             raise
         except EngineError as exc:
             exc.partial_results = records_so_far(self._pipe.tokenizer, self.prompt, self.handles, self._post)
