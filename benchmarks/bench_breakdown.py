@@ -18,7 +18,7 @@ time and tok/s that count) and once with timers around each part of a step:
   Python modules, logits selection);
 - ``sampling``: ``Sampler.sample``;
 - ``outputs``: ``Scheduler.update_from_output`` and the engine's per-token bookkeeping
-  (``_on_new_token``: timings, streaming, stop checks).
+  (``OutputProcessor``: streaming, stop checks, the grammar's advance).
 
 Figures are ms per step and share of the instrumented step. The timers cost a few µs per call
 (about 40 per layer per step), so the instrumented run is a little slower than the plain one;
@@ -97,7 +97,11 @@ def _instrument(engine, timers: _Timers) -> None:
         from hf_contbatch.attention import torch_paged
 
     sched, runner = engine.scheduler, engine.runner
-    engine._on_new_token = timers.wrap(engine._on_new_token, "on token")
+    outputs = getattr(engine, "outputs", None)  # OutputProcessor; older trees: LLMEngine._on_new_token
+    if outputs is not None:
+        outputs.process = timers.wrap(outputs.process, "on token")  # its on_token hook runs inside "update"
+    else:
+        engine._on_new_token = timers.wrap(engine._on_new_token, "on token")
     engine.step = timers.wrap(engine.step, "step")
     runner.build_metadata = timers.wrap(runner.build_metadata, "inputs")
     timed_execute = timers.wrap(runner.execute, "execute")

@@ -55,7 +55,9 @@ def _single(args) -> dict:
         handles = [engine.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p in prompts]
         times = []
         # Drive the engine here, one step at a time, timing the decode steps (after the prefill).
-        engine.drive(lambda: all(h.done() for h in handles), after_iteration=lambda: times.append(time.perf_counter()))
+        engine.driver.drive(
+            lambda: all(h.done() for h in handles), after_iteration=lambda: times.append(time.perf_counter())
+        )
         for h in handles:
             h.result()
     finally:

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from .config import is_int
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -42,6 +44,11 @@ FINISH_REASONS = {
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request generation parameters (names follow ``transformers.GenerationConfig``).
+
+    The one place each value is checked: construction (and ``dataclasses.replace``) raises
+    ``ValueError`` naming the field, the allowed values and the value given, for every request
+    path alike (``LLMEngine.submit``, the pipeline, the CLI, lm-eval). What needs the engine (token
+    ids against the vocabulary, the context, the pool, adapters) ``RequestFactory.build`` checks.
 
     Attributes:
         max_new_tokens: tokens to generate at most (>= 1).
@@ -107,6 +114,9 @@ class SamplingParams:
     adapter_name: Optional[str] = None
     structured_outputs: Any = field(default=None, compare=False)
 
+    def __post_init__(self) -> None:
+        check_sampling_values(self)
+
     @property
     def can_draft(self) -> bool:
         """True when prompt-lookup drafts are on and can be verified exactly by comparing them with
@@ -137,6 +147,49 @@ class SamplingParams:
                 return False  # a factory: its processors are unknown until it is called
             return not self.do_sample and all(getattr(p, "is_grammar_mask_slot", False) for p in procs)
         return not self.do_sample and (self.repetition_penalty in (None, 1.0)) and self.min_new_tokens == 0
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_sampling_values(sp: SamplingParams) -> None:
+    """Raise ``ValueError("`name` must be <allowed>, got <value>")`` for the first value of ``sp``
+    out of range (``SamplingParams`` runs it on construction)."""
+
+    def bad(name: str, allowed: str) -> ValueError:
+        return ValueError(f"`{name}` must be {allowed}, got {getattr(sp, name)!r}")
+
+    if not is_int(sp.max_new_tokens) or sp.max_new_tokens < 1:
+        raise bad("max_new_tokens", "an int >= 1")
+    if not is_int(sp.min_new_tokens) or sp.min_new_tokens < 0:
+        raise bad("min_new_tokens", "an int >= 0")
+    if not isinstance(sp.do_sample, bool):
+        raise bad("do_sample", "True or False")
+    if sp.do_sample and (not _is_num(sp.temperature) or not sp.temperature > 0):
+        raise bad("temperature", "a number > 0 when do_sample=True")
+    if sp.top_k is not None and (not is_int(sp.top_k) or sp.top_k < 0):
+        raise bad("top_k", "None or an int >= 0")
+    if sp.top_p is not None and (not _is_num(sp.top_p) or not 0 < sp.top_p <= 1):
+        raise bad("top_p", "None or a number in (0, 1]")
+    if sp.repetition_penalty is not None and (not _is_num(sp.repetition_penalty) or not sp.repetition_penalty > 0):
+        raise bad("repetition_penalty", "None or a number > 0")
+    if not all(is_int(e) for e in sp.eos_token_ids):
+        raise bad("eos_token_ids", "a tuple of ints")
+    if sp.seed is not None and (not is_int(sp.seed) or sp.seed < 0):
+        raise bad("seed", "None or an int >= 0")
+    if not (is_int(sp.prompt_logprobs) or isinstance(sp.prompt_logprobs, bool)) or sp.prompt_logprobs < 0:
+        raise bad("prompt_logprobs", "an int >= 0 (or a bool)")
+    if sp.score_token_id is not None and (not is_int(sp.score_token_id) or sp.score_token_id < 0):
+        raise bad("score_token_id", "None or a token id >= 0")
+    if sp.prompt_lookup_num_tokens is not None and (
+        not is_int(sp.prompt_lookup_num_tokens) or sp.prompt_lookup_num_tokens < 0
+    ):
+        raise bad("prompt_lookup_num_tokens", "None or an int >= 0 (0: no drafts)")
+    if sp.max_matching_ngram_size is not None and (
+        not is_int(sp.max_matching_ngram_size) or sp.max_matching_ngram_size < 1
+    ):
+        raise bad("max_matching_ngram_size", "None or an int >= 1")
 
 
 @dataclass

@@ -1,7 +1,10 @@
-"""The five phases of an engine iteration, and a timer that charges elapsed time to them.
+"""The phases of an engine iteration, and a timer that charges elapsed time to them.
 
 One definition of the names (the engine's phase log, ``EngineStats.phase_seconds`` and the
-dashboard's phase bar all use ``PHASES``).
+dashboard's phase bar all use ``PHASES``): the scheduler's five steps (reap, budget, admit,
+preempt, decode), then "wait" (nothing to run but requests whose grammar compiles: the engine
+waits for a compile) and "output" (streaming and stop checks of the step's new tokens, after the
+engine's state lock is released).
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-PHASES = ("reap", "budget", "admit", "preempt", "decode")
+PHASES = ("reap", "budget", "admit", "preempt", "decode", "wait", "output")
 
 
 class PhaseTimer:

@@ -150,7 +150,7 @@ class EngineDriver:
         if not self.in_iteration():
             raise RuntimeError(
                 f"{what} runs inside the engine's driver only (another thread may be iterating): "
-                "to iterate in this thread, call LLMEngine.drive(until)"
+                "to iterate in this thread, call LLMEngine.driver.drive(until)"
             )
 
     def wait_idle(self, timeout: Optional[float] = None) -> bool:

@@ -1,6 +1,6 @@
 """Request handles: what ``LLMEngine.submit`` returns, to wait for, stream or cancel one request.
 
-A handle reaches its engine through ``HandleOwner`` (cancel, drive, cancel now); the engine feeds
+A handle reaches its engine through ``HandleOwner`` (the engine's ``EngineDriver``: cancel, drive, cancel now); the engine feeds
 it through ``push_tokens`` and ``finish``, and keeps its handles in a ``HandleRegistry``. Neither
 imports the other's module.
 """
@@ -61,7 +61,7 @@ class RequestOutput:
 
 
 class HandleOwner(Protocol):
-    """What a ``RequestHandle`` needs of the engine that queued its request (``LLMEngine``)."""
+    """What a ``RequestHandle`` needs of the engine that queued its request (its ``EngineDriver``)."""
 
     @property
     def blocking_calls_drive(self) -> bool:
@@ -120,7 +120,7 @@ class RequestHandle:
 
     def result(self, timeout: Optional[float] = None) -> RequestOutput:
         """Block until finished; return the output. Meanwhile this thread runs the engine's
-        iterations (``LLMEngine.drive``; with ``timeout`` too, up to the deadline) unless
+        iterations (``EngineDriver.drive``; with ``timeout`` too, up to the deadline) unless
         ``EngineConfig.drive_in_caller`` is off or a live view runs.
 
         Raises:

@@ -9,14 +9,17 @@ This file holds the iteration (``LLMEngine.step``: reap -> budget -> admit -> pr
 and a request's life in the engine. The engine holds objects with one job each: ``KVPools`` (the
 cache and its block bookkeeping, sized by ``pool_sizing.KVPoolSizer``), ``ModelPatches`` (what it
 changes on the model, undone by ``close``), a ``RequestFactory`` (the one place requests are
-validated), a ``HandleRegistry`` (the handles it streams to and finishes), and an ``EngineDriver``
-(which thread runs iterations; it calls the engine back through ``driver.DrivenEngine``). Around
-them: ``stats`` (counters and ``EngineStats``), ``stopping`` (when a request ends), and
+validated), an ``OutputProcessor`` (streaming to the handles, stop checks, the grammar's advance,
+finished handles; it runs after the state lock is released), and an ``EngineDriver`` (which thread
+runs iterations; it calls the engine back through ``driver.DrivenEngine``; blocking waits,
+``drive``, ``cancel_now`` and live views are its methods, ``engine.driver``). Around them:
+``stats`` (counters and ``EngineStats``), ``stopping`` (when a request ends), and
 ``structured.GrammarMatchers`` (the grammars of requests with structured outputs: compiled in a
 worker thread, one matcher per request, advanced on the tokens it keeps).
 
 A request's path: ``build_request`` (validate, no side effect) -> ``enqueue`` (register handles,
-put into the driver's inbox) -> ``take_inbox`` (to the scheduler) -> ``step`` -> ``_complete``.
+put into the driver's inbox) -> ``take_inbox`` (to the scheduler) -> ``step`` ->
+``OutputProcessor.complete``.
 """
 
 from __future__ import annotations
@@ -41,55 +44,18 @@ from .handles import EngineError, HandleRegistry, RequestHandle, RequestOutput
 from .kv_pools import KVPools, move_blocks
 from .lora_adapters import LoraAdapters, is_peft_model
 from .model_patches import ModelPatches
-from .pool_sizing import text_config
+from .model_support import SUPPORTED_MODEL_TYPES, check_supported_model, vocab_widths
+from .output_processor import OutputProcessor, fail_in_step
 from .reliability import execute_isolating_failures
 from .request_factory import RequestFactory
 from .runner import ModelRunner
 from .sampler import Sampler
 from .stats import EngineCounters, EngineStats
-from .stopping import finish_status
 from .structured import GrammarCompilation, GrammarMatchers
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["EngineError", "EngineStats", "LLMEngine", "RequestHandle", "RequestOutput", "SUPPORTED_MODEL_TYPES"]
-
-# Families whose attention goes through transformers' AttentionInterface and whose layers call
-# ``cache.update(...)`` right before attention (tests/engine/test_engine_equivalence.py checks greedy equality).
-SUPPORTED_MODEL_TYPES = (
-    "llama",
-    "mistral",
-    "mixtral",
-    "qwen2",
-    "qwen2_moe",
-    "qwen3",
-    "qwen3_moe",
-    "gemma",
-    "gemma2",
-    "phi3",
-    "granite",
-    "olmo2",
-    "smollm3",
-)
-
-
-def check_supported_model(model) -> None:
-    """Raise ``ValueError`` naming the supported families unless ``model`` is one of them and its
-    attention goes through transformers' ``AttentionInterface``."""
-    model_type = getattr(text_config(model), "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES or not getattr(model, "_supports_attention_backend", True):
-        raise ValueError(
-            f"model type {model_type!r} is not supported by hf_contbatch; supported families: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-
-
-def vocab_widths(model) -> tuple[int, int]:
-    """(input embedding rows: every prompt id must index them; logits width: the LM head's rows, which
-    may exceed the tokenizer's vocabulary and are what a grammar's bitmask must cover)."""
-    vocab_size = model.get_input_embeddings().weight.shape[0]
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return vocab_size, head.weight.shape[0] if getattr(head, "weight", None) is not None else vocab_size
 
 
 def register_close_at_exit(engine: "LLMEngine") -> Callable[[], None]:
@@ -113,16 +79,6 @@ def seeded_generator(seed: Optional[int]) -> torch.Generator:
     gen = torch.Generator(device="cpu")
     gen.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
     return gen
-
-
-def _fail_in_step(req: Request, exc: Exception) -> None:
-    """Fail one request during a step: it keeps its tokens, the next reap frees its blocks and
-    finishes its handle (its pending forks with it); the other requests are untouched."""
-    logger.error("request %s failed after %d generated tokens: %r", req.request_id, len(req.output_token_ids), exc)
-    req.error = exc
-    req.status = RequestStatus.FINISHED_ERROR
-    for child in req.pending_forks:
-        child.error = exc
 
 
 class LLMEngine:
@@ -173,13 +129,15 @@ class LLMEngine:
         self.request_factory = RequestFactory(
             self.vocab_size, g.max_model_len, bm, cfg.prompt_lookup_num_tokens, self.adapters, self.grammars.compilation
         )
-        self._handles = HandleRegistry(self)
         self._closed = False
         # Guards the scheduler's and block managers' state: held by the driving thread while it
-        # changes them (not during the forward), and by ``stats()`` for one consistent snapshot.
+        # changes them (not during the forward, nor while user code runs on new tokens), and by
+        # ``stats()`` for one consistent snapshot.
         self._state_lock = threading.RLock()
         self.counters = EngineCounters(record_phases=cfg.record_phases, per_adapter=self.adapters is not None)
         self.driver = EngineDriver(self, drive_in_caller=cfg.drive_in_caller, num_threads=cfg.num_threads)
+        self._handles = HandleRegistry(self.driver)  # handles wait, drive and cancel through the driver
+        self.outputs = OutputProcessor(self._handles, self.grammars, self.sampler)
         self._close_at_exit = register_close_at_exit(self)  # a script that ends without close()
 
     @property
@@ -269,32 +227,10 @@ class LLMEngine:
         "cancelled", tokens so far kept). Unknown or finished ids are ignored; never raises."""
         self.driver.cancel(request_id)
 
-    def cancel_now(self, handles: Sequence[RequestHandle]) -> None:
-        """Cancel these requests and release them before returning (see ``EngineDriver.cancel_now``)."""
-        self.driver.cancel_now(handles)
-
-    def drive(self, until: Callable[[], bool], after_iteration: Optional[Callable[[], None]] = None) -> None:
-        """Run iterations in the calling thread until ``until()`` is true (see ``EngineDriver.drive``)."""
-        self.driver.drive(until, after_iteration)
-
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
-        """Block until idle or ``timeout`` seconds passed; True if idle (see ``EngineDriver.wait_idle``)."""
+        """Block until no request is queued or running, or ``timeout`` seconds passed (None: no
+        limit); True if idle. Waits on the background thread, never drives (``EngineDriver.wait_idle``)."""
         return self.driver.wait_idle(timeout)
-
-    def add_live_view(self, view) -> None:
-        """Register a live view (see ``EngineDriver.add_live_view``)."""
-        self.driver.add_live_view(view)
-
-    @property
-    def blocking_calls_drive(self) -> bool:
-        """Whether blocking calls run iterations in their own thread (see ``EngineDriver``)."""
-        return self.driver.blocking_calls_drive
-
-    drives_callers = blocking_calls_drive  # the former name
-
-    def in_iteration(self) -> bool:
-        """True when called from inside an iteration (e.g. from a request's done-callback)."""
-        return self.driver.in_iteration()
 
     def stats(self) -> EngineStats:
         """An immutable snapshot of the pool, the queues, the counters and the phase timings (see
@@ -324,71 +260,57 @@ class LLMEngine:
 
     # --- the iteration ---------------------------------------------------------------------------
     def step(self) -> StepResult:
-        """One iteration, the five steps in order, each one's seconds recorded under its name: reap
+        """One iteration, each phase's seconds recorded under its name (``core.phases``): reap
         (finished and cancelled requests leave, their blocks freed, handles completed); budget (free
         blocks minus reservations minus the watermark); admit (forks, swap-ins, waiting requests by
         rank whose grammar is ready, then drafts); preempt (until the running requests' blocks fit,
-        then ``Scheduler.allocate_slots``); decode (swap/copy blocks, one batched forward, sample,
-        append, ``stopping.finish_status``). Returns the iteration's plan and report. Raises
-        ``RuntimeError`` outside the engine's driver (two threads must never iterate at once; to
-        iterate in the calling thread use ``drive``)."""
+        then ``Scheduler.allocate_slots``); wait (only when nothing can run but grammars compile);
+        decode (swap/copy blocks, one batched forward, sample, append, EOS/length checks); output
+        (``OutputProcessor.process``: streaming, grammar, stop strings and criteria, with the state
+        lock released). Returns the iteration's plan and report. Raises ``RuntimeError`` outside the
+        engine's driver (two threads must never iterate at once; to iterate in the calling thread
+        use ``engine.driver.drive``)."""
         self.driver.check_in_iteration("LLMEngine.step()")
         sched, t0, timer = self.scheduler, time.monotonic(), PhaseTimer()
         with self._state_lock:
             result = sched.begin_iteration()
             result.report.reaped = sched.reap()
-        for req in result.report.reaped:
-            self._complete(req)
+            self.counters.num_finished += len(result.report.reaped)
+        self.outputs.complete(result.report.reaped)
         timer.charge("reap")
         with self._state_lock:
             for req, exc in self.grammars.poll():  # grammars compiled since: admissible (or failed)
-                _fail_in_step(req, exc)
+                fail_in_step(req, exc)
             sched.plan(result, timer)  # budget, admit, preempt
         plan = result.plan
         if plan.is_empty and self.grammars.has_waiting:
             self.grammars.wait(timeout=0.05)  # nothing else to run: wait for a compile, not spin
+            timer.charge("wait")
         t_move = time.monotonic()
         move_blocks(self.cache, plan)
         swap_seconds = time.monotonic() - t_move
         # A failing forward is narrowed down to the requests that fail alone; the others advance.
         output, failed = execute_isolating_failures(self.runner.execute, plan)
+        now = time.monotonic()
         with self._state_lock:
             for s, exc in failed:
-                _fail_in_step(s.request, exc)
-            now = time.monotonic()
-            sched.update_from_output(plan, output, on_token=lambda req: self._on_new_token(req, now))
-            timer.charge("decode")
+                fail_in_step(s.request, exc)
+            sched.update_from_output(plan, output, on_token=self.outputs.on_token)
+        timer.charge("decode")
+        processed = self.outputs.process()  # user code (streamers, stop checkers): the lock is free
+        timer.charge("output")
+        with self._state_lock:
+            for req, num_kept in processed.kept:
+                for _ in range(num_kept):
+                    self.counters.record_token(req, now)
+            for req, excess in processed.excess_computed:  # accepted drafts after a stop: not kept
+                req.num_computed_tokens -= excess
+                sched.counters.num_accepted_draft_tokens -= excess
             result.report.phases = list(timer.as_tuple())
             used = self.block_manager.num_used_blocks
             self.counters.record_iteration(result, used, time.monotonic() - t0, swap_seconds)
         # Finished requests are released by the next reap; the driver makes sure there is one.
         return result
-
-    def _on_new_token(self, req: Request, now: float) -> bool:
-        """Count, stream, advance the grammar and stop-check the token just appended to ``req`` (one
-        at a time, also for accepted drafts); True when ``req`` finished (the grammar's end finishes
-        it as "stop"). An error here (a stop checker, a streamer, a grammar) fails ``req`` alone."""
-        try:
-            self.counters.record_token(req, now)
-            self._handles.push_token(req)
-            grammar_done = self.grammars.accept(req)
-            status = finish_status(req) or (RequestStatus.FINISHED_STOPPED if grammar_done else None)
-            if status is None and req.sampling.stopping_criteria and self.sampler.should_stop(req):
-                status = RequestStatus.FINISHED_STOPPED  # the call's stopping_criteria, on its own ids
-        except Exception as exc:  # noqa: BLE001 - a stop checker or stream of one request
-            _fail_in_step(req, exc)
-            return True
-        if status is not None:
-            req.status = status
-        return status is not None
-
-    def _complete(self, req: Request) -> None:
-        req.finish_time = time.monotonic()
-        self.sampler.forget(req.request_id)
-        self.grammars.forget(req.request_id)
-        with self._state_lock:
-            self.counters.num_finished += 1
-        self._handles.finish(req)
 
     # --- what the driver calls (``DrivenEngine``) ------------------------------------------------
     def has_requests(self) -> bool:
@@ -409,8 +331,8 @@ class LLMEngine:
         """A reap outside an iteration: free finished and cancelled requests, finish their handles."""
         with self._state_lock:
             reaped = self.scheduler.reap()
-        for req in reaped:
-            self._complete(req)
+            self.counters.num_finished += len(reaped)
+        self.outputs.complete(reaped)
 
     def fail_all(
         self, exc: BaseException, not_taken: Sequence[Request] = (), status=RequestStatus.FINISHED_ERROR
@@ -419,7 +341,9 @@ class LLMEngine:
         the scheduler drops them, so the next ``stats()`` (the dashboard's last frame after
         ``close``) shows nothing in flight. After a failed step the engine then serves new ones."""
         with self._state_lock:
-            for req in self.scheduler.drop_all_requests() + [r for q in not_taken for r in (q, *q.pending_forks)]:
+            dropped = self.scheduler.drop_all_requests() + [r for q in not_taken for r in (q, *q.pending_forks)]
+            for req in dropped:
                 req.error = exc
                 req.status = status
-                self._complete(req)
+            self.counters.num_finished += len(dropped)
+        self.outputs.complete(dropped)

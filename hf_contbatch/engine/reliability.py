@@ -20,7 +20,6 @@ import signal
 import threading
 from typing import Callable, Optional, Sequence
 
-from ..config import is_int
 from ..core.plan import RunnerOutput, ScheduledRequest, StepPlan
 from ..request import SamplingParams
 
@@ -28,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 
 def check_request(prompt_token_ids: Sequence[int], sampling: SamplingParams, vocab_size: Optional[int]) -> None:
-    """Raise ``ValueError`` for a prompt or sampling value that would fail inside a step.
+    """Raise ``ValueError`` for a prompt or a token id that would fail inside a step (the sampling
+    values themselves were checked when ``sampling`` was built, ``request.check_sampling_values``).
 
     Args:
         prompt_token_ids: the prompt (ints already checked).
@@ -40,57 +40,19 @@ def check_request(prompt_token_ids: Sequence[int], sampling: SamplingParams, voc
         ValueError: naming the argument, the offending value (for a token id: its position) and the
             allowed range.
     """
-    if vocab_size is not None:
-        for pos, t in enumerate(prompt_token_ids):
-            if not 0 <= t < vocab_size:
-                raise ValueError(
-                    f"`prompt_token_ids` holds token id {t} at position {pos}, outside the model's vocabulary "
-                    f"of {vocab_size} embedding rows (allowed: 0..{vocab_size - 1}); a tokenizer with added "
-                    "tokens needs model.resize_token_embeddings(len(tokenizer))"
-                )
-    sp = sampling
-
-    def bad(name: str, allowed: str) -> ValueError:
-        return ValueError(f"`{name}` must be {allowed}, got {getattr(sp, name)!r}")
-
-    def is_num(v) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-    if not is_int(sp.max_new_tokens) or sp.max_new_tokens < 1:
-        raise bad("max_new_tokens", "an int >= 1")
-    if not is_int(sp.min_new_tokens) or sp.min_new_tokens < 0:
-        raise bad("min_new_tokens", "an int >= 0")
-    if not isinstance(sp.do_sample, bool):
-        raise bad("do_sample", "True or False")
-    if sp.do_sample and (not is_num(sp.temperature) or not sp.temperature > 0):
-        raise bad("temperature", "a number > 0 when do_sample=True")
-    if sp.top_k is not None and (not is_int(sp.top_k) or sp.top_k < 0):
-        raise bad("top_k", "None or an int >= 0")
-    if sp.top_p is not None and (not is_num(sp.top_p) or not 0 < sp.top_p <= 1):
-        raise bad("top_p", "None or a number in (0, 1]")
-    if sp.repetition_penalty is not None and (not is_num(sp.repetition_penalty) or not sp.repetition_penalty > 0):
-        raise bad("repetition_penalty", "None or a number > 0")
-    if not all(is_int(e) for e in sp.eos_token_ids):
-        raise bad("eos_token_ids", "a tuple of ints")
-    if sp.seed is not None and (not is_int(sp.seed) or sp.seed < 0):
-        raise bad("seed", "None or an int >= 0")
-    if not (is_int(sp.prompt_logprobs) or isinstance(sp.prompt_logprobs, bool)) or sp.prompt_logprobs < 0:
-        raise bad("prompt_logprobs", "an int >= 0 (or a bool)")
-    if sp.score_token_id is not None and (
-        not is_int(sp.score_token_id)
-        or sp.score_token_id < 0
-        or vocab_size is not None
-        and sp.score_token_id >= vocab_size
-    ):
-        raise bad("score_token_id", f"None or a token id in 0..{'V-1' if vocab_size is None else vocab_size - 1}")
-    if sp.prompt_lookup_num_tokens is not None and (
-        not is_int(sp.prompt_lookup_num_tokens) or sp.prompt_lookup_num_tokens < 0
-    ):
-        raise bad("prompt_lookup_num_tokens", "None or an int >= 0 (0: no drafts)")
-    if sp.max_matching_ngram_size is not None and (
-        not is_int(sp.max_matching_ngram_size) or sp.max_matching_ngram_size < 1
-    ):
-        raise bad("max_matching_ngram_size", "None or an int >= 1")
+    if vocab_size is None:
+        return
+    for pos, t in enumerate(prompt_token_ids):
+        if not 0 <= t < vocab_size:
+            raise ValueError(
+                f"`prompt_token_ids` holds token id {t} at position {pos}, outside the model's vocabulary "
+                f"of {vocab_size} embedding rows (allowed: 0..{vocab_size - 1}); a tokenizer with added "
+                "tokens needs model.resize_token_embeddings(len(tokenizer))"
+            )
+    if sampling.score_token_id is not None and sampling.score_token_id >= vocab_size:
+        raise ValueError(
+            f"`score_token_id` must be None or a token id in 0..{vocab_size - 1}, got {sampling.score_token_id!r}"
+        )
 
 
 def execute_isolating_failures(

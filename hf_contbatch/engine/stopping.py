@@ -1,6 +1,7 @@
 """When a request stops: EOS, length and stop strings, in one place.
 
-``finish_status`` is the engine's check after each new token; ``StopStringCheckers`` builds the
+``length_or_eos_status`` (under the engine's state lock) and ``stop_check_status`` (after it, in
+``output_processor``) are the checks after each new token; ``StopStringCheckers`` builds the
 per-request stop-string check that the pipeline and the lm-eval integration pass to
 ``LLMEngine.build_request`` (transformers' ``StopStringCriteria``, which matches stop strings against the
 token strings, so a stop string spanning tokens is found without decoding).
@@ -19,13 +20,11 @@ from ..request import Request, RequestStatus
 StopChecker = Callable[[Request], bool]
 
 
-def finish_status(req: Request) -> Optional[RequestStatus]:
-    """The status ``req`` finishes with after its latest token, or None to go on.
-
-    In order: EOS (unless ``ignore_eos``, and not before ``min_new_tokens``) -> "stop";
-    ``max_new_tokens`` reached, or the model's context (``max_total_tokens``) full -> "length";
-    the request's stop checker (stop strings) true -> "stop".
-    """
+def length_or_eos_status(req: Request) -> Optional[RequestStatus]:
+    """The status ``req`` finishes with after its latest token by EOS or length, or None to go on:
+    EOS (unless ``ignore_eos``, and not before ``min_new_tokens``) -> "stop"; ``max_new_tokens``
+    reached, or the model's context (``max_total_tokens``) full -> "length". Cheap and free of user
+    code: the engine runs it under its state lock, where it decides how many accepted drafts stay."""
     sp = req.sampling
     token = req.output_token_ids[-1]
     if not sp.ignore_eos and token in sp.eos_token_ids and len(req.output_token_ids) >= sp.min_new_tokens:
@@ -34,7 +33,19 @@ def finish_status(req: Request) -> Optional[RequestStatus]:
         return RequestStatus.FINISHED_LENGTH
     if req.max_total_tokens is not None and req.num_tokens >= req.max_total_tokens:
         return RequestStatus.FINISHED_LENGTH
+    return None
+
+
+def stop_check_status(req: Request, grammar_done: bool, sampler) -> Optional[RequestStatus]:
+    """The status ``req`` finishes with after its latest token by the checks that run user code, or
+    None to go on; in order: the request's stop checker (stop strings), the grammar's end
+    (``grammar_done``), the call's ``stopping_criteria`` on the request's own ids
+    (``sampler.should_stop``). Each finishes with "stop". Raises whatever a check raises."""
     if req.stop_checker is not None and req.stop_checker(req):
+        return RequestStatus.FINISHED_STOPPED
+    if grammar_done:
+        return RequestStatus.FINISHED_STOPPED
+    if req.sampling.stopping_criteria and sampler.should_stop(req):
         return RequestStatus.FINISHED_STOPPED
     return None
 

@@ -26,7 +26,7 @@ from ..engine.stopping import StopStringCheckers
 from ..request import Request
 from .generation_args import resolve_pipeline_generation_config, sampling_params_from_config, split_call_kwargs
 from .response_format import structured_outputs_per_prompt
-from .text_io import TextInput, prefix_length, tokenize_prompt, truncate_for_hole
+from .text_io import OutputOptions, TextInput, prefix_length, tokenize_prompt, truncate_for_hole
 
 
 @dataclass
@@ -37,14 +37,13 @@ class PreparedCall:
         prompts: the call's prompts, in input order.
         requests: one engine request per prompt, built and validated, not queued; the prompt's
             other returned sequences are the request's pending forks.
-        post: the output-record arguments (``return_type``, ``skip_special_tokens``,
-            ``clean_up_tokenization_spaces``, ``continue_final_message``, ``_stop_strings``...).
+        output: how its ids become output records and stream deltas.
         progress_bar: the call's ``progress_bar`` argument (None: the pipeline's default).
     """
 
     prompts: list[TextInput]
     requests: list[Request]
-    post: dict
+    output: OutputOptions
     progress_bar: Optional[bool]
 
 
@@ -80,18 +79,15 @@ class CallRequestBuilder:
             raise ValueError(
                 f"{pre['handle_long_generation']} is not a valid value for `handle_long_generation` parameter expected [None, 'hole']"
             )
-        if pre.get("continue_final_message") is not None:
-            post["continue_final_message"] = pre["continue_final_message"]
         stop_strings = gen.pop("stop_strings", None)
         cfgs = self._generation_configs(gen, len(prompts))
         cfg = cfgs[0]
         if cfg.stop_strings and stop_strings is None:
             stop_strings = cfg.stop_strings
-        post["_stop_strings"] = [stop_strings] if isinstance(stop_strings, str) else stop_strings
-        num_sequences = cfg.num_return_sequences or 1
-        if not is_int(num_sequences) or num_sequences < 1:
-            raise ValueError(f"`num_return_sequences` must be an int >= 1, got {num_sequences!r}")
-        if num_sequences > 1 and not cfg.do_sample:
+        if isinstance(stop_strings, str):
+            stop_strings = [stop_strings]
+        num_sequences = cfg.num_return_sequences  # checked by the engine's factory (an int >= 1)
+        if is_int(num_sequences) and num_sequences > 1 and not cfg.do_sample:
             raise ValueError(
                 "`num_return_sequences` > 1 needs `do_sample=True` (greedy decoding would return the same sequence)"
             )
@@ -144,7 +140,14 @@ class CallRequestBuilder:
                     ids, sp, priority=priority, stop_checker=checker, num_return_sequences=num_sequences
                 )
             )
-        return PreparedCall(list(prompts), requests, post, eng.get("progress_bar"))
+        output = OutputOptions(
+            return_type=post.get("return_type", "full_text"),
+            skip_special_tokens=post.get("skip_special_tokens"),
+            clean_up_tokenization_spaces=post.get("clean_up_tokenization_spaces"),
+            continue_final_message=pre.get("continue_final_message"),
+            stop_strings=tuple(stop_strings) if stop_strings else None,
+        )
+        return PreparedCall(list(prompts), requests, output, eng.get("progress_bar"))
 
     def _generation_configs(self, gen: dict, num_prompts: int) -> list[GenerationConfig]:
         """One resolved generation config per prompt: ``max_new_tokens`` may be a list with one int

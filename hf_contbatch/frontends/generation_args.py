@@ -108,7 +108,8 @@ def sampling_params_from_config(
     ``max_length``/``min_length`` (they count the user's text, not the prefix).
 
     Raises:
-        ValueError: a parameter out of range, or ``max_length`` leaving no room for new tokens.
+        ValueError: a parameter out of range (from ``SamplingParams``' own check, which names it),
+            ``num_beams`` > 1, or ``max_length`` leaving no room for new tokens.
     """
     if getattr(cfg, "num_beams", 1) not in (None, 1):
         raise ValueError(f"`num_beams` must be 1 (beam search is not supported), got {cfg.num_beams}")
@@ -122,52 +123,32 @@ def sampling_params_from_config(
             raise ValueError(
                 f"`max_length`={cfg.max_length} leaves no room after a {prompt_len}-token prompt; use `max_new_tokens` >= 1"
             )
-    check_int("max_new_tokens", max_new, 1)
     min_new = cfg.min_new_tokens or 0
-    check_int("min_new_tokens", min_new, 0)
     if cfg.min_length:  # MinLengthLogitsProcessor, as a count of new tokens
         check_int("min_length", cfg.min_length, 0)
-        min_new = max(min_new, cfg.min_length + prefix_len - prompt_len)
-    do_sample = cfg.do_sample
-    if not isinstance(do_sample, bool):
-        raise ValueError(f"`do_sample` must be True or False, got {do_sample!r}")
+        min_new = max(min_new, cfg.min_length + prefix_len - prompt_len) if is_int(min_new) else min_new
     temperature = cfg.temperature if cfg.temperature is not None else 1.0
-    if do_sample and (not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature <= 0):
-        raise ValueError(f"`temperature` must be a float > 0 when do_sample=True, got {temperature!r}")
-    top_k = cfg.top_k
-    if top_k is not None:
-        check_int("top_k", top_k, 0)
-    top_p = cfg.top_p
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"`top_p` must be in (0, 1], got {top_p!r}")
-    rp = cfg.repetition_penalty
-    if rp is not None and not (isinstance(rp, (int, float)) and rp > 0):
-        raise ValueError(f"`repetition_penalty` must be a float > 0, got {rp!r}")
+    if isinstance(temperature, int) and not isinstance(temperature, bool):
+        temperature = float(temperature)
     eos = cfg.eos_token_id
     eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
     if not all(isinstance(e, int) for e in eos_ids):
         raise ValueError(f"`eos_token_id` must be an int or a list of ints, got {eos!r}")
-    if seed is not None:
-        check_int("seed", seed, 0)
-    lookup = getattr(cfg, "prompt_lookup_num_tokens", None)
-    if lookup is not None:
-        check_int("prompt_lookup_num_tokens", lookup, 0)
-    max_ngram = getattr(cfg, "max_matching_ngram_size", None)
-    if max_ngram is not None:
-        check_int("max_matching_ngram_size", max_ngram, 1)
+    # Every value is checked where SamplingParams is built (request.check_sampling_values), the
+    # same place for every front end.
     return SamplingParams(
         max_new_tokens=max_new,
         min_new_tokens=min_new,
-        do_sample=do_sample,
-        temperature=float(temperature),
-        top_k=top_k,
-        top_p=top_p,
-        repetition_penalty=rp,
+        do_sample=cfg.do_sample,
+        temperature=temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        repetition_penalty=cfg.repetition_penalty,
         eos_token_ids=() if ignore_eos else eos_ids,
         ignore_eos=ignore_eos,
         seed=seed,
-        prompt_lookup_num_tokens=lookup,
-        max_matching_ngram_size=max_ngram,
+        prompt_lookup_num_tokens=getattr(cfg, "prompt_lookup_num_tokens", None),
+        max_matching_ngram_size=getattr(cfg, "max_matching_ngram_size", None),
     )
 
 

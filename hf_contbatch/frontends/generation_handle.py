@@ -11,13 +11,15 @@ from typing import Iterator, Optional, Sequence
 
 from ..engine.handles import EngineError, RequestHandle
 from .streaming import text_deltas
-from .text_io import TextInput, output_record, skip_special_tokens
+from .text_io import OutputOptions, TextInput, output_record, skip_special_tokens
 
 
-def records_so_far(tokenizer, prompt: TextInput, handles: Sequence[RequestHandle], post: dict) -> list[dict]:
+def records_so_far(
+    tokenizer, prompt: TextInput, handles: Sequence[RequestHandle], options: OutputOptions
+) -> list[dict]:
     """The output records of a prompt's sequences now: a finished one's record, a failed or
     cancelled one's with the text it had generated."""
-    return [output_record(tokenizer, prompt, h.output(), post) for h in handles]
+    return [output_record(tokenizer, prompt, h.output(), options) for h in handles]
 
 
 def _cancel_if_abandoned(handles: list[RequestHandle], abandoned: list[bool]) -> None:
@@ -31,7 +33,7 @@ def _cancel_if_abandoned(handles: list[RequestHandle], abandoned: list[bool]) ->
 
 class GenerationHandle:
     """A prompt submitted with ``ContinuousBatchingPipeline.submit``: the pipeline ``pipe``, the
-    ``prompt``, the ``handles`` of its sequences, and the output-record arguments ``post``.
+    ``prompt``, the ``handles`` of its sequences, and its ``OutputOptions``.
 
     Iterating yields text deltas as tokens arrive; ``result()`` returns the same records
     ``__call__`` returns for one prompt; ``cancel()`` stops it (its partial text is kept).
@@ -43,11 +45,11 @@ class GenerationHandle:
     ``h.result()`` or ``h.cancel()`` decide.
     """
 
-    def __init__(self, pipe, prompt: TextInput, handles: list[RequestHandle], post: dict):
+    def __init__(self, pipe, prompt: TextInput, handles: list[RequestHandle], options: OutputOptions):
         self._pipe = pipe  # kept alive while the handle lives: closing it would fail the requests
         self.prompt = prompt
         self.handles = handles
-        self._post = post
+        self._options = options
         # Set when a stream is left early; the finalizer (run when the last reference goes) reads it.
         self._abandoned = [False]
         weakref.finalize(self, _cancel_if_abandoned, handles, self._abandoned)
@@ -72,12 +74,13 @@ class GenerationHandle:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 outs.append(h.result(left))
         except KeyboardInterrupt:
-            self._pipe.engine.cancel_now(self.handles)  # all sequences of this prompt, not only the one waited on
+            # All sequences of this prompt, not only the one waited on.
+            self._pipe.engine.driver.cancel_now(self.handles)
             raise
         except EngineError as exc:
-            exc.partial_results = records_so_far(self._pipe.tokenizer, self.prompt, self.handles, self._post)
+            exc.partial_results = records_so_far(self._pipe.tokenizer, self.prompt, self.handles, self._options)
             raise
-        return [output_record(self._pipe.tokenizer, self.prompt, o, self._post) for o in outs]
+        return [output_record(self._pipe.tokenizer, self.prompt, o, self._options) for o in outs]
 
     def finish_reasons(self) -> list[Optional[str]]:
         """Per sequence: "stop", "length", "cancelled", "error", or None while it runs."""
@@ -105,13 +108,13 @@ class GenerationHandle:
             yield from text_deltas(
                 handle.token_stream(),
                 self._pipe.tokenizer,
-                stop_strings=self._post.get("_stop_strings"),
-                skip_special_tokens=skip_special_tokens(self._pipe.tokenizer, self._post),
-                clean_up_tokenization_spaces=self._post.get("clean_up_tokenization_spaces"),
+                stop_strings=self._options.stop_strings,
+                skip_special_tokens=skip_special_tokens(self._pipe.tokenizer, self._options),
+                clean_up_tokenization_spaces=self._options.clean_up_tokenization_spaces,
             )
             finished = True
         except KeyboardInterrupt:
-            self._pipe.engine.cancel_now([handle])  # Stop while the stream waits: this sequence only
+            self._pipe.engine.driver.cancel_now([handle])  # Stop while the stream waits: this sequence only
             # A fresh exception: its traceback ends here, not deep in a queue wait or a decoder.
             raise KeyboardInterrupt(f"streaming interrupted; request {handle.request_id} cancelled") from None
         finally:

@@ -225,7 +225,7 @@ class ContinuousBatchingPipeline:
                 f"`prompt` must be a string or a chat (list of role/content dicts), got {type(prompt).__name__}"
             )
         call = self._call_requests.prepare([prompt], kwargs)
-        return GenerationHandle(self, prompt, self.engine.enqueue(call.requests)[0], call.post)
+        return GenerationHandle(self, prompt, self.engine.enqueue(call.requests)[0], call.output)
 
     async def astream(self, prompt: TextInput, **kwargs):
         """``async for delta in pipe.astream(prompt, max_new_tokens=...)``: submit one prompt and
@@ -256,7 +256,7 @@ class ContinuousBatchingPipeline:
                 for token in new:
                     streamer.put(torch.tensor([token]))
         except BaseException:  # the streamer raised, or an interrupt: this request only
-            self.engine.cancel_now(handle.handles)
+            self.engine.driver.cancel_now(handle.handles)
             raise
         finally:
             streamer.end()  # a TextIteratorStreamer consumer must never hang
@@ -334,7 +334,9 @@ class ContinuousBatchingPipeline:
             "tokens_per_s": tokens / elapsed if elapsed else 0.0,
             "preemptions": sum(h.request.num_preemptions for h in flat),
         }
-        results = [records_so_far(self.tokenizer, prompt, hs, call.post) for prompt, hs in zip(call.prompts, submitted)]
+        results = [
+            records_so_far(self.tokenizer, prompt, hs, call.output) for prompt, hs in zip(call.prompts, submitted)
+        ]
         failed = [h for h in flat if h.request.error is not None]
         if failed:
             try:

@@ -1,7 +1,7 @@
 """Waiting for many requests with a progress bar: the one blocking wait of the pipeline and the
 lm-eval integration.
 
-Where the engine lets blocking callers drive (``LLMEngine.blocking_calls_drive``), the waiting
+Where the engine lets blocking callers drive (``EngineDriver.blocking_calls_drive``), the waiting
 thread runs the iterations itself (see ``EngineDriver.drive`` for why that is faster on CPU);
 otherwise it sleeps on the requests' completion events. Either way the bar advances once per
 finished request and shows the generated tokens per second.
@@ -67,15 +67,15 @@ def wait_for(engine, handles: Sequence[RequestHandle], *, desc: str = "hf_contba
                 unit="req",
                 bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
             )
-        if engine.blocking_calls_drive:
-            engine.drive(lambda: all(h.done() for h in handles), after_iteration=drain)
+        if engine.driver.blocking_calls_drive:
+            engine.driver.drive(lambda: all(h.done() for h in handles), after_iteration=drain)
             drain()
         while finished < len(handles):
             record(done_q.get())  # blocks without spinning
     except BaseException as exc:
         drain()
         unfinished = sum(1 for h in handles if not h.done())
-        engine.cancel_now(handles)
+        engine.driver.cancel_now(handles)
         interrupted = isinstance(exc, KeyboardInterrupt)
         if bar is not None:  # close the bar with the outcome, not a silent 0/N
             bar.set_description(f"{desc} {'interrupted' if interrupted else 'failed'}", refresh=False)

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Union
+from dataclasses import dataclass
+from typing import Optional, Union
 
 from transformers import GenerationConfig
 
@@ -76,17 +77,38 @@ def prefix_length(tokenizer, pre: dict) -> int:
     return len(tokenizer(prefix, add_special_tokens=bool(pre.get("add_special_tokens", False)))["input_ids"])
 
 
-def skip_special_tokens(tokenizer, post: dict) -> bool:
+@dataclass(frozen=True)
+class OutputOptions:
+    """How a call's generated ids become output records and stream deltas (the pipeline's
+    postprocessing arguments, resolved: ``generation_args.resolve_return_type``).
+
+    Attributes:
+        return_type: "full_text" (prompt + new text), "new_text" or "tensors" (token ids).
+        skip_special_tokens: drop special tokens from the text; None: True (see ``skip_special_tokens``).
+        clean_up_tokenization_spaces: as in ``tokenizer.decode``; None: the tokenizer's setting.
+        continue_final_message: a chat's last message is continued (None: when it is the
+            assistant's).
+        stop_strings: the call's stop strings (streams end before them), or None.
+    """
+
+    return_type: str = "full_text"
+    skip_special_tokens: Optional[bool] = None
+    clean_up_tokenization_spaces: Optional[bool] = None
+    continue_final_message: Optional[bool] = None
+    stop_strings: Optional[tuple[str, ...]] = None
+
+
+def skip_special_tokens(tokenizer, options: OutputOptions) -> bool:
     """Whether output text drops special tokens (``skip_special_tokens``, default True)."""
     if getattr(tokenizer, "response_template", None):
         return False  # as transformers: the response parser needs the special tokens
-    skip = post.get("skip_special_tokens")
+    skip = options.skip_special_tokens
     return True if skip is None else skip
 
 
-def output_record(tokenizer, prompt: TextInput, out, post: dict) -> dict:
+def output_record(tokenizer, prompt: TextInput, out, options: OutputOptions) -> dict:
     """One output record, as ``TextGenerationPipeline.postprocess`` builds it."""
-    return_type = post.get("return_type", "full_text")
+    return_type = options.return_type
     scores = {}
     if getattr(out, "logprobs", None) is not None:
         # generate(output_scores=True)'s processed scores, as the chosen token's log-prob
@@ -95,15 +117,15 @@ def output_record(tokenizer, prompt: TextInput, out, post: dict) -> dict:
             scores["top_logprobs"] = [list(t) for t in out.top_logprobs]
     if return_type == "tensors":
         return {"generated_token_ids": out.prompt_token_ids + out.output_token_ids, **scores}
-    skip = skip_special_tokens(tokenizer, post)
-    clean = post.get("clean_up_tokenization_spaces")
+    skip = skip_special_tokens(tokenizer, options)
+    clean = options.clean_up_tokenization_spaces
     text = tokenizer.decode(out.output_token_ids, skip_special_tokens=skip, clean_up_tokenization_spaces=clean)
     if return_type == "full_text":
         if isinstance(prompt, str):
             text = prompt + text
         else:
             msgs = [dict(m) for m in prompt]
-            cont = post.get("continue_final_message")
+            cont = options.continue_final_message
             if cont is None:
                 cont = msgs[-1]["role"] == "assistant"
             if cont:
@@ -113,7 +135,7 @@ def output_record(tokenizer, prompt: TextInput, out, post: dict) -> dict:
                 prompt_text = tokenizer.decode(
                     out.prompt_token_ids, skip_special_tokens=skip, clean_up_tokenization_spaces=clean
                 )
-                text = msgs + [tokenizer.parse_response(text, prefix=prompt_text, tools=post.get("tools"))]
+                text = msgs + [tokenizer.parse_response(text, prefix=prompt_text, tools=None)]
             else:
                 text = msgs + [{"role": "assistant", "content": text}]
     return {"generated_text": text, **scores}

@@ -202,17 +202,17 @@ def test_blocking_callers_leave_iterations_to_the_background_while_a_live_view_r
 
     eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(num_blocks=32)))
     try:
-        assert eng.blocking_calls_drive
+        assert eng.driver.blocking_calls_drive
         view = View()
-        eng.add_live_view(view)
-        assert not eng.blocking_calls_drive
+        eng.driver.add_live_view(view)
+        assert not eng.driver.blocking_calls_drive
         threads = []
         original = eng.step
         eng.step = lambda: threads.append(threading.get_ident()) or original()
         eng.submit([5, 6, 7], SamplingParams(max_new_tokens=4)).result(30)
         assert threads and threading.get_ident() not in threads
         view.running = False
-        assert eng.blocking_calls_drive
+        assert eng.driver.blocking_calls_drive
     finally:
         eng.close()
 
@@ -373,3 +373,29 @@ def test_step_from_outside_the_driver_is_refused_and_the_engine_keeps_serving(ll
         assert engine.wait_idle(timeout=30) and engine.stats().num_used_blocks == 0
     finally:
         engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_stop_checks_and_streaming_run_with_the_state_lock_released(llama_model):
+    # A stop checker (user code, run after each new token) asks for stats() from another thread: it
+    # must get them at once, which it cannot while the engine holds its state lock.
+    prompt = random_prompts([9], seed=3)[0]
+    expected = reference_greedy(llama_model, prompt, 8)[:4]
+    eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(num_blocks=32)))
+    seen: list = []
+
+    def checker(req) -> bool:
+        got: list = []
+        reader = threading.Thread(target=lambda: got.append(eng.stats()), daemon=True)
+        reader.start()
+        reader.join(timeout=10)
+        seen.append(bool(got))
+        return len(req.output_token_ids) == 4
+
+    try:
+        out = eng.submit(prompt, SamplingParams(max_new_tokens=8), stop_checker=checker).result(60)
+        assert seen == [True] * 4, "stats() blocked while a stop checker ran"
+        assert out.finish_reason == "stop"
+        assert out.output_token_ids == expected
+    finally:
+        eng.close()

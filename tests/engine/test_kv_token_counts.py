@@ -52,7 +52,7 @@ def test_tokens_count_shared_blocks_once_with_forks_and_prefix_hits(llama_model)
 
     try:
         forked = engine.submit(prompt, sp, num_return_sequences=3)
-        engine.drive(lambda: all(h.done() for h in [*forked, *hit]), after_iteration=check)
+        engine.driver.drive(lambda: all(h.done() for h in [*forked, *hit]), after_iteration=check)
         assert all(h.done() for h in [*forked, *hit])
         final = engine.stats()
     finally:

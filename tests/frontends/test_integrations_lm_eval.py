@@ -235,3 +235,46 @@ def test_eval_command_runs_lm_eval_with_our_model_type(tmp_path):
     assert results["config"]["model"] == "hf-contbatch"  # --model defaulted to our type
     acc = results["results"]["hfcb_pydoc_choice"]["acc,none"]
     assert 0.0 <= acc <= 1.0 and not math.isnan(acc)
+
+
+@pytest.mark.timeout(300)
+def test_a_bad_sampling_value_gets_one_message_from_one_place_through_pipeline_submit_and_lm_eval():
+    """``top_p=1.5`` through the pipeline, ``LLMEngine.submit`` and lm-eval's ``generate_until``:
+    the same message, raised by the one check of sampling values (``request.check_sampling_values``)."""
+    import traceback
+
+    from lm_eval.api.instance import Instance
+
+    from hf_contbatch import ContinuousBatchingPipeline
+    from hf_contbatch.integrations.lm_eval import ContinuousBatchingLM
+
+    def failure(call) -> tuple[str, str]:
+        with pytest.raises(ValueError) as info:
+            call()
+        last = traceback.extract_tb(info.value.__traceback__)[-1]
+        return str(info.value), f"{Path(last.filename).name}:{last.name}"
+
+    lm = ContinuousBatchingLM(dtype="float32", device="cpu", num_blocks=64)
+    pipe = ContinuousBatchingPipeline(
+        default_model_path(), engine_config=EngineConfig(cache=CacheConfig(num_blocks=64))
+    )
+    try:
+        request = Instance(
+            request_type="generate_until",
+            doc={},
+            idx=0,
+            arguments=(
+                "def add(a, b):",
+                {"until": ["\n\n"], "max_gen_toks": 4, "do_sample": True, "temperature": 0.8, "top_p": 1.5},
+            ),
+        )
+        got = [
+            failure(lambda: pipe("def add(a, b):", do_sample=True, top_p=1.5, max_new_tokens=4)),
+            failure(lambda: pipe.engine.submit([1, 2, 3], SamplingParams(max_new_tokens=4, do_sample=True, top_p=1.5))),
+            failure(lambda: lm.generate_until([request], disable_tqdm=True)),
+        ]
+        assert got == [("`top_p` must be None or a number in (0, 1], got 1.5", "request.py:check_sampling_values")] * 3
+        assert not lm.engine.driver.has_work() and not pipe.engine.driver.has_work()
+    finally:
+        pipe.close()
+        lm.close()

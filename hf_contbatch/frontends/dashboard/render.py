@@ -13,7 +13,15 @@ from ...core.phases import PHASES
 from .snapshot import adapter_counts, device_owners, phase_rows, stat_field, swap_owners
 from .text import format_ms, preemption_kinds
 
-PHASE_COLOURS = {"reap": "#94a3b8", "budget": "#a78bfa", "admit": "#38bdf8", "preempt": "#f87171", "decode": "#34d399"}
+PHASE_COLOURS = {
+    "reap": "#94a3b8",
+    "budget": "#a78bfa",
+    "admit": "#38bdf8",
+    "preempt": "#f87171",
+    "decode": "#34d399",
+    "wait": "#fbbf24",
+    "output": "#f472b6",
+}
 FREE_COLOUR = "#e5e7eb"
 CACHED_COLOUR = "#f59e0b"
 SWAPPED_COLOUR = "#a78bfa"  # host blocks in use (the engine publishes counts, not owners)

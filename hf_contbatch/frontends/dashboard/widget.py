@@ -147,9 +147,9 @@ class Dashboard:
             daemon=True,
         )
         self._thread.start()
-        engine = getattr(self.source, "engine", self.source)
-        if hasattr(engine, "add_live_view"):
-            engine.add_live_view(self)  # blocking calls then leave the CPU time this view needs
+        driver = getattr(getattr(self.source, "engine", self.source), "driver", None)
+        if driver is not None:
+            driver.add_live_view(self)  # blocking calls then leave the CPU time this view needs
         return self
 
     def stop(self) -> None:
