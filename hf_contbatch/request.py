@@ -68,7 +68,7 @@ class SamplingParams:
             whole prompt (at the prompt's last row, never fed to the model), so a scored sequence
             can fill the model's whole context.
         logits_processor: the request's full ``transformers.LogitsProcessorList`` as ``generate``
-            builds it (``generation.build_logits_processor``); it replaces the processors built
+            builds it (``engine.logits_processors.build_logits_processor``); it replaces the processors built
             from the fields above. None: built from the fields above. Or a zero-argument callable
             returning such a list, called once per request and per fork when it first samples
             (``engine.logits_processors.PerRequestProcessors``: stateful processors get their own).

@@ -1,7 +1,7 @@
 """Turn the last-position logits of a step into next tokens, batched where the settings allow.
 
 Each request's scores go through the ``LogitsProcessorList`` ``generate`` would build for it
-(``SamplingParams.logits_processor``, built by ``generation.build_logits_processor``; for engine
+(``SamplingParams.logits_processor``, built by ``engine.logits_processors.build_logits_processor``; for engine
 callers that give only the plain fields, the same processors built here). Per step:
 
 * plain greedy rows (no processor): one batched argmax over the raw logits (with greedy rows whose

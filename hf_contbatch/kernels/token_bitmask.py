@@ -1,10 +1,9 @@
 """Apply a grammar's token bitmask to float32 CPU scores with our C kernel (``token_bitmask.c``).
 
 Structured outputs mask every constrained row of a step: the scores of the tokens the row's grammar
-refuses become ``-inf``. xgrammar's CPU kernel does it one bit at a time, ~1.7 ns a token on the
-machine it was measured on (64 rows: 0.44 ms at a 4k vocabulary, 16 ms at 152k); ours turns each
-16 bits into an AVX-512 lane mask and skips words whose 32 tokens are all allowed
-(``benchmarks/bench_structured.py`` reports the mask's time per step). The library is built like
+refuses become ``-inf``. xgrammar's CPU kernel does it one bit at a time; ours turns each 16 bits
+into an AVX-512 lane mask and skips words whose 32 tokens are all allowed
+(``benchmarks/bench_structured.py`` measures both per step; docs/benchmarks.md has the figures). The library is built like
 the other C kernels (``native_build``: once per source, compiler and CPU, cached); where it cannot be
 built, or the scores are not a float32 CPU tensor with unit stride in the vocabulary, callers use
 xgrammar's kernel (:meth:`TokenBitmaskKernel.apply` returns False).
