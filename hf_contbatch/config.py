@@ -178,6 +178,11 @@ class EngineConfig:
             (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``) as one GEMM over their
             concatenated packed weights; outputs are bit-identical, the model is not modified, and
             the fused copy replaces the members' own (see ``hf_contbatch.kernels.linears.fused``).
+        fuse_model_ops: on CPU, run the model's RMSNorms and gated SiLU MLPs' ``silu(gate) * up``
+            with our C kernels (one pass each instead of transformers' 5-7 ops) where they time
+            faster than the modules' own ops on this CPU, as per-instance forwards removed on close
+            (``hf_contbatch.kernels.fused_ops``); not with ``compile_model``. Outputs may differ
+            from the modules' in the last bit of a float32 value (rounding order).
         drive_in_caller: a blocking call (``pipe(...)``, ``handle.result()``) runs the engine's
             iterations in the calling thread while the background thread leaves, so one thread's
             OpenMP team runs torch instead of two competing for the cores. False keeps all work on the
@@ -205,6 +210,7 @@ class EngineConfig:
     record_phases: bool = True
     drive_in_caller: bool = True
     fuse_linears: bool = True
+    fuse_model_ops: bool = True
     prompt_lookup_num_tokens: int = 0
     compile_model: Optional[bool] = None
 
@@ -220,6 +226,8 @@ class EngineConfig:
         _check_positive_int("num_threads", self.num_threads, allow_none=True)
         if not isinstance(self.fuse_linears, bool):
             raise ValueError(f"`fuse_linears` must be True or False, got {self.fuse_linears!r}")
+        if not isinstance(self.fuse_model_ops, bool):
+            raise ValueError(f"`fuse_model_ops` must be True or False, got {self.fuse_model_ops!r}")
         if self.compile_model is not None and not isinstance(self.compile_model, bool):
             raise ValueError(f"`compile_model` must be True, False or None, got {self.compile_model!r}")
         if not is_int(self.prompt_lookup_num_tokens) or self.prompt_lookup_num_tokens < 0:

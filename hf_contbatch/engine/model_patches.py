@@ -11,6 +11,8 @@ from .attention_switch import restore_attention, switch_to_paged_attention
 from .lora_adapters import acquire_lora_layers, release_lora_layers
 from .pool_sizing import available_host_memory
 
+_FUSED_OPS_USERS = "_hf_contbatch_fused_ops"  # on the model: [FusedModelOps, open engines using it]
+
 
 class ModelPatches:
     """The engine's changes to one model: applied by the constructor, undone by ``undo``.
@@ -83,6 +85,9 @@ class ModelPatches:
                 release_lora_layers(model)
             raise
         model.eval()
+        self.fused_ops = None
+        if config.fuse_model_ops and not compile_model:
+            self.fused_ops = acquire_fused_ops(model)
         self.compiled_forward = None
         if compile_model:
             from ..kernels.compiled_forward import CompiledForward
@@ -103,3 +108,36 @@ class ModelPatches:
         if self.lora_layers is not None:
             release_lora_layers(self.model)
         restore_attention(self.model, self.previous_attention)
+        if self.fused_ops is not None:
+            release_fused_ops(self.model)
+            self.fused_ops = None
+
+
+# --- fused model ops (RMSNorm, SiLU-and-mul): installed by the first engine, removed by the last close
+
+
+def acquire_fused_ops(model):
+    """The model's ``FusedModelOps`` (kernels.fused_ops), installed by the first engine on it (its
+    per-shape choice timed then) and shared by the later ones; None where the model is not on CPU."""
+    entry = model.__dict__.get(_FUSED_OPS_USERS)
+    if entry is None:
+        param = next(model.parameters(), None)
+        if param is None or param.device.type != "cpu":
+            return None
+        from ..kernels.fused_ops import FusedModelOps
+
+        entry = [FusedModelOps(model), 0]
+        model.__dict__[_FUSED_OPS_USERS] = entry
+    entry[1] += 1
+    return entry[0]
+
+
+def release_fused_ops(model) -> None:
+    """One engine fewer on ``model``; the last one removes the fused forwards."""
+    entry = model.__dict__.get(_FUSED_OPS_USERS)
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] <= 0:
+        entry[0].restore()
+        del model.__dict__[_FUSED_OPS_USERS]

@@ -12,7 +12,16 @@ import pytest
 import torch
 
 from hf_contbatch.kernels.linears import pack_linears
-from hf_contbatch.kernels.linears.autotune import ROW_BUCKETS, KernelTuner, bucket_index, buckets_up_to
+from hf_contbatch.kernels.linears.autotune import (
+    ROW_BUCKETS,
+    KernelTuner,
+    bucket_index,
+    buckets_up_to,
+    deciding_buckets,
+    implausible_buckets,
+    robust_seconds,
+    time_interleaved,
+)
 from hf_contbatch.kernels.linears.dispatch_gemm import DispatchGEMM
 from hf_contbatch.kernels.linears.gemm_kernel import PackedWeight
 from hf_contbatch.kernels.linears.registry import available_kernels
@@ -130,7 +139,9 @@ def test_timings_are_measured_once_and_read_back_from_the_cache(tmp_path):
     assert calls == [(1, 2, 4, 8), (16, 32)]
     second = KernelTuner({"a": _Recording("a")}, cache_path=path, measure=measure)
     assert second.choose(64, 32, torch.float32, max_rows=32).kernels == ("a",)
-    assert len(calls) == 2 and second.measured_seconds == 0.0
+    # read back, not measured again: only the cached choice's deciding buckets re-timed once
+    assert calls[2:] == [(1, 2)] and second.measured_seconds == 0.0
+    assert second.rechecked == {}  # the re-time agreed: the cache is kept
     assert "64x32:float32: a" in second.report()
 
 
@@ -193,3 +204,106 @@ def test_the_registry_names_every_linear_backend_but_auto_and_each_kernel_keeps_
         assert packed.shape == (40, 24) and packed.dtype == torch.float32 and packed.nbytes >= w.numel() * 4
         if kernel.exact_unpack:
             assert torch.equal(kernel.unpack(packed), w)  # bit for bit: the float weight may be released
+
+
+def test_robust_seconds_is_the_median_so_one_disturbed_round_does_not_move_it():
+    assert robust_seconds([1.0, 1.1, 50.0, 0.9, 1.05]) == 1.05
+    assert robust_seconds([4.0, 1.0, 3.0, 2.0]) == 2.5
+    assert math.isinf(robust_seconds([]))
+
+
+class _FakeClock:
+    """A clock that advances only when a candidate 'runs': each call adds that candidate's cost,
+    plus a burst of load during one given (round, candidate) slot."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_candidates_are_timed_round_robin_and_a_burst_hits_one_round_of_one_candidate():
+    clock, order = _FakeClock(), []
+    cost = {"a": 1.0, "b": 2.0, "c": 3.0}
+    burst_at = 4  # the 5th candidate run overall is slowed by 100 s (load elsewhere)
+
+    def run(name, calls):
+        def go():
+            order.append(name)
+            clock.now += cost[name] * calls + (100.0 if len(order) == burst_at + 1 else 0.0)
+            return calls
+
+        return go
+
+    seconds = time_interleaved({n: run(n, 4) for n in cost}, rounds=5, timer=clock)
+    # round r starts at candidate r mod 3: a, b, c / b, c, a / c, a, b / a, b, c / b, c, a
+    assert order == list("abcbcacababcbca")
+    assert seconds == {"a": 1.0, "b": 2.0, "c": 3.0}  # per call; the burst (c's 2nd run) is outvoted
+
+
+def test_a_bucket_far_slower_than_a_larger_one_is_flagged_as_disturbed():
+    assert implausible_buckets({1: 6.3e-3, 2: 0.22e-3, 4: 0.25e-3}) == [1]
+    assert implausible_buckets({1: 1.0, 2: 1.2, 4: 2.5}) == []
+    assert implausible_buckets({1: math.inf, 2: 1.0}) == []
+
+
+def test_the_deciding_buckets_are_the_smallest_and_the_closest_race():
+    times = {"a": {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}, "b": {1: 3.0, 2: 1.05, 4: 2.0, 8: 1.5}}
+    assert deciding_buckets(times) == [1, 2]
+    assert deciding_buckets(times, most=3) == [1, 2, 8]
+
+
+def _cache_with(path, table):
+    """A timings file as a first (noisy) run left it: ``table[name][bucket]`` seconds."""
+    tuner = KernelTuner({"a": _Recording("a"), "b": _Recording("b")}, cache_path=path, measure=_fixed(table))
+    tuner.choose(64, 32, torch.float32, max_rows=4, allow_dual=False)
+
+
+def test_a_cached_choice_the_re_time_contradicts_is_replaced_and_the_cache_updated(tmp_path):
+    path = str(tmp_path / "t.json")
+    # The first run was disturbed while "a" ran at 1 and 2 rows (not implausible: uniform).
+    _cache_with(path, {"a": {1: 2.0, 2: 2.0, 4: 2.0}, "b": {1: 1.5, 2: 1.5, 4: 1.5}, "torch": 9.0})
+    calls = []
+    truth = {"a": 1.0, "b": 1.5, "torch": 9.0}
+
+    def measure(i, o, d, buckets):
+        calls.append(tuple(buckets))
+        return {n: dict.fromkeys(buckets, t) for n, t in truth.items()}
+
+    tuner = KernelTuner({"a": _Recording("a"), "b": _Recording("b")}, cache_path=path, measure=measure)
+    choice = tuner.choose(64, 32, torch.float32, max_rows=4, allow_dual=False)
+    assert calls == [(1, 2)]  # the smallest bucket and the closest race, nothing else
+    assert tuner.rechecked == {"64x32:float32": [1, 2]}
+    assert choice.per_bucket[:2] == ("a", "a")
+    # the next process reads the corrected figures
+    again = KernelTuner({"a": _Recording("a"), "b": _Recording("b")}, cache_path=path, measure=measure, recheck=False)
+    assert again.timings(64, 32, torch.float32, (1, 2))["a"] == {1: 1.0, 2: 1.0}
+
+
+def test_a_re_time_within_the_margin_keeps_the_cached_choice(tmp_path):
+    path = str(tmp_path / "t.json")
+    _cache_with(path, {"a": 1.0, "b": 1.04, "torch": 9.0})
+    # re-time: "b" ahead by 5% only (noise-sized): the cache stands
+    measure = _fixed({"a": 1.0, "b": 0.95, "torch": 9.0})
+    tuner = KernelTuner({"a": _Recording("a"), "b": _Recording("b")}, cache_path=path, measure=measure)
+    assert tuner.choose(64, 32, torch.float32, max_rows=4, allow_dual=False).kernels == ("a",)
+    assert tuner.rechecked == {}
+
+
+def test_disturbed_figures_are_re_timed_even_when_just_measured():
+    calls = []
+
+    def measure(i, o, d, buckets):
+        calls.append(tuple(buckets))
+        first = len(calls) == 1
+        return {
+            "a": {b: (6.3 if first and b == 1 else 0.2) for b in buckets},
+            "b": dict.fromkeys(buckets, 0.5),
+            "torch": dict.fromkeys(buckets, 9.0),
+        }
+
+    tuner = KernelTuner({"a": _Recording("a"), "b": _Recording("b")}, cache_path=None, measure=measure)
+    choice = tuner.choose(64, 32, torch.float32, max_rows=4, allow_dual=False)
+    assert calls == [(1, 2, 4), (1,)]
+    assert choice.kernels == ("a",) and choice.seconds["a"][1] == 0.2

@@ -23,6 +23,7 @@ in ``native_build.cache_dir()``), so only the first engine on a machine pays for
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -41,14 +42,18 @@ logger = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 """Row counts timed per shape; a call with ``m`` rows takes the choice of the smallest bucket >= m."""
+RECHECK_MARGIN = 0.10
+"""A re-time overrides a cached winner only when its new winner is faster by more than this."""
 DUAL_MARGIN = 0.15
 """A second packed backend serves the buckets where its time is at most ``1 - DUAL_MARGIN`` of the
 first's, if there are at least two such buckets (one could be noise) and memory allows it a packed
 copy of its own."""
 _STREAM_BYTES = 96 * 2**20  # weight bytes per timing pass: more than a last-level cache holds
 _MAX_COPIES = 16  # small weights: call overhead dominates, cache misses matter less
-_PASSES = 2
+_ROUNDS = 5  # interleaved timing rounds per bucket; the median is kept
+_RECHECK_ROUNDS = 3
 _COMPUTE_ROWS = 64  # from this many rows a GEMM reuses each weight enough to be compute-bound
+_IMPLAUSIBLE = 3.0  # a bucket timed this much slower than a larger one was disturbed
 _TIMEOUT_RATIO = 4.0  # a candidate this much slower than the best stops being timed at larger buckets
 
 Measure = Callable[[int, int, torch.dtype, Sequence[int]], "dict[str, dict[int, float]]"]
@@ -62,6 +67,70 @@ def bucket_index(rows: int) -> int:
 def buckets_up_to(max_rows: int) -> tuple[int, ...]:
     """The buckets a call of at most ``max_rows`` rows can fall in (at least one)."""
     return ROW_BUCKETS[: bucket_index(max(1, max_rows)) + 1]
+
+
+def robust_seconds(samples: Sequence[float]) -> float:
+    """The median of ``samples`` (the mean of the middle two for an even count; ``inf`` for none):
+    a round slowed by load elsewhere moves a minimum-free, mean-free statistic only when it hits
+    most rounds."""
+    ordered = sorted(samples)
+    if not ordered:
+        return math.inf
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def time_interleaved(
+    runs: dict[str, Callable[[], Optional[int]]], rounds: int, timer: Callable[[], float] = time.perf_counter
+) -> dict[str, float]:
+    """Seconds per call of each of ``runs`` (name -> a callable doing ``k`` calls and returning
+    ``k``, or None for one): ``rounds`` rounds, each calling every candidate once, round-robin
+    (round ``i`` starts at candidate ``i mod n``, so none always runs first, right after another's
+    cache-evicting pass), then the :func:`robust_seconds` of each one's rounds. ``timer``: a clock
+    in seconds (tests pass a fake one)."""
+    names = list(runs)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for j in range(len(names)):
+            name = names[(r + j) % len(names)]
+            t0 = timer()
+            calls = runs[name]() or 1
+            samples[name].append((timer() - t0) / calls)
+    return {n: robust_seconds(s) for n, s in samples.items()}
+
+
+def implausible_buckets(seconds: dict[int, float], ratio: float = _IMPLAUSIBLE) -> list[int]:
+    """Buckets whose time is more than ``ratio`` times the time at a larger bucket: more rows cannot
+    cost that much less, so the timing there was disturbed (a 1-row call timed at 6.3 ms beside
+    0.22 ms for 2 rows). ``inf`` (not timed) is never implausible."""
+    bad = []
+    for b, s in seconds.items():
+        if math.isinf(s):
+            continue
+        if any(c > b and not math.isinf(t) and s > ratio * t for c, t in seconds.items()):
+            bad.append(b)
+    return sorted(bad)
+
+
+def deciding_buckets(times: dict[str, dict[int, float]], most: int = 2) -> list[int]:
+    """The buckets worth re-timing to confirm a cached choice: the smallest (decode steps) and those
+    where the two fastest candidates are closest (relative gap), ``most`` in all, in bucket order."""
+    buckets = sorted(next(iter(times.values()))) if times else []
+    if not buckets:
+        return []
+
+    def gap(b: int) -> float:
+        ranked = sorted(t[b] for t in times.values())
+        if len(ranked) < 2 or math.isinf(ranked[1]):
+            return math.inf
+        return ranked[1] / ranked[0] - 1 if ranked[0] > 0 else 0.0
+
+    chosen = [buckets[0]]
+    for b in sorted(buckets[1:], key=gap):
+        if len(chosen) >= most or math.isinf(gap(b)):
+            break
+        chosen.append(b)
+    return sorted(chosen)
 
 
 @dataclass(frozen=True)
@@ -109,6 +178,7 @@ class KernelTuner:
             thread count; None keeps timings in memory only.
         measure: ``(in, out, dtype, buckets) -> {backend: {bucket: seconds per call}}``; default
             :meth:`measure` (tests pass fixed timings).
+        recheck: re-time a cached choice's deciding buckets once per shape (see :meth:`timings`).
     """
 
     def __init__(
@@ -116,6 +186,7 @@ class KernelTuner:
         candidates: dict[str, GemmKernel],
         cache_path: Optional[str] = "default",
         measure: Optional[Measure] = None,
+        recheck: bool = True,
     ):
         self.candidates = {**candidates, UNPACKED: make_kernel(UNPACKED)}
         self.threads = torch.get_num_threads()
@@ -126,6 +197,10 @@ class KernelTuner:
         self._timings: dict = self._load()
         self.choices: dict[str, KernelChoice] = {}
         self.measured_seconds = 0.0  # wall time spent timing (0 when everything came from the cache)
+        self.recheck = recheck
+        self.recheck_seconds = 0.0  # wall time spent re-timing cached or disturbed figures
+        self.rechecked: dict[str, list[int]] = {}  # shape key -> buckets whose figures were replaced
+        self._checked: set[str] = set()
 
     def _cache_key(self) -> str:
         builds = ",".join(f"{n}:{getattr(k, 'build_id', '')}" for n, k in sorted(self.candidates.items()))
@@ -143,27 +218,71 @@ class KernelTuner:
     def timings(self, in_features: int, out_features: int, dtype: torch.dtype, buckets: Sequence[int]) -> dict:
         """``{backend: {bucket: seconds per call}}`` for every candidate at ``buckets`` (``inf``
         where a backend cannot run the shape or was left out as far too slow): read from the cache,
-        the missing buckets measured (and cached)."""
+        the missing buckets measured (and cached). Then, once per shape and tuner, two cheap checks
+        re-time a few buckets (all candidates, fewer rounds than a full measurement):
+
+        - disturbed figures (:func:`implausible_buckets`: a candidate far slower at a bucket than at
+          a larger one), fresh or cached: re-timed and replaced;
+        - with ``recheck``, a choice read from the cache: its :func:`deciding_buckets` re-timed; where
+          the re-time names another winner, faster than the cached winner by more than
+          :data:`RECHECK_MARGIN`, the re-timed figures replace the cached ones there (one noisy first
+          run does not fix a choice for good).
+        """
         key = shape_key(in_features, out_features, dtype)
         known = self._timings.setdefault(key, {})
         missing = [b for b in buckets if any(str(b) not in known.get(n, {}) for n in self.candidates)]
         if missing:
-            t0 = time.perf_counter()
-            measured = self._measure(in_features, out_features, dtype, missing)
-            self.measured_seconds += time.perf_counter() - t0
-            for name in self.candidates:
-                got = measured.get(name, {})
-                known.setdefault(name, {}).update({str(b): float(got.get(b, math.inf)) for b in missing})
-            self._save()
+            self._store(known, self._timed(in_features, out_features, dtype, missing, full=True), missing)
+        if key not in self._checked:
+            self._checked.add(key)
+            self._check(key, known, in_features, out_features, dtype, buckets, fresh=set(missing))
         return {n: {b: float(known[n][str(b)]) for b in buckets} for n in self.candidates}
 
+    def _timed(self, in_features, out_features, dtype, buckets, full: bool) -> dict:
+        t0 = time.perf_counter()
+        measured = self._measure(in_features, out_features, dtype, buckets)
+        if full:
+            self.measured_seconds += time.perf_counter() - t0
+        else:
+            self.recheck_seconds += time.perf_counter() - t0
+        return measured
+
+    def _store(self, known: dict, measured: dict, buckets: Sequence[int]) -> None:
+        for name in self.candidates:
+            got = measured.get(name, {})
+            known.setdefault(name, {}).update({str(b): float(got.get(b, math.inf)) for b in buckets})
+        self._save()
+
+    def _check(self, key, known, in_features, out_features, dtype, buckets, fresh: set) -> None:
+        table = {n: {b: float(known[n][str(b)]) for b in buckets} for n in self.candidates}
+        suspect = sorted({b for t in table.values() for b in implausible_buckets(t)})
+        cached = [b for b in buckets if b not in fresh]
+        confirm = deciding_buckets({n: {b: t[b] for b in cached} for n, t in table.items()}) if self.recheck else []
+        again = sorted(set(suspect) | set(confirm))
+        if not again:
+            return
+        measured = self._timed(in_features, out_features, dtype, again, full=False)
+        replace = []
+        for b in again:
+            new = {n: float(measured.get(n, {}).get(b, math.inf)) for n in self.candidates}
+            old_winner = min(table, key=lambda n: table[n][b])
+            new_winner = min(new, key=new.get)
+            flipped = new_winner != old_winner and new[new_winner] < (1 - RECHECK_MARGIN) * new[old_winner]
+            if b in suspect or flipped:
+                replace.append(b)
+        if replace:
+            self.rechecked[key] = replace
+            logger.info("GEMM timings of %s re-timed at rows %s (disturbed or contradicted)", key, replace)
+            self._store(known, measured, replace)
+
     def measure(self, in_features: int, out_features: int, dtype: torch.dtype, buckets: Sequence[int]) -> dict:
-        """Seconds per call of every candidate at ``buckets`` for a random ``[out, in]`` weight:
-        the minimum over a few passes (candidates interleaved, so a drift in load hits them alike)
-        of a pass over weight copies adding up to more than a last-level cache (up to 16 copies),
-        so the weights stream from memory as a model's layers do (one copy from 64 rows on, where
-        the GEMM is compute-bound). A candidate ``4x`` slower than the fastest at a
-        bucket is not timed at larger ones (``inf``)."""
+        """Seconds per call of every candidate at ``buckets`` for a random ``[out, in]`` weight: the
+        median of :data:`_ROUNDS` rounds (:func:`time_interleaved`: candidates round-robin, so a
+        burst of load elsewhere hits one round of each, not all rounds of one), each round a pass
+        over weight copies adding up to more than a last-level cache (up to 16 copies), so the
+        weights stream from memory as a model's layers do (one copy from 64 rows on, where the GEMM
+        is compute-bound). A candidate ``4x`` slower than the fastest at two buckets in a row is not
+        timed at larger ones (``inf``)."""
         g = torch.Generator().manual_seed(0)
         weight_bytes = in_features * out_features * torch.empty((), dtype=dtype).element_size()
         copies = max(1, min(_MAX_COPIES, math.ceil(_STREAM_BYTES / max(1, weight_bytes))))
@@ -181,19 +300,19 @@ class KernelTuner:
         with torch.inference_mode():
             for rows in sorted(buckets):
                 x = torch.randn(rows, in_features, generator=g).to(dtype)
-                best = dict.fromkeys(alive, math.inf)
                 for name in alive:  # warm-up: primitives built, threads started
                     self.candidates[name].linear(x, packs[name][0], None, out_features)
-                for _ in range(_PASSES):
-                    for name in alive:
-                        # The path an engine step takes (arguments checked once a step, not per call);
-                        # from _COMPUTE_ROWS rows on the GEMM is compute-bound: one copy is enough.
-                        run, packed = self.candidates[name].linear_verified, packs[name]
-                        packed = packed if rows < _COMPUTE_ROWS else packed[:1]
-                        t0 = time.perf_counter()
-                        for p in packed:
-                            run(x, p, None, out_features)
-                        best[name] = min(best[name], (time.perf_counter() - t0) / len(packed))
+
+                def one_pass(name: str, x=x, rows=rows):
+                    # The path an engine step takes (arguments checked once a step, not per call);
+                    # from _COMPUTE_ROWS rows on the GEMM is compute-bound: one copy is enough.
+                    run, packed = self.candidates[name].linear_verified, packs[name]
+                    packed = packed if rows < _COMPUTE_ROWS else packed[:1]
+                    for p in packed:
+                        run(x, p, None, out_features)
+                    return len(packed)
+
+                best = time_interleaved({n: functools.partial(one_pass, n) for n in alive}, _ROUNDS)
                 fastest = min(best.values()) if best else math.inf
                 for name, seconds in best.items():
                     result[name][rows] = seconds
@@ -255,6 +374,14 @@ class KernelTuner:
     def report(self) -> str:
         """What was chosen per shape class, with each backend's ms per call at its timed buckets."""
         how = f"measured in {self.measured_seconds:.1f} s" if self.measured_seconds else "timings cached"
+        if self.recheck_seconds:
+            how += f", re-checked in {self.recheck_seconds:.2f} s"
+            if self.rechecked:
+                how += (
+                    " (re-timed: "
+                    + "; ".join(f"{k} rows {','.join(map(str, b))}" for k, b in self.rechecked.items())
+                    + ")"
+                )
         lines = [f"GEMM per shape ({how}, {self.threads} threads):"]
         for key, c in self.choices.items():
             cells = "; ".join(

@@ -1,0 +1,161 @@
+/* The small element-wise operations around a decoder layer's GEMMs, one pass each: RMSNorm (sum of
+ * squares, reciprocal square root, scale) and SiLU-and-mul (silu(gate) * up), float32 and bfloat16.
+ *
+ * Built on first use by hf_contbatch/kernels/fused_ops.py with the system C compiler (-O3
+ * -march=native -fopenmp, no -ffast-math) and called through ctypes on torch's own OpenMP runtime.
+ *
+ * Why: transformers' eager modules run these as 5-7 torch ops each (pow, mean, add, rsqrt, mul,
+ * cast, mul), every op a dispatch, an allocation and a pass over the activations; on a small model
+ * the per-op cost is most of the step ("model other" in benchmarks/bench_breakdown.py).
+ *
+ * RMSNorm (Zhang & Sennrich, "Root Mean Square Layer Normalization", NeurIPS 2019), as
+ * transformers' modules compute it, in float32:
+ *   r = 1 / sqrt(sum(x * x) / n + eps)          (torch's rsqrt is 1/sqrt; its CPU mean is sum / n)
+ *   round_first = 1 (Llama):  y = cast(scale * cast(x * r))   (x * r rounded to the input dtype first)
+ *   round_first = 0 (Gemma, OLMo2): y = cast(scale * (x * r)) (product in float32, one rounding)
+ * where scale is the float32 weight, or 1 + weight for Gemma (the caller passes it). The sum of
+ * squares runs over 16 fixed lanes whatever the vector width, so the AVX-512, AVX2 and scalar builds
+ * give the same bits; torch's own reduction order differs, so an output may differ from the
+ * module's by an ulp (greedy decoding is checked against transformers' generate).
+ *
+ * SiLU (Elfwing et al. 2018; Ramachandran et al. 2017): silu(g) = g / (1 + exp(-g)) as torch
+ * computes it, with exp from a Cephes-style polynomial (Moshier's expf: range reduction by ln 2 in
+ * two parts, degree-6 minimax polynomial; within 2 ulp of the true value), then times up. In
+ * bfloat16, as torch: silu rounded to bfloat16, then the product computed in float32 and rounded.
+ *
+ * Rows are independent; threads take rows when there is enough work (OpenMP `if`).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define FUSED_ISA "avx512f"
+#elif defined(__AVX2__)
+#define FUSED_ISA "avx2"
+#elif defined(__ARM_NEON)
+#define FUSED_ISA "neon"
+#else
+#define FUSED_ISA "generic"
+#endif
+
+#define LANES 16            /* partial sums of squares: fixed, so every ISA adds in one order */
+#define PARALLEL_MIN 32768  /* elements below which one thread is faster than waking the team */
+
+const char *hf_contbatch_fused_isa(void) { return FUSED_ISA; }
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to nearest even, NaN kept quiet: c10::BFloat16's conversion. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* exp(x) for float32: Cephes expf (S. L. Moshier), branch-free so loops vectorize. */
+
+static inline __attribute__((always_inline)) float exp_f32(float x) {
+    const float hi = 88.3762626647949f, lo = -103.972077083991796f;
+    float big = x > hi ? 1.0f : 0.0f, tiny = x < lo ? 1.0f : 0.0f;
+    x = x > hi ? hi : (x < lo ? lo : x);
+    /* round to nearest by the 1.5 * 2^23 shifter (exact: no -ffast-math), which vectorizes where floorf may not */
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500E-4f;
+    p = p * r + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    p = p * r * r + r + 1.0f;
+    /* 2^n in two factors: n reaches -150 for x near lo, below the smallest normal exponent */
+    int32_t ni = (int32_t)n, n1 = ni >> 1, n2 = ni - n1;
+    uint32_t b1 = (uint32_t)(n1 + 127) << 23, b2 = (uint32_t)(n2 + 127) << 23;
+    float s1, s2;
+    memcpy(&s1, &b1, 4);
+    memcpy(&s2, &b2, 4);
+    float y = p * s1 * s2;
+    y = big != 0.0f ? INFINITY : y;
+    return tiny != 0.0f ? 0.0f : y;
+}
+
+
+static inline __attribute__((always_inline)) float silu_f32(float g) { return g / (1.0f + exp_f32(-g)); }
+
+static inline float inv_rms(const float *x, int64_t n, float eps) {
+    float acc[LANES] = {0};
+    int64_t k = 0;
+    for (; k + LANES <= n; k += LANES)
+        for (int l = 0; l < LANES; ++l) acc[l] += x[k + l] * x[k + l];
+    for (int l = 0; k < n; ++k, ++l) acc[l] += x[k] * x[k];
+    for (int w = LANES / 2; w; w /= 2)
+        for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+    return 1.0f / sqrtf(acc[0] / (float)n + eps);
+}
+
+/* x [rows] x [n] (row stride x_stride elements), scale [n] float32, y [rows][n] (row stride y_stride). */
+void hf_contbatch_rms_norm_f32(const float *x, int64_t rows, int64_t n, int64_t x_stride, const float *scale,
+                               float eps, float *y, int64_t y_stride, int32_t threads) {
+#pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN && threads > 1) schedule(static)
+    for (int64_t i = 0; i < rows; ++i) {
+        const float *xi = x + i * x_stride;
+        float *yi = y + i * y_stride;
+        float r = inv_rms(xi, n, eps);
+        for (int64_t k = 0; k < n; ++k) yi[k] = scale[k] * (xi[k] * r);
+    }
+}
+
+void hf_contbatch_rms_norm_bf16(const uint16_t *x, int64_t rows, int64_t n, int64_t x_stride,
+                                const float *scale, float eps, int32_t round_first, uint16_t *y, int64_t y_stride,
+                                int32_t threads) {
+#pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN && threads > 1) schedule(static)
+    for (int64_t i = 0; i < rows; ++i) {
+        const uint16_t *xi = x + i * x_stride;
+        uint16_t *yi = y + i * y_stride;
+        float buf[n > 0 ? n : 1];
+        for (int64_t k = 0; k < n; ++k) buf[k] = bf16_to_f32(xi[k]);
+        float r = inv_rms(buf, n, eps);
+        if (round_first)
+            for (int64_t k = 0; k < n; ++k) yi[k] = f32_to_bf16(scale[k] * round_bf16(buf[k] * r));
+        else
+            for (int64_t k = 0; k < n; ++k) yi[k] = f32_to_bf16(scale[k] * (buf[k] * r));
+    }
+}
+
+/* gate and up [rows][n] with their own row strides (they may be two halves of one fused GEMM
+ * output), y [rows][n] contiguous. */
+void hf_contbatch_silu_mul_f32(const float *gate, const float *up, int64_t rows, int64_t n, int64_t g_stride,
+                               int64_t u_stride, float *y, int32_t threads) {
+#pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN && threads > 1) schedule(static)
+    for (int64_t i = 0; i < rows; ++i) {
+        const float *restrict g = gate + i * g_stride, *restrict u = up + i * u_stride;
+        float *restrict yi = y + i * n;
+#pragma omp simd
+        for (int64_t k = 0; k < n; ++k) yi[k] = silu_f32(g[k]) * u[k];
+    }
+}
+
+void hf_contbatch_silu_mul_bf16(const uint16_t *gate, const uint16_t *up, int64_t rows, int64_t n,
+                                int64_t g_stride, int64_t u_stride, uint16_t *y, int32_t threads) {
+#pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN && threads > 1) schedule(static)
+    for (int64_t i = 0; i < rows; ++i) {
+        const uint16_t *restrict g = gate + i * g_stride, *restrict u = up + i * u_stride;
+        uint16_t *restrict yi = y + i * n;
+#pragma omp simd
+        for (int64_t k = 0; k < n; ++k) {
+            float s = round_bf16(silu_f32(bf16_to_f32(g[k])));
+            yi[k] = f32_to_bf16(s * bf16_to_f32(u[k]));
+        }
+    }
+}

@@ -1,0 +1,407 @@
+"""Fused RMSNorm and SiLU-and-mul (``fused_ops.c``), built with the system C compiler and called
+through ctypes; see the C file for the arithmetic and its sources.
+
+:func:`rms_norm` and :func:`silu_mul` take what transformers' modules take and return what they
+return (float32 or bfloat16 CPU tensors); anything else (another dtype or device, autograd) is the
+caller's to route to the module's own forward (:func:`fits`). The library is built once per process
+(``native_build`` caches it on disk per CPU); where it cannot be built, :func:`fused_library`
+returns None and the modules keep their forwards.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import inspect
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from .native_build import build_library
+
+_SOURCE = Path(__file__).with_name("fused_ops.c")
+# -ffp-contract=off: a square is rounded before it is summed and a product before it is added, as
+# torch's separate ops do (and so every ISA's build gives the same bits).
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class FusedLibrary:
+    """The compiled kernels (ctypes functions) and the instruction set the build targets."""
+
+    path: str
+    isa: str
+    rms_norm_f32: Callable
+    rms_norm_bf16: Callable
+    silu_mul_f32: Callable
+    silu_mul_bf16: Callable
+
+
+@functools.cache
+def _load() -> tuple[Optional[FusedLibrary], Optional[str]]:
+    try:
+        path = build_library(_SOURCE, _FLAGS)
+        lib = ctypes.CDLL(str(path))
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:  # no/broken compiler, dlopen failed
+        return None, f"{type(exc).__name__}: {exc}"
+    i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_float
+    lib.hf_contbatch_rms_norm_f32.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, i64, i32]
+    lib.hf_contbatch_rms_norm_bf16.argtypes = [ptr, i64, i64, i64, ptr, f32, i32, ptr, i64, i32]
+    lib.hf_contbatch_silu_mul_f32.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, i32]
+    lib.hf_contbatch_silu_mul_bf16.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, i32]
+    for name in ("rms_norm_f32", "rms_norm_bf16", "silu_mul_f32", "silu_mul_bf16"):
+        getattr(lib, f"hf_contbatch_{name}").restype = None
+    lib.hf_contbatch_fused_isa.restype = ctypes.c_char_p
+    return (
+        FusedLibrary(
+            path=str(path),
+            isa=lib.hf_contbatch_fused_isa().decode(),
+            rms_norm_f32=lib.hf_contbatch_rms_norm_f32,
+            rms_norm_bf16=lib.hf_contbatch_rms_norm_bf16,
+            silu_mul_f32=lib.hf_contbatch_silu_mul_f32,
+            silu_mul_bf16=lib.hf_contbatch_silu_mul_bf16,
+        ),
+        None,
+    )
+
+
+def fused_library() -> Optional[FusedLibrary]:
+    """The compiled kernels, or None where they cannot be built here (no C compiler, compile error)."""
+    return _load()[0]
+
+
+def fused_library_error() -> Optional[str]:
+    """Why :func:`fused_library` is None (None when it is not)."""
+    return _load()[1]
+
+
+def _rows_view(x: torch.Tensor) -> Optional[tuple[int, int]]:
+    """(rows, row stride) when ``x`` ``[..., n]`` is rows of unit-stride elements at one fixed stride
+    (a contiguous tensor, or a column slice of one: a fused GEMM's gate half), else None."""
+    if x.stride(-1) != 1 and x.shape[-1] > 1:
+        return None
+    n = x.shape[-1]
+    if x.dim() == 1:
+        return 1, n
+    rows = x.numel() // n if n else 0
+    stride = x.stride(-2)
+    # the leading dims must collapse into one at stride `stride` (outer stride = inner stride * size)
+    expected = stride
+    for d in range(x.dim() - 2, -1, -1):
+        if x.shape[d] != 1 and x.stride(d) != expected:
+            return None
+        expected *= x.shape[d]
+    return rows, stride
+
+
+def fits(x: torch.Tensor) -> bool:
+    """Whether the kernels take ``x``: a float32/bfloat16 CPU tensor, no autograd graph wanted."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in DTYPES
+        and x.dim() >= 1
+        and not (x.requires_grad and torch.is_grad_enabled())
+        and not torch.compiler.is_compiling()
+    )
+
+
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float, round_first: bool) -> torch.Tensor:
+    """RMSNorm of the last dimension of ``x`` ``[..., n]`` (float32 or bfloat16, CPU) with a float32
+    ``scale`` ``[n]`` (the weight, or ``1 + weight`` for Gemma); returns ``[..., n]`` in ``x``'s dtype.
+    ``round_first``: the normalized value is rounded to ``x``'s dtype before the scale multiplies
+    it (Llama's order); else one rounding at the end (Gemma's, OLMo2's). Same in float32.
+
+    Raises:
+        RuntimeError: the kernels cannot be built here, or ``scale`` does not fit.
+    """
+    lib = fused_library()
+    if lib is None:
+        raise RuntimeError(f"fused ops unavailable: {fused_library_error()}")
+    n = x.shape[-1]
+    if scale.dtype != torch.float32 or scale.shape != (n,) or not scale.is_contiguous():
+        raise RuntimeError(f"rms_norm: scale {tuple(scale.shape)} {scale.dtype} does not fit {n} float32 features")
+    view = _rows_view(x)
+    if view is None:
+        x = x.contiguous()
+        view = _rows_view(x)
+    rows, stride = view
+    y = torch.empty(x.shape, dtype=x.dtype)
+    if rows and n:
+        threads = torch.get_num_threads()
+        if x.dtype == torch.float32:
+            lib.rms_norm_f32(x.data_ptr(), rows, n, stride, scale.data_ptr(), eps, y.data_ptr(), n, threads)
+        else:
+            lib.rms_norm_bf16(
+                x.data_ptr(), rows, n, stride, scale.data_ptr(), eps, int(round_first), y.data_ptr(), n, threads
+            )
+    return y
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate`` and ``up`` ``[..., n]`` of one shape and dtype (float32 or
+    bfloat16, CPU; each contiguous or a column slice of a contiguous tensor, as a fused gate/up GEMM
+    gives them); returns a new contiguous ``[..., n]`` tensor.
+
+    Raises:
+        RuntimeError: the kernels cannot be built here, or shapes/dtypes differ.
+    """
+    lib = fused_library()
+    if lib is None:
+        raise RuntimeError(f"fused ops unavailable: {fused_library_error()}")
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise RuntimeError(
+            f"silu_mul: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} differ"
+        )
+    gv, uv = _rows_view(gate), _rows_view(up)
+    if gv is None:
+        gate = gate.contiguous()
+        gv = _rows_view(gate)
+    if uv is None:
+        up = up.contiguous()
+        uv = _rows_view(up)
+    (rows, g_stride), (_, u_stride) = gv, uv
+    n = gate.shape[-1]
+    y = torch.empty(gate.shape, dtype=gate.dtype)
+    if rows and n:
+        fn = lib.silu_mul_f32 if gate.dtype == torch.float32 else lib.silu_mul_bf16
+        fn(gate.data_ptr(), up.data_ptr(), rows, n, g_stride, u_stride, y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+# --- per-instance forwards of transformers' RMSNorm and gated-MLP modules ------------------------
+
+_PLAIN_TEXT = str.maketrans("", "", " \n\t")
+
+
+def _source(fn) -> str:
+    """``fn``'s source without comments and whitespace ("" where it cannot be read)."""
+    try:
+        lines = inspect.getsource(fn).splitlines()
+    except (OSError, TypeError):
+        return ""
+    return "".join(line.split("#", 1)[0] for line in lines).translate(_PLAIN_TEXT)
+
+
+# The normalizations whose arithmetic rms_norm reproduces, recognized by their forward's text (so a
+# family that changes its norm keeps its own forward): (round_first, add one to the weight).
+_LLAMA_NORM = (
+    "input_dtype=hidden_states.dtypehidden_states=hidden_states.to(torch.float32)"
+    "variance=hidden_states.pow(2).mean(-1,keepdim=True)"
+    "hidden_states=hidden_states*torch.rsqrt(variance+self.variance_epsilon)"
+)
+_NORM_FORMS = {
+    _LLAMA_NORM + "returnself.weight*hidden_states.to(input_dtype)": (True, False),  # Llama, Qwen, Mistral...
+    _LLAMA_NORM + "return(self.weight*hidden_states).to(input_dtype)": (False, False),  # OLMo2
+    "output=self._norm(x.float())output=output*(1.0+self.weight.float())returnoutput.type_as(x)": (False, True),
+}
+_GEMMA_INNER = "returnx*torch.rsqrt(x.pow(2).mean(-1,keepdim=True)+self.eps)"
+_MLP_FORMS = {
+    "down_proj=self.down_proj(self.act_fn(self.gate_proj(x))*self.up_proj(x))returndown_proj": "gate_up",
+    "up_states=self.gate_up_proj(hidden_states)gate,up_states=up_states.chunk(2,dim=-1)"
+    "up_states=up_states*self.activation_fn(gate)returnself.down_proj(up_states)": "fused_gate_up",  # Phi-3
+}
+_SILU = ("SiLU", "SiLUActivation")
+
+
+def _body(cls) -> str:
+    """The text of ``cls.forward`` after its signature line (no whitespace)."""
+    text = _source(cls.forward)
+    return text[text.find(":", text.find(")")) + 1 :] if text else ""
+
+
+def norm_form(module) -> Optional[tuple[bool, bool]]:
+    """(round_first, one_plus_weight) when ``module``'s forward is an RMSNorm ``rms_norm``
+    reproduces, else None."""
+    if not isinstance(getattr(module, "weight", None), torch.Tensor) or module.weight.dim() != 1:
+        return None
+    body = _body(type(module))
+    form = _NORM_FORMS.get(body[body.find("input_dtype") :] if "input_dtype" in body else body)
+    if form is None:
+        return None
+    if form[1] and not _source(type(module)._norm).endswith(_GEMMA_INNER):
+        return None
+    eps = getattr(module, "eps" if form[1] else "variance_epsilon", None)
+    return form if isinstance(eps, float) else None
+
+
+def mlp_form(module) -> Optional[str]:
+    """ "gate_up" (``gate_proj``/``up_proj``) or "fused_gate_up" (``gate_up_proj``) when ``module``
+    is a gated MLP with SiLU that computes ``down(silu(gate) * up)``, else None."""
+    form = _MLP_FORMS.get(_body(type(module)))
+    act = getattr(module, "act_fn" if form == "gate_up" else "activation_fn", None)
+    return form if form is not None and type(act).__name__ in _SILU else None
+
+
+class FusedNormForward:
+    """``module.forward`` for an RMSNorm :func:`norm_form` recognizes: :func:`rms_norm` where
+    :func:`fits` allows, the module's own forward otherwise. The float32 scale (weight, or
+    ``1 + weight``) is cached per weight version."""
+
+    def __init__(self, module, round_first: bool, one_plus: bool) -> None:
+        self.module, self.round_first, self.one_plus = module, round_first, one_plus
+        self.eps = float(module.eps if one_plus else module.variance_epsilon)
+        self._key: Optional[tuple] = None
+        self._scale: Optional[torch.Tensor] = None
+
+    def original(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return type(self.module).forward(self.module, hidden_states)
+
+    def scale(self) -> torch.Tensor:
+        w = self.module.weight
+        key = (id(w), w.data_ptr(), w._version, w.dtype)
+        if key != self._key:
+            with torch.no_grad():
+                s = (1.0 + w.detach().float()) if self.one_plus else w.detach().float()
+                self._scale, self._key = s.contiguous(), key
+        return self._scale
+
+    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        w = self.module.weight
+        if (
+            not fits(hidden_states)
+            or w.device.type != "cpu"
+            or w.shape != (hidden_states.shape[-1],)
+            or (self.round_first and w.dtype != hidden_states.dtype)  # Llama's output takes w's dtype
+            or (w.requires_grad and torch.is_grad_enabled())
+        ):
+            return self.original(hidden_states)
+        return rms_norm(hidden_states, self.scale(), self.eps, self.round_first)
+
+
+class FusedMLPForward:
+    """``module.forward`` for a gated SiLU MLP :func:`mlp_form` recognizes: the projections as the
+    module calls them (packed and fused GEMMs, LoRA wrappers), :func:`silu_mul` between them."""
+
+    def __init__(self, module, form: str) -> None:
+        self.module, self.form = module, form
+
+    def original(self, x: torch.Tensor) -> torch.Tensor:
+        return type(self.module).forward(self.module, x)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not fits(x):
+            return self.original(x)
+        m = self.module
+        if self.form == "gate_up":
+            gate, up = m.gate_proj(x), m.up_proj(x)
+        else:
+            gate, up = m.gate_up_proj(x).chunk(2, dim=-1)
+        if not (fits(gate) and fits(up)) or gate.shape != up.shape or gate.dtype != up.dtype:
+            h = (m.act_fn(gate) * up) if self.form == "gate_up" else (up * m.activation_fn(gate))
+        else:
+            h = silu_mul(gate, up)
+        return m.down_proj(h)
+
+
+_TIMED_ROWS = (1, 64)  # a decode step's rows, and a prefill chunk's
+_ROUNDS, _CALLS = 5, 10
+
+
+class FusedModelOps:
+    """The fused forwards installed on one model: every RMSNorm and gated SiLU MLP that
+    :func:`norm_form` / :func:`mlp_form` recognize, per shape class (op, width, dtype) where the
+    fused kernel timed faster than the module's own ops on this CPU (both timed interleaved, median
+    of rounds, at :data:`_TIMED_ROWS` rows; the kernel must win at each). Instance ``forward``
+    attributes only: no class or model code changes; :meth:`restore` removes them.
+
+    Args:
+        model: a transformers model (any ``nn.Module``).
+        measure: ``(op, width, dtype) -> {"fused": s, "module": s}`` at the timed rows (tests pass
+            fixed figures); default: timed here.
+
+    Attributes:
+        choices: ``{"rms_norm 960 bfloat16": ("fused" | "module", {"fused": [s per rows], ...})}``.
+        error: why nothing was installed when the kernels cannot be built here (else None).
+    """
+
+    def __init__(self, model, measure: Optional[Callable] = None) -> None:
+        self.installed: list[tuple[torch.nn.Module, object]] = []
+        self.choices: dict[str, tuple[str, dict]] = {}
+        self.error = None if fused_library() is not None else fused_library_error()
+        if self.error is not None:
+            return
+        groups: dict[tuple, list] = {}
+        for module in model.modules():
+            if "forward" in module.__dict__:  # an instance forward someone else installed: leave it
+                continue
+            form = norm_form(module)
+            if form is not None:
+                fwd = FusedNormForward(module, *form)
+                groups.setdefault(("rms_norm", module.weight.shape[0], module.weight.dtype), []).append((module, fwd))
+                continue
+            kind = mlp_form(module)
+            if kind is not None:
+                proj = module.gate_proj if kind == "gate_up" else module.gate_up_proj
+                weight = getattr(proj, "weight", None)
+                if isinstance(weight, torch.Tensor):
+                    width = proj.out_features if kind == "gate_up" else proj.out_features // 2
+                    groups.setdefault(("silu_mul", width, weight.dtype), []).append(
+                        (module, FusedMLPForward(module, kind))
+                    )
+        for (op, width, dtype), members in groups.items():
+            if dtype not in DTYPES:
+                continue
+            times = (measure or self._measure)(op, width, dtype, members[0][1])
+            won = all(f < m for f, m in zip(times["fused"], times["module"]))
+            self.choices[f"{op} {width} {str(dtype).removeprefix('torch.')}"] = ("fused" if won else "module", times)
+            if won:
+                for module, fwd in members:
+                    module.forward = fwd
+                    self.installed.append((module, fwd))
+
+    @staticmethod
+    def _measure(op: str, width: int, dtype: torch.dtype, fwd) -> dict:
+        from .linears.autotune import time_interleaved
+
+        g = torch.Generator().manual_seed(0)
+        out: dict = {"fused": [], "module": []}
+        with torch.inference_mode():
+            for rows in _TIMED_ROWS:
+                if op == "rms_norm":
+                    x = torch.randn(rows, width, generator=g).to(dtype)
+                    runs = {"fused": lambda x=x: fwd(x), "module": lambda x=x: fwd.original(x)}
+                else:  # the element-wise part only: the projections are the same either way
+                    both = torch.randn(rows, 2 * width, generator=g).to(dtype)
+                    gate, up = both[:, :width], both[:, width:]
+                    act = getattr(fwd.module, "act_fn", None) or fwd.module.activation_fn
+                    runs = {
+                        "fused": lambda gate=gate, up=up: silu_mul(gate, up),
+                        "module": lambda gate=gate, up=up, act=act: act(gate) * up,
+                    }
+                for run in runs.values():  # warm-up
+                    run()
+
+                def repeat(run):
+                    def go():
+                        for _ in range(_CALLS):
+                            run()
+                        return _CALLS
+
+                    return go
+
+                timed = time_interleaved({n: repeat(r) for n, r in runs.items()}, _ROUNDS)
+                for n in out:
+                    out[n].append(timed[n])
+        return out
+
+    def restore(self) -> None:
+        """Remove the installed forwards (the modules' class forwards serve again)."""
+        for module, fwd in self.installed:
+            if module.__dict__.get("forward") is fwd:
+                del module.forward
+        self.installed = []
+
+    def report(self) -> str:
+        """One line per shape class: what serves it, and both timings (us per call at the timed rows)."""
+        if self.error is not None:
+            return f"fused model ops unavailable ({self.error})"
+        rows = ",".join(map(str, _TIMED_ROWS))
+        lines = [f"model ops (us per call at rows {rows}):"]
+        for key, (who, times) in self.choices.items():
+            cells = "; ".join(f"{n} " + " ".join(f"{1e6 * s:.1f}" for s in secs) for n, secs in times.items())
+            lines.append(f"  {key}: {who}  ({cells})")
+        return "\n".join(lines)

@@ -1,0 +1,97 @@
+"""Fused RMSNorm and SiLU-and-mul (``kernels/fused_ops``) against plain torch, and installed on a
+model as per-instance forwards: greedy tokens equal transformers' generate, removed by close."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from hf_contbatch.kernels.fused_ops import FusedModelOps, fused_library, rms_norm, silu_mul
+
+from conftest import build_model, random_prompts, reference_greedy
+
+pytestmark = pytest.mark.skipif(fused_library() is None, reason="no C compiler")
+
+
+def _fused_wins(op, width, dtype, fwd):
+    return {"fused": [1.0, 1.0], "module": [2.0, 2.0]}
+
+
+def _torch_rms(x, w, eps, gemma=False):
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + w.float())).to(x.dtype) if gemma else w * h.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_torch_within_an_ulp_and_takes_strided_rows(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 2, 300, generator=g).to(dtype)[:, 1]  # rows at a stride of 600
+    w = torch.randn(300, generator=g).to(dtype)
+    for gemma in (False, True):
+        scale = (1.0 + w.float()) if gemma else w.float()
+        got = rms_norm(x, scale, 1e-6, round_first=not gemma)
+        torch.testing.assert_close(
+            got, _torch_rms(x, w, 1e-6, gemma), rtol=2e-7 if dtype == torch.float32 else 1e-2, atol=1e-6
+        )
+        assert got.dtype == dtype and got.shape == x.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch_on_the_halves_of_a_fused_output(dtype):
+    g = torch.Generator().manual_seed(1)
+    both = (torch.randn(5, 3, 2 * 70, generator=g) * 6).to(dtype)
+    gate, up = both[..., :70], both[..., 70:]
+    ref = torch.nn.functional.silu(gate) * up
+    got = silu_mul(gate, up)
+    if dtype == torch.bfloat16:  # float32 exp within 2 ulp, then rounded to bf16 as torch does
+        torch.testing.assert_close(got, ref, rtol=8e-3, atol=1e-6)
+    else:
+        torch.testing.assert_close(got, ref, rtol=3e-7, atol=1e-7)
+    edges = torch.tensor([-200.0, -90.0, -1.0, 0.0, 1.0, 90.0, 200.0, float("inf")])
+    torch.testing.assert_close(silu_mul(edges, torch.ones(8)), torch.nn.functional.silu(edges))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("family", ["llama", "gemma2", "phi3", "qwen3"])
+def test_installed_fused_forwards_keep_greedy_tokens_equal_to_generate(family):
+    model = build_model(family)
+    prompts = random_prompts([1, 7, 30], seed=5)
+    refs = [reference_greedy(model, p, 8) for p in prompts]
+    ops = FusedModelOps(model, measure=_fused_wins)
+    try:
+        assert ops.installed and all(c[0] == "fused" for c in ops.choices.values())
+        eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=32), fuse_model_ops=False))
+        try:
+            hs = [eng.submit(p, SamplingParams(max_new_tokens=8, ignore_eos=True)) for p in prompts]
+            assert [h.result(timeout=120).output_token_ids for h in hs] == refs
+        finally:
+            eng.close()
+    finally:
+        ops.restore()
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_the_module_keeps_its_forward_where_it_timed_faster():
+    model = build_model("llama")
+    ops = FusedModelOps(model, measure=lambda *a: {"fused": [1.0, 3.0], "module": [2.0, 2.0]})
+    assert not ops.installed and all(c[0] == "module" for c in ops.choices.values())
+
+
+def test_engines_share_the_forwards_and_the_last_close_removes_them():
+    model = build_model("llama")
+    cfg = EngineConfig(cache=CacheConfig(block_size=16, num_blocks=8))
+    a, b = LLMEngine(model, cfg), LLMEngine(model, cfg)
+    ops = a.patches.fused_ops
+    assert ops is not None and b.patches.fused_ops is ops
+    a.close()
+    assert all(m.__dict__.get("forward") is f for m, f in ops.installed)
+    b.close()
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert "_hf_contbatch_fused_ops" not in model.__dict__
+
+
+def test_fuse_model_ops_must_be_a_bool():
+    with pytest.raises(ValueError, match="fuse_model_ops"):
+        EngineConfig(fuse_model_ops="yes")
