@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # System packages the test suite uses, installed only where missing (idempotent; run as root):
-# - Debian's Chromium for tests/test_browser.py, which Playwright drives through executable_path
+# - Debian's Chromium for tests/frontends/test_browser.py, which Playwright drives through executable_path
 #   (never `playwright install`: no browser downloads; the Python side comes from the `dev` extra);
-# - a C compiler for the compiled CPU decode-attention kernel (hf_contbatch/attention/cpu_decode.c is
+# - a C compiler for the compiled CPU decode-attention kernel (hf_contbatch/kernels/attention/cpu_decode.c is
 #   built with `cc` on first use; without one the engine uses the plain-torch path).
 # Where a package cannot be installed, its tests skip.
 set -euo pipefail

@@ -86,9 +86,11 @@ class WaitingAdmission:
         if n == 0 or need_seats > step.seats_left() or need > step.block_limit():
             return False
         if req.num_computed_tokens == 0 and bm.enable_prefix_caching:
-            bm.record_prefix_lookup(req.num_tokens, len(hits) * bm.block_size)
             result.report.num_prefix_hit_tokens += len(hits) * bm.block_size
             if req.num_preemptions == 0:
+                # The hit rate is about prompts: a request recomputed after preemption that finds
+                # its own blocks again shares no prefix with anyone (counted once, at first admission).
+                bm.record_prefix_lookup(req.num_prompt_tokens, len(hits) * bm.block_size)
                 req.num_cached_prompt_tokens = len(hits) * bm.block_size
         req.num_computed_tokens = computed
         self._allocate_slots(req, n, prefix_blocks=hits)

@@ -132,6 +132,10 @@ class EngineDriver:
         """
         self._live_views.add(view)
 
+    def live_views(self) -> list:
+        """The registered live views still alive (see ``add_live_view``)."""
+        return list(self._live_views)
+
     @property
     def blocking_calls_drive(self) -> bool:
         """Whether blocking calls run iterations in their own thread (``drive_in_caller``, not

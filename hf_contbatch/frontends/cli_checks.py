@@ -199,11 +199,62 @@ def check_model(name: str) -> str:
     return name
 
 
+HUB_PROBE_SECONDS = 3.0
+"""How long the one request that asks whether the Hub answers may take."""
+
+
+def hub_unreachable(timeout: float = HUB_PROBE_SECONDS) -> Optional[str]:
+    """One short request to the Hub endpoint (``HF_ENDPOINT``), no retries: None when anything
+    answers (any HTTP status), else why not (the connection error's text). ``huggingface_hub``'s own
+    downloads retry a refused or timed-out connection five times with back-off (about 25 s)."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout)
+    except Exception as exc:  # refused, DNS failure, timeout, proxy error: all mean "not reachable"
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return None
+
+
+def _go_offline() -> None:
+    """Make this process load from the Hugging Face cache only (as ``HF_HUB_OFFLINE=1`` would)."""
+    import os
+
+    from huggingface_hub import constants
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    constants.HF_HUB_OFFLINE = True
+
+
 def _check_hub_model(repo_id: str) -> None:
+    """``repo_id`` resolves: in the cache under ``HF_HUB_OFFLINE=1``; else after one short probe of
+    the Hub (``hub_unreachable``). When the Hub does not answer and the cache has the model, this
+    process goes offline (one line on stderr says so) so that loading does not retry either."""
+    import sys
+
     import huggingface_hub
-    from huggingface_hub import errors
+    from huggingface_hub import constants, errors
 
     where = f"--model {repo_id}: neither a local directory nor"
+    if not constants.HF_HUB_OFFLINE:
+        reason = hub_unreachable()
+        if reason is not None:
+            try:
+                cached = huggingface_hub.try_to_load_from_cache(repo_id, "config.json")
+            except errors.HFValidationError:
+                raise UsageError(f"{where} a Hub id (name or namespace/name)") from None
+            if not isinstance(cached, str):
+                raise UsageError(
+                    f"{where} reachable on the Hub: {constants.ENDPOINT} does not answer "
+                    f"({reason}) and the Hugging Face cache has no copy (HF_HUB_OFFLINE=1 skips the Hub)"
+                )
+            print(
+                f"hf-contbatch: {constants.ENDPOINT} does not answer ({reason}); "
+                f"loading {repo_id} from the Hugging Face cache (as HF_HUB_OFFLINE=1)",
+                file=sys.stderr,
+            )
+            _go_offline()
     try:
         huggingface_hub.hf_hub_download(repo_id, "config.json")
     except errors.HFValidationError:
@@ -211,7 +262,7 @@ def _check_hub_model(repo_id: str) -> None:
     except errors.LocalEntryNotFoundError:  # before EntryNotFoundError, its base class
         why = (
             "offline (HF_HUB_OFFLINE=1) and not in the Hugging Face cache"
-            if huggingface_hub.constants.HF_HUB_OFFLINE
+            if constants.HF_HUB_OFFLINE
             else "the Hub cannot be reached and the Hugging Face cache has no copy"
         )
         raise UsageError(f"{where} reachable on the Hub: {why}") from None

@@ -92,7 +92,20 @@ def wait_for(engine, handles: Sequence[RequestHandle], *, desc: str = "hf_contba
     finally:
         if bar is not None:
             bar.close()
+        _refresh_live_views(engine)
     return tokens
+
+
+def _refresh_live_views(engine) -> None:
+    """Refresh each running live view (a dashboard) once, now that the call has ended: its
+    refresher thread ticks at most a few times a second (once a second when quiet), so a cell that
+    returned could otherwise show its last step's state ("busy, 34 running") for a while."""
+    for view in engine.driver.live_views():
+        if getattr(view, "running", False):
+            try:
+                view.refresh()
+            except Exception:  # noqa: BLE001 - a view must never fail the call it watched
+                pass
 
 
 def _rates(requests: int, tokens: int, seconds: float) -> str:

@@ -75,7 +75,7 @@ def test_json_is_compact_in_the_schemas_key_order_and_choice_is_exact(compiler):
     for c in ['say "hi"', "back\\slash", "plain"]:
         assert accepts(compiler, choice, c)
     assert not accepts(compiler, choice, "plai")
-    assert choice_as_ebnf(["a"]) == 'root ::= "a"'
+    assert choice_as_ebnf(["a"]) == 'root ::= ("a")'
     any_object = GrammarSpec.parse({"json_object": True})
     assert accepts(compiler, any_object, '{"k": [1, {"x": null}]}')
     assert not accepts(compiler, any_object, "[1]")
@@ -102,3 +102,71 @@ def test_json_is_compact_in_the_schemas_key_order_and_choice_is_exact(compiler):
 def test_bad_values_are_refused_naming_the_problem(value, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         GrammarSpec.parse(value)
+
+
+# Literals that must come out exactly as written: quotes, backslashes, \r \n \t, NUL and the other
+# control characters, DEL, non-ASCII (2-, 3- and 4-byte UTF-8), a hex digit right after a control
+# character (xgrammar reads ``\x0a`` + ``e`` as one ``\x0ae`` escape), text that looks like an
+# escape, and regex/EBNF metacharacters.
+LITERALS = [
+    "crlf\r\nend",
+    "nul\x00byte",
+    "tab\tafter",
+    "\x0ae",
+    "\x1b[0m\x7f",
+    'say "hi"',
+    "back\\slash",
+    "\\x0ae \\u0041 \\n",
+    "é ü ñ € 日本 😀",
+    "\u2028line\u2029",
+    "a.b*c+?[](){}|^$ # ::= -",
+]
+
+
+def accepts_tokens(compiler, tok, spec: GrammarSpec, text: str) -> bool:
+    """The library's matcher fed ``text`` as the model would produce it: token by token (its
+    ``accept_string`` stops at a NUL, so text with one is checked this way)."""
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text, "the tokenizer does not round-trip this text"
+    matcher = xgr.GrammarMatcher(compiler.compile_grammar(spec.grammar), terminate_without_stop_token=True)
+    return all(matcher.accept_token(i) for i in ids) and matcher.is_terminated()
+
+
+def test_each_choice_literal_is_accepted_exactly_as_written_and_nothing_near_it(compiler, tok):
+    # Expected values from the library's own matcher: the grammar accepts the literal's exact text
+    # and refuses it cut short, extended, or with its first character changed.
+    for literal in LITERALS:
+        spec = GrammarSpec.parse({"choice": [literal]})
+        assert accepts_tokens(compiler, tok, spec, literal), repr(literal)
+        assert not accepts_tokens(compiler, tok, spec, literal[:-1]), repr(literal)
+        assert not accepts_tokens(compiler, tok, spec, literal + "x"), repr(literal)
+        assert not accepts_tokens(compiler, tok, spec, "x" + literal[1:]), repr(literal)
+    everything = GrammarSpec.parse({"choice": LITERALS})
+    assert all(accepts_tokens(compiler, tok, everything, literal) for literal in LITERALS)
+    # what the issue saw come out: the newline escape read across the next hex digit, and NUL
+    assert not accepts_tokens(compiler, tok, everything, "crlf\r\u00aend")
+    assert not accepts_tokens(compiler, tok, everything, "nul\x0byte")
+    assert not accepts_tokens(compiler, tok, everything, "nul")
+    assert not accepts_tokens(compiler, tok, GrammarSpec.parse({"choice": ["a\x00b"]}), "a\x01b")
+
+
+def test_json_enum_const_and_property_names_with_such_literals_decode_to_themselves(compiler, tok):
+    # xgrammar writes these itself; the check is that the schema's value is accepted in a JSON
+    # spelling and that every accepted spelling of the two json.loads back to the literal.
+    for literal in LITERALS:
+        schema = {
+            "type": "object",
+            "properties": {literal: {"enum": [literal, "other"]}, "c": {"const": literal}},
+            "required": [literal, "c"],
+        }
+        spec = GrammarSpec.parse({"json": schema})
+        obj = {literal: literal, "c": literal}
+        spellings = [json.dumps(obj, separators=(", ", ": "), ensure_ascii=flag) for flag in (False, True)]
+        accepted = [s for s in spellings if accepts_tokens(compiler, tok, spec, s)]
+        assert accepted, repr(literal)
+        assert all(json.loads(s) == obj for s in accepted)
+
+
+def test_a_choice_with_a_lone_surrogate_is_refused_naming_it():
+    with pytest.raises(ValueError, match="choice: a lone surrogate U\\+D800"):
+        GrammarSpec.parse({"choice": ["ok", "bad\ud800"]})

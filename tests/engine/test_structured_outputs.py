@@ -256,6 +256,43 @@ def test_constrained_greedy_requests_draft_and_keep_generates_tokens(ref_model, 
         pipe.close()
 
 
+# --- literals that must come out exactly as written (issue 33) -----------------------------------------
+ODD_LITERALS = ["crlf\r\nend", "nul\x00byte", "tab\t\x0ae", 'q"uote\\', "é 日本 😀", "a.b*c+?[](){}|^$"]
+
+
+@pytest.mark.timeout(300)
+def test_choice_and_json_literals_with_control_and_non_ascii_characters_come_out_exactly(pipe):
+    # The expected value is the literal itself: one choice leaves the model nothing to pick, so the
+    # output must be it, byte for byte (it once came out as 'crlf\r\u00aend' and 'nul\x0byte').
+    for literal in ODD_LITERALS:
+        for sampled in (dict(do_sample=False), dict(do_sample=True, seed=1)):
+            out = pipe(
+                "The answer is",
+                structured_outputs={"choice": [literal]},
+                max_new_tokens=20,
+                return_full_text=False,
+                **sampled,
+            )
+            assert out[0]["generated_text"] == literal, (literal, sampled)
+    # a JSON schema with such property names, enum and const values: json.loads gives them back
+    schema = {
+        "type": "object",
+        "properties": {
+            ODD_LITERALS[0]: {"enum": [ODD_LITERALS[1]]},
+            ODD_LITERALS[2]: {"const": ODD_LITERALS[3]},
+            ODD_LITERALS[4]: {"enum": [ODD_LITERALS[5]]},
+        },
+        "required": ODD_LITERALS[0:5:2],
+    }
+    out = pipe("The answer is", structured_outputs={"json": schema}, max_new_tokens=200, return_full_text=False)
+    assert json.loads(out[0]["generated_text"]) == {
+        ODD_LITERALS[0]: ODD_LITERALS[1],
+        ODD_LITERALS[2]: ODD_LITERALS[3],
+        ODD_LITERALS[4]: ODD_LITERALS[5],
+    }
+    assert_nothing_left(pipe.engine)
+
+
 # --- refusals, waiting for a grammar, processor factories ------------------------------------------------
 @pytest.mark.timeout(120)
 def test_bad_constraints_are_refused_at_submit_and_the_pipeline_keeps_serving(pipe):

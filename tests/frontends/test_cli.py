@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -350,3 +351,48 @@ def test_first_run_builds_the_c_kernels_before_the_timed_call_and_says_so_once(t
     assert first.index(timed[0]) < first.index(next(line for line in first if line.startswith("libraries when")))
     assert not any(line.startswith("timed the GEMMs") for line in second)
     assert first[-1].startswith("1 requests, 2 generated tokens in ") and second[-1].startswith("1 requests")
+
+
+# --- a Hub id without network: one short probe, one line (issue 33) -------------------------------------
+UNREACHABLE = "http://127.0.0.1:9"  # loopback, discard port: the connection is refused at once
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("offline", ["HF_HUB_OFFLINE=1", f"HF_ENDPOINT={UNREACHABLE}"])
+def test_a_hub_id_without_network_fails_at_once_with_one_line(tmp_path, offline):
+    (tmp_path / "p.txt").write_text("x\n", encoding="utf-8")
+    key, value = offline.split("=", 1)
+    env = {key: value, "HF_HUB_CACHE": str(tmp_path / "empty-cache")}
+    if key == "HF_ENDPOINT":
+        env["HF_HUB_OFFLINE"] = "0"  # run_cli's default is offline
+    # huggingface_hub's own download retried 5 times with back-off (about 25 s, a "Retrying" line
+    # each); the check is one request with a 3 s timeout, so the whole command ends well inside 30 s
+    proc = run_cli("generate", "--input", "p.txt", "--model", "gpt2", cwd=tmp_path, timeout=30, **env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr  # no retry lines
+    assert lines[0].startswith("hf-contbatch: error: --model gpt2: neither a local directory nor reachable on the Hub")
+    assert "HF_HUB_OFFLINE=1" in lines[0]
+    if key == "HF_ENDPOINT":
+        assert UNREACHABLE in lines[0] and "cache has no copy" in lines[0]
+
+
+@pytest.mark.timeout(180)
+def test_a_cached_hub_id_loads_from_the_cache_when_the_hub_does_not_answer_and_says_so(tmp_path):
+    # A Hugging Face cache holding "org/tiny" (the embedded model's files as its snapshot).
+    repo = tmp_path / "cache" / "models--org--tiny"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    shutil.copytree(default_model_path(), snapshot, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    (tmp_path / "p.txt").write_text("The for statement\n", encoding="utf-8")
+    env = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": UNREACHABLE, "HF_HUB_CACHE": str(tmp_path / "cache")}
+    args = ["generate", "--input", "p.txt", "--max-new-tokens", "4", "--quiet", "--output"]
+    proc = run_cli(*args, "cached.jsonl", "--model", "org/tiny", cwd=tmp_path, timeout=150, **env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "does not answer" in proc.stderr and "from the Hugging Face cache" in proc.stderr
+    assert "Retrying" not in proc.stderr
+    hf = transformers.pipeline("text-generation", model=default_model_path(), dtype=torch.float32)
+    expected = hf("The for statement", max_new_tokens=4, do_sample=False, return_full_text=False)
+    record = json.loads((tmp_path / "cached.jsonl").read_text(encoding="utf-8"))
+    assert record["generated_text"] == expected[0]["generated_text"]

@@ -117,7 +117,7 @@ def test_optional_fields_are_read_from_the_snapshot():
     assert "50/128 tokens" in text
     assert "swap pool  2/6 blocks used" in text
     assert "preempted 1 (swap 1, recompute 0)" in text
-    assert "hit rate 25% · 1 shared blocks · 3 free blocks holding cached prefixes" in text
+    assert "hits 25% of prompt tokens · 1 shared blocks · 3 free blocks holding cached prefixes" in text
     pools = render_pools(stats)
     assert "CPU swap pool · 2/6 in use" in pools
     assert pools.split("hfcb-swap")[1].count('title="block') == 2  # owners unknown: two cells drawn in use

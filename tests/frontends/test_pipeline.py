@@ -171,3 +171,16 @@ def test_a_call_with_one_bad_prompt_queues_none_of_its_prompts(pipe):
     assert not pipe.engine.driver.has_work(), "a prompt of the refused call entered the engine"
     assert pipe.engine.wait_idle(30)
     assert pipe.stats().num_finished == finished  # none was queued, so none finished (not even cancelled)
+
+
+@pytest.mark.timeout(120)
+def test_the_embedded_model_loads_in_float32_wherever_the_checkpoints_dtype_is_taken():
+    # One dtype for the embedded model (issue 33): the one in which greedy outputs equal generate.
+    with hf_contbatch.pipeline("text-generation", cache_config=CacheConfig(num_blocks=16)) as p:
+        assert p.model.dtype == torch.float32
+    auto = transformers.AutoModelForCausalLM.from_pretrained(default_model_path(), dtype="auto")
+    assert auto.dtype == torch.float32
+    assert transformers.pipeline("text-generation", model=default_model_path()).model.dtype == torch.float32
+    # asked for explicitly, bfloat16 is still what it gets
+    bf16 = transformers.AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16

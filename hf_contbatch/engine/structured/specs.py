@@ -84,15 +84,57 @@ def bounded_strings_as_patterns(schema: Any) -> Any:
     return out
 
 
+# The one code point an xgrammar string literal cannot hold: the library ends a literal at NUL
+# ("a\\u0000b" matches "a"); a class of every code point but NUL matches exactly NUL.
+_EBNF_NUL = "[^\\u0001-\\U0010ffff]"
+
+
+def ebnf_literal(text: str) -> str:
+    """An xgrammar EBNF expression that matches exactly ``text`` (UTF-8 bytes), nothing else.
+
+    A quoted string: printable ASCII as itself (``"`` and ``\\`` backslash-escaped), every other
+    code point (control characters, DEL, non-ASCII) as a fixed-width escape, ``\\uXXXX`` or
+    ``\\UXXXXXXXX``. Not ``\\xNN``: xgrammar's EBNF lexer reads a ``\\x`` escape across every
+    hex digit that follows, so ``"\\x0ae"`` is U+0AE, not a newline and ``e``; ``\\u`` and
+    ``\\U`` take exactly 4 and 8 digits (xgrammar ``cpp/grammar_parser.h``). NUL cannot be in an
+    xgrammar string, so the expression is then a sequence: ``"nul" [^\\u0001-\\U0010ffff] "byte"``.
+
+    Raises:
+        ValueError: ``text`` holds a lone surrogate (U+D800..U+DFFF), which no UTF-8 output can be.
+    """
+    parts, run = [], []
+
+    def close_run() -> None:
+        if run:
+            parts.append('"' + "".join(run) + '"')
+            run.clear()
+
+    for ch in text:
+        code = ord(ch)
+        if code == 0:
+            close_run()
+            parts.append(_EBNF_NUL)
+        elif ch in '"\\':
+            run.append("\\" + ch)
+        elif 0x20 <= code < 0x7F:
+            run.append(ch)
+        elif 0xD800 <= code <= 0xDFFF:
+            raise ValueError(f"a lone surrogate U+{code:04X} cannot be generated (it has no UTF-8 form)")
+        elif code <= 0xFFFF:
+            run.append(f"\\u{code:04x}")
+        else:
+            run.append(f"\\U{code:08x}")
+    close_run()
+    return " ".join(parts) if parts else '""'
+
+
 def choice_as_ebnf(choices) -> str:
-    """An EBNF grammar whose sentences are exactly ``choices`` (literal strings)."""
+    """An EBNF grammar whose sentences are exactly ``choices`` (literal strings).
 
-    def literal(s: str) -> str:
-        escaped = s.replace("\\", "\\\\").replace('"', '\\"')
-        escaped = "".join(c if ord(c) >= 0x20 else f"\\x{ord(c):02x}" for c in escaped)
-        return f'"{escaped}"'
-
-    return "root ::= " + " | ".join(literal(c) for c in choices)
+    Raises:
+        ValueError: a choice holds a lone surrogate (see ``ebnf_literal``).
+    """
+    return "root ::= " + " | ".join(f"({ebnf_literal(c)})" for c in choices)
 
 
 def _library_message(exc: Exception) -> str:
@@ -167,7 +209,10 @@ class GrammarSpec:
                 raise ValueError(f"`structured_outputs` choice must be a non-empty list of strings, got {choices!r}")
             if not all(isinstance(c, str) and c for c in choices):
                 raise ValueError(f"`structured_outputs` choice must hold non-empty strings, got {choices!r}")
-            kind, source = "grammar", choice_as_ebnf(choices)
+            try:
+                kind, source = "grammar", choice_as_ebnf(choices)
+            except ValueError as exc:
+                raise ValueError(f"`structured_outputs` choice: {exc}") from None
         else:
             source = getattr(params, kind)
             if not isinstance(source, str) or not source:

@@ -191,11 +191,11 @@ def render_pools(stats, max_cells: int = 512, regions: Optional[dict] = None, si
     refs = tuple(stat_field(stats, "block_ref_counts", ()))
     cached_free = ""
     if stat_field(stats, "prefix_caching", False):
-        cached_free = f" · {stat_field(stats, 'num_cached_blocks', 0)} free blocks hold cached prefixes"
+        cached_free = f" · {stat_field(stats, 'num_cached_blocks', 0):,} free blocks hold cached prefixes"
     drawn = min(len(owners), regions.get("kv") or in_use_region(owners))
     why = f'<div class="hfcb-note">size: {html.escape(sizing["kv"])}</div>' if sizing.get("kv") else ""
     device = (
-        f'<div class="hfcb-pool hfcb-device"><h4>KV blocks · {stats.num_used_blocks}/{stats.num_blocks:,} in use'
+        f'<div class="hfcb-pool hfcb-device"><h4>KV blocks · {stats.num_used_blocks:,}/{stats.num_blocks:,} in use'
         f" · block size {stats.block_size}{cached_free}</h4>{why}"
         f"{render_block_grid(owners, refs, max_cells, region=drawn)}{_region_note(drawn, len(owners))}"
         f"{_legend(blocks_per_cell(drawn, max_cells))}</div>"
@@ -209,7 +209,7 @@ def render_pools(stats, max_cells: int = 512, regions: Optional[dict] = None, si
         swap_grid = render_block_grid(owners, (), max_cells, colour=SWAPPED_COLOUR, region=swap_drawn)
         why = f'<div class="hfcb-note">size: {html.escape(sizing["swap"])}</div>' if sizing.get("swap") else ""
         swap = (
-            f'<div class="hfcb-pool hfcb-swap"><h4>CPU swap pool · {swap_used}/{swap_blocks:,} in use</h4>{why}'
+            f'<div class="hfcb-pool hfcb-swap"><h4>CPU swap pool · {swap_used:,}/{swap_blocks:,} in use</h4>{why}'
             f"{swap_grid}{_region_note(swap_drawn, swap_blocks)}"
             f"{_legend(blocks_per_cell(swap_drawn, max_cells), swap=True)}</div>"
         )
@@ -252,10 +252,10 @@ def render_tiles(stats, tokens_per_s_now: Optional[float], history: Sequence[tup
         ),
         _tile("TTFT (mean)", format_ms(stats.mean_ttft_s)),
         _tile("ITL (mean)", format_ms(stats.mean_itl_s)),
-        _tile("generated", str(stats.num_generated_tokens), f"{stats.num_iterations} iterations"),
+        _tile("generated", f"{stats.num_generated_tokens:,}", f"{stats.num_iterations:,} iterations"),
     ]
     if hit is not None:
-        tiles.append(_tile("prefix hits", f"{100 * hit:.0f}%"))
+        tiles.append(_tile("prefix hits", f"{100 * hit:.0f}%", "prompt tokens found cached / looked up"))
     for name, requests, detail in adapter_counts(stats):  # requests per LoRA adapter (a peft.PeftModel)
         tiles.append(_tile(f"adapter {html.escape(name)}", str(requests), detail))
     rates = [r for _, r, _ in history]

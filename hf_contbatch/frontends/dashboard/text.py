@@ -26,7 +26,7 @@ def logical_tokens_note(stats) -> str:
     """ " (N logical: shared blocks once per request)" when blocks shared by forks or prefix-cache
     hits make the requests see more tokens than the pool's slots hold; else ""."""
     logical, held = stat_field(stats, "num_logical_kv_tokens", 0), stat_field(stats, "num_kv_tokens", 0)
-    return f" ({logical} logical: shared blocks once per request)" if logical > held else ""
+    return f" ({logical:,} logical: shared blocks once per request)" if logical > held else ""
 
 
 def format_stats(stats, tokens_per_s_now: Optional[float] = None, width: int = 30) -> str:
@@ -43,22 +43,22 @@ def format_stats(stats, tokens_per_s_now: Optional[float] = None, width: int = 3
     bar = "#" * filled + "." * (width - filled)
     kv_tokens = stat_field(stats, "num_kv_tokens")
     tokens = (
-        f"{kv_tokens}/{stats.capacity_tokens} tokens{logical_tokens_note(stats)}"
+        f"{kv_tokens:,}/{stats.capacity_tokens:,} tokens{logical_tokens_note(stats)}"
         if kv_tokens is not None
-        else f"{used * stats.block_size}/{stats.capacity_tokens} token slots"
+        else f"{used * stats.block_size:,}/{stats.capacity_tokens:,} token slots"
     )
     lines = [
-        f"KV blocks  [{bar}] {used}/{stats.num_blocks} used ({100 * used / n:.0f}%), "
-        f"peak {stats.peak_used_blocks}, {tokens}",
+        f"KV blocks  [{bar}] {used:,}/{stats.num_blocks:,} used ({100 * used / n:.0f}%), "
+        f"peak {stats.peak_used_blocks:,}, {tokens}",
     ]
     swap_blocks = stat_field(stats, "num_swap_blocks", 0)
     if swap_blocks:
-        lines.append(f"swap pool  {stat_field(stats, 'num_swapped_blocks', 0)}/{swap_blocks} blocks used")
+        lines.append(f"swap pool  {stat_field(stats, 'num_swapped_blocks', 0):,}/{swap_blocks:,} blocks used")
     if stat_field(stats, "prefix_caching", False):
         shared = sum(1 for r in stat_field(stats, "block_ref_counts", ()) if r > 1)
         lines.append(
-            f"prefix     hit rate {100 * stat_field(stats, 'prefix_cache_hit_rate', 0.0):.0f}% · {shared} shared blocks"
-            f" · {stat_field(stats, 'num_cached_blocks', 0)} free blocks holding cached prefixes"
+            f"prefix     hits {100 * stat_field(stats, 'prefix_cache_hit_rate', 0.0):.0f}% of prompt tokens · {shared} shared blocks"
+            f" · {stat_field(stats, 'num_cached_blocks', 0):,} free blocks holding cached prefixes"
         )
     lines.append(
         f"queues     waiting {stats.num_waiting} · running {stats.num_running} · swapped {stats.num_swapped}"
@@ -70,7 +70,7 @@ def format_stats(stats, tokens_per_s_now: Optional[float] = None, width: int = 3
     now = "" if tokens_per_s_now is None else f"{tokens_per_s_now:.1f} tok/s now, "
     lines.append(
         f"speed      {now}{stats.throughput_tokens_per_s:.1f} tok/s average · TTFT {format_ms(stats.mean_ttft_s)}"
-        f" · ITL {format_ms(stats.mean_itl_s)} · {stats.num_generated_tokens} tokens in {stats.num_iterations} iterations"
+        f" · ITL {format_ms(stats.mean_itl_s)} · {stats.num_generated_tokens:,} tokens in {stats.num_iterations:,} iterations"
     )
     rows = phase_rows(stats.recent_phases)
     if rows:

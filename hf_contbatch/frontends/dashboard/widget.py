@@ -214,6 +214,10 @@ class Dashboard:
             rate = self._recent_rate(now, stats.num_generated_tokens)
             if not num_active(stats) or self._source_closed():
                 rate = None  # idle: a rate would be the last burst's, not "now" ("—" is shown)
+                # The next burst's rate counts from here: idle seconds in its window would make
+                # a short burst read low.
+                self._samples.clear()
+                self._samples.append((now, stats.num_generated_tokens))
             key = (
                 stats.num_iterations,
                 stats.num_used_blocks,
@@ -242,7 +246,7 @@ class Dashboard:
 
     @staticmethod
     def _blocks_text(stats) -> str:
-        text = f"{stats.num_used_blocks} / {stats.num_blocks} blocks · peak {stats.peak_used_blocks}"
+        text = f"{stats.num_used_blocks:,}/{stats.num_blocks:,} blocks · peak {stats.peak_used_blocks:,}"
         reserved, watermark = stat_field(stats, "reserved_blocks"), stat_field(stats, "watermark_blocks")
         if reserved is not None:
             text += f" · reserved last step {reserved}"
