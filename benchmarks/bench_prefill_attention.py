@@ -9,7 +9,8 @@ reads the step's own K/V, no gather, and runs causal SDPA), and the same number 
 the last chunk of a context twice as long (chunked prefill or a prefix-cache hit: a gather and a
 masked SDPA). GFLOP/s counts the multiply-adds of the visible (query, key) pairs only:
 ``4 * heads * head_dim * pairs``. Timings are the median of ``--repeats`` calls, the two paths
-interleaved; on a shared machine they are noisy (only gross differences mean anything).
+interleaved; on a shared machine they are noisy (only gross differences mean anything), and at
+more than one thread a busy machine makes both paths wait for cores (``--threads 1`` is steadier).
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--lengths", default="8,64,192,512,2000")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=None, help="torch's thread count (default: as set)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     kernel = CPUPrefillKernel()
     kernel.enabled = True

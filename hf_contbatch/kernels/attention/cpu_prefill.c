@@ -55,7 +55,8 @@
 #endif
 #define MAXC 4         /* vectors of rows per tile: a tile holds up to MAXC * VW query rows */
 #define KB 32          /* keys per block */
-#define MASKED -1e30f  /* the score of a masked key (finite: -ffast-math assumes no infinities) */
+#define MASKED -1e30f
+#define SERIAL_FLOPS 1000000 /* below this many floating-point operations a call runs on one thread */  /* the score of a masked key (finite: -ffast-math assumes no infinities) */
 
 typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(VW * 4), aligned(4)));
@@ -347,6 +348,11 @@ int64_t hf_contbatch_paged_prefill(const float *q, int64_t q_st, int64_t q_sh, c
                        block_size, sliding_window, scale, softcap};
     const int bf16 = pool_bf16 != 0;
     int64_t failed = 0;
+    /* A step whose attention is a few microseconds of work runs on the calling thread: waking
+     * the team would cost as much (and far more when another process holds the other cores). */
+    int64_t pairs = 0;
+    for (int64_t i = 0; i < num_tasks; i++) pairs += tasks[i].cost;
+    if (pairs * head_dim * 4 < SERIAL_FLOPS) num_threads = 1;
     if (num_threads < 1) num_threads = 1;
     if (num_threads > num_tasks) num_threads = num_tasks;
 #pragma omp parallel num_threads(num_threads)

@@ -216,30 +216,43 @@ def _prefill_batch(num_reqs, q_len, seq_len, num_heads, num_kv_heads, head_dim, 
 def measure_prefill_paths(
     kernel: CPUPrefillKernel, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype, rounds: int = 5
 ) -> dict[str, float]:
-    """Seconds per layer of the compiled kernel and of the torch path, summed over the steps of
+    """CPU seconds per layer of the compiled kernel and of the torch path, summed over the steps of
     :data:`PREFILL_SHAPES`: per step the median of ``rounds`` calls each, the two paths interleaved
-    (A B A B ...) after one warm-up round, so that a burst of load elsewhere hits both."""
+    (A B A B ...) after one warm-up round.
+
+    Both run on the calling thread alone (torch's thread count set to 1 for the measurement and
+    restored) and are timed in that thread's CPU time: what is compared is the work each path does,
+    which load from other processes does not change, whereas the wall time of a parallel region on
+    a busy machine is mostly the wait for a core (measured at 2 threads under load: milliseconds
+    for either path where the work is tens of microseconds). Both paths split their work across
+    threads alike (the kernel by (request, KV head, query tile), SDPA by (request, head)).
+    """
     from .torch_paged import torch_paged_attention
 
     totals = {"kernel": 0.0, "torch": 0.0}
-    for num_reqs, q_len, seq_len in PREFILL_SHAPES:
-        q, k, v, meta, key, value = _prefill_batch(
-            num_reqs, q_len, seq_len, num_heads, num_kv_heads, head_dim, block_size, dtype
-        )
-        times: dict[str, list[float]] = {"kernel": [], "torch": []}
-        with torch.inference_mode():
-            for i in range(rounds + 1):
-                for name in times:
-                    meta._derived.clear()  # a step's derived tensors are built once per step, as here
-                    t0 = time.perf_counter()
-                    if name == "kernel":
-                        kernel(q, k, v, meta, head_dim**-0.5)
-                    else:
-                        torch_paged_attention(q, k, v, meta, head_dim**-0.5, key=key, value=value)
-                    if i:
-                        times[name].append(time.perf_counter() - t0)
-        for name in totals:
-            totals[name] += statistics.median(times[name])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for num_reqs, q_len, seq_len in PREFILL_SHAPES:
+            q, k, v, meta, key, value = _prefill_batch(
+                num_reqs, q_len, seq_len, num_heads, num_kv_heads, head_dim, block_size, dtype
+            )
+            times: dict[str, list[float]] = {"kernel": [], "torch": []}
+            with torch.inference_mode():
+                for i in range(rounds + 1):
+                    for name in times:
+                        meta._derived.clear()  # a step's derived tensors are built once per step, as here
+                        t0 = time.thread_time()
+                        if name == "kernel":
+                            kernel(q, k, v, meta, head_dim**-0.5)
+                        else:
+                            torch_paged_attention(q, k, v, meta, head_dim**-0.5, key=key, value=value)
+                        if i:
+                            times[name].append(time.thread_time() - t0)
+            for name in totals:
+                totals[name] += statistics.median(times[name])
+    finally:
+        torch.set_num_threads(threads)
     return totals
 
 
@@ -247,12 +260,12 @@ def choose_prefill_path(
     kernel: CPUPrefillKernel, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype
 ) -> str:
     """Turn ``kernel`` off where the torch path is faster for this geometry on this CPU (measured by
-    :func:`measure_prefill_paths` once per CPU, torch version, kernel source, geometry and thread
-    count, cached beside the C kernels). Returns a line for the engine's log."""
+    :func:`measure_prefill_paths` once per CPU, torch version, kernel source and geometry, cached
+    beside the C kernels). Returns a line for the engine's log."""
     if not kernel.available:
         return f"prefill attention: torch path ({kernel.error or 'kernel disabled'})"
     source = hashlib.sha256(PREFILL_SOURCE.read_bytes()).hexdigest()[:16]
-    geometry = (num_heads, num_kv_heads, head_dim, block_size, str(dtype), torch.get_num_threads())
+    geometry = (num_heads, num_kv_heads, head_dim, block_size, str(dtype))
     key = "|".join(map(str, (cpu_id(), torch.__version__, source, *geometry)))
     path = cache_dir() / f"prefill_choice_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     times = read_json(path)
@@ -262,6 +275,6 @@ def choose_prefill_path(
     kernel.enabled = times["kernel"] <= times["torch"]
     chosen = "compiled kernel" if kernel.enabled else "torch path"
     return (
-        f"prefill attention: {chosen} (per layer, 192 + 64 of 512 + 4 x 96 tokens: "
+        f"prefill attention: {chosen} (per layer, one thread, 192 + 64 of 512 + 4 x 96 tokens: "
         f"kernel {1e3 * times['kernel']:.3f} ms, torch {1e3 * times['torch']:.3f} ms)"
     )
