@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 
 from .attention.cpu_kernel import allowed_by_env, build_decode_library
+from .attention.cpu_prefill import allowed_by_env as prefill_allowed_by_env
+from .attention.cpu_prefill import build_prefill_library
 from .linears.native_gemm import native_library
 from .native_build import cache_dir
 from .token_bitmask import build_bitmask_library
@@ -39,7 +41,7 @@ def _libraries() -> set[str]:
 
 
 def prebuild_cpu_kernels() -> KernelBuild:
-    """Compile (or find in the cache) the CPU kernels an engine uses: decode attention
+    """Compile (or find in the cache) the CPU kernels an engine uses: decode and prefill attention
     (unless ``HF_CONTBATCH_CPU_KERNEL=0``), the packed linears' GEMM and the structured outputs'
     token-bitmask kernel. The GEMM stays loaded for this process. Never raises: a kernel that
     cannot be built is reported in ``errors``."""
@@ -51,6 +53,11 @@ def prebuild_cpu_kernels() -> KernelBuild:
             build_decode_library()
         except Exception as exc:  # noqa: BLE001 - no compiler, a failed build: the torch path serves
             errors.append(f"decode attention: {type(exc).__name__}: {exc}")
+    if prefill_allowed_by_env():
+        try:
+            build_prefill_library()
+        except Exception as exc:  # noqa: BLE001 - no compiler, a failed build: the torch path serves
+            errors.append(f"prefill attention: {type(exc).__name__}: {exc}")
     try:
         native_library()
     except RuntimeError as exc:

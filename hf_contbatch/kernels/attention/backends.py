@@ -7,7 +7,8 @@ backend that accepts it in :meth:`AttentionBackend.check_spec`.
 
 * :class:`TorchAttentionBackend`: plain torch (``torch_paged``), any device.
 * :class:`CPUKernelAttentionBackend`: the torch path with decode attention and the KV store in the
-  compiled C kernel (``cpu_kernel``) where it is faster on this CPU (``decode_choice``).
+  compiled C kernel (``cpu_kernel``) and prefill attention in ``cpu_prefill``, each where it is
+  faster on this CPU (``decode_choice``, ``cpu_prefill.choose_prefill_path``).
 * :class:`TritonAttentionBackend`: the Triton kernels (``triton_kernels``), CUDA (or the interpreter).
 """
 
@@ -120,24 +121,28 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 class CPUKernelAttentionBackend(TorchAttentionBackend):
-    """The torch path with the compiled CPU kernel (``cpu_kernel.CPUDecodeKernel``, built on first
-    use) storing K/V and serving decode rows, where :meth:`setup` timed it faster than torch here.
-    Prefill rows, and everything where the kernel cannot serve, take the torch path."""
+    """The torch path with the compiled CPU kernels, each where :meth:`setup` timed it faster than
+    torch here: ``cpu_kernel.CPUDecodeKernel`` (built on first use) storing K/V and serving decode
+    rows, ``cpu_prefill.CPUPrefillKernel`` serving prefill rows (prompt chunks). Everything where a
+    kernel cannot serve takes the torch path."""
 
     name = "torch"
     POOL_DTYPES = (torch.float32, torch.bfloat16)
 
     def __init__(self) -> None:
         from .cpu_kernel import CPUDecodeKernel
+        from .cpu_prefill import CPUPrefillKernel
 
         self.decode_kernel = CPUDecodeKernel()
+        self.prefill_kernel = CPUPrefillKernel()
 
     def setup(self, spec, num_heads):
+        from .cpu_prefill import choose_prefill_path
         from .decode_choice import choose_decode_path
 
-        return choose_decode_path(
-            self.decode_kernel, num_heads, spec.num_kv_heads, spec.head_size, spec.block_size, spec.dtype
-        )
+        geometry = (num_heads, spec.num_kv_heads, spec.head_size, spec.block_size, spec.dtype)
+        decode = choose_decode_path(self.decode_kernel, *geometry)
+        return f"{decode}; {choose_prefill_path(self.prefill_kernel, *geometry)}"
 
     def store_kv(self, key, value, k_pool, v_pool, meta):
         if not self.decode_kernel.store(key, value, k_pool, v_pool, meta.slot_mapping):
@@ -157,6 +162,7 @@ class CPUKernelAttentionBackend(TorchAttentionBackend):
             key=key,
             value=value,
             decode_kernel=self.decode_kernel,
+            prefill_kernel=self.prefill_kernel,
         )
 
 

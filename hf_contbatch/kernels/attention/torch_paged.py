@@ -151,6 +151,7 @@ def torch_paged_attention(
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
     decode_kernel=None,
+    prefill_kernel=None,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged context.
 
@@ -165,6 +166,8 @@ def torch_paged_attention(
             that is its request's whole context reads them instead of gathering from the pool.
         decode_kernel: a ``cpu_kernel.CPUDecodeKernel``; where it can serve (float32 or bf16 pools, built), the
             decode rows read the pool in place through it instead of the gather path below.
+        prefill_kernel: a ``cpu_prefill.CPUPrefillKernel``; where it can serve, it computes the
+            prefill rows (reading the pool in place) instead of the per-request loop below.
 
     Returns:
         ``[T, H, D]`` in the query dtype.
@@ -205,6 +208,8 @@ def torch_paged_attention(
                 out[:nd] = o
             else:
                 out.index_copy_(0, rows, o)
+    if meta.num_requests > nd and prefill_kernel is not None and prefill_kernel.can_serve(query, k_pool, v_pool):
+        return prefill_kernel(query, k_pool, v_pool, meta, scale, softcap, sliding_window, out=out)
     for i in range(nd, meta.num_requests):
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         slots, mask = meta.derived(("prefill", i, sliding_window), lambda i=i: _prefill_gather(meta, i, sliding_window))
