@@ -202,3 +202,19 @@ def test_torchao_int4_weight_only_cannot_be_built_on_this_cpu():
     except (ImportError, NotImplementedError, ValueError, RuntimeError):
         pytest.skip("torchao int4 weight-only cannot be built on CPU here")
     pytest.fail("torchao int4 built on CPU: add it to the served models")
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_spells_quantization_as_an_argument():
+    from transformers import AutoTokenizer
+
+    from hf_contbatch import pipeline
+    from hf_contbatch.default_model import default_model_path
+
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    model = build_model("llama")
+    with pipeline("text-generation", model=model, tokenizer=tok, quantization="int8") as pipe:
+        assert pipe.engine.patches.weight_format == "int8"
+        assert pipe.engine.packed_linears.quantization == "int8"
+    with pytest.raises(ValueError, match="quantization"):
+        pipeline("text-generation", model=model, tokenizer=tok, quantization="int3")
