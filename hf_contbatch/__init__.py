@@ -26,6 +26,7 @@ _LAZY = {
     "ContinuousBatchingPipeline": ".frontends.pipeline",
     "pipeline": ".frontends.pipeline",
     "register_pipeline": ".integrations",  # an explicit call; importing it registers nothing
+    "quality_report": ".engine.quality",
 }
 
 # Subpackages that ``import hf_contbatch`` used to load: ``hf_contbatch.integrations.TASK_NAME`` works
@@ -48,10 +49,12 @@ __all__ = [
     "GenerationHandle",
     "pipeline",
     "register_pipeline",
+    "quality_report",
 ]
 
 if TYPE_CHECKING:
     from .engine import EngineError, EngineStats, LLMEngine, RequestHandle, RequestOutput
+    from .engine.quality import quality_report
     from .frontends.generation_handle import GenerationHandle
     from .frontends.pipeline import ContinuousBatchingPipeline, pipeline
     from .integrations import register_pipeline

@@ -17,7 +17,14 @@ import sys
 import time
 
 from . import __version__
-from .config import ATTENTION_BACKENDS, PREEMPTION_MODES, CacheConfig, EngineConfig, SchedulerConfig  # light: no torch
+from .config import (
+    ATTENTION_BACKENDS,
+    PREEMPTION_MODES,
+    QUANTIZATIONS,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+)  # light: no torch
 from .frontends.cli_checks import (
     UsageError,
     check_model,
@@ -154,6 +161,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     pipe = pipeline("text-generation", model=model, tokenizer=tokenizer, dtype=args.dtype, engine_config=config)
     load_s = time.monotonic() - t_load
     _report_gemm_choices(pipe.engine.patches.packed_linears, args.quiet)
+    weight_format = pipe.engine.patches.weight_format
     with pipe:
         results = pipe(prompts, progress_bar=not args.quiet, **gen_kwargs)
         call = pipe.last_call_stats
@@ -183,13 +191,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "block_size": stats.block_size,
         "load_seconds": round(load_s, 2),
         "kernel_build_seconds": round(kernel_s, 2),
+        "weights": weight_format,
     }
     print(
         f"{summary['requests']} requests, {summary['generated_tokens']} generated tokens in {summary['seconds']} s: "
         f"{summary['throughput_tokens_per_s']} tok/s; preemptions {summary['preemptions']}; "
-        f"peak blocks {summary['peak_used_blocks']}/{summary['num_blocks']} (block size {summary['block_size']})",
+        f"peak blocks {summary['peak_used_blocks']}/{summary['num_blocks']} (block size {summary['block_size']}); "
+        f"weights {weight_format}",
         file=sys.stderr,
     )
+    if args.check_quality:  # after close(): the model is back to its own weights
+        from .engine.quality import quality_report
+
+        report = quality_report(pipe.model, pipe.tokenizer, quantization=args.quantization or "int8")
+        for line in report.lines():
+            print(line, file=sys.stderr)
     if args.output:
         print(f"wrote {args.output}", file=sys.stderr)
     return 0
@@ -394,6 +410,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--threads", type=int_at_least(1), default=None, metavar="N", help="torch threads (default: torch's choice)"
+    )
+    g.add_argument(
+        "--quantization",
+        default=None,
+        choices=list(QUANTIZATIONS),
+        help="serve the linears with weight-only int8 weights (per output channel, absmax/127; "
+        "EngineConfig.quantization) (default: the weights as loaded)",
+    )
+    g.add_argument(
+        "--check-quality",
+        action="store_true",
+        help="after generating, print the perplexity of a held-out text (the embedded model's README) and "
+        "greedy agreement, float against --quantization (default: int8)",
     )
     g.add_argument(
         "--compile",

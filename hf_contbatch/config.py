@@ -16,6 +16,8 @@ LinearBackend = Literal["auto", "torch", "native", "onednn"]
 LINEAR_BACKENDS = get_args(LinearBackend)
 """The ``linear_backend`` names: "auto" and one per GEMM kernel (``kernels.linears.registry`` maps
 them to kernel classes and checks that the two lists agree)."""
+QUANTIZATIONS = ("int8",)
+"""The ``EngineConfig.quantization`` weight formats (None: the model's own weights)."""
 
 
 def is_int(value) -> bool:
@@ -199,6 +201,13 @@ class EngineConfig:
             so it pays off on long jobs. None (default) reads the
             environment variable ``HF_CONTBATCH_COMPILE`` ("1" on, "0" or unset off). Needs a C++
             compiler; where compiling fails the model runs eagerly with one warning.
+        quantization: None (default: the weights as loaded) or "int8": every ``nn.Linear`` of the
+            model (decoder layers and LM head) served with weight-only int8 weights, quantized at
+            load (symmetric, one scale per output channel, ``scale = absmax / 127``: torchao's int8
+            weight-only scheme), activations in the model's dtype, the kernel per shape chosen by
+            timing (ours, ``int8_gemm.c``, or torch's ``_weight_int8pack_mm``); ``linear_backend``
+            "native"/"torch" force ours/torch's ("onednn" has no int8 kernel). CPU models only. The
+            model's float weights are kept and the model restored exactly on close.
     """
 
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -213,6 +222,7 @@ class EngineConfig:
     fuse_model_ops: bool = True
     prompt_lookup_num_tokens: int = 0
     compile_model: Optional[bool] = None
+    quantization: Optional[Literal["int8"]] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, CacheConfig):
@@ -233,6 +243,13 @@ class EngineConfig:
         if not is_int(self.prompt_lookup_num_tokens) or self.prompt_lookup_num_tokens < 0:
             raise ValueError(
                 f"`prompt_lookup_num_tokens` must be an int >= 0 (0: off), got {self.prompt_lookup_num_tokens!r}"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"`quantization` must be None or one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization is not None and self.linear_backend == "onednn":
+            raise ValueError(
+                f"`linear_backend='onednn'` has no {self.quantization} kernel; with `quantization={self.quantization!r}` "
+                "use 'auto', 'native' or 'torch'"
             )
 
 

@@ -1,12 +1,19 @@
 """What an engine changes on its model, and how ``LLMEngine.close`` undoes it: packed (and fused)
-linears, per-row LoRA forwards (a ``peft.PeftModel``'s adapters), the switch to paged attention,
-and a compiled forward."""
+linears (float, or weight-only int8 with ``EngineConfig.quantization="int8"``), per-row LoRA
+forwards (a ``peft.PeftModel``'s adapters), the switch to paged attention, and a compiled forward.
+
+Models quantized by transformers' own quantizers (a linear whose weight is a tensor subclass, e.g.
+torchao's ``Int8Tensor``): their weights never reach a float kernel. torchao's int8 weight-only
+linears are repacked exactly into the int8 kernels (unless ``linear_backend="torch"``); any other
+such linear runs its own ``F.linear``, probed once here, and one whose own linear fails is refused
+by name (``ValueError``) before anything changes."""
 
 from __future__ import annotations
 
 from ..config import EngineConfig, resolve_compile_model
 from ..kernels.linears import pack_linears, tune_linears
-from ..kernels.linears.registry import AUTO
+from ..kernels.linears.linear_units import check_quantized_linears
+from ..kernels.linears.registry import AUTO, UNPACKED
 from .attention_switch import restore_attention, switch_to_paged_attention
 from .lora_adapters import acquire_lora_layers, release_lora_layers
 from .pool_sizing import available_host_memory
@@ -30,15 +37,22 @@ class ModelPatches:
             serving the model (``lora_adapters.acquire_lora_layers``).
         compiled_forward: the ``CompiledForward`` (None unless ``compile_model``).
         previous_attention: the model's own attention implementation, restored by ``undo``.
+        weight_format: the linears' weights as served, for reports: "int8" (``quantization``),
+            "torchao Int8Tensor" (a quantizer's weights, by type name), else the model's dtype name.
 
     Raises:
-        ValueError: a bad ``HF_CONTBATCH_COMPILE``, a forced linear backend that cannot pack, a
+        ValueError: ``quantization`` on a model that is not on the CPU, a linear whose quantized
+            weight cannot run (named), a bad ``HF_CONTBATCH_COMPILE``, a forced linear backend that cannot pack, a
             LoRA feature per-row adapters cannot serve (``kernels.lora.find_lora_layers``), or
             ``compile_model`` with LoRA adapters. On any error the model is left as it was.
     """
 
     def __init__(self, model, config: EngineConfig, cache, runner) -> None:
         self.model = model
+        # Before anything changes the model: quantized weights we cannot serve are refused by name.
+        check_quantization_device(config.quantization, model_device(model))
+        foreign = check_quantized_linears(model)
+        self.weight_format = weight_format(model, config.quantization, foreign)
         # Before anything changes the model: a bad HF_CONTBATCH_COMPILE raises with the model untouched.
         compile_model = resolve_compile_model(config.compile_model)
         # Before anything changes the model: unsupported LoRA features raise with the model untouched.
@@ -55,28 +69,13 @@ class ModelPatches:
             lora_ab = [
                 ab for m in getattr(self.lora_layers, "modules", ()) for ab in (*m.lora_A.values(), *m.lora_B.values())
             ]
-            # "auto": the kernel per GEMM unit is chosen first (timings from the tuner's disk cache,
-            # measured only on a CPU seen for the first time), then packed by those choices.
-            choices = None
-            if config.linear_backend == AUTO:
-                choices = tune_linears(
-                    model,
-                    available_bytes=available_host_memory,
-                    exclude=lora_ab,
-                    fuse=config.fuse_linears,
-                    max_rows=config.scheduler.max_num_batched_tokens,
-                    max_head_rows=config.scheduler.max_num_seqs,
-                )
-            # Before the attention switch: a forced backend that cannot pack raises with nothing changed.
-            if choices is not None or config.linear_backend != AUTO:
-                self.packed_linears = pack_linears(
-                    model,
-                    config.linear_backend,
-                    available_host_memory,
-                    exclude=lora_ab,
-                    fuse=config.fuse_linears,
-                    choices=choices,
-                )
+            self.packed_linears = self._pack(model, config, config.linear_backend, lora_ab, config.quantization)
+            if config.quantization is None and foreign and config.linear_backend != UNPACKED:
+                # torchao's int8 weight-only linears: repacked exactly into the int8 kernels.
+                backend = config.linear_backend if config.linear_backend != "onednn" else AUTO
+                int8 = self._pack(model, config, backend, lora_ab, "torchao-int8")
+                if int8 is not None:
+                    self.packed_linears = int8.merged(self.packed_linears)
             self.previous_attention = switch_to_paged_attention(model)
         except BaseException:
             if self.packed_linears is not None:
@@ -97,6 +96,35 @@ class ModelPatches:
         else:  # eager steps check the packed linears once a step (a compiled forward refreshes them itself)
             runner.packed_linears = self.packed_linears
         runner.lora_layers = self.lora_layers
+
+    @staticmethod
+    def _pack(model, config: EngineConfig, backend: str, lora_ab, quantization):
+        """The packed linears of one weight format (None when nothing packs)."""
+        # "auto": the kernel per GEMM unit is chosen first (timings from the tuner's disk cache,
+        # measured only on a CPU seen for the first time), then packed by those choices.
+        choices = None
+        if backend == AUTO:
+            choices = tune_linears(
+                model,
+                available_bytes=available_host_memory,
+                exclude=lora_ab,
+                fuse=config.fuse_linears,
+                max_rows=config.scheduler.max_num_batched_tokens,
+                max_head_rows=config.scheduler.max_num_seqs,
+                quantization=quantization,
+            )
+        # Before the attention switch: a forced backend that cannot pack raises with nothing changed.
+        if choices is None and backend == AUTO:
+            return None
+        return pack_linears(
+            model,
+            backend,
+            available_host_memory,
+            exclude=lora_ab,
+            fuse=config.fuse_linears,
+            choices=choices,
+            quantization=quantization,
+        )
 
     def undo(self) -> None:
         """Stop the compiled forward, restore the original linears, LoRA layers and the model's
@@ -141,3 +169,31 @@ def release_fused_ops(model) -> None:
     if entry[1] <= 0:
         entry[0].restore()
         del model.__dict__[_FUSED_OPS_USERS]
+
+
+def model_device(model) -> str:
+    """The device type of the model's first parameter ("cpu" for a model without any)."""
+    param = next(iter(model.parameters()), None)
+    return "cpu" if param is None else param.device.type
+
+
+def check_quantization_device(quantization, device: str) -> None:
+    """Raise ``ValueError`` for a ``quantization`` on a non-CPU model: the int8 kernels are CPU ones
+    (on CUDA a model quantized by torchao is served through its own kernels instead)."""
+    if quantization is not None and device != "cpu":
+        raise ValueError(
+            f"`quantization={quantization!r}` serves CPU models only (its kernels are CPU kernels); the model is on "
+            f"{device}. On CUDA, load the model quantized (transformers' TorchAoConfig) and leave `quantization=None`: "
+            "its own kernels serve it"
+        )
+
+
+def weight_format(model, quantization, foreign: dict) -> str:
+    """How the linears' weights are served, for stats and the CLI: "int8", the quantizer's weight
+    types ("torchao Int8Tensor"), or the model's dtype name ("float32")."""
+    if quantization is not None:
+        return quantization
+    if foreign:
+        return ", ".join(sorted({f"torchao {k}" if k == "Int8Tensor" else k for k in foreign.values()}))
+    param = next(iter(model.parameters()), None)
+    return "float32" if param is None else str(param.dtype).removeprefix("torch.")

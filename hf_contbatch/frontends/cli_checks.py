@@ -288,6 +288,7 @@ _OPTION_OF_FIELD = {
     "preemption_mode": "--preemption-mode",
     "attention_backend": "--attention-backend",
     "seed": "--seed",
+    "quantization": "--quantization",
 }
 
 
@@ -310,6 +311,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             attention_backend=args.attention_backend,
             seed=args.seed,
             compile_model=True if args.compile else None,
+            quantization=getattr(args, "quantization", None),
         )
     except ValueError as exc:
         message = str(exc)

@@ -16,6 +16,7 @@ output records (``text_io``). ``submit`` takes the same path for one prompt and 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Iterable, Optional
 
@@ -71,6 +72,7 @@ class ContinuousBatchingPipeline:
             ``peft.PeftModel``, whose loaded LoRA adapters serve requests side by side (``adapter_names``).
         tokenizer: a tokenizer or name/path; defaults to the model's.
         engine_config: full engine configuration; or give ``cache_config`` / ``scheduler_config``.
+        quantization: ``EngineConfig.quantization`` ("int8": weight-only int8 linears), with either.
         dtype: load dtype when ``model`` is a name ("auto", "float32", a ``torch.dtype``...).
         device: the model's device ("cpu", "cuda", 0, -1 for CPU, a ``torch.device``): a model loaded
             here is put there, a given model is moved there unless it was dispatched by ``device_map``
@@ -104,6 +106,7 @@ class ContinuousBatchingPipeline:
         engine_config: Optional[EngineConfig] = None,
         cache_config: Optional[CacheConfig] = None,
         scheduler_config: Optional[SchedulerConfig] = None,
+        quantization: Optional[str] = None,
         dtype=None,
         device=None,
         device_map=None,
@@ -158,6 +161,13 @@ class ContinuousBatchingPipeline:
             )
         elif cache_config is not None or scheduler_config is not None:
             raise ValueError("pass either `engine_config` or `cache_config`/`scheduler_config`, not both")
+        if quantization is not None:  # EngineConfig.quantization, spelled as a pipeline argument
+            if engine_config.quantization not in (None, quantization):
+                raise ValueError(
+                    f"`quantization={quantization!r}` disagrees with `engine_config.quantization="
+                    f"{engine_config.quantization!r}`; pass one"
+                )
+            engine_config = dataclasses.replace(engine_config, quantization=quantization)
         prefix = getattr(model.config, "prefix", None)
         if prefix is not None and "prefix" not in kwargs:
             kwargs["prefix"] = prefix  # transformers' pipeline takes the model's prompt prefix by default

@@ -396,3 +396,32 @@ def test_a_cached_hub_id_loads_from_the_cache_when_the_hub_does_not_answer_and_s
     expected = hf("The for statement", max_new_tokens=4, do_sample=False, return_full_text=False)
     record = json.loads((tmp_path / "cached.jsonl").read_text(encoding="utf-8"))
     assert record["generated_text"] == expected[0]["generated_text"]
+
+
+@pytest.mark.timeout(300)
+def test_generate_int8_says_the_weight_format_and_checks_quality(tmp_path, capsys):
+    from hf_contbatch.engine.quality import quality_report
+
+    inp = tmp_path / "p.txt"
+    inp.write_text("The for statement\n", encoding="utf-8")
+    args = ["generate", "--input", str(inp), "--quiet", "--max-new-tokens", "4", "--quantization", "int8"]
+    assert main([*args, "--check-quality"]) == 0
+    err = capsys.readouterr().err
+    assert "weights int8" in err
+    model = transformers.AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(default_model_path())
+    want = quality_report(model, tok)  # the report the CLI prints, from Python
+    for line in want.lines():
+        assert line in err
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_quantization_lists_the_allowed_ones(tmp_path):
+    proc = run_cli("generate", "--quantization", "int3", cwd=tmp_path)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("hf-contbatch: error: argument --quantization: invalid choice: 'int3'") and "int8" in line
+
+
+def test_lm_eval_model_args_take_quantization():
+    assert "quantization" in ENGINE_ARGS and ENGINE_ARGS["quantization"][0] is None

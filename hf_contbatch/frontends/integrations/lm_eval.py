@@ -54,7 +54,8 @@ class ContinuousBatchingLM(HFLM):
             ``model_args``) uses the embedded default model, as ``hf-contbatch generate`` does.
             With ``peft=PATH`` (an ``hf`` argument) a LoRA adapter over it serves every request.
         block_size, num_blocks, cache_gib, max_num_seqs, max_num_batched_tokens,
-        enable_prefix_caching, attention_backend, engine_seed: engine settings (see ``EngineConfig``).
+        enable_prefix_caching, attention_backend, engine_seed, quantization: engine settings (see
+            ``EngineConfig``; ``quantization=int8`` in ``model_args``).
         **kwargs: every other ``hf`` model argument (``dtype``, ``device``, ``max_length``,
             ``add_bos_token``, ``trust_remote_code``...). ``batch_size`` is accepted and unused.
 
@@ -95,6 +96,7 @@ class ContinuousBatchingLM(HFLM):
                 scheduler=sched,
                 attention_backend=engine_args["attention_backend"],
                 seed=engine_args["engine_seed"],
+                quantization=engine_args["quantization"],
             ),
         )
         self._stop_checkers = StopStringCheckers(self.tokenizer)

@@ -22,6 +22,7 @@ ENGINE_ARGS: dict[str, tuple[object, str]] = {
     ),
     "attention_backend": ("auto", "auto, torch or triton (EngineConfig.attention_backend)"),
     "engine_seed": (None, "the engine's sampling seed (EngineConfig.seed)"),
+    "quantization": (None, "None or int8: weight-only int8 linears (EngineConfig.quantization)"),
 }
 
 

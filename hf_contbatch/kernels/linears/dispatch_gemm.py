@@ -57,6 +57,11 @@ class DispatchGEMM:
                 return kernel.unpack(part)
         return None
 
+    def reference_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """The float weight the kernels multiply by (a quantized kernel's dequantized weight)."""
+        ref = getattr(self.kernels[0], "reference_weight", None)
+        return weight if ref is None else ref(weight)
+
     def step_bias(self, bias: Optional[torch.Tensor]):
         return None if bias is None else tuple(k.step_bias(bias) for k in self.kernels)
 

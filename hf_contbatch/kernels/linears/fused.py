@@ -193,6 +193,10 @@ class FusedGroup:
         return torch.nn.functional.linear(x, module.weight, module.bias)
 
 
+def _concatenable(weight: torch.Tensor) -> bool:
+    return type(weight) in (torch.Tensor, torch.nn.Parameter)
+
+
 def _base_linear(module):
     """``module``, or the ``nn.Linear`` a LoRA wrapper (``base_layer``) holds."""
     base = getattr(module, "base_layer", None)
@@ -213,6 +217,8 @@ def sibling_groups(model: torch.nn.Module, modules: list[torch.nn.Linear]) -> li
             mods = [_base_linear(children.get(n)) for n in names]
             if any(m is None or id(m) not in wanted for m in mods):
                 continue
+            if len({type(m.weight) for m in mods}) != 1 or not all(_concatenable(m.weight) for m in mods):
+                continue  # a torchao int8 weight cannot be concatenated (torch.cat): each runs alone
             if len({(m.in_features, m.weight.dtype) for m in mods}) != 1 or len({m.bias is None for m in mods}) != 1:
                 continue
             groups.append(mods)

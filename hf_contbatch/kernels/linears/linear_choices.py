@@ -15,7 +15,7 @@ import torch
 from .autotune import KernelChoice, KernelTuner, shape_key
 from .gemm_kernel import GemmKernel
 from .linear_units import Unit, fits_auto, linear_units, packable_modules, unit_shape, weight_bytes
-from .registry import available_kernels
+from .registry import available_int8_kernels, available_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,8 @@ class LinearChoices:
         rows: per unit, the most rows its calls have (the LM head's may be fewer).
         allow_dual: whether a second kernel's packed copy per shape fits in memory.
         by_unit: per unit index, its :class:`~hf_contbatch.kernels.linears.autotune.KernelChoice`.
+        packed_only: ``F.linear`` is no candidate for any unit (int8 weights: the float weight
+            would give other numbers).
     """
 
     tuner: KernelTuner
@@ -37,11 +39,14 @@ class LinearChoices:
     rows: list[int]
     allow_dual: bool
     by_unit: dict[int, KernelChoice] = field(default_factory=dict)
+    packed_only: bool = False
 
     def choose(self) -> None:
         """(Re)choose every unit with the tuner's current candidates (timings from its cache)."""
         self.by_unit = {
-            i: self.tuner.choose(*unit_shape(u), max_rows=r, allow_dual=self.allow_dual, packed_only=len(u) > 1)
+            i: self.tuner.choose(
+                *unit_shape(u), max_rows=r, allow_dual=self.allow_dual, packed_only=self.packed_only or len(u) > 1
+            )
             for i, (u, r) in enumerate(zip(self.units, self.rows))
         }
 
@@ -72,6 +77,7 @@ def tune_linears(
     fuse: bool = True,
     max_rows: int = 1024,
     max_head_rows: Optional[int] = None,
+    quantization: Optional[str] = None,
 ) -> Optional[LinearChoices]:
     """Choose the GEMM kernel of every unit of ``model``'s packable linears by timing the kernels
     available here (the ``linear_backend="auto"`` step before packing; no module is changed).
@@ -81,17 +87,22 @@ def tune_linears(
         tuner: default: a :class:`KernelTuner` over ``registry.available_kernels()``, timings cached
             on disk per CPU.
         available_bytes: returns the available host memory in bytes (None when unknown).
-        exclude, fuse, max_rows, max_head_rows: as :func:`~hf_contbatch.kernels.linears.pack_linears`.
+        exclude, fuse, max_rows, max_head_rows, quantization: as
+            :func:`~hf_contbatch.kernels.linears.pack_linears`. With a ``quantization`` the
+            candidates are the int8 kernels (default tuner), ``F.linear`` is none, and the linears
+            are packed whatever the memory (the int8 copy is a quarter of float32's).
 
     Returns:
         The choices, or None when "auto" packs nothing here (no packable linear, or one packed copy
         would take more than a quarter of the available memory).
     """
-    modules = packable_modules(model, exclude)
+    modules = packable_modules(model, exclude, quantization)
     if not modules:
         return None
     total = weight_bytes(modules)
     pack, dual = fits_auto(total, available_bytes)
+    if quantization is not None:
+        pack, dual = True, fits_auto(total // 4, available_bytes)[1]
     if not pack:
         logger.info(
             "not packing %d linear layers: %.1f GiB is over a quarter of the available memory "
@@ -103,6 +114,8 @@ def tune_linears(
     units = linear_units(model, modules, fuse)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     rows = [max_head_rows if u[0] is head and max_head_rows else max_rows for u in units]
-    choices = LinearChoices(tuner or KernelTuner(available_kernels()), units, rows, dual)
+    if tuner is None:
+        tuner = KernelTuner(available_int8_kernels() if quantization is not None else available_kernels())
+    choices = LinearChoices(tuner, units, rows, dual, packed_only=quantization is not None)
     choices.choose()
     return choices

@@ -25,7 +25,7 @@ from .gemm_kernel import GemmKernel
 from .linear_choices import LinearChoices, tune_linears
 from .linear_units import linear_units, packable_modules, weight_bytes
 from .packed_forward import PackedForward
-from .registry import AUTO, UNPACKED, make_kernel
+from .registry import AUTO, INT8_FOR_BACKEND, UNPACKED, make_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,8 @@ class PackedLinears:
         packed_bytes: bytes of the float weights packed (what one packed copy costs).
         kernel_names: the registry names of the kernels in use, sorted (("native",), ("native", "onednn")).
         choices: the per-unit choices of ``linear_backend="auto"`` (None otherwise).
+        quantization: the weight format packed: None (float) or "int8" (weight-only int8; also
+            for a torchao int8 weight-only model's linears, ``"torchao-int8"`` in ``pack_linears``).
     """
 
     def __init__(
@@ -46,11 +48,26 @@ class PackedLinears:
         packed_bytes: int,
         kernel_names: tuple[str, ...],
         choices: Optional[LinearChoices] = None,
+        quantization: Optional[str] = None,
     ) -> None:
         self.forwards = forwards
         self.packed_bytes = packed_bytes
         self.kernel_names = kernel_names
         self.choices = choices
+        self.quantization = quantization
+
+    def merged(self, other: Optional["PackedLinears"]) -> "PackedLinears":
+        """One collection of this and ``other``'s forwards (a float pass and an int8 pass over
+        different modules of one model); ``choices`` and ``quantization`` from the one that has them."""
+        if other is None:
+            return self
+        return PackedLinears(
+            self.forwards + other.forwards,
+            self.packed_bytes + other.packed_bytes,
+            tuple(sorted({*self.kernel_names, *other.kernel_names})),
+            self.choices or other.choices,
+            self.quantization or other.quantization,
+        )
 
     @property
     def label(self) -> str:
@@ -134,8 +151,10 @@ def _probe(forward: PackedForward) -> None:
     """Raise RuntimeError unless ``forward`` (packed, installed or not) agrees with ``F.linear``."""
     m = forward.module
     x = torch.randn(3, m.in_features, generator=torch.Generator().manual_seed(0)).to(m.weight.dtype)
+    reference = getattr(forward.kernel, "reference_weight", None)  # a quantized kernel: its dequantized weight
     with torch.no_grad():
-        want = torch.nn.functional.linear(x, m.weight, m.bias).float()
+        weight = m.weight if reference is None else reference(m.weight)
+        want = torch.nn.functional.linear(x, weight, m.bias).float()
         got = forward(x).float()
     tol = 1e-4 if m.weight.dtype == torch.float32 else 2e-2  # bf16: rounded once, either way
     if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max()) + 1e-6):
@@ -193,6 +212,7 @@ def pack_linears(
     tuner: Optional[KernelTuner] = None,
     choices: Optional[LinearChoices] = None,
     release_weights: bool = False,
+    quantization: Optional[str] = None,
 ) -> Optional[PackedLinears]:
     """Pack the model's float32 (and, where a kernel has a bf16 path, bfloat16) CPU ``nn.Linear``
     weights for a faster GEMM, or do nothing.
@@ -219,6 +239,12 @@ def pack_linears(
             with another module) until :meth:`PackedLinears.restore` (see ``packed_forward``). Off by
             default: while released, a weight cannot be read, written through ``.data`` or converted
             with ``module.to(dtype)``.
+        quantization: None (float kernels over the plain float linears; a linear whose weight is
+            a tensor subclass is left to its own ``F.linear``); ``"int8"``: every float linear
+            and every torchao int8 weight-only one served by a weight-only int8 kernel
+            (:mod:`~hf_contbatch.kernels.linears.int8_gemm`; a forced ``mode`` "native"/"torch"
+            names ours/torch's); ``"torchao-int8"``: only the torchao int8 weight-only ones,
+            repacked exactly. Always packed (never left to ``F.linear``), whatever the memory.
 
     Returns:
         The packed modules (``kernel_names`` names the kernels used; ``choices`` holds the "auto"
@@ -228,14 +254,18 @@ def pack_linears(
         RuntimeError: a named kernel that cannot run here (no working C compiler for "native", no
             oneDNN ops for "onednn"), or the probe disagrees (not for ``"auto"``, which falls back).
     """
-    if mode == UNPACKED:
+    if mode == UNPACKED and quantization is None:
         return None
     if mode != AUTO:
+        if quantization is not None:
+            if mode not in INT8_FOR_BACKEND:
+                raise ValueError(f"linear_backend={mode!r} has no int8 kernel; use one of {sorted(INT8_FOR_BACKEND)}")
+            mode = INT8_FOR_BACKEND[mode]
         kernel = make_kernel(mode)
-        modules = packable_modules(model, exclude)
+        modules = packable_modules(model, exclude, quantization)
         units = linear_units(model, modules, fuse)
         forwards = _pack_units(units, lambda i: kernel if kernel.supports(units[i][0].weight) else None)
-        return _install(model, forwards, weight_bytes(modules), None, release_weights)
+        return _install(model, forwards, weight_bytes(modules), None, release_weights, quantization)
     if choices is None:
         choices = tune_linears(
             model,
@@ -245,6 +275,7 @@ def pack_linears(
             fuse=fuse,
             max_rows=max_rows,
             max_head_rows=max_head_rows,
+            quantization=quantization,
         )
         if choices is None:
             return None
@@ -261,12 +292,15 @@ def pack_linears(
                 candidates.pop(exc.kernel.name, None)
             logger.info("packed linears: %s; choosing again without it", exc)
             if len(candidates) == 1:  # only F.linear is left
+                if quantization is not None:
+                    raise RuntimeError(f"no int8 kernel can serve this model here: {exc}") from exc
                 logger.warning("packed linears unavailable (%s); using F.linear", exc)
                 return None
             choices.choose()
             continue
         logger.info("%s", choices.report())
-        return _install(model, forwards, weight_bytes([m for u in choices.units for m in u]), choices, release_weights)
+        total = weight_bytes([m for u in choices.units for m in u])
+        return _install(model, forwards, total, choices, release_weights, quantization)
 
 
 def _install(
@@ -275,6 +309,7 @@ def _install(
     total: int,
     choices: Optional[LinearChoices],
     release: bool,
+    quantization: Optional[str] = None,
 ) -> Optional[PackedLinears]:
     """Install the packed forwards and, with ``release``, release the float weights the packed
     copies give back exactly, except weights shared with another module (an LM head tied to the
@@ -292,4 +327,5 @@ def _install(
             f.group.release_weights()
     kernels = {f.group.kernel if f.group else f.kernel for f in forwards}
     names = sorted({n for k in kernels for n in getattr(k, "names", (k.name,))})
-    return PackedLinears(forwards, total, tuple(names), choices)
+    fmt = None if quantization is None else "int8"
+    return PackedLinears(forwards, total, tuple(names), choices, fmt)

@@ -13,6 +13,7 @@ import logging
 
 from ...config import LINEAR_BACKENDS
 from .gemm_kernel import GemmKernel
+from .int8_gemm import NativeInt8GEMM, TorchInt8GEMM
 from .native_gemm import NativeGEMM
 from .onednn_gemm import OneDNNGEMM
 from .torch_linear import TorchLinear
@@ -31,6 +32,12 @@ if set(LINEAR_BACKENDS) != {AUTO, *KERNELS}:  # pragma: no cover - a kernel adde
     raise ImportError(f"config.LINEAR_BACKENDS {LINEAR_BACKENDS} and the GEMM registry {sorted(KERNELS)} disagree")
 
 
+INT8_KERNELS: dict[str, type] = {k.name: k for k in (NativeInt8GEMM, TorchInt8GEMM)}
+"""Weight-only int8 kernel class by name (``quantization="int8"``, and torchao int8 weight-only models)."""
+INT8_FOR_BACKEND = {"native": NativeInt8GEMM.name, "torch": TorchInt8GEMM.name}
+"""The int8 kernel a forced ``linear_backend`` means under int8 weights (oneDNN has none here)."""
+
+
 def make_kernel(name: str) -> GemmKernel:
     """The kernel ``name`` (a key of :data:`KERNELS`).
 
@@ -38,7 +45,7 @@ def make_kernel(name: str) -> GemmKernel:
         KeyError: an unknown name.
         RuntimeError: the kernel cannot run here (no C compiler, no oneDNN); the message says why.
     """
-    return KERNELS[name]()
+    return {**KERNELS, **INT8_KERNELS}[name]()
 
 
 def available_kernels() -> dict[str, GemmKernel]:
@@ -52,4 +59,15 @@ def available_kernels() -> dict[str, GemmKernel]:
             kernels[name] = make_kernel(name)
         except RuntimeError as exc:
             logger.info("packed linears: %s unavailable (%s)", name, exc)
+    return kernels
+
+
+def available_int8_kernels() -> dict[str, GemmKernel]:
+    """The weight-only int8 kernels that work here by name: the candidates of int8 "auto"."""
+    kernels = {}
+    for name in INT8_KERNELS:
+        try:
+            kernels[name] = make_kernel(name)
+        except RuntimeError as exc:
+            logger.info("int8 linears: %s unavailable (%s)", name, exc)
     return kernels

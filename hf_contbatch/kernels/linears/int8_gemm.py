@@ -1,0 +1,318 @@
+"""Weight-only int8 linears: the quantization, and the two GEMM kernels that serve it.
+
+Scheme (torchao's int8 weight-only one, ``Int8WeightOnlyConfig``): symmetric, one scale per output
+channel, ``s = absmax(W[j, :]) / 127``, ``Wq = round(W / s)`` clamped to ``[-127, 127]``; the layer
+computes ``x @ (Wq * s).T + b`` with ``x`` in the model's dtype (no activation quantization). A
+model that torchao quantized already (``transformers.TorchAoConfig(Int8WeightOnlyConfig())``: the
+weight is a ``torchao.quantization.Int8Tensor`` with per-row blocks and no activation
+quantization) is repacked exactly from its own ``qdata`` and ``scale`` (:func:`int8_parts`).
+
+Kernels, both keeping :class:`~hf_contbatch.kernels.linears.gemm_kernel.GemmKernel` (``pack`` takes
+a float weight, quantizing it, or a torchao int8 weight; the :class:`PackedWeight` carries the
+scales), timed per shape by ``autotune`` like the float ones:
+
+- :class:`TorchInt8GEMM` (``"torch-int8"``): torch's own CPU kernel,
+  ``torch.ops.aten._weight_int8pack_mm(x, Wq, s)`` (float32; bfloat16 only where ``in_features`` is
+  a multiple of 64: on torch 2.13 its bfloat16 path crashes the process for other sizes with more
+  than one row).
+- :class:`NativeInt8GEMM` (``"native-int8"``): ours, ``int8_gemm.c`` (dequantize in registers,
+  float32 FMA, scale applied per output; float32 only).
+
+Neither can give the float weight back (``exact_unpack`` False), so the module keeps its float
+weight while packed (``close()`` restores the model exactly); only the int8 copy is read in steps.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from ..native_build import build_library
+from .gemm_kernel import PackedWeight
+from .linear_op import register_linear_op
+
+_SOURCE = Path(__file__).with_name("int8_gemm.c")
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+QMAX = 127
+"""The largest magnitude of a quantized weight (symmetric: the range is ``[-127, 127]``)."""
+_BF16_K_MULTIPLE = 64  # aten._weight_int8pack_mm's bf16 path is safe for these in_features only
+
+
+def is_torchao_int8_weight_only(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is a torchao ``Int8Tensor`` in int8 weight-only form: int8 ``qdata``
+    ``[out, in]``, one scale per output row (``block_size == [1, in]``) and no activation
+    quantization (``Int8DynamicActivationInt8WeightConfig`` sets ``act_quant_kwargs``)."""
+    if type(weight).__name__ != "Int8Tensor" or not type(weight).__module__.startswith("torchao"):
+        return False
+    qdata, scale = getattr(weight, "qdata", None), getattr(weight, "scale", None)
+    if not isinstance(qdata, torch.Tensor) or not isinstance(scale, torch.Tensor):
+        return False
+    return (
+        qdata.dtype == torch.int8
+        and qdata.dim() == 2
+        and list(getattr(weight, "block_size", [])) == [1, qdata.shape[1]]
+        and scale.numel() == qdata.shape[0]
+        and getattr(weight, "act_quant_kwargs", None) is None
+    )
+
+
+def is_plain_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is an ordinary dense tensor (or Parameter), not a tensor subclass such as a
+    quantized weight whose storage is not float data."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and type(t.data) is torch.Tensor and t.layout == torch.strided
+
+
+def quantize_int8(weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Wq, s)`` for a float ``[out, in]`` weight: ``s = absmax(row) / 127`` (float32, rounded to
+    ``scale_dtype`` and used as rounded), ``Wq = round(W / s).clamp(-127, 127)`` int8. A row of
+    zeros gets ``s = 1`` (its ``Wq`` is zeros either way)."""
+    w = weight.detach().float()
+    s = w.abs().amax(dim=1) / QMAX
+    s = torch.where(s > 0, s, torch.ones_like(s)).to(scale_dtype).float()
+    q = torch.round(w / s[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, s
+
+
+def int8_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Wq int8 [out, in], s float32 [out])`` of a weight: a torchao int8 weight-only tensor's own
+    values (exact), else :func:`quantize_int8` of the float weight (scales rounded to the weight's
+    dtype, so a bfloat16 kernel's scales are the ones used)."""
+    if is_torchao_int8_weight_only(weight):
+        return weight.qdata.contiguous(), weight.scale.reshape(-1).float()
+    if not is_plain_tensor(weight) or not weight.is_floating_point():
+        raise RuntimeError(f"cannot quantize a {type(weight).__name__} {weight.dtype} weight to int8")
+    return quantize_int8(weight, weight.dtype)
+
+
+def reference_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The float weight an int8 kernel multiplies by, ``Wq * s`` in ``weight``'s dtype: what a
+    packed int8 linear is probed against."""
+    q, s = int8_parts(weight)
+    return (q.float() * s[:, None]).to(weight.dtype)
+
+
+def _logical_dtype(weight: torch.Tensor) -> torch.dtype:
+    return weight.dtype  # a torchao Int8Tensor reports the dtype it dequantizes to
+
+
+def _check_bias(name: str, bias: Optional[torch.Tensor], out_features: int) -> None:
+    if bias is not None and (
+        not bias.is_floating_point() or bias.device.type != "cpu" or tuple(bias.shape) != (out_features,)
+    ):
+        raise RuntimeError(
+            f"{name} linear: bias {tuple(bias.shape)} {bias.dtype} on {bias.device} does not fit {out_features} CPU outputs"
+        )
+
+
+class TorchInt8GEMM:
+    """torch's weight-only int8 CPU kernel, ``aten._weight_int8pack_mm`` (``x [m, in]`` float32 or
+    bfloat16, ``Wq [out, in]`` int8, ``s [out]`` in ``x``'s dtype). Packed: ``data`` the int8
+    weight, ``scales`` in the weight's dtype."""
+
+    name = "torch-int8"
+    exact_unpack = False  # int8 values: the float weight cannot be given back
+    isa = "torch"
+    build_id = ""
+    dtypes = (torch.float32, torch.bfloat16)
+
+    def supports(self, weight: torch.Tensor) -> bool:
+        """float32 weights; bfloat16 ones with ``in_features`` a multiple of 64; CPU, 2-D; plain or
+        torchao int8 weight-only."""
+        if weight.device.type != "cpu" or weight.dim() != 2 or _logical_dtype(weight) not in self.dtypes:
+            return False
+        if not (is_plain_tensor(weight) or is_torchao_int8_weight_only(weight)):
+            return False
+        return _logical_dtype(weight) == torch.float32 or weight.shape[1] % _BF16_K_MULTIPLE == 0
+
+    def pack(self, weight: torch.Tensor) -> PackedWeight:
+        """The int8 weight and its scales (quantized here from a float weight). RuntimeError for a
+        weight :meth:`supports` rejects."""
+        if not self.supports(weight):
+            raise RuntimeError(
+                f"torch-int8 cannot pack a {tuple(weight.shape)} {weight.dtype} weight on {weight.device}"
+            )
+        q, s = int8_parts(weight)
+        dtype = _logical_dtype(weight)
+        return PackedWeight(q, tuple(weight.shape), dtype, scales=s.to(dtype))
+
+    def unpack(self, packed: PackedWeight) -> None:
+        return None
+
+    reference_weight = staticmethod(reference_weight)
+
+    @staticmethod
+    def step_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if bias is None else bias.detach()
+
+    def linear(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
+        """``x`` ``[..., in]`` (the packed dtype, CPU) → ``[..., out_features]``. RuntimeError when
+        ``x`` or ``bias`` does not fit."""
+        if x.device.type != "cpu" or x.dtype != packed.dtype or not x.dim() or x.shape[-1] != packed.shape[1]:
+            raise RuntimeError(
+                f"torch-int8 linear: input {tuple(x.shape)} {x.dtype} on {x.device} does not fit a packed "
+                f"{packed.dtype} CPU weight of {packed.shape[1]} inputs"
+            )
+        _check_bias(self.name, bias, out_features)
+        return self.linear_verified(x, packed, bias, out_features)
+
+    def linear_verified(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
+        k = x.shape[-1]
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, k).contiguous(), packed.data, packed.scales)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], out_features)
+
+
+@dataclass(frozen=True)
+class Int8Library:
+    """The compiled ``int8_gemm.c``: its functions, panel width ``nr`` and vector ISA."""
+
+    path: str
+    pack: Callable
+    gemm: Callable
+    nr: int
+    isa: str
+
+
+@functools.cache
+def _load_library():
+    """(Int8Library, None) or (None, the exception): built once per process, a failure too."""
+    try:
+        path = build_library(_SOURCE, _FLAGS)
+        lib = ctypes.CDLL(str(path))
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        return None, exc
+    if not lib.hf_contbatch_int8_runtime_ok():
+        return None, RuntimeError("the CPU lacks the vector instructions the int8 GEMM was built for")
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.hf_contbatch_int8_pack.argtypes, lib.hf_contbatch_int8_pack.restype = [ptr, i64, i64, ptr], None
+    lib.hf_contbatch_int8_gemm.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, i64]
+    lib.hf_contbatch_int8_gemm.restype = None
+    lib.hf_contbatch_int8_nr.restype = i64
+    lib.hf_contbatch_int8_isa.restype = ctypes.c_char_p
+    return (
+        Int8Library(
+            str(path),
+            lib.hf_contbatch_int8_pack,
+            lib.hf_contbatch_int8_gemm,
+            int(lib.hf_contbatch_int8_nr()),
+            lib.hf_contbatch_int8_isa().decode(),
+        ),
+        None,
+    )
+
+
+def int8_library() -> Int8Library:
+    """The compiled int8 GEMM. Raises RuntimeError naming why it cannot be built or run here."""
+    library, exc = _load_library()
+    if exc is not None:
+        raise RuntimeError(f"our int8 GEMM cannot be built: {type(exc).__name__}: {exc}") from exc
+    return library
+
+
+def _native_int8_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias, out_features: int):
+    k = x.shape[-1]
+    if not x.is_contiguous():
+        x = x.contiguous()
+    y = x.new_empty((*x.shape[:-1], out_features))
+    m = x.numel() // k if k else 0
+    if k == 0:
+        return y.zero_() if bias is None else y.copy_(bias.expand_as(y))
+    if m:
+        int8_library().gemm(
+            x.data_ptr(),
+            m,
+            k,
+            packed.data_ptr(),
+            out_features,
+            scales.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            torch.get_num_threads(),
+        )
+    return y
+
+
+class NativeInt8GEMM:
+    """Our weight-only int8 GEMM (``int8_gemm.c``): the int8 weight in panels of ``nr`` (16) output
+    columns, ``[ceil(out/16), in, 16]``, float32 scales ``[out]``; float32 inputs, float32
+    accumulation, the scale applied per output.
+
+    Raises:
+        RuntimeError: on construction, when the kernel cannot be built or run here.
+    """
+
+    name = "native-int8"
+    exact_unpack = False
+    dtypes = (torch.float32,)
+
+    def __init__(self) -> None:
+        int8_library()
+
+    @property
+    def isa(self) -> str:
+        return int8_library().isa
+
+    @property
+    def build_id(self) -> str:
+        return Path(int8_library().path).stem
+
+    def supports(self, weight: torch.Tensor) -> bool:
+        """float32 (plain or torchao int8 weight-only) 2-D CPU weights."""
+        if weight.device.type != "cpu" or weight.dim() != 2 or _logical_dtype(weight) != torch.float32:
+            return False
+        return is_plain_tensor(weight) or is_torchao_int8_weight_only(weight)
+
+    def pack(self, weight: torch.Tensor) -> PackedWeight:
+        if not self.supports(weight):
+            raise RuntimeError(
+                f"native-int8 cannot pack a {tuple(weight.shape)} {weight.dtype} weight on {weight.device}"
+            )
+        q, s = int8_parts(weight)
+        n, k = q.shape
+        lib = int8_library()
+        out = torch.empty((-(-n // lib.nr), k, lib.nr), dtype=torch.int8)
+        lib.pack(q.data_ptr(), n, k, out.data_ptr())
+        return PackedWeight(out, (n, k), torch.float32, scales=s.contiguous())
+
+    def unpack(self, packed: PackedWeight) -> None:
+        return None
+
+    reference_weight = staticmethod(reference_weight)
+
+    @staticmethod
+    def step_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if bias is None else bias.detach().to(torch.float32).contiguous()
+
+    def linear(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
+        """``x`` ``[..., in]`` float32 CPU → ``[..., out_features]``; RuntimeError when ``x`` or
+        ``bias`` does not fit the packed weight (the C kernel trusts its arguments)."""
+        if torch.compiler.is_compiling():
+            return torch.ops.hf_contbatch.native_int8_linear(x, packed.data, packed.scales, None, bias, out_features)
+        n, k = packed.shape
+        if x.device.type != "cpu" or x.dtype != torch.float32 or not x.dim() or x.shape[-1] != k or n != out_features:
+            raise RuntimeError(
+                f"native-int8 linear: input {tuple(x.shape)} {x.dtype} on {x.device} does not fit a packed int8 "
+                f"weight of {k} inputs and {n} outputs"
+            )
+        _check_bias(self.name, bias, out_features)
+        return _native_int8_gemm(x, packed.data, packed.scales, self.step_bias(bias), out_features)
+
+    def linear_verified(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.hf_contbatch.native_int8_linear(x, packed.data, packed.scales, None, bias, out_features)
+        return _native_int8_gemm(x, packed.data, packed.scales, bias, out_features)
+
+
+def _native_int8_op(x, packed, scales, zero_points, bias, out_features: int) -> torch.Tensor:
+    bias = None if bias is None else bias.to(torch.float32).contiguous()
+    return _native_int8_gemm(x, packed, scales, bias, out_features)
+
+
+register_linear_op("native_int8_linear", _native_int8_op)

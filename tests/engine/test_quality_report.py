@@ -1,0 +1,63 @@
+"""The quality report's arithmetic against a plain-torch computation on the same model."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from hf_contbatch import quality_report
+
+from conftest import build_model
+
+
+class _Tok:
+    """A tokenizer of space-separated integers (ids of the tiny models)."""
+
+    def __call__(self, text, return_tensors=None, truncation=False, max_length=None):
+        ids = [int(t) for t in text.split()][: max_length if truncation else None]
+
+        class Out:
+            input_ids = torch.tensor([ids])
+
+        return Out()
+
+
+def _plain_int8(model):
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for m in ref.modules():
+            if isinstance(m, torch.nn.Linear):
+                w = m.weight.detach()
+                s = w.abs().amax(1, keepdim=True) / 127
+                m.weight = torch.nn.Parameter(torch.where(s > 0, w / s, 0.0).round().clamp(-127, 127) * s)
+    return ref
+
+
+def _ppl(model, ids):
+    with torch.no_grad():
+        logits = model(ids).logits[0, :-1]
+    logp = torch.log_softmax(logits.double(), -1)
+    nll = -sum(float(logp[i, ids[0, i + 1]]) for i in range(ids.shape[1] - 1)) / (ids.shape[1] - 1)
+    return math.exp(nll)
+
+
+@pytest.mark.timeout(120)
+def test_quality_report_matches_plain_torch():
+    model = build_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, 512, (1, 60), generator=g)
+    text = " ".join(map(str, ids[0].tolist()))
+    report = quality_report(model, _Tok(), text=text, prompt_tokens=10, greedy_tokens=8)
+    assert report.tokens == 60 and report.quantization == "int8"
+    assert report.ppl_float == pytest.approx(_ppl(model, ids), rel=1e-5)
+    assert report.ppl_quantized == pytest.approx(_ppl(_plain_int8(model), ids), rel=1e-5)
+    assert report.ppl_change == pytest.approx(report.ppl_quantized / report.ppl_float - 1)
+    assert 0 <= report.greedy_agreement <= 8
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    with pytest.raises(ValueError, match=r"`quantization` must be one of \('int8',\)"):
+        quality_report(model, _Tok(), quantization="int3", text=text)
