@@ -215,8 +215,9 @@ if TRITON_AVAILABLE:
         running max starts at -1e30, not -inf: a row with no visible key in a tile (a padding row, a
         window edge) then gets exp2(-inf - -1e30) = 0 rather than NaN. Returns the running max and
         sum ([rows] fp32) and the unnormalised output ([rows, BLOCK_D] fp32).
-        QUANT: int8 caches; each K/V tile is widened and multiplied by its tokens' scales
-        (``s_strides``: the scales' (block, offset, head) strides) into the query's dtype.
+        QUANT: int8 caches; K/V tiles are widened to the query's dtype, the scores multiplied by
+        their keys' scales and the softmax weights by their values' scales (``s_strides``: the
+        scales' (block, offset, head) strides).
         """
         if DOT_FP32:
             q = q.to(tl.float32)
@@ -236,13 +237,19 @@ if TRITON_AVAILABLE:
             k = _load_kv_tile(k_head_ptr, blocks, offsets, dims, k_strides, kv_mask)
             v = _load_kv_tile(v_head_ptr, blocks, offsets, dims, v_strides, kv_mask)
             if QUANT:
+                # int8 -> the query's dtype is exact (|x| <= 127); the token scales multiply the scores
+                # (keys) and the softmax weights (values), never a whole tile: no float32 tile in registers.
                 at = blocks * s_strides[0] + offsets * s_strides[1] + kv_head * s_strides[2]
-                k = (k.to(tl.float32) * tl.load(k_scale_ptr + at, mask=in_seq, other=0.0)[:, None]).to(q.dtype)
-                v = (v.to(tl.float32) * tl.load(v_scale_ptr + at, mask=in_seq, other=0.0)[:, None]).to(q.dtype)
+                k_s = tl.load(k_scale_ptr + at, mask=in_seq, other=0.0)
+                v_s = tl.load(v_scale_ptr + at, mask=in_seq, other=0.0)
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
             if DOT_FP32:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
+            if QUANT:
+                s = s * k_s[None, :]
             if USE_SOFTCAP:
                 s = _softcap_scores(s * qk_scale, softcap) * 1.4426950408889634
             else:
@@ -253,6 +260,8 @@ if TRITON_AVAILABLE:
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
+            if QUANT:
+                p = p * v_s[None, :]
             if DOT_FP32:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
@@ -604,6 +613,10 @@ def _prepare_attention(
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     block_d = next_power_of_2(head_dim)
     tile = tile_config(block_d, num_heads // num_kv_heads, query.dtype, limits)
+    if k_scale is not None and tile_config is prefill_tile_config and tile.block_n > 32 and tile.rows >= 128:
+        # The int8 tile's conversions and scale vectors cost registers: 128 x 64 tiles spilled on
+        # sm_80 (triton_aot); 128 x 32 keeps them in registers.
+        tile = dataclasses.replace(tile, block_n=32)
     target = out if out.stride(-1) == 1 else torch.empty_like(query)
     kernel_args = dict(
         out_ptr=target,
