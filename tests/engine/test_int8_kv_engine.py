@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 

@@ -20,7 +20,6 @@ from hf_contbatch.kernels.attention.backends import (
     Int8TorchAttentionBackend,
     TorchAttentionBackend,
 )
-from hf_contbatch.kernels.attention.cpu_kernel import CPUDecodeKernel
 from hf_contbatch.kernels.attention.torch_paged import torch_paged_attention
 from hf_contbatch.kernels.kv_spec import KVCacheSpec
 from hf_contbatch.kernels.paged_cache import PagedKVCache
@@ -223,3 +222,20 @@ def test_swap_and_copy_on_write_move_the_scales_with_their_blocks():
     assert cache.nbytes == 6 * spec.bytes_per_block
     cache.release()
     assert not cache.key_scales and not cache.swap_value_scales
+
+
+def test_the_command_line_spells_the_cache_dtype_kv_cache_dtype():
+    import argparse
+
+    from hf_contbatch.cli import add_engine_arguments
+    from hf_contbatch.frontends.cli_checks import engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--kv-cache-dtype", "int8"])
+    args.compile, args.seed = False, 0
+    assert engine_config(args).cache.dtype == "int8"
+    args.kv_cache_dtype = "auto"
+    assert engine_config(args).cache.dtype is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "int4"])

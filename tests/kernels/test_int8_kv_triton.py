@@ -18,9 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # reference_attent
 
 pytest.importorskip("triton")
 
-from hf_contbatch.kernels.attention import triton_kernels as tk  # noqa: E402
 from test_int8_kv import reference_dequantized, reference_quantize  # noqa: E402
 from test_torch_attention import _batch, reference_for  # noqa: E402
+
+from hf_contbatch.kernels.attention import triton_kernels as tk  # noqa: E402
 
 INTERPRETED = os.environ["TRITON_INTERPRET"] not in ("", "0")
 if not INTERPRETED and not torch.cuda.is_available():
