@@ -33,6 +33,9 @@
  * runtime dimension and a scalar tail. The pool dtype is a constant too (always-inline functions
  * called with a literal flag), so each combination compiles to its own loop.
  */
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -48,6 +51,7 @@ typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
 typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2)));
 typedef uint32_t vu __attribute__((vector_size(VW * 4)));
 typedef int8_t vb __attribute__((vector_size(VW), aligned(1)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
 
 /* Pool element kinds (each a compile-time constant in the specialised loops). */
 #define DT_F32 0
@@ -62,10 +66,22 @@ INLINE float hsum(vf x) {
     return s;
 }
 
+/* VW int8 as floats (exact). GCC scalarises __builtin_convertvector from int8 to float, so the
+ * AVX-512 and AVX2 paths sign-extend and convert with intrinsics (vpmovsxbd, vcvtdq2ps). */
+INLINE vf load_i8(const void *p) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    return __builtin_convertvector(__builtin_convertvector(*(const vb *)p, vi), vf);
+#endif
+}
+
 /* VW pool elements from p as floats: a bf16 is the upper half of a float32, so widening is exact;
  * an int8 converts exactly too (its scale is applied by the caller). */
 INLINE vf load(const void *p, const int bf16) {
-    if (bf16 == DT_I8) return __builtin_convertvector(*(const vb *)p, vf);
+    if (bf16 == DT_I8) return load_i8(p);
     if (!bf16) return *(const vf *)p;
     const vu wide = __builtin_convertvector(*(const vh *)p, vu) << 16;
     vf out;
