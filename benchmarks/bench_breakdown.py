@@ -23,7 +23,8 @@ time and tok/s that count) and once with timers around each part of a step:
 Figures are ms per step and share of the instrumented step. The timers cost a few µs per call
 (about 40 per layer per step), so the instrumented run is a little slower than the plain one;
 shares are what to compare. Variants are ``;``-separated lists of ``EngineConfig`` keyword
-assignments (``key=value,key=value``; "default" for none); the key ``tree=PATH`` runs that
+assignments (``key=value,key=value``; "default" for none; ``cache.FIELD=value`` sets a
+``CacheConfig`` field, e.g. ``cache.dtype=int8``); the key ``tree=PATH`` runs that
 variant with ``PYTHONPATH=PATH`` (another checkout of hf_contbatch, e.g. ``tree=/work/main``), for
 before/after comparisons in one command.
 """
@@ -225,6 +226,11 @@ def run_single(args, variant: str) -> dict:
     prompts, new_tokens = workload_for(args.model, model.config.vocab_size, args.seed, args.requests)
     kwargs = _parse_variant(variant)
     kwargs.pop("tree", None)
+    cache = {k.removeprefix("cache."): kwargs.pop(k) for k in list(kwargs) if k.startswith("cache.")}
+    if cache:  # "cache.dtype=int8": a CacheConfig field
+        from hf_contbatch import CacheConfig
+
+        kwargs["cache"] = CacheConfig(**cache)
     t_build = time.perf_counter()
     engine = LLMEngine(model, EngineConfig(**kwargs))
     timers = _Timers(time.thread_time if args.clock == "cpu" else time.perf_counter)

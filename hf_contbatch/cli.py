@@ -17,14 +17,15 @@ import sys
 import time
 
 from . import __version__
-from .config import (
+from .config import (  # light: no torch
     ATTENTION_BACKENDS,
+    KV_CACHE_DTYPES,
     PREEMPTION_MODES,
     QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
-)  # light: no torch
+)
 from .frontends.cli_checks import (
     UsageError,
     check_model,
@@ -372,6 +373,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="GIB",
         help="KV pool size on CPU when --num-blocks is not given (default: --max-num-seqs requests at "
         "the model's full context, at most 1 GiB)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", *(d for d in KV_CACHE_DTYPES if d)),
+        help="the KV cache's dtype (auto: the weights'; int8: one float32 scale per token and KV head, "
+        "about a quarter of float32's bytes, a small accuracy cost)",
     )
     g.add_argument(
         "--enable-prefix-caching",

@@ -12,6 +12,9 @@ from typing import Literal, Optional, get_args
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+KV_CACHE_DTYPES = (None, "float32", "float16", "bfloat16", "int8")
+"""``CacheConfig.dtype`` names: None (the model's dtype), a float dtype, or "int8" (K/V quantized on
+write, symmetric, one float32 scale per token and KV head for K and for V each)."""
 LinearBackend = Literal["auto", "torch", "native", "onednn"]
 LINEAR_BACKENDS = get_args(LinearBackend)
 """The ``linear_backend`` names: "auto" and one per GEMM kernel (``kernels.linears.registry`` maps
@@ -62,7 +65,11 @@ class CacheConfig:
             vLLM (V1) and SGLang: a finished request's blocks stay hashed in the free queue and are
             evicted least-recently-freed first, so it costs no pool space; False recomputes every
             prompt.
-        dtype: KV cache dtype name ("float32", "float16", "bfloat16") or None for the model's dtype.
+        dtype: KV cache dtype name ("float32", "float16", "bfloat16", "int8") or None for the
+            model's dtype. "int8" stores K and V as int8 with one float32 scale per token and KV
+            head each (symmetric: scale = absmax / 127 over the head's channels, quantized on
+            write), about a quarter of float32's bytes: the pool holds >= 3x the tokens of float32
+            in the same memory; attention reads the scales and computes in the model's dtype.
     """
 
     block_size: int = 16
@@ -94,8 +101,8 @@ class CacheConfig:
             raise ValueError(f"`swap_space_gib` must be a number >= 0 or None, got {self.swap_space_gib!r}")
         if not isinstance(self.enable_prefix_caching, bool):  # a string "False" would read as on
             raise ValueError(f"`enable_prefix_caching` must be True or False, got {self.enable_prefix_caching!r}")
-        if self.dtype not in (None, "float32", "float16", "bfloat16"):
-            raise ValueError(f"`dtype` must be one of None, 'float32', 'float16', 'bfloat16', got {self.dtype!r}")
+        if self.dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"`dtype` must be one of {KV_CACHE_DTYPES}, got {self.dtype!r}")
 
 
 @dataclass

@@ -56,14 +56,7 @@ class KVPools:
         geometry = KVGeometry.of(model)
         device = model.get_input_embeddings().weight.device
         cache_cfg = config.cache
-        dtype = getattr(torch, cache_cfg.dtype) if cache_cfg.dtype else next(model.parameters()).dtype
-        spec = KVCacheSpec(
-            num_layers=geometry.num_layers,
-            block_size=cache_cfg.block_size,
-            num_kv_heads=geometry.num_kv_heads,
-            head_size=geometry.head_dim,
-            dtype=dtype,
-        )
+        spec = cache_spec(cache_cfg, geometry, next(model.parameters()).dtype)
         devices = layer_devices(model, geometry.num_layers)
         backend = select_backend(config.attention_backend, device, spec, geometry.num_heads, devices)
         sizes = KVPoolSizer(model, config, geometry, device=device, backend=backend).size(devices, spec)
@@ -81,6 +74,22 @@ class KVPools:
             block_manager=BlockManager(sizes.num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching),
             host_block_manager=BlockManager(sizes.num_swap_blocks, cache_cfg.block_size),
         )
+
+
+def cache_spec(cache_cfg, geometry: KVGeometry, model_dtype: torch.dtype) -> KVCacheSpec:
+    """The pools' layout for ``cache_cfg.dtype``: the model's dtype (None), a float dtype, or "int8"
+    (int8 K/V with one float32 scale per token and KV head for K and for V each)."""
+    quantized = cache_cfg.dtype == "int8"
+    dtype = getattr(torch, cache_cfg.dtype) if cache_cfg.dtype else model_dtype
+    return KVCacheSpec(
+        num_layers=geometry.num_layers,
+        block_size=cache_cfg.block_size,
+        num_kv_heads=geometry.num_kv_heads,
+        head_size=geometry.head_dim,
+        dtype=dtype,
+        scale_dtype=torch.float32 if quantized else None,
+        scales_per_token_head=1 if quantized else 0,
+    )
 
 
 def move_blocks(cache: PagedKVCache, plan: StepPlan) -> None:

@@ -134,7 +134,9 @@ class LLMEngine:
         # changes them (not during the forward, nor while user code runs on new tokens), and by
         # ``stats()`` for one consistent snapshot.
         self._state_lock = threading.RLock()
-        self.counters = EngineCounters(record_phases=cfg.record_phases, per_adapter=self.adapters is not None)
+        self.counters = EngineCounters(
+            record_phases=cfg.record_phases, per_adapter=self.adapters is not None, kv_cache_dtype=pools.spec.dtype
+        )
         self.driver = EngineDriver(self, drive_in_caller=cfg.drive_in_caller, num_threads=cfg.num_threads)
         self._handles = HandleRegistry(self.driver)  # handles wait, drive and cancel through the driver
         self.outputs = OutputProcessor(self._handles, self.grammars, self.sampler)

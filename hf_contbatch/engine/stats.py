@@ -67,6 +67,7 @@ class EngineStats:
     # LoRA adapters (a peft.PeftModel): ((adapter, waiting, running, swapped), ...) by adapter name,
     # "__base__" for the base model; empty when the engine serves a plain model.
     requests_per_adapter: tuple = ()
+    kv_cache_dtype: str = ""  # the KV pools' dtype: "float32", "bfloat16", "int8" (with per-token scales), ...
 
     @property
     def draft_acceptance_rate(self) -> Optional[float]:
@@ -105,10 +106,12 @@ class EngineCounters:
     Args:
         record_phases: keep the per-iteration phase log (``EngineConfig.record_phases``).
         per_adapter: count requests per LoRA adapter (the engine serves a ``peft.PeftModel``).
+        kv_cache_dtype: the KV pools' dtype (``KVCacheSpec.dtype``), reported as its name.
     """
 
-    def __init__(self, record_phases: bool = True, per_adapter: bool = False) -> None:
+    def __init__(self, record_phases: bool = True, per_adapter: bool = False, kv_cache_dtype=None) -> None:
         self.per_adapter = per_adapter
+        self.kv_cache_dtype = str(kv_cache_dtype).removeprefix("torch.") if kv_cache_dtype is not None else ""
         self.phase_log: collections.deque = collections.deque(maxlen=4096 if record_phases else 0)
         self.num_finished = 0
         self.num_generated = 0
@@ -158,6 +161,7 @@ class EngineCounters:
         kv_tokens, logical_kv_tokens = kv_token_counts(sched.all_requests(), bm)
         return EngineStats(
             num_blocks=bm.num_blocks,
+            kv_cache_dtype=self.kv_cache_dtype,
             block_size=bm.block_size,
             num_free_blocks=bm.num_free_blocks,
             num_used_blocks=bm.num_used_blocks,

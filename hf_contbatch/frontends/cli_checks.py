@@ -302,6 +302,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                 num_blocks=args.num_blocks,
                 cpu_cache_gib=args.cache_gib,
                 enable_prefix_caching=args.enable_prefix_caching,
+                dtype=None if getattr(args, "kv_cache_dtype", "auto") == "auto" else args.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,

@@ -58,9 +58,18 @@ class PagedKVCache:
         shape = spec.layer_shape(num_blocks)
         self.key_cache = [torch.zeros(shape, dtype=spec.dtype, device=d) for d in layer_devices]
         self.value_cache = [torch.zeros(shape, dtype=spec.dtype, device=d) for d in layer_devices]
+        # A quantized layout's scales, beside the pools block for block (empty for a float cache).
+        scale_shape = spec.scale_shape(num_blocks)
+        self.key_scales: list[torch.Tensor] = []
+        self.value_scales: list[torch.Tensor] = []
+        if scale_shape is not None:
+            self.key_scales = [torch.zeros(scale_shape, dtype=spec.scale_dtype, device=d) for d in layer_devices]
+            self.value_scales = [torch.zeros(scale_shape, dtype=spec.scale_dtype, device=d) for d in layer_devices]
         self.num_swap_blocks = num_swap_blocks
         self.swap_key_cache: list[torch.Tensor] = []
         self.swap_value_cache: list[torch.Tensor] = []
+        self.swap_key_scales: list[torch.Tensor] = []
+        self.swap_value_scales: list[torch.Tensor] = []
         if num_swap_blocks:
             swap_shape = spec.layer_shape(num_swap_blocks)
             # Pinned only where there is a device to DMA from (transformers' CPU offload pins
@@ -69,12 +78,37 @@ class PagedKVCache:
             pin = torch.cuda.is_available() and any(torch.device(d).type == "cuda" for d in layer_devices)
             self.swap_key_cache = [torch.empty(swap_shape, dtype=spec.dtype, pin_memory=pin) for _ in layer_devices]
             self.swap_value_cache = [torch.empty(swap_shape, dtype=spec.dtype, pin_memory=pin) for _ in layer_devices]
+            swap_scales = spec.scale_shape(num_swap_blocks)
+            if swap_scales is not None:
+                self.swap_key_scales = [
+                    torch.empty(swap_scales, dtype=spec.scale_dtype, pin_memory=pin) for _ in layer_devices
+                ]
+                self.swap_value_scales = [
+                    torch.empty(swap_scales, dtype=spec.scale_dtype, pin_memory=pin) for _ in layer_devices
+                ]
 
     def for_step(self, metadata: Optional[AttentionMetadata]) -> "PagedCacheStep":
         """The view the model gets as its cache (and ``paged_cache``) for one step: ``update`` stores
         that step's K/V by ``metadata``. ``None``: a view whose ``update`` stores nothing, for a
         compiled forward (its attention op stores K/V through the step's own view)."""
         return PagedCacheStep(self, metadata)
+
+    def device_tensors(self, layer: int) -> list[torch.Tensor]:
+        """The tensors of ``layer`` indexed by device block: K and V pools, then their scales if any."""
+        scales = [self.key_scales[layer], self.value_scales[layer]] if self.key_scales else []
+        return [self.key_cache[layer], self.value_cache[layer], *scales]
+
+    def host_tensors(self, layer: int) -> list[torch.Tensor]:
+        """The swap pool's counterparts of :meth:`device_tensors`, in the same order."""
+        scales = [self.swap_key_scales[layer], self.swap_value_scales[layer]] if self.swap_key_scales else []
+        return [self.swap_key_cache[layer], self.swap_value_cache[layer], *scales]
+
+    def scales(self, layer: int) -> dict:
+        """``{"k_scale": ..., "v_scale": ...}`` of ``layer`` for a quantized layout, else ``{}``: the
+        keywords a quantized backend's ``store_kv``/``attend`` take."""
+        if not self.key_scales:
+            return {}
+        return {"k_scale": self.key_scales[layer], "v_scale": self.value_scales[layer]}
 
     @property
     def nbytes(self) -> int:
@@ -105,8 +139,8 @@ class PagedKVCache:
             if dev not in indices:
                 indices[dev] = (src_cpu.to(dev), dst_cpu.to(dev))
             src, dst = indices[dev]
-            self.key_cache[layer].index_copy_(0, dst, self.key_cache[layer].index_select(0, src))
-            self.value_cache[layer].index_copy_(0, dst, self.value_cache[layer].index_select(0, src))
+            for pool in self.device_tensors(layer):  # K, V and their scales move together
+                pool.index_copy_(0, dst, pool.index_select(0, src))
 
     def _copy_blocks(self, mapping: Sequence[tuple[int, int]], to_host: bool) -> None:
         """Gather the source blocks, move them across in one transfer per layer and tensor, scatter."""
@@ -120,10 +154,7 @@ class PagedKVCache:
             dev = self.key_cache[layer].device
             if dev not in on_device:
                 on_device[dev] = (src_cpu if to_host else dst_cpu).to(dev)
-            pools = (
-                (self.key_cache[layer], self.swap_key_cache[layer]),
-                (self.value_cache[layer], self.swap_value_cache[layer]),
-            )
+            pools = tuple(zip(self.device_tensors(layer), self.host_tensors(layer)))
             if to_host:
                 src = on_device[dev]
                 for device_pool, host_pool in pools:
@@ -140,6 +171,8 @@ class PagedKVCache:
         self.value_cache.clear()
         self.swap_key_cache.clear()
         self.swap_value_cache.clear()
+        for scales in (self.key_scales, self.value_scales, self.swap_key_scales, self.swap_value_scales):
+            scales.clear()
 
 
 def _block_ids(mapping: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,7 +210,7 @@ class PagedCacheStep(_CBCache):
         # [1, KVH, T, D] -> [T, KVH, D]
         key = key_states[0].transpose(0, 1)
         value = value_states[0].transpose(0, 1)
-        cache.backend.store_kv(key, value, k_pool, v_pool, self.metadata.to(k_pool.device))
+        cache.backend.store_kv(key, value, k_pool, v_pool, self.metadata.to(k_pool.device), **cache.scales(layer_idx))
         return key_states, value_states
 
     def attend(self, layer_idx: int, query, key, value, scale: float, sliding_window=None, softcap=None):
@@ -204,6 +237,7 @@ class PagedCacheStep(_CBCache):
             softcap,
             key=key[0] if single else None,
             value=value[0] if single else None,
+            **cache.scales(layer_idx),
         )
         return out.unsqueeze(0)
 

@@ -74,7 +74,7 @@ def test_triton_on_cpu_needs_the_interpreter_and_unknown_names_fail(monkeypatch)
 
 def test_a_float_backend_refuses_a_layout_with_scales():
     spec = _spec(torch.int8, scale_dtype=torch.float16, scales_per_token_head=1)
-    with pytest.raises(ValueError, match="float K/V only"):
+    with pytest.raises(ValueError, match="one float32 scale per token"):  # int8 layouts: float32 scales only
         select_backend("torch", CPU, spec, 4)
     with pytest.raises(ValueError, match="float K/V only"):
         PagedKVCache(spec, 4, [CPU, CPU], TorchAttentionBackend())

@@ -49,7 +49,8 @@ def format_stats(stats, tokens_per_s_now: Optional[float] = None, width: int = 3
     )
     lines = [
         f"KV blocks  [{bar}] {used:,}/{stats.num_blocks:,} used ({100 * used / n:.0f}%), "
-        f"peak {stats.peak_used_blocks:,}, {tokens}",
+        f"peak {stats.peak_used_blocks:,}, {tokens}"
+        + (f", {stats.kv_cache_dtype} KV" if stat_field(stats, "kv_cache_dtype") else ""),
     ]
     swap_blocks = stat_field(stats, "num_swap_blocks", 0)
     if swap_blocks:

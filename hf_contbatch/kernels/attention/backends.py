@@ -10,6 +10,10 @@ backend that accepts it in :meth:`AttentionBackend.check_spec`.
   compiled C kernel (``cpu_kernel``) and prefill attention in ``cpu_prefill``, each where it is
   faster on this CPU (``decode_choice``, ``cpu_prefill.choose_prefill_path``).
 * :class:`TritonAttentionBackend`: the Triton kernels (``triton_kernels``), CUDA (or the interpreter).
+* :class:`Int8TorchAttentionBackend`, :class:`Int8CPUKernelAttentionBackend`,
+  :class:`Int8TritonAttentionBackend`: the same three paths over an int8 cache with one float32
+  scale per token and KV head (``CacheConfig(dtype="int8")``, scheme in ``kv_quant``): K/V are
+  quantized on write, attention reads the scales.
 """
 
 from __future__ import annotations
@@ -79,7 +83,9 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def store_kv(self, key, value, k_pool, v_pool, meta: AttentionMetadata) -> None:
-        """Write ``key``/``value`` into their slots (``meta.slot_mapping``), cast to the pool dtype."""
+        """Write ``key``/``value`` into their slots (``meta.slot_mapping``), cast to the pool dtype.
+        A backend of a quantized layout also takes ``k_scale``/``v_scale`` keywords (the layer's
+        scale tensors, ``KVCacheSpec.scale_shape``), in :meth:`attend` too."""
 
     @abstractmethod
     def attend(
@@ -193,6 +199,129 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
 
+INT8_SPEC_ERROR = "an int8 cache with one float32 scale per token and KV head (CacheConfig(dtype='int8'))"
+
+
+def _check_int8_spec(name: str, spec: KVCacheSpec) -> None:
+    if not (spec.dtype == torch.int8 and spec.scale_dtype == torch.float32 and spec.scales_per_token_head == 1):
+        raise ValueError(
+            f"attention backend {name!r} (int8) stores only {INT8_SPEC_ERROR}, got dtype {spec.dtype}, "
+            f"scale_dtype {spec.scale_dtype}, scales_per_token_head {spec.scales_per_token_head}"
+        )
+
+
+class Int8TorchAttentionBackend(AttentionBackend):
+    """Plain torch over an int8 cache: ``kv_quant.store_quantized`` on write, then
+    ``torch_paged_attention`` with the scales (it gathers and dequantizes what each request reads)."""
+
+    name = "torch"
+
+    def check_spec(self, spec: KVCacheSpec) -> None:
+        _check_int8_spec(self.name, spec)
+
+    def store_kv(self, key, value, k_pool, v_pool, meta, k_scale=None, v_scale=None):
+        from .kv_quant import store_quantized
+
+        store_quantized(key, value, k_pool, v_pool, k_scale, v_scale, meta.slot_mapping)
+
+    def attend(
+        self,
+        query,
+        k_pool,
+        v_pool,
+        meta,
+        scale,
+        sliding_window=None,
+        softcap=None,
+        key=None,
+        value=None,
+        k_scale=None,
+        v_scale=None,
+    ):
+        from .torch_paged import torch_paged_attention
+
+        return torch_paged_attention(
+            query,
+            k_pool,
+            v_pool,
+            meta,
+            scale,
+            sliding_window,
+            softcap,
+            decode_kernel=getattr(self, "decode_kernel", None),
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+
+
+class Int8CPUKernelAttentionBackend(Int8TorchAttentionBackend):
+    """:class:`Int8TorchAttentionBackend` with the compiled CPU kernel quantizing on write and serving
+    decode rows (``CPUDecodeKernel``'s int8 path: int8 rows widened in registers, times the token's
+    scale, float32 accumulation), where :meth:`setup` timed it faster than the torch path here."""
+
+    def __init__(self) -> None:
+        from .cpu_kernel import CPUDecodeKernel
+
+        self.decode_kernel = CPUDecodeKernel()
+
+    def setup(self, spec, num_heads):
+        from .decode_choice import choose_decode_path
+
+        return choose_decode_path(
+            self.decode_kernel, num_heads, spec.num_kv_heads, spec.head_size, spec.block_size, torch.int8
+        )
+
+    def store_kv(self, key, value, k_pool, v_pool, meta, k_scale=None, v_scale=None):
+        if not self.decode_kernel.store_int8(key, value, k_pool, v_pool, k_scale, v_scale, meta.slot_mapping):
+            super().store_kv(key, value, k_pool, v_pool, meta, k_scale=k_scale, v_scale=v_scale)
+
+
+class Int8TritonAttentionBackend(AttentionBackend):
+    """The Triton kernels over an int8 cache: ``triton_kernels.store_kv`` quantizing on write and
+    ``triton_kernels.paged_attention`` dequantizing each K/V tile with its tokens' scales."""
+
+    name = "triton"
+
+    def check_spec(self, spec: KVCacheSpec) -> None:
+        _check_int8_spec(self.name, spec)
+
+    def store_kv(self, key, value, k_pool, v_pool, meta, k_scale=None, v_scale=None):
+        from .triton_kernels import store_kv
+
+        store_kv(key, value, k_pool, v_pool, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+
+    def attend(
+        self,
+        query,
+        k_pool,
+        v_pool,
+        meta,
+        scale,
+        sliding_window=None,
+        softcap=None,
+        key=None,
+        value=None,
+        k_scale=None,
+        v_scale=None,
+    ):
+        from .triton_kernels import paged_attention
+
+        return paged_attention(
+            query.contiguous(),
+            k_pool,
+            v_pool,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.max_query_len,
+            scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+
+
 def resolve_backend_name(requested: str, device: torch.device, **shape) -> str:
     """Pick "torch" or "triton" for ``device``.
 
@@ -247,8 +376,8 @@ def select_backend(
     """A new backend object for one engine: ``requested`` ("auto", "torch" or "triton", see
     :func:`resolve_backend_name` for the environment override, warnings and errors) for a cache of
     ``spec`` whose layers live on ``layer_devices`` (default: all on ``device``). The torch path
-    uses the compiled CPU kernel where every layer is on the CPU and the pools are float32 or
-    bfloat16.
+    uses the compiled CPU kernel where every layer is on the CPU and the pools are float32,
+    bfloat16 or int8; an int8 layout (``spec.is_quantized``) gets the int8 class of each path.
 
     Raises:
         ValueError: an unknown or unusable backend, or a layout the backend cannot store.
@@ -256,16 +385,24 @@ def select_backend(
     name = resolve_backend_name(
         requested,
         device,
-        dtype=spec.dtype,
+        dtype=None if spec.is_quantized else spec.dtype,  # int8 tiles compute in the model's dtype
         head_dim=spec.head_size,
         num_heads=num_heads,
         num_kv_heads=spec.num_kv_heads,
         block_size=spec.block_size,
     )
     devices = [torch.device(d) for d in (layer_devices or [device])]
-    if name == "triton":
-        backend: AttentionBackend = TritonAttentionBackend()
-    elif spec.dtype in CPUKernelAttentionBackend.POOL_DTYPES and all(d.type == "cpu" for d in devices):
+    on_cpu = all(d.type == "cpu" for d in devices)
+    if spec.is_quantized:
+        if name == "triton":
+            backend: AttentionBackend = Int8TritonAttentionBackend()
+        elif on_cpu:
+            backend = Int8CPUKernelAttentionBackend()
+        else:
+            backend = Int8TorchAttentionBackend()
+    elif name == "triton":
+        backend = TritonAttentionBackend()
+    elif spec.dtype in CPUKernelAttentionBackend.POOL_DTYPES and on_cpu:
         backend = CPUKernelAttentionBackend()
     else:
         backend = TorchAttentionBackend()

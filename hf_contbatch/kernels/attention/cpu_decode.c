@@ -7,6 +7,12 @@
  * (-O3 -march=native -ffast-math -fopenmp) and called through ctypes. OpenMP here is the libgomp
  * torch itself loads (same soname), so the kernel shares torch's thread team.
  *
+ * int8 pools (hf_contbatch_paged_decode_q8): K and V int8 with one float32 scale per token and KV head
+ * each, k_scale/v_scale [num_blocks, block_size, num_kv_heads] (kv_quant.py: symmetric absmax / 127).
+ * A key row is widened to float32 and dotted with the query, the sum multiplied by the row's scale;
+ * a value row is accumulated with weight p * scale: the scales never touch the head's channels.
+ * hf_contbatch_store_kv_q8 quantizes this step's rows on write (float32 or bfloat16 inputs).
+ *
  * Layouts (all contiguous): q and out float32 [num_seqs, num_heads, head_dim]; k_pool and v_pool
  * [num_blocks, block_size, num_kv_heads, head_dim]; block_tables int32 [num_seqs, max_blocks];
  * seq_lens int32 [num_seqs] (context length including this step's token, whose K/V are stored).
@@ -27,6 +33,9 @@
  * runtime dimension and a scalar tail. The pool dtype is a constant too (always-inline functions
  * called with a literal flag), so each combination compiles to its own loop.
  */
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -41,6 +50,13 @@
 typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
 typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2)));
 typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+typedef int8_t vb __attribute__((vector_size(VW), aligned(1)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+
+/* Pool element kinds (each a compile-time constant in the specialised loops). */
+#define DT_F32 0
+#define DT_BF16 1
+#define DT_I8 2
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -50,8 +66,22 @@ INLINE float hsum(vf x) {
     return s;
 }
 
-/* VW pool elements from p as floats: a bf16 is the upper half of a float32, so widening is exact. */
+/* VW int8 as floats (exact). GCC scalarises __builtin_convertvector from int8 to float, so the
+ * AVX-512 and AVX2 paths sign-extend and convert with intrinsics (vpmovsxbd, vcvtdq2ps). */
+INLINE vf load_i8(const void *p) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    return __builtin_convertvector(__builtin_convertvector(*(const vb *)p, vi), vf);
+#endif
+}
+
+/* VW pool elements from p as floats: a bf16 is the upper half of a float32, so widening is exact;
+ * an int8 converts exactly too (its scale is applied by the caller). */
 INLINE vf load(const void *p, const int bf16) {
+    if (bf16 == DT_I8) return load_i8(p);
     if (!bf16) return *(const vf *)p;
     const vu wide = __builtin_convertvector(*(const vh *)p, vu) << 16;
     vf out;
@@ -60,6 +90,7 @@ INLINE vf load(const void *p, const int bf16) {
 }
 
 INLINE float load_one(const void *p, const int bf16) {
+    if (bf16 == DT_I8) return (float)*(const int8_t *)p;
     if (!bf16) return *(const float *)p;
     const uint32_t u = (uint32_t) * (const uint16_t *)p << 16;
     float f;
@@ -69,7 +100,7 @@ INLINE float load_one(const void *p, const int bf16) {
 
 /* p + i elements of the pool's dtype */
 INLINE const void *at(const void *p, int64_t i, const int bf16) {
-    return (const char *)p + i * (bf16 ? 2 : 4);
+    return (const char *)p + i * (bf16 == DT_I8 ? 1 : bf16 ? 2 : 4);
 }
 
 INLINE float dot(const float *a, const void *b, const int64_t D, const int bf16) {
@@ -93,17 +124,26 @@ static inline void prefetch_span(const void *p, int64_t bytes) {
 }
 
 /* One task: nh query heads (qs, o: [nh][D]) over positions [start, len) of one sequence; k_pool and
- * v_pool already offset to the task's first KV head; scores: nh * (len - start) floats of scratch. */
-INLINE void attend(const float *qs, const void *k_pool, const void *v_pool, const int32_t *table, int64_t start,
-                   int64_t len, int64_t nh, int64_t groups, int64_t row, const int64_t D, int64_t block_size,
-                   float scale, float softcap, float *scores, float *o, const int bf16) {
-    const int64_t page = block_size * row, n = len - start, span = (nh / groups) * D * (bf16 ? 2 : 4);
+ * v_pool (and, for int8 pools, ks/vs: the scales) already offset to the task's first KV head; kvh:
+ * KV heads per token (the scales' row); scores: nh * (len - start) floats of scratch. */
+INLINE void attend(const float *qs, const void *k_pool, const void *v_pool, const float *ks, const float *vs,
+                   const int32_t *table, int64_t start, int64_t len, int64_t nh, int64_t groups, int64_t row,
+                   int64_t kvh, const int64_t D, int64_t block_size, float scale, float softcap, float *scores,
+                   float *o, const int bf16) {
+    const int64_t page = block_size * row, n = len - start;
+    const int64_t span = (nh / groups) * D * (bf16 == DT_I8 ? 1 : bf16 ? 2 : 4);
     int64_t i = 0;
     for (int64_t pos = start; pos < len; pos++, i++) {
         const int64_t blk = pos / block_size, off = (pos % block_size) * row;
         if (pos + block_size < len) prefetch_span(at(k_pool, (int64_t)table[blk + 1] * page + off, bf16), span);
         const void *kr = at(k_pool, (int64_t)table[blk] * page + off, bf16);
-        for (int64_t h = 0; h < nh; h++) scores[h * n + i] = dot(qs + h * D, at(kr, (h / groups) * D, bf16), D, bf16) * scale;
+        if (bf16 == DT_I8) {
+            const float *sr = ks + ((int64_t)table[blk] * block_size + pos % block_size) * kvh;
+            for (int64_t h = 0; h < nh; h++)
+                scores[h * n + i] = dot(qs + h * D, at(kr, (h / groups) * D, bf16), D, bf16) * (scale * sr[h / groups]);
+        } else {
+            for (int64_t h = 0; h < nh; h++) scores[h * n + i] = dot(qs + h * D, at(kr, (h / groups) * D, bf16), D, bf16) * scale;
+        }
     }
     for (int64_t h = 0; h < nh; h++) {
         float *sc = scores + h * n;
@@ -125,16 +165,31 @@ INLINE void attend(const float *qs, const void *k_pool, const void *v_pool, cons
         const int64_t blk = pos / block_size, off = (pos % block_size) * row;
         if (pos + block_size < len) prefetch_span(at(v_pool, (int64_t)table[blk + 1] * page + off, bf16), span);
         const void *vr = at(v_pool, (int64_t)table[blk] * page + off, bf16);
-        for (int64_t h = 0; h < nh; h++) axpy(o + h * D, scores[h * n + i], at(vr, (h / groups) * D, bf16), D, bf16);
+        if (bf16 == DT_I8) {
+            const float *sr = vs + ((int64_t)table[blk] * block_size + pos % block_size) * kvh;
+            for (int64_t h = 0; h < nh; h++)
+                axpy(o + h * D, scores[h * n + i] * sr[h / groups], at(vr, (h / groups) * D, bf16), D, bf16);
+        } else {
+            for (int64_t h = 0; h < nh; h++) axpy(o + h * D, scores[h * n + i], at(vr, (h / groups) * D, bf16), D, bf16);
+        }
     }
 }
 
 /* One task with the head dimension (32, 64, 128: constants) and the pool dtype specialised. */
-static void attend_task(const float *qs, const void *kp, const void *vp, const int32_t *table, int64_t start,
-                        int64_t len, int64_t nh, int64_t groups, int64_t row, int64_t D, int64_t block_size,
-                        float scale, float softcap, float *scores, float *o, int bf16) {
-#define ATTEND(DIM, BF16) attend(qs, kp, vp, table, start, len, nh, groups, row, DIM, block_size, scale, softcap, scores, o, BF16)
-    if (bf16) {
+static void attend_task(const float *qs, const void *kp, const void *vp, const float *ks, const float *vs,
+                        const int32_t *table, int64_t start, int64_t len, int64_t nh, int64_t groups, int64_t row,
+                        int64_t kvh, int64_t D, int64_t block_size, float scale, float softcap, float *scores,
+                        float *o, int bf16) {
+#define ATTEND(DIM, BF16) \
+    attend(qs, kp, vp, ks, vs, table, start, len, nh, groups, row, kvh, DIM, block_size, scale, softcap, scores, o, BF16)
+    if (bf16 == DT_I8) {
+        switch (D) {
+            case 32: ATTEND(32, DT_I8); break;
+            case 64: ATTEND(64, DT_I8); break;
+            case 128: ATTEND(128, DT_I8); break;
+            default: ATTEND(D, DT_I8); break;
+        }
+    } else if (bf16) {
         switch (D) {
             case 32: ATTEND(32, 1); break;
             case 64: ATTEND(64, 1); break;
@@ -152,18 +207,15 @@ static void attend_task(const float *qs, const void *kp, const void *vp, const i
 #undef ATTEND
 }
 
-/* pool_bf16: 0 for float32 pools, 1 for bfloat16 ones. Returns 0, or 1 when scratch memory could
- * not be allocated (the caller raises MemoryError). */
-int64_t hf_contbatch_paged_decode(const float *q, const void *k_pool, const void *v_pool, int64_t pool_bf16,
-                                  const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs,
-                                  int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                  int64_t block_size, float scale, float softcap, int64_t sliding_window,
-                                  int64_t split_heads, float *out) {
+static int64_t paged_decode(const float *q, const void *k_pool, const void *v_pool, const float *k_scale,
+                            const float *v_scale, int bf16, const int32_t *block_tables, const int32_t *seq_lens,
+                            int64_t num_seqs, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t block_size, float scale, float softcap, int64_t sliding_window,
+                            int64_t split_heads, float *out) {
     const int64_t groups = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim; /* elements per token in a page */
     const int64_t splits = split_heads ? num_kv_heads : 1;
     const int64_t nh = num_heads / splits;
-    const int bf16 = pool_bf16 != 0;
     int64_t failed = 0;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t t = 0; t < num_seqs * splits; t++) {
@@ -183,11 +235,36 @@ int64_t hf_contbatch_paged_decode(const float *q, const void *k_pool, const void
             continue;
         }
         attend_task(q + q_at, at(k_pool, g0 * head_dim, bf16), at(v_pool, g0 * head_dim, bf16),
-                    block_tables + s * max_blocks, start, len, nh, groups, row, head_dim, block_size, scale, softcap,
-                    scores, out + q_at, bf16);
+                    k_scale ? k_scale + g0 : NULL, v_scale ? v_scale + g0 : NULL, block_tables + s * max_blocks,
+                    start, len, nh, groups, row, num_kv_heads, head_dim, block_size, scale, softcap, scores,
+                    out + q_at, bf16);
         free(scores);
     }
     return failed;
+}
+
+/* pool_bf16: 0 for float32 pools, 1 for bfloat16 ones. Returns 0, or 1 when scratch memory could
+ * not be allocated (the caller raises MemoryError). */
+int64_t hf_contbatch_paged_decode(const float *q, const void *k_pool, const void *v_pool, int64_t pool_bf16,
+                                  const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs,
+                                  int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                  int64_t block_size, float scale, float softcap, int64_t sliding_window,
+                                  int64_t split_heads, float *out) {
+    return paged_decode(q, k_pool, v_pool, NULL, NULL, pool_bf16 ? DT_BF16 : DT_F32, block_tables, seq_lens,
+                        num_seqs, max_blocks, num_heads, num_kv_heads, head_dim, block_size, scale, softcap,
+                        sliding_window, split_heads, out);
+}
+
+/* int8 pools with float32 scales [num_blocks, block_size, num_kv_heads] for K and for V; otherwise as
+ * hf_contbatch_paged_decode. */
+int64_t hf_contbatch_paged_decode_q8(const float *q, const int8_t *k_pool, const int8_t *v_pool, const float *k_scale,
+                                     const float *v_scale, const int32_t *block_tables, const int32_t *seq_lens,
+                                     int64_t num_seqs, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
+                                     int64_t head_dim, int64_t block_size, float scale, float softcap,
+                                     int64_t sliding_window, int64_t split_heads, float *out) {
+    return paged_decode(q, k_pool, v_pool, k_scale, v_scale, DT_I8, block_tables, seq_lens, num_seqs, max_blocks,
+                        num_heads, num_kv_heads, head_dim, block_size, scale, softcap, sliding_window, split_heads,
+                        out);
 }
 
 /* Store one step's K and V rows into their slots: key/value element (h, t, d) at
@@ -206,6 +283,44 @@ void hf_contbatch_store_kv(const void *key, const void *value, int64_t k_stride_
         for (int64_t h = 0; h < num_kv_heads; h++) {
             memcpy(kd + h * (int64_t)row, (const char *)key + (t * k_stride_t + h * k_stride_h) * elem_bytes, row);
             memcpy(vd + h * (int64_t)row, (const char *)value + (t * v_stride_t + h * v_stride_h) * elem_bytes, row);
+        }
+    }
+}
+
+/* Quantize one row of D elements (float32, or bfloat16 when bf16) to int8: scale = max|x| / 127
+ * (0 for an all-zero row), q = round(x / scale) clamped to [-127, 127] (round half away from zero,
+ * as roundf; the torch reference rounds half to even: the two differ only on exact ties). */
+static inline void quantize_row(const void *x, int bf16, int64_t D, int8_t *q, float *scale) {
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; d++) {
+        const float v = fabsf(load_one(at(x, d, bf16), bf16));
+        amax = v > amax ? v : amax;
+    }
+    const float s = amax / 127.f;
+    *scale = s;
+    const float inv = s > 0.f ? 1.f / s : 0.f;
+    for (int64_t d = 0; d < D; d++) {
+        float v = roundf(load_one(at(x, d, bf16), bf16) * inv);
+        v = v > 127.f ? 127.f : v < -127.f ? -127.f : v;
+        q[d] = (int8_t)v;
+    }
+}
+
+/* Store one step's K and V rows quantized (the int8 layout of hf_contbatch_paged_decode_q8): inputs as
+ * hf_contbatch_store_kv with in_bf16 0 (float32) or 1 (bfloat16); pool row of slot s at
+ * pool + (s * num_kv_heads + h) * head_dim, its scale at scales[s * num_kv_heads + h]. */
+void hf_contbatch_store_kv_q8(const void *key, const void *value, int64_t k_stride_t, int64_t k_stride_h,
+                              int64_t v_stride_t, int64_t v_stride_h, int8_t *k_pool, int8_t *v_pool, float *k_scale,
+                              float *v_scale, const int64_t *slots, int64_t num_tokens, int64_t num_kv_heads,
+                              int64_t head_dim, int64_t in_bf16) {
+    const int bf16 = in_bf16 ? DT_BF16 : DT_F32;
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t base = slots[t] * num_kv_heads;
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            quantize_row(at(key, t * k_stride_t + h * k_stride_h, bf16), bf16, head_dim, k_pool + (base + h) * head_dim,
+                         k_scale + base + h);
+            quantize_row(at(value, t * v_stride_t + h * v_stride_h, bf16), bf16, head_dim,
+                         v_pool + (base + h) * head_dim, v_scale + base + h);
         }
     }
 }

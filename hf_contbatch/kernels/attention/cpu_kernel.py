@@ -34,7 +34,7 @@ def build_decode_library() -> Path:
 
 
 def _load(path: Path):
-    """(decode attention, KV store) functions of the built library."""
+    """(decode attention, KV store, int8 decode attention, int8 KV store) functions of the built library."""
     lib = ctypes.CDLL(str(path))
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     fn = lib.hf_contbatch_paged_decode
@@ -43,7 +43,13 @@ def _load(path: Path):
     store = lib.hf_contbatch_store_kv
     store.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64]
     store.restype = None
-    return fn, store
+    fn_q8 = lib.hf_contbatch_paged_decode_q8
+    fn_q8.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, f32, i64, i64, ptr]
+    fn_q8.restype = i64
+    store_q8 = lib.hf_contbatch_store_kv_q8
+    store_q8.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
+    store_q8.restype = None
+    return fn, store, fn_q8, store_q8
 
 
 def allowed_by_env() -> bool:
@@ -96,6 +102,70 @@ class CPUDecodeKernel:
             and v_pool.shape == k_pool.shape
             and self.available
         )
+
+    def can_serve_int8(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+        """As :meth:`can_serve` for int8 pools (their float32 scales are contiguous
+        ``[blocks, block_size, KVH, 1]`` tensors, as ``PagedKVCache`` allocates them)."""
+        return (
+            k_pool.dtype == torch.int8
+            and v_pool.dtype == torch.int8
+            and query.dtype in (torch.float32, torch.bfloat16)
+            and query.is_cpu
+            and k_pool.is_cpu
+            and v_pool.is_cpu
+            and k_pool.is_contiguous()
+            and v_pool.is_contiguous()
+            and v_pool.shape == k_pool.shape
+            and self.available
+        )
+
+    def store_int8(self, key, value, k_pool, v_pool, k_scale, v_scale, slot_mapping) -> bool:
+        """Quantize this step's K and V rows (``kv_quant``'s scheme) and write them and their scales
+        into their slots in one call, if this kernel can: ``key``/``value`` ``[T, KVH, D]`` float32 or
+        bfloat16 (unit stride in D), int8 pools, float32 scales ``[blocks, block_size, KVH, 1]``,
+        all contiguous on the CPU, ``slot_mapping`` int64 ``[T]``. Returns False (nothing written)
+        where it cannot: the caller stores them itself."""
+        lib = self._kernel.get() if self.built_ok else None
+        pools = (k_pool, v_pool, k_scale, v_scale)
+        if (
+            lib is None
+            or key.dtype not in POOL_DTYPES
+            or value.dtype != key.dtype
+            or k_pool.dtype != torch.int8
+            or v_pool.dtype != torch.int8
+            or k_scale.dtype != torch.float32
+            or v_scale.dtype != torch.float32
+            or not all(t.is_cpu and t.is_contiguous() for t in pools)
+            or not (key.is_cpu and value.is_cpu)
+            or key.stride(-1) != 1
+            or value.stride(-1) != 1
+            or slot_mapping.dtype != torch.int64
+            or not slot_mapping.is_contiguous()
+            or key.shape != value.shape
+            or key.shape[1:] != k_pool.shape[2:]
+            or k_scale.shape[:3] != k_pool.shape[:3]
+            or v_scale.shape != k_scale.shape
+        ):
+            return False
+        t, kvh, d = key.shape
+        lib[3](
+            key.data_ptr(),
+            value.data_ptr(),
+            key.stride(0),
+            key.stride(1),
+            value.stride(0),
+            value.stride(1),
+            k_pool.data_ptr(),
+            v_pool.data_ptr(),
+            k_scale.data_ptr(),
+            v_scale.data_ptr(),
+            slot_mapping.data_ptr(),
+            t,
+            kvh,
+            d,
+            int(key.dtype == torch.bfloat16),
+        )
+        return True
 
     def store(
         self,
@@ -156,13 +226,17 @@ class CPUDecodeKernel:
         softcap: Optional[float] = None,
         sliding_window: Optional[int] = None,
         split_heads: Optional[bool] = None,
+        k_scale: Optional[torch.Tensor] = None,
+        v_scale: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Decode attention of ``query`` ``[b, H, D]`` over the paged pools ``[blocks, block_size,
         KVH, D]`` (float32), with int32 ``block_tables`` ``[b, max_blocks]`` and ``seq_lens``
         ``[b]``; ``scale`` multiplies q.k, ``softcap``/``sliding_window`` as in the torch path.
         ``split_heads``: one task per (sequence, KV head) instead of per sequence; default: when
         there are fewer than four sequences per thread (the decode tail), so all threads work.
-        Pools float32 or bfloat16; the query is computed with in float32 and the result returned
+        Pools float32 or bfloat16; or int8 with float32 ``k_scale``/``v_scale`` ``[blocks,
+        block_size, KVH, 1]`` (contiguous; each key's dot product and each value's weight times
+        its token-head scale). The query is computed with in float32 and the result returned
         in the query's dtype, ``[b, H, D]``. Call only when :meth:`can_serve` is True (otherwise
         there is no kernel to call and this raises ``TypeError``).
 
@@ -178,11 +252,15 @@ class CPUDecodeKernel:
         out = torch.empty_like(q)
         if split_heads is None:
             split_heads = b < 4 * torch.get_num_threads()
+        if k_scale is not None:
+            fn = self._kernel.get()[2]
+            k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()  # held until the call returns
+            pools = (k_pool.data_ptr(), v_pool.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr())
+        else:
+            pools = (k_pool.data_ptr(), v_pool.data_ptr(), int(k_pool.dtype == torch.bfloat16))
         failed = fn(
             q.data_ptr(),
-            k_pool.data_ptr(),
-            v_pool.data_ptr(),
-            int(k_pool.dtype == torch.bfloat16),
+            *pools,
             tables.data_ptr(),
             lens.data_ptr(),
             b,

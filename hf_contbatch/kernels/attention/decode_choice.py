@@ -18,12 +18,22 @@ from .torch_paged import torch_paged_attention
 def _decode_batch(
     num_seqs: int, context: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype
 ):
-    """A synthetic decode step (query, pools, metadata) of ``num_seqs`` sequences of ``context`` tokens."""
+    """A synthetic decode step (query, pools, metadata, scales) of ``num_seqs`` sequences of ``context``
+    tokens; ``dtype`` int8: int8 pools with float32 scales (``{"k_scale", "v_scale"}``, else ``{}``)
+    and a float32 query."""
     blocks = -(-context // block_size)
     g = torch.Generator().manual_seed(0)
     pool_shape = (num_seqs * blocks, block_size, num_kv_heads, head_dim)
-    k_pool = torch.randn(pool_shape, generator=g).to(dtype)
-    v_pool = torch.randn(pool_shape, generator=g).to(dtype)
+    scales = {}
+    if dtype == torch.int8:
+        k_pool = torch.randint(-127, 128, pool_shape, generator=g, dtype=torch.int8)
+        v_pool = torch.randint(-127, 128, pool_shape, generator=g, dtype=torch.int8)
+        scale_shape = pool_shape[:3] + (1,)
+        scales = {"k_scale": torch.rand(scale_shape, generator=g), "v_scale": torch.rand(scale_shape, generator=g)}
+        dtype = torch.float32
+    else:
+        k_pool = torch.randn(pool_shape, generator=g).to(dtype)
+        v_pool = torch.randn(pool_shape, generator=g).to(dtype)
     query = torch.randn(num_seqs, num_heads, head_dim, generator=g).to(dtype)
     tables = torch.arange(num_seqs * blocks, dtype=torch.int32).view(num_seqs, blocks)
     lens = [context] * num_seqs
@@ -40,18 +50,18 @@ def _decode_batch(
         block_size=block_size,
         num_kv_heads=num_kv_heads,
     )
-    return query, k_pool, v_pool, meta
+    return query, k_pool, v_pool, meta, scales
 
 
 def measure_decode_paths(
     kernel: CPUDecodeKernel, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype
 ) -> dict[str, float]:
     """Seconds per call of the compiled kernel and of the torch path for one layer's decode
-    attention, summed over two steps: 16 sequences of 256 tokens and 2 of 512 (a full batch and the
+    attention (``dtype`` int8: int8 pools with scales), summed over two steps: 16 sequences of 256 tokens and 2 of 512 (a full batch and the
     tail). Minimum of 3 calls each, the two paths interleaved."""
     totals = {"kernel": 0.0, "torch": 0.0}
     for num_seqs, context in ((16, 256), (2, 512)):
-        q, k, v, meta = _decode_batch(num_seqs, context, num_heads, num_kv_heads, head_dim, block_size, dtype)
+        q, k, v, meta, scales = _decode_batch(num_seqs, context, num_heads, num_kv_heads, head_dim, block_size, dtype)
         best = {"kernel": float("inf"), "torch": float("inf")}
         paths = {"kernel": kernel, "torch": None}
         with torch.inference_mode():
@@ -59,7 +69,7 @@ def measure_decode_paths(
                 for name, decode_kernel in paths.items():
                     meta._derived.clear()  # a step's derived tensors are built once per step, as here
                     t0 = time.perf_counter()
-                    torch_paged_attention(q, k, v, meta, head_dim**-0.5, decode_kernel=decode_kernel)
+                    torch_paged_attention(q, k, v, meta, head_dim**-0.5, decode_kernel=decode_kernel, **scales)
                     best[name] = min(best[name], time.perf_counter() - t0)
         for name in totals:
             totals[name] += best[name]

@@ -152,6 +152,8 @@ def torch_paged_attention(
     value: torch.Tensor | None = None,
     decode_kernel=None,
     prefill_kernel=None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged context.
 
@@ -169,12 +171,24 @@ def torch_paged_attention(
         prefill_kernel: a ``cpu_prefill.CPUPrefillKernel``; where it can serve, it computes the
             prefill rows (reading the pool in place) instead of the per-request loop below.
 
+        k_scale, v_scale: float32 ``[num_blocks, block_size, KVH, 1]`` for int8 pools
+            (``kv_quant``): the keys and values each request reads are gathered and dequantized
+            (``q * scale``, then the query's dtype) before the same math as a float pool; every
+            row, this step's too, reads the stored (quantized) K/V, so chunking and recompute
+            see the same values. ``decode_kernel`` then must serve int8 pools (or be None).
+
     Returns:
         ``[T, H, D]`` in the query dtype.
     """
     num_tokens, num_heads, head_dim = query.shape
     kvh = k_pool.shape[2]
     nd = meta.num_decodes
+    if k_scale is not None:
+        in_kernel = bool(nd) and decode_kernel is not None and decode_kernel.can_serve_int8(query, k_pool, v_pool)
+        kernel = decode_kernel if in_kernel else None
+        return _int8_paged_attention(
+            query, k_pool, v_pool, k_scale, v_scale, meta, scale, sliding_window, softcap, kernel
+        )
     in_kernel = bool(nd) and decode_kernel is not None and decode_kernel.can_serve(query, k_pool, v_pool)
     if in_kernel:
         # The decode rows' tables and lengths, as the kernel reads them: once a step, not per layer.
@@ -222,5 +236,57 @@ def torch_paged_attention(
             v = flat_v.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(query.dtype)
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
         o = _attend(q, k, v, mask, scale, softcap, is_causal=mask is None)
+        out[start:end] = o[0].transpose(0, 1)
+    return out
+
+
+def _int8_paged_attention(query, k_pool, v_pool, k_scale, v_scale, meta, scale, sliding_window, softcap, decode_kernel):
+    """:func:`torch_paged_attention` over int8 pools with per-token-head scales: the decode rows
+    through ``decode_kernel`` (it reads the scales itself) or by gather, dequantize and the float
+    decode math; prefill chunks gather their context and dequantize it (never this step's float
+    K/V: everything reads what the cache holds)."""
+    num_tokens, num_heads, head_dim = query.shape
+    kvh = k_pool.shape[2]
+    nd = meta.num_decodes
+    out = torch.empty_like(query)
+    flat_k, flat_v = k_pool.view(-1, kvh, head_dim), v_pool.view(-1, kvh, head_dim)
+    flat_ks, flat_vs = k_scale.view(-1, kvh, 1), v_scale.view(-1, kvh, 1)
+    if nd and decode_kernel:
+        tables, lens = meta.derived(
+            ("decode_kernel",),
+            lambda: (meta.block_tables[:nd].to(torch.int32).contiguous(), meta.seq_lens[:nd].to(torch.int32)),
+        )
+        out[:nd] = decode_kernel(
+            query[:nd], k_pool, v_pool, tables, lens, scale, softcap, sliding_window, k_scale=k_scale, v_scale=v_scale
+        )
+    elif nd:
+        groups = num_heads // kvh
+        plans = meta.derived(
+            ("decode", sliding_window, kvh, groups), lambda: _decode_buckets(meta, sliding_window, groups)
+        )
+        rows_k, rows_v = k_pool.view(-1, head_dim), v_pool.view(-1, head_dim)
+        rows_ks, rows_vs = k_scale.view(-1, 1), v_scale.view(-1, 1)
+        for rows, head_index, _bag_index, _bag_offsets, bias, max_len in plans:
+            b = rows.numel()
+            shape = (b, kvh, max_len, head_dim)
+            k = (rows_k.index_select(0, head_index).float() * rows_ks.index_select(0, head_index)).view(shape)
+            v = (rows_v.index_select(0, head_index).float() * rows_vs.index_select(0, head_index)).view(shape)
+            q = query.index_select(0, rows).view(b, kvh, num_heads // kvh, head_dim)
+            scores = torch.matmul(q.to(k.dtype), k.transpose(-1, -2)).mul_(scale)  # [b, KVH, G, L]
+            if softcap is not None:
+                scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+            if bias is not None:
+                scores.add_(bias)
+            o = torch.matmul(torch.softmax(scores, dim=-1), v)  # [b, KVH, G, D]
+            out.index_copy_(0, rows, o.reshape(b, num_heads, head_dim).to(query.dtype))
+    for i in range(nd, meta.num_requests):
+        start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        slots, mask = meta.derived(("prefill", i, sliding_window), lambda i=i: _prefill_gather(meta, i, sliding_window))
+        k = (flat_k.index_select(0, slots).to(torch.float32) * flat_ks.index_select(0, slots)).to(query.dtype)
+        v = (flat_v.index_select(0, slots).to(torch.float32) * flat_vs.index_select(0, slots)).to(query.dtype)
+        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
+        o = _attend(
+            q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), mask, scale, softcap, mask is None
+        )
         out[start:end] = o[0].transpose(0, 1)
     return out

@@ -54,7 +54,8 @@ _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 class Case:
     """One launcher call. ``kernel`` is "store_kv", "decode" or "prefill"; ``dtype`` the cache (and
     query) dtype; ``key_dtype`` the dtype of the keys stored by store_kv; ``num_splits`` forces the
-    decode split (1 = single pass; > 1 also launches the reduce kernel)."""
+    decode split (1 = single pass; > 1 also launches the reduce kernel); ``kv_int8``: an int8 cache
+    with float32 scales (``dtype`` is then the query's and the stored keys' dtype)."""
 
     kernel: str
     dtype: str
@@ -66,6 +67,7 @@ class Case:
     softcap: bool = False
     num_splits: int = 1
     key_dtype: Optional[str] = None
+    kv_int8: bool = False
 
     def label(self) -> str:
         parts = [self.kernel, self.dtype, f"d{self.head_dim}"]
@@ -77,6 +79,8 @@ class Case:
             if self.kernel == "decode" and self.num_splits > 1:
                 parts.append("split")
         parts.append(f"bs{self.block_size}")
+        if self.kv_int8:
+            parts.append("kv_int8")
         return "/".join(parts)
 
 
@@ -121,7 +125,8 @@ def plan(name: str, archs: Iterable[int] = ARCHS) -> list:
     and softcap), the widest decode tile with its split reduce, and a bf16 store_kv conversion; the
     fp32 (FMA-path) tiles on sm_75 and sm_86, the archs with the least shared memory (fp32 tiles do
     not depend on the arch from sm_80 on); a bf16 decode with window and softcap on the
-    tensor-core archs sm_80 and sm_90.
+    tensor-core archs sm_80 and sm_90; on every arch the int8 KV cache's fp16 prefill, split
+    decode and quantizing store.
     """
     archs = tuple(archs)
     if name == "full":
@@ -148,6 +153,15 @@ def plan(name: str, archs: Iterable[int] = ARCHS) -> list:
             for key in _DTYPES
             for d in (64, 256)
         ]
+        cases += [  # the int8 KV cache (CacheConfig(dtype="int8")): tiles dequantized into the query's dtype
+            Case(
+                kernel, dtype, d, g, window=True, softcap=True, num_splits=4 if kernel == "decode" else 1, kv_int8=True
+            )
+            for dtype in _DTYPES
+            for d in (64, 128, 256)
+            for g in (1, 8)
+            for kernel in ("prefill", "decode", "store_kv")
+        ]
         return [(c, a) for a in archs for c in cases]
     if name == "sampled":
         every = [
@@ -155,6 +169,9 @@ def plan(name: str, archs: Iterable[int] = ARCHS) -> list:
             Case("prefill", "bf16", 256, 64, window=True, softcap=True),
             Case("decode", "fp16", 256, 64, num_splits=4),
             Case("store_kv", "bf16", 128, num_kv_heads=8, key_dtype="fp16"),
+            Case("prefill", "fp16", 128, 4, kv_int8=True),
+            Case("decode", "fp16", 128, 8, window=True, softcap=True, num_splits=4, kv_int8=True),
+            Case("store_kv", "fp16", 128, num_kv_heads=8, kv_int8=True),
         ]
         fp32 = [
             Case("prefill", "fp32", 256, 64),
@@ -220,11 +237,14 @@ def _call_launcher(tk, case: Case) -> None:
     kvh = case.num_kv_heads
     heads = kvh * case.group
     d, bs = case.head_dim, case.block_size
-    k_cache = torch.zeros(4, bs, kvh, d, dtype=dtype)
+    k_cache = torch.zeros(4, bs, kvh, d, dtype=torch.int8 if case.kv_int8 else dtype)
     v_cache = torch.zeros_like(k_cache)
+    scales = {}
+    if case.kv_int8:
+        scales = {"k_scale": torch.zeros(4, bs, kvh, 1), "v_scale": torch.zeros(4, bs, kvh, 1)}
     if case.kernel == "store_kv":
         key = torch.zeros(3, kvh, d, dtype=_DTYPES[case.key_dtype or case.dtype])
-        tk.store_kv(key, key.clone(), k_cache, v_cache, torch.arange(3, dtype=torch.int64))
+        tk.store_kv(key, key.clone(), k_cache, v_cache, torch.arange(3, dtype=torch.int64), **scales)
         return
     window = 64 if case.window else None
     softcap = 30.0 if case.softcap else None
@@ -243,12 +263,23 @@ def _call_launcher(tk, case: Case) -> None:
             softcap=softcap,
             max_seq_len=4 * bs,
             num_splits=case.num_splits,
+            **scales,
         )
     elif case.kernel == "prefill":
         query = torch.zeros(5, heads, d, dtype=dtype)
         qsl = torch.tensor([0, 3, 5], dtype=torch.int32)
         tk.paged_prefill_attention(
-            query, k_cache, v_cache, block_tables, seq_lens, qsl, 3, d**-0.5, sliding_window=window, softcap=softcap
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            qsl,
+            3,
+            d**-0.5,
+            sliding_window=window,
+            softcap=softcap,
+            **scales,
         )
     else:
         raise ValueError(f"unknown kernel {case.kernel!r}")

@@ -47,15 +47,21 @@ def check_index_tensor(name: str, tensor: torch.Tensor, ndim: int) -> None:
         raise ValueError(f"`{name}` must be a {ndim}-D int32 (or int64) tensor, got {got}")
 
 
-def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale=None, v_scale=None) -> None:
     """ValueError unless both caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` of one
-    shape and supported dtype, contiguous in head_dim, with a supported block and head size."""
+    shape and supported dtype, contiguous in head_dim, with a supported block and head size; with
+    ``k_scale``/``v_scale`` (an int8 cache), the caches int8 and the scales float32 ``[num_blocks,
+    block_size, num_kv_heads, 1]``."""
+    quantized = k_scale is not None or v_scale is not None
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.dim() != 4:
             raise ValueError(
                 f"`{name}` must be [num_blocks, block_size, num_kv_heads, head_dim], got shape {tuple(cache.shape)}"
             )
-        if cache.dtype not in SUPPORTED_DTYPES:
+        if quantized:
+            if cache.dtype != torch.int8:
+                raise ValueError(f"`{name}` must be int8 when scales are given, got {cache.dtype}")
+        elif cache.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"`{name}` dtype must be one of {SUPPORTED_DTYPES}, got {cache.dtype}")
         if cache.stride(-1) != 1:
             raise ValueError(f"`{name}` must be contiguous in its last (head_dim) dimension")
@@ -64,6 +70,12 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
             f"`k_cache` and `v_cache` must have the same shape and dtype, got {tuple(k_cache.shape)} {k_cache.dtype} "
             f"and {tuple(v_cache.shape)} {v_cache.dtype}"
         )
+    if quantized:
+        want = tuple(k_cache.shape[:3]) + (1,)
+        for name, scales in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if scales is None or scales.dtype != torch.float32 or tuple(scales.shape) != want:
+                got = "None" if scales is None else f"{scales.dtype} {tuple(scales.shape)}"
+                raise ValueError(f"`{name}` must be float32 {want} (one scale per token and KV head), got {got}")
     block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
     if block_size not in SUPPORTED_BLOCK_SIZES:
         raise ValueError(f"`block_size` (k_cache.shape[1]) must be one of {SUPPORTED_BLOCK_SIZES}, got {block_size}")
@@ -71,9 +83,9 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError(f"`head_dim` (k_cache.shape[3]) must be one of {SUPPORTED_HEAD_SIZES}, got {head_dim}")
 
 
-def check_store_args(key, value, k_cache, v_cache, slot_mapping) -> None:
+def check_store_args(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """The shape and dtype checks of ``store_kv`` (see there)."""
-    check_cache(k_cache, v_cache)
+    check_cache(k_cache, v_cache, k_scale, v_scale)
     for name, t in (("key", key), ("value", value)):
         if t.dim() != 3 or tuple(t.shape[1:]) != tuple(k_cache.shape[2:]):
             raise ValueError(
@@ -91,20 +103,35 @@ def check_store_args(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def check_attention_args(
-    query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, out, query_name
+    query,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    scale,
+    sliding_window,
+    softcap,
+    out,
+    query_name,
+    k_scale=None,
+    v_scale=None,
 ) -> None:
     """The checks both attention launchers make first (see ``paged_decode_attention`` for the
-    arguments); ``query_name`` is the query's layout for the message."""
+    arguments); ``query_name`` is the query's layout for the message. An int8 cache (with
+    ``k_scale``/``v_scale``) takes a query of any supported float dtype."""
     if query.dim() != 3:
         raise ValueError(f"`query` must be {query_name}, got shape {tuple(query.shape)}")
-    check_cache(k_cache, v_cache)
+    check_cache(k_cache, v_cache, k_scale, v_scale)
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     if head_dim not in SUPPORTED_HEAD_SIZES:
         raise ValueError(f"`head_dim` (query.shape[2]) must be one of {SUPPORTED_HEAD_SIZES}, got {head_dim}")
     if head_dim != k_cache.shape[3]:
         raise ValueError(f"`query` head_dim {head_dim} differs from the cache's head_dim {k_cache.shape[3]}")
-    if query.dtype != k_cache.dtype:
+    if k_scale is not None:
+        if query.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"`query` dtype must be one of {SUPPORTED_DTYPES}, got {query.dtype}")
+    elif query.dtype != k_cache.dtype:
         raise ValueError(f"`query` dtype {query.dtype} must equal the cache dtype {k_cache.dtype}")
     if num_heads % num_kv_heads != 0 or num_heads // num_kv_heads > MAX_GQA_GROUP:
         raise ValueError(

@@ -104,6 +104,8 @@ if TRITON_AVAILABLE:
         k_cache_ptr,
         v_cache_ptr,
         slot_mapping_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
         stride_kt,
         stride_kh,
         stride_vt,
@@ -119,7 +121,10 @@ if TRITON_AVAILABLE:
         BLOCK_D: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
+        QUANT: tl.constexpr,
     ):
+        # QUANT: int8 caches; each (token, KV head) row is stored as round(x / s), s = absmax / 127,
+        # with s at k/v_scale_ptr[slot * num_kv_heads + head] (kv_quant's scheme).
         token = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         if slot < 0:  # padding token: nothing to store
@@ -129,12 +134,29 @@ if TRITON_AVAILABLE:
         heads = tl.arange(0, BLOCK_H)
         dims = tl.arange(0, BLOCK_D)
         mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < HEAD_DIM)
-        k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
-        v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+        k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask, other=0.0)
+        v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask, other=0.0)
         k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kco + heads[:, None] * stride_kch + dims[None, :]
         v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vco + heads[:, None] * stride_vch + dims[None, :]
+        if QUANT:
+            k, k_s = _quantize_rows(k)
+            v, v_s = _quantize_rows(v)
+            head_mask = heads < num_kv_heads
+            tl.store(k_scale_ptr + slot * num_kv_heads + heads, k_s, mask=head_mask)
+            tl.store(v_scale_ptr + slot * num_kv_heads + heads, v_s, mask=head_mask)
         tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _quantize_rows(x):
+        # x [heads, dims] (masked entries 0) -> (int8-valued rows, float32 scales [heads]): round
+        # half away from zero (float -> int conversion truncates), clamped to [-127, 127].
+        x = x.to(tl.float32)
+        s = tl.max(tl.abs(x), axis=1) / 127.0
+        r = x / tl.where(s > 0, s, 1.0)[:, None]
+        r = tl.where(r >= 0, r + 0.5, r - 0.5).to(tl.int32)
+        r = tl.minimum(tl.maximum(r, -127), 127)
+        return r.to(tl.int8), s
 
     @triton.jit
     def _softcap_scores(s, softcap):
@@ -161,8 +183,11 @@ if TRITON_AVAILABLE:
         q,
         k_cache_ptr,
         v_cache_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
         k_strides,
         v_strides,
+        s_strides,
         kv_head,
         block_table_row_ptr,
         start,
@@ -178,6 +203,7 @@ if TRITON_AVAILABLE:
         BLOCK_SIZE: tl.constexpr,
         USE_SOFTCAP: tl.constexpr,
         DOT_FP32: tl.constexpr,
+        QUANT: tl.constexpr,
     ):
         """The tile loop of both attention kernels: the online softmax of FlashAttention over keys
         ``start .. end - 1`` of one request, BLOCK_N keys a tile, read through its block table row.
@@ -189,6 +215,9 @@ if TRITON_AVAILABLE:
         running max starts at -1e30, not -inf: a row with no visible key in a tile (a padding row, a
         window edge) then gets exp2(-inf - -1e30) = 0 rather than NaN. Returns the running max and
         sum ([rows] fp32) and the unnormalised output ([rows, BLOCK_D] fp32).
+        QUANT: int8 caches; K/V tiles are widened to the query's dtype, the scores multiplied by
+        their keys' scales and the softmax weights by their values' scales (``s_strides``: the
+        scales' (block, offset, head) strides).
         """
         if DOT_FP32:
             q = q.to(tl.float32)
@@ -207,10 +236,20 @@ if TRITON_AVAILABLE:
             kv_mask = in_seq[:, None] & (dims[None, :] < HEAD_DIM)
             k = _load_kv_tile(k_head_ptr, blocks, offsets, dims, k_strides, kv_mask)
             v = _load_kv_tile(v_head_ptr, blocks, offsets, dims, v_strides, kv_mask)
+            if QUANT:
+                # int8 -> the query's dtype is exact (|x| <= 127); the token scales multiply the scores
+                # (keys) and the softmax weights (values), never a whole tile: no float32 tile in registers.
+                at = blocks * s_strides[0] + offsets * s_strides[1] + kv_head * s_strides[2]
+                k_s = tl.load(k_scale_ptr + at, mask=in_seq, other=0.0)
+                v_s = tl.load(v_scale_ptr + at, mask=in_seq, other=0.0)
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
             if DOT_FP32:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
+            if QUANT:
+                s = s * k_s[None, :]
             if USE_SOFTCAP:
                 s = _softcap_scores(s * qk_scale, softcap) * 1.4426950408889634
             else:
@@ -221,6 +260,8 @@ if TRITON_AVAILABLE:
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
+            if QUANT:
+                p = p * v_s[None, :]
             if DOT_FP32:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
@@ -237,12 +278,15 @@ if TRITON_AVAILABLE:
         query_ptr,
         k_cache_ptr,
         v_cache_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
         block_tables_ptr,
         seq_lens_ptr,
         q_strides,
         o_strides,
         k_strides,
         v_strides,
+        s_strides,
         stride_bt,
         num_heads,
         num_splits,
@@ -261,6 +305,7 @@ if TRITON_AVAILABLE:
         USE_SOFTCAP: tl.constexpr,
         SPLIT: tl.constexpr,
         DOT_FP32: tl.constexpr,
+        QUANT: tl.constexpr,
     ):
         """Grid (B, num_kv_heads * cdiv(GROUP, HEADS), num_splits). One query token per request; rows
         = HEADS of the GROUP query heads sharing KV head ``kv_head`` (all of them unless the tile
@@ -295,8 +340,11 @@ if TRITON_AVAILABLE:
             q,
             k_cache_ptr,
             v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
             k_strides,
             v_strides,
+            s_strides,
             kv_head,
             block_tables_ptr + b.to(tl.int64) * stride_bt,
             start,
@@ -312,6 +360,7 @@ if TRITON_AVAILABLE:
             BLOCK_SIZE,
             USE_SOFTCAP,
             DOT_FP32,
+            QUANT,
         )
         if SPLIT:
             # Partials are laid out [B, num_heads, num_splits(, HEAD_DIM)], contiguous.
@@ -367,6 +416,8 @@ if TRITON_AVAILABLE:
         query_ptr,
         k_cache_ptr,
         v_cache_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
         block_tables_ptr,
         seq_lens_ptr,
         query_start_loc_ptr,
@@ -374,6 +425,7 @@ if TRITON_AVAILABLE:
         o_strides,
         k_strides,
         v_strides,
+        s_strides,
         stride_bt,
         num_seqs,
         qk_scale,
@@ -390,6 +442,7 @@ if TRITON_AVAILABLE:
         USE_WINDOW: tl.constexpr,
         USE_SOFTCAP: tl.constexpr,
         DOT_FP32: tl.constexpr,
+        QUANT: tl.constexpr,
     ):
         """Grid (T // BLOCK_Q + B, num_kv_heads * cdiv(GROUP, HEADS)). A program owns BLOCK_Q query
         tokens of one request times HEADS of the GROUP query heads of one KV head (BLOCK_M rows,
@@ -442,8 +495,11 @@ if TRITON_AVAILABLE:
             q,
             k_cache_ptr,
             v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
             k_strides,
             v_strides,
+            s_strides,
             kv_head,
             block_tables_ptr + b.to(tl.int64) * stride_bt,
             start,
@@ -459,6 +515,7 @@ if TRITON_AVAILABLE:
             BLOCK_SIZE,
             USE_SOFTCAP,
             DOT_FP32,
+            QUANT,
         )
         o_ptrs = out_ptr + q_rows[:, None] * o_strides[0] + heads[:, None] * o_strides[1] + dims[None, :]
         _store_normalized(o_ptrs, acc, l_i, q_mask)
@@ -523,12 +580,27 @@ class _AttentionLaunch:
 
 
 def _prepare_attention(
-    tile_config, query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, out, **index_tensors
+    tile_config,
+    query,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    scale,
+    sliding_window,
+    softcap,
+    out,
+    k_scale=None,
+    v_scale=None,
+    **index_tensors,
 ) -> tuple[torch.Tensor, Optional[_AttentionLaunch]]:
     """Device checks, the output tensor and the launch of an attention kernel whose arguments passed
     :func:`check_attention_args`. Returns ``(out, launch)``; launch is None for an empty batch
-    (nothing to run). ``tile_config``: ``decode_tile_config`` or ``prefill_tile_config``."""
+    (nothing to run). ``tile_config``: ``decode_tile_config`` or ``prefill_tile_config``;
+    ``k_scale``/``v_scale``: the scales of an int8 cache (None for a float one)."""
     tensors = {"query": query, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables}
+    if k_scale is not None:
+        tensors.update(k_scale=k_scale, v_scale=v_scale)
     _check_device({**tensors, "seq_lens": seq_lens, **index_tensors})
     limits = _device_limits(query.device)
     check_device_dtype(query.dtype, limits, "query")
@@ -541,18 +613,26 @@ def _prepare_attention(
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     block_d = next_power_of_2(head_dim)
     tile = tile_config(block_d, num_heads // num_kv_heads, query.dtype, limits)
+    if k_scale is not None and tile_config is prefill_tile_config and tile.block_n > 32 and tile.rows >= 128:
+        # The int8 tile's conversions and scale vectors cost registers: 128 x 64 tiles spilled on
+        # sm_80 (triton_aot); 128 x 32 keeps them in registers.
+        tile = dataclasses.replace(tile, block_n=32)
     target = out if out.stride(-1) == 1 else torch.empty_like(query)
     kernel_args = dict(
         out_ptr=target,
         query_ptr=query,
         k_cache_ptr=k_cache,
         v_cache_ptr=v_cache,
+        # A float cache passes its own pools as the (unread) scale pointers.
+        k_scale_ptr=k_cache if k_scale is None else k_scale,
+        v_scale_ptr=v_cache if v_scale is None else v_scale,
         block_tables_ptr=block_tables,
         seq_lens_ptr=seq_lens,
         q_strides=query.stride()[:2],
         o_strides=target.stride()[:2],
         k_strides=k_cache.stride(),
         v_strides=v_cache.stride(),
+        s_strides=(k_cache.stride()[:3] if k_scale is None else k_scale.stride()[:3]),
         stride_bt=block_tables.stride(0),
         qk_scale=float(scale),
         softcap=float(softcap or 0.0),
@@ -566,6 +646,7 @@ def _prepare_attention(
         USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=softcap is not None,
         DOT_FP32=_dot_in_fp32(query.dtype),
+        QUANT=k_scale is not None,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
@@ -653,6 +734,8 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
 ) -> None:
     """Write this step's keys and values into their cache slots, in place.
 
@@ -661,13 +744,22 @@ def store_kv(
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         slot_mapping: int64 (or int32) ``[T]``; token ``t`` goes to block ``slot // block_size``,
             row ``slot % block_size``. A negative slot marks a padding token and is skipped.
+        k_scale, v_scale: for int8 caches, contiguous float32 ``[num_blocks, block_size,
+            num_kv_heads, 1]``: each token-head row is quantized (``kv_quant``'s scheme: scale =
+            absmax / 127, rounded half away from zero) and its scale written here.
     """
     _require_triton()
-    check_store_args(key, value, k_cache, v_cache, slot_mapping)
+    check_store_args(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     num_tokens = key.shape[0]
-    _check_device({"key": key, "value": value, "k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slot_mapping})
+    tensors = {"key": key, "value": value, "k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slot_mapping}
+    if k_scale is not None:
+        if not (k_scale.is_contiguous() and v_scale.is_contiguous()):
+            raise ValueError("`k_scale` and `v_scale` must be contiguous")
+        tensors.update(k_scale=k_scale, v_scale=v_scale)
+    _check_device(tensors)
     limits = _device_limits(k_cache.device)
-    for name, dtype in (("key", key.dtype), ("value", value.dtype), ("k_cache", k_cache.dtype)):
+    checked = (("key", key.dtype), ("value", value.dtype)) + ((("k_cache", k_cache.dtype),) if k_scale is None else ())
+    for name, dtype in checked:
         check_device_dtype(dtype, limits, name)
     if num_tokens == 0:
         return
@@ -680,12 +772,15 @@ def store_kv(
         k_cache,
         v_cache,
         slot_mapping,
+        k_cache if k_scale is None else k_scale,
+        v_cache if v_scale is None else v_scale,
         *strides,
         num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_D=next_power_of_2(head_dim),
         BLOCK_H=next_power_of_2(num_kv_heads),
         BLOCK_SIZE=k_cache.shape[1],
+        QUANT=k_scale is not None,
     )
 
 
@@ -702,6 +797,8 @@ def paged_decode_attention(
     *,
     max_seq_len: Optional[int] = None,
     num_splits: Optional[int] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of one new token per request over its paged context (PagedAttention decode).
 
@@ -725,6 +822,9 @@ def paged_decode_attention(
             underestimate makes the last partition longer, never drops keys.
         num_splits: force the number of context partitions (1 = single pass); default automatic
             (:func:`decode_num_splits`).
+        k_scale, v_scale: an int8 cache's float32 scales ``[num_blocks, block_size, num_kv_heads,
+            1]`` (see :func:`store_kv`); the query is then of any supported float dtype, and each
+            K/V tile is dequantized into it.
 
     Returns:
         ``[B, num_heads, head_dim]`` in the query dtype (``out`` when given).
@@ -735,7 +835,18 @@ def paged_decode_attention(
     """
     _require_triton()
     check_attention_args(
-        query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, out, "[B, num_heads, head_dim]"
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        sliding_window,
+        softcap,
+        out,
+        "[B, num_heads, head_dim]",
+        k_scale,
+        v_scale,
     )
     batch = query.shape[0]
     if seq_lens.shape[0] != batch:
@@ -743,7 +854,18 @@ def paged_decode_attention(
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"`num_splits` must be None or a positive int, got {num_splits!r}")
     out, launch = _prepare_attention(
-        decode_tile_config, query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, out
+        decode_tile_config,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        sliding_window,
+        softcap,
+        out,
+        k_scale,
+        v_scale,
     )
     if launch is None:
         return out
@@ -803,6 +925,9 @@ def paged_prefill_attention(
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
     out: Optional[torch.Tensor] = None,
+    *,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of variable-length query chunks over their paged context (FlashAttention tiling).
 
@@ -820,7 +945,7 @@ def paged_prefill_attention(
         seq_lens: int32 ``[B]``, context length including this step's tokens.
         query_start_loc: int32 ``[B + 1]``, cumulative query lengths, ``query_start_loc[B] == T``.
         max_query_len: longest query chunk (host int; checked against T only).
-        scale, sliding_window, softcap, out: as in :func:`paged_decode_attention`.
+        scale, sliding_window, softcap, out, k_scale, v_scale: as in :func:`paged_decode_attention`.
 
     Returns:
         ``[T, num_heads, head_dim]`` in the query dtype (``out`` when given).
@@ -831,7 +956,18 @@ def paged_prefill_attention(
     """
     _require_triton()
     check_attention_args(
-        query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, out, "[T, num_heads, head_dim]"
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        sliding_window,
+        softcap,
+        out,
+        "[T, num_heads, head_dim]",
+        k_scale,
+        v_scale,
     )
     check_query_start_loc(query_start_loc, seq_lens)
     num_tokens = query.shape[0]
@@ -848,6 +984,8 @@ def paged_prefill_attention(
         sliding_window,
         softcap,
         out,
+        k_scale,
+        v_scale,
         query_start_loc=query_start_loc,
     )
     if launch is None:
@@ -872,17 +1010,40 @@ def paged_attention(
     scale: float,
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention for one step's flattened batch: the decode kernel when every request has exactly
     one query token (``max_query_len == 1`` and ``T == B``), the prefill kernel otherwise.
 
-    Shapes and dtypes as in :func:`paged_prefill_attention`; returns ``[T, num_heads, head_dim]``.
+    Shapes and dtypes as in :func:`paged_prefill_attention` (``k_scale``/``v_scale``: an int8
+    cache's scales); returns ``[T, num_heads, head_dim]``.
     """
     check_query_start_loc(query_start_loc, seq_lens)
     if max_query_len == 1 and query.dim() == 3 and query.shape[0] == seq_lens.shape[0]:
         return paged_decode_attention(
-            query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=sliding_window, softcap=softcap
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     return paged_prefill_attention(
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window, softcap
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        max_query_len,
+        scale,
+        sliding_window,
+        softcap,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )

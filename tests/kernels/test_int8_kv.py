@@ -1,0 +1,241 @@
+"""The int8 KV cache (``CacheConfig(dtype="int8")``): the layout's bytes by arithmetic, quantize on
+write, swap and copy-on-write moving the scales, and attention over int8 pools (torch path and the
+compiled C kernel) against the naive float reference run on K/V quantized and dequantized here, in
+plain torch, by the scheme's definition (symmetric, scale = absmax / 127 per token and KV head)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from test_torch_attention import _batch, reference_for
+
+from hf_contbatch import CacheConfig
+from hf_contbatch.engine.kv_pools import cache_spec
+from hf_contbatch.engine.pool_sizing import KVGeometry
+from hf_contbatch.kernels.attention.backends import (
+    Int8CPUKernelAttentionBackend,
+    Int8TorchAttentionBackend,
+    TorchAttentionBackend,
+)
+from hf_contbatch.kernels.attention.torch_paged import torch_paged_attention
+from hf_contbatch.kernels.kv_spec import KVCacheSpec
+from hf_contbatch.kernels.paged_cache import PagedKVCache
+
+DECODE_LENS = [1, 2, 5, 9, 16, 17, 33, 64, 100]
+
+
+def reference_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[..., D]`` -> (int8 values, float32 scales ``[..., 1]``), row by row from the definition."""
+    rows = x.reshape(-1, x.shape[-1]).double()
+    qs, ss = [], []
+    for row in rows:
+        amax = max(abs(v) for v in row.tolist())
+        s = amax / 127.0
+        qs.append([0 if s == 0 else max(-127, min(127, round(v / s))) for v in row.tolist()])
+        ss.append([s])
+    q = torch.tensor(qs, dtype=torch.int8).view(x.shape)
+    return q, torch.tensor(ss, dtype=torch.float32).view(*x.shape[:-1], 1)
+
+
+def reference_dequantized(pool: torch.Tensor) -> torch.Tensor:
+    q, s = reference_quantize(pool)
+    return q.double().mul(s.double()).float()
+
+
+def _spec(num_blocks_shape, dtype=torch.int8):
+    _, block_size, kvh, dim = num_blocks_shape
+    return KVCacheSpec(
+        num_layers=1,
+        block_size=block_size,
+        num_kv_heads=kvh,
+        head_size=dim,
+        dtype=dtype,
+        scale_dtype=torch.float32,
+        scales_per_token_head=1,
+    )
+
+
+def _store_all(backend, k_float, v_float):
+    """Every slot of the float pools ``k_float``/``v_float`` stored through ``backend`` into new int8
+    pools; returns (k_pool, v_pool, k_scale, v_scale)."""
+    nb, bs, kvh, d = k_float.shape
+    cache = PagedKVCache(_spec(k_float.shape), nb, [torch.device("cpu")], backend)
+    meta = type("M", (), {"slot_mapping": torch.arange(nb * bs)})()
+    scales = cache.scales(0)
+    backend.store_kv(
+        k_float.reshape(-1, kvh, d),
+        v_float.reshape(-1, kvh, d),
+        cache.key_cache[0],
+        cache.value_cache[0],
+        meta,
+        **scales,
+    )
+    return cache.key_cache[0], cache.value_cache[0], scales["k_scale"], scales["v_scale"]
+
+
+@pytest.fixture(scope="module")
+def cpu_backend():
+    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
+        pytest.skip("no C compiler on this machine: the compiled CPU kernel cannot be built")
+    backend = Int8CPUKernelAttentionBackend()
+    assert backend.decode_kernel.available, backend.decode_kernel.error
+    return backend
+
+
+def test_a_bad_cache_dtype_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match="int8") as err:
+        CacheConfig(dtype="int4")
+    assert "'int4'" in str(err.value) and "bfloat16" in str(err.value)
+
+
+@pytest.mark.parametrize("head_size", [32, 64, 80, 128, 256])
+def test_int8_pool_holds_at_least_three_times_the_tokens_of_float32_in_the_same_memory(head_size):
+    geometry = KVGeometry(num_layers=4, num_kv_heads=2, head_dim=head_size, num_heads=4, max_model_len=512)
+    int8 = cache_spec(CacheConfig(dtype="int8"), geometry, torch.float32)
+    fp32 = cache_spec(CacheConfig(), geometry, torch.float32)
+    # Per token, layer and KV head, for K and for V: head_size int8 bytes + a 4-byte scale vs 4 * head_size.
+    assert int8.bytes_per_block == 4 * 16 * 2 * 2 * (head_size + 4)
+    assert fp32.bytes_per_block == 4 * 16 * 2 * 2 * (4 * head_size)
+    memory = 1 << 30
+    assert (memory // int8.bytes_per_block) >= 3 * (memory // fp32.bytes_per_block)
+
+
+def test_float_backends_refuse_an_int8_layout_and_int8_backends_a_float_one():
+    spec = _spec((1, 4, 2, 8))
+    with pytest.raises(ValueError, match="float K/V only"):
+        TorchAttentionBackend().check_spec(spec)
+    with pytest.raises(ValueError, match="int8"):
+        Int8TorchAttentionBackend().check_spec(
+            KVCacheSpec(num_layers=1, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float32)
+        )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("which", ["torch", "c"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_quantizes_each_token_head_by_its_absmax(which, dtype, request):
+    backend = Int8TorchAttentionBackend() if which == "torch" else request.getfixturevalue("cpu_backend")
+    g = torch.Generator().manual_seed(0)
+    k = (torch.randn(5, 4, 2, 24, generator=g) * torch.rand(5, 4, 2, 1, generator=g) * 10).to(dtype)
+    v = torch.randn(5, 4, 2, 24, generator=g).to(dtype)
+    k[1, 2, 0] = 0  # an all-zero row: scale 0, values 0
+    k_pool, v_pool, k_scale, v_scale = _store_all(backend, k, v)
+    for got_q, got_s, x in ((k_pool, k_scale, k), (v_pool, v_scale, v)):
+        want_q, want_s = reference_quantize(x.float())
+        torch.testing.assert_close(got_s, want_s, rtol=1e-6, atol=0)
+        # Rounding of exact ties (and a last-ulp division) may differ by one step, never more.
+        assert (got_q.int() - want_q.int()).abs().max() <= 1
+        assert (got_q != want_q).float().mean() < 0.01
+    assert k_scale[1, 2, 0].item() == 0 and bool((k_pool[1, 2, 0] == 0).all())
+
+
+def _int8_case(decode_lens, prefill, block_size, kvh, heads, dim, backend, seed=0):
+    query, k_float, v_float, meta = _batch(
+        decode_lens, prefill, block_size=block_size, kvh=kvh, heads=heads, dim=dim, seed=seed
+    )
+    pools = _store_all(backend, k_float, v_float)
+    return query, k_float, v_float, meta, pools
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("which", ["torch", "c"])
+@pytest.mark.parametrize(
+    "heads,kvh,dim,block_size",
+    [(4, 2, 8, 4), (8, 8, 16, 16), (8, 1, 80, 8), (12, 4, 64, 16), (4, 2, 12, 4), (8, 4, 128, 16)],
+    ids=["gqa", "mha", "mqa-d80", "small-model", "d12-scalar-tail", "d128"],
+)
+@pytest.mark.parametrize("sliding_window,softcap", [(None, None), (7, 30.0)])
+def test_int8_attention_matches_the_reference_on_dequantized_kv(
+    which, heads, kvh, dim, block_size, sliding_window, softcap, request
+):
+    backend = Int8TorchAttentionBackend() if which == "torch" else request.getfixturevalue("cpu_backend")
+    prefill = [(5, 5), (3, 20)]  # prefill chunks ride in the same batch (the torch gather path)
+    query, k_float, v_float, meta, (k_pool, v_pool, k_scale, v_scale) = _int8_case(
+        DECODE_LENS, prefill, block_size, kvh, heads, dim, backend
+    )
+    got = backend.attend(query, k_pool, v_pool, meta, 0.3, sliding_window, softcap, k_scale=k_scale, v_scale=v_scale)
+    want = reference_for(
+        query,
+        reference_dequantized(k_float),
+        reference_dequantized(v_float),
+        meta,
+        0.3,
+        sliding_window=sliding_window,
+        softcap=softcap,
+    )
+    # A value one quantization step off (a rounding tie) moves an output by a fraction of that step.
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-3)
+    # And the quantization error itself is small against the float reference (int8: ~0.4% of absmax).
+    exact = reference_for(query, k_float, v_float, meta, 0.3, sliding_window=sliding_window, softcap=softcap)
+    assert (got - exact).abs().max() < 0.1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("split_heads", [False, True])
+def test_c_kernel_int8_decode_matches_the_torch_int8_path(cpu_backend, split_heads):
+    query, _, _, meta, (k_pool, v_pool, k_scale, v_scale) = _int8_case(
+        [300, 7, 150, 33], [], 16, 4, 12, 64, cpu_backend, seed=3
+    )
+    kernel = cpu_backend.decode_kernel
+    got = kernel(
+        query,
+        k_pool,
+        v_pool,
+        meta.block_tables,
+        meta.seq_lens,
+        0.2,
+        25.0,
+        40,
+        split_heads=split_heads,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+    want = torch_paged_attention(query, k_pool, v_pool, meta, 0.2, 40, 25.0, k_scale=k_scale, v_scale=v_scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_swap_and_copy_on_write_move_the_scales_with_their_blocks():
+    spec = _spec((6, 4, 2, 8))
+    spec = KVCacheSpec(**{**spec.__dict__, "num_layers": 2})
+    cache = PagedKVCache(spec, 6, [torch.device("cpu")] * 2, Int8TorchAttentionBackend(), num_swap_blocks=3)
+    g = torch.Generator().manual_seed(0)
+    for t in (*cache.key_cache, *cache.value_cache):
+        t.copy_(torch.randint(-127, 128, t.shape, generator=g, dtype=torch.int8))
+    for t in (*cache.key_scales, *cache.value_scales):
+        t.copy_(torch.rand(t.shape, generator=g))
+    before = [[t.clone() for t in cache.device_tensors(layer)] for layer in range(2)]
+    cache.swap_out([(1, 0), (4, 2)])
+    for layer in range(2):
+        for t in cache.device_tensors(layer):
+            t[1].zero_()
+            t[4].zero_()
+    cache.swap_in([(0, 4), (2, 1)])  # back, crossed over
+    cache.copy_blocks([(0, 5)])
+    for layer in range(2):
+        now = cache.device_tensors(layer)
+        assert len(now) == 4  # K, V, K scales, V scales
+        for b, n in zip(before[layer], now):
+            assert torch.equal(n[4], b[1]) and torch.equal(n[1], b[4]) and torch.equal(n[5], b[0])
+    assert cache.nbytes == 6 * spec.bytes_per_block
+    cache.release()
+    assert not cache.key_scales and not cache.swap_value_scales
+
+
+def test_the_command_line_spells_the_cache_dtype_kv_cache_dtype():
+    import argparse
+
+    from hf_contbatch.cli import add_engine_arguments
+    from hf_contbatch.frontends.cli_checks import engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--kv-cache-dtype", "int8"])
+    args.compile, args.seed = False, 0
+    assert engine_config(args).cache.dtype == "int8"
+    args.kv_cache_dtype = "auto"
+    assert engine_config(args).cache.dtype is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "int4"])
