@@ -150,6 +150,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not _debug(args):
+        _quiet_quantizer_imports()
     if args.quiet:
         transformers.utils.logging.disable_progress_bar()  # the weights' loading bar
     kernel_s = _prebuild_kernels(args)
@@ -484,6 +486,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(sub)
     parser.command_parsers = sub.choices  # for errors about a command's arguments
     return parser
+
+
+def _quiet_quantizer_imports() -> None:
+    """Keep import-time notices of optional libraries off the command's stderr, so an error stays one
+    line: with torchao installed, transformers imports it on every model load, and torchao logs a
+    warning per CUDA-only extension it cannot load on a CPU machine (and torch's pytree one per enum
+    torchao registers). ``--debug`` keeps them."""
+    import logging
+
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _debug(args: argparse.Namespace) -> bool:
