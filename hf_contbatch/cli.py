@@ -28,6 +28,7 @@ from .config import (  # light: no torch
 )
 from .frontends.cli_checks import (
     UsageError,
+    check_library,
     check_model,
     check_output,
     engine_config,
@@ -141,7 +142,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     gen_kwargs = _generation_kwargs(args)
     response_formats = read_response_formats(args.response_format, source, len(prompts))
     if response_formats is not None:
+        check_library(
+            "xgrammar", "--response-format" if args.response_format else f"--input {args.input} (response_format)", "structured"
+        )
         gen_kwargs["response_format"] = response_formats
+    if args.adapter:
+        check_library("peft", "--adapter", "lora")
 
     import torch
     import transformers
@@ -195,12 +201,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "load_seconds": round(load_s, 2),
         "kernel_build_seconds": round(kernel_s, 2),
         "weights": weight_format,
+        "kv_cache_dtype": stats.kv_cache_dtype,
     }
     print(
-        f"{summary['requests']} requests, {summary['generated_tokens']} generated tokens in {summary['seconds']} s: "
+        f"{summary['requests']} request{'s' if summary['requests'] != 1 else ''}, "
+        f"{summary['generated_tokens']:,} generated tokens in {summary['seconds']} s: "
         f"{summary['throughput_tokens_per_s']} tok/s; preemptions {summary['preemptions']}; "
-        f"peak blocks {summary['peak_used_blocks']}/{summary['num_blocks']} (block size {summary['block_size']}); "
-        f"weights {weight_format}",
+        f"peak blocks {summary['peak_used_blocks']:,}/{summary['num_blocks']:,} (block size {summary['block_size']}); "
+        f"weights {weight_format}; KV cache {summary['kv_cache_dtype']}",
         file=sys.stderr,
     )
     if args.check_quality:  # after close(): the model is back to its own weights
@@ -431,8 +439,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--check-quality",
         action="store_true",
-        help="after generating, print the perplexity of a held-out text (the embedded model's README) and "
-        "greedy agreement, float against --quantization (default: int8)",
+        help="after generating, print what int8 weights cost on this model: the perplexity of a held-out text "
+        "(the embedded model's README) and greedy agreement, float weights against int8 weights (the int8 KV "
+        "cache is not part of this check)",
     )
     g.add_argument(
         "--compile",
@@ -489,13 +498,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _quiet_quantizer_imports() -> None:
-    """Keep import-time notices of optional libraries off the command's stderr, so an error stays one
-    line: with torchao installed, transformers imports it on every model load, and torchao logs a
-    warning per CUDA-only extension it cannot load on a CPU machine (and torch's pytree one per enum
-    torchao registers). ``--debug`` keeps them."""
+    """Keep optional libraries' import-time notices (``frontends.quiet_imports``) off the command's
+    stderr for its whole run, so an error stays one line; ``--debug`` keeps them."""
     import logging
 
-    for name in ("torchao", "torch.utils._pytree"):
+    from .frontends.quiet_imports import NOISY_LOGGERS
+
+    for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 

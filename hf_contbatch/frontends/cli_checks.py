@@ -362,3 +362,12 @@ def read_response_formats(response_format: Optional[str], source: Optional[Promp
         if isinstance(obj, dict) and obj.get("response_format") is not None:
             formats[i] = _as_response_format(obj["response_format"], f"--input {source.path} line {n}")
     return formats if any(f is not None for f in formats) else None
+
+
+def check_library(module: str, option: str, extra: str) -> None:
+    """Raise ``UsageError`` when ``option`` needs the optional library ``module`` and it is not
+    installed, before anything loads (found by name only: nothing is imported)."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise UsageError(f'{option} needs the library {module}: pip install "hf_contbatch[{extra}]"')

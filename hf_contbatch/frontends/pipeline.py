@@ -40,6 +40,7 @@ from .generation_args import (  # noqa: F401  (re-exported: their former home)
 )
 from .generation_handle import GenerationHandle, records_so_far
 from .progress import wait_for
+from .quiet_imports import quiet_optional_import_notices
 from .text_io import TextInput, is_chat
 
 TASK_NAME = "continuous-batching-text-generation"  # the task ``register_pipeline()`` adds to transformers
@@ -139,7 +140,8 @@ class ContinuousBatchingPipeline:
             if device_map is not None:
                 model_kwargs["device_map"] = device_map
             model_kwargs.setdefault("dtype", dtype if dtype is not None else "auto")
-            model = AutoModelForCausalLM.from_pretrained(model_id, **model_kwargs)
+            with quiet_optional_import_notices():  # torchao's CPU-machine notices (quiet_imports)
+                model = AutoModelForCausalLM.from_pretrained(model_id, **model_kwargs)
             if tokenizer is None:
                 tokenizer = model_id
         elif device_map is not None:

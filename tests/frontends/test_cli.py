@@ -62,6 +62,7 @@ def test_generate_writes_records_equal_to_transformers_greedy(tmp_path, capsys):
     assert [r["generated_text"] for r in rows] == expected
     summary = capsys.readouterr().err
     assert "3 requests" in summary and "tok/s" in summary and "peak blocks" in summary
+    assert summary.rstrip().endswith("weights float32; KV cache float32")  # the formats served
 
 
 # (input file name, its content, extra arguments, the one line on stderr). Relative paths: the
@@ -350,7 +351,7 @@ def test_first_run_builds_the_c_kernels_before_the_timed_call_and_says_so_once(t
     )
     assert first.index(timed[0]) < first.index(next(line for line in first if line.startswith("libraries when")))
     assert not any(line.startswith("timed the GEMMs") for line in second)
-    assert first[-1].startswith("1 requests, 2 generated tokens in ") and second[-1].startswith("1 requests")
+    assert first[-1].startswith("1 request, 2 generated tokens in ") and second[-1].startswith("1 request, ")
 
 
 # --- a Hub id without network: one short probe, one line (issue 33) -------------------------------------
@@ -425,3 +426,14 @@ def test_a_bad_quantization_lists_the_allowed_ones(tmp_path):
 
 def test_lm_eval_model_args_take_quantization():
     assert "quantization" in ENGINE_ARGS and ENGINE_ARGS["quantization"][0] is None
+
+
+def test_an_option_whose_library_is_missing_is_refused_before_anything_loads():
+    from hf_contbatch.frontends.cli_checks import UsageError, check_library
+
+    check_library("json", "--response-format", "structured")  # installed: nothing to say
+    with pytest.raises(UsageError) as err:
+        check_library("hf_contbatch_no_such_library", "--adapter", "lora")
+    assert (
+        str(err.value) == '--adapter needs the library hf_contbatch_no_such_library: pip install "hf_contbatch[lora]"'
+    )

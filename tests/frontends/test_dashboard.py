@@ -134,8 +134,7 @@ def test_tokens_held_and_logical_tokens_are_labelled_apart_when_blocks_are_share
     assert "4/8 used (50%), peak 6, 50/128 tokens\n" in format_stats(unshared)
     dash = Dashboard(FakeSource(shared))
     assert (
-        dash.tokens_label.value
-        == "50 / 128 tokens (in 64 allocated slots) (80 logical: shared blocks once per request)"
+        dash.tokens_label.value == "50/128 tokens (in 64 allocated slots) (80 logical: shared blocks once per request)"
     )
     assert (dash.tokens_bar.value, dash.tokens_bar.max) == (50, 128)
 

@@ -136,6 +136,6 @@ def test_prefix_hits_are_hit_prompt_tokens_over_prompt_tokens_looked_up_and_the_
         assert stats.prefix_cache_hit_tokens == 16 and stats.prefix_cache_query_tokens == 34
         assert stats.prefix_cache_hit_rate == pytest.approx(16 / 34)
         value, note = _tile(render_tiles(stats, None), "prefix hits")
-        assert value == "47%" and note == "prompt tokens found cached / looked up"
+        assert value == "47%" and note == "prompt tokens found cached / looked up (whole blocks only)"
     finally:
         engine.close()

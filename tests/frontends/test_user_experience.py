@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -132,3 +134,13 @@ def test_progress_bar_states_rates_and_closes_with_the_outcome(pipe, capsys):
     line = capsys.readouterr().err.strip().split("\r")[-1]
     assert "hf_contbatch interrupted: " in line and "cancelled" in line and ": :" not in line, line
     assert pipe.engine.wait_idle(60) and pipe.stats().num_used_blocks == 0
+
+
+@pytest.mark.timeout(120)
+def test_loading_a_model_shows_no_notices_of_optional_quantization_libraries():
+    # With torchao installed (the quant extra), transformers imports it on every load and torchao
+    # logs a notice per CUDA-only extension it cannot load here: a red box in a notebook cell.
+    code = "import hf_contbatch; p = hf_contbatch.pipeline(); print(p('x', max_new_tokens=1)[0]['generated_text']); p.close()"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Failed to load" not in proc.stderr and "_pytree" not in proc.stderr, proc.stderr

@@ -279,9 +279,9 @@ class Dashboard:
         slots = stats.num_used_blocks * stats.block_size
         shown_tokens = slots if kv_tokens is None else int(kv_tokens)
         tokens_text = (
-            f"{slots} / {stats.capacity_tokens} token slots allocated"
+            f"{slots:,}/{stats.capacity_tokens:,} token slots allocated"
             if kv_tokens is None
-            else f"{shown_tokens} / {stats.capacity_tokens} tokens (in {slots} allocated slots)"
+            else f"{shown_tokens:,}/{stats.capacity_tokens:,} tokens (in {slots:,} allocated slots)"
             + logical_tokens_note(stats)
         )
         return {
