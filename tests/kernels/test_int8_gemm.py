@@ -198,3 +198,17 @@ def test_int8_auto_can_choose_dequant_float_beside_native_int8():
         n == ("native-int8" if b < 64 else "dequant-float")
         for n, b in zip(choice.per_bucket, (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
     )
+
+
+def test_the_tuner_keeps_timing_dequant_float_after_it_loses_at_few_rows():
+    from hf_contbatch.kernels.linears.autotune import KernelTuner
+
+    class Slow(DequantFloatGEMM):  # far slower at every bucket: a kernel dropped from timing otherwise
+        def linear_verified(self, x, packed, bias, out_features):
+            for _ in range(40):
+                y = super().linear_verified(x, packed, bias, out_features)
+            return y
+
+    tuner = KernelTuner({"native-int8": NativeInt8GEMM(), "dequant-float": Slow()}, None)
+    seconds = tuner.measure(256, 256, torch.float32, (1, 2, 4, 8))
+    assert all(0 < s < float("inf") for s in seconds["dequant-float"].values())

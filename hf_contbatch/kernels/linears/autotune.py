@@ -162,8 +162,9 @@ class KernelTuner:
         the minimum over a few passes (candidates interleaved, so a drift in load hits them alike)
         of a pass over weight copies adding up to more than a last-level cache (up to 16 copies),
         so the weights stream from memory as a model's layers do (one copy from 64 rows on, where
-        the GEMM is compute-bound). A candidate ``4x`` slower than the fastest at a
-        bucket is not timed at larger ones (``inf``)."""
+        the GEMM is compute-bound). A candidate ``4x`` slower than the fastest at two buckets in a
+        row is not timed at larger ones (``inf``), except one whose ``always_timed`` attribute is
+        true (a kernel whose cost per call is bounded and whose relative speed grows with the rows)."""
         g = torch.Generator().manual_seed(0)
         weight_bytes = in_features * out_features * torch.empty((), dtype=dtype).element_size()
         copies = max(1, min(_MAX_COPIES, math.ceil(_STREAM_BYTES / max(1, weight_bytes))))
@@ -198,7 +199,9 @@ class KernelTuner:
                 for name, seconds in best.items():
                     result[name][rows] = seconds
                     strikes[name] = strikes[name] + 1 if seconds > _TIMEOUT_RATIO * fastest else 0
-                alive = [n for n in alive if strikes[n] < 2]  # far slower twice in a row: no contender
+                # Far slower twice in a row: no contender, unless the kernel says its relative speed
+                # grows with the rows (``always_timed``: dequant-float, slow at few rows by design).
+                alive = [n for n in alive if strikes[n] < 2 or getattr(self.candidates[n], "always_timed", False)]
         return result
 
     def choose(

@@ -338,13 +338,17 @@ class DequantFloatGEMM:
     name = "dequant-float"
     exact_unpack = False
     isa = "torch"
-    build_id = ""
     dtypes = (torch.float32, torch.bfloat16)
+    always_timed = True
+    """For ``autotune``: time it at every row bucket, even after it lost far at the small ones (it
+    pays the whole weight's dequantization at one row, and wins only from many rows on; its cost is
+    a float GEMM plus that, so the timing stays cheap)."""
 
     def __init__(self, tile_bytes: int = 2 * 2**20) -> None:
         if tile_bytes <= 0:
             raise ValueError(f"tile_bytes must be positive, got {tile_bytes}")
         self.tile_bytes = tile_bytes
+        self.build_id = f"tile{tile_bytes}"  # timings hold for one tile size (the tuner's cache key)
         # Scratch per thread (an engine's scheduler thread and a tuning or test thread may share
         # this object): {(in_features, dtype): buffer}.
         self._local = threading.local()
