@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_contbatch.kernels.linears.int8_gemm import NativeInt8GEMM, TorchInt8GEMM
+from hf_contbatch.kernels.linears.int8_gemm import DequantFloatGEMM, NativeInt8GEMM, TorchInt8GEMM
 from hf_contbatch.kernels.linears.registry import available_int8_kernels
 
 pytestmark = pytest.mark.timeout(120)
@@ -103,3 +103,112 @@ def test_tensor_subclass_weights_are_never_float_eligible():
     assert eligible(lin)
     lin.weight = torch.nn.Parameter(torch.randn(4, 8).as_subclass(Sub))
     assert not eligible(lin)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 31, 64, 100, 300])
+# One tile; 1024 + 76 columns; 64 + 64 + 2 (the 2 MiB default tile is 64 columns at 9000 inputs).
+@pytest.mark.parametrize("n,k", [(37, 53), (1100, 24), (130, 9000)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_dequant_float_equals_the_dequantized_reference(rows, n, k, bias):
+    g = torch.Generator().manual_seed(rows * 7 + n + k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(rows, k, generator=g)
+    want = _reference(x, w, b)
+    kernel = DequantFloatGEMM()
+    packed = kernel.pack(w)
+    assert packed.data.dtype == torch.int8 and packed.data.shape == (n, k) and packed.scales.dtype == torch.float32
+    got = kernel.linear(x, packed, b, n)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    assert torch.equal(kernel.linear_verified(x, packed, kernel.step_bias(b), n), got)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40, 257])
+@pytest.mark.parametrize("bias", [False, True])
+def test_dequant_float_bf16_equals_the_bf16_dequantized_reference(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(700, 70, generator=g).bfloat16()  # in_features not a multiple of 64
+    b = torch.randn(700, generator=g).bfloat16() if bias else None
+    x = torch.randn(rows, 70, generator=g).bfloat16()
+    # The weight in bf16 as plain torch rounds it: scales rounded to bf16, Wq * s rounded to bf16.
+    s = w.float().abs().amax(1, keepdim=True).div(127).bfloat16().float()
+    wq = ((w.float() / s).round().clamp(-127, 127) * s).bfloat16()
+    want = torch.nn.functional.linear(x.float(), wq.float(), None if b is None else b.float())
+    kernel = DequantFloatGEMM(tile_bytes=64 * 70 * 4)  # 64-column tiles: 11 of them, the last short
+    got = kernel.linear(x, kernel.pack(w), b, 700)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 700)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+def test_dequant_float_tiles_stay_bounded_and_refuse_bad_inputs():
+    kernel = DequantFloatGEMM()
+    assert kernel.tile_columns(768) == 2 * 2**20 // (4 * 768) // 16 * 16
+    assert kernel.tile_columns(10**6) == 64 and kernel.tile_columns(1) == 1024
+    with pytest.raises(ValueError, match="tile_bytes"):
+        DequantFloatGEMM(tile_bytes=0)
+    packed = kernel.pack(torch.randn(16, 32))
+    with pytest.raises(RuntimeError, match="does not fit"):
+        kernel.linear(torch.randn(2, 31), packed, None, 16)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        kernel.linear(torch.randn(2, 32).bfloat16(), packed, None, 16)
+    with pytest.raises(RuntimeError, match="bias"):
+        kernel.linear(torch.randn(2, 32), packed, torch.randn(15), 16)
+    assert not kernel.supports(torch.randn(4, 4, dtype=torch.float64))
+
+
+def test_dispatch_serves_native_int8_at_few_rows_and_dequant_float_at_many():
+    from hf_contbatch.kernels.linears.autotune import ROW_BUCKETS
+    from hf_contbatch.kernels.linears.dispatch_gemm import DispatchGEMM
+
+    kernels = [NativeInt8GEMM(), DequantFloatGEMM()]
+    table = [0 if b < 64 else 1 for b in ROW_BUCKETS]
+    dispatch = DispatchGEMM(kernels, table, ROW_BUCKETS)
+    g = torch.Generator().manual_seed(5)
+    w, b = torch.randn(90, 48, generator=g), torch.randn(90, generator=g)
+    packed = dispatch.pack(w)
+    native, dequant = packed.data
+    assert native.data.dtype == dequant.data.dtype == torch.int8
+    # A byte a weight and a float32 scale a column each (native-int8 pads to 16-column panels):
+    # both copies together about half of the float32 weight's 17280 bytes.
+    assert dequant.nbytes == 90 * 48 + 4 * 90 and native.nbytes == 96 * 48 + 4 * 90
+    assert packed.nbytes == native.nbytes + dequant.nbytes < w.numel() * w.element_size() * 0.6
+    for rows in (1, 7, 64, 200):
+        x = torch.randn(rows, 48, generator=g)
+        got = dispatch.linear(x, packed, dispatch.step_bias(b), 90)
+        torch.testing.assert_close(got, _reference(x, w, b), rtol=1e-5, atol=1e-4)
+        want_kernel = kernels[table[next(i for i, bk in enumerate(ROW_BUCKETS) if rows <= bk)]]
+        alone = want_kernel.linear_verified(x, packed.data[kernels.index(want_kernel)], want_kernel.step_bias(b), 90)
+        assert torch.equal(got, alone)
+
+
+def test_int8_auto_can_choose_dequant_float_beside_native_int8():
+    from hf_contbatch.kernels.linears.autotune import KernelTuner
+
+    def fake(in_f, out_f, dtype, buckets):  # dequant-float wins from 64 rows on
+        return {
+            "native-int8": {b: 1.0 for b in buckets},
+            "dequant-float": {b: 4.0 if b < 64 else 0.25 for b in buckets},
+            "torch-int8": {b: 8.0 for b in buckets},
+        }
+
+    tuner = KernelTuner({"native-int8": NativeInt8GEMM(), "dequant-float": DequantFloatGEMM()}, None, fake)
+    choice = tuner.choose(64, 64, torch.float32, max_rows=1024, packed_only=True)
+    assert set(choice.kernels) == {"native-int8", "dequant-float"}
+    assert all(
+        n == ("native-int8" if b < 64 else "dequant-float")
+        for n, b in zip(choice.per_bucket, (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
+    )
+
+
+def test_the_tuner_keeps_timing_dequant_float_after_it_loses_at_few_rows():
+    from hf_contbatch.kernels.linears.autotune import KernelTuner
+
+    class Slow(DequantFloatGEMM):  # far slower at every bucket: a kernel dropped from timing otherwise
+        def linear_verified(self, x, packed, bias, out_features):
+            for _ in range(40):
+                y = super().linear_verified(x, packed, bias, out_features)
+            return y
+
+    tuner = KernelTuner({"native-int8": NativeInt8GEMM(), "dequant-float": Slow()}, None)
+    seconds = tuner.measure(256, 256, torch.float32, (1, 2, 4, 8))
+    assert all(0 < s < float("inf") for s in seconds["dequant-float"].values())

@@ -17,8 +17,12 @@ scales), timed per shape by ``autotune`` like the float ones:
   than one row).
 - :class:`NativeInt8GEMM` (``"native-int8"``): ours, ``int8_gemm.c`` (dequantize in registers,
   float32 FMA, scale applied per output; float32 only).
+- :class:`DequantFloatGEMM` (``"dequant-float"``): dequantize a tile of output columns at a time
+  into a reused buffer and run torch's float GEMM on it (float32 and bfloat16): the dequantization
+  is paid once per call, not per row, so it serves many-row (prefill) calls at float GEMM speed,
+  where the two above, built for streaming the weight at few rows, fall behind.
 
-Neither can give the float weight back (``exact_unpack`` False), so the module keeps its float
+None can give the float weight back (``exact_unpack`` False), so the module keeps its float
 weight while packed (``close()`` restores the model exactly); only the int8 copy is read in steps.
 """
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -308,6 +313,123 @@ class NativeInt8GEMM:
         if torch.compiler.is_compiling():
             return torch.ops.hf_contbatch.native_int8_linear(x, packed.data, packed.scales, None, bias, out_features)
         return _native_int8_gemm(x, packed.data, packed.scales, bias, out_features)
+
+
+class DequantFloatGEMM:
+    """Weight-only int8 by dequantizing and multiplying in float: for each tile of ``tile_columns``
+    output columns, ``Wt = (Wq[tile] * s[tile])`` in ``x``'s dtype (float32 product, then rounded:
+    the very weight :func:`reference_weight` gives) written into a scratch buffer reused across
+    calls, then ``y[:, tile] = x @ Wt.T (+ b[tile])`` by torch's float GEMM (``torch.mm`` /
+    ``torch.addmm`` into the output's column slice). The same numbers as
+    ``F.linear(x, Wq * s, b)`` up to the GEMM's summation order. Tiling keeps the float copy bounded
+    (``tile_columns * in_features`` values per thread, not a whole float weight) and small enough to
+    stay in cache between its dequantization and its GEMM. It costs ``out * in`` dequantized values a
+    call whatever the row count, so it pays at many rows (prefill) and loses to
+    :class:`NativeInt8GEMM` at few; ``autotune`` picks per row bucket.
+
+    Packed: ``data`` the int8 weight ``[out, in]`` row-major, ``scales`` float32 ``[out]``.
+
+    Args:
+        tile_bytes: float32 bytes of one dequantized tile; ``tile_columns`` is this over
+            ``4 * in_features``, rounded down to a multiple of 16 and kept within ``[64, 1024]``
+            (fewer columns would make each GEMM call too thin to run at float speed).
+    """
+
+    name = "dequant-float"
+    exact_unpack = False
+    isa = "torch"
+    dtypes = (torch.float32, torch.bfloat16)
+    always_timed = True
+    """For ``autotune``: time it at every row bucket, even after it lost far at the small ones (it
+    pays the whole weight's dequantization at one row, and wins only from many rows on; its cost is
+    a float GEMM plus that, so the timing stays cheap)."""
+
+    def __init__(self, tile_bytes: int = 2 * 2**20) -> None:
+        if tile_bytes <= 0:
+            raise ValueError(f"tile_bytes must be positive, got {tile_bytes}")
+        self.tile_bytes = tile_bytes
+        self.build_id = f"tile{tile_bytes}"  # timings hold for one tile size (the tuner's cache key)
+        # Scratch per thread (an engine's scheduler thread and a tuning or test thread may share
+        # this object): {(in_features, dtype): buffer}.
+        self._local = threading.local()
+
+    def tile_columns(self, in_features: int) -> int:
+        """Output columns dequantized per GEMM call for ``in_features`` inputs."""
+        cols = self.tile_bytes // (4 * max(1, in_features)) // 16 * 16
+        return max(64, min(1024, cols))
+
+    def supports(self, weight: torch.Tensor) -> bool:
+        """float32 or bfloat16 2-D CPU weights, plain or torchao int8 weight-only."""
+        if weight.device.type != "cpu" or weight.dim() != 2 or _logical_dtype(weight) not in self.dtypes:
+            return False
+        return is_plain_tensor(weight) or is_torchao_int8_weight_only(weight)
+
+    def pack(self, weight: torch.Tensor) -> PackedWeight:
+        """The int8 weight (row-major) and float32 scales. RuntimeError for a weight
+        :meth:`supports` rejects."""
+        if not self.supports(weight):
+            raise RuntimeError(
+                f"dequant-float cannot pack a {tuple(weight.shape)} {weight.dtype} weight on {weight.device}"
+            )
+        q, s = int8_parts(weight)
+        return PackedWeight(q.contiguous(), tuple(weight.shape), _logical_dtype(weight), scales=s.contiguous())
+
+    def unpack(self, packed: PackedWeight) -> None:
+        return None
+
+    reference_weight = staticmethod(reference_weight)
+
+    @staticmethod
+    def step_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if bias is None else bias.detach()
+
+    def linear(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
+        """``x`` ``[..., in]`` (the packed dtype, CPU) → ``[..., out_features]``. RuntimeError when
+        ``x`` or ``bias`` does not fit."""
+        n, k = packed.shape
+        if x.device.type != "cpu" or x.dtype != packed.dtype or not x.dim() or x.shape[-1] != k or n != out_features:
+            raise RuntimeError(
+                f"dequant-float linear: input {tuple(x.shape)} {x.dtype} on {x.device} does not fit a packed "
+                f"{packed.dtype} int8 weight of {k} inputs and {n} outputs"
+            )
+        _check_bias(self.name, bias, out_features)
+        return self.linear_verified(x, packed, None if bias is None else bias.detach(), out_features)
+
+    def _scratch(self, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """This thread's ``(float32 tile, tile in dtype or None for float32)``, ``[tile_columns, k]``."""
+        buffers = getattr(self._local, "buffers", None)
+        if buffers is None:
+            buffers = self._local.buffers = {}
+        key = (k, dtype)
+        if key not in buffers:
+            cols = self.tile_columns(k)
+            f32 = torch.empty((cols, k), dtype=torch.float32)
+            buffers[key] = (f32, None if dtype == torch.float32 else torch.empty((cols, k), dtype=dtype))
+        return buffers[key]
+
+    def linear_verified(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
+        n, k = packed.shape
+        x2 = x.reshape(-1, k)
+        y = x.new_empty((x2.shape[0], out_features))
+        if not x2.shape[0]:
+            return y.reshape(*x.shape[:-1], out_features)
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        if torch.compiler.is_compiling():  # no scratch mutation in a graph: the whole weight at once
+            w = (packed.data.float() * packed.scales[:, None]).to(x.dtype)
+            return torch.nn.functional.linear(x, w, bias)
+        f32, low = self._scratch(k, x.dtype)
+        cols = f32.shape[0]
+        for j0 in range(0, n, cols):
+            j1 = min(n, j0 + cols)
+            w32 = f32[: j1 - j0]
+            torch.mul(packed.data[j0:j1], packed.scales[j0:j1, None], out=w32)
+            w = w32 if low is None else low[: j1 - j0].copy_(w32)
+            if bias is None:
+                torch.mm(x2, w.t(), out=y[:, j0:j1])
+            else:
+                torch.addmm(bias[j0:j1], x2, w.t(), out=y[:, j0:j1])
+        return y.reshape(*x.shape[:-1], out_features)
 
 
 def _native_int8_op(x, packed, scales, zero_points, bias, out_features: int) -> torch.Tensor:

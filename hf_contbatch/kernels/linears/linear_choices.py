@@ -101,8 +101,8 @@ def tune_linears(
         return None
     total = weight_bytes(modules)
     pack, dual = fits_auto(total, available_bytes)
-    if quantization is not None:
-        pack, dual = True, fits_auto(total // 4, available_bytes)[1]
+    if quantization is not None:  # an int8 copy is one byte a weight (a second kernel's: one more)
+        pack, dual = True, fits_auto(sum(m.weight.numel() for m in modules), available_bytes)[1]
     if not pack:
         logger.info(
             "not packing %d linear layers: %.1f GiB is over a quarter of the available memory "

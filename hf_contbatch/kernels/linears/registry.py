@@ -13,7 +13,7 @@ import logging
 
 from ...config import LINEAR_BACKENDS
 from .gemm_kernel import GemmKernel
-from .int8_gemm import NativeInt8GEMM, TorchInt8GEMM
+from .int8_gemm import DequantFloatGEMM, NativeInt8GEMM, TorchInt8GEMM
 from .native_gemm import NativeGEMM
 from .onednn_gemm import OneDNNGEMM
 from .torch_linear import TorchLinear
@@ -32,7 +32,7 @@ if set(LINEAR_BACKENDS) != {AUTO, *KERNELS}:  # pragma: no cover - a kernel adde
     raise ImportError(f"config.LINEAR_BACKENDS {LINEAR_BACKENDS} and the GEMM registry {sorted(KERNELS)} disagree")
 
 
-INT8_KERNELS: dict[str, type] = {k.name: k for k in (NativeInt8GEMM, TorchInt8GEMM)}
+INT8_KERNELS: dict[str, type] = {k.name: k for k in (NativeInt8GEMM, DequantFloatGEMM, TorchInt8GEMM)}
 """Weight-only int8 kernel class by name (``quantization="int8"``, and torchao int8 weight-only models)."""
 INT8_FOR_BACKEND = {"native": NativeInt8GEMM.name, "torch": TorchInt8GEMM.name}
 """The int8 kernel a forced ``linear_backend`` means under int8 weights (oneDNN has none here)."""
