@@ -276,23 +276,14 @@ class KernelTuner:
             self._store(known, measured, replace)
 
     def measure(self, in_features: int, out_features: int, dtype: torch.dtype, buckets: Sequence[int]) -> dict:
-<<<<<<< HEAD
         """Seconds per call of every candidate at ``buckets`` for a random ``[out, in]`` weight: the
         median of :data:`_ROUNDS` rounds (:func:`time_interleaved`: candidates round-robin, so a
         burst of load elsewhere hits one round of each, not all rounds of one), each round a pass
         over weight copies adding up to more than a last-level cache (up to 16 copies), so the
         weights stream from memory as a model's layers do (one copy from 64 rows on, where the GEMM
         is compute-bound). A candidate ``4x`` slower than the fastest at two buckets in a row is not
-        timed at larger ones (``inf``)."""
-=======
-        """Seconds per call of every candidate at ``buckets`` for a random ``[out, in]`` weight:
-        the minimum over a few passes (candidates interleaved, so a drift in load hits them alike)
-        of a pass over weight copies adding up to more than a last-level cache (up to 16 copies),
-        so the weights stream from memory as a model's layers do (one copy from 64 rows on, where
-        the GEMM is compute-bound). A candidate ``4x`` slower than the fastest at two buckets in a
-        row is not timed at larger ones (``inf``), except one whose ``always_timed`` attribute is
-        true (a kernel whose cost per call is bounded and whose relative speed grows with the rows)."""
->>>>>>> qweights
+        timed at larger ones (``inf``), except one whose ``always_timed`` attribute is true (a kernel
+        whose cost per call is bounded and whose relative speed grows with the rows)."""
         g = torch.Generator().manual_seed(0)
         weight_bytes = in_features * out_features * torch.empty((), dtype=dtype).element_size()
         copies = max(1, min(_MAX_COPIES, math.ceil(_STREAM_BYTES / max(1, weight_bytes))))
