@@ -143,7 +143,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     response_formats = read_response_formats(args.response_format, source, len(prompts))
     if response_formats is not None:
         check_library(
-            "xgrammar", "--response-format" if args.response_format else f"--input {args.input} (response_format)", "structured"
+            "xgrammar",
+            "--response-format" if args.response_format else f"--input {args.input} (response_format)",
+            "structured",
         )
         gen_kwargs["response_format"] = response_formats
     if args.adapter:

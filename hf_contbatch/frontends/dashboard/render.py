@@ -255,7 +255,9 @@ def render_tiles(stats, tokens_per_s_now: Optional[float], history: Sequence[tup
         _tile("generated", f"{stats.num_generated_tokens:,}", f"{stats.num_iterations:,} iterations"),
     ]
     if hit is not None:
-        tiles.append(_tile("prefix hits", f"{100 * hit:.0f}%", "prompt tokens found cached / looked up (whole blocks only)"))
+        tiles.append(
+            _tile("prefix hits", f"{100 * hit:.0f}%", "prompt tokens found cached / looked up (whole blocks only)")
+        )
     for name, requests, detail in adapter_counts(stats):  # requests per LoRA adapter (a peft.PeftModel)
         tiles.append(_tile(f"adapter {html.escape(name)}", str(requests), detail))
     rates = [r for _, r, _ in history]
