@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from .attention.cpu_kernel import allowed_by_env, build_decode_library
 from .attention.cpu_prefill import allowed_by_env as prefill_allowed_by_env
 from .attention.cpu_prefill import build_prefill_library
+from .fused_ops import fused_library, fused_library_error
 from .linears.native_gemm import native_library
 from .native_build import cache_dir
 from .token_bitmask import build_bitmask_library
@@ -42,7 +43,7 @@ def _libraries() -> set[str]:
 
 def prebuild_cpu_kernels() -> KernelBuild:
     """Compile (or find in the cache) the CPU kernels an engine uses: decode and prefill attention
-    (unless ``HF_CONTBATCH_CPU_KERNEL=0``), the packed linears' GEMM and the structured outputs'
+    (unless ``HF_CONTBATCH_CPU_KERNEL=0``), the packed linears' GEMM, the fused model ops and the structured outputs'
     token-bitmask kernel. The GEMM stays loaded for this process. Never raises: a kernel that
     cannot be built is reported in ``errors``."""
     before = _libraries()
@@ -62,6 +63,8 @@ def prebuild_cpu_kernels() -> KernelBuild:
         native_library()
     except RuntimeError as exc:
         errors.append(f"GEMM: {exc}")
+    if fused_library() is None:  # RMSNorm / SiLU-and-mul (fuse_model_ops): the module's ops serve without it
+        errors.append(f"fused model ops: {fused_library_error()}")
     try:
         build_bitmask_library()
     except Exception as exc:  # noqa: BLE001 - xgrammar's kernel serves structured outputs instead

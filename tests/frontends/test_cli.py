@@ -339,7 +339,7 @@ def test_first_run_builds_the_c_kernels_before_the_timed_call_and_says_so_once(t
     first, second = (run.stderr.splitlines() for run in runs)
     if _has_c_compiler():
         assert re.fullmatch(r"built CPU kernels in \d+\.\d s \(cached for next time\)", first[0]), first
-        want = "libraries when the timed call starts: ['cpu_decode', 'cpu_gemm', 'cpu_prefill', 'token_bitmask']"
+        want = "libraries when the timed call starts: ['cpu_decode', 'cpu_gemm', 'cpu_prefill', 'fused_ops', 'token_bitmask']"
         assert want in first
     else:  # nothing to build: the torch paths serve, and the engine's warnings say why
         assert not any(line.startswith("built CPU kernels") for line in first)
