@@ -192,19 +192,6 @@ def test_torchao_model_with_int8_quantization_repacks_exactly(tmp_path):
     assert packed[1] == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
 
 
-def test_torchao_int4_weight_only_cannot_be_built_on_this_cpu():
-    """Recorded, not served: torchao 0.18's Int4WeightOnlyConfig has no CPU packing format (its
-    default needs the mslk CUDA kernels; plain_int32 refuses the CPU)."""
-    from torchao.quantization import Int4WeightOnlyConfig, quantize_
-
-    lin = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
-    try:
-        quantize_(lin, Int4WeightOnlyConfig(group_size=32))
-    except (ImportError, NotImplementedError, ValueError, RuntimeError):
-        pytest.skip("torchao int4 weight-only cannot be built on CPU here")
-    pytest.fail("torchao int4 built on CPU: add it to the served models")
-
-
 @pytest.mark.timeout(300)
 def test_pipeline_spells_quantization_as_an_argument():
     from transformers import AutoTokenizer
