@@ -9,7 +9,6 @@ vLLM v1, the runner's input carries no bookkeeping it does not use.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -80,10 +79,17 @@ class ScheduledRequest:
         advances after the forward)."""
         start = request.num_computed_tokens
         drafts = tuple(draft_token_ids)
+        prompt, output = request.prompt_token_ids, request.output_token_ids
         if drafts:
-            token_ids = (request.all_token_ids[-1], *drafts)
-        else:
-            token_ids = tuple(request.all_token_ids[start : start + num_new_tokens])
+            token_ids = ((output or prompt)[-1], *drafts)
+        else:  # slices of the two lists, not of their concatenation (a decode row is every step)
+            end, n_prompt = start + num_new_tokens, len(prompt)
+            if start >= n_prompt:
+                token_ids = tuple(output[start - n_prompt : end - n_prompt])
+            elif end <= n_prompt:
+                token_ids = tuple(prompt[start:end])
+            else:
+                token_ids = (*prompt[start:], *output[: end - n_prompt])
         sp = request.sampling
         k = int(sp.prompt_logprobs)
         num_prompt = request.num_prompt_tokens
@@ -112,7 +118,12 @@ class ScheduledRequest:
 
     def with_blocks(self, block_ids: Sequence[int]) -> "ScheduledRequest":
         """This row with the request's block table ``block_ids``."""
-        return dataclasses.replace(self, block_ids=tuple(block_ids))
+        # A field copy, not dataclasses.replace (which re-runs __init__ through its signature): every
+        # row of every step passes here.
+        row = object.__new__(ScheduledRequest)
+        row.__dict__.update(self.__dict__)
+        row.__dict__["block_ids"] = tuple(block_ids)
+        return row
 
     @property
     def is_speculative(self) -> bool:
