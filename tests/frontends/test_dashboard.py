@@ -358,4 +358,4 @@ def test_frame_after_close_shows_nothing_in_flight(llama_model):
     assert stats.num_kv_tokens == 0
     assert "closed" in dash.header.value
     assert _tile_value(dash.tiles.value, "running") == "0" and _tile_value(dash.tiles.value, "tokens/s now") == "—"
-    assert dash.tokens_label.value.startswith("0 / ")
+    assert dash.tokens_label.value.startswith("0/")

@@ -400,7 +400,9 @@ class DequantFloatGEMM:
         buffers = getattr(self._local, "buffers", None)
         if buffers is None:
             buffers = self._local.buffers = {}
-        key = (k, dtype)
+        # Buffers made inside an engine step are inference tensors, which a forward outside
+        # inference mode (a user's own call, the quality report) may not write: one set per mode.
+        key = (k, dtype, torch.is_inference_mode_enabled())
         if key not in buffers:
             cols = self.tile_columns(k)
             f32 = torch.empty((cols, k), dtype=torch.float32)
