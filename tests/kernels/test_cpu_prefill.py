@@ -13,6 +13,7 @@ import torch
 from test_torch_attention import _batch, reference_for
 
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from hf_contbatch.kernels import native_build
 from hf_contbatch.kernels.attention import cpu_prefill
 from hf_contbatch.kernels.attention.cpu_kernel import CPUDecodeKernel
 from hf_contbatch.kernels.attention.cpu_prefill import CPUPrefillKernel, choose_prefill_path
@@ -143,7 +144,8 @@ def test_the_avx2_build_matches_the_reference_too(tmp_path, monkeypatch):
 
 @pytest.mark.timeout(120)
 def test_the_choice_is_timed_once_and_cached(kernel, tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_prefill, "cache_dir", lambda: tmp_path)  # the built library stays where it is
+    # The choice's cache file goes to tmp_path (the library was loaded by the fixture, from the real cache).
+    monkeypatch.setattr(native_build, "cache_dir", lambda: tmp_path)
     k = CPUPrefillKernel()
     calls = []
 

@@ -18,7 +18,6 @@ Set ``HF_CONTBATCH_CPU_KERNEL=0`` (all compiled attention kernels) or ``HF_CONTB
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import statistics
 import time
@@ -27,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from ..native_build import LoadedOnce, build_library, cache_dir, cpu_id, read_json, write_json
+from ..native_build import LoadedOnce, build_library, cached_path_times
 from .cpu_kernel import allowed_by_env as _all_kernels_allowed
 from .metadata import AttentionMetadata
 
@@ -264,14 +263,13 @@ def choose_prefill_path(
     beside the C kernels). Returns a line for the engine's log."""
     if not kernel.available:
         return f"prefill attention: torch path ({kernel.error or 'kernel disabled'})"
-    source = hashlib.sha256(PREFILL_SOURCE.read_bytes()).hexdigest()[:16]
     geometry = (num_heads, num_kv_heads, head_dim, block_size, str(dtype))
-    key = "|".join(map(str, (cpu_id(), torch.__version__, source, *geometry)))
-    path = cache_dir() / f"prefill_choice_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    times = read_json(path)
-    if not (isinstance(times, dict) and {"kernel", "torch"} <= times.keys()):
-        times = measure_prefill_paths(kernel, num_heads, num_kv_heads, head_dim, block_size, dtype)
-        write_json(path, times)
+    times = cached_path_times(
+        "prefill_choice",
+        PREFILL_SOURCE,
+        geometry,
+        lambda: measure_prefill_paths(kernel, num_heads, num_kv_heads, head_dim, block_size, dtype),
+    )
     kernel.enabled = times["kernel"] <= times["torch"]
     chosen = "compiled kernel" if kernel.enabled else "torch path"
     return (

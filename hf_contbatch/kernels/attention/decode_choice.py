@@ -4,12 +4,11 @@ faster one kept (``LLMEngine`` builds its KV pools through ``choose_decode_path`
 
 from __future__ import annotations
 
-import hashlib
 import time
 
 import torch
 
-from ..native_build import cache_dir, cpu_id, read_json, write_json
+from ..native_build import cached_path_times
 from .cpu_kernel import DECODE_SOURCE, CPUDecodeKernel
 from .metadata import AttentionMetadata
 from .torch_paged import torch_paged_attention
@@ -84,14 +83,13 @@ def choose_decode_path(
     C kernels). Returns a line saying what was chosen and the times, for the engine's log."""
     if not kernel.available:
         return f"decode attention: torch path ({kernel.error or 'kernel disabled'})"
-    source = hashlib.sha256(DECODE_SOURCE.read_bytes()).hexdigest()[:16]
     geometry = (num_heads, num_kv_heads, head_dim, block_size, str(dtype), torch.get_num_threads())
-    key = "|".join(map(str, (cpu_id(), torch.__version__, source, *geometry)))
-    path = cache_dir() / f"decode_choice_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    times = read_json(path)
-    if not (isinstance(times, dict) and {"kernel", "torch"} <= times.keys()):
-        times = measure_decode_paths(kernel, num_heads, num_kv_heads, head_dim, block_size, dtype)
-        write_json(path, times)
+    times = cached_path_times(
+        "decode_choice",
+        DECODE_SOURCE,
+        geometry,
+        lambda: measure_decode_paths(kernel, num_heads, num_kv_heads, head_dim, block_size, dtype),
+    )
     kernel.enabled = times["kernel"] <= times["torch"]
     chosen = "compiled kernel" if kernel.enabled else "torch path"
     return (
