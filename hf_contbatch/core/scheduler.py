@@ -307,6 +307,26 @@ class Scheduler:
                 )
         return advanced
 
+    def trim_after_stop(self, request: Request, num_excess: int) -> None:
+        """Forget ``num_excess`` accepted draft tokens that fell after a stop string.
+
+        The output processor stops a request inside a step's accepted drafts after
+        ``update_from_output`` advanced ``num_computed_tokens`` past them; the tokens after the stop
+        are not kept, so their KV is not counted as computed (nor their drafts as accepted). The
+        request is finished, so its blocks are freed by the next reap either way; this keeps the
+        progress counters true for stats and for a later fork of the same prefix.
+
+        Raises:
+            ValueError: ``num_excess`` is negative or more than the request's computed tokens.
+        """
+        if not 0 <= num_excess <= request.num_computed_tokens:
+            raise ValueError(
+                f"num_excess must be in [0, {request.num_computed_tokens}] "
+                f"(the request's computed tokens), got {num_excess}"
+            )
+        request.num_computed_tokens -= num_excess
+        self.counters.num_accepted_draft_tokens -= num_excess
+
 
 def _record_prompt_logprobs(plan: StepPlan, scores: dict[int, list[tuple[int, float, bool]]]) -> None:
     """Store (log-prob, is_argmax) per scored position in ``Request.prompt_logprobs`` (a list of

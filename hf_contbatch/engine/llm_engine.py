@@ -306,8 +306,7 @@ class LLMEngine:
                 for _ in range(num_kept):
                     self.counters.record_token(req, now)
             for req, excess in processed.excess_computed:  # accepted drafts after a stop: not kept
-                req.num_computed_tokens -= excess
-                sched.counters.num_accepted_draft_tokens -= excess
+                sched.trim_after_stop(req, excess)
             result.report.phases = list(timer.as_tuple())
             used = self.block_manager.num_used_blocks
             self.counters.record_iteration(result, used, time.monotonic() - t0, swap_seconds)

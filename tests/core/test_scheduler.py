@@ -186,3 +186,20 @@ def test_drop_all_requests_empties_every_queue_and_frees_both_pools():
     bm.check_invariants()
     host.check_invariants()
     assert sched.drop_all_requests() == []
+
+
+def test_trim_after_stop_takes_back_the_tokens_after_the_stop_and_refuses_more_than_were_computed():
+    bm = BlockManager(num_blocks=20, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16, watermark=0.0), bm)
+    req = _req(0, 9, new=6)
+    sched.add_request(req)
+    _fake_step(sched, sched.schedule())  # the whole 9-token prompt in one step
+    assert req.num_computed_tokens == 9
+    sched.counters.num_accepted_draft_tokens = 3  # as if 3 drafts had been accepted in that step
+    sched.trim_after_stop(req, 2)
+    assert (req.num_computed_tokens, sched.counters.num_accepted_draft_tokens) == (7, 1)
+    with pytest.raises(ValueError, match=r"num_excess must be in \[0, 7\]"):
+        sched.trim_after_stop(req, 8)
+    with pytest.raises(ValueError, match="num_excess"):
+        sched.trim_after_stop(req, -1)
+    assert req.num_computed_tokens == 7
