@@ -7,6 +7,7 @@ Used by ``ContinuousBatchingPipeline`` and by the lm-eval integration (no pipeli
 from __future__ import annotations
 
 import copy
+import difflib
 from typing import Optional
 
 from transformers import GenerationConfig
@@ -220,8 +221,11 @@ def split_call_kwargs(kwargs: dict) -> dict:
                 f"{', '.join(SUPPORTED_GENERATION_KWARGS)}"
             )
         else:
+            known = (*SUPPORTED_GENERATION_KWARGS, *PREPROCESS_KWARGS, *POSTPROCESS_KWARGS, *ENGINE_KWARGS)
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean `{close[0]}`?)" if close else ""
             raise ValueError(
-                f"unknown argument `{key}`; allowed: generation parameters "
+                f"unknown argument `{key}`{hint}; allowed: generation parameters "
                 f"({', '.join(SUPPORTED_GENERATION_KWARGS)}), preprocessing ({', '.join(PREPROCESS_KWARGS)}), "
                 f"postprocessing ({', '.join(POSTPROCESS_KWARGS)}), engine ({', '.join(ENGINE_KWARGS)})"
             )

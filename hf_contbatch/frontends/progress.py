@@ -4,7 +4,8 @@ lm-eval integration.
 Where the engine lets blocking callers drive (``EngineDriver.blocking_calls_drive``), the waiting
 thread runs the iterations itself (see ``EngineDriver.drive`` for why that is faster on CPU);
 otherwise it sleeps on the requests' completion events. Either way the bar advances once per
-finished request and shows the generated tokens per second.
+finished request, and its rate counts every token generated so far, running requests' included
+(refreshed at most every ``_LIVE_INTERVAL_S``), so a call of long requests does not look frozen.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ import time
 from typing import Sequence
 
 from ..engine.handles import RequestHandle
+
+# Seconds between two refreshes of the bar's rate while no request finishes (tqdm's own default
+# minimum interval between redraws is 0.1 s; a rate needs no more than two updates a second).
+_LIVE_INTERVAL_S = 0.5
 
 
 def wait_for(engine, handles: Sequence[RequestHandle], *, desc: str = "hf_contbatch", show: bool = True) -> int:
@@ -36,22 +41,37 @@ def wait_for(engine, handles: Sequence[RequestHandle], *, desc: str = "hf_contba
     t0 = time.monotonic()
     done_q: "queue.SimpleQueue[RequestHandle]" = queue.SimpleQueue()
     bar = None
-    tokens = 0
+    tokens = 0  # of the finished requests: the return value
     finished = 0
+    last_live = t0
+
+    def generated_so_far() -> int:
+        # Running requests' tokens too: list lengths are read without the engine's lock (an
+        # append racing this read is off by one token for half a second, which a rate can bear).
+        return sum(len(h.request.output_token_ids) for h in handles)
 
     def record(h: RequestHandle) -> None:
         nonlocal tokens, finished
         finished += 1
         tokens += len(h.request.output_token_ids)
         if bar is not None:
-            bar.set_postfix_str(_rates(finished, tokens, time.monotonic() - t0), refresh=False)
+            bar.set_postfix_str(_rates(finished, generated_so_far(), time.monotonic() - t0), refresh=False)
             bar.update(1)
+
+    def show_live_rate() -> None:
+        nonlocal last_live
+        now = time.monotonic()
+        if bar is None or now - last_live < _LIVE_INTERVAL_S:
+            return
+        last_live = now
+        bar.set_postfix_str(_rates(finished, generated_so_far(), now - t0), refresh=True)
 
     def drain() -> None:
         while True:
             try:
                 record(done_q.get_nowait())
             except queue.Empty:
+                show_live_rate()
                 return
 
     try:  # from here on, any exception (an interrupt during the first tqdm import too) cancels them
@@ -71,7 +91,10 @@ def wait_for(engine, handles: Sequence[RequestHandle], *, desc: str = "hf_contba
             engine.driver.drive(lambda: all(h.done() for h in handles), after_iteration=drain)
             drain()
         while finished < len(handles):
-            record(done_q.get())  # blocks without spinning
+            try:  # blocks without spinning; wakes to refresh the rate while nothing finishes
+                record(done_q.get(timeout=_LIVE_INTERVAL_S))
+            except queue.Empty:
+                show_live_rate()
     except BaseException as exc:
         drain()
         unfinished = sum(1 for h in handles if not h.done())
@@ -80,7 +103,7 @@ def wait_for(engine, handles: Sequence[RequestHandle], *, desc: str = "hf_contba
         if bar is not None:  # close the bar with the outcome, not a silent 0/N
             bar.set_description(f"{desc} {'interrupted' if interrupted else 'failed'}", refresh=False)
             bar.set_postfix_str(
-                f"{_rates(finished, tokens, time.monotonic() - t0)}, {unfinished} cancelled", refresh=False
+                f"{_rates(finished, generated_so_far(), time.monotonic() - t0)}, {unfinished} cancelled", refresh=False
             )
         if interrupted:
             # A fresh exception: the traceback a notebook shows ends here instead of running

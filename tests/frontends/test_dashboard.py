@@ -173,10 +173,13 @@ def test_dashboard_costs_nothing_until_displayed_and_its_refresher_sleeps():
     assert "application/vnd.jupyter.widget-view+json" in bundle and "4/8 used" in bundle["text/plain"]
     assert not dash.running  # outside a kernel nothing would show the updates
 
+    assert "stopped" in dash.header.value
     dash.start()
     try:
+        assert "live" in dash.header.value  # from the first frame, before any change
+        calls_at_start = source.calls
         time.sleep(1.0)
-        assert source.calls - 1 <= 8, f"{source.calls - 1} snapshots in 1 s at refresh_hz=5"  # sleeps, never spins
+        assert source.calls - calls_at_start <= 8, f"{source.calls - 1} snapshots in 1 s at refresh_hz=5"  # sleeps, never spins
         assert eventually(lambda: source.calls >= 3)
         renders = dash.num_refreshes
         time.sleep(0.6)
@@ -188,7 +191,7 @@ def test_dashboard_costs_nothing_until_displayed_and_its_refresher_sleeps():
         assert dash.num_refreshes > renders
     finally:
         dash.stop()
-    assert not dash.running
+    assert not dash.running and "stopped" in dash.header.value
     calls = source.calls
     time.sleep(0.5)
     assert source.calls == calls  # stopped means stopped

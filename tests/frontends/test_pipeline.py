@@ -94,6 +94,7 @@ def test_sampling_with_seed_is_reproducible_and_returns_n_sequences(pipe):
         (lambda p: p("x", do_sample=True, temperature=0.0), "temperature"),
         (lambda p: p("x", top_p=1.5, do_sample=True), "top_p"),
         (lambda p: p("x", frobnicate=1), "frobnicate"),
+        (lambda p: p("x", max_new_token=8), r"unknown argument `max_new_token` \(did you mean `max_new_tokens`\?\)"),
         (lambda p: p("x", num_beams=4), "num_beams"),
         (lambda p: p("x", num_return_sequences=2, do_sample=False), "num_return_sequences"),
         (lambda p: p("x", priority="high"), "priority"),

@@ -150,15 +150,21 @@ class Dashboard:
         driver = getattr(getattr(self.source, "engine", self.source), "driver", None)
         if driver is not None:
             driver.add_live_view(self)  # blocking calls then leave the CPU time this view needs
+        self.refresh()  # the header says "live" from the first frame, not after the first change
         return self
 
     def stop(self) -> None:
-        """End the refresher thread (the view keeps its last values; ``refresh()`` updates it once)."""
+        """End the refresher thread; the view keeps its last values, its header then says "stopped"
+        (``refresh()`` updates it once)."""
+        was_running = self.running
         self._stop.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=10)
         self._thread = None
+        if was_running and not self._source_closed():
+            with contextlib.suppress(Exception):  # a view must never fail its caller
+                self._refresh(only_if_changed=False)
 
     def close(self) -> None:
         """Stop refreshing and close the widgets (their views disappear)."""
@@ -181,10 +187,10 @@ class Dashboard:
         return format_stats(stats, rate)
 
     def _repr_mimebundle_(self, **kwargs) -> dict:
+        if _in_kernel():
+            self.start()  # before the bundle: its first frame already says "live"
         data = self.widget._repr_mimebundle_(**kwargs) or {}
         data["text/plain"] = self.summary()
-        if _in_kernel():
-            self.start()
         return data
 
     # --- internals ------------------------------------------------------------------------------
