@@ -203,6 +203,23 @@ def test_bf16_products_match_float64_within_the_bound(bf16_gemm, m, k, n):
     assert torch.equal(bf16_gemm.linear(x, packed, None, n), alone)  # rows independent of the batch
 
 
+def test_bf16_rows_past_one_row_block_give_the_bits_they_give_alone_at_any_thread_count(bf16_gemm):
+    # As for float32: more rows than one block, long inputs (fewer rows a block), threads sharing panels.
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(70, 4000, generator=g).bfloat16(), torch.randn(150, 4000, generator=g).bfloat16()
+    packed = bf16_gemm.pack(w)
+    alone = torch.cat([bf16_gemm.linear(x[i : i + 1], packed, None, 70) for i in range(150)])
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for m in (97, 150):
+                assert torch.equal(bf16_gemm.linear(x[:m], packed, None, 70), alone[:m])
+    finally:
+        torch.set_num_threads(before)
+    _check_bf16_against_float64(alone, x, w, None)
+
+
 def test_bf16_needs_an_even_number_of_input_features(bf16_gemm):
     w = torch.randn(8, 7).bfloat16()
     assert not bf16_gemm.supports(w)
