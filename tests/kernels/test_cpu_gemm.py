@@ -89,6 +89,26 @@ def test_thread_count_does_not_change_the_bits(gemm):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+def test_rows_past_one_row_block_give_the_bits_they_give_alone_at_any_thread_count(gemm):
+    # More rows than one block (96), and input features long enough (2,000) that a block holds
+    # fewer rows (the block's x must stay in L2): every row of every block, with threads sharing
+    # the panels, must equal the row multiplied alone and stay within the float64 bound.
+    g = torch.Generator().manual_seed(4)
+    w, x = torch.randn(70, 2000, generator=g), torch.randn(150, 2000, generator=g)
+    packed = gemm.pack(w)
+    alone = torch.cat([gemm.linear(x[i : i + 1], packed, None, 70) for i in range(150)])
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for m in (97, 150):
+                y = gemm.linear(x[:m], packed, None, 70)
+                assert torch.equal(y, alone[:m])
+    finally:
+        torch.set_num_threads(before)
+    _check_against_float64(alone, x, w, None)
+
+
 def test_empty_strided_and_batched_inputs(gemm):
     g = torch.Generator().manual_seed(4)
     w = torch.randn(20, 12, generator=g)
@@ -181,6 +201,23 @@ def test_bf16_products_match_float64_within_the_bound(bf16_gemm, m, k, n):
         _check_bf16_against_float64(bf16_gemm.linear(x, packed, bias, n), x, w, bias)
     alone = torch.cat([bf16_gemm.linear(x[i : i + 1], packed, None, n) for i in range(m)])
     assert torch.equal(bf16_gemm.linear(x, packed, None, n), alone)  # rows independent of the batch
+
+
+def test_bf16_rows_past_one_row_block_give_the_bits_they_give_alone_at_any_thread_count(bf16_gemm):
+    # As for float32: more rows than one block, long inputs (fewer rows a block), threads sharing panels.
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(70, 4000, generator=g).bfloat16(), torch.randn(150, 4000, generator=g).bfloat16()
+    packed = bf16_gemm.pack(w)
+    alone = torch.cat([bf16_gemm.linear(x[i : i + 1], packed, None, 70) for i in range(150)])
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for m in (97, 150):
+                assert torch.equal(bf16_gemm.linear(x[:m], packed, None, 70), alone[:m])
+    finally:
+        torch.set_num_threads(before)
+    _check_bf16_against_float64(alone, x, w, None)
 
 
 def test_bf16_needs_an_even_number_of_input_features(bf16_gemm):

@@ -24,7 +24,7 @@ from hf_contbatch.kernels.linears.autotune import (
 )
 from hf_contbatch.kernels.linears.dispatch_gemm import DispatchGEMM
 from hf_contbatch.kernels.linears.gemm_kernel import PackedWeight
-from hf_contbatch.kernels.linears.registry import available_kernels
+from hf_contbatch.kernels.linears.registry import UNPACKED, available_kernels
 
 from conftest import build_model
 
@@ -206,9 +206,10 @@ def test_the_registry_names_every_linear_backend_but_auto_and_each_kernel_keeps_
             assert torch.equal(kernel.unpack(packed), w)  # bit for bit: the float weight may be released
 
 
-def test_robust_seconds_is_the_median_so_one_disturbed_round_does_not_move_it():
-    assert robust_seconds([1.0, 1.1, 50.0, 0.9, 1.05]) == 1.05
-    assert robust_seconds([4.0, 1.0, 3.0, 2.0]) == 2.5
+def test_robust_seconds_is_the_fastest_round_so_load_elsewhere_hitting_most_rounds_does_not_move_it():
+    # Load only adds time to fixed work: one undisturbed round is enough.
+    assert robust_seconds([1.0, 1.1, 50.0, 0.9, 1.05]) == 0.9
+    assert robust_seconds([7.0, 1.0, 9.0, 8.0]) == 1.0  # three of four rounds disturbed
     assert math.isinf(robust_seconds([]))
 
 
@@ -252,6 +253,44 @@ def test_the_deciding_buckets_are_the_smallest_and_the_closest_race():
     times = {"a": {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}, "b": {1: 3.0, 2: 1.05, 4: 2.0, 8: 1.5}}
     assert deciding_buckets(times) == [1, 2]
     assert deciding_buckets(times, most=3) == [1, 2, 8]
+
+
+class _Costly(_Recording):
+    """A packed kernel whose call advances ``clock`` by ``small`` seconds below 64 rows and by
+    ``large`` from 64 on (a fake clock: timings are exact whatever else the machine runs)."""
+
+    def __init__(self, name, clock, small, large):
+        super().__init__(name)
+        self.clock, self.small, self.large = clock, small, large
+
+    def linear(self, x, packed, bias, out_features):
+        self.clock.now += self.small if x.numel() // x.shape[-1] < 64 else self.large
+        return torch.nn.functional.linear(x, packed.data, bias)
+
+    linear_verified = linear
+
+
+def _costly_tuner(**costs):
+    clock = _FakeClock()
+    kernels = {n: _Costly(n, clock, *c) for n, c in costs.items() if n != UNPACKED}
+    tuner = KernelTuner(kernels, cache_path=None, timer=clock)
+    tuner.candidates[UNPACKED] = _Costly(UNPACKED, clock, *costs[UNPACKED])  # not this CPU's F.linear
+    return tuner
+
+
+def test_a_kernel_far_slower_at_decode_rows_is_still_timed_at_prefill_rows():
+    # 10x slower at 1-2 rows (or timed so under load), 10x faster from 64 rows: it must be timed
+    # (and win) there, not left out after two slow small buckets.
+    tuner = _costly_tuner(dec=(1.0, 10.0), pre=(10.0, 1.0), torch=(5.0, 5.0))
+    times = tuner.measure(64, 32, torch.float32, [1, 2, 64])
+    assert times["pre"] == {1: 10.0, 2: 10.0, 64: 1.0}
+
+
+def test_a_kernel_far_slower_at_two_prefill_buckets_is_not_timed_at_larger_ones():
+    tuner = _costly_tuner(fast=(1.0, 1.0), slow=(10.0, 10.0), torch=(1.0, 1.0))
+    times = tuner.measure(64, 32, torch.float32, [64, 128, 256])
+    assert times["slow"] == {64: 10.0, 128: 10.0}  # left out at 256
+    assert times["fast"] == {64: 1.0, 128: 1.0, 256: 1.0}
 
 
 def _cache_with(path, table):

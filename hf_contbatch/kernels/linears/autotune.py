@@ -50,9 +50,18 @@ first's, if there are at least two such buckets (one could be noise) and memory 
 copy of its own."""
 _STREAM_BYTES = 96 * 2**20  # weight bytes per timing pass: more than a last-level cache holds
 _MAX_COPIES = 16  # small weights: call overhead dominates, cache misses matter less
-_ROUNDS = 5  # interleaved timing rounds per bucket; the median is kept
+_ROUNDS = 5  # interleaved timing rounds per bucket; the fastest is kept (robust_seconds)
 _RECHECK_ROUNDS = 3
-_COMPUTE_ROWS = 64  # from this many rows a GEMM reuses each weight enough to be compute-bound
+# From this many rows a GEMM reuses each weight enough (2 * rows / 4 FLOP a float32 byte) to be
+# compute-bound even where the cores share a few GB/s of memory bandwidth: one weight copy is timed.
+# Below it, weights stream from memory as in a model's step (at 64 rows, 32 FLOP a byte, a 2-core VM
+# at 6-30 GB/s is still memory-bound, so a kernel timed on one cached copy looked faster than the
+# engine then saw it).
+_COMPUTE_ROWS = 256
+# A candidate far slower than the fastest is left out of larger buckets only from this many rows: at
+# fewer, calls take microseconds to a few ms and one disturbed bucket pair (load elsewhere) dropped a
+# kernel that was fastest at every prefill bucket it was then never timed at.
+_STRIKE_FROM = 64
 _IMPLAUSIBLE = 3.0  # a bucket timed this much slower than a larger one was disturbed
 _TIMEOUT_RATIO = 4.0  # a candidate this much slower than the best stops being timed at larger buckets
 
@@ -70,14 +79,13 @@ def buckets_up_to(max_rows: int) -> tuple[int, ...]:
 
 
 def robust_seconds(samples: Sequence[float]) -> float:
-    """The median of ``samples`` (the mean of the middle two for an even count; ``inf`` for none):
-    a round slowed by load elsewhere moves a minimum-free, mean-free statistic only when it hits
-    most rounds."""
-    ordered = sorted(samples)
-    if not ordered:
-        return math.inf
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    """The fastest of ``samples`` (``inf`` for none). A GEMM call does fixed work, so load elsewhere
+    (another process on the cores, its cache and memory traffic) only ever adds time: the fastest
+    round is the least disturbed one, and it stays right while at least one round of each candidate
+    ran undisturbed. A median needs most rounds undisturbed, which a 2-core machine shared by a few
+    busy processes does not give (timings 3-10x off were cached and kept). The same reasoning is
+    why Python's ``timeit`` documentation recommends the minimum of repeats."""
+    return min(samples, default=math.inf)
 
 
 def time_interleaved(
@@ -179,6 +187,7 @@ class KernelTuner:
         measure: ``(in, out, dtype, buckets) -> {backend: {bucket: seconds per call}}``; default
             :meth:`measure` (tests pass fixed timings).
         recheck: re-time a cached choice's deciding buckets once per shape (see :meth:`timings`).
+        timer: the clock :meth:`measure` reads, in seconds (tests pass a fake one).
     """
 
     def __init__(
@@ -187,7 +196,9 @@ class KernelTuner:
         cache_path: Optional[str] = "default",
         measure: Optional[Measure] = None,
         recheck: bool = True,
+        timer: Callable[[], float] = time.perf_counter,
     ):
+        self.timer = timer
         self.candidates = {**candidates, UNPACKED: make_kernel(UNPACKED)}
         self.threads = torch.get_num_threads()
         if cache_path == "default":
@@ -277,13 +288,14 @@ class KernelTuner:
 
     def measure(self, in_features: int, out_features: int, dtype: torch.dtype, buckets: Sequence[int]) -> dict:
         """Seconds per call of every candidate at ``buckets`` for a random ``[out, in]`` weight: the
-        median of :data:`_ROUNDS` rounds (:func:`time_interleaved`: candidates round-robin, so a
+        fastest of :data:`_ROUNDS` rounds (:func:`time_interleaved`: candidates round-robin, so a
         burst of load elsewhere hits one round of each, not all rounds of one), each round a pass
         over weight copies adding up to more than a last-level cache (up to 16 copies), so the
-        weights stream from memory as a model's layers do (one copy from 64 rows on, where the GEMM
-        is compute-bound). A candidate ``4x`` slower than the fastest at two buckets in a row is not
-        timed at larger ones (``inf``), except one whose ``always_timed`` attribute is true (a kernel
-        whose cost per call is bounded and whose relative speed grows with the rows)."""
+        weights stream from memory as a model's layers do (one copy from 256 rows on, where the GEMM
+        is compute-bound, :data:`_COMPUTE_ROWS`). A candidate ``4x`` slower than the fastest at two
+        buckets in a row of at least :data:`_STRIKE_FROM` rows is not timed at larger ones (``inf``),
+        except one whose ``always_timed`` attribute is true (a kernel whose cost per call is bounded
+        and whose relative speed grows with the rows)."""
         g = torch.Generator().manual_seed(0)
         weight_bytes = in_features * out_features * torch.empty((), dtype=dtype).element_size()
         copies = max(1, min(_MAX_COPIES, math.ceil(_STREAM_BYTES / max(1, weight_bytes))))
@@ -313,11 +325,12 @@ class KernelTuner:
                         run(x, p, None, out_features)
                     return len(packed)
 
-                best = time_interleaved({n: functools.partial(one_pass, n) for n in alive}, _ROUNDS)
+                best = time_interleaved({n: functools.partial(one_pass, n) for n in alive}, _ROUNDS, self.timer)
                 fastest = min(best.values()) if best else math.inf
                 for name, seconds in best.items():
                     result[name][rows] = seconds
-                    strikes[name] = strikes[name] + 1 if seconds > _TIMEOUT_RATIO * fastest else 0
+                    far = rows >= _STRIKE_FROM and seconds > _TIMEOUT_RATIO * fastest
+                    strikes[name] = strikes[name] + 1 if far else 0
                 # Far slower twice in a row: no contender, unless the kernel says its relative speed
                 # grows with the rows (``always_timed``: dequant-float, slow at few rows by design).
                 alive = [n for n in alive if strikes[n] < 2 or getattr(self.candidates[n], "always_timed", False)]
