@@ -143,6 +143,9 @@ def test_timings_are_measured_once_and_read_back_from_the_cache(tmp_path):
     assert calls[2:] == [(1, 2)] and second.measured_seconds == 0.0
     assert second.rechecked == {}  # the re-time agreed: the cache is kept
     assert "64x32:float32: a" in second.report()
+    third = KernelTuner({"a": _Recording("a")}, cache_path=path, measure=measure)
+    assert third.choose(64, 32, torch.float32, max_rows=32).kernels == ("a",)
+    assert calls[3:] == [] and third.recheck_seconds == 0.0  # confirmed once: later starts re-time nothing
 
 
 def test_auto_packs_each_shape_with_its_kernel_and_outputs_follow_f_linear():

@@ -170,6 +170,11 @@ class KernelChoice:
         return tuple(table + [table[-1]] * (len(ROW_BUCKETS) - len(table)))
 
 
+# The timings file's entry listing, per shape key, the buckets whose cached figures a re-time has
+# confirmed (no shape key starts with an underscore).
+_CONFIRMED = "_confirmed"
+
+
 def shape_key(in_features: int, out_features: int, dtype: torch.dtype) -> str:
     """How a shape class is named in the cache and the report: ``"960x5120:float32"``."""
     return f"{in_features}x{out_features}:{str(dtype).removeprefix('torch.')}"
@@ -237,7 +242,8 @@ class KernelTuner:
         - with ``recheck``, a choice read from the cache: its :func:`deciding_buckets` re-timed; where
           the re-time names another winner, faster than the cached winner by more than
           :data:`RECHECK_MARGIN`, the re-timed figures replace the cached ones there (one noisy first
-          run does not fix a choice for good).
+          run does not fix a choice for good). A bucket whose re-time agreed is recorded as
+          confirmed in the cache and not re-timed by later starts.
         """
         key = shape_key(in_features, out_features, dtype)
         known = self._timings.setdefault(key, {})
@@ -267,8 +273,12 @@ class KernelTuner:
     def _check(self, key, known, in_features, out_features, dtype, buckets, fresh: set) -> None:
         table = {n: {b: float(known[n][str(b)]) for b in buckets} for n in self.candidates}
         suspect = sorted({b for t in table.values() for b in implausible_buckets(t)})
+        # A deciding bucket one earlier re-time already confirmed is not re-timed again: the check
+        # is meant to catch one noisy first run, and re-timing on every start costs seconds each.
+        confirmed = self._timings.setdefault(_CONFIRMED, {}).setdefault(key, [])
         cached = [b for b in buckets if b not in fresh]
         confirm = deciding_buckets({n: {b: t[b] for b in cached} for n, t in table.items()}) if self.recheck else []
+        confirm = [b for b in confirm if str(b) not in confirmed]
         again = sorted(set(suspect) | set(confirm))
         if not again:
             return
@@ -281,10 +291,14 @@ class KernelTuner:
             flipped = new_winner != old_winner and new[new_winner] < (1 - RECHECK_MARGIN) * new[old_winner]
             if b in suspect or flipped:
                 replace.append(b)
+        # Agreeing re-times confirm their bucket for later starts; a replaced figure is checked again.
+        confirmed[:] = sorted({*confirmed, *(str(b) for b in confirm if b not in replace)} - {str(b) for b in replace})
         if replace:
             self.rechecked[key] = replace
             logger.info("GEMM timings of %s re-timed at rows %s (disturbed or contradicted)", key, replace)
             self._store(known, measured, replace)
+        else:
+            self._save()
 
     def measure(self, in_features: int, out_features: int, dtype: torch.dtype, buckets: Sequence[int]) -> dict:
         """Seconds per call of every candidate at ``buckets`` for a random ``[out, in]`` weight: the
