@@ -142,6 +142,35 @@ def tok():
     return AutoTokenizer.from_pretrained(default_model_path())
 
 
+LM_EVAL_TASKS_DIR = "tests/data/lm_eval_tasks"  # the task YAMLs name their jsonl files relative to the repo root
+LM_EVAL_TASKS = ["hfcb_pydoc_gen", "hfcb_pydoc_choice", "hfcb_pydoc_text"]
+
+
+@pytest.fixture(scope="session")
+def lm_eval_hf_results():
+    """lm-eval's own ``hf`` model on the embedded model (float32, CPU) over the three local tasks,
+    with samples: the reference of tests/frontends/test_integrations_lm_eval.py and, for the base
+    model, of test_lora_frontends.py; evaluated once per session (lm-eval must be installed)."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from hf_contbatch.default_model import default_model_path
+
+    cwd = os.getcwd()
+    os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        return lm_eval.simple_evaluate(
+            model="hf",
+            model_args=f"pretrained={default_model_path()},dtype=float32,device=cpu",
+            tasks=LM_EVAL_TASKS,
+            task_manager=TaskManager(include_path=LM_EVAL_TASKS_DIR),
+            log_samples=True,
+            bootstrap_iters=0,
+        )
+    finally:
+        os.chdir(cwd)
+
+
 @pytest.fixture(scope="module")
 def ref_model():
     """A float32 copy of the embedded model that no engine touches: the ``generate`` reference."""
