@@ -100,6 +100,33 @@ def reference_greedy(model, prompt, max_new_tokens: int):
     return out[0, len(prompt) :].tolist()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def gemm_choices_rechecked_once_per_session():
+    """Each engine's GEMM tuner re-times its cached choices' deciding row counts once per shape
+    class when it starts (``KernelTuner(recheck=True)``), a guard against one noisy first run in a
+    new process. A test session builds a few hundred engines over the same few shapes; repeating the
+    guard in each cost seconds per engine, a large share of the suite. In this process the first
+    tuner to meet a shape class re-checks it, as an engine in a fresh process does, and later tuners
+    share what it checked (the tuner's ``_checked`` set, one per timings file: float and int8 kernels
+    apart). Choices are still made by timing; subprocesses (CLI, notebooks, accelerate ranks) are
+    untouched; tests/kernels/test_gemm_autotune.py tests the re-check itself on tuners it builds."""
+    from hf_contbatch.kernels.linears import linear_choices
+    from hf_contbatch.kernels.linears.autotune import KernelTuner
+
+    checked_by_file: dict = {}
+
+    class SessionTuner(KernelTuner):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            assert isinstance(self._checked, set), "KernelTuner changed: update tests/conftest.py"
+            if self.cache_path is not None:  # timings in memory only: nothing shared to trust
+                self._checked = checked_by_file.setdefault(self.cache_path, set())
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(linear_choices, "KernelTuner", SessionTuner)  # the tuner an engine's "auto" step builds
+        yield
+
+
 @pytest.fixture(scope="session")
 def llama_model():
     return build_model("llama")
@@ -113,6 +140,35 @@ def tok():
     from hf_contbatch.default_model import default_model_path
 
     return AutoTokenizer.from_pretrained(default_model_path())
+
+
+LM_EVAL_TASKS_DIR = "tests/data/lm_eval_tasks"  # the task YAMLs name their jsonl files relative to the repo root
+LM_EVAL_TASKS = ["hfcb_pydoc_gen", "hfcb_pydoc_choice", "hfcb_pydoc_text"]
+
+
+@pytest.fixture(scope="session")
+def lm_eval_hf_results():
+    """lm-eval's own ``hf`` model on the embedded model (float32, CPU) over the three local tasks,
+    with samples: the reference of tests/frontends/test_integrations_lm_eval.py and, for the base
+    model, of test_lora_frontends.py; evaluated once per session (lm-eval must be installed)."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from hf_contbatch.default_model import default_model_path
+
+    cwd = os.getcwd()
+    os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        return lm_eval.simple_evaluate(
+            model="hf",
+            model_args=f"pretrained={default_model_path()},dtype=float32,device=cpu",
+            tasks=LM_EVAL_TASKS,
+            task_manager=TaskManager(include_path=LM_EVAL_TASKS_DIR),
+            log_samples=True,
+            bootstrap_iters=0,
+        )
+    finally:
+        os.chdir(cwd)
 
 
 @pytest.fixture(scope="module")

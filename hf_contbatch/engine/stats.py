@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -10,10 +11,40 @@ from ..core.phases import PHASES
 from ..core.plan import StepResult
 from ..request import BASE_ADAPTER
 
+# The fields a snapshot's repr shows, in this order: what a notebook cell ending in ``pipe.stats()``
+# should tell at a glance. The per-block tuples (one entry per KV block) would run to pages.
+_REPR_FIELDS = (
+    "num_used_blocks",
+    "num_blocks",
+    "peak_used_blocks",
+    "kv_cache_dtype",
+    "num_waiting",
+    "num_running",
+    "num_swapped",
+    "num_finished",
+    "num_preemptions",
+    "num_generated_tokens",
+    "num_iterations",
+    "throughput_tokens_per_s",
+    "mean_ttft_s",
+    "mean_itl_s",
+)
 
-@dataclass(frozen=True)
+
+def _short(value) -> str:
+    """``value`` for a repr: floats to four significant digits (rates over 1,000 to one decimal)."""
+    if isinstance(value, float):
+        return f"{value:.1f}" if abs(value) >= 1000 else f"{value:.4g}"
+    return repr(value)
+
+
+@dataclass(frozen=True, repr=False)
 class EngineStats:
-    """An immutable snapshot for dashboards and scripts (units in the names)."""
+    """An immutable snapshot for dashboards and scripts (units in the names).
+
+    Its repr shows the main counts only (``_REPR_FIELDS``, floats rounded); every field stays
+    exact on the object, and ``dataclasses.asdict(stats)`` gives them all.
+    """
 
     num_blocks: int
     block_size: int
@@ -68,6 +99,15 @@ class EngineStats:
     # "__base__" for the base model; empty when the engine serves a plain model.
     requests_per_adapter: tuple = ()
     kv_cache_dtype: str = ""  # the KV pools' dtype: "float32", "bfloat16", "int8" (with per-token scales), ...
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{name}={_short(getattr(self, name))}" for name in _REPR_FIELDS)
+        hidden = len(dataclasses.fields(self)) - len(_REPR_FIELDS)
+        return f"EngineStats({shown}, ... {hidden} more fields)"
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        """IPython's display (a cell's last expression): the same short text as ``repr``."""
+        printer.text(repr(self))
 
     @property
     def draft_acceptance_rate(self) -> Optional[float]:

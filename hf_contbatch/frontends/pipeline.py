@@ -65,6 +65,28 @@ def _accelerator_type() -> str:
     return dev.type if dev is not None else "cuda"
 
 
+class CallStats(dict):
+    """``pipe.last_call_stats``: the latest blocking call's figures, a plain ``dict`` with exact values.
+
+    Keys: ``num_requests`` (sequences the call ran), ``generated_tokens``, ``seconds`` (wall time of
+    the call, tokenizing to the last token), ``tokens_per_s`` (generated tokens / seconds),
+    ``preemptions`` (times its requests were preempted). Only the repr (what ``print`` and a
+    notebook cell show) rounds: seconds to milliseconds, rates to one decimal.
+    """
+
+    def __repr__(self) -> str:
+        def short(key, value) -> str:
+            if not isinstance(value, float):
+                return repr(value)
+            return f"{value:.1f}" if key.endswith("_per_s") else f"{value:.3f}"
+
+        return "{" + ", ".join(f"{key!r}: {short(key, value)}" for key, value in self.items()) + "}"
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        """IPython's display (a cell's last expression): the same rounded text as ``repr``."""
+        printer.text(repr(self))
+
+
 class ContinuousBatchingPipeline:
     """Drop-in for ``transformers.pipeline("text-generation")`` with continuous batching.
 
@@ -176,7 +198,7 @@ class ContinuousBatchingPipeline:
         init_kwargs = split_call_kwargs(kwargs)  # bad arguments raise before the engine changes the model
         self.engine = LLMEngine(model, engine_config, tokenizer=tokenizer)
         self._call_requests = CallRequestBuilder(self.engine, tokenizer, init_kwargs)
-        self.last_call_stats: dict = {}
+        self.last_call_stats = CallStats()  # filled by each blocking call
 
     # --- context management ----------------------------------------------------------------------
     def close(self) -> None:
@@ -339,13 +361,13 @@ class ContinuousBatchingPipeline:
         show = call.progress_bar if call.progress_bar is not None else len(prompts) > 1
         tokens = wait_for(self.engine, flat, desc="hf_contbatch", show=bool(show))
         elapsed = time.monotonic() - t0
-        self.last_call_stats = {
-            "num_requests": len(flat),
-            "generated_tokens": tokens,
-            "seconds": elapsed,
-            "tokens_per_s": tokens / elapsed if elapsed else 0.0,
-            "preemptions": sum(h.request.num_preemptions for h in flat),
-        }
+        self.last_call_stats = CallStats(
+            num_requests=len(flat),
+            generated_tokens=tokens,
+            seconds=elapsed,
+            tokens_per_s=tokens / elapsed if elapsed else 0.0,
+            preemptions=sum(h.request.num_preemptions for h in flat),
+        )
         results = [
             records_so_far(self.tokenizer, prompt, hs, call.output) for prompt, hs in zip(call.prompts, submitted)
         ]

@@ -1,7 +1,9 @@
 """Every public name the documentation writes exists (issue 33): each ``hf_contbatch.…`` dotted name in
 README.md, ARCHITECTURE.md, docs/*.md and the notebooks' cells (code and markdown) imports or is an
-attribute of what it names, and each ``pipe.…`` / ``dash.…`` attribute chain resolves on a real
-pipeline on the embedded model (``dash``: the ``Dashboard`` class)."""
+attribute of what it names, and each ``pipe.…`` / ``dash.…`` / ``handle.…`` attribute chain resolves
+on a real pipeline on the embedded model after one call (``dash``: the ``Dashboard`` class;
+``handle``: what ``pipe.submit`` returned), subscripts included (``handle.handles[0].result``,
+``pipe.last_call_stats["seconds"]``)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ from hf_contbatch.frontends.dashboard import Dashboard
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULE_NAME = re.compile(r"(?<![\w./-])hf_contbatch(?:\.[A-Za-z_]\w*)+")
-CHAIN = re.compile(r"(?<![\w.])(pipe|dash)((?:\.[A-Za-z_]\w*)+)")
+# root, then ".name" parts, each optionally followed by subscripts: [0], ["key"] or ['key']
+CHAIN = re.compile(r"""(?<![\w.])(pipe|dash|handle)((?:\.[A-Za-z_]\w*(?:\[(?:\d+|"[^"\]]*"|'[^'\]]*')\])*)+)""")
+PART = re.compile(r"""\.([A-Za-z_]\w*)|\[(\d+)\]|\[["']([^"'\]]*)["']\]""")
 
 
 def documents() -> dict[str, str]:
@@ -69,20 +73,50 @@ def pipe():
     p.close()
 
 
+def follow(obj, chain: str):
+    """Follow ``chain`` (".a[0].b["k"]") from ``obj``: ``(object reached, None)``, or ``(None, what
+    is missing)`` at the first part that does not exist."""
+    for attr, index, key in PART.findall(chain):
+        if obj is None:  # an optional part not built here (e.g. no tuner): nothing to follow
+            break
+        if attr:
+            if not hasattr(obj, attr):
+                return None, f"no {attr!r} on {type(obj).__name__}"
+            obj = getattr(obj, attr)
+        elif index:
+            if not 0 <= int(index) < len(obj):
+                return None, f"no [{index}] in a {type(obj).__name__} of {len(obj)}"
+            obj = obj[int(index)]
+        else:
+            if key not in obj:
+                return None, f"no key {key!r} in {type(obj).__name__} {sorted(obj)}"
+            obj = obj[key]
+    return obj, None
+
+
 @pytest.mark.timeout(120)
-def test_every_pipe_and_dashboard_attribute_in_the_docs_exists(pipe):
-    roots = {"pipe": pipe, "dash": Dashboard}
-    missing, checked = [], 0
+def test_every_pipe_dashboard_and_handle_attribute_in_the_docs_exists(pipe):
+    pipe("Hello", max_new_tokens=2, progress_bar=False)  # fills pipe.last_call_stats
+    handle = pipe.submit("Hello", max_new_tokens=2)
+    handle.result(timeout=60)
+    roots = {"pipe": pipe, "dash": Dashboard, "handle": handle}
+    missing, checked = [], set()
     for doc, text in documents().items():
         for root, chain in sorted(set(CHAIN.findall(text))):
-            obj = roots[root]
-            for part in chain.strip(".").split("."):
-                if obj is None:  # an optional part not built here (e.g. no tuner): nothing to follow
-                    break
-                if not hasattr(obj, part):
-                    missing.append(f"{doc}: {root}{chain} (no {part!r} on {type(obj).__name__})")
-                    break
-                obj = getattr(obj, part)
-                checked += 1
-    assert checked > 5
+            _, why = follow(roots[root], chain)
+            if why:
+                missing.append(f"{doc}: {root}{chain} ({why})")
+            checked.add(root + chain)
+    assert len(checked) > 5
+    # What README.md documents for the newcomer: a call's figures and one sequence's request.
+    assert {"pipe.last_call_stats", "handle.handles[0].result", 'pipe.last_call_stats["tokens_per_s"]'} <= checked
     assert not missing, "\n".join(missing)
+
+
+def test_a_missing_attribute_index_or_key_is_reported():
+    stats = {"seconds": 1.0}
+    assert follow(stats, '["seconds"]') == (1.0, None)
+    assert follow([stats], "[0]['seconds']") == (1.0, None)
+    assert follow(stats, '["secs"]')[1] == "no key 'secs' in dict ['seconds']"
+    assert follow([stats], "[1]")[1] == "no [1] in a list of 1"
+    assert follow(stats, ".nope")[1] == "no 'nope' on dict"

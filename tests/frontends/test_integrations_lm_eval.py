@@ -18,14 +18,14 @@ import torch
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from hf_contbatch.default_model import default_model_path
 
-from conftest import build_model, random_prompts
+from conftest import LM_EVAL_TASKS, LM_EVAL_TASKS_DIR, build_model, random_prompts
 
 lm_eval = pytest.importorskip("lm_eval")
 
 ROOT = Path(__file__).resolve().parents[2]
-TASKS_DIR = "tests/data/lm_eval_tasks"  # the task YAMLs name their jsonl files relative to the repo root
-TASKS = ["hfcb_pydoc_gen", "hfcb_pydoc_choice", "hfcb_pydoc_text"]
-MODEL_ARGS = f"pretrained={default_model_path()},dtype=float32,device=cpu"
+TASKS_DIR = LM_EVAL_TASKS_DIR  # the task YAMLs name their jsonl files relative to the repo root
+TASKS = LM_EVAL_TASKS
+MODEL_ARGS = f"pretrained={default_model_path()},dtype=float32,device=cpu"  # as conftest's lm_eval_hf_results
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +52,10 @@ def _evaluate(model: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def hf_results(in_repo_root):
-    return _evaluate("hf")
+def hf_results(lm_eval_hf_results):
+    """lm-eval's own ``hf`` model, the reference (conftest: evaluated once per session, also the
+    base-model reference of test_lora_frontends.py)."""
+    return lm_eval_hf_results
 
 
 @pytest.fixture(scope="module")

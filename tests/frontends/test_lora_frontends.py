@@ -168,11 +168,11 @@ def _evaluate(model: str, model_args: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def hf_peft_responses(adapter_dirs):
+def hf_peft_responses(adapter_dirs, lm_eval_hf_results):
     """lm-eval's own ``hf`` model with ``peft=`` (the reference)."""
     pytest.importorskip("lm_eval")
     with_adapter = _evaluate("hf", f"pretrained={PATH},dtype=float32,device=cpu,peft={adapter_dirs['sql']}")
-    base = _evaluate("hf", f"pretrained={PATH},dtype=float32,device=cpu")
+    base = _responses(lm_eval_hf_results)  # the same model without the adapter (conftest: once per session)
     assert with_adapter != base  # the adapter changes the answers: an ignored adapter would show
     return with_adapter
 

@@ -93,26 +93,32 @@ def test_registering_over_another_pipelines_task_is_refused():
         hf_contbatch.register_pipeline("text-generation")
 
 
+@pytest.fixture(scope="module")
+def bare_pipelines():
+    """transformers' pipeline and ours, each over its own copy of the embedded model with a bare
+    generation config (shared by the sampling tests: a seeded call draws the same whatever ran before)."""
+    ref = transformers.pipeline("text-generation", model=_bare_generation_config_model(), tokenizer=PATH)
+    ours = ContinuousBatchingPipeline(_bare_generation_config_model(), PATH, engine_config=ENGINE)
+    yield ref, ours
+    ours.close()
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "kwargs", [{}, {"max_new_tokens": 30, "temperature": 1.3, "top_p": 0.9}], ids=["defaults", "explicit"]
 )
-def test_sampling_defaults_and_seeded_samples_equal_transformers_pipeline(kwargs):
+def test_sampling_defaults_and_seeded_samples_equal_transformers_pipeline(kwargs, bare_pipelines):
     # Same seed, same resolved processors (pipeline defaults + transformers' global top_k=50) =>
     # the same multinomial draws => the same text.
-    ref = transformers.pipeline("text-generation", model=_bare_generation_config_model(), tokenizer=PATH)
-    ours = ContinuousBatchingPipeline(_bare_generation_config_model(), PATH, engine_config=ENGINE)
-    try:
-        cfg = ours.resolve_generation_config(dict(kwargs))
-        assert (cfg.do_sample, cfg.top_k) == (True, 50)
-        assert cfg.temperature == kwargs.get("temperature", 0.7)
-        assert cfg.max_new_tokens == kwargs.get("max_new_tokens", 256)
-        for seed in (0, 1):
-            torch.manual_seed(seed)
-            expected = ref("The for statement", **kwargs)
-            assert ours("The for statement", seed=seed, **kwargs) == expected
-    finally:
-        ours.close()
+    ref, ours = bare_pipelines
+    cfg = ours.resolve_generation_config(dict(kwargs))
+    assert (cfg.do_sample, cfg.top_k) == (True, 50)
+    assert cfg.temperature == kwargs.get("temperature", 0.7)
+    assert cfg.max_new_tokens == kwargs.get("max_new_tokens", 256)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        expected = ref("The for statement", **kwargs)
+        assert ours("The for statement", seed=seed, **kwargs) == expected
 
 
 CASES = {

@@ -3,6 +3,8 @@ progress bar that states rates and its outcome. Expected texts come from transfo
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import os
 import re
 import signal
@@ -147,3 +149,48 @@ def test_loading_a_model_shows_no_notices_of_optional_quantization_libraries():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Failed to load" not in proc.stderr and "_pytree" not in proc.stderr, proc.stderr
+
+
+def _decimals(number: str) -> int:
+    return len(number.split(".")[1]) if "." in number else 0
+
+
+@pytest.mark.timeout(120)
+def test_stats_shown_in_a_cell_is_one_short_line_and_keeps_every_field(pipe):
+    from IPython.core.formatters import PlainTextFormatter
+
+    pipe(PROMPTS, max_new_tokens=5, do_sample=False, progress_bar=False)
+    stats = pipe.stats()
+    shown = PlainTextFormatter()(stats)  # what a notebook cell ending in `pipe.stats()` prints
+    assert shown == repr(stats) == str(stats)
+    assert "\n" not in shown and len(shown) < 400, shown  # not the 256-entry block tuples
+    assert shown.startswith("EngineStats(") and "block_owner" not in shown
+    for name in ("num_used_blocks", "num_blocks", "num_running", "num_waiting", "num_finished", "num_generated_tokens"):
+        assert f"{name}={getattr(stats, name)}," in shown
+    rate = re.search(r"throughput_tokens_per_s=([\d.]+)", shown).group(1)
+    ttft = re.search(r"mean_ttft_s=([\d.e-]+)", shown).group(1)
+    assert _decimals(rate) <= 4 and float(rate) == pytest.approx(stats.throughput_tokens_per_s, rel=1e-3)
+    assert float(ttft) == pytest.approx(stats.mean_ttft_s, rel=1e-3)
+    # the object itself is unchanged: every field, exact
+    assert len(stats.block_owner) == stats.num_blocks == 256
+    assert dataclasses.asdict(stats)["num_generated_tokens"] == stats.num_generated_tokens > 0
+
+
+@pytest.mark.timeout(120)
+def test_last_call_stats_reads_rounded_and_holds_exact_figures(pipe, capsys):
+    from IPython.core.formatters import PlainTextFormatter
+
+    pipe(PROMPTS, max_new_tokens=[3, 9, 5], do_sample=False, progress_bar=False)
+    call = pipe.last_call_stats
+    assert isinstance(call, dict)
+    assert set(call) == {"num_requests", "generated_tokens", "seconds", "tokens_per_s", "preemptions"}
+    assert call["num_requests"] == 3 and call["generated_tokens"] == 3 + 9 + 5
+    assert call["tokens_per_s"] == call["generated_tokens"] / call["seconds"]  # exact, not the rounded figures
+    print(call)
+    printed = capsys.readouterr().out.strip()
+    assert printed == repr(call) == PlainTextFormatter()(call)
+    shown = ast.literal_eval(printed)  # still reads as the dict it is
+    assert set(shown) == set(call) and shown["generated_tokens"] == 17
+    assert _decimals(str(shown["seconds"])) <= 3 and _decimals(str(shown["tokens_per_s"])) <= 1
+    assert shown["seconds"] == pytest.approx(call["seconds"], abs=5e-4)
+    assert shown["tokens_per_s"] == pytest.approx(call["tokens_per_s"], abs=0.05)
