@@ -100,33 +100,6 @@ def reference_greedy(model, prompt, max_new_tokens: int):
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def gemm_choices_rechecked_once_per_session():
-    """Each engine's GEMM tuner re-times its cached choices' deciding row counts once per shape
-    class when it starts (``KernelTuner(recheck=True)``), a guard against one noisy first run in a
-    new process. A test session builds a few hundred engines over the same few shapes; repeating the
-    guard in each cost seconds per engine, a large share of the suite. In this process the first
-    tuner to meet a shape class re-checks it, as an engine in a fresh process does, and later tuners
-    share what it checked (the tuner's ``_checked`` set, one per timings file: float and int8 kernels
-    apart). Choices are still made by timing; subprocesses (CLI, notebooks, accelerate ranks) are
-    untouched; tests/kernels/test_gemm_autotune.py tests the re-check itself on tuners it builds."""
-    from hf_contbatch.kernels.linears import linear_choices
-    from hf_contbatch.kernels.linears.autotune import KernelTuner
-
-    checked_by_file: dict = {}
-
-    class SessionTuner(KernelTuner):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            assert isinstance(self._checked, set), "KernelTuner changed: update tests/conftest.py"
-            if self.cache_path is not None:  # timings in memory only: nothing shared to trust
-                self._checked = checked_by_file.setdefault(self.cache_path, set())
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(linear_choices, "KernelTuner", SessionTuner)  # the tuner an engine's "auto" step builds
-        yield
-
-
 @pytest.fixture(scope="session")
 def llama_model():
     return build_model("llama")
