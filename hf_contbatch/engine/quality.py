@@ -115,8 +115,8 @@ def _leading_equal(a: list[int], b: list[int]) -> int:
 
 def engine_figures(model, ids: torch.Tensor, prompt: torch.Tensor, greedy_tokens: int, kv_cache_dtype):
     """(perplexity of ``ids`` ``[1, n]``, greedy tokens from ``prompt`` ``[1, p]``) through an
-    ``LLMEngine`` on ``model`` with a KV cache of ``kv_cache_dtype`` (None: the model's dtype), closed
-    afterwards. The perplexity is ``exp`` of the mean of ``-log p(ids[i] | ids[:i])`` for i >= 1, from
+    ``LLMEngine`` on ``model`` with a KV cache of ``kv_cache_dtype`` (None: the model's dtype) and the
+    model's own linears (``linear_backend="torch"``), closed afterwards. The perplexity is ``exp`` of the mean of ``-log p(ids[i] | ids[:i])`` for i >= 1, from
     the engine's prompt log-probs (the last token scored as the continuation, ``score_token_id``)."""
     from ..config import CacheConfig, EngineConfig
     from ..request import SamplingParams
@@ -125,7 +125,13 @@ def engine_figures(model, ids: torch.Tensor, prompt: torch.Tensor, greedy_tokens
     block_size = 16
     tokens = max(ids.shape[1], prompt.shape[1] + greedy_tokens)
     blocks = 2 * (-(-tokens // block_size)) + 4  # both requests may be in at once
-    config = EngineConfig(cache=CacheConfig(dtype=kv_cache_dtype, block_size=block_size, num_blocks=blocks))
+    # The model's own linears and ops (no packing, no fused ops): nothing to time at engine start,
+    # and the two runs differ in the KV cache's dtype alone.
+    config = EngineConfig(
+        cache=CacheConfig(dtype=kv_cache_dtype, block_size=block_size, num_blocks=blocks),
+        linear_backend="torch",
+        fuse_model_ops=False,
+    )
     engine = LLMEngine(model, config)
     try:
         row = ids[0].tolist()
