@@ -3,6 +3,7 @@
 
     PYTHONPATH=$PWD python benchmarks/bench_prefill_attention.py            # medium's shape, fp32
     PYTHONPATH=$PWD python benchmarks/bench_prefill_attention.py --dtype bfloat16 --heads 15 --kv-heads 5
+    PYTHONPATH=$PWD python benchmarks/bench_prefill_attention.py --dtype int8   # int8 pools with scales
 
 For each prompt length: one request whose whole prompt is this step's chunk (the torch path then
 reads the step's own K/V, no gather, and runs causal SDPA), and the same number of query tokens as
@@ -37,7 +38,7 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=5)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"])
     ap.add_argument("--lengths", default="8,64,192,512,2000")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None, help="torch's thread count (default: as set)")
@@ -56,7 +57,7 @@ def main() -> None:
     print(f"{'case':>22} {'torch ms':>9} {'GFLOP/s':>8} {'kernel ms':>9} {'GFLOP/s':>8} {'speedup':>7}")
     for length in map(int, args.lengths.split(",")):
         for label, seq_len in ((f"prompt {length}", length), (f"{length} of {2 * length}", 2 * length)):
-            q, k, v, meta, key, value = _prefill_batch(
+            q, k, v, meta, key, value, scales = _prefill_batch(
                 1, length, seq_len, args.heads, args.kv_heads, args.head_dim, args.block_size, dtype
             )
             whole = seq_len == length
@@ -69,10 +70,17 @@ def main() -> None:
                         meta._derived.clear()
                         t0 = time.perf_counter()
                         if name == "kernel":
-                            kernel(q, k, v, meta, scale)
+                            kernel(q, k, v, meta, scale, **scales)
                         else:
                             torch_paged_attention(
-                                q, k, v, meta, scale, key=key if whole else None, value=value if whole else None
+                                q,
+                                k,
+                                v,
+                                meta,
+                                scale,
+                                key=key if whole else None,
+                                value=value if whole else None,
+                                **scales,
                             )
                         if i:
                             times[name].append(time.perf_counter() - t0)

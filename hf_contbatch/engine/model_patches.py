@@ -14,6 +14,7 @@ from ..config import EngineConfig, resolve_compile_model
 from ..kernels.linears import pack_linears, tune_linears
 from ..kernels.linears.linear_units import check_quantized_linears
 from ..kernels.linears.registry import AUTO, UNPACKED
+from ..kernels.linears.weight_spill import WeightSpill
 from .attention_switch import restore_attention, switch_to_paged_attention
 from .lora_adapters import acquire_lora_layers, release_lora_layers
 from .pool_sizing import available_host_memory
@@ -33,6 +34,9 @@ class ModelPatches:
 
     Attributes:
         packed_linears: the ``PackedLinears`` (None when the linears stay as they are).
+        weight_spill: under ``quantization="int8"`` (not with ``compile_model``), the float weights
+            of the int8 linears on disk until ``undo`` (``kernels.linears.weight_spill``: reading one
+            meanwhile raises an error naming it), else None.
         lora_layers: the model's ``LoraLayers`` (None without LoRA layers), shared by the engines
             serving the model (``lora_adapters.acquire_lora_layers``).
         compiled_forward: the ``CompiledForward`` (None unless ``compile_model``).
@@ -64,6 +68,7 @@ class ModelPatches:
                 "peft.PeftModel"
             )
         self.packed_linears = None
+        self.weight_spill = None
         try:
             # LoRA's A and B stay unpacked (kernels.lora reads them); the base weights pack as usual.
             lora_ab = [
@@ -76,8 +81,13 @@ class ModelPatches:
                 int8 = self._pack(model, config, backend, lora_ab, "torchao-int8")
                 if int8 is not None:
                     self.packed_linears = int8.merged(self.packed_linears)
+            if config.quantization == "int8" and self.packed_linears is not None and not compile_model:
+                # The int8 copies serve: the float weights wait on disk for undo() (weight_spill).
+                self.weight_spill = WeightSpill(model, self.packed_linears.modules)
+                self.weight_spill.rekey(self.packed_linears.forwards)
             self.previous_attention = switch_to_paged_attention(model)
         except BaseException:
+            self._restore_spilled()
             if self.packed_linears is not None:
                 self.packed_linears.restore()
             if self.lora_layers is not None:
@@ -96,6 +106,14 @@ class ModelPatches:
         else:  # eager steps check the packed linears once a step (a compiled forward refreshes them itself)
             runner.packed_linears = self.packed_linears
         runner.lora_layers = self.lora_layers
+
+    def _restore_spilled(self) -> None:
+        """The spilled float weights back in their modules, exactly (``WeightSpill.restore``)."""
+        if self.weight_spill is not None:
+            self.weight_spill.restore()
+            if self.packed_linears is not None:
+                self.weight_spill.rekey(self.packed_linears.forwards)
+            self.weight_spill = None
 
     @staticmethod
     def _pack(model, config: EngineConfig, backend: str, lora_ab, quantization):
@@ -131,6 +149,7 @@ class ModelPatches:
         attention (the last engine open on the model restores the shared ones)."""
         if self.compiled_forward is not None:
             self.compiled_forward.close()
+        self._restore_spilled()  # before the packed forwards let go: they read real weights then
         if self.packed_linears is not None:
             self.packed_linears.restore()
         if self.lora_layers is not None:

@@ -1,11 +1,13 @@
-"""What a weight quantization costs on a model: perplexity of a held-out text and greedy agreement,
-quantized against the model's own weights (:func:`quality_report`).
+"""What quantization costs on a model: perplexity of a held-out text and greedy agreement, int8
+weights against the model's own, and an int8 KV cache against a float one (:func:`quality_report`).
 
-Perplexity is ``exp`` of the mean next-token cross-entropy of transformers' own forward over the
-text (one sequence, at most ``max_tokens`` tokens). The quantized figures run the same forward and
-``generate`` with the model's linears served by the int8 kernels the engine uses
-(``kernels.linears.pack_linears(..., quantization="int8")``), which are removed afterwards: the model
-is left as it was.
+Perplexity is ``exp`` of the mean next-token cross-entropy over the text (one sequence, at most
+``max_tokens`` tokens). Weights: transformers' own forward and ``generate``, then the same with the
+model's linears served by the int8 kernels the engine uses (``kernels.linears.pack_linears(...,
+quantization="int8")``), removed afterwards. KV cache: the text scored and the greedy tokens
+generated through an engine (``LLMEngine``, the model's own weights) with a float KV cache and with
+``CacheConfig(dtype="int8")``: the scores are the engine's prompt log-probs, the only difference
+between the two runs the cache's dtype. The model is left as it was.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ import torch
 from ..config import QUANTIZATIONS
 from ..kernels.linears import pack_linears
 
+QUANTIZED_KV_DTYPES = ("int8",)
+"""``CacheConfig.dtype`` names of quantized KV caches: what ``kv_cache_dtype`` may measure."""
+
 
 @dataclass(frozen=True)
 class QualityReport:
@@ -31,6 +36,11 @@ class QualityReport:
         ppl_float, ppl_quantized: perplexity (``exp`` of the mean next-token cross-entropy, nats).
         greedy_tokens: tokens generated greedily from the text's first tokens, each way.
         greedy_agreement: leading generated tokens that are the same both ways (0..greedy_tokens).
+        kv_cache_dtype: the KV cache dtype measured against a float cache ("int8"), or None when
+            the KV cache was not measured (then the ``kv_*`` figures are None).
+        kv_ppl_float, kv_ppl_quantized: perplexity of the same tokens through the engine with a
+            float KV cache and with the ``kv_cache_dtype`` one (float weights both times).
+        kv_greedy_agreement: leading greedy tokens the engine generates the same with both caches.
     """
 
     quantization: str
@@ -39,19 +49,37 @@ class QualityReport:
     ppl_quantized: float
     greedy_tokens: int
     greedy_agreement: int
+    kv_cache_dtype: Optional[str] = None
+    kv_ppl_float: Optional[float] = None
+    kv_ppl_quantized: Optional[float] = None
+    kv_greedy_agreement: Optional[int] = None
 
     @property
     def ppl_change(self) -> float:
         """Relative perplexity change, ``ppl_quantized / ppl_float - 1`` (0.01: 1 % worse)."""
         return self.ppl_quantized / self.ppl_float - 1.0
 
+    @property
+    def kv_ppl_change(self) -> Optional[float]:
+        """Relative perplexity change of the quantized KV cache, ``kv_ppl_quantized / kv_ppl_float - 1``."""
+        if self.kv_ppl_float is None or self.kv_ppl_quantized is None:
+            return None
+        return self.kv_ppl_quantized / self.kv_ppl_float - 1.0
+
     def lines(self) -> list[str]:
         """The report as text lines (what ``hf-contbatch generate --check-quality`` prints)."""
-        return [
-            f"perplexity on {self.tokens} held-out tokens: float {self.ppl_float:.4f}, "
-            f"{self.quantization} {self.ppl_quantized:.4f} ({100 * self.ppl_change:+.2f}%)",
+        lines = [
+            f"weights: perplexity on {self.tokens} held-out tokens: float {self.ppl_float:.4f}, "
+            f"{self.quantization} {self.ppl_quantized:.4f} ({100 * self.ppl_change:+.2f}%); "
             f"greedy agreement: {self.greedy_agreement}/{self.greedy_tokens} leading tokens equal",
         ]
+        if self.kv_cache_dtype is not None:
+            lines.append(
+                f"KV cache: perplexity on {self.tokens} held-out tokens: float {self.kv_ppl_float:.4f}, "
+                f"{self.kv_cache_dtype} {self.kv_ppl_quantized:.4f} ({100 * self.kv_ppl_change:+.2f}%); "
+                f"greedy agreement: {self.kv_greedy_agreement}/{self.greedy_tokens} leading tokens equal"
+            )
+        return lines
 
 
 def perplexity(model, ids: torch.Tensor) -> float:
@@ -76,6 +104,50 @@ def _greedy(model, prompt: torch.Tensor, new: int) -> list[int]:
     return out[0, prompt.shape[1] :].tolist()
 
 
+def _leading_equal(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def engine_figures(model, ids: torch.Tensor, prompt: torch.Tensor, greedy_tokens: int, kv_cache_dtype):
+    """(perplexity of ``ids`` ``[1, n]``, greedy tokens from ``prompt`` ``[1, p]``) through an
+    ``LLMEngine`` on ``model`` with a KV cache of ``kv_cache_dtype`` (None: the model's dtype) and the
+    model's own linears (``linear_backend="torch"``), closed afterwards. The perplexity is ``exp`` of the mean of ``-log p(ids[i] | ids[:i])`` for i >= 1, from
+    the engine's prompt log-probs (the last token scored as the continuation, ``score_token_id``)."""
+    from ..config import CacheConfig, EngineConfig
+    from ..request import SamplingParams
+    from .llm_engine import LLMEngine
+
+    block_size = 16
+    tokens = max(ids.shape[1], prompt.shape[1] + greedy_tokens)
+    blocks = 2 * (-(-tokens // block_size)) + 4  # both requests may be in at once
+    # The model's own linears and ops (no packing, no fused ops): nothing to time at engine start,
+    # and the two runs differ in the KV cache's dtype alone.
+    config = EngineConfig(
+        cache=CacheConfig(dtype=kv_cache_dtype, block_size=block_size, num_blocks=blocks),
+        linear_backend="torch",
+        fuse_model_ops=False,
+    )
+    engine = LLMEngine(model, config)
+    try:
+        row = ids[0].tolist()
+        scored = engine.submit(row[:-1], SamplingParams(max_new_tokens=1, prompt_logprobs=1, score_token_id=row[-1]))
+        greedy = engine.submit(prompt[0].tolist(), SamplingParams(max_new_tokens=greedy_tokens, ignore_eos=True))
+        scored.result(600)
+        tokens_out = greedy.result(600).output_token_ids
+        logprobs = scored.request.prompt_logprobs[1:]
+    finally:
+        engine.close()
+    if len(logprobs) != len(row) - 1 or any(x is None for x in logprobs):
+        raise RuntimeError(f"the engine scored {len(logprobs)} of {len(row) - 1} tokens")
+    nll = -sum(lp for lp, _ in logprobs) / len(logprobs)
+    return math.exp(nll), list(tokens_out)
+
+
 def quality_report(
     model,
     tokenizer=None,
@@ -85,8 +157,10 @@ def quality_report(
     max_tokens: int = 512,
     prompt_tokens: int = 32,
     greedy_tokens: int = 32,
+    kv_cache_dtype: Optional[str] = "int8",
 ) -> QualityReport:
-    """Perplexity and greedy agreement of ``model`` with its linears quantized, against as it is.
+    """Perplexity and greedy agreement of ``model`` with its linears quantized, against as it is,
+    and through the engine with a quantized KV cache against a float one.
 
     Args:
         model: a transformers causal LM on the CPU (not open in an engine: its linears are packed
@@ -97,12 +171,18 @@ def quality_report(
         max_tokens: most tokens of the text scored.
         prompt_tokens, greedy_tokens: greedy generation from the text's first ``prompt_tokens``
             tokens for ``greedy_tokens`` tokens (EOS not stopping it).
+        kv_cache_dtype: the quantized KV cache dtype measured (``"int8"``, see ``CacheConfig.dtype``:
+            :func:`engine_figures` with it and with the model's dtype), or None to leave the KV
+            cache out (the report's ``kv_*`` figures are then None).
 
     Raises:
-        ValueError: an unknown ``quantization`` (naming the choices), or a text under 2 tokens.
+        ValueError: an unknown ``quantization`` or ``kv_cache_dtype`` (naming the choices), or a
+            text under 2 tokens.
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"`quantization` must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if kv_cache_dtype not in (None, *QUANTIZED_KV_DTYPES):
+        raise ValueError(f"`kv_cache_dtype` must be one of {(None, *QUANTIZED_KV_DTYPES)}, got {kv_cache_dtype!r}")
     if text is None:
         from ..default_model import default_model_path
 
@@ -127,9 +207,18 @@ def quality_report(
         if packed is not None:
             packed.restore()
         model.train(was_training)
-    agree = 0
-    for a, b in zip(greedy_float, greedy_quant):
-        if a != b:
-            break
-        agree += 1
-    return QualityReport(quantization, int(ids.shape[1]), ppl_float, ppl_quant, greedy_tokens, agree)
+    agree = _leading_equal(greedy_float, greedy_quant)
+    kv = {}
+    if kv_cache_dtype is not None:
+        try:
+            ppl_kv_float, greedy_kv_float = engine_figures(model, ids, prompt, greedy_tokens, None)
+            ppl_kv_quant, greedy_kv_quant = engine_figures(model, ids, prompt, greedy_tokens, kv_cache_dtype)
+        finally:
+            model.train(was_training)
+        kv = dict(
+            kv_cache_dtype=kv_cache_dtype,
+            kv_ppl_float=ppl_kv_float,
+            kv_ppl_quantized=ppl_kv_quant,
+            kv_greedy_agreement=_leading_equal(greedy_kv_float, greedy_kv_quant),
+        )
+    return QualityReport(quantization, int(ids.shape[1]), ppl_float, ppl_quant, greedy_tokens, agree, **kv)

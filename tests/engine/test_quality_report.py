@@ -51,7 +51,7 @@ def test_quality_report_matches_plain_torch():
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(3, 512, (1, 60), generator=g)
     text = " ".join(map(str, ids[0].tolist()))
-    report = quality_report(model, _Tok(), text=text, prompt_tokens=10, greedy_tokens=8)
+    report = quality_report(model, _Tok(), text=text, prompt_tokens=10, greedy_tokens=8, kv_cache_dtype=None)
     assert report.tokens == 60 and report.quantization == "int8"
     assert report.ppl_float == pytest.approx(_ppl(model, ids), rel=1e-5)
     assert report.ppl_quantized == pytest.approx(_ppl(_plain_int8(model), ids), rel=1e-5)
@@ -61,3 +61,49 @@ def test_quality_report_matches_plain_torch():
     assert all("forward" not in m.__dict__ for m in model.modules())
     with pytest.raises(ValueError, match=r"`quantization` must be one of \('int8',\)"):
         quality_report(model, _Tok(), quantization="int3", text=text)
+
+
+def _leading_equal(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.timeout(300)
+def test_the_kv_cache_figures_match_plain_torch_over_float_and_quantized_kv():
+    """The KV cache's figures against transformers' own forward and generate: plain, and with an
+    attention function that quantizes and dequantizes K/V by the scheme's definition (written in the
+    int8 KV tests in plain torch, none of the cache's code)."""
+    from test_int8_kv_engine import int8_reference_greedy
+
+    from conftest import reference_greedy
+
+    model = build_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(3, 512, (1, 50), generator=g)
+    text = " ".join(map(str, ids[0].tolist()))
+    report = quality_report(model, _Tok(), text=text, prompt_tokens=10, greedy_tokens=8)
+    assert report.kv_cache_dtype == "int8"
+    assert report.kv_ppl_float == pytest.approx(_ppl(model, ids), rel=1e-4)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("test_int8_kv_sdpa")
+    try:
+        want_int8 = _ppl(model, ids)
+    finally:
+        model.set_attn_implementation(previous)
+    assert report.kv_ppl_quantized == pytest.approx(want_int8, rel=1e-4)
+    assert report.kv_ppl_change == pytest.approx(report.kv_ppl_quantized / report.kv_ppl_float - 1)
+    prompt = ids[0, :10].tolist()
+    want_agree = _leading_equal(reference_greedy(model, prompt, 8), int8_reference_greedy(model, prompt, 8))
+    assert report.kv_greedy_agreement == want_agree
+    lines = report.lines()
+    assert len(lines) == 2 and lines[0].startswith("weights: ") and lines[1].startswith("KV cache: ")
+    assert f"int8 {report.kv_ppl_quantized:.4f}" in lines[1] and f"{want_agree}/8 leading" in lines[1]
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    with pytest.raises(ValueError, match=r"`kv_cache_dtype` must be one of \(None, 'int8'\)"):
+        quality_report(model, _Tok(), text=text, kv_cache_dtype="int4")
+    weights_only = quality_report(model, _Tok(), text=text, prompt_tokens=10, greedy_tokens=8, kv_cache_dtype=None)
+    assert weights_only.kv_ppl_quantized is None and len(weights_only.lines()) == 1

@@ -181,8 +181,8 @@ def test_greedy_equals_generate_with_the_kernel_under_chunked_prefill_and_prefix
         prefill = eng.cache.backend.prefill_kernel
         prefill.enabled = True  # whatever the timing chose on this machine
         assert prefill.available
-        fn, calls = prefill._kernel.get(), []
-        prefill._kernel._value = lambda *args: calls.append(1) or fn(*args)  # count the kernel's calls
+        (fn, fn_q8), calls = prefill._kernel.get(), []
+        prefill._kernel._value = (lambda *args: calls.append(1) or fn(*args), fn_q8)  # count the kernel's calls
         handles = [eng.submit(p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in prompts]
         assert [h.result(timeout=120).output_token_ids for h in handles] == refs
         assert eng.wait_idle(10)

@@ -175,9 +175,10 @@ def test_int8_attention_matches_the_reference_on_dequantized_kv(
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("split_heads", [False, True])
-def test_c_kernel_int8_decode_matches_the_torch_int8_path(cpu_backend, split_heads):
+@pytest.mark.parametrize("heads,kvh,dim", [(12, 4, 64), (16, 2, 32), (6, 3, 128)])
+def test_c_kernel_int8_decode_matches_the_torch_int8_path(cpu_backend, split_heads, heads, kvh, dim):
     query, _, _, meta, (k_pool, v_pool, k_scale, v_scale) = _int8_case(
-        [300, 7, 150, 33], [], 16, 4, 12, 64, cpu_backend, seed=3
+        [300, 7, 150, 33], [], 16, kvh, heads, dim, cpu_backend, seed=3
     )
     kernel = cpu_backend.decode_kernel
     got = kernel(
@@ -239,3 +240,85 @@ def test_the_command_line_spells_the_cache_dtype_kv_cache_dtype():
     assert engine_config(args).cache.dtype is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--kv-cache-dtype", "int4"])
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "heads,kvh,dim,block_size",
+    [(4, 2, 8, 4), (12, 4, 64, 16), (8, 1, 80, 8), (8, 4, 128, 16), (40, 2, 32, 16)],
+    ids=["gqa", "small-model", "mqa-d80", "d128", "wide-group"],
+)
+@pytest.mark.parametrize("sliding_window,softcap", [(None, None), (9, 30.0)])
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+def test_c_prefill_kernel_int8_matches_the_reference_on_dequantized_kv(
+    cpu_backend, heads, kvh, dim, block_size, sliding_window, softcap, query_dtype
+):
+    """The compiled prefill kernel over int8 pools: fresh prompts, chunks after a cached prefix and a
+    one-token chunk, beside decode rows, against the naive reference over K/V dequantized here."""
+    prefill = [(5, 5), (7, 30), (1, 12), (40, 40)]
+    query, k_float, v_float, meta, (k_pool, v_pool, k_scale, v_scale) = _int8_case(
+        [3, 20], prefill, block_size, kvh, heads, dim, cpu_backend, seed=5
+    )
+    kernel = cpu_backend.prefill_kernel
+    assert kernel.can_serve_int8(query.to(query_dtype), k_pool, v_pool), kernel.error
+    out = torch.zeros_like(query).to(query_dtype)
+    got = kernel(
+        query.to(query_dtype),
+        k_pool,
+        v_pool,
+        meta,
+        0.3,
+        softcap,
+        sliding_window,
+        out=out,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+    assert got is out
+    want = reference_for(
+        query.to(query_dtype).float(),
+        reference_dequantized(k_float),
+        reference_dequantized(v_float),
+        meta,
+        0.3,
+        sliding_window=sliding_window,
+        softcap=softcap,
+    )
+    rows = meta.query_start_loc_cpu[meta.num_decodes]
+    assert bool((got[:rows] == 0).all())  # decode rows are left to the decode path
+    tol = dict(rtol=1e-4, atol=2e-3) if query_dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got[rows:].float(), want[rows:], **tol)
+
+
+@pytest.mark.timeout(120)
+def test_c_int8_attention_equals_the_torch_int8_path_on_the_same_pools(cpu_backend):
+    """Decode and prefill rows of one step through the compiled kernels and through the torch int8
+    path (which gathers and dequantizes), over the very same int8 pools: arithmetic differences only."""
+    query, _, _, meta, (k_pool, v_pool, k_scale, v_scale) = _int8_case(
+        [300, 7, 150], [(9, 60), (33, 33)], 16, 4, 12, 64, cpu_backend, seed=4
+    )
+    got = cpu_backend.attend(query, k_pool, v_pool, meta, 0.125, 50, None, k_scale=k_scale, v_scale=v_scale)
+    want = Int8TorchAttentionBackend().attend(
+        query, k_pool, v_pool, meta, 0.125, 50, None, k_scale=k_scale, v_scale=v_scale
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernel_choices_time_int8_pools_holding_quantized_normal_rows():
+    """The decode and prefill choices time their int8 paths on K/V as a model stores them (normal rows
+    quantized by the scheme): dequantized, every row's largest magnitude is its own, a few units."""
+    from hf_contbatch.kernels.attention.cpu_prefill import _prefill_batch
+    from hf_contbatch.kernels.attention.decode_choice import _decode_batch
+
+    _, k_pool, v_pool, _, scales = _decode_batch(2, 40, 4, 2, 16, 8, torch.int8)
+    _, pk, pv, _, _, _, pscales = _prefill_batch(1, 8, 24, 4, 2, 16, 8, torch.int8)
+    for pool, s in (
+        (k_pool, scales["k_scale"]),
+        (v_pool, scales["v_scale"]),
+        (pk, pscales["k_scale"]),
+        (pv, pscales["v_scale"]),
+    ):
+        assert pool.dtype == torch.int8
+        assert bool((pool.abs().amax(-1) == 127).all())  # absmax / 127: each row reaches 127
+        amax = s.squeeze(-1) * 127
+        assert 0.5 < float(amax.min()) and float(amax.max()) < 8

@@ -249,27 +249,35 @@ class Int8TorchAttentionBackend(AttentionBackend):
             sliding_window,
             softcap,
             decode_kernel=getattr(self, "decode_kernel", None),
+            prefill_kernel=getattr(self, "prefill_kernel", None),
             k_scale=k_scale,
             v_scale=v_scale,
         )
 
 
 class Int8CPUKernelAttentionBackend(Int8TorchAttentionBackend):
-    """:class:`Int8TorchAttentionBackend` with the compiled CPU kernel quantizing on write and serving
-    decode rows (``CPUDecodeKernel``'s int8 path: int8 rows widened in registers, times the token's
-    scale, float32 accumulation), where :meth:`setup` timed it faster than the torch path here."""
+    """:class:`Int8TorchAttentionBackend` with the compiled CPU kernels: the decode kernel quantizing
+    on write (always, where built: the same bits as the torch store but for ties, see
+    ``cpu_decode.c``) and serving decode rows (``CPUDecodeKernel``'s int8 path: each int8 row widened
+    in registers once for its query heads, the token's scale applied once per dot product, float32
+    accumulation), the prefill kernel serving prompt chunks (``CPUPrefillKernel``'s int8 path: rows
+    dequantized into its float32 tiles), each where :meth:`setup` timed it faster than the torch
+    path here."""
 
     def __init__(self) -> None:
         from .cpu_kernel import CPUDecodeKernel
+        from .cpu_prefill import CPUPrefillKernel
 
         self.decode_kernel = CPUDecodeKernel()
+        self.prefill_kernel = CPUPrefillKernel()
 
     def setup(self, spec, num_heads):
+        from .cpu_prefill import choose_prefill_path
         from .decode_choice import choose_decode_path
 
-        return choose_decode_path(
-            self.decode_kernel, num_heads, spec.num_kv_heads, spec.head_size, spec.block_size, torch.int8
-        )
+        geometry = (num_heads, spec.num_kv_heads, spec.head_size, spec.block_size, torch.int8)
+        decode = choose_decode_path(self.decode_kernel, *geometry)
+        return f"{decode}; {choose_prefill_path(self.prefill_kernel, *geometry)}"
 
     def store_kv(self, key, value, k_pool, v_pool, meta, k_scale=None, v_scale=None):
         if not self.decode_kernel.store_int8(key, value, k_pool, v_pool, k_scale, v_scale, meta.slot_mapping):

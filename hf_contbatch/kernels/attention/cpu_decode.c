@@ -123,6 +123,24 @@ static inline void prefetch_span(const void *p, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)p + b);
 }
 
+/* Softmax in place over each of nh rows of n scores (softcap > 0: capped first). */
+INLINE void softmax_rows(float *scores, int64_t nh, int64_t n, float softcap) {
+    for (int64_t h = 0; h < nh; h++) {
+        float *sc = scores + h * n;
+        if (softcap > 0.f)
+            for (int64_t j = 0; j < n; j++) sc[j] = softcap * tanhf(sc[j] / softcap);
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < n; j++) mx = sc[j] > mx ? sc[j] : mx;
+#pragma omp simd
+        for (int64_t j = 0; j < n; j++) sc[j] = expf(sc[j] - mx);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; j++) sum += sc[j];
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int64_t j = 0; j < n; j++) sc[j] *= inv;
+    }
+}
+
 /* One task: nh query heads (qs, o: [nh][D]) over positions [start, len) of one sequence; k_pool and
  * v_pool (and, for int8 pools, ks/vs: the scales) already offset to the task's first KV head; kvh:
  * KV heads per token (the scales' row); scores: nh * (len - start) floats of scratch. */
@@ -145,20 +163,7 @@ INLINE void attend(const float *qs, const void *k_pool, const void *v_pool, cons
             for (int64_t h = 0; h < nh; h++) scores[h * n + i] = dot(qs + h * D, at(kr, (h / groups) * D, bf16), D, bf16) * scale;
         }
     }
-    for (int64_t h = 0; h < nh; h++) {
-        float *sc = scores + h * n;
-        if (softcap > 0.f)
-            for (int64_t j = 0; j < n; j++) sc[j] = softcap * tanhf(sc[j] / softcap);
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < n; j++) mx = sc[j] > mx ? sc[j] : mx;
-#pragma omp simd
-        for (int64_t j = 0; j < n; j++) sc[j] = expf(sc[j] - mx);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; j++) sum += sc[j];
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        for (int64_t j = 0; j < n; j++) sc[j] *= inv;
-    }
+    softmax_rows(scores, nh, n, softcap);
     for (int64_t x = 0; x < nh * D; x++) o[x] = 0.f;
     i = 0;
     for (int64_t pos = start; pos < len; pos++, i++) {
@@ -175,6 +180,56 @@ INLINE void attend(const float *qs, const void *k_pool, const void *v_pool, cons
     }
 }
 
+/* attend() for int8 pools with the head dimension D a constant multiple of VW (32, 64, 128): each key
+ * (value) row of a KV head is widened to float32 once, into D / VW vector registers (vpmovsxbd +
+ * vcvtdq2ps: exact), and used by all the query heads of its group; the token-head scale multiplies
+ * each dot product once (each value's weight p once), never the channels. The generic attend() widens
+ * a row once per query head, three to eight times the conversions at common GQA groupings. */
+INLINE void attend_q8(const float *qs, const int8_t *k_pool, const int8_t *v_pool, const float *ks, const float *vs,
+                      const int32_t *table, int64_t start, int64_t len, int64_t nh, int64_t groups, int64_t row,
+                      int64_t kvh, const int64_t D, int64_t block_size, float scale, float softcap, float *scores,
+                      float *o) {
+    enum { MAXV = 128 / VW };
+    const int64_t NV = D / VW, nkv = nh / groups, page = block_size * row, n = len - start;
+    int64_t i = 0;
+    for (int64_t pos = start; pos < len; pos++, i++) {
+        const int64_t blk = pos / block_size, off = (pos % block_size) * row;
+        if (pos + block_size < len) prefetch_span(k_pool + (int64_t)table[blk + 1] * page + off, nkv * D);
+        const int8_t *kr = k_pool + (int64_t)table[blk] * page + off;
+        const float *sr = ks + ((int64_t)table[blk] * block_size + pos % block_size) * kvh;
+        for (int64_t g = 0; g < nkv; g++) {
+            vf kw[MAXV];
+            for (int64_t v = 0; v < NV; v++) kw[v] = load_i8(kr + g * D + v * VW);
+            const float sg = scale * sr[g];
+            for (int64_t h = g * groups; h < (g + 1) * groups; h++) {
+                const float *qh = qs + h * D;
+                vf acc = *(const vf *)qh * kw[0];
+                for (int64_t v = 1; v < NV; v++) acc += *(const vf *)(qh + v * VW) * kw[v];
+                scores[h * n + i] = hsum(acc) * sg;
+            }
+        }
+    }
+    softmax_rows(scores, nh, n, softcap);
+    for (int64_t x = 0; x < nh * D; x++) o[x] = 0.f;
+    i = 0;
+    for (int64_t pos = start; pos < len; pos++, i++) {
+        const int64_t blk = pos / block_size, off = (pos % block_size) * row;
+        if (pos + block_size < len) prefetch_span(v_pool + (int64_t)table[blk + 1] * page + off, nkv * D);
+        const int8_t *vr = v_pool + (int64_t)table[blk] * page + off;
+        const float *sr = vs + ((int64_t)table[blk] * block_size + pos % block_size) * kvh;
+        for (int64_t g = 0; g < nkv; g++) {
+            vf vw[MAXV];
+            for (int64_t v = 0; v < NV; v++) vw[v] = load_i8(vr + g * D + v * VW);
+            const float sg = sr[g];
+            for (int64_t h = g * groups; h < (g + 1) * groups; h++) {
+                const float p = scores[h * n + i] * sg;
+                float *oh = o + h * D;
+                for (int64_t v = 0; v < NV; v++) *(vf *)(oh + v * VW) += p * vw[v];
+            }
+        }
+    }
+}
+
 /* One task with the head dimension (32, 64, 128: constants) and the pool dtype specialised. */
 static void attend_task(const float *qs, const void *kp, const void *vp, const float *ks, const float *vs,
                         const int32_t *table, int64_t start, int64_t len, int64_t nh, int64_t groups, int64_t row,
@@ -183,12 +238,15 @@ static void attend_task(const float *qs, const void *kp, const void *vp, const f
 #define ATTEND(DIM, BF16) \
     attend(qs, kp, vp, ks, vs, table, start, len, nh, groups, row, kvh, DIM, block_size, scale, softcap, scores, o, BF16)
     if (bf16 == DT_I8) {
+#define ATTEND_Q8(DIM) \
+    attend_q8(qs, kp, vp, ks, vs, table, start, len, nh, groups, row, kvh, DIM, block_size, scale, softcap, scores, o)
         switch (D) {
-            case 32: ATTEND(32, DT_I8); break;
-            case 64: ATTEND(64, DT_I8); break;
-            case 128: ATTEND(128, DT_I8); break;
+            case 32: ATTEND_Q8(32); break;
+            case 64: ATTEND_Q8(64); break;
+            case 128: ATTEND_Q8(128); break;
             default: ATTEND(D, DT_I8); break;
         }
+#undef ATTEND_Q8
     } else if (bf16) {
         switch (D) {
             case 32: ATTEND(32, 1); break;

@@ -38,6 +38,12 @@
  * seq_len - q_len + i and sees keys max(0, pos - window + 1) .. pos (window <= 0: from 0).
  * Query head h reads KV head h / (num_heads / num_kv_heads). softcap <= 0: none, else scores
  * become softcap * tanh(score / softcap) (Gemma 2).
+ *
+ * int8 pools (hf_contbatch_paged_prefill_q8): K and V int8 with one float32 scale per token and KV
+ * head each, k_scale/v_scale [num_blocks, block_size, num_kv_heads] (kv_quant.py: symmetric absmax /
+ * 127). A row is dequantized as it is copied into the block's float32 scratch (q * scale, the same
+ * float32 product as kv_quant.dequantize_kv), so everything after the copy is the float path and
+ * the pool is read at a quarter of float32's bytes.
  */
 #include <math.h>
 #include <stdint.h>
@@ -90,10 +96,18 @@ INLINE vf vexp(vf x) {
     return vsel(under, splat(0.f), y * (vf)two_n);
 }
 
-/* Row of D pool elements (float32 or bfloat16: the upper half of a float32, so widening is exact)
- * into dst as float32, zeros up to Dp. */
-INLINE void widen_row(float *dst, const void *src, int64_t D, int64_t Dp, const int bf16) {
-    if (bf16) {
+/* Pool element kinds (each a compile-time constant in the specialised tiles). */
+#define DT_F32 0
+#define DT_BF16 1
+#define DT_I8 2
+
+/* Row of D pool elements into dst as float32, zeros up to Dp: float32 copied; bfloat16 (the upper
+ * half of a float32) widened, exact; int8 times the row's scale s (one rounding, as the reference). */
+INLINE void widen_row(float *dst, const void *src, int64_t D, int64_t Dp, const int bf16, float s) {
+    if (bf16 == DT_I8) {
+        const int8_t *b = (const int8_t *)src;
+        for (int64_t d = 0; d < D; d++) dst[d] = (float)b[d] * s;
+    } else if (bf16) {
         const uint16_t *s = (const uint16_t *)src;
         uint32_t *o = (uint32_t *)dst;
         for (int64_t d = 0; d < D; d++) o[d] = (uint32_t)s[d] << 16;
@@ -169,6 +183,8 @@ typedef struct {
     float *out;
     int64_t o_st, o_sh;
     const void *k_pool, *v_pool;
+    const float *k_scale, *v_scale; /* int8 pools: [slots, num_kv_heads] scales, else NULL */
+    int64_t num_kv_heads;
     int64_t row;  /* pool elements per token: num_kv_heads * head_dim */
     int64_t block_size, window;
     float scale, softcap;
@@ -202,16 +218,18 @@ INLINE void tile(const Args *a, const int32_t *table, int64_t t0, int64_t nq, in
     const int64_t pos_min = qpos0, pos_max = qpos0 + nq - 1, window = a->window;
     const int64_t k_lo = (window > 0 && pos_min - window + 1 > 0) ? pos_min - window + 1 : 0;
     const int64_t k_hi = pos_max + 1;
-    const int64_t bs = a->block_size, elem = bf16 ? 2 : 4;
+    const int64_t bs = a->block_size, elem = bf16 == DT_I8 ? 1 : bf16 ? 2 : 4;
     const int64_t head_at = kvh * D;
     for (int64_t j0 = k_lo; j0 < k_hi; j0 += KB) {
         const int64_t nk = k_hi - j0 < KB ? k_hi - j0 : KB;
         const int64_t nkp = (nk + JB - 1) / JB * JB;
         for (int64_t j = 0; j < nk; j++) {
             const int64_t p = j0 + j;
-            const int64_t at = ((int64_t)table[p / bs] * bs + p % bs) * a->row + head_at;
-            widen_row(Kb + j * Dp, (const char *)a->k_pool + at * elem, D, Dp, bf16);
-            widen_row(Vb + j * Dp, (const char *)a->v_pool + at * elem, D, Dp, bf16);
+            const int64_t slot = (int64_t)table[p / bs] * bs + p % bs, at = slot * a->row + head_at;
+            const int64_t sat = slot * a->num_kv_heads + kvh;
+            const float ksc = bf16 == DT_I8 ? a->k_scale[sat] : 1.f, vsc = bf16 == DT_I8 ? a->v_scale[sat] : 1.f;
+            widen_row(Kb + j * Dp, (const char *)a->k_pool + at * elem, D, Dp, bf16, ksc);
+            widen_row(Vb + j * Dp, (const char *)a->v_pool + at * elem, D, Dp, bf16, vsc);
         }
         for (int64_t j = nk; j < nkp; j++) memset(Kb + j * Dp, 0, sizeof(float) * (size_t)Dp);
         switch (NC) {
@@ -274,7 +292,14 @@ INLINE void tile(const Args *a, const int32_t *table, int64_t t0, int64_t nq, in
 static void run_tile(const Args *a, const int32_t *table, int64_t t0, int64_t nq, int64_t qpos0, int64_t h0,
                      int64_t hg, int64_t kvh, int64_t D, int bf16, float *buf) {
 #define TILE(DIM, BF16) tile(a, table, t0, nq, qpos0, h0, hg, kvh, DIM, ((DIM) + VW - 1) / VW, BF16, buf)
-    if (bf16) {
+    if (bf16 == DT_I8) {
+        switch (D) {
+            case 32: TILE(32, DT_I8); break;
+            case 64: TILE(64, DT_I8); break;
+            case 128: TILE(128, DT_I8); break;
+            default: TILE(D, DT_I8); break;
+        }
+    } else if (bf16) {
         switch (D) {
             case 32: TILE(32, 1); break;
             case 64: TILE(64, 1); break;
@@ -301,18 +326,17 @@ static int by_cost_desc(const void *x, const void *y) {
     return (a < b) - (a > b);
 }
 
-/* Attention of the query rows of requests [first_req, num_reqs) (see the layouts above); pool_bf16
- * 0 for float32 pools, 1 for bfloat16. Work: one task per (request, KV head, head subgroup, tile of
+/* Attention of the query rows of requests [first_req, num_reqs) (see the layouts above); dt: DT_F32,
+ * DT_BF16, or DT_I8 with k_scale/v_scale. Work: one task per (request, KV head, head subgroup, tile of
  * query tokens), a tile holding up to MAXC * VW rows, tasks run longest first (a causal tile's
  * cost grows with its last position) over num_threads OpenMP threads. Returns 0, or 1 when memory
  * for the task list or the scratch could not be allocated (the caller raises MemoryError). */
-int64_t hf_contbatch_paged_prefill(const float *q, int64_t q_st, int64_t q_sh, const void *k_pool, const void *v_pool,
-                                   int64_t pool_bf16, const int32_t *block_tables, int64_t bt_stride,
-                                   const int32_t *query_start_loc, const int32_t *seq_lens, int64_t first_req,
-                                   int64_t num_reqs, int64_t row_base, int64_t num_heads, int64_t num_kv_heads,
-                                   int64_t head_dim, int64_t block_size, float scale, float softcap,
-                                   int64_t sliding_window, int64_t num_threads, float *out, int64_t o_st,
-                                   int64_t o_sh) {
+static int64_t paged_prefill(const float *q, int64_t q_st, int64_t q_sh, const void *k_pool, const void *v_pool,
+                             int dt, const float *k_scale, const float *v_scale, const int32_t *block_tables,
+                             int64_t bt_stride, const int32_t *query_start_loc, const int32_t *seq_lens,
+                             int64_t first_req, int64_t num_reqs, int64_t row_base, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float softcap,
+                             int64_t sliding_window, int64_t num_threads, float *out, int64_t o_st, int64_t o_sh) {
     const int64_t groups = num_heads / num_kv_heads;
     const int64_t hg = groups < MAXC * VW ? groups : MAXC * VW; /* query heads per tile */
     const int64_t subgroups = (groups + hg - 1) / hg;
@@ -344,9 +368,11 @@ int64_t hf_contbatch_paged_prefill(const float *q, int64_t q_st, int64_t q_sh, c
     qsort(tasks, (size_t)num_tasks, sizeof(Task), by_cost_desc);
     const int64_t Dp = (head_dim + VW - 1) / VW * VW, R = MAXC * VW;
     const size_t scratch = sizeof(float) * (size_t)(head_dim * R + R * Dp + KB * R + 2 * KB * Dp + 4 * R) + 64;
-    const Args args = {q, q_st, q_sh, out, o_st, o_sh, k_pool, v_pool, num_kv_heads * head_dim,
-                       block_size, sliding_window, scale, softcap};
-    const int bf16 = pool_bf16 != 0;
+    const Args args = {.q = q, .q_st = q_st, .q_sh = q_sh, .out = out, .o_st = o_st, .o_sh = o_sh,
+                       .k_pool = k_pool, .v_pool = v_pool, .k_scale = k_scale, .v_scale = v_scale,
+                       .num_kv_heads = num_kv_heads, .row = num_kv_heads * head_dim, .block_size = block_size,
+                       .window = sliding_window, .scale = scale, .softcap = softcap};
+    const int bf16 = dt;
     int64_t failed = 0;
     /* A step whose attention is a few microseconds of work runs on the calling thread: waking
      * the team would cost as much (and far more when another process holds the other cores). */
@@ -376,4 +402,31 @@ int64_t hf_contbatch_paged_prefill(const float *q, int64_t q_st, int64_t q_sh, c
     }
     free(tasks);
     return failed;
+}
+
+/* pool_bf16: 0 for float32 pools, 1 for bfloat16 ones (see paged_prefill). */
+int64_t hf_contbatch_paged_prefill(const float *q, int64_t q_st, int64_t q_sh, const void *k_pool, const void *v_pool,
+                                   int64_t pool_bf16, const int32_t *block_tables, int64_t bt_stride,
+                                   const int32_t *query_start_loc, const int32_t *seq_lens, int64_t first_req,
+                                   int64_t num_reqs, int64_t row_base, int64_t num_heads, int64_t num_kv_heads,
+                                   int64_t head_dim, int64_t block_size, float scale, float softcap,
+                                   int64_t sliding_window, int64_t num_threads, float *out, int64_t o_st,
+                                   int64_t o_sh) {
+    return paged_prefill(q, q_st, q_sh, k_pool, v_pool, pool_bf16 ? DT_BF16 : DT_F32, NULL, NULL, block_tables,
+                         bt_stride, query_start_loc, seq_lens, first_req, num_reqs, row_base, num_heads, num_kv_heads,
+                         head_dim, block_size, scale, softcap, sliding_window, num_threads, out, o_st, o_sh);
+}
+
+/* int8 pools with float32 scales [num_blocks, block_size, num_kv_heads] for K and for V; otherwise as
+ * hf_contbatch_paged_prefill. */
+int64_t hf_contbatch_paged_prefill_q8(const float *q, int64_t q_st, int64_t q_sh, const int8_t *k_pool,
+                                      const int8_t *v_pool, const float *k_scale, const float *v_scale,
+                                      const int32_t *block_tables, int64_t bt_stride, const int32_t *query_start_loc,
+                                      const int32_t *seq_lens, int64_t first_req, int64_t num_reqs, int64_t row_base,
+                                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                      float scale, float softcap, int64_t sliding_window, int64_t num_threads,
+                                      float *out, int64_t o_st, int64_t o_sh) {
+    return paged_prefill(q, q_st, q_sh, k_pool, v_pool, DT_I8, k_scale, v_scale, block_tables, bt_stride,
+                         query_start_loc, seq_lens, first_req, num_reqs, row_base, num_heads, num_kv_heads, head_dim,
+                         block_size, scale, softcap, sliding_window, num_threads, out, o_st, o_sh);
 }

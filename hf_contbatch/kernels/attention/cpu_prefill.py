@@ -28,6 +28,7 @@ import torch
 
 from ..native_build import LoadedOnce, build_library, cached_path_times
 from .cpu_kernel import allowed_by_env as _all_kernels_allowed
+from .kv_quant import quantize_kv
 from .metadata import AttentionMetadata
 
 PREFILL_SOURCE = Path(__file__).with_name("cpu_prefill.c")
@@ -43,13 +44,17 @@ def build_prefill_library() -> Path:
 
 
 def _load(path: Path):
+    """(float prefill attention, int8 prefill attention) functions of the built library."""
     lib = ctypes.CDLL(str(path))
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    tail = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32, f32, i64, i64, ptr, i64, i64]
     fn = lib.hf_contbatch_paged_prefill
-    fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64]
-    fn.argtypes += [f32, f32, i64, i64, ptr, i64, i64]
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, *tail]
     fn.restype = i64
-    return fn
+    fn_q8 = lib.hf_contbatch_paged_prefill_q8
+    fn_q8.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, *tail]
+    fn_q8.restype = i64
+    return fn, fn_q8
 
 
 def allowed_by_env() -> bool:
@@ -95,6 +100,23 @@ class CPUPrefillKernel:
             and self.available
         )
 
+    def can_serve_int8(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+        """As :meth:`can_serve` for int8 pools (their float32 scales are contiguous ``[blocks,
+        block_size, KVH, 1]`` tensors, as ``PagedKVCache`` allocates them)."""
+        return (
+            k_pool.dtype == torch.int8
+            and v_pool.dtype == torch.int8
+            and query.is_floating_point()
+            and query.is_cpu
+            and k_pool.is_cpu
+            and v_pool.is_cpu
+            and query.stride(-1) == 1
+            and k_pool.is_contiguous()
+            and v_pool.is_contiguous()
+            and v_pool.shape == k_pool.shape
+            and self.available
+        )
+
     def __call__(
         self,
         query: torch.Tensor,
@@ -105,18 +127,23 @@ class CPUPrefillKernel:
         softcap: Optional[float] = None,
         sliding_window: Optional[int] = None,
         out: Optional[torch.Tensor] = None,
+        k_scale: Optional[torch.Tensor] = None,
+        v_scale: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Attention of the prefill rows of ``query`` ``[T, H, D]`` (requests ``meta.num_decodes``
         onwards; rows ``meta.query_start_loc_cpu[num_decodes]:``) over the paged pools ``[blocks,
         block_size, KVH, D]``, which already hold this step's K/V; ``scale``, ``softcap`` and
         ``sliding_window`` as in ``torch_paged.torch_paged_attention``. Writes those rows of ``out``
         (``[T, H, D]`` in the query's dtype, unit stride in D; allocated when None; decode rows left
-        untouched) and returns it. Computed in float32. Call only where :meth:`can_serve` is True.
+        untouched) and returns it. Computed in float32. Call only where :meth:`can_serve` is True;
+        or, for int8 pools with float32 ``k_scale``/``v_scale`` ``[blocks, block_size, KVH, 1]``
+        (``kv_quant``'s layout: each row dequantized as ``q * scale`` in float32 as it is read),
+        where :meth:`can_serve_int8` is.
 
         Raises:
             MemoryError: the kernel's task list or per-thread scratch could not be allocated.
         """
-        fn = self._kernel.get()
+        fn, fn_q8 = self._kernel.get()
         nd = meta.num_decodes
         if out is None:
             out = torch.empty_like(query)
@@ -138,13 +165,16 @@ class CPUPrefillKernel:
             q = query[row0:].to(torch.float32)
             dst, base = torch.empty(q.shape, dtype=torch.float32), row0
         _, block_size, kvh, head_dim = k_pool.shape
+        if k_scale is not None:
+            k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()  # held until the call returns
+            fn, pools = fn_q8, (k_pool.data_ptr(), v_pool.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr())
+        else:
+            pools = (k_pool.data_ptr(), v_pool.data_ptr(), int(k_pool.dtype == torch.bfloat16))
         failed = fn(
             q.data_ptr(),
             q.stride(0),
             q.stride(1),
-            k_pool.data_ptr(),
-            v_pool.data_ptr(),
-            int(k_pool.dtype == torch.bfloat16),
+            *pools,
             tables.data_ptr(),
             tables.stride(0),
             qsl.data_ptr(),
@@ -179,12 +209,24 @@ after 448 cached tokens (chunked prefill, prefix-cache hit), and four short prom
 
 
 def _prefill_batch(num_reqs, q_len, seq_len, num_heads, num_kv_heads, head_dim, block_size, dtype):
-    """A synthetic prefill step: query, pools, metadata and the step's own K/V ``[KVH, T, D]``."""
+    """A synthetic prefill step: query, pools, metadata, the step's own K/V ``[KVH, T, D]`` and the
+    pools' scales (``dtype`` int8: normal K/V quantized by ``kv_quant``, scales as keywords
+    ``k_scale``/``v_scale``, a float32 query; else ``{}``)."""
     blocks = -(-seq_len // block_size)
     g = torch.Generator().manual_seed(0)
     pool_shape = (num_reqs * blocks, block_size, num_kv_heads, head_dim)
-    k_pool = torch.randn(pool_shape, generator=g).to(dtype)
-    v_pool = torch.randn(pool_shape, generator=g).to(dtype)
+    k_pool = torch.randn(pool_shape, generator=g)
+    v_pool = torch.randn(pool_shape, generator=g)
+    scales = {}
+    if dtype == torch.int8:
+        # Quantized normal rows, as a model's K/V are stored: random int8 with arbitrary scales
+        # would make scores of hundreds, whose softmax underflows into subnormals (slow on x86)
+        # in the torch path: a timing of something no model computes.
+        (k_pool, k_scale), (v_pool, v_scale) = quantize_kv(k_pool), quantize_kv(v_pool)
+        scales = {"k_scale": k_scale, "v_scale": v_scale}
+        dtype = torch.float32
+    else:
+        k_pool, v_pool = k_pool.to(dtype), v_pool.to(dtype)
     # The query as the model hands it over: a [T, H, D] view of a [1, H, T, D] tensor.
     query = torch.randn(1, num_heads, num_reqs * q_len, head_dim, generator=g).to(dtype)[0].transpose(0, 1)
     tables = torch.arange(num_reqs * blocks, dtype=torch.int32).view(num_reqs, blocks)
@@ -209,14 +251,14 @@ def _prefill_batch(num_reqs, q_len, seq_len, num_heads, num_kv_heads, head_dim, 
     flat_v = v_pool.view(num_reqs, -1, num_kv_heads, head_dim)[:, seq_len - q_len : seq_len]
     key = flat_k.reshape(-1, num_kv_heads, head_dim).transpose(0, 1)
     value = flat_v.reshape(-1, num_kv_heads, head_dim).transpose(0, 1)
-    return query, k_pool, v_pool, meta, key, value
+    return query, k_pool, v_pool, meta, key, value, scales
 
 
 def measure_prefill_paths(
     kernel: CPUPrefillKernel, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype, rounds: int = 5
 ) -> dict[str, float]:
-    """CPU seconds per layer of the compiled kernel and of the torch path, summed over the steps of
-    :data:`PREFILL_SHAPES`: per step the median of ``rounds`` calls each, the two paths interleaved
+    """CPU seconds per layer of the compiled kernel and of the torch path (``dtype`` int8: int8 pools
+    with scales, each path's int8 variant), summed over the steps of :data:`PREFILL_SHAPES`: per step the median of ``rounds`` calls each, the two paths interleaved
     (A B A B ...) after one warm-up round.
 
     Both run on the calling thread alone (torch's thread count set to 1 for the measurement and
@@ -233,7 +275,7 @@ def measure_prefill_paths(
     torch.set_num_threads(1)
     try:
         for num_reqs, q_len, seq_len in PREFILL_SHAPES:
-            q, k, v, meta, key, value = _prefill_batch(
+            q, k, v, meta, key, value, scales = _prefill_batch(
                 num_reqs, q_len, seq_len, num_heads, num_kv_heads, head_dim, block_size, dtype
             )
             times: dict[str, list[float]] = {"kernel": [], "torch": []}
@@ -243,9 +285,9 @@ def measure_prefill_paths(
                         meta._derived.clear()  # a step's derived tensors are built once per step, as here
                         t0 = time.thread_time()
                         if name == "kernel":
-                            kernel(q, k, v, meta, head_dim**-0.5)
+                            kernel(q, k, v, meta, head_dim**-0.5, **scales)
                         else:
-                            torch_paged_attention(q, k, v, meta, head_dim**-0.5, key=key, value=value)
+                            torch_paged_attention(q, k, v, meta, head_dim**-0.5, key=key, value=value, **scales)
                         if i:
                             times[name].append(time.thread_time() - t0)
             for name in totals:

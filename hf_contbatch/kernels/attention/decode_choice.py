@@ -10,6 +10,7 @@ import torch
 
 from ..native_build import cached_path_times
 from .cpu_kernel import DECODE_SOURCE, CPUDecodeKernel
+from .kv_quant import quantize_kv
 from .metadata import AttentionMetadata
 from .torch_paged import torch_paged_attention
 
@@ -18,17 +19,21 @@ def _decode_batch(
     num_seqs: int, context: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype
 ):
     """A synthetic decode step (query, pools, metadata, scales) of ``num_seqs`` sequences of ``context``
-    tokens; ``dtype`` int8: int8 pools with float32 scales (``{"k_scale", "v_scale"}``, else ``{}``)
-    and a float32 query."""
+    tokens; ``dtype`` int8: normal K/V quantized by ``kv_quant`` into int8 pools with float32 scales
+    (``{"k_scale", "v_scale"}``, else ``{}``) and a float32 query.
+
+    Quantized normal rows, as a model's K/V are stored: random int8 with arbitrary scales (what
+    this built before) makes scores of hundreds, whose softmax underflows into subnormals that
+    x86 computes slowly; the timing then measured something no model computes and turned the
+    kernel off."""
     blocks = -(-context // block_size)
     g = torch.Generator().manual_seed(0)
     pool_shape = (num_seqs * blocks, block_size, num_kv_heads, head_dim)
     scales = {}
     if dtype == torch.int8:
-        k_pool = torch.randint(-127, 128, pool_shape, generator=g, dtype=torch.int8)
-        v_pool = torch.randint(-127, 128, pool_shape, generator=g, dtype=torch.int8)
-        scale_shape = pool_shape[:3] + (1,)
-        scales = {"k_scale": torch.rand(scale_shape, generator=g), "v_scale": torch.rand(scale_shape, generator=g)}
+        k_pool, k_scale = quantize_kv(torch.randn(pool_shape, generator=g))
+        v_pool, v_scale = quantize_kv(torch.randn(pool_shape, generator=g))
+        scales = {"k_scale": k_scale, "v_scale": v_scale}
         dtype = torch.float32
     else:
         k_pool = torch.randn(pool_shape, generator=g).to(dtype)

@@ -175,7 +175,8 @@ def torch_paged_attention(
             (``kv_quant``): the keys and values each request reads are gathered and dequantized
             (``q * scale``, then the query's dtype) before the same math as a float pool; every
             row, this step's too, reads the stored (quantized) K/V, so chunking and recompute
-            see the same values. ``decode_kernel`` then must serve int8 pools (or be None).
+            see the same values. ``decode_kernel`` and ``prefill_kernel`` serve them where their
+            ``can_serve_int8`` says they can (each dequantizes as it reads: ``q * scale`` in float32).
 
     Returns:
         ``[T, H, D]`` in the query dtype.
@@ -186,8 +187,20 @@ def torch_paged_attention(
     if k_scale is not None:
         in_kernel = bool(nd) and decode_kernel is not None and decode_kernel.can_serve_int8(query, k_pool, v_pool)
         kernel = decode_kernel if in_kernel else None
+        prefill = meta.num_requests > nd and prefill_kernel is not None
+        prefill = prefill and prefill_kernel.can_serve_int8(query, k_pool, v_pool)
         return _int8_paged_attention(
-            query, k_pool, v_pool, k_scale, v_scale, meta, scale, sliding_window, softcap, kernel
+            query,
+            k_pool,
+            v_pool,
+            k_scale,
+            v_scale,
+            meta,
+            scale,
+            sliding_window,
+            softcap,
+            kernel,
+            prefill_kernel if prefill else None,
         )
     in_kernel = bool(nd) and decode_kernel is not None and decode_kernel.can_serve(query, k_pool, v_pool)
     if in_kernel:
@@ -240,15 +253,17 @@ def torch_paged_attention(
     return out
 
 
-def _int8_paged_attention(query, k_pool, v_pool, k_scale, v_scale, meta, scale, sliding_window, softcap, decode_kernel):
+def _int8_paged_attention(
+    query, k_pool, v_pool, k_scale, v_scale, meta, scale, sliding_window, softcap, decode_kernel, prefill_kernel=None
+):
     """:func:`torch_paged_attention` over int8 pools with per-token-head scales: the decode rows
     through ``decode_kernel`` (it reads the scales itself) or by gather, dequantize and the float
-    decode math; prefill chunks gather their context and dequantize it (never this step's float
-    K/V: everything reads what the cache holds)."""
+    decode math; prefill chunks through ``prefill_kernel`` (it reads the scales itself) or by
+    gathering their context and dequantizing it (never this step's float K/V: everything reads what
+    the cache holds)."""
     num_tokens, num_heads, head_dim = query.shape
     kvh = k_pool.shape[2]
     nd = meta.num_decodes
-    out = torch.empty_like(query)
     flat_k, flat_v = k_pool.view(-1, kvh, head_dim), v_pool.view(-1, kvh, head_dim)
     flat_ks, flat_vs = k_scale.view(-1, kvh, 1), v_scale.view(-1, kvh, 1)
     if nd and decode_kernel:
@@ -256,10 +271,16 @@ def _int8_paged_attention(query, k_pool, v_pool, k_scale, v_scale, meta, scale, 
             ("decode_kernel",),
             lambda: (meta.block_tables[:nd].to(torch.int32).contiguous(), meta.seq_lens[:nd].to(torch.int32)),
         )
-        out[:nd] = decode_kernel(
+        decoded = decode_kernel(
             query[:nd], k_pool, v_pool, tables, lens, scale, softcap, sliding_window, k_scale=k_scale, v_scale=v_scale
         )
-    elif nd:
+        if nd == num_tokens:  # a decode-only step (most steps): the kernel's output is the result
+            return decoded
+        out = torch.empty_like(query)
+        out[:nd] = decoded
+    else:
+        out = torch.empty_like(query)
+    if nd and not decode_kernel:
         groups = num_heads // kvh
         plans = meta.derived(
             ("decode", sliding_window, kvh, groups), lambda: _decode_buckets(meta, sliding_window, groups)
@@ -279,6 +300,10 @@ def _int8_paged_attention(query, k_pool, v_pool, k_scale, v_scale, meta, scale, 
                 scores.add_(bias)
             o = torch.matmul(torch.softmax(scores, dim=-1), v)  # [b, KVH, G, D]
             out.index_copy_(0, rows, o.reshape(b, num_heads, head_dim).to(query.dtype))
+    if prefill_kernel is not None:
+        return prefill_kernel(
+            query, k_pool, v_pool, meta, scale, softcap, sliding_window, out=out, k_scale=k_scale, v_scale=v_scale
+        )
     for i in range(nd, meta.num_requests):
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         slots, mask = meta.derived(("prefill", i, sliding_window), lambda i=i: _prefill_gather(meta, i, sliding_window))
