@@ -43,6 +43,12 @@ def switch_to_paged_attention(model) -> Optional[str]:
     return users["previous"]
 
 
+def num_open_engines(model) -> int:
+    """How many open engines serve ``model`` through our attention (0 for a model none serves)."""
+    users = model.__dict__.get(_ATTN_USERS)
+    return int(users["open"]) if users is not None else 0
+
+
 def restore_attention(model, previous: Optional[str]) -> None:
     """One user fewer; the last one restores ``previous`` (never raises: called from ``close``)."""
     users = model.__dict__.get(_ATTN_USERS)

@@ -21,6 +21,7 @@ import torch
 
 from ..config import QUANTIZATIONS
 from ..kernels.linears import pack_linears
+from .attention_switch import num_open_engines
 
 QUANTIZED_KV_DTYPES = ("int8",)
 """``CacheConfig.dtype`` names of quantized KV caches: what ``kv_cache_dtype`` may measure."""
@@ -176,11 +177,18 @@ def quality_report(
             cache out (the report's ``kv_*`` figures are then None).
 
     Raises:
-        ValueError: an unknown ``quantization`` or ``kv_cache_dtype`` (naming the choices), or a
-            text under 2 tokens.
+        ValueError: an unknown ``quantization`` or ``kv_cache_dtype`` (naming the choices), a
+            text under 2 tokens, or a model an open engine serves (``pipe.model``).
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"`quantization` must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if num_open_engines(model):
+        # Its linears are packed (maybe quantized already) and its attention switched: both
+        # figures would measure the served model, and say int8 costs nothing.
+        raise ValueError(
+            "`model` is served by an open pipeline or engine; pass a freshly loaded model "
+            "(e.g. AutoModelForCausalLM.from_pretrained(...)) or close() the pipeline first"
+        )
     if kv_cache_dtype not in (None, *QUANTIZED_KV_DTYPES):
         raise ValueError(f"`kv_cache_dtype` must be one of {(None, *QUANTIZED_KV_DTYPES)}, got {kv_cache_dtype!r}")
     if text is None:

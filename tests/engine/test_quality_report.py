@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import types
 
 import pytest
 import torch
@@ -107,3 +108,20 @@ def test_the_kv_cache_figures_match_plain_torch_over_float_and_quantized_kv():
         quality_report(model, _Tok(), text=text, kv_cache_dtype="int4")
     weights_only = quality_report(model, _Tok(), text=text, prompt_tokens=10, greedy_tokens=8, kv_cache_dtype=None)
     assert weights_only.kv_ppl_quantized is None and len(weights_only.lines()) == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_model_an_open_engine_serves_is_refused_and_accepted_after_close():
+    from hf_contbatch import CacheConfig, EngineConfig, LLMEngine
+
+    model = build_model("llama")
+    engine = LLMEngine(model, EngineConfig(cache=CacheConfig(num_blocks=16), linear_backend="torch"))
+    try:
+        with pytest.raises(ValueError, match="served by an open pipeline or engine"):
+            quality_report(model, text="x", kv_cache_dtype=None)
+    finally:
+        engine.close()
+    # closed: the model is its own again, so the report gets as far as checking the text's length
+    one_token = lambda *args, **kwargs: types.SimpleNamespace(input_ids=torch.ones(1, 1, dtype=torch.long))  # noqa: E731
+    with pytest.raises(ValueError, match="`text` must have at least 2 tokens"):
+        quality_report(model, tokenizer=one_token, text="x", kv_cache_dtype=None)
