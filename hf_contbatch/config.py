@@ -15,7 +15,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_CACHE_DTYPES = (None, "float32", "float16", "bfloat16", "int8")
 """``CacheConfig.dtype`` names: None (the model's dtype), a float dtype, or "int8" (K/V quantized on
 write, symmetric, one float32 scale per token and KV head for K and for V each)."""
-LinearBackend = Literal["auto", "torch", "native", "onednn"]
+LinearBackend = Literal["auto", "torch", "native", "onednn", "w8a8"]
 LINEAR_BACKENDS = get_args(LinearBackend)
 """The ``linear_backend`` names: "auto" and one per GEMM kernel (``kernels.linears.registry`` maps
 them to kernel classes and checks that the two lists agree)."""
@@ -253,10 +253,12 @@ class EngineConfig:
             )
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"`quantization` must be None or one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization is None and self.linear_backend == "w8a8":
+            raise ValueError("`linear_backend='w8a8'` (int8 weights and int8 activations) needs `quantization='int8'`")
         if self.quantization is not None and self.linear_backend == "onednn":
             raise ValueError(
                 f"`linear_backend='onednn'` has no {self.quantization} kernel; with `quantization={self.quantization!r}` "
-                "use 'auto', 'native' or 'torch'"
+                "use 'auto', 'native', 'torch' or 'w8a8'"
             )
 
 
