@@ -18,7 +18,8 @@ write, symmetric, one float32 scale per token and KV head for K and for V each).
 LinearBackend = Literal["auto", "torch", "native", "onednn", "w8a8"]
 LINEAR_BACKENDS = get_args(LinearBackend)
 """The ``linear_backend`` names: "auto" and one per GEMM kernel (``kernels.linears.registry`` maps
-them to kernel classes and checks that the two lists agree)."""
+them to kernel classes and checks that the two lists agree); "w8a8" names an int8-only kernel
+(int8 weights and int8 activations: with ``quantization="int8"`` only)."""
 QUANTIZATIONS = ("int8",)
 """The ``EngineConfig.quantization`` weight formats (None: the model's own weights)."""
 
@@ -213,7 +214,9 @@ class EngineConfig:
             load (symmetric, one scale per output channel, ``scale = absmax / 127``: torchao's int8
             weight-only scheme), activations in the model's dtype, the kernel per shape chosen by
             timing (ours, ``int8_gemm.c``, or torch's ``_weight_int8pack_mm``); ``linear_backend``
-            "native"/"torch" force ours/torch's ("onednn" has no int8 kernel). CPU models only. The
+            "native"/"torch" force ours/torch's ("onednn" has no int8 kernel); "w8a8" quantizes the
+            activations too (per row, symmetric int8; VNNI int8 dot products): faster prefill, less
+            accurate (never chosen by "auto"; check with ``quality_report``). CPU models only. The
             model's float weights are kept and the model restored exactly on close.
     """
 

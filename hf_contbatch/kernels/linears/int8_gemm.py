@@ -1,4 +1,4 @@
-"""Weight-only int8 linears: the quantization, and the two GEMM kernels that serve it.
+"""Int8 linears: the weight quantization, and the GEMM kernels that serve it.
 
 Scheme (torchao's int8 weight-only one, ``Int8WeightOnlyConfig``): symmetric, one scale per output
 channel, ``s = absmax(W[j, :]) / 127``, ``Wq = round(W / s)`` clamped to ``[-127, 127]``; the layer
@@ -7,7 +7,7 @@ model that torchao quantized already (``transformers.TorchAoConfig(Int8WeightOnl
 weight is a ``torchao.quantization.Int8Tensor`` with per-row blocks and no activation
 quantization) is repacked exactly from its own ``qdata`` and ``scale`` (:func:`int8_parts`).
 
-Kernels, both keeping :class:`~hf_contbatch.kernels.linears.gemm_kernel.GemmKernel` (``pack`` takes
+Kernels, all keeping :class:`~hf_contbatch.kernels.linears.gemm_kernel.GemmKernel` (``pack`` takes
 a float weight, quantizing it, or a torchao int8 weight; the :class:`PackedWeight` carries the
 scales), timed per shape by ``autotune`` like the float ones:
 
@@ -15,12 +15,17 @@ scales), timed per shape by ``autotune`` like the float ones:
   ``torch.ops.aten._weight_int8pack_mm(x, Wq, s)`` (float32; bfloat16 only where ``in_features`` is
   a multiple of 64: on torch 2.13 its bfloat16 path crashes the process for other sizes with more
   than one row).
-- :class:`NativeInt8GEMM` (``"native-int8"``): ours, ``int8_gemm.c`` (dequantize in registers,
-  float32 FMA, scale applied per output; float32 only).
+- :class:`NativeInt8GEMM` (``"native-int8"``): ours, ``int8_gemm.c`` part 1 (dequantize in
+  registers, float32 FMA, scale applied per output; float32 only): built to stream the weights at
+  memory speed at one to three rows; from about four rows on a float32 FMA per weight byte per row
+  is the limit (as for the float32 GEMM), so there it runs at the FMA peak instead.
 - :class:`DequantFloatGEMM` (``"dequant-float"``): dequantize a tile of output columns at a time
   into a reused buffer and run torch's float GEMM on it (float32 and bfloat16): the dequantization
   is paid once per call, not per row, so it serves many-row (prefill) calls at float GEMM speed,
   where the two above, built for streaming the weight at few rows, fall behind.
+- :class:`W8A8GEMM` (``"w8a8"``, ``int8_gemm.c`` part 2): activations quantized to int8 too (per row),
+  int8 dot products (VNNI). Not the weight-only scheme, so never an "auto" candidate; served when
+  named (``linear_backend="w8a8"``).
 
 None can give the float weight back (``exact_unpack`` False), so the module keeps its float
 weight while packed (``close()`` restores the model exactly); only the int8 copy is read in steps.
