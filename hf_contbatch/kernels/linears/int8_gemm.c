@@ -12,15 +12,17 @@
  * Why: a decode step streams every weight once; int8 weights are a quarter of float32's bytes, so
  * the kernel must keep up with the memory at a quarter of the bytes per weight: four times the
  * multiply-adds per byte of the float32 GEMM (cpu_gemm.c). The weights are dequantized in registers
- * (as in weight-only kernels such as torch's _weight_int8pack_mm and llama.cpp's): each int8 vector
- * is widened to int32 straight from memory (VPMOVSXBD with a memory operand: the load and the widening
- * in one instruction, cheaper than one 64-byte load and three lane extractions), converted to float32
- * (VCVTDQ2PS) and multiplied into float32 accumulators with FMA, x broadcast from memory. The
+ * (as in weight-only kernels such as torch's _weight_int8pack_mm and llama.cpp's): the NR int8
+ * weights of one input feature of a panel come in one load (64 bytes with AVX-512) and are widened to
+ * four int32 vectors by shifts (load_panel; measured as fast as VPMOVSXBD's load-and-widen here,
+ * portable to every ISA), converted to float32 (VCVTDQ2PS) and multiplied into float32 accumulators
+ * with FMA, x broadcast from memory. The
  * per-channel scale is applied once per output, after the sum.
  *
  * Layout: W is packed once into panels of NR = 4 vectors of output columns (64 with AVX-512, 32
- * with 256-bit vectors), [ceil(N/NR)][K][NR] (zero columns pad the last panel): with AVX-512 one input
- * feature of a panel is one 64-byte cache line, so a panel is one sequential stream.
+ * with 256-bit vectors), [ceil(N/NR)][K][NR] (zero columns pad the last panel), columns interleaved
+ * within a feature as load_panel reads them: with AVX-512 one input feature of a panel is one 64-byte
+ * cache line, so a panel is one sequential stream.
  *
  * Why it was compute-bound before (16-column panels, one accumulator per row): at one row each
  * output's FMA chain waits for its previous FMA (4 cycles), and one vector of 16 weights per chain
@@ -78,7 +80,6 @@
 #endif
 
 typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
-typedef int8_t vb __attribute__((vector_size(VW), aligned(1)));
 typedef int32_t vw32 __attribute__((vector_size(VW * 4), aligned(4)));
 
 int64_t hf_contbatch_int8_nr(void) { return NR; }
@@ -113,25 +114,27 @@ void hf_contbatch_int8_pack(const int8_t *w, int64_t n, int64_t k, int8_t *out) 
         int8_t *dst = out + p * k * NR;
         for (int64_t kk = 0; kk < k; kk++)
             for (int64_t j = 0; j < NR; j++) {
-                const int64_t row = p * NR + j;
+                /* byte j % 4 of 32-bit lane j / 4 holds column (j % 4) * VW + j / 4 (see load_panel) */
+                const int64_t row = p * NR + (j % 4) * VW + j / 4;
                 dst[kk * NR + j] = row < n ? w[row * k + kk] : 0;
             }
     }
 }
 
-/* VW int8 weights -> VW floats. GCC 12 turns __builtin_convertvector from int8 (to int32 or float)
- * into one scalar insert or VCVTSI2SS a lane (the old kernel's bottleneck), so x86 spells out
- * VPMOVSXBD (load and widen in one instruction) + VCVTDQ2PS. */
-static inline vf load_w(const int8_t *p) {
-#if defined(__AVX512F__)
-    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-#elif defined(__AVX2__)
-    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-#else
-    vb b;
-    memcpy(&b, p, VW);
-    return __builtin_convertvector(__builtin_convertvector(b, vw32), vf);
-#endif
+/* The NR = 4 x VW int8 weights of one input feature of a panel -> 4 vectors of VW floats, from one
+ * NR-byte load (64 bytes with AVX-512): pack puts column v * VW + i in byte v of 32-bit lane i, so
+ * vector v is (lane << (24 - 8v)) >> 24 (arithmetic shift: sign-extended), converted with
+ * VCVTDQ2PS. Shifts run on more ports than VPMOVSXBD's cross-lane shuffle, which (one per 16
+ * weights) capped the one-row kernel at about half its memory bandwidth; and GCC 12 compiles a
+ * direct int8 -> float __builtin_convertvector to one scalar conversion a lane (the old kernel's
+ * bottleneck). */
+static inline void load_panel(const int8_t *p, vf out[NV]) {
+    vw32 raw;
+    memcpy(&raw, p, sizeof(raw));
+    out[0] = __builtin_convertvector((raw << 24) >> 24, vf);
+    out[1] = __builtin_convertvector((raw << 16) >> 24, vf);
+    out[2] = __builtin_convertvector((raw << 8) >> 24, vf);
+    out[3] = __builtin_convertvector(raw >> 24, vf);
 }
 
 /* acc[r][g*NR + 0..NR-1] += sum over kk < kc of x[r][kk] * w_g[kk][0..NR-1], r < R, g < G; panel g's
@@ -148,7 +151,7 @@ static inline vf load_w(const int8_t *p) {
             for (int g = 0; g < G; g++) {                                                            \
                 const int8_t *wg = w + g * pstride + kk * NR;                                        \
                 __builtin_prefetch((const void *)((uintptr_t)wg + PF));                              \
-                for (int v = 0; v < NV; v++) wv[g][v] = load_w(wg + v * VW);                         \
+                load_panel(wg, wv[g]);                                                               \
             }                                                                                        \
             for (int r = 0; r < R; r++) {                                                            \
                 const float xv = x[r * ldx + kk];                                                    \
