@@ -24,9 +24,12 @@
  * within a feature as load_panel reads them: with AVX-512 one input feature of a panel is one 64-byte
  * cache line, so a panel is one sequential stream.
  *
- * Why it was compute-bound before (16-column panels, one accumulator per row): at one row each
- * output's FMA chain waits for its previous FMA (4 cycles), and one vector of 16 weights per chain
- * gives 16 bytes per 4 cycles. Here a tile of R rows spans G panels, R x G x 4 independent chains
+ * Why it was compute-bound before (16-column panels, one accumulator per row, a vector-extension
+ * int8 -> float conversion): GCC 12 compiled that conversion to one scalar VCVTSI2SS a weight, and at
+ * one row each output's FMA chain waits for its previous FMA (4 cycles), 16 weights per 4 cycles.
+ * Limit now: one float32 FMA per weight per row, so from about four rows on (a single core's FMA peak
+ * against its share of the memory bandwidth at one byte a weight) it is FMA-bound like the float32
+ * GEMM; W8A8 (part 2) is the path past that. Here a tile of R rows spans G panels, R x G x 4 independent chains
  * (G = 2 for up to 3 rows with AVX-512, for 1 row with 256-bit vectors; else G = 1 and up to 6 / 3
  * rows): at least 8 chains in flight, enough to cover the FMA latency on two FMA pipes.
  *
