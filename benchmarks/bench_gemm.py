@@ -8,6 +8,15 @@ cache): q/k/v fused, o, gate/up fused, down, for ``num_hidden_layers`` layers of
 ``workload.py`` model. For every row count the three kernels run in turn (``--repeats`` rounds,
 median), and the table gives ms per pass over all layers, GFLOP/s, weight GB/s and the ratios of
 oneDNN's and ``F.linear``'s time to ours. No model forward, no engine: the GEMMs alone.
+
+    python benchmarks/bench_gemm.py --int8 --rows 1,4,16,64,256   # int8 kernels against float ones
+
+With ``--int8``, per layer shape (all layers, so weights stream from memory) and row count: our
+float32 GEMM, our bfloat16 one (AVX512-BF16 CPUs), ``native-int8`` (weight-only, dequantized in
+registers) and ``w8a8`` (int8 activations, VNNI), interleaved with a copy (``Tensor.copy_``) of as many bytes as
+each weight format holds (float32, bf16, int8). Each kernel's weight GB/s is given as a share of the
+copy bandwidth of its own byte count (copy GB/s counts the bytes read and written, as
+``cpu_peak.copy_bandwidth_gbs``), and its GFLOP/s (for ``w8a8``: int8 multiply-adds, two ops each).
 """
 
 from __future__ import annotations
@@ -35,12 +44,77 @@ def layer_shapes(size: str) -> list[tuple[int, int]]:
     return [(h, h + 2 * kv), (h, h), (h, 2 * i), (i, h)]
 
 
+def int8_table(args) -> None:
+    """The ``--int8`` table: per shape and row count, float32/bf16/int8 kernels and copies, interleaved."""
+    from hf_contbatch.kernels.linears.int8_gemm import W8A8GEMM, NativeInt8GEMM
+
+    shapes = layer_shapes(args.model)
+    layers = MODEL_SIZES[args.model]["num_hidden_layers"]
+    g = torch.Generator().manual_seed(0)
+    fp32 = NativeGEMM()
+    kernels = {"fp32": (fp32, torch.float32, 4)}
+    if torch.bfloat16 in fp32.dtypes:
+        kernels["bf16"] = (fp32, torch.bfloat16, 2)
+    kernels["native-int8"] = (NativeInt8GEMM(), torch.float32, 1)
+    kernels["w8a8"] = (W8A8GEMM(), torch.float32, 1)
+    print(
+        f"{args.model}: {layers} layers per shape, {torch.get_num_threads()} threads; int8 ISA "
+        f"{kernels['native-int8'][0].isa}, w8a8 ISA {kernels['w8a8'][0].isa}; "
+        "GB/s of weights read, % of a copy of the same bytes (read + written), GFLOP/s (w8a8: int8 GOP/s)"
+    )
+    for k, n in shapes:
+        ws = [torch.randn(n, k, generator=g) * 0.02 for _ in range(layers)]
+        packed = {name: [kern.pack(w.to(dt)) for w in ws] for name, (kern, dt, _) in kernels.items()}
+        # Copies into a buffer allocated once (a fresh clone's page faults would slow the copy).
+        copies = {
+            size: (
+                torch.ones(layers * n * k * size, dtype=torch.uint8),
+                torch.empty(layers * n * k * size, dtype=torch.uint8),
+            )
+            for size in sorted({s for *_, s in kernels.values()})
+        }
+        print(f"shape in={k} out={n}: {layers * n * k / 1e6:.1f} M weights")
+        for m in [int(r) for r in args.rows.split(",")]:
+            xs = {dt: torch.randn(m, k, generator=g).to(dt) for dt in (torch.float32, torch.bfloat16)}
+            runs = {}
+            for name, (kern, dt, _) in kernels.items():
+                runs[name] = lambda kern=kern, x=xs[dt], ps=packed[name], n=n: [kern.linear(x, p, None, n) for p in ps]
+            for size, (src, dst) in copies.items():
+                runs[f"copy{size}"] = lambda src=src, dst=dst: dst.copy_(src)
+            times = {name: [] for name in runs}
+            for f in runs.values():
+                f()
+            for _ in range(args.repeats):
+                for name, f in runs.items():
+                    t0 = time.perf_counter()
+                    f()
+                    times[name].append(time.perf_counter() - t0)
+            med = {name: (min if args.best else statistics.median)(t) for name, t in times.items()}
+            parts = []
+            for name, (_, _, size) in kernels.items():
+                gbs = layers * n * k * size / med[name] / 1e9
+                copy_gbs = 2 * layers * n * k * size / med[f"copy{size}"] / 1e9
+                gf = 2 * m * layers * n * k / med[name] / 1e9
+                parts.append(
+                    f"{name} {med[name] * 1e3:6.2f} ms {gbs:5.1f} GB/s {100 * gbs / copy_gbs:4.0f}% {gf:6.0f} GF/s"
+                )
+            print(f"  rows {m:>4}: " + " | ".join(parts))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="small", choices=sorted(MODEL_SIZES))
     ap.add_argument("--rows", default="1,4,8,16,32,64,128,256,1024")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--int8", action="store_true", help="the int8 kernels against the float ones, per shape")
+    ap.add_argument("--threads", type=int, default=None, help="torch (and our kernels') threads; default torch's")
+    ap.add_argument("--best", action="store_true", help="report the fastest round, not the median (a shared machine)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.int8:
+        int8_table(args)
+        return
     shapes = layer_shapes(args.model)
     layers = MODEL_SIZES[args.model]["num_hidden_layers"]
     g = torch.Generator().manual_seed(0)

@@ -15,10 +15,11 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_CACHE_DTYPES = (None, "float32", "float16", "bfloat16", "int8")
 """``CacheConfig.dtype`` names: None (the model's dtype), a float dtype, or "int8" (K/V quantized on
 write, symmetric, one float32 scale per token and KV head for K and for V each)."""
-LinearBackend = Literal["auto", "torch", "native", "onednn"]
+LinearBackend = Literal["auto", "torch", "native", "onednn", "w8a8"]
 LINEAR_BACKENDS = get_args(LinearBackend)
 """The ``linear_backend`` names: "auto" and one per GEMM kernel (``kernels.linears.registry`` maps
-them to kernel classes and checks that the two lists agree)."""
+them to kernel classes and checks that the two lists agree); "w8a8" names an int8-only kernel
+(int8 weights and int8 activations: with ``quantization="int8"`` only)."""
 QUANTIZATIONS = ("int8",)
 """The ``EngineConfig.quantization`` weight formats (None: the model's own weights)."""
 
@@ -213,7 +214,9 @@ class EngineConfig:
             load (symmetric, one scale per output channel, ``scale = absmax / 127``: torchao's int8
             weight-only scheme), activations in the model's dtype, the kernel per shape chosen by
             timing (ours, ``int8_gemm.c``, or torch's ``_weight_int8pack_mm``); ``linear_backend``
-            "native"/"torch" force ours/torch's ("onednn" has no int8 kernel). CPU models only. The
+            "native"/"torch" force ours/torch's ("onednn" has no int8 kernel); "w8a8" quantizes the
+            activations too (per row, symmetric int8; VNNI int8 dot products): faster prefill, less
+            accurate (never chosen by "auto"; check with ``quality_report``). CPU models only. The
             model's float weights are kept and the model restored exactly on close.
     """
 
@@ -253,10 +256,12 @@ class EngineConfig:
             )
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"`quantization` must be None or one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization is None and self.linear_backend == "w8a8":
+            raise ValueError("`linear_backend='w8a8'` (int8 weights and int8 activations) needs `quantization='int8'`")
         if self.quantization is not None and self.linear_backend == "onednn":
             raise ValueError(
                 f"`linear_backend='onednn'` has no {self.quantization} kernel; with `quantization={self.quantization!r}` "
-                "use 'auto', 'native' or 'torch'"
+                "use 'auto', 'native', 'torch' or 'w8a8'"
             )
 
 

@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_contbatch.kernels.linears.int8_gemm import DequantFloatGEMM, NativeInt8GEMM, TorchInt8GEMM
+from hf_contbatch.kernels.linears.int8_gemm import (
+    MAX_W8A8_IN_FEATURES,
+    W8A8GEMM,
+    DequantFloatGEMM,
+    NativeInt8GEMM,
+    TorchInt8GEMM,
+    int8_library,
+)
 from hf_contbatch.kernels.linears.registry import available_int8_kernels
 
 pytestmark = pytest.mark.timeout(120)
@@ -168,10 +175,13 @@ def test_dispatch_serves_native_int8_at_few_rows_and_dequant_float_at_many():
     packed = dispatch.pack(w)
     native, dequant = packed.data
     assert native.data.dtype == dequant.data.dtype == torch.int8
-    # A byte a weight and a float32 scale a column each (native-int8 pads to 16-column panels):
-    # both copies together about half of the float32 weight's 17280 bytes.
-    assert dequant.nbytes == 90 * 48 + 4 * 90 and native.nbytes == 96 * 48 + 4 * 90
-    assert packed.nbytes == native.nbytes + dequant.nbytes < w.numel() * w.element_size() * 0.6
+    # A byte a weight and a float32 scale a column each (native-int8 pads to panels of nr columns:
+    # 64 with AVX-512, 32 with 256-bit vectors; 90 columns pad to 128 here): both copies together
+    # below the float32 weight's 17280 bytes.
+    nr = int8_library().nr
+    assert nr in (32, 64)
+    assert dequant.nbytes == 90 * 48 + 4 * 90 and native.nbytes == -(-90 // nr) * nr * 48 + 4 * 90
+    assert packed.nbytes == native.nbytes + dequant.nbytes < w.numel() * w.element_size()
     for rows in (1, 7, 64, 200):
         x = torch.randn(rows, 48, generator=g)
         got = dispatch.linear(x, packed, dispatch.step_bias(b), 90)
@@ -212,3 +222,123 @@ def test_the_tuner_keeps_timing_dequant_float_after_it_loses_at_few_rows():
     tuner = KernelTuner({"native-int8": NativeInt8GEMM(), "dequant-float": Slow()}, None)
     seconds = tuner.measure(256, 256, torch.float32, (1, 2, 4, 8))
     assert all(0 < s < float("inf") for s in seconds["dequant-float"].values())
+
+
+# Builds of int8_gemm.c with the wider ISAs switched off, so their paths run on an AVX-512 machine
+# too: (), the CPU's own (-march=native); the 256-bit AVX2 + AVX-VNNI paths; AVX2 without VNNI (the
+# portable int8-activation loop). A flag the compiler or CPU cannot take skips that build.
+_BUILDS = [(), ("-mno-avx512f",), ("-mno-avx512f", "-mno-avxvnni")]
+
+
+def _build(kind, flags):
+    try:
+        return kind(flags)
+    except RuntimeError as exc:
+        pytest.skip(f"{kind.name} {flags} cannot be built or run here: {exc}")
+
+
+@pytest.mark.parametrize("flags", _BUILDS)
+# K not a multiple of 64 (nor of 4: the VNNI quads), N not a multiple of any panel width; K over one
+# 256-feature slice; one column.
+@pytest.mark.parametrize("n,k", [(70, 77), (130, 300), (1, 5)])
+def test_native_int8_builds_equal_the_dequantized_reference(flags, n, k):
+    kernel = _build(NativeInt8GEMM, flags)
+    g = torch.Generator().manual_seed(n + k + len(flags))
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    packed = kernel.pack(w)
+    # The weight quantized in float32 (the scheme's arithmetic: a float64 w / s can round the other
+    # way at a half), then multiplied in float64.
+    s = w.abs().amax(1, keepdim=True) / 127
+    wd = ((w / s).round().clamp(-127, 127) * s).double()
+    for rows in [*range(1, 18), 33, 64, 65, 130]:  # every tile height, two panels a tile, row blocks
+        _check_native_rows(kernel, packed, torch.randn(rows, k, generator=g), wd, b)
+
+
+def _check_native_rows(kernel, packed, x, wd, b):
+    n, k = wd.shape
+    for bias in (None, b):
+        want = torch.nn.functional.linear(x.double(), wd, None if bias is None else bias.double())
+        got = kernel.linear(x, packed, bias, n).double()
+        # float32 sums of k products: a few ulps of the largest partial sum.
+        torch.testing.assert_close(got, want, rtol=0, atol=k * 2e-7 * float(want.abs().max() + 1))
+    # A row's bits do not depend on the rows beside it (each output one in-order FMA chain).
+    assert torch.equal(kernel.linear(x[-1:], packed, b, n)[0], kernel.linear(x, packed, b, n)[-1])
+
+
+def _w8a8_reference(x, w, b):
+    """y = (xq @ wq.T) * sx * s (+ b) in float64: both sides quantized symmetric per row."""
+    s = w.abs().amax(1) / 127
+    wq = (w / s[:, None]).round().clamp(-127, 127)
+    amax = x.abs().amax(1, keepdim=True)
+    sx = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    xq = torch.round(x / sx).clamp(-127, 127)
+    y = (xq.double() @ wq.double().T) * sx.double() * s.double()
+    return y if b is None else y + b.double()
+
+
+@pytest.mark.parametrize("flags", _BUILDS)
+@pytest.mark.parametrize("n,k", [(70, 77), (130, 300), (1, 5), (96, 1)])
+def test_w8a8_equals_the_quantized_reference(flags, n, k):
+    kernel = _build(W8A8GEMM, flags)
+    g = torch.Generator().manual_seed(n + k + len(flags))
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    packed = kernel.pack(w)
+    assert packed.zero_points.dtype == torch.int32 and packed.zero_points.shape == (n,)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 13, 33, 64, 65, 100):
+        x = torch.randn(rows, k, generator=g)
+        x[0] = 0  # a zero row (scale 1, all zeros)
+        _check_w8a8_rows(kernel, packed, x, w, b)
+
+
+def _check_w8a8_rows(kernel, packed, x, w, b):
+    n = w.shape[0]
+    for bias in (None, b):
+        want = _w8a8_reference(x, w, bias)
+        got = kernel.linear(x, packed, bias, n).double()
+        # The integer sums are exact; three float32 roundings (the sum, sx * s, the product) remain.
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * float(want.abs().max() + 1))
+        assert torch.equal(kernel.linear_verified(x, packed, kernel.step_bias(bias), n), got.float())
+    # Against the weight-only result (activations in float): within the activation rounding.
+    float_ref = _reference(x, w, b)
+    err = (kernel.linear(x, packed, b, n) - float_ref).abs().max()
+    assert err <= W8A8GEMM.probe_tolerance * float(float_ref.abs().max()) + 1e-6
+
+
+def test_w8a8_bf16_inputs_odd_and_large_sizes_and_bad_inputs():
+    kernel = W8A8GEMM()
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(50, 70, generator=g).bfloat16()
+    x = torch.randn(2, 3, 70, generator=g).bfloat16()
+    got = kernel.linear(x, kernel.pack(w), None, 50)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 3, 50)
+    # The bf16 weight's scales are rounded to bf16 (as reference_weight); x quantized from its float32 value.
+    s = w.float().abs().amax(1).div(127).bfloat16().float()
+    wq = (w.float() / s[:, None]).round().clamp(-127, 127)
+    xf = x.float().reshape(6, 70)
+    sx = xf.abs().amax(1, keepdim=True) / 127
+    want = (torch.round(xf / sx) @ wq.T) * sx * s
+    torch.testing.assert_close(got.float().reshape(6, 50), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
+    assert kernel.linear(torch.randn(0, 70).bfloat16(), kernel.pack(w), None, 50).shape == (0, 50)
+    assert not kernel.supports(torch.zeros(4, MAX_W8A8_IN_FEATURES + 1))
+    assert kernel.supports(torch.zeros(4, MAX_W8A8_IN_FEATURES))
+    packed = kernel.pack(torch.randn(16, 32))
+    with pytest.raises(RuntimeError, match="does not fit"):
+        kernel.linear(torch.randn(2, 31), packed, None, 16)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        kernel.linear(torch.randn(2, 32).bfloat16(), packed, None, 16)
+    with pytest.raises(RuntimeError, match="bias"):
+        kernel.linear(torch.randn(2, 32), packed, torch.randn(15), 16)
+    with pytest.raises(RuntimeError, match="cannot pack"):
+        kernel.pack(torch.randn(4, 4, dtype=torch.float64))
+
+
+def test_w8a8_int32_sums_do_not_overflow_at_the_largest_k():
+    # Every product at its extreme, 255 * 127 (x and w all at their row maxima), for the largest K taken:
+    # the exact sum fits int32; the kernel gives K * 127 * 127 * sx * s.
+    k = MAX_W8A8_IN_FEATURES
+    kernel = W8A8GEMM()
+    w, x = torch.ones(3, k), torch.ones(1, k)
+    got = kernel.linear(x, kernel.pack(w), None, 3)
+    torch.testing.assert_close(got, torch.full((1, 3), float(k)), rtol=1e-6, atol=0)
+    got = kernel.linear(-x, kernel.pack(w), None, 3)
+    torch.testing.assert_close(got, torch.full((1, 3), -float(k)), rtol=1e-6, atol=0)

@@ -1,50 +1,89 @@
-/* Weight-only int8 GEMM for serving steps: y[M][N] = (x[M][K] . Wq^T) * s[N] (+ bias), x and y
- * float32, Wq int8 (symmetric, one scale per output channel: torchao's int8 weight-only scheme).
+/* Int8 GEMMs for serving steps, built on first use by hf_contbatch/kernels/linears/int8_gemm.py
+ * with the system C compiler (-O3 -march=native -fopenmp, no -ffast-math) and called through ctypes.
  *
- * Built on first use by hf_contbatch/kernels/linears/int8_gemm.py with the system C compiler
- * (-O3 -march=native -fopenmp, no -ffast-math) and called through ctypes.
+ * 1. Weight-only (hf_contbatch_int8_gemm): y[M][N] = (x[M][K] . Wq^T) * s[N] (+ bias), x and y
+ *    float32, Wq int8 (symmetric, one scale per output channel: torchao's int8 weight-only scheme).
+ * 2. Int8 activations (hf_contbatch_int8_vnni_gemm): each row of x quantized to int8 on the fly
+ *    (symmetric, one scale per row), int8 x int8 products summed in int32 with VNNI's VPDPBUSD,
+ *    y = acc * (sx[row] * s[N]) (+ bias).
  *
- * Why: a decode step streams every weight once; int8 weights are a quarter of float32's bytes. The
- * weights are dequantized in registers ("dequantize-in-register", as in weight-only kernels such as
- * torch's _weight_int8pack_mm and llama.cpp's): each int8 vector is loaded, widened to int32,
- * converted to float32 and multiplied into float32 accumulators with FMA; the per-channel scale is
- * applied once per output at the end. Activations stay float32, so there is no activation
- * quantization error.
+ * ---- 1. Weight-only: dequantize in registers -------------------------------------------------------
  *
- * Layout: W is packed once into panels of NR = 16 output columns, [ceil(N/NR)][K][NR] (zero
- * columns pad the last panel), so a panel streams sequentially. Threads take whole panels; inside a
- * panel, rows go in tiles of up to MR = 8 rows, each with one accumulator vector per row, so the
- * load and conversion of a weight vector is shared by the tile's rows.
+ * Why: a decode step streams every weight once; int8 weights are a quarter of float32's bytes, so
+ * the kernel must keep up with the memory at a quarter of the bytes per weight: four times the
+ * multiply-adds per byte of the float32 GEMM (cpu_gemm.c). The weights are dequantized in registers
+ * (as in weight-only kernels such as torch's _weight_int8pack_mm and llama.cpp's): the NR int8
+ * weights of one input feature of a panel come in one load (64 bytes with AVX-512) and are widened to
+ * four int32 vectors by shifts (load_panel; measured as fast as VPMOVSXBD's load-and-widen here,
+ * portable to every ISA), converted to float32 (VCVTDQ2PS) and multiplied into float32 accumulators
+ * with FMA, x broadcast from memory. The
+ * per-channel scale is applied once per output, after the sum.
  *
- * Vectors are GCC/Clang vector extensions: with -march=native they compile to AVX-512
- * (vpmovsxbd + vcvtdq2ps + vfmadd on one zmm), to AVX2 (two ymm halves) or to NEON, so each ISA
- * path is the compiler's for the CPU it builds on (the feature macros below name it), and
- * hf_contbatch_int8_runtime_ok() checks at load that the CPU running it has that ISA (a library
- * cached on disk for another CPU of the same family string must not be run).
+ * Layout: W is packed once into panels of NR = 4 vectors of output columns (64 with AVX-512, 32
+ * with 256-bit vectors), [ceil(N/NR)][K][NR] (zero columns pad the last panel), columns interleaved
+ * within a feature as load_panel reads them: with AVX-512 one input feature of a panel is one 64-byte
+ * cache line, so a panel is one sequential stream.
  *
- * Exactness: each output's sum is one in-order FMA chain over k = 0..K-1 (no -ffast-math), so a
- * row's result does not depend on the batch it runs in, the tile it lands in or sibling columns
- * packed beside it. Against F.linear(x, Wq * s) only the order of rounding differs (the scale is
- * applied after the sum rather than to each weight).
+ * Why it was compute-bound before (16-column panels, one accumulator per row, a vector-extension
+ * int8 -> float conversion): GCC 12 compiled that conversion to one scalar VCVTSI2SS a weight, and at
+ * one row each output's FMA chain waits for its previous FMA (4 cycles), 16 weights per 4 cycles.
+ * Limit now: one float32 FMA per weight per row, so from about four rows on (a single core's FMA peak
+ * against its share of the memory bandwidth at one byte a weight) it is FMA-bound like the float32
+ * GEMM; W8A8 (part 2) is the path past that. Here a tile of R rows spans G panels, R x G x 4 independent chains
+ * (G = 2 for up to 3 rows with AVX-512, for 1 row with 256-bit vectors; else G = 1 and up to 6 / 3
+ * rows): at least 8 chains in flight, enough to cover the FMA latency on two FMA pipes.
+ *
+ * Blocking (the BLIS/GotoBLAS loop nest as in cpu_gemm.c): rows in blocks of MB, the panels in
+ * slices of KC input features (16 KB of int8 with AVX-512) that stay in L1 while each row tile passes
+ * over them; accumulators live in a per-block buffer between slices. Threads take (panel group, row
+ * block) units, so each weight byte is read by one thread at decode.
+ *
+ * Exactness: each output's sum is one in-order FMA chain over k = 0..K-1 (no -ffast-math; a slice
+ * boundary stores and reloads the accumulator, which rounds nothing), so a row's result does not
+ * depend on the batch it runs in, the tile it lands in or sibling columns packed beside it. Against
+ * F.linear(x, Wq * s) only the order of rounding differs (the scale is applied after the sum).
+ *
+ * Vectors are GCC/Clang vector extensions: with -march=native they compile to AVX-512, to AVX2/FMA
+ * or to NEON, so each ISA path is the compiler's for the CPU it builds on (the feature macros below
+ * name it), and hf_contbatch_int8_runtime_ok() checks at load that the CPU running it has that ISA
+ * (a library cached on disk for another CPU of the same family string must not be run).
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #if defined(__AVX512F__)
+#define VW 16
 #define INT8_ISA "avx512f"
 #elif defined(__AVX2__) && defined(__FMA__)
+#define VW 8
 #define INT8_ISA "avx2"
 #elif defined(__ARM_NEON)
+#define VW 8
 #define INT8_ISA "neon"
 #else
+#define VW 8
 #define INT8_ISA "generic"
 #endif
 
-#define NR 16
-#define MR 8
+#define NV 4            /* vectors per panel */
+#define NR (NV * VW)    /* output columns per panel */
+#define KC 256          /* input features per slice: KC x NR bytes (16 KB / 8 KB) stay in L1 */
+#define MB 64           /* rows per block: MB x NR float accumulators (16 KB / 8 KB) */
+#define PF 1024         /* bytes ahead in a panel's stream to prefetch */
+#if VW == 16
+#define RMAX1 6 /* rows of a one-panel tile: 24 of 32 registers accumulate */
+#define RMAX2 3 /* rows of a two-panel tile: 24 accumulators */
+#else
+#define RMAX1 3 /* 12 of 16 registers */
+#define RMAX2 1 /* 8 accumulators */
+#endif
 
-typedef float vf __attribute__((vector_size(NR * 4), aligned(4)));
-typedef int8_t vb __attribute__((vector_size(NR), aligned(1)));
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
+typedef int32_t vw32 __attribute__((vector_size(VW * 4), aligned(4)));
 
 int64_t hf_contbatch_int8_nr(void) { return NR; }
 const char *hf_contbatch_int8_isa(void) { return INT8_ISA; }
@@ -53,13 +92,18 @@ const char *hf_contbatch_int8_isa(void) { return INT8_ISA; }
 int hf_contbatch_int8_runtime_ok(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
+    int ok = 1;
 #if defined(__AVX512F__)
-    return __builtin_cpu_supports("avx512f") ? 1 : 0;
+    ok = ok && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
 #elif defined(__AVX2__) && defined(__FMA__)
-    return (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 1 : 0;
-#else
-    return 1;
+    ok = ok && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+    ok = ok && __builtin_cpu_supports("avx512vnni");
+#elif defined(__AVXVNNI__)
+    ok = ok && __builtin_cpu_supports("avxvnni");
+#endif
+    return ok;
 #else
     return 1;
 #endif
@@ -67,71 +111,320 @@ int hf_contbatch_int8_runtime_ok(void) {
 
 /* w [n][k] int8 -> out [ceil(n/NR)][k][NR], zero padded. */
 void hf_contbatch_int8_pack(const int8_t *w, int64_t n, int64_t k, int8_t *out) {
-    int64_t panels = (n + NR - 1) / NR;
+    const int64_t panels = (n + NR - 1) / NR;
+#pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
         int8_t *dst = out + p * k * NR;
-        for (int64_t kk = 0; kk < k; kk++) {
+        for (int64_t kk = 0; kk < k; kk++)
             for (int64_t j = 0; j < NR; j++) {
-                int64_t row = p * NR + j;
+                /* byte j % 4 of 32-bit lane j / 4 holds column (j % 4) * VW + j / 4 (see load_panel) */
+                const int64_t row = p * NR + (j % 4) * VW + j / 4;
                 dst[kk * NR + j] = row < n ? w[row * k + kk] : 0;
             }
+    }
+}
+
+/* The NR = 4 x VW int8 weights of one input feature of a panel -> 4 vectors of VW floats, from one
+ * NR-byte load (64 bytes with AVX-512): pack puts column v * VW + i in byte v of 32-bit lane i, so
+ * vector v is (lane << (24 - 8v)) >> 24 (arithmetic shift: sign-extended), converted with
+ * VCVTDQ2PS. Shifts run on more ports than VPMOVSXBD's cross-lane shuffle, which (one per 16
+ * weights) capped the one-row kernel at about half its memory bandwidth; and GCC 12 compiles a
+ * direct int8 -> float __builtin_convertvector to one scalar conversion a lane (the old kernel's
+ * bottleneck). */
+static inline void load_panel(const int8_t *p, vf out[NV]) {
+    vw32 raw;
+    memcpy(&raw, p, sizeof(raw));
+    out[0] = __builtin_convertvector((raw << 24) >> 24, vf);
+    out[1] = __builtin_convertvector((raw << 16) >> 24, vf);
+    out[2] = __builtin_convertvector((raw << 8) >> 24, vf);
+    out[3] = __builtin_convertvector(raw >> 24, vf);
+}
+
+/* acc[r][g*NR + 0..NR-1] += sum over kk < kc of x[r][kk] * w_g[kk][0..NR-1], r < R, g < G; panel g's
+ * slice at w + g * pstride. acc rows are G*NR floats apart. */
+#define TILE(R, G)                                                                                   \
+    static inline void tile_##R##_##G(const float *x, int64_t ldx, const int8_t *w, int64_t pstride, \
+                                      int64_t kc, float *acc) {                                      \
+        vf a[R][G][NV];                                                                              \
+        for (int r = 0; r < R; r++)                                                                  \
+            for (int g = 0; g < G; g++)                                                              \
+                for (int v = 0; v < NV; v++) memcpy(&a[r][g][v], acc + (r * G + g) * NR + v * VW, sizeof(vf)); \
+        for (int64_t kk = 0; kk < kc; kk++) {                                                        \
+            vf wv[G][NV];                                                                            \
+            for (int g = 0; g < G; g++) {                                                            \
+                const int8_t *wg = w + g * pstride + kk * NR;                                        \
+                __builtin_prefetch((const void *)((uintptr_t)wg + PF));                              \
+                load_panel(wg, wv[g]);                                                               \
+            }                                                                                        \
+            for (int r = 0; r < R; r++) {                                                            \
+                const float xv = x[r * ldx + kk];                                                    \
+                for (int g = 0; g < G; g++)                                                          \
+                    for (int v = 0; v < NV; v++) a[r][g][v] += xv * wv[g][v];                        \
+            }                                                                                        \
+        }                                                                                            \
+        for (int r = 0; r < R; r++)                                                                  \
+            for (int g = 0; g < G; g++)                                                              \
+                for (int v = 0; v < NV; v++) memcpy(acc + (r * G + g) * NR + v * VW, &a[r][g][v], sizeof(vf)); \
+    }
+TILE(1, 1)
+TILE(2, 1)
+TILE(3, 1)
+#if RMAX1 > 3
+TILE(4, 1)
+TILE(5, 1)
+TILE(6, 1)
+#endif
+TILE(1, 2)
+#if RMAX2 > 1
+TILE(2, 2)
+TILE(3, 2)
+#endif
+
+static void run_tile(int64_t h, int64_t g, const float *x, int64_t ldx, const int8_t *w, int64_t pstride,
+                     int64_t kc, float *acc) {
+    if (g == 2) {
+        switch (h) {
+            case 1: tile_1_2(x, ldx, w, pstride, kc, acc); return;
+#if RMAX2 > 1
+            case 2: tile_2_2(x, ldx, w, pstride, kc, acc); return;
+            default: tile_3_2(x, ldx, w, pstride, kc, acc); return;
+#else
+            default: tile_1_2(x, ldx, w, pstride, kc, acc); return;
+#endif
         }
     }
-}
-
-static inline vf load_w(const int8_t *p) {
-    vb b;
-    memcpy(&b, p, NR);
-    return __builtin_convertvector(b, vf);
-}
-
-static inline void store_row(float *y, vf acc, const float *s, const float *bias, int64_t cols) {
-    float tmp[NR];
-    memcpy(tmp, &acc, sizeof(tmp));
-    for (int64_t j = 0; j < cols; j++) {
-        float v = tmp[j] * s[j];
-        y[j] = bias ? v + bias[j] : v;
+    switch (h) {
+        case 1: tile_1_1(x, ldx, w, pstride, kc, acc); return;
+        case 2: tile_2_1(x, ldx, w, pstride, kc, acc); return;
+#if RMAX1 > 3
+        case 3: tile_3_1(x, ldx, w, pstride, kc, acc); return;
+        case 4: tile_4_1(x, ldx, w, pstride, kc, acc); return;
+        case 5: tile_5_1(x, ldx, w, pstride, kc, acc); return;
+        default: tile_6_1(x, ldx, w, pstride, kc, acc); return;
+#else
+        default: tile_3_1(x, ldx, w, pstride, kc, acc); return;
+#endif
     }
 }
-
-/* One tile of R rows over one panel: R accumulators kept in registers (R fixed per instance). */
-#define TILE(R)                                                                                    \
-    static void tile_##R(const float *x, int64_t k, const int8_t *panel, float *y, int64_t n,      \
-                         const float *s, const float *bias, int64_t cols) {                        \
-        vf acc[R];                                                                                 \
-        for (int r = 0; r < R; r++) acc[r] = (vf){0};                                              \
-        for (int64_t kk = 0; kk < k; kk++) {                                                       \
-            vf w = load_w(panel + kk * NR);                                                        \
-            for (int r = 0; r < R; r++) acc[r] += x[r * k + kk] * w;                               \
-        }                                                                                          \
-        for (int r = 0; r < R; r++) store_row(y + r * n, acc[r], s, bias, cols);                   \
-    }
-TILE(1)
-TILE(2)
-TILE(3)
-TILE(4)
-TILE(5)
-TILE(6)
-TILE(7)
-TILE(8)
-
-typedef void (*tile_fn)(const float *, int64_t, const int8_t *, float *, int64_t, const float *, const float *,
-                        int64_t);
-static const tile_fn TILES[MR + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7, tile_8};
 
 /* y[m][n] = (x[m][k] . W^T) * scales[n] + bias[n]; packed from hf_contbatch_int8_pack. */
 void hf_contbatch_int8_gemm(const float *x, int64_t m, int64_t k, const int8_t *packed, int64_t n,
                             const float *scales, const float *bias, float *y, int64_t threads) {
-    int64_t panels = (n + NR - 1) / NR;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && panels > 1)
+    const int64_t panels = (n + NR - 1) / NR;
+    /* Two panels a tile where the rows alone give too few independent FMA chains. */
+    const int64_t G = m <= RMAX2 ? 2 : 1, rmax = G == 2 ? RMAX2 : RMAX1;
+    const int64_t groups = (panels + G - 1) / G, blocks = (m + MB - 1) / MB, units = groups * blocks;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && units > 1)
+    for (int64_t u = 0; u < units; u++) {
+        float acc[MB * 2 * NR] __attribute__((aligned(64)));
+        const int64_t gi = u / blocks, row0 = (u % blocks) * MB;
+        const int64_t p0 = gi * G, np = panels - p0 < G ? panels - p0 : G;
+        const int64_t rows = m - row0 < MB ? m - row0 : MB;
+        const int64_t tiles = (rows + rmax - 1) / rmax;
+        memset(acc, 0, sizeof(float) * (size_t)(rows * np * NR));
+        for (int64_t k0 = 0; k0 < k; k0 += KC) {
+            const int64_t kc = k - k0 < KC ? k - k0 : KC;
+            const int8_t *w = packed + (p0 * k + k0) * NR;
+            int64_t r0 = 0;
+            for (int64_t t = 0; t < tiles; t++) { /* tiles of near-equal height */
+                const int64_t left = rows - r0, h = (left + (tiles - t) - 1) / (tiles - t);
+                run_tile(h, np, x + (row0 + r0) * k + k0, k, w, k * NR, kc, acc + r0 * np * NR);
+                r0 += h;
+            }
+        }
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t g = 0; g < np; g++) {
+                const int64_t col0 = (p0 + g) * NR, cols = n - col0 < NR ? n - col0 : NR;
+                const float *ar = acc + (r * np + g) * NR, *s = scales + col0;
+                float *yr = y + (row0 + r) * n + col0;
+                if (bias)
+                    for (int64_t j = 0; j < cols; j++) yr[j] = ar[j] * s[j] + bias[col0 + j];
+                else
+                    for (int64_t j = 0; j < cols; j++) yr[j] = ar[j] * s[j];
+            }
+    }
+}
+
+/* ---- 2. Int8 activations: VPDPBUSD ---------------------------------------------------------------
+ *
+ * Each row of x is quantized on the fly, symmetric with one scale per row (dynamic per-token
+ * activation quantization, as in LLM.int8()'s vector-wise quantization, Dettmers et al. 2022, and
+ * oneDNN's / vLLM's W8A8): sx = absmax(x[r]) / 127 (1 for a zero row), xq = rint(x / sx) (round half
+ * to even) in [-127, 127]. VPDPBUSD multiplies unsigned by signed bytes, so the kernel feeds
+ * xu = xq + 128 (0..255) and removes the offset afterwards with the weight's column sums, which pack
+ * computes once: sum_k xu*w = sum_k xq*w + 128 * colsum(w). Then y = (acc - 128*colsum) * sx * s[n]
+ * (+ bias), rounded to float32 once per factor.
+ *
+ * int32 overflow: |xu * w| <= 255 * 127, so the sum stays below 2^31 for K <= 65,000; the Python side
+ * refuses larger K.
+ *
+ * Layout: K padded to a multiple of 4 (zero weights), panels of NRQ = 4 vectors of int32 output
+ * columns, [ceil(N/NRQ)][K4/4][NRQ][4]: one 32-bit broadcast of four activation bytes and one load of
+ * NRQ x 4 weight bytes feed NV VPDPBUSDs per row. Tiles of up to 6 rows (AVX-512) / 3 rows (256-bit)
+ * x 4 vectors, slices of KCQ quads (16 KB of weights with AVX-512) kept in L1, as above.
+ *
+ * Paths: AVX512-VNNI (_mm512_dpbusd_epi32, 16 columns a vector), AVX-VNNI (_mm256_dpbusd_avx_epi32,
+ * 8), else portable C with the same layout and results (exact integer sums), for CPUs without VNNI:
+ * correct but slow, so the tuner never picks it there. */
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#define QW 16
+#define VNNI_ISA "avx512vnni"
+#define QRMAX 6
+typedef int32_t vi __attribute__((vector_size(64), aligned(4)));
+static inline vi dpbusd(vi acc, vi u, vi w) { return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, (__m512i)w); }
+#elif defined(__AVXVNNI__)
+#define QW 8
+#define VNNI_ISA "avxvnni"
+#define QRMAX 3
+typedef int32_t vi __attribute__((vector_size(32), aligned(4)));
+static inline vi dpbusd(vi acc, vi u, vi w) { return (vi)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)u, (__m256i)w); }
+#else
+#define QW 8
+#define VNNI_ISA "generic"
+#define QRMAX 3
+typedef int32_t vi __attribute__((vector_size(32), aligned(4)));
+static inline vi dpbusd(vi acc, vi u, vi w) {
+    uint8_t ub[4 * QW];
+    int8_t wb[4 * QW];
+    memcpy(ub, &u, sizeof(ub));
+    memcpy(wb, &w, sizeof(wb));
+    for (int l = 0; l < QW; l++)
+        for (int t = 0; t < 4; t++) acc[l] += (int32_t)ub[4 * l + t] * (int32_t)wb[4 * l + t];
+    return acc;
+}
+#endif
+#define NRQ (NV * QW) /* output columns per panel */
+#define KCQ 64        /* quads (4 input features) per slice: KCQ x NRQ x 4 bytes */
+
+int64_t hf_contbatch_int8_vnni_nr(void) { return NRQ; }
+const char *hf_contbatch_int8_vnni_isa(void) { return VNNI_ISA; }
+
+/* w [n][k] int8 -> out [ceil(n/NRQ)][ceil(k/4)][NRQ][4] (zero padded), colsum [n] = sum_k w[n][k]. */
+void hf_contbatch_int8_vnni_pack(const int8_t *w, int64_t n, int64_t k, int8_t *out, int32_t *colsum) {
+    const int64_t panels = (n + NRQ - 1) / NRQ, k4 = (k + 3) / 4;
+#pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
-        const int8_t *panel = packed + p * k * NR;
-        int64_t col = p * NR;
-        int64_t cols = n - col < NR ? n - col : NR;
-        const float *b = bias ? bias + col : 0;
-        for (int64_t i = 0; i < m; i += MR) {
-            int64_t rows = m - i < MR ? m - i : MR;
-            TILES[rows](x + i * k, k, panel, y + i * n + col, n, scales + col, b, cols);
+        int8_t *dst = out + p * k4 * NRQ * 4;
+        for (int64_t q = 0; q < k4; q++)
+            for (int64_t j = 0; j < NRQ; j++)
+                for (int64_t t = 0; t < 4; t++) {
+                    const int64_t row = p * NRQ + j, kk = 4 * q + t;
+                    dst[(q * NRQ + j) * 4 + t] = row < n && kk < k ? w[row * k + kk] : 0;
+                }
+        for (int64_t j = 0; j < NRQ && p * NRQ + j < n; j++) {
+            int32_t sum = 0;
+            for (int64_t kk = 0; kk < k; kk++) sum += w[(p * NRQ + j) * k + kk];
+            colsum[p * NRQ + j] = sum;
+        }
+    }
+}
+
+/* xu [m][k4*4] = rint(x / sx) + 128 (pad bytes 128: their weights are 0), sx [m]. */
+static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t k4, uint8_t *xu, float *sx) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * k;
+        float amax = 0.f;
+        for (int64_t kk = 0; kk < k; kk++) amax = fmaxf(amax, fabsf(xr[kk]));
+        const float s = amax > 0.f ? amax / 127.f : 1.f;
+        sx[r] = s;
+        uint8_t *ur = xu + r * k4 * 4;
+        for (int64_t kk = 0; kk < k; kk++) {
+            float q = __builtin_rintf(xr[kk] / s);
+            q = q > 127.f ? 127.f : q < -127.f ? -127.f : q; /* x / sx can round past 127 by an ulp */
+            ur[kk] = (uint8_t)(int32_t)(q + 128.f);
+        }
+        for (int64_t kk = k; kk < k4 * 4; kk++) ur[kk] = 128;
+    }
+}
+
+#define QTILE(R)                                                                                     \
+    static inline void qtile_##R(const uint8_t *xu, int64_t ldx, const int8_t *w, int64_t kq, int32_t *acc) { \
+        vi a[R][NV];                                                                                 \
+        for (int r = 0; r < R; r++)                                                                  \
+            for (int v = 0; v < NV; v++) memcpy(&a[r][v], acc + r * NRQ + v * QW, sizeof(vi));      \
+        for (int64_t q = 0; q < kq; q++) {                                                           \
+            vi wv[NV];                                                                               \
+            for (int v = 0; v < NV; v++) memcpy(&wv[v], w + (q * NRQ + v * QW) * 4, sizeof(vi));     \
+            __builtin_prefetch((const void *)((uintptr_t)w + (uintptr_t)((q + KCQ) * NRQ * 4)));      \
+            for (int r = 0; r < R; r++) {                                                            \
+                int32_t quad;                                                                        \
+                memcpy(&quad, xu + r * ldx + 4 * q, 4);                                              \
+                vi u = (vi){0} + quad;                                                               \
+                for (int v = 0; v < NV; v++) a[r][v] = dpbusd(a[r][v], u, wv[v]);                    \
+            }                                                                                        \
+        }                                                                                            \
+        for (int r = 0; r < R; r++)                                                                  \
+            for (int v = 0; v < NV; v++) memcpy(acc + r * NRQ + v * QW, &a[r][v], sizeof(vi));      \
+    }
+QTILE(1)
+QTILE(2)
+QTILE(3)
+#if QRMAX > 3
+QTILE(4)
+QTILE(5)
+QTILE(6)
+#endif
+
+static void run_qtile(int64_t h, const uint8_t *xu, int64_t ldx, const int8_t *w, int64_t kq, int32_t *acc) {
+    switch (h) {
+        case 1: qtile_1(xu, ldx, w, kq, acc); return;
+        case 2: qtile_2(xu, ldx, w, kq, acc); return;
+#if QRMAX > 3
+        case 3: qtile_3(xu, ldx, w, kq, acc); return;
+        case 4: qtile_4(xu, ldx, w, kq, acc); return;
+        case 5: qtile_5(xu, ldx, w, kq, acc); return;
+        default: qtile_6(xu, ldx, w, kq, acc); return;
+#else
+        default: qtile_3(xu, ldx, w, kq, acc); return;
+#endif
+    }
+}
+
+/* Bytes of scratch hf_contbatch_int8_vnni_gemm needs for m rows of k features. */
+int64_t hf_contbatch_int8_vnni_scratch(int64_t m, int64_t k) { return m * ((k + 3) / 4) * 4 + m * 4 + 64; }
+
+/* y[m][n] = (quant(x) . W^T) * sx[m] * scales[n] + bias[n]; packed/colsum from
+ * hf_contbatch_int8_vnni_pack; scratch of hf_contbatch_int8_vnni_scratch(m, k) bytes. */
+void hf_contbatch_int8_vnni_gemm(const float *x, int64_t m, int64_t k, const int8_t *packed, const int32_t *colsum,
+                                 int64_t n, const float *scales, const float *bias, float *y, uint8_t *scratch,
+                                 int64_t threads) {
+    const int64_t k4 = (k + 3) / 4, panels = (n + NRQ - 1) / NRQ;
+    float *sx = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    uint8_t *xu = (uint8_t *)(sx + m);
+    {
+        const int64_t chunk = (m + threads - 1) / (threads > 0 ? threads : 1);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && m > 1)
+        for (int64_t r0 = 0; r0 < m; r0 += chunk) {
+            const int64_t rows = m - r0 < chunk ? m - r0 : chunk;
+            quantize_rows(x + r0 * k, rows, k, k4, xu + r0 * k4 * 4, sx + r0);
+        }
+    }
+    const int64_t blocks = (m + MB - 1) / MB, units = panels * blocks;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && units > 1)
+    for (int64_t u = 0; u < units; u++) {
+        int32_t acc[MB * NRQ] __attribute__((aligned(64)));
+        const int64_t p = u / blocks, row0 = (u % blocks) * MB;
+        const int64_t rows = m - row0 < MB ? m - row0 : MB, tiles = (rows + QRMAX - 1) / QRMAX;
+        memset(acc, 0, sizeof(int32_t) * (size_t)(rows * NRQ));
+        for (int64_t q0 = 0; q0 < k4; q0 += KCQ) {
+            const int64_t kq = k4 - q0 < KCQ ? k4 - q0 : KCQ;
+            const int8_t *w = packed + (p * k4 + q0) * NRQ * 4;
+            int64_t r0 = 0;
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t left = rows - r0, h = (left + (tiles - t) - 1) / (tiles - t);
+                run_qtile(h, xu + (row0 + r0) * k4 * 4 + 4 * q0, k4 * 4, w, kq, acc + r0 * NRQ);
+                r0 += h;
+            }
+        }
+        const int64_t col0 = p * NRQ, cols = n - col0 < NRQ ? n - col0 : NRQ;
+        for (int64_t r = 0; r < rows; r++) {
+            const int32_t *ar = acc + r * NRQ;
+            const float s_row = sx[row0 + r];
+            float *yr = y + (row0 + r) * n + col0;
+            for (int64_t j = 0; j < cols; j++) {
+                const float v = (float)(ar[j] - 128 * colsum[col0 + j]) * (s_row * scales[col0 + j]);
+                yr[j] = bias ? v + bias[col0 + j] : v;
+            }
         }
     }
 }

@@ -1,4 +1,4 @@
-"""Weight-only int8 linears: the quantization, and the two GEMM kernels that serve it.
+"""Int8 linears: the weight quantization, and the GEMM kernels that serve it.
 
 Scheme (torchao's int8 weight-only one, ``Int8WeightOnlyConfig``): symmetric, one scale per output
 channel, ``s = absmax(W[j, :]) / 127``, ``Wq = round(W / s)`` clamped to ``[-127, 127]``; the layer
@@ -7,7 +7,7 @@ model that torchao quantized already (``transformers.TorchAoConfig(Int8WeightOnl
 weight is a ``torchao.quantization.Int8Tensor`` with per-row blocks and no activation
 quantization) is repacked exactly from its own ``qdata`` and ``scale`` (:func:`int8_parts`).
 
-Kernels, both keeping :class:`~hf_contbatch.kernels.linears.gemm_kernel.GemmKernel` (``pack`` takes
+Kernels, all keeping :class:`~hf_contbatch.kernels.linears.gemm_kernel.GemmKernel` (``pack`` takes
 a float weight, quantizing it, or a torchao int8 weight; the :class:`PackedWeight` carries the
 scales), timed per shape by ``autotune`` like the float ones:
 
@@ -15,12 +15,17 @@ scales), timed per shape by ``autotune`` like the float ones:
   ``torch.ops.aten._weight_int8pack_mm(x, Wq, s)`` (float32; bfloat16 only where ``in_features`` is
   a multiple of 64: on torch 2.13 its bfloat16 path crashes the process for other sizes with more
   than one row).
-- :class:`NativeInt8GEMM` (``"native-int8"``): ours, ``int8_gemm.c`` (dequantize in registers,
-  float32 FMA, scale applied per output; float32 only).
+- :class:`NativeInt8GEMM` (``"native-int8"``): ours, ``int8_gemm.c`` part 1 (dequantize in
+  registers, float32 FMA, scale applied per output; float32 only): built to stream the weights at
+  memory speed at one to three rows; from about four rows on a float32 FMA per weight byte per row
+  is the limit (as for the float32 GEMM), so there it runs at the FMA peak instead.
 - :class:`DequantFloatGEMM` (``"dequant-float"``): dequantize a tile of output columns at a time
   into a reused buffer and run torch's float GEMM on it (float32 and bfloat16): the dequantization
   is paid once per call, not per row, so it serves many-row (prefill) calls at float GEMM speed,
   where the two above, built for streaming the weight at few rows, fall behind.
+- :class:`W8A8GEMM` (``"w8a8"``, ``int8_gemm.c`` part 2): activations quantized to int8 too (per row),
+  int8 dot products (VNNI). Not the weight-only scheme, so never an "auto" candidate; served when
+  named (``linear_backend="w8a8"``).
 
 None can give the float weight back (``exact_unpack`` False), so the module keeps its float
 weight while packed (``close()`` restores the model exactly); only the int8 copy is read in steps.
@@ -176,20 +181,26 @@ class TorchInt8GEMM:
 
 @dataclass(frozen=True)
 class Int8Library:
-    """The compiled ``int8_gemm.c``: its functions, panel width ``nr`` and vector ISA."""
+    """The compiled ``int8_gemm.c``: its functions, panel widths and vector ISAs (weight-only:
+    ``nr``, ``isa``; int8 activations: ``vnni_nr``, ``vnni_isa``, "generic" without VNNI)."""
 
     path: str
     pack: Callable
     gemm: Callable
     nr: int
     isa: str
+    vnni_pack: Callable
+    vnni_gemm: Callable
+    vnni_scratch: Callable
+    vnni_nr: int
+    vnni_isa: str
 
 
 @functools.cache
-def _load_library():
-    """(Int8Library, None) or (None, the exception): built once per process, a failure too."""
+def _load_library(extra_flags: tuple[str, ...] = ()):
+    """(Int8Library, None) or (None, the exception): built once per process and flags, a failure too."""
     try:
-        path = build_library(_SOURCE, _FLAGS)
+        path = build_library(_SOURCE, [*_FLAGS, *extra_flags])
         lib = ctypes.CDLL(str(path))
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         return None, exc
@@ -199,8 +210,15 @@ def _load_library():
     lib.hf_contbatch_int8_pack.argtypes, lib.hf_contbatch_int8_pack.restype = [ptr, i64, i64, ptr], None
     lib.hf_contbatch_int8_gemm.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, i64]
     lib.hf_contbatch_int8_gemm.restype = None
-    lib.hf_contbatch_int8_nr.restype = i64
-    lib.hf_contbatch_int8_isa.restype = ctypes.c_char_p
+    lib.hf_contbatch_int8_vnni_pack.argtypes = [ptr, i64, i64, ptr, ptr]
+    lib.hf_contbatch_int8_vnni_pack.restype = None
+    lib.hf_contbatch_int8_vnni_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64]
+    lib.hf_contbatch_int8_vnni_gemm.restype = None
+    lib.hf_contbatch_int8_vnni_scratch.argtypes, lib.hf_contbatch_int8_vnni_scratch.restype = [i64, i64], i64
+    for f in ("hf_contbatch_int8_nr", "hf_contbatch_int8_vnni_nr"):
+        getattr(lib, f).restype = i64
+    for f in ("hf_contbatch_int8_isa", "hf_contbatch_int8_vnni_isa"):
+        getattr(lib, f).restype = ctypes.c_char_p
     return (
         Int8Library(
             str(path),
@@ -208,20 +226,26 @@ def _load_library():
             lib.hf_contbatch_int8_gemm,
             int(lib.hf_contbatch_int8_nr()),
             lib.hf_contbatch_int8_isa().decode(),
+            lib.hf_contbatch_int8_vnni_pack,
+            lib.hf_contbatch_int8_vnni_gemm,
+            lib.hf_contbatch_int8_vnni_scratch,
+            int(lib.hf_contbatch_int8_vnni_nr()),
+            lib.hf_contbatch_int8_vnni_isa().decode(),
         ),
         None,
     )
 
 
-def int8_library() -> Int8Library:
-    """The compiled int8 GEMM. Raises RuntimeError naming why it cannot be built or run here."""
-    library, exc = _load_library()
+def int8_library(extra_flags: tuple[str, ...] = ()) -> Int8Library:
+    """The compiled int8 GEMMs (``extra_flags`` after the defaults, e.g. ``("-mno-avx512f",)`` for
+    the 256-bit paths). Raises RuntimeError naming why it cannot be built or run here."""
+    library, exc = _load_library(tuple(extra_flags))
     if exc is not None:
         raise RuntimeError(f"our int8 GEMM cannot be built: {type(exc).__name__}: {exc}") from exc
     return library
 
 
-def _native_int8_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias, out_features: int):
+def _native_int8_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias, out_features: int, lib=None):
     k = x.shape[-1]
     if not x.is_contiguous():
         x = x.contiguous()
@@ -230,7 +254,7 @@ def _native_int8_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     if k == 0:
         return y.zero_() if bias is None else y.copy_(bias.expand_as(y))
     if m:
-        int8_library().gemm(
+        (lib or int8_library()).gemm(
             x.data_ptr(),
             m,
             k,
@@ -245,9 +269,13 @@ def _native_int8_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
 
 
 class NativeInt8GEMM:
-    """Our weight-only int8 GEMM (``int8_gemm.c``): the int8 weight in panels of ``nr`` (16) output
-    columns, ``[ceil(out/16), in, 16]``, float32 scales ``[out]``; float32 inputs, float32
-    accumulation, the scale applied per output.
+    """Our weight-only int8 GEMM (``int8_gemm.c``, part 1): the int8 weight in panels of ``nr``
+    output columns (64 with AVX-512, 32 with 256-bit vectors), ``[ceil(out/nr), in, nr]``, float32
+    scales ``[out]``; float32 inputs, float32 accumulation, the scale applied per output.
+
+    Args:
+        extra_flags: compiler flags after the defaults (tests build the 256-bit path with
+            ``("-mno-avx512f",)`` on an AVX-512 machine).
 
     Raises:
         RuntimeError: on construction, when the kernel cannot be built or run here.
@@ -257,16 +285,16 @@ class NativeInt8GEMM:
     exact_unpack = False
     dtypes = (torch.float32,)
 
-    def __init__(self) -> None:
-        int8_library()
+    def __init__(self, extra_flags: tuple[str, ...] = ()) -> None:
+        self._lib = int8_library(tuple(extra_flags))
 
     @property
     def isa(self) -> str:
-        return int8_library().isa
+        return self._lib.isa
 
     @property
     def build_id(self) -> str:
-        return Path(int8_library().path).stem
+        return Path(self._lib.path).stem
 
     def supports(self, weight: torch.Tensor) -> bool:
         """float32 (plain or torchao int8 weight-only) 2-D CPU weights."""
@@ -281,7 +309,7 @@ class NativeInt8GEMM:
             )
         q, s = int8_parts(weight)
         n, k = q.shape
-        lib = int8_library()
+        lib = self._lib
         out = torch.empty((-(-n // lib.nr), k, lib.nr), dtype=torch.int8)
         lib.pack(q.data_ptr(), n, k, out.data_ptr())
         return PackedWeight(out, (n, k), torch.float32, scales=s.contiguous())
@@ -307,12 +335,12 @@ class NativeInt8GEMM:
                 f"weight of {k} inputs and {n} outputs"
             )
         _check_bias(self.name, bias, out_features)
-        return _native_int8_gemm(x, packed.data, packed.scales, self.step_bias(bias), out_features)
+        return _native_int8_gemm(x, packed.data, packed.scales, self.step_bias(bias), out_features, self._lib)
 
     def linear_verified(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return torch.ops.hf_contbatch.native_int8_linear(x, packed.data, packed.scales, None, bias, out_features)
-        return _native_int8_gemm(x, packed.data, packed.scales, bias, out_features)
+        return _native_int8_gemm(x, packed.data, packed.scales, bias, out_features, self._lib)
 
 
 class DequantFloatGEMM:
@@ -432,6 +460,123 @@ class DequantFloatGEMM:
             else:
                 torch.addmm(bias[j0:j1], x2, w.t(), out=y[:, j0:j1])
         return y.reshape(*x.shape[:-1], out_features)
+
+
+MAX_W8A8_IN_FEATURES = 65_000
+"""The largest ``in_features`` :class:`W8A8GEMM` takes: its int32 sums of ``255 * 127`` products stay
+below ``2**31`` up to there."""
+
+
+class W8A8GEMM:
+    """Int8 weights and int8 activations (``int8_gemm.c``, part 2): each row of ``x`` quantized on
+    the fly, symmetric with one scale per row (``sx = absmax(row) / 127``, ``xq = rint(x / sx)``),
+    int8 x int8 products summed in int32 by VNNI's ``VPDPBUSD`` (AVX512-VNNI, else AVX-VNNI, else a
+    portable C loop), ``y = sum * sx * s[out] (+ b)``. The dynamic per-token activation quantization
+    of LLM.int8()'s vector-wise scheme (Dettmers et al., 2022) and of oneDNN/vLLM's W8A8.
+
+    Packed: ``data`` the int8 weight in panels of ``nr`` (64 with AVX-512) output columns and quads of
+    inputs, ``[ceil(out/nr), ceil(in/4), nr, 4]``; ``scales`` float32 ``[out]``; ``zero_points`` int32
+    ``[out]``: each column's weight sum, which removes the ``+128`` that makes activations unsigned
+    for ``VPDPBUSD`` (``sum (xq + 128) * w = sum xq * w + 128 * colsum``), computed once at pack.
+
+    It is not the weight-only scheme: the activations lose precision too (about 1/254 of a row's
+    largest magnitude each), so it is no candidate of ``linear_backend="auto"`` (see
+    ``registry.available_int8_kernels``) and is served only when named (``linear_backend="w8a8"``).
+    ``x`` float32 or bfloat16 (quantized from float32; the output rounded to ``x``'s dtype).
+
+    Args:
+        extra_flags: compiler flags after the defaults (``("-mno-avx512f",)``: the AVX-VNNI path).
+
+    Raises:
+        RuntimeError: on construction, when the kernel cannot be built or run here.
+    """
+
+    name = "w8a8"
+    exact_unpack = False
+    dtypes = (torch.float32, torch.bfloat16)
+    probe_tolerance = 3e-2
+    """Relative tolerance against ``F.linear`` over the dequantized weight (``packed_linears``' probe):
+    the activation rounding, not only the summation order, separates the two."""
+
+    def __init__(self, extra_flags: tuple[str, ...] = ()) -> None:
+        self._lib = int8_library(tuple(extra_flags))
+
+    @property
+    def isa(self) -> str:
+        return self._lib.vnni_isa
+
+    @property
+    def build_id(self) -> str:
+        return Path(self._lib.path).stem
+
+    def supports(self, weight: torch.Tensor) -> bool:
+        """float32 or bfloat16 (plain or torchao int8 weight-only) 2-D CPU weights of at most
+        :data:`MAX_W8A8_IN_FEATURES` inputs."""
+        if weight.device.type != "cpu" or weight.dim() != 2 or _logical_dtype(weight) not in self.dtypes:
+            return False
+        if weight.shape[1] > MAX_W8A8_IN_FEATURES:
+            return False
+        return is_plain_tensor(weight) or is_torchao_int8_weight_only(weight)
+
+    def pack(self, weight: torch.Tensor) -> PackedWeight:
+        """RuntimeError for a weight :meth:`supports` rejects."""
+        if not self.supports(weight):
+            raise RuntimeError(f"w8a8 cannot pack a {tuple(weight.shape)} {weight.dtype} weight on {weight.device}")
+        q, s = int8_parts(weight)
+        q = q.contiguous()
+        n, k = q.shape
+        nr = self._lib.vnni_nr
+        out = torch.empty((-(-n // nr), -(-k // 4), nr, 4), dtype=torch.int8)
+        colsum = torch.empty(n, dtype=torch.int32)
+        self._lib.vnni_pack(q.data_ptr(), n, k, out.data_ptr(), colsum.data_ptr())
+        return PackedWeight(out, (n, k), _logical_dtype(weight), scales=s.contiguous(), zero_points=colsum)
+
+    def unpack(self, packed: PackedWeight) -> None:
+        return None
+
+    reference_weight = staticmethod(reference_weight)
+
+    @staticmethod
+    def step_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if bias is None else bias.detach().to(torch.float32).contiguous()
+
+    def linear(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
+        """``x`` ``[..., in]`` (the packed dtype, CPU) → ``[..., out_features]``; RuntimeError when
+        ``x`` or ``bias`` does not fit (the C kernel trusts its arguments)."""
+        n, k = packed.shape
+        if x.device.type != "cpu" or x.dtype != packed.dtype or not x.dim() or x.shape[-1] != k or n != out_features:
+            raise RuntimeError(
+                f"w8a8 linear: input {tuple(x.shape)} {x.dtype} on {x.device} does not fit a packed "
+                f"{packed.dtype} int8 weight of {k} inputs and {n} outputs"
+            )
+        _check_bias(self.name, bias, out_features)
+        return self.linear_verified(x, packed, self.step_bias(bias), out_features)
+
+    def linear_verified(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
+        n, k = packed.shape
+        x2 = x.reshape(-1, k)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.to(torch.float32).contiguous()
+        m = x2.shape[0]
+        y = x2.new_empty((m, n))
+        if m and k:
+            scratch = torch.empty(int(self._lib.vnni_scratch(m, k)), dtype=torch.uint8)
+            self._lib.vnni_gemm(
+                x2.data_ptr(),
+                m,
+                k,
+                packed.data.data_ptr(),
+                packed.zero_points.data_ptr(),
+                n,
+                packed.scales.data_ptr(),
+                None if bias is None else bias.data_ptr(),
+                y.data_ptr(),
+                scratch.data_ptr(),
+                torch.get_num_threads(),
+            )
+        elif m:
+            y.zero_() if bias is None else y.copy_(bias.expand_as(y))
+        return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
 def _native_int8_op(x, packed, scales, zero_points, bias, out_features: int) -> torch.Tensor:

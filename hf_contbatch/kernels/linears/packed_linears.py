@@ -25,7 +25,7 @@ from .gemm_kernel import GemmKernel
 from .linear_choices import LinearChoices, tune_linears
 from .linear_units import linear_units, packable_modules, weight_bytes
 from .packed_forward import PackedForward
-from .registry import AUTO, INT8_FOR_BACKEND, UNPACKED, make_kernel
+from .registry import AUTO, INT8_FOR_BACKEND, INT8_ONLY_BACKENDS, UNPACKED, make_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +157,10 @@ def _probe(forward: PackedForward) -> None:
         want = torch.nn.functional.linear(x, weight, m.bias).float()
         got = forward(x).float()
     tol = 1e-4 if m.weight.dtype == torch.float32 else 2e-2  # bf16: rounded once, either way
+    # A kernel that rounds the activations too (int8_gemm.W8A8GEMM) names its own, wider tolerance.
+    tol = max(
+        [tol, *(getattr(k, "probe_tolerance", 0.0) for k in getattr(forward.kernel, "kernels", [forward.kernel]))]
+    )
     if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max()) + 1e-6):
         raise RuntimeError(
             f"{forward.kernel.name} linear disagrees with F.linear by {float((got - want).abs().max()):.3g}"
@@ -257,6 +261,8 @@ def pack_linears(
     if mode == UNPACKED and quantization is None:
         return None
     if mode != AUTO:
+        if quantization is None and mode in INT8_ONLY_BACKENDS:
+            raise ValueError(f"linear_backend={mode!r} serves int8 weights only: it needs quantization='int8'")
         if quantization is not None:
             if mode not in INT8_FOR_BACKEND:
                 raise ValueError(f"linear_backend={mode!r} has no int8 kernel; use one of {sorted(INT8_FOR_BACKEND)}")

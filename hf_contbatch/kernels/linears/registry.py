@@ -13,7 +13,7 @@ import logging
 
 from ...config import LINEAR_BACKENDS
 from .gemm_kernel import GemmKernel
-from .int8_gemm import DequantFloatGEMM, NativeInt8GEMM, TorchInt8GEMM
+from .int8_gemm import W8A8GEMM, DequantFloatGEMM, NativeInt8GEMM, TorchInt8GEMM
 from .native_gemm import NativeGEMM
 from .onednn_gemm import OneDNNGEMM
 from .torch_linear import TorchLinear
@@ -28,14 +28,21 @@ UNPACKED = TorchLinear.name
 KERNELS: dict[str, type] = {k.name: k for k in (NativeGEMM, OneDNNGEMM, TorchLinear)}
 """Kernel class by ``linear_backend`` name; packed kernels first, in the order "auto" prefers them."""
 
-if set(LINEAR_BACKENDS) != {AUTO, *KERNELS}:  # pragma: no cover - a kernel added on one side only
-    raise ImportError(f"config.LINEAR_BACKENDS {LINEAR_BACKENDS} and the GEMM registry {sorted(KERNELS)} disagree")
-
-
-INT8_KERNELS: dict[str, type] = {k.name: k for k in (NativeInt8GEMM, DequantFloatGEMM, TorchInt8GEMM)}
-"""Weight-only int8 kernel class by name (``quantization="int8"``, and torchao int8 weight-only models)."""
-INT8_FOR_BACKEND = {"native": NativeInt8GEMM.name, "torch": TorchInt8GEMM.name}
+INT8_KERNELS: dict[str, type] = {k.name: k for k in (NativeInt8GEMM, DequantFloatGEMM, TorchInt8GEMM, W8A8GEMM)}
+"""Int8 kernel class by name (``quantization="int8"``, and torchao int8 weight-only models)."""
+INT8_FOR_BACKEND = {"native": NativeInt8GEMM.name, "torch": TorchInt8GEMM.name, W8A8GEMM.name: W8A8GEMM.name}
 """The int8 kernel a forced ``linear_backend`` means under int8 weights (oneDNN has none here)."""
+INT8_ONLY_BACKENDS = (W8A8GEMM.name,)
+"""``linear_backend`` names with an int8 kernel only (valid with ``quantization="int8"`` alone)."""
+ACTIVATION_QUANTIZING = frozenset({W8A8GEMM.name})
+"""Int8 kernels that also round the activations to int8: never "auto" candidates (their outputs are
+not the weight-only scheme's; see ``W8A8GEMM``), served only when named."""
+
+if set(LINEAR_BACKENDS) != {AUTO, *KERNELS, *INT8_ONLY_BACKENDS}:  # pragma: no cover - a kernel added on one side only
+    raise ImportError(
+        f"config.LINEAR_BACKENDS {LINEAR_BACKENDS} and the GEMM registry {sorted([*KERNELS, *INT8_ONLY_BACKENDS])} "
+        "disagree"
+    )
 
 
 def make_kernel(name: str) -> GemmKernel:
@@ -63,9 +70,12 @@ def available_kernels() -> dict[str, GemmKernel]:
 
 
 def available_int8_kernels() -> dict[str, GemmKernel]:
-    """The weight-only int8 kernels that work here by name: the candidates of int8 "auto"."""
+    """The weight-only int8 kernels that work here by name: the candidates of int8 "auto" (the
+    activation-quantizing ones are not: :data:`ACTIVATION_QUANTIZING`)."""
     kernels = {}
     for name in INT8_KERNELS:
+        if name in ACTIVATION_QUANTIZING:
+            continue
         try:
             kernels[name] = make_kernel(name)
         except RuntimeError as exc:
