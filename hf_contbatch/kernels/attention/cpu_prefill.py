@@ -86,27 +86,18 @@ class CPUPrefillKernel:
     def can_serve(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
         """CPU tensors, a floating-point query with unit stride in the head dimension, pools of
         float32 or bfloat16, contiguous and of one shape, and the kernel built and enabled."""
-        return (
-            k_pool.dtype in POOL_DTYPES
-            and v_pool.dtype == k_pool.dtype
-            and query.is_floating_point()
-            and query.is_cpu
-            and k_pool.is_cpu
-            and v_pool.is_cpu
-            and query.stride(-1) == 1
-            and k_pool.is_contiguous()
-            and v_pool.is_contiguous()
-            and v_pool.shape == k_pool.shape
-            and self.available
-        )
+        return k_pool.dtype in POOL_DTYPES and v_pool.dtype == k_pool.dtype and self._layout_ok(query, k_pool, v_pool)
 
     def can_serve_int8(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
         """As :meth:`can_serve` for int8 pools (their float32 scales are contiguous ``[blocks,
         block_size, KVH, 1]`` tensors, as ``PagedKVCache`` allocates them)."""
+        return k_pool.dtype == torch.int8 and v_pool.dtype == torch.int8 and self._layout_ok(query, k_pool, v_pool)
+
+    def _layout_ok(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+        """What both pool dtypes need: a float query with unit last stride, contiguous pools of one
+        shape, all on the CPU, and the kernel built and enabled."""
         return (
-            k_pool.dtype == torch.int8
-            and v_pool.dtype == torch.int8
-            and query.is_floating_point()
+            query.is_floating_point()
             and query.is_cpu
             and k_pool.is_cpu
             and v_pool.is_cpu
