@@ -120,13 +120,45 @@ def _check_bias(name: str, bias: Optional[torch.Tensor], out_features: int) -> N
         )
 
 
-class TorchInt8GEMM:
+class _Int8Kernel:
+    """What every int8 weight-only kernel here shares: the packed int8 weight and its scales are the
+    only copy (``unpack`` gives no float weight back: ``close()`` restores the model's own), the
+    reference weight is the dequantized one, and the bias is passed as it is."""
+
+    exact_unpack = False  # int8 values: the float weight cannot be given back
+    reference_weight = staticmethod(reference_weight)
+
+    def unpack(self, packed: PackedWeight) -> None:
+        return None
+
+    @staticmethod
+    def step_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if bias is None else bias.detach()
+
+
+class _CInt8Kernel(_Int8Kernel):
+    """An int8 kernel of ``int8_gemm.c``: built with ``extra_flags`` (tests build the AVX2 and
+    no-VNNI paths on an AVX-512 machine), named in the tuner's cache by its build, and given a
+    contiguous float32 bias (the C code reads float32)."""
+
+    def __init__(self, extra_flags: tuple[str, ...] = ()) -> None:
+        self._lib = int8_library(tuple(extra_flags))
+
+    @property
+    def build_id(self) -> str:
+        return Path(self._lib.path).stem
+
+    @staticmethod
+    def step_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if bias is None else bias.detach().to(torch.float32).contiguous()
+
+
+class TorchInt8GEMM(_Int8Kernel):
     """torch's weight-only int8 CPU kernel, ``aten._weight_int8pack_mm`` (``x [m, in]`` float32 or
     bfloat16, ``Wq [out, in]`` int8, ``s [out]`` in ``x``'s dtype). Packed: ``data`` the int8
     weight, ``scales`` in the weight's dtype."""
 
     name = "torch-int8"
-    exact_unpack = False  # int8 values: the float weight cannot be given back
     isa = "torch"
     build_id = ""
     dtypes = (torch.float32, torch.bfloat16)
@@ -150,15 +182,6 @@ class TorchInt8GEMM:
         q, s = int8_parts(weight)
         dtype = _logical_dtype(weight)
         return PackedWeight(q, tuple(weight.shape), dtype, scales=s.to(dtype))
-
-    def unpack(self, packed: PackedWeight) -> None:
-        return None
-
-    reference_weight = staticmethod(reference_weight)
-
-    @staticmethod
-    def step_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        return None if bias is None else bias.detach()
 
     def linear(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
         """``x`` ``[..., in]`` (the packed dtype, CPU) → ``[..., out_features]``. RuntimeError when
@@ -268,7 +291,7 @@ def _native_int8_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     return y
 
 
-class NativeInt8GEMM:
+class NativeInt8GEMM(_CInt8Kernel):
     """Our weight-only int8 GEMM (``int8_gemm.c``, part 1): the int8 weight in panels of ``nr``
     output columns (64 with AVX-512, 32 with 256-bit vectors), ``[ceil(out/nr), in, nr]``, float32
     scales ``[out]``; float32 inputs, float32 accumulation, the scale applied per output.
@@ -282,19 +305,11 @@ class NativeInt8GEMM:
     """
 
     name = "native-int8"
-    exact_unpack = False
     dtypes = (torch.float32,)
-
-    def __init__(self, extra_flags: tuple[str, ...] = ()) -> None:
-        self._lib = int8_library(tuple(extra_flags))
 
     @property
     def isa(self) -> str:
         return self._lib.isa
-
-    @property
-    def build_id(self) -> str:
-        return Path(self._lib.path).stem
 
     def supports(self, weight: torch.Tensor) -> bool:
         """float32 (plain or torchao int8 weight-only) 2-D CPU weights."""
@@ -313,15 +328,6 @@ class NativeInt8GEMM:
         out = torch.empty((-(-n // lib.nr), k, lib.nr), dtype=torch.int8)
         lib.pack(q.data_ptr(), n, k, out.data_ptr())
         return PackedWeight(out, (n, k), torch.float32, scales=s.contiguous())
-
-    def unpack(self, packed: PackedWeight) -> None:
-        return None
-
-    reference_weight = staticmethod(reference_weight)
-
-    @staticmethod
-    def step_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        return None if bias is None else bias.detach().to(torch.float32).contiguous()
 
     def linear(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
         """``x`` ``[..., in]`` float32 CPU → ``[..., out_features]``; RuntimeError when ``x`` or
@@ -343,7 +349,7 @@ class NativeInt8GEMM:
         return _native_int8_gemm(x, packed.data, packed.scales, bias, out_features, self._lib)
 
 
-class DequantFloatGEMM:
+class DequantFloatGEMM(_Int8Kernel):
     """Weight-only int8 by dequantizing and multiplying in float: for each tile of ``tile_columns``
     output columns, ``Wt = (Wq[tile] * s[tile])`` in ``x``'s dtype (float32 product, then rounded:
     the very weight :func:`reference_weight` gives) written into a scratch buffer reused across
@@ -364,7 +370,6 @@ class DequantFloatGEMM:
     """
 
     name = "dequant-float"
-    exact_unpack = False
     isa = "torch"
     dtypes = (torch.float32, torch.bfloat16)
     always_timed = True
@@ -401,15 +406,6 @@ class DequantFloatGEMM:
             )
         q, s = int8_parts(weight)
         return PackedWeight(q.contiguous(), tuple(weight.shape), _logical_dtype(weight), scales=s.contiguous())
-
-    def unpack(self, packed: PackedWeight) -> None:
-        return None
-
-    reference_weight = staticmethod(reference_weight)
-
-    @staticmethod
-    def step_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        return None if bias is None else bias.detach()
 
     def linear(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
         """``x`` ``[..., in]`` (the packed dtype, CPU) → ``[..., out_features]``. RuntimeError when
@@ -467,7 +463,7 @@ MAX_W8A8_IN_FEATURES = 65_000
 below ``2**31`` up to there."""
 
 
-class W8A8GEMM:
+class W8A8GEMM(_CInt8Kernel):
     """Int8 weights and int8 activations (``int8_gemm.c``, part 2): each row of ``x`` quantized on
     the fly, symmetric with one scale per row (``sx = absmax(row) / 127``, ``xq = rint(x / sx)``),
     int8 x int8 products summed in int32 by VNNI's ``VPDPBUSD`` (AVX512-VNNI, else AVX-VNNI, else a
@@ -492,22 +488,14 @@ class W8A8GEMM:
     """
 
     name = "w8a8"
-    exact_unpack = False
     dtypes = (torch.float32, torch.bfloat16)
     probe_tolerance = 3e-2
     """Relative tolerance against ``F.linear`` over the dequantized weight (``packed_linears``' probe):
     the activation rounding, not only the summation order, separates the two."""
 
-    def __init__(self, extra_flags: tuple[str, ...] = ()) -> None:
-        self._lib = int8_library(tuple(extra_flags))
-
     @property
     def isa(self) -> str:
         return self._lib.vnni_isa
-
-    @property
-    def build_id(self) -> str:
-        return Path(self._lib.path).stem
 
     def supports(self, weight: torch.Tensor) -> bool:
         """float32 or bfloat16 (plain or torchao int8 weight-only) 2-D CPU weights of at most
@@ -530,15 +518,6 @@ class W8A8GEMM:
         colsum = torch.empty(n, dtype=torch.int32)
         self._lib.vnni_pack(q.data_ptr(), n, k, out.data_ptr(), colsum.data_ptr())
         return PackedWeight(out, (n, k), _logical_dtype(weight), scales=s.contiguous(), zero_points=colsum)
-
-    def unpack(self, packed: PackedWeight) -> None:
-        return None
-
-    reference_weight = staticmethod(reference_weight)
-
-    @staticmethod
-    def step_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        return None if bias is None else bias.detach().to(torch.float32).contiguous()
 
     def linear(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
         """``x`` ``[..., in]`` (the packed dtype, CPU) → ``[..., out_features]``; RuntimeError when
