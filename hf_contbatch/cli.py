@@ -437,8 +437,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         default=None,
         choices=list(QUANTIZATIONS),
-        help="serve the linears with weight-only int8 weights (per output channel, absmax/127; "
-        "EngineConfig.quantization) (default: the weights as loaded)",
+        help="serve the linears with int8 weights (per output channel, absmax/127): int8 keeps the "
+        "activations in the model's dtype, w8a8 quantizes them to int8 per row too "
+        "(EngineConfig.quantization) (default: the weights as loaded)",
     )
     g.add_argument(
         "--check-quality",

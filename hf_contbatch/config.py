@@ -15,13 +15,14 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_CACHE_DTYPES = (None, "float32", "float16", "bfloat16", "int8")
 """``CacheConfig.dtype`` names: None (the model's dtype), a float dtype, or "int8" (K/V quantized on
 write, symmetric, one float32 scale per token and KV head for K and for V each)."""
-LinearBackend = Literal["auto", "torch", "native", "onednn", "w8a8"]
+LinearBackend = Literal["auto", "torch", "native", "onednn"]
 LINEAR_BACKENDS = get_args(LinearBackend)
 """The ``linear_backend`` names: "auto" and one per GEMM kernel (``kernels.linears.registry`` maps
-them to kernel classes and checks that the two lists agree); "w8a8" names an int8-only kernel
-(int8 weights and int8 activations: with ``quantization="int8"`` only)."""
-QUANTIZATIONS = ("int8",)
-"""The ``EngineConfig.quantization`` weight formats (None: the model's own weights)."""
+them to kernel classes and checks that the two lists agree)."""
+Quantization = Literal["int8", "w8a8"]
+QUANTIZATIONS = get_args(Quantization)
+"""The ``EngineConfig.quantization`` schemes (None: the model's own weights): "int8", int8 weights
+with the activations in the model's dtype; "w8a8", int8 weights and int8 activations."""
 
 
 def is_int(value) -> bool:
@@ -209,15 +210,18 @@ class EngineConfig:
             so it pays off on long jobs. None (default) reads the
             environment variable ``HF_CONTBATCH_COMPILE`` ("1" on, "0" or unset off). Needs a C++
             compiler; where compiling fails the model runs eagerly with one warning.
-        quantization: None (default: the weights as loaded) or "int8": every ``nn.Linear`` of the
-            model (decoder layers and LM head) served with weight-only int8 weights, quantized at
-            load (symmetric, one scale per output channel, ``scale = absmax / 127``: torchao's int8
-            weight-only scheme), activations in the model's dtype, the kernel per shape chosen by
-            timing (ours, ``int8_gemm.c``, or torch's ``_weight_int8pack_mm``); ``linear_backend``
-            "native"/"torch" force ours/torch's ("onednn" has no int8 kernel); "w8a8" quantizes the
-            activations too (per row, symmetric int8; VNNI int8 dot products): faster prefill, less
-            accurate (never chosen by "auto"; check with ``quality_report``). CPU models only. The
-            model's float weights are kept and the model restored exactly on close.
+        quantization: None (default: the weights as loaded), "int8" or "w8a8". "int8": every
+            ``nn.Linear`` of the model (decoder layers and LM head) served with weight-only int8
+            weights, quantized at load (symmetric, one scale per output channel,
+            ``scale = absmax / 127``: torchao's ``Int8WeightOnlyConfig`` scheme), activations in the
+            model's dtype. "w8a8": the same int8 weights, and each input row of a linear quantized
+            to int8 on the fly (symmetric, one scale per row: torchao's
+            ``Int8DynamicActivationInt8WeightConfig``, vLLM's dynamic W8A8), products summed in
+            int32 (VNNI / AMX-int8 dot products): about twice the bfloat16 GEMM's rate where the CPU
+            has VNNI, at some accuracy (see ``quality_report``). The kernel per shape and row count
+            is chosen by timing (ours, ``int8_gemm.c``, or torch's); ``linear_backend``
+            "native"/"torch" force ours/torch's ("onednn" has no int8 kernel). CPU models only.
+            The model's float weights are kept and the model restored exactly on close.
     """
 
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -232,7 +236,7 @@ class EngineConfig:
     fuse_model_ops: bool = True
     prompt_lookup_num_tokens: int = 0
     compile_model: Optional[bool] = None
-    quantization: Optional[Literal["int8"]] = None
+    quantization: Optional[Quantization] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, CacheConfig):
@@ -256,12 +260,10 @@ class EngineConfig:
             )
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"`quantization` must be None or one of {QUANTIZATIONS}, got {self.quantization!r}")
-        if self.quantization is None and self.linear_backend == "w8a8":
-            raise ValueError("`linear_backend='w8a8'` (int8 weights and int8 activations) needs `quantization='int8'`")
         if self.quantization is not None and self.linear_backend == "onednn":
             raise ValueError(
                 f"`linear_backend='onednn'` has no {self.quantization} kernel; with `quantization={self.quantization!r}` "
-                "use 'auto', 'native', 'torch' or 'w8a8'"
+                "use 'auto', 'native' or 'torch'"
             )
 
 

@@ -1,5 +1,5 @@
 """What an engine changes on its model, and how ``LLMEngine.close`` undoes it: packed (and fused)
-linears (float, or weight-only int8 with ``EngineConfig.quantization="int8"``), per-row LoRA
+linears (float, or int8 with ``EngineConfig.quantization="int8"``/``"w8a8"``), per-row LoRA
 forwards (a ``peft.PeftModel``'s adapters), the switch to paged attention, and a compiled forward.
 
 Models quantized by transformers' own quantizers (a linear whose weight is a tensor subclass, e.g.
@@ -34,14 +34,14 @@ class ModelPatches:
 
     Attributes:
         packed_linears: the ``PackedLinears`` (None when the linears stay as they are).
-        weight_spill: under ``quantization="int8"`` (not with ``compile_model``), the float weights
+        weight_spill: under a ``quantization`` (not with ``compile_model``), the float weights
             of the int8 linears on disk until ``undo`` (``kernels.linears.weight_spill``: reading one
             meanwhile raises an error naming it), else None.
         lora_layers: the model's ``LoraLayers`` (None without LoRA layers), shared by the engines
             serving the model (``lora_adapters.acquire_lora_layers``).
         compiled_forward: the ``CompiledForward`` (None unless ``compile_model``).
         previous_attention: the model's own attention implementation, restored by ``undo``.
-        weight_format: the linears' weights as served, for reports: "int8" (``quantization``),
+        weight_format: the linears' weights as served, for reports: "int8" / "w8a8" (``quantization``),
             "torchao Int8Tensor" (a quantizer's weights, by type name), else the model's dtype name.
 
     Raises:
@@ -81,7 +81,7 @@ class ModelPatches:
                 int8 = self._pack(model, config, backend, lora_ab, "torchao-int8")
                 if int8 is not None:
                     self.packed_linears = int8.merged(self.packed_linears)
-            if config.quantization == "int8" and self.packed_linears is not None and not compile_model:
+            if config.quantization is not None and self.packed_linears is not None and not compile_model:
                 # The int8 copies serve: the float weights wait on disk for undo() (weight_spill).
                 self.weight_spill = WeightSpill(model, self.packed_linears.modules)
                 self.weight_spill.rekey(self.packed_linears.forwards)

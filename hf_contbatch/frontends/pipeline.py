@@ -95,7 +95,8 @@ class ContinuousBatchingPipeline:
             ``peft.PeftModel``, whose loaded LoRA adapters serve requests side by side (``adapter_names``).
         tokenizer: a tokenizer or name/path; defaults to the model's.
         engine_config: full engine configuration; or give ``cache_config`` / ``scheduler_config``.
-        quantization: ``EngineConfig.quantization`` ("int8": weight-only int8 linears), with either.
+        quantization: ``EngineConfig.quantization`` ("int8": weight-only int8 linears; "w8a8": int8
+            weights and activations), with either.
         dtype: load dtype when ``model`` is a name ("auto", "float32", a ``torch.dtype``...).
         device: the model's device ("cpu", "cuda", 0, -1 for CPU, a ``torch.device``): a model loaded
             here is put there, a given model is moved there unless it was dispatched by ``device_map``

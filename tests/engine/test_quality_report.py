@@ -60,8 +60,40 @@ def test_quality_report_matches_plain_torch():
     assert 0 <= report.greedy_agreement <= 8
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert all("forward" not in m.__dict__ for m in model.modules())
-    with pytest.raises(ValueError, match=r"`quantization` must be one of \('int8',\)"):
+    with pytest.raises(ValueError, match=r"`quantization` must be one of \('int8', 'w8a8'\), got 'int3'"):
         quality_report(model, _Tok(), quantization="int3", text=text)
+
+
+def _plain_w8a8(model):
+    """Every linear computes ``(round(x / sx) @ Wq.T) * sx * s`` in float64 (``sx``: absmax of the
+    input row / 127), its weight fake-quantized as in :func:`_plain_int8`."""
+    ref = _plain_int8(model)
+
+    def forward(self, x):
+        x2 = x.reshape(-1, x.shape[-1]).double()
+        amax = x2.abs().amax(1, keepdim=True)
+        sx = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+        y = torch.nn.functional.linear(torch.round(x2 / sx).clamp(-127, 127) * sx, self.weight.double())
+        return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+    for m in ref.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.forward = types.MethodType(forward, m)
+    return ref
+
+
+@pytest.mark.timeout(120)
+def test_the_w8a8_report_matches_plain_torch_with_rounded_activations():
+    model = build_model("llama")
+    ids = torch.randint(3, 512, (1, 40), generator=torch.Generator().manual_seed(8))
+    text = " ".join(map(str, ids[0].tolist()))
+    report = quality_report(
+        model, _Tok(), quantization="w8a8", text=text, prompt_tokens=10, greedy_tokens=8, kv_cache_dtype=None
+    )
+    assert report.quantization == "w8a8"
+    assert report.ppl_quantized == pytest.approx(_ppl(_plain_w8a8(model), ids), rel=1e-4)
+    assert report.ppl_quantized != pytest.approx(_ppl(_plain_int8(model), ids), rel=1e-7)  # x was rounded
+    assert all("forward" not in m.__dict__ for m in model.modules())
 
 
 def _leading_equal(a, b):

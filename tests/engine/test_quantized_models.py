@@ -86,7 +86,7 @@ def test_int8_under_preemption_and_chunked_prefill():
 
 
 def test_bad_quantization_names_are_refused_naming_the_choices():
-    with pytest.raises(ValueError, match=r"`quantization` must be None or one of \('int8',\), got 'int3'"):
+    with pytest.raises(ValueError, match=r"`quantization` must be None or one of \('int8', 'w8a8'\), got 'int3'"):
         EngineConfig(quantization="int3")
     with pytest.raises(ValueError, match="onednn"):
         EngineConfig(quantization="int8", linear_backend="onednn")

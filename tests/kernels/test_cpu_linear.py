@@ -126,7 +126,7 @@ def test_auto_leaves_weights_unpacked_when_the_copy_would_not_fit():
 
 def test_bad_linear_backend_names_the_argument_and_the_choices():
     with pytest.raises(
-        ValueError, match=r"`linear_backend` must be one of \('auto', 'torch', 'native', 'onednn', 'w8a8'\), got 'mkl'"
+        ValueError, match=r"`linear_backend` must be one of \('auto', 'torch', 'native', 'onednn'\), got 'mkl'"
     ):
         EngineConfig(linear_backend="mkl")
 

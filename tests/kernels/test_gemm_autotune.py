@@ -196,13 +196,14 @@ def test_the_real_measurement_times_every_available_kernel_at_every_bucket(tmp_p
 
 
 def test_the_registry_names_every_linear_backend_but_auto_and_each_kernel_keeps_the_protocol():
-    from hf_contbatch.config import LINEAR_BACKENDS
+    from hf_contbatch.config import LINEAR_BACKENDS, QUANTIZATIONS
     from hf_contbatch.kernels.linears import KERNELS, GemmKernel
-    from hf_contbatch.kernels.linears.registry import INT8_KERNELS, INT8_ONLY_BACKENDS
+    from hf_contbatch.kernels.linears.registry import QUANTIZED_FOR_BACKEND, QUANTIZED_KERNELS
 
-    # Float kernels, plus the int8-only ones (valid with quantization="int8").
-    assert set(LINEAR_BACKENDS) == {"auto", *KERNELS, *INT8_ONLY_BACKENDS}
-    assert set(INT8_ONLY_BACKENDS) <= set(INT8_KERNELS)
+    assert set(LINEAR_BACKENDS) == {"auto", *KERNELS}
+    # Every quantization has kernels, and a forced backend names one of that quantization's.
+    for q in QUANTIZATIONS:
+        assert QUANTIZED_KERNELS[q] and set(QUANTIZED_FOR_BACKEND[q].values()) <= set(QUANTIZED_KERNELS[q])
     for name, kernel in available_kernels().items():
         assert kernel.name == name and isinstance(kernel, GemmKernel)
         w = torch.randn(40, 24)

@@ -15,7 +15,7 @@ from hf_contbatch.kernels.linears.int8_gemm import (
     TorchInt8GEMM,
     int8_library,
 )
-from hf_contbatch.kernels.linears.registry import available_int8_kernels
+from hf_contbatch.kernels.linears.registry import available_quantized_kernels
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,7 +27,7 @@ def _reference(x, w, b):
 
 
 def _kernels():
-    return list(available_int8_kernels().values())
+    return list(available_quantized_kernels("int8").values())
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 17, 64])

@@ -1,7 +1,7 @@
-"""``linear_backend="w8a8"`` (int8 weights and per-row int8 activations, ``int8_gemm.W8A8GEMM``):
-served only when named, with ``quantization="int8"``; greedy tokens equal transformers' ``generate``
-on a plain-torch copy whose linears quantize both their weight (per output channel) and their
-input (per row) symmetrically to int8, as the kernel's scheme says."""
+"""``quantization="w8a8"`` (int8 weights and per-row int8 activations: ours, ``int8_gemm.W8A8GEMM``,
+and torch's, ``w8a8_torch.TorchW8A8GEMM``): greedy tokens equal transformers' ``generate`` on a
+plain-torch copy whose linears quantize both their weight (per output channel) and their input (per
+row) symmetrically to int8, as the scheme says, whichever kernel serves."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
-from hf_contbatch.kernels.linears import pack_linears
-from hf_contbatch.kernels.linears.registry import INT8_KERNELS, available_int8_kernels
+from hf_contbatch.kernels.linears.registry import W8A8_KERNELS, available_quantized_kernels
 
 from conftest import build_model, random_prompts, reference_greedy
 
@@ -45,18 +44,28 @@ def _w8a8_copy(model):
     return ref
 
 
-def test_w8a8_is_no_auto_candidate_and_needs_int8_weights():
-    assert "w8a8" in INT8_KERNELS and "w8a8" not in available_int8_kernels()
-    with pytest.raises(ValueError, match="w8a8.*needs `quantization='int8'`"):
-        EngineConfig(linear_backend="w8a8")
-    with pytest.raises(ValueError, match="must be one of .*'w8a8'"):
-        EngineConfig(linear_backend="w8a9")
-    with pytest.raises(ValueError, match="needs quantization='int8'"):
-        pack_linears(build_model("llama"), "w8a8")
+def test_w8a8_is_a_quantization_with_its_own_kernels_and_bad_names_are_refused():
+    assert set(available_quantized_kernels("w8a8")) <= set(W8A8_KERNELS) == {"w8a8", "torch-w8a8"}
+    assert not set(W8A8_KERNELS) & set(available_quantized_kernels("int8"))  # weight-only "auto" never rounds x
+    with pytest.raises(ValueError, match=r"`quantization` must be None or one of \('int8', 'w8a8'\), got 'w8a9'"):
+        EngineConfig(quantization="w8a9")
+    with pytest.raises(ValueError, match="`linear_backend` must be one of"):
+        EngineConfig(linear_backend="w8a8")  # a scheme, not a kernel: quantization="w8a8"
+    with pytest.raises(ValueError, match="`linear_backend='onednn'` has no w8a8 kernel"):
+        EngineConfig(quantization="w8a8", linear_backend="onednn")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v with a bias
-def test_w8a8_greedy_equals_generate_on_the_fake_quantized_model(family):
+@pytest.mark.parametrize(
+    "family,backend,kernels,compiled",
+    [
+        ("llama", "native", ("w8a8",), False),
+        ("qwen2", "native", ("w8a8",), False),  # qwen2: q/k/v with a bias
+        ("llama", "torch", ("torch-w8a8",), False),
+        ("qwen2", "auto", None, False),  # the timed choice per shape: either or both
+        ("llama", "native", ("w8a8",), True),  # in a compiled forward: the C kernel as an opaque op
+    ],
+)
+def test_w8a8_greedy_equals_generate_on_the_fake_quantized_model(family, backend, kernels, compiled):
     model = build_model(family)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     prompts = random_prompts([1, 5, 17, 33, 9], seed=2)
@@ -65,14 +74,17 @@ def test_w8a8_greedy_equals_generate_on_the_fake_quantized_model(family):
     cfg = EngineConfig(
         cache=CacheConfig(block_size=4, num_blocks=40),
         scheduler=SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16),  # chunked prefill, preemption
-        quantization="int8",
-        linear_backend="w8a8",
+        quantization="w8a8",
+        linear_backend=backend,
+        compile_model=compiled,
     )
     eng = LLMEngine(model, cfg)
     try:
         handles = [eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
-        outs = [h.result(timeout=120).output_token_ids for h in handles]
-        assert eng.packed_linears.kernel_names == ("w8a8",)
+        outs = [h.result(timeout=240).output_token_ids for h in handles]
+        names = eng.packed_linears.kernel_names
+        assert names == kernels if kernels else set(names) <= set(W8A8_KERNELS)
+        assert eng.patches.weight_format == "w8a8"
         assert eng.wait_idle(10)
         stats = eng.stats()
         assert stats.num_free_blocks == stats.num_blocks, "blocks leaked"

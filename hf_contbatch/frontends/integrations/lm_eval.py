@@ -55,7 +55,7 @@ class ContinuousBatchingLM(HFLM):
             With ``peft=PATH`` (an ``hf`` argument) a LoRA adapter over it serves every request.
         block_size, num_blocks, cache_gib, max_num_seqs, max_num_batched_tokens,
         enable_prefix_caching, attention_backend, engine_seed, quantization: engine settings (see
-            ``EngineConfig``; ``quantization=int8`` in ``model_args``).
+            ``EngineConfig``; ``quantization=int8`` or ``w8a8`` in ``model_args``).
         **kwargs: every other ``hf`` model argument (``dtype``, ``device``, ``max_length``,
             ``add_bos_token``, ``trust_remote_code``...). ``batch_size`` is accepted and unused.
 

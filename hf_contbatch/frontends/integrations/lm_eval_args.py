@@ -22,7 +22,10 @@ ENGINE_ARGS: dict[str, tuple[object, str]] = {
     ),
     "attention_backend": ("auto", "auto, torch or triton (EngineConfig.attention_backend)"),
     "engine_seed": (None, "the engine's sampling seed (EngineConfig.seed)"),
-    "quantization": (None, "None or int8: weight-only int8 linears (EngineConfig.quantization)"),
+    "quantization": (
+        None,
+        "None, int8 (weight-only int8 linears) or w8a8 (int8 weights and activations): EngineConfig.quantization",
+    ),
 }
 
 

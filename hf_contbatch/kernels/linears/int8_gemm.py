@@ -532,30 +532,41 @@ class W8A8GEMM(_CInt8Kernel):
         return self.linear_verified(x, packed, self.step_bias(bias), out_features)
 
     def linear_verified(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
-        n, k = packed.shape
-        x2 = x.reshape(-1, k)
-        if x2.dtype != torch.float32 or not x2.is_contiguous():
-            x2 = x2.to(torch.float32).contiguous()
-        m = x2.shape[0]
-        y = x2.new_empty((m, n))
-        if m and k:
-            scratch = torch.empty(int(self._lib.vnni_scratch(m, k)), dtype=torch.uint8)
-            self._lib.vnni_gemm(
-                x2.data_ptr(),
-                m,
-                k,
-                packed.data.data_ptr(),
-                packed.zero_points.data_ptr(),
-                n,
-                packed.scales.data_ptr(),
-                None if bias is None else bias.data_ptr(),
-                y.data_ptr(),
-                scratch.data_ptr(),
-                torch.get_num_threads(),
+        if torch.compiler.is_compiling():  # a traced graph calls the C kernel as one opaque op
+            return torch.ops.hf_contbatch.w8a8_linear(
+                x, packed.data, packed.scales, packed.zero_points, bias, out_features
             )
-        elif m:
-            y.zero_() if bias is None else y.copy_(bias.expand_as(y))
-        return y.to(x.dtype).reshape(*x.shape[:-1], n)
+        return _w8a8_gemm(x, packed.data, packed.scales, packed.zero_points, bias, out_features, self._lib)
+
+
+def _w8a8_gemm(x, data, scales, colsum, bias, out_features: int, lib=None) -> torch.Tensor:
+    """``W8A8GEMM``'s product: ``x [..., k]`` float32/bfloat16, the packed int8 weight, float32
+    scales, int32 column sums, float32 bias or None → ``[..., out_features]`` in ``x``'s dtype."""
+    lib = lib or int8_library()
+    n, k = out_features, x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.to(torch.float32).contiguous()
+    m = x2.shape[0]
+    y = x2.new_empty((m, n))
+    if m and k:
+        scratch = torch.empty(int(lib.vnni_scratch(m, k)), dtype=torch.uint8)
+        lib.vnni_gemm(
+            x2.data_ptr(),
+            m,
+            k,
+            data.data_ptr(),
+            colsum.data_ptr(),
+            n,
+            scales.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            scratch.data_ptr(),
+            torch.get_num_threads(),
+        )
+    elif m:
+        y.zero_() if bias is None else y.copy_(bias.expand_as(y))
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
 def _native_int8_op(x, packed, scales, zero_points, bias, out_features: int) -> torch.Tensor:
@@ -564,3 +575,11 @@ def _native_int8_op(x, packed, scales, zero_points, bias, out_features: int) -> 
 
 
 register_linear_op("native_int8_linear", _native_int8_op)
+
+
+def _w8a8_op(x, packed, scales, zero_points, bias, out_features: int) -> torch.Tensor:
+    bias = None if bias is None else bias.to(torch.float32).contiguous()
+    return _w8a8_gemm(x, packed, scales, zero_points, bias, out_features)
+
+
+register_linear_op("w8a8_linear", _w8a8_op)

@@ -15,7 +15,7 @@ import torch
 from .autotune import KernelChoice, KernelTuner, shape_key
 from .gemm_kernel import GemmKernel
 from .linear_units import Unit, fits_auto, linear_units, packable_modules, unit_shape, weight_bytes
-from .registry import available_int8_kernels, available_kernels
+from .registry import available_kernels, available_quantized_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +89,9 @@ def tune_linears(
         available_bytes: returns the available host memory in bytes (None when unknown).
         exclude, fuse, max_rows, max_head_rows, quantization: as
             :func:`~hf_contbatch.kernels.linears.pack_linears`. With a ``quantization`` the
-            candidates are the int8 kernels (default tuner), ``F.linear`` is none, and the linears
-            are packed whatever the memory (the int8 copy is a quarter of float32's).
+            candidates are its kernels (``registry.QUANTIZED_KERNELS``; default tuner), ``F.linear``
+            is none, and the linears are packed whatever the memory (the int8 copy is a quarter of
+            float32's).
 
     Returns:
         The choices, or None when "auto" packs nothing here (no packable linear, or one packed copy
@@ -115,7 +116,9 @@ def tune_linears(
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     rows = [max_head_rows if u[0] is head and max_head_rows else max_rows for u in units]
     if tuner is None:
-        tuner = KernelTuner(available_int8_kernels() if quantization is not None else available_kernels())
+        tuner = KernelTuner(
+            available_quantized_kernels(quantization) if quantization is not None else available_kernels()
+        )
     choices = LinearChoices(tuner, units, rows, dual, packed_only=quantization is not None)
     choices.choose()
     return choices

@@ -54,13 +54,14 @@ def packable_modules(
 ) -> list[torch.nn.Linear]:
     """The model's eligible linears, minus ``exclude`` (LoRA's A and B, which ``kernels.lora`` reads).
 
-    ``quantization``: None, the float linears; ``"int8"``, the float linears and torchao int8
-    weight-only ones (all served in int8); ``"torchao-int8"``, the torchao int8 weight-only ones only."""
+    ``quantization``: None, the float linears; ``"int8"`` or ``"w8a8"``, the float linears and
+    torchao int8 weight-only ones (all served with int8 weights); ``"torchao-int8"``, the torchao
+    int8 weight-only ones only."""
     skip = {id(m) for m in exclude}
     if quantization is None:
         test = eligible
     else:
-        quantize_float = quantization == "int8"
+        quantize_float = quantization != "torchao-int8"
         test = lambda m: int8_eligible(m, quantize_float)  # noqa: E731
     return [m for m in model.modules() if test(m) and id(m) not in skip]
 

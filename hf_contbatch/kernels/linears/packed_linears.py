@@ -25,7 +25,7 @@ from .gemm_kernel import GemmKernel
 from .linear_choices import LinearChoices, tune_linears
 from .linear_units import linear_units, packable_modules, weight_bytes
 from .packed_forward import PackedForward
-from .registry import AUTO, INT8_FOR_BACKEND, INT8_ONLY_BACKENDS, UNPACKED, make_kernel
+from .registry import AUTO, QUANTIZED_FOR_BACKEND, TORCHAO_INT8, UNPACKED, make_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +38,9 @@ class PackedLinears:
         packed_bytes: bytes of the float weights packed (what one packed copy costs).
         kernel_names: the registry names of the kernels in use, sorted (("native",), ("native", "onednn")).
         choices: the per-unit choices of ``linear_backend="auto"`` (None otherwise).
-        quantization: the weight format packed: None (float) or "int8" (weight-only int8; also
-            for a torchao int8 weight-only model's linears, ``"torchao-int8"`` in ``pack_linears``).
+        quantization: the scheme packed: None (float), "int8" (weight-only int8; also for a
+            torchao int8 weight-only model's linears, ``"torchao-int8"`` in ``pack_linears``) or
+            "w8a8" (int8 weights and dynamic int8 activations).
     """
 
     def __init__(
@@ -247,8 +248,10 @@ def pack_linears(
             a tensor subclass is left to its own ``F.linear``); ``"int8"``: every float linear
             and every torchao int8 weight-only one served by a weight-only int8 kernel
             (:mod:`~hf_contbatch.kernels.linears.int8_gemm`; a forced ``mode`` "native"/"torch"
-            names ours/torch's); ``"torchao-int8"``: only the torchao int8 weight-only ones,
-            repacked exactly. Always packed (never left to ``F.linear``), whatever the memory.
+            names ours/torch's); ``"w8a8"``: the same linears served with their inputs quantized to
+            int8 per row too (``int8_gemm.W8A8GEMM``, ``w8a8_torch.TorchW8A8GEMM``);
+            ``"torchao-int8"``: only the torchao int8 weight-only ones, repacked exactly. Always
+            packed (never left to ``F.linear``), whatever the memory.
 
     Returns:
         The packed modules (``kernel_names`` names the kernels used; ``choices`` holds the "auto"
@@ -261,12 +264,13 @@ def pack_linears(
     if mode == UNPACKED and quantization is None:
         return None
     if mode != AUTO:
-        if quantization is None and mode in INT8_ONLY_BACKENDS:
-            raise ValueError(f"linear_backend={mode!r} serves int8 weights only: it needs quantization='int8'")
         if quantization is not None:
-            if mode not in INT8_FOR_BACKEND:
-                raise ValueError(f"linear_backend={mode!r} has no int8 kernel; use one of {sorted(INT8_FOR_BACKEND)}")
-            mode = INT8_FOR_BACKEND[mode]
+            named = QUANTIZED_FOR_BACKEND[quantization]
+            if mode not in named:
+                raise ValueError(
+                    f"linear_backend={mode!r} has no {quantization} kernel; use one of {sorted([AUTO, *named])}"
+                )
+            mode = named[mode]
         kernel = make_kernel(mode)
         modules = packable_modules(model, exclude, quantization)
         units = linear_units(model, modules, fuse)
@@ -333,5 +337,5 @@ def _install(
             f.group.release_weights()
     kernels = {f.group.kernel if f.group else f.kernel for f in forwards}
     names = sorted({n for k in kernels for n in getattr(k, "names", (k.name,))})
-    fmt = None if quantization is None else "int8"
+    fmt = "int8" if quantization == TORCHAO_INT8 else quantization
     return PackedLinears(forwards, total, tuple(names), choices, fmt)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 
-from ...config import LINEAR_BACKENDS
+from ...config import LINEAR_BACKENDS, QUANTIZATIONS
 from .gemm_kernel import GemmKernel
 from .int8_gemm import W8A8GEMM, DequantFloatGEMM, NativeInt8GEMM, TorchInt8GEMM
 from .native_gemm import NativeGEMM
 from .onednn_gemm import OneDNNGEMM
 from .torch_linear import TorchLinear
+from .w8a8_torch import TorchW8A8GEMM
 
 logger = logging.getLogger(__name__)
 
@@ -28,21 +29,30 @@ UNPACKED = TorchLinear.name
 KERNELS: dict[str, type] = {k.name: k for k in (NativeGEMM, OneDNNGEMM, TorchLinear)}
 """Kernel class by ``linear_backend`` name; packed kernels first, in the order "auto" prefers them."""
 
-INT8_KERNELS: dict[str, type] = {k.name: k for k in (NativeInt8GEMM, DequantFloatGEMM, TorchInt8GEMM, W8A8GEMM)}
-"""Int8 kernel class by name (``quantization="int8"``, and torchao int8 weight-only models)."""
-INT8_FOR_BACKEND = {"native": NativeInt8GEMM.name, "torch": TorchInt8GEMM.name, W8A8GEMM.name: W8A8GEMM.name}
-"""The int8 kernel a forced ``linear_backend`` means under int8 weights (oneDNN has none here)."""
-INT8_ONLY_BACKENDS = (W8A8GEMM.name,)
-"""``linear_backend`` names with an int8 kernel only (valid with ``quantization="int8"`` alone)."""
-ACTIVATION_QUANTIZING = frozenset({W8A8GEMM.name})
-"""Int8 kernels that also round the activations to int8: never "auto" candidates (their outputs are
-not the weight-only scheme's; see ``W8A8GEMM``), served only when named."""
+INT8_KERNELS: dict[str, type] = {k.name: k for k in (NativeInt8GEMM, DequantFloatGEMM, TorchInt8GEMM)}
+"""Weight-only int8 kernel class by name (``quantization="int8"``, and torchao int8 weight-only
+models): the activations stay in the model's dtype."""
+W8A8_KERNELS: dict[str, type] = {k.name: k for k in (W8A8GEMM, TorchW8A8GEMM)}
+"""Int8-weight, int8-activation kernel class by name (``quantization="w8a8"``): each input row is
+quantized to int8 on the fly and the products summed in int32."""
+TORCHAO_INT8 = "torchao-int8"
+"""``pack_linears``' quantization for a torchao int8 weight-only model's own linears (repacked exactly,
+served by the weight-only kernels) while its other linears stay float."""
+QUANTIZED_KERNELS: dict[str, dict[str, type]] = {"int8": INT8_KERNELS, "w8a8": W8A8_KERNELS, TORCHAO_INT8: INT8_KERNELS}
+"""The kernels of each ``EngineConfig.quantization`` (``config.QUANTIZATIONS``): "auto"'s candidates."""
+_INT8_NAMED = {"native": NativeInt8GEMM.name, "torch": TorchInt8GEMM.name}
+QUANTIZED_FOR_BACKEND: dict[str, dict[str, str]] = {
+    "int8": _INT8_NAMED,
+    "w8a8": {"native": W8A8GEMM.name, "torch": TorchW8A8GEMM.name},
+    TORCHAO_INT8: _INT8_NAMED,
+}
+"""The quantized kernel a forced ``linear_backend`` means under each quantization (oneDNN has none
+here)."""
 
-if set(LINEAR_BACKENDS) != {AUTO, *KERNELS, *INT8_ONLY_BACKENDS}:  # pragma: no cover - a kernel added on one side only
-    raise ImportError(
-        f"config.LINEAR_BACKENDS {LINEAR_BACKENDS} and the GEMM registry {sorted([*KERNELS, *INT8_ONLY_BACKENDS])} "
-        "disagree"
-    )
+if set(LINEAR_BACKENDS) != {AUTO, *KERNELS}:  # pragma: no cover - a kernel added on one side only
+    raise ImportError(f"config.LINEAR_BACKENDS {LINEAR_BACKENDS} and the GEMM registry {sorted(KERNELS)} disagree")
+if set(QUANTIZED_KERNELS) != {*QUANTIZATIONS, TORCHAO_INT8}:  # pragma: no cover
+    raise ImportError(f"config.QUANTIZATIONS {QUANTIZATIONS} and the registry {sorted(QUANTIZED_KERNELS)} disagree")
 
 
 def make_kernel(name: str) -> GemmKernel:
@@ -52,7 +62,7 @@ def make_kernel(name: str) -> GemmKernel:
         KeyError: an unknown name.
         RuntimeError: the kernel cannot run here (no C compiler, no oneDNN); the message says why.
     """
-    return {**KERNELS, **INT8_KERNELS}[name]()
+    return {**KERNELS, **INT8_KERNELS, **W8A8_KERNELS}[name]()
 
 
 def available_kernels() -> dict[str, GemmKernel]:
@@ -69,15 +79,13 @@ def available_kernels() -> dict[str, GemmKernel]:
     return kernels
 
 
-def available_int8_kernels() -> dict[str, GemmKernel]:
-    """The weight-only int8 kernels that work here by name: the candidates of int8 "auto" (the
-    activation-quantizing ones are not: :data:`ACTIVATION_QUANTIZING`)."""
+def available_quantized_kernels(quantization: str) -> dict[str, GemmKernel]:
+    """The kernels of ``quantization`` (a key of :data:`QUANTIZED_KERNELS`) that work here by name:
+    the candidates of "auto" under that quantization."""
     kernels = {}
-    for name in INT8_KERNELS:
-        if name in ACTIVATION_QUANTIZING:
-            continue
+    for name in QUANTIZED_KERNELS[quantization]:
         try:
             kernels[name] = make_kernel(name)
         except RuntimeError as exc:
-            logger.info("int8 linears: %s unavailable (%s)", name, exc)
+            logger.info("%s linears: %s unavailable (%s)", quantization, name, exc)
     return kernels

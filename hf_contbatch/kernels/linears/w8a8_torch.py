@@ -1,0 +1,115 @@
+"""W8A8 through torch's own int8 matrix multiply: :class:`TorchW8A8GEMM` (``"torch-w8a8"``).
+
+The scheme is :class:`~hf_contbatch.kernels.linears.int8_gemm.W8A8GEMM`'s (``quantization="w8a8"``):
+the weight int8 with one scale per output channel (``s = absmax(W[j, :]) / 127``), each row of the
+input quantized on the fly with one scale per row (``sx = absmax(x[r, :]) / 127``, 1 for a zero
+row; ``xq = round_half_even(x / sx)`` in ``[-127, 127]``), ``y = (xq @ Wq.T) * sx * s (+ b)``: the
+dynamic per-token activation quantization of LLM.int8()'s vector-wise scheme (Dettmers et al., 2022)
+and of torchao's ``Int8DynamicActivationInt8WeightConfig``. Here the int8 products are summed by
+``torch._int_mm`` (int8 x int8 -> int32; on CPU oneDNN's VNNI / AMX-int8 kernels where the CPU has
+them), the quantization and the scaling by torch's elementwise ops. The int32 sums are exact, so a
+row's result does not depend on the batch it runs in, and both W8A8 kernels compute the same sums;
+only the float rounding of the final scaling can differ between them.
+
+It is the library path beside our C kernel: ``linear_backend="auto"`` times both per shape and row
+count and serves the faster one (``autotune``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .gemm_kernel import PackedWeight
+from .int8_gemm import _check_bias, _Int8Kernel, int8_parts, is_plain_tensor, is_torchao_int8_weight_only
+
+QMAX = 127
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(xq int8 [m, k], sx float32 [m, 1])`` for a float ``x [m, k]``: ``sx = absmax(row) / 127``
+    (1 for a zero row), ``xq = round_half_even(x / sx)`` clamped to ``[-127, 127]`` (the division can
+    round a hair past 127), computed in float32."""
+    x = x.float()
+    amax = x.abs().amax(dim=1, keepdim=True)
+    sx = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    return torch.round(x / sx).clamp_(-QMAX, QMAX).to(torch.int8), sx
+
+
+class TorchW8A8GEMM(_Int8Kernel):
+    """W8A8 by ``torch._int_mm`` (see the module docstring). ``x`` float32 or bfloat16 (quantized from
+    float32; the output rounded to ``x``'s dtype).
+
+    Packed: ``data`` the int8 weight transposed, ``[in, out]`` viewed from an ``[out, in]`` row-major
+    tensor (the column-major right operand oneDNN takes without a copy), ``scales`` float32 ``[out]``.
+
+    Raises:
+        RuntimeError: on construction, when this torch has no CPU ``torch._int_mm``.
+    """
+
+    name = "torch-w8a8"
+    isa = "torch"
+    build_id = ""
+    dtypes = (torch.float32, torch.bfloat16)
+    probe_tolerance = 3e-2
+    """Relative tolerance against ``F.linear`` over the dequantized weight (``packed_linears``' probe):
+    the activation rounding, not only the summation order, separates the two."""
+
+    def __init__(self) -> None:
+        try:
+            a = torch.ones((1, 8), dtype=torch.int8)
+            ok = torch.equal(torch._int_mm(a, torch.ones((8, 8), dtype=torch.int8)), torch.full((1, 8), 8))
+        except (RuntimeError, AttributeError, NotImplementedError) as exc:
+            raise RuntimeError(f"torch._int_mm is not available on the CPU here: {exc}") from exc
+        if not ok:
+            raise RuntimeError("torch._int_mm gave a wrong int32 sum on the CPU here")
+
+    def supports(self, weight: torch.Tensor) -> bool:
+        """float32 or bfloat16 (plain or torchao int8 weight-only) 2-D CPU weights of at least two
+        inputs (torch 2.13's CPU ``_int_mm`` sums wrongly with one)."""
+        if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in self.dtypes:
+            return False
+        if weight.shape[1] < 2:
+            return False
+        return is_plain_tensor(weight) or is_torchao_int8_weight_only(weight)
+
+    def pack(self, weight: torch.Tensor) -> PackedWeight:
+        """RuntimeError for a weight :meth:`supports` rejects."""
+        if not self.supports(weight):
+            raise RuntimeError(
+                f"torch-w8a8 cannot pack a {tuple(weight.shape)} {weight.dtype} weight on {weight.device}"
+            )
+        q, s = int8_parts(weight)
+        return PackedWeight(q.contiguous().t(), tuple(weight.shape), weight.dtype, scales=s.contiguous())
+
+    def linear(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
+        """``x`` ``[..., in]`` (the packed dtype, CPU) → ``[..., out_features]``; RuntimeError when
+        ``x`` or ``bias`` does not fit."""
+        n, k = packed.shape
+        if x.device.type != "cpu" or x.dtype != packed.dtype or not x.dim() or x.shape[-1] != k or n != out_features:
+            raise RuntimeError(
+                f"torch-w8a8 linear: input {tuple(x.shape)} {x.dtype} on {x.device} does not fit a packed "
+                f"{packed.dtype} int8 weight of {k} inputs and {n} outputs"
+            )
+        _check_bias(self.name, bias, out_features)
+        return self.linear_verified(x, packed, self.step_bias(bias), out_features)
+
+    @staticmethod
+    def step_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if bias is None else bias.detach().float()
+
+    def linear_verified(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
+        n, k = packed.shape
+        x2 = x.reshape(-1, k)
+        m = x2.shape[0]
+        if not m or not k:
+            y = x2.new_zeros((m, n), dtype=torch.float32)
+            y = y if bias is None else y + bias
+        else:
+            xq, sx = quantize_rows(x2)
+            acc = torch._int_mm(xq, packed.data)
+            y = acc.float().mul_(sx).mul_(packed.scales)
+            if bias is not None:
+                y.add_(bias)
+        return y.to(x.dtype).reshape(*x.shape[:-1], n)
