@@ -235,7 +235,7 @@ def _load_library(extra_flags: tuple[str, ...] = ()):
     lib.hf_contbatch_int8_gemm.restype = None
     lib.hf_contbatch_int8_vnni_pack.argtypes = [ptr, i64, i64, ptr, ptr]
     lib.hf_contbatch_int8_vnni_pack.restype = None
-    lib.hf_contbatch_int8_vnni_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64]
+    lib.hf_contbatch_int8_vnni_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64]
     lib.hf_contbatch_int8_vnni_gemm.restype = None
     lib.hf_contbatch_int8_vnni_scratch.argtypes, lib.hf_contbatch_int8_vnni_scratch.restype = [i64, i64], i64
     for f in ("hf_contbatch_int8_nr", "hf_contbatch_int8_vnni_nr"):
@@ -478,7 +478,9 @@ class W8A8GEMM(_CInt8Kernel):
     It is not the weight-only scheme: the activations lose precision too (about 1/254 of a row's
     largest magnitude each), so it is no candidate of ``linear_backend="auto"`` (see
     ``registry.available_int8_kernels``) and is served only when named (``linear_backend="w8a8"``).
-    ``x`` float32 or bfloat16 (quantized from float32; the output rounded to ``x``'s dtype).
+    ``x`` float32 or bfloat16, read as it is (a bfloat16 row is quantized from its exact float32
+    value); the output is written in ``x``'s dtype (bfloat16: the float32 result rounded to nearest
+    even, as ``Tensor.to``).
 
     Args:
         extra_flags: compiler flags after the defaults (``("-mno-avx512f",)``: the AVX-VNNI path).
@@ -534,11 +536,12 @@ class W8A8GEMM(_CInt8Kernel):
     def linear_verified(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
         n, k = packed.shape
         x2 = x.reshape(-1, k)
-        if x2.dtype != torch.float32 or not x2.is_contiguous():
-            x2 = x2.to(torch.float32).contiguous()
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
         m = x2.shape[0]
         y = x2.new_empty((m, n))
         if m and k:
+            # x read in its own dtype and y written in it by the C kernel (no float32 copies).
             scratch = torch.empty(int(self._lib.vnni_scratch(m, k)), dtype=torch.uint8)
             self._lib.vnni_gemm(
                 x2.data_ptr(),
@@ -552,10 +555,11 @@ class W8A8GEMM(_CInt8Kernel):
                 y.data_ptr(),
                 scratch.data_ptr(),
                 torch.get_num_threads(),
+                int(x2.dtype == torch.bfloat16),
             )
         elif m:
             y.zero_() if bias is None else y.copy_(bias.expand_as(y))
-        return y.to(x.dtype).reshape(*x.shape[:-1], n)
+        return y.reshape(*x.shape[:-1], n)
 
 
 def _native_int8_op(x, packed, scales, zero_points, bias, out_features: int) -> torch.Tensor:
