@@ -495,6 +495,20 @@ class W8A8GEMM(_CInt8Kernel):
     """Relative tolerance against ``F.linear`` over the dequantized weight (``packed_linears``' probe):
     the activation rounding, not only the summation order, separates the two."""
 
+    def __init__(self, extra_flags: tuple[str, ...] = ()) -> None:
+        super().__init__(extra_flags)
+        # The quantized activations' buffer, reused across calls (a fresh multi-MB buffer a call cost
+        # page faults and zeroing comparable to the quantization itself); one per thread, since an
+        # engine's scheduler thread and a tuning or test thread may share this object.
+        self._local = threading.local()
+
+    def _scratch(self, nbytes: int) -> torch.Tensor:
+        """This thread's uint8 scratch of at least ``nbytes`` (grown, never shrunk; read by C only)."""
+        buf = getattr(self._local, "scratch", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._local.scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return buf
+
     @property
     def isa(self) -> str:
         return self._lib.vnni_isa
@@ -542,7 +556,7 @@ class W8A8GEMM(_CInt8Kernel):
         y = x2.new_empty((m, n))
         if m and k:
             # x read in its own dtype and y written in it by the C kernel (no float32 copies).
-            scratch = torch.empty(int(self._lib.vnni_scratch(m, k)), dtype=torch.uint8)
+            scratch = self._scratch(int(self._lib.vnni_scratch(m, k)))
             self._lib.vnni_gemm(
                 x2.data_ptr(),
                 m,
