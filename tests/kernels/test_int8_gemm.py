@@ -14,6 +14,7 @@ from hf_contbatch.kernels.linears.int8_gemm import (
     NativeInt8GEMM,
     TorchInt8GEMM,
     int8_library,
+    vnni_scratch_bytes,
 )
 from hf_contbatch.kernels.linears.registry import available_int8_kernels
 
@@ -392,3 +393,9 @@ def test_w8a8_activation_rounding_is_half_to_even(flags):
     want = xq * 127 * (1.0 / 127)
     torch.testing.assert_close(got[0].double(), want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got.double(), _w8a8_reference(x, torch.eye(k), None), rtol=1e-6, atol=1e-6)
+
+
+def test_w8a8_scratch_size_computed_in_python_is_the_c_kernels():
+    lib = int8_library()
+    for m, k in [(1, 1), (1, 5), (7, 960), (64, 2560), (1025, 77)]:
+        assert vnni_scratch_bytes(m, k) == lib.vnni_scratch(m, k)

@@ -511,44 +511,43 @@ void hf_contbatch_int8_vnni_gemm(const void *x, int64_t m, int64_t k, const int8
     const size_t esize = bf16 ? 2 : 4;
     float *sx = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     uint8_t *xu = (uint8_t *)(sx + m);
-    {
-        const int64_t chunk = (m + threads - 1) / (threads > 0 ? threads : 1);
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && m > 1)
-        for (int64_t r0 = 0; r0 < m; r0 += chunk) {
-            const int64_t rows = m - r0 < chunk ? m - r0 : chunk;
-            quantize_rows((const char *)x + (size_t)(r0 * k) * esize, (int)bf16, rows, k, k4, xu + r0 * k4 * 4,
-                          sx + r0);
-        }
-    }
     const int64_t blocks = (m + MB - 1) / MB, units = panels * blocks;
     const int64_t panel_bytes = k4 * NRQ * 4, lines_per_quad = NRQ * 4 / 64;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && units > 1)
-    for (int64_t u = 0; u < units; u++) {
-        int32_t acc[MB * NRQ] __attribute__((aligned(64)));
-        const int64_t p = u / blocks, row0 = (u % blocks) * MB;
-        const int64_t rows = m - row0 < MB ? m - row0 : MB, tiles = (rows + QRMAX - 1) / QRMAX;
-        const int8_t *panel = packed + p * panel_bytes;
-        /* each tile prefetches pfn lines a quad of the next slice; the tiles together cover it */
-        const int pfn = (int)((lines_per_quad + tiles - 1) / tiles);
-        memset(acc, 0, sizeof(int32_t) * (size_t)(rows * NRQ));
-        for (int64_t q0 = 0; q0 < k4; q0 += KCQ) {
-            const int64_t kq = k4 - q0 < KCQ ? k4 - q0 : KCQ;
-            const int8_t *w = panel + q0 * NRQ * 4;
-            /* the next slice this thread reads: this panel's next, else (after its last) the next row
-             * block's first (the same panel, in cache) or the next panel's first */
-            const char *next = (const char *)(q0 + KCQ < k4 ? w + kq * NRQ * 4
-                                              : row0 + MB < m ? panel : panel + panel_bytes);
-            int64_t r0 = 0;
-            for (int64_t t = 0; t < tiles; t++) {
-                const int64_t left = rows - r0, h = (left + (tiles - t) - 1) / (tiles - t);
-                run_qtile(h, xu + (row0 + r0) * k4 * 4 + 4 * q0, k4 * 4, w, kq, acc + r0 * NRQ,
-                          next + t * pfn * 64, tiles * pfn * 64, pfn);
-                r0 += h;
+    /* One parallel region (each costs a fork and a join, microseconds against a decode call's tens):
+     * the rows' quantization, the implicit barrier, then the units. */
+#pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++)
+            quantize_rows((const char *)x + (size_t)(r * k) * esize, (int)bf16, 1, k, k4, xu + r * k4 * 4, sx + r);
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            int32_t acc[MB * NRQ] __attribute__((aligned(64)));
+            const int64_t p = u / blocks, row0 = (u % blocks) * MB;
+            const int64_t rows = m - row0 < MB ? m - row0 : MB, tiles = (rows + QRMAX - 1) / QRMAX;
+            const int8_t *panel = packed + p * panel_bytes;
+            /* each tile prefetches pfn lines a quad of the next slice; the tiles together cover it */
+            const int pfn = (int)((lines_per_quad + tiles - 1) / tiles);
+            memset(acc, 0, sizeof(int32_t) * (size_t)(rows * NRQ));
+            for (int64_t q0 = 0; q0 < k4; q0 += KCQ) {
+                const int64_t kq = k4 - q0 < KCQ ? k4 - q0 : KCQ;
+                const int8_t *w = panel + q0 * NRQ * 4;
+                /* the next slice this thread reads: this panel's next, else (after its last) the next row
+                 * block's first (the same panel, in cache) or the next panel's first */
+                const char *next = (const char *)(q0 + KCQ < k4 ? w + kq * NRQ * 4
+                                                  : row0 + MB < m ? panel : panel + panel_bytes);
+                int64_t r0 = 0;
+                for (int64_t t = 0; t < tiles; t++) {
+                    const int64_t left = rows - r0, h = (left + (tiles - t) - 1) / (tiles - t);
+                    run_qtile(h, xu + (row0 + r0) * k4 * 4 + 4 * q0, k4 * 4, w, kq, acc + r0 * NRQ,
+                              next + t * pfn * 64, tiles * pfn * 64, pfn);
+                    r0 += h;
+                }
             }
+            const int64_t col0 = p * NRQ, cols = n - col0 < NRQ ? n - col0 : NRQ;
+            for (int64_t r = 0; r < rows; r++)
+                store_row(acc + r * NRQ, colsum + col0, scales + col0, bias ? bias + col0 : NULL, sx[row0 + r], cols,
+                          (char *)y + (size_t)((row0 + r) * n + col0) * esize, (int)bf16);
         }
-        const int64_t col0 = p * NRQ, cols = n - col0 < NRQ ? n - col0 : NRQ;
-        for (int64_t r = 0; r < rows; r++)
-            store_row(acc + r * NRQ, colsum + col0, scales + col0, bias ? bias + col0 : NULL, sx[row0 + r], cols,
-                      (char *)y + (size_t)((row0 + r) * n + col0) * esize, (int)bf16);
     }
 }

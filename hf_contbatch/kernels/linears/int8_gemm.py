@@ -458,6 +458,12 @@ class DequantFloatGEMM(_Int8Kernel):
         return y.reshape(*x.shape[:-1], out_features)
 
 
+def vnni_scratch_bytes(m: int, k: int) -> int:
+    """Bytes of scratch ``hf_contbatch_int8_vnni_gemm`` needs for ``m`` rows of ``k`` features (its C
+    twin ``hf_contbatch_int8_vnni_scratch``, computed here to save a foreign call per step)."""
+    return m * (-(-k // 4) * 4 + 4) + 64
+
+
 MAX_W8A8_IN_FEATURES = 65_000
 """The largest ``in_features`` :class:`W8A8GEMM` takes: its int32 sums of ``255 * 127`` products stay
 below ``2**31`` up to there."""
@@ -549,16 +555,17 @@ class W8A8GEMM(_CInt8Kernel):
 
     def linear_verified(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
         n, k = packed.shape
-        x2 = x.reshape(-1, k)
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
-        m = x2.shape[0]
-        y = x2.new_empty((m, n))
-        if m and k:
+        # A contiguous [..., in] tensor is already the [rows, in] matrix the kernel reads: no reshape
+        # (a decode step makes dozens of these calls; each Python-side op costs about a microsecond).
+        if not x.is_contiguous():
+            x = x.contiguous()
+        y = x.new_empty((*x.shape[:-1], n))
+        m = x.numel() // k if k else 0
+        if m:
             # x read in its own dtype and y written in it by the C kernel (no float32 copies).
-            scratch = self._scratch(int(self._lib.vnni_scratch(m, k)))
-            self._lib.vnni_gemm(
-                x2.data_ptr(),
+            lib = self._lib
+            lib.vnni_gemm(
+                x.data_ptr(),
                 m,
                 k,
                 packed.data.data_ptr(),
@@ -567,13 +574,13 @@ class W8A8GEMM(_CInt8Kernel):
                 packed.scales.data_ptr(),
                 None if bias is None else bias.data_ptr(),
                 y.data_ptr(),
-                scratch.data_ptr(),
+                self._scratch(vnni_scratch_bytes(m, k)).data_ptr(),
                 torch.get_num_threads(),
-                int(x2.dtype == torch.bfloat16),
+                x.dtype == torch.bfloat16,
             )
-        elif m:
+        elif k == 0 and y.numel():
             y.zero_() if bias is None else y.copy_(bias.expand_as(y))
-        return y.reshape(*x.shape[:-1], n)
+        return y
 
 
 def _native_int8_op(x, packed, scales, zero_points, bias, out_features: int) -> torch.Tensor:
