@@ -263,6 +263,17 @@ void hf_contbatch_int8_gemm(const float *x, int64_t m, int64_t k, const int8_t *
  * NRQ x 4 weight bytes feed NV VPDPBUSDs per row. Tiles of up to 6 rows (AVX-512) / 3 rows (256-bit)
  * x 4 vectors, slices of KCQ quads (16 KB of weights with AVX-512) kept in L1, as above.
  *
+ * Where the time goes (measured on Zen 5, 2026-12-02, busy machine: ratios only): the micro-kernel
+ * alone, on a slice in L1, runs at 97% of a register-only VPDPBUSD loop; a whole 1,024-row call at
+ * about 70-75% of it on one thread. What was lost before: x converted to a float32 copy and y back
+ * (torch passes), a scalar quantization loop (scalar division and a libm fmaxf call per element),
+ * a fresh multi-MB scratch buffer per call (page faults), two OpenMP regions per call, and at decode
+ * the memory idle while the row tiles after the first ran from L1. Now: x read as float32 or bfloat16
+ * and y written in its dtype here, one vectorized quantization pass, one parallel region, and each
+ * tile prefetching its share of the next weight slice. Tried without a measurable gain (left out):
+ * x bytes grouped per row tile (one stream a tile instead of six rows), a software prefetch of the
+ * next tile's x, prefetching the next slice to L2 only, 8 KB slices.
+ *
  * Paths: AVX512-VNNI (_mm512_dpbusd_epi32, 16 columns a vector), AVX-VNNI (_mm256_dpbusd_avx_epi32,
  * 8), else portable C with the same layout and results (exact integer sums), for CPUs without VNNI:
  * correct but slow, so the tuner never picks it there. */
