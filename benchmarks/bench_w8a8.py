@@ -195,12 +195,14 @@ def main() -> None:
             xb = x.bfloat16()
             runs = {}
             for kn, kern in kernels.items():
-                runs[kn] = lambda kern=kern, ps=packed[kn]: [kern.linear(x, p, None, n) for p in ps]
+                runs[kn] = lambda kern=kern, ps=packed[kn], x=x, n=n: [kern.linear(x, p, None, n) for p in ps]
             if "bf16-native" in float_kernels:
-                runs["bf16-native"] = lambda ps=packed["bf16-native"]: [native.linear(xb, p, None, n) for p in ps]
+                runs["bf16-native"] = lambda ps=packed["bf16-native"], xb=xb, n=n: [
+                    native.linear(xb, p, None, n) for p in ps
+                ]
             if "F.linear" in float_kernels:
-                runs["F.linear"] = lambda: [torch.nn.functional.linear(xb, w) for w in wbf]
-            runs["copy"] = lambda: dst[: copies * n * k].copy_(src[: copies * n * k])
+                runs["F.linear"] = lambda xb=xb, wbf=wbf: [torch.nn.functional.linear(xb, w) for w in wbf]
+            runs["copy"] = lambda size=copies * n * k: dst[:size].copy_(src[:size])
             best = {kn: float("inf") for kn in runs}
             for f in runs.values():
                 f()
@@ -218,7 +220,9 @@ def main() -> None:
                 t = best[kn] / copies
                 gops = 2 * m * n * k / t / 1e9
                 wbytes = 1 if kn.startswith("w8a8") else 2
-                parts.append(f"{kn} {t * 1e3:7.3f} {gops:5.0f} {100 * gops / peak:3.0f}% {n * k * wbytes / t / 1e9:5.1f}")
+                parts.append(
+                    f"{kn} {t * 1e3:7.3f} {gops:5.0f} {100 * gops / peak:3.0f}% {n * k * wbytes / t / 1e9:5.1f}"
+                )
             ratios = []
             if "w8a8-base" in best:
                 ratios.append(f"base/new {best['w8a8-base'] / best['w8a8']:.2f}")

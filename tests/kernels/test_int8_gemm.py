@@ -376,8 +376,10 @@ def test_w8a8_bf16_is_its_float32_result_rounded_and_rows_do_not_depend_on_the_b
             # One row alone gives the bits it gets inside the batch (int32 sums are exact).
             for i in {0, rows // 2, rows - 1}:
                 assert torch.equal(kernel.linear(x[i : i + 1], packed16, bias, n)[0], got[i])
-                assert torch.equal(kernel.linear(x[i : i + 1].float(), packed32, bias, n)[0],
-                                   kernel.linear(x.float(), packed32, bias, n)[i])
+                assert torch.equal(
+                    kernel.linear(x[i : i + 1].float(), packed32, bias, n)[0],
+                    kernel.linear(x.float(), packed32, bias, n)[i],
+                )
 
 
 @pytest.mark.parametrize("flags", _BUILDS)
