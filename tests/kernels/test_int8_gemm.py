@@ -229,6 +229,8 @@ def test_the_tuner_keeps_timing_dequant_float_after_it_loses_at_few_rows():
 # too: (), the CPU's own (-march=native); the 256-bit AVX2 + AVX-VNNI paths; AVX2 without VNNI (the
 # portable int8-activation loop). A flag the compiler or CPU cannot take skips that build.
 _BUILDS = [(), ("-mno-avx512f",), ("-mno-avx512f", "-mno-avxvnni")]
+# W8A8 also without AVX2: the activation quantization's portable scalar loop (with AVX2 it is vectorized).
+_W8A8_BUILDS = [*_BUILDS, ("-mno-avx512f", "-mno-avxvnni", "-mno-avx2")]
 
 
 def _build(kind, flags):
@@ -277,7 +279,7 @@ def _w8a8_reference(x, w, b):
     return y if b is None else y + b.double()
 
 
-@pytest.mark.parametrize("flags", _BUILDS)
+@pytest.mark.parametrize("flags", _W8A8_BUILDS)
 @pytest.mark.parametrize("n,k", [(70, 77), (130, 300), (1, 5), (96, 1)])
 def test_w8a8_equals_the_quantized_reference(flags, n, k):
     kernel = _build(W8A8GEMM, flags)
@@ -345,7 +347,7 @@ def test_w8a8_int32_sums_do_not_overflow_at_the_largest_k():
     torch.testing.assert_close(got, torch.full((1, 3), -float(k)), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("flags", _BUILDS)
+@pytest.mark.parametrize("flags", _W8A8_BUILDS)
 @pytest.mark.parametrize("n,k", [(70, 77), (200, 1000), (16, 17)])
 def test_w8a8_bf16_is_its_float32_result_rounded_and_rows_do_not_depend_on_the_batch(flags, n, k):
     # bfloat16 x is read as it is and y written in bfloat16 by the C kernel: the same bits as the
@@ -382,7 +384,7 @@ def test_w8a8_bf16_is_its_float32_result_rounded_and_rows_do_not_depend_on_the_b
                 )
 
 
-@pytest.mark.parametrize("flags", _BUILDS)
+@pytest.mark.parametrize("flags", _W8A8_BUILDS)
 def test_w8a8_activation_rounding_is_half_to_even(flags):
     # Row absmax 127 -> sx = 1, so x / sx is x: halves round to even (0.5 -> 0, 1.5 -> 2, 2.5 -> 2,
     # -2.5 -> -2). An identity-like weight (absmax 1 -> s = 1/127, wq = 127) reads each xq back.
