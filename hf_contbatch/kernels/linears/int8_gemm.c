@@ -264,8 +264,8 @@ void hf_contbatch_int8_gemm(const float *x, int64_t m, int64_t k, const int8_t *
  * x 4 vectors, slices of KCQ quads (16 KB of weights with AVX-512) kept in L1, as above.
  *
  * Where the time goes (measured on Zen 5, 2026-12-02, busy machine: ratios only): the micro-kernel
- * alone, on a slice in L1, runs at 97% of a register-only VPDPBUSD loop; a whole 1,024-row call at
- * about 70-75% of it on one thread. What was lost before: x converted to a float32 copy and y back
+ * alone, on a slice in L1, runs at 97% of a register-only VPDPBUSD loop; a whole 256- or 1,024-row call
+ * at 62-87% of it on one thread (thread CPU time), a 32-row call at 52-73%. What was lost before: x converted to a float32 copy and y back
  * (torch passes), a scalar quantization loop (scalar division and a libm fmaxf call per element),
  * a fresh multi-MB scratch buffer per call (page faults), two OpenMP regions per call, and at decode
  * the memory idle while the row tiles after the first ran from L1. Now: x read as float32 or bfloat16
