@@ -14,6 +14,7 @@ from hf_contbatch.kernels.linears.int8_gemm import (
     NativeInt8GEMM,
     TorchInt8GEMM,
     int8_library,
+    vnni_scratch_bytes,
 )
 from hf_contbatch.kernels.linears.registry import available_quantized_kernels
 
@@ -228,6 +229,8 @@ def test_the_tuner_keeps_timing_dequant_float_after_it_loses_at_few_rows():
 # too: (), the CPU's own (-march=native); the 256-bit AVX2 + AVX-VNNI paths; AVX2 without VNNI (the
 # portable int8-activation loop). A flag the compiler or CPU cannot take skips that build.
 _BUILDS = [(), ("-mno-avx512f",), ("-mno-avx512f", "-mno-avxvnni")]
+# W8A8 also without AVX2: the activation quantization's portable scalar loop (with AVX2 it is vectorized).
+_W8A8_BUILDS = [*_BUILDS, ("-mno-avx512f", "-mno-avxvnni", "-mno-avx2")]
 
 
 def _build(kind, flags):
@@ -276,7 +279,7 @@ def _w8a8_reference(x, w, b):
     return y if b is None else y + b.double()
 
 
-@pytest.mark.parametrize("flags", _BUILDS)
+@pytest.mark.parametrize("flags", _W8A8_BUILDS)
 @pytest.mark.parametrize("n,k", [(70, 77), (130, 300), (1, 5), (96, 1)])
 def test_w8a8_equals_the_quantized_reference(flags, n, k):
     kernel = _build(W8A8GEMM, flags)
@@ -342,3 +345,61 @@ def test_w8a8_int32_sums_do_not_overflow_at_the_largest_k():
     torch.testing.assert_close(got, torch.full((1, 3), float(k)), rtol=1e-6, atol=0)
     got = kernel.linear(-x, kernel.pack(w), None, 3)
     torch.testing.assert_close(got, torch.full((1, 3), -float(k)), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("flags", _W8A8_BUILDS)
+@pytest.mark.parametrize("n,k", [(70, 77), (200, 1000), (16, 17)])
+def test_w8a8_bf16_is_its_float32_result_rounded_and_rows_do_not_depend_on_the_batch(flags, n, k):
+    # bfloat16 x is read as it is and y written in bfloat16 by the C kernel: the same bits as the
+    # float32 path on x's exact float32 value, rounded to nearest even once (Tensor.to).
+    kernel = _build(W8A8GEMM, flags)
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g)
+    packed32, packed16 = kernel.pack(w), kernel.pack(w.bfloat16())
+    # The bf16 weight's own quantization (its scales rounded to bf16), dequantized: the reference's weight.
+    s16 = w.bfloat16().float().abs().amax(1).div(127).bfloat16().float()
+    wq16 = (w.bfloat16().float() / s16[:, None]).round().clamp(-127, 127)
+    for rows in (1, 5, 6, 7, 32, 64, 65, 130):  # one tile, several, row blocks
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        for bias in (None, b):
+            got = kernel.linear(x, packed16, bias, n)
+            assert got.dtype == torch.bfloat16
+            # The same packed weight through the float32 path (linear_verified takes any float x).
+            want32 = kernel.linear_verified(x.float(), packed16, kernel.step_bias(bias), n)
+            assert want32.dtype == torch.float32 and torch.equal(got, want32.bfloat16())
+            # The float32 result against the plain-torch reference of the scheme (float64 sums).
+            amax = x.float().abs().amax(1, keepdim=True)
+            sx = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+            xq = torch.round(x.float() / sx).clamp(-127, 127)
+            ref = (xq.double() @ wq16.double().T) * sx.double() * s16.double()
+            ref = ref if bias is None else ref + bias.double()
+            torch.testing.assert_close(want32.double(), ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max() + 1))
+            # One row alone gives the bits it gets inside the batch (int32 sums are exact).
+            for i in {0, rows // 2, rows - 1}:
+                assert torch.equal(kernel.linear(x[i : i + 1], packed16, bias, n)[0], got[i])
+                assert torch.equal(
+                    kernel.linear(x[i : i + 1].float(), packed32, bias, n)[0],
+                    kernel.linear(x.float(), packed32, bias, n)[i],
+                )
+
+
+@pytest.mark.parametrize("flags", _W8A8_BUILDS)
+def test_w8a8_activation_rounding_is_half_to_even(flags):
+    # Row absmax 127 -> sx = 1, so x / sx is x: halves round to even (0.5 -> 0, 1.5 -> 2, 2.5 -> 2,
+    # -2.5 -> -2). An identity-like weight (absmax 1 -> s = 1/127, wq = 127) reads each xq back.
+    kernel = _build(W8A8GEMM, flags)
+    vals = [127.0, 0.5, 1.5, 2.5, -2.5, -0.5, 3.5, -126.5, 0.0] + [0.25] * 12
+    k = len(vals)
+    x = torch.tensor([vals])
+    got = kernel.linear(x, kernel.pack(torch.eye(k)), None, k)
+    xq = torch.tensor([127, 0, 2, 2, -2, 0, 4, -126, 0] + [0] * 12, dtype=torch.float64)
+    want = xq * 127 * (1.0 / 127)
+    torch.testing.assert_close(got[0].double(), want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got.double(), _w8a8_reference(x, torch.eye(k), None), rtol=1e-6, atol=1e-6)
+
+
+def test_w8a8_scratch_size_computed_in_python_is_the_c_kernels():
+    lib = int8_library()
+    for m, k in [(1, 1), (1, 5), (7, 960), (64, 2560), (1025, 77)]:
+        assert vnni_scratch_bytes(m, k) == lib.vnni_scratch(m, k)

@@ -263,6 +263,17 @@ void hf_contbatch_int8_gemm(const float *x, int64_t m, int64_t k, const int8_t *
  * NRQ x 4 weight bytes feed NV VPDPBUSDs per row. Tiles of up to 6 rows (AVX-512) / 3 rows (256-bit)
  * x 4 vectors, slices of KCQ quads (16 KB of weights with AVX-512) kept in L1, as above.
  *
+ * Where the time goes (measured on Zen 5, 2026-12-02, busy machine: ratios only): the micro-kernel
+ * alone, on a slice in L1, runs at 97% of a register-only VPDPBUSD loop; a whole 256- or 1,024-row call
+ * at 62-87% of it on one thread (thread CPU time), a 32-row call at 52-73%. What was lost before: x converted to a float32 copy and y back
+ * (torch passes), a scalar quantization loop (scalar division and a libm fmaxf call per element),
+ * a fresh multi-MB scratch buffer per call (page faults), two OpenMP regions per call, and at decode
+ * the memory idle while the row tiles after the first ran from L1. Now: x read as float32 or bfloat16
+ * and y written in its dtype here, one vectorized quantization pass, one parallel region, and each
+ * tile prefetching its share of the next weight slice. Tried without a measurable gain (left out):
+ * x bytes grouped per row tile (one stream a tile instead of six rows), a software prefetch of the
+ * next tile's x, prefetching the next slice to L2 only, 8 KB slices.
+ *
  * Paths: AVX512-VNNI (_mm512_dpbusd_epi32, 16 columns a vector), AVX-VNNI (_mm256_dpbusd_avx_epi32,
  * 8), else portable C with the same layout and results (exact integer sums), for CPUs without VNNI:
  * correct but slow, so the tuner never picks it there. */
@@ -319,33 +330,131 @@ void hf_contbatch_int8_vnni_pack(const int8_t *w, int64_t n, int64_t k, int8_t *
     }
 }
 
-/* xu [m][k4*4] = rint(x / sx) + 128 (pad bytes 128: their weights are 0), sx [m]. */
-static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t k4, uint8_t *xu, float *sx) {
+/* ---- Activation quantization: one pass per row, float32 or bfloat16 in -----------------------------
+ *
+ * xu [m][k4*4] = rint(x / sx) + 128 (pad bytes 128: their weights are 0), sx [m], in the row-major
+ * byte layout the micro-kernel broadcasts from (four bytes of one row per VPDPBUSD). x is read as it
+ * is (bfloat16 widened in registers: a bfloat16 is the top half of its float32), so no float32 copy
+ * of x is made. Vectorized with AVX-512 (16 lanes, masked tails) or AVX2 (8 lanes); the division is
+ * IEEE (VDIVPS, as the scalar one) and VCVTPS2DQ rounds half to even like rintf under the default
+ * rounding mode, so every path gives the scalar loop's bytes. Each row depends on itself only. */
+static inline float bf16_bits_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float load_x(const void *x, int bf16, int64_t i) {
+    return bf16 ? bf16_bits_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+static inline uint8_t quantize_one(float v, float s) {
+    float q = __builtin_rintf(v / s);
+    q = q > 127.f ? 127.f : q < -127.f ? -127.f : q; /* x / sx can round past 127 by an ulp */
+    return (uint8_t)(int32_t)(q + 128.f);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+static inline __m512 load16(const void *x, int bf16, int64_t i, __mmask16 mk) {
+    if (bf16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, (const uint16_t *)x + i)), 16));
+    return _mm512_maskz_loadu_ps(mk, (const float *)x + i);
+}
+
+static void quantize_row(const void *x, int bf16, int64_t k, uint8_t *u, float *sx) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 16) {
+        const __mmask16 mk = k - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - i)) - 1);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(x, bf16, i, mk)));
+    }
+    const float a = _mm512_reduce_max_ps(amax), s = a > 0.f ? a / 127.f : 1.f;
+    *sx = s;
+    const __m512 vs = _mm512_set1_ps(s);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), off = _mm512_set1_epi32(128);
+    for (int64_t i = 0; i < k; i += 16) {
+        const __mmask16 mk = k - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - i)) - 1);
+        __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(load16(x, bf16, i, mk), vs));
+        q = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(q, lo), hi), off);
+        _mm512_mask_cvtepi32_storeu_epi8(u + i, mk, q);
+    }
+}
+#elif defined(__AVX2__)
+static inline __m256 load8(const void *x, int bf16, int64_t i) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + i))), 16));
+    return _mm256_loadu_ps((const float *)x + i);
+}
+
+static void quantize_row(const void *x, int bf16, int64_t k, uint8_t *u, float *sx) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 amax8 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) amax8 = _mm256_max_ps(amax8, _mm256_and_ps(load8(x, bf16, i), absmask));
+    float lanes[8], a = 0.f;
+    _mm256_storeu_ps(lanes, amax8);
+    for (int l = 0; l < 8; l++) a = fmaxf(a, lanes[l]);
+    for (; i < k; i++) a = fmaxf(a, fabsf(load_x(x, bf16, i)));
+    const float s = a > 0.f ? a / 127.f : 1.f;
+    *sx = s;
+    const __m256 vs = _mm256_set1_ps(s);
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127), off = _mm256_set1_epi32(128);
+    for (i = 0; i + 8 <= k; i += 8) {
+        __m256i q = _mm256_cvtps_epi32(_mm256_div_ps(load8(x, bf16, i), vs));
+        q = _mm256_add_epi32(_mm256_min_epi32(_mm256_max_epi32(q, lo), hi), off); /* 1..255 */
+        const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+        _mm_storel_epi64((__m128i *)(u + i), _mm_packus_epi16(w16, w16));
+    }
+    for (; i < k; i++) u[i] = quantize_one(load_x(x, bf16, i), s);
+}
+#else
+static void quantize_row(const void *x, int bf16, int64_t k, uint8_t *u, float *sx) {
+    float a = 0.f;
+    for (int64_t i = 0; i < k; i++) a = fmaxf(a, fabsf(load_x(x, bf16, i)));
+    const float s = a > 0.f ? a / 127.f : 1.f;
+    *sx = s;
+    for (int64_t i = 0; i < k; i++) u[i] = quantize_one(load_x(x, bf16, i), s);
+}
+#endif
+
+static void quantize_rows(const void *x, int bf16, int64_t m, int64_t k, int64_t k4, uint8_t *xu, float *sx) {
+    const size_t esize = bf16 ? 2 : 4;
     for (int64_t r = 0; r < m; r++) {
-        const float *xr = x + r * k;
-        float amax = 0.f;
-        for (int64_t kk = 0; kk < k; kk++) amax = fmaxf(amax, fabsf(xr[kk]));
-        const float s = amax > 0.f ? amax / 127.f : 1.f;
-        sx[r] = s;
         uint8_t *ur = xu + r * k4 * 4;
-        for (int64_t kk = 0; kk < k; kk++) {
-            float q = __builtin_rintf(xr[kk] / s);
-            q = q > 127.f ? 127.f : q < -127.f ? -127.f : q; /* x / sx can round past 127 by an ulp */
-            ur[kk] = (uint8_t)(int32_t)(q + 128.f);
-        }
+        quantize_row((const char *)x + (size_t)(r * k) * esize, bf16, k, ur, sx + r);
         for (int64_t kk = k; kk < k4 * 4; kk++) ur[kk] = 128;
     }
 }
 
+/* float32 -> bfloat16 bits, round to nearest even (as torch's Tensor.to(torch.bfloat16)); NaN -> 0x7fc0. */
+static inline uint16_t f32_to_bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* ---- The micro-kernel: R rows x NV vectors of int32 accumulators -----------------------------------
+ *
+ * Per quad of inputs: NV weight vectors loaded once, four activation bytes of each row broadcast from
+ * memory (VPBROADCASTD), R x NV independent VPDPBUSD chains (24 with AVX-512: enough for two VNNI pipes
+ * times their latency). Prefetch: while the tiles of a slice run from L1, each tile prefetches its
+ * share of the next slice's lines (pf: its first line, pfs: bytes between its lines of successive
+ * quads, pfn lines a quad), so at decode the next slice streams in from memory while this one is
+ * computed (one row tile alone would leave the memory idle for the other tiles' time). */
 #define QTILE(R)                                                                                     \
-    static inline void qtile_##R(const uint8_t *xu, int64_t ldx, const int8_t *w, int64_t kq, int32_t *acc) { \
+    static inline void qtile_##R(const uint8_t *xu, int64_t ldx, const int8_t *w, int64_t kq, int32_t *acc, \
+                                 const char *pf, int64_t pfs, int pfn) {                             \
         vi a[R][NV];                                                                                 \
         for (int r = 0; r < R; r++)                                                                  \
             for (int v = 0; v < NV; v++) memcpy(&a[r][v], acc + r * NRQ + v * QW, sizeof(vi));      \
         for (int64_t q = 0; q < kq; q++) {                                                           \
             vi wv[NV];                                                                               \
             for (int v = 0; v < NV; v++) memcpy(&wv[v], w + (q * NRQ + v * QW) * 4, sizeof(vi));     \
-            __builtin_prefetch((const void *)((uintptr_t)w + (uintptr_t)((q + KCQ) * NRQ * 4)));      \
+            for (int i = 0; i < pfn; i++) __builtin_prefetch(pf + q * pfs + i * 64);                 \
             for (int r = 0; r < R; r++) {                                                            \
                 int32_t quad;                                                                        \
                 memcpy(&quad, xu + r * ldx + 4 * q, 4);                                              \
@@ -365,17 +474,18 @@ QTILE(5)
 QTILE(6)
 #endif
 
-static void run_qtile(int64_t h, const uint8_t *xu, int64_t ldx, const int8_t *w, int64_t kq, int32_t *acc) {
+static void run_qtile(int64_t h, const uint8_t *xu, int64_t ldx, const int8_t *w, int64_t kq, int32_t *acc,
+                      const char *pf, int64_t pfs, int pfn) {
     switch (h) {
-        case 1: qtile_1(xu, ldx, w, kq, acc); return;
-        case 2: qtile_2(xu, ldx, w, kq, acc); return;
+        case 1: qtile_1(xu, ldx, w, kq, acc, pf, pfs, pfn); return;
+        case 2: qtile_2(xu, ldx, w, kq, acc, pf, pfs, pfn); return;
 #if QRMAX > 3
-        case 3: qtile_3(xu, ldx, w, kq, acc); return;
-        case 4: qtile_4(xu, ldx, w, kq, acc); return;
-        case 5: qtile_5(xu, ldx, w, kq, acc); return;
-        default: qtile_6(xu, ldx, w, kq, acc); return;
+        case 3: qtile_3(xu, ldx, w, kq, acc, pf, pfs, pfn); return;
+        case 4: qtile_4(xu, ldx, w, kq, acc, pf, pfs, pfn); return;
+        case 5: qtile_5(xu, ldx, w, kq, acc, pf, pfs, pfn); return;
+        default: qtile_6(xu, ldx, w, kq, acc, pf, pfs, pfn); return;
 #else
-        default: qtile_3(xu, ldx, w, kq, acc); return;
+        default: qtile_3(xu, ldx, w, kq, acc, pf, pfs, pfn); return;
 #endif
     }
 }
@@ -383,48 +493,72 @@ static void run_qtile(int64_t h, const uint8_t *xu, int64_t ldx, const int8_t *w
 /* Bytes of scratch hf_contbatch_int8_vnni_gemm needs for m rows of k features. */
 int64_t hf_contbatch_int8_vnni_scratch(int64_t m, int64_t k) { return m * ((k + 3) / 4) * 4 + m * 4 + 64; }
 
-/* y[m][n] = (quant(x) . W^T) * sx[m] * scales[n] + bias[n]; packed/colsum from
- * hf_contbatch_int8_vnni_pack; scratch of hf_contbatch_int8_vnni_scratch(m, k) bytes. */
-void hf_contbatch_int8_vnni_gemm(const float *x, int64_t m, int64_t k, const int8_t *packed, const int32_t *colsum,
-                                 int64_t n, const float *scales, const float *bias, float *y, uint8_t *scratch,
-                                 int64_t threads) {
+/* One output row's cols columns: y = (acc - 128 * colsum) * (sx * s) (+ bias), float32 or bfloat16
+ * (rounded once from the float32 value, as torch's cast). Plain loops the compiler vectorizes. */
+static inline void store_row(const int32_t *restrict ar, const int32_t *restrict colsum, const float *restrict s,
+                             const float *restrict bias, float s_row, int64_t cols, void *yr, int bf16) {
+    float v[NRQ];
+    for (int64_t j = 0; j < cols; j++) v[j] = (float)(ar[j] - 128 * colsum[j]) * (s_row * s[j]);
+    if (bias)
+        for (int64_t j = 0; j < cols; j++) v[j] += bias[j];
+    if (bf16) {
+        uint16_t *restrict yb = (uint16_t *)yr;
+        for (int64_t j = 0; j < cols; j++) yb[j] = f32_to_bf16_bits(v[j]);
+    } else {
+        memcpy(yr, v, sizeof(float) * (size_t)cols);
+    }
+}
+
+/* y[m][n] = (quant(x) . W^T) * sx[m] * scales[n] + bias[n]; x and y float32 (bf16 = 0) or bfloat16
+ * (bf16 = 1); scales and bias float32; packed/colsum from hf_contbatch_int8_vnni_pack; scratch of
+ * hf_contbatch_int8_vnni_scratch(m, k) bytes.
+ *
+ * Threads take (panel, row block) units, panel-major: at decode (one block) each weight byte is read by
+ * one thread; at prefill each thread's panels stay in its L2 while its row blocks pass over them. */
+void hf_contbatch_int8_vnni_gemm(const void *x, int64_t m, int64_t k, const int8_t *packed, const int32_t *colsum,
+                                 int64_t n, const float *scales, const float *bias, void *y, uint8_t *scratch,
+                                 int64_t threads, int64_t bf16) {
     const int64_t k4 = (k + 3) / 4, panels = (n + NRQ - 1) / NRQ;
+    const size_t esize = bf16 ? 2 : 4;
     float *sx = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     uint8_t *xu = (uint8_t *)(sx + m);
-    {
-        const int64_t chunk = (m + threads - 1) / (threads > 0 ? threads : 1);
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && m > 1)
-        for (int64_t r0 = 0; r0 < m; r0 += chunk) {
-            const int64_t rows = m - r0 < chunk ? m - r0 : chunk;
-            quantize_rows(x + r0 * k, rows, k, k4, xu + r0 * k4 * 4, sx + r0);
-        }
-    }
     const int64_t blocks = (m + MB - 1) / MB, units = panels * blocks;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && units > 1)
-    for (int64_t u = 0; u < units; u++) {
-        int32_t acc[MB * NRQ] __attribute__((aligned(64)));
-        const int64_t p = u / blocks, row0 = (u % blocks) * MB;
-        const int64_t rows = m - row0 < MB ? m - row0 : MB, tiles = (rows + QRMAX - 1) / QRMAX;
-        memset(acc, 0, sizeof(int32_t) * (size_t)(rows * NRQ));
-        for (int64_t q0 = 0; q0 < k4; q0 += KCQ) {
-            const int64_t kq = k4 - q0 < KCQ ? k4 - q0 : KCQ;
-            const int8_t *w = packed + (p * k4 + q0) * NRQ * 4;
-            int64_t r0 = 0;
-            for (int64_t t = 0; t < tiles; t++) {
-                const int64_t left = rows - r0, h = (left + (tiles - t) - 1) / (tiles - t);
-                run_qtile(h, xu + (row0 + r0) * k4 * 4 + 4 * q0, k4 * 4, w, kq, acc + r0 * NRQ);
-                r0 += h;
+    const int64_t panel_bytes = k4 * NRQ * 4, lines_per_quad = NRQ * 4 / 64;
+    /* One parallel region (each costs a fork and a join, microseconds against a decode call's tens):
+     * the rows' quantization, the implicit barrier, then the units. */
+#pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++)
+            quantize_rows((const char *)x + (size_t)(r * k) * esize, (int)bf16, 1, k, k4, xu + r * k4 * 4, sx + r);
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            int32_t acc[MB * NRQ] __attribute__((aligned(64)));
+            const int64_t p = u / blocks, row0 = (u % blocks) * MB;
+            const int64_t rows = m - row0 < MB ? m - row0 : MB, tiles = (rows + QRMAX - 1) / QRMAX;
+            const int8_t *panel = packed + p * panel_bytes;
+            /* each tile prefetches pfn lines a quad of the next slice; the tiles together cover it */
+            const int pfn = (int)((lines_per_quad + tiles - 1) / tiles);
+            memset(acc, 0, sizeof(int32_t) * (size_t)(rows * NRQ));
+            for (int64_t q0 = 0; q0 < k4; q0 += KCQ) {
+                const int64_t kq = k4 - q0 < KCQ ? k4 - q0 : KCQ;
+                const int8_t *w = panel + q0 * NRQ * 4;
+                /* the next slice this thread reads: this panel's next, else (after its last) the next row
+                 * block's first (the same panel, in cache) or the next panel's first */
+                const char *next = (const char *)(q0 + KCQ < k4 ? w + kq * NRQ * 4
+                                                  : row0 + MB < m ? panel : panel + panel_bytes);
+                int64_t r0 = 0;
+                for (int64_t t = 0; t < tiles; t++) {
+                    const int64_t left = rows - r0, h = (left + (tiles - t) - 1) / (tiles - t);
+                    run_qtile(h, xu + (row0 + r0) * k4 * 4 + 4 * q0, k4 * 4, w, kq, acc + r0 * NRQ,
+                              next + t * pfn * 64, tiles * pfn * 64, pfn);
+                    r0 += h;
+                }
             }
-        }
-        const int64_t col0 = p * NRQ, cols = n - col0 < NRQ ? n - col0 : NRQ;
-        for (int64_t r = 0; r < rows; r++) {
-            const int32_t *ar = acc + r * NRQ;
-            const float s_row = sx[row0 + r];
-            float *yr = y + (row0 + r) * n + col0;
-            for (int64_t j = 0; j < cols; j++) {
-                const float v = (float)(ar[j] - 128 * colsum[col0 + j]) * (s_row * scales[col0 + j]);
-                yr[j] = bias ? v + bias[col0 + j] : v;
-            }
+            const int64_t col0 = p * NRQ, cols = n - col0 < NRQ ? n - col0 : NRQ;
+            for (int64_t r = 0; r < rows; r++)
+                store_row(acc + r * NRQ, colsum + col0, scales + col0, bias ? bias + col0 : NULL, sx[row0 + r], cols,
+                          (char *)y + (size_t)((row0 + r) * n + col0) * esize, (int)bf16);
         }
     }
 }

@@ -235,7 +235,7 @@ def _load_library(extra_flags: tuple[str, ...] = ()):
     lib.hf_contbatch_int8_gemm.restype = None
     lib.hf_contbatch_int8_vnni_pack.argtypes = [ptr, i64, i64, ptr, ptr]
     lib.hf_contbatch_int8_vnni_pack.restype = None
-    lib.hf_contbatch_int8_vnni_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64]
+    lib.hf_contbatch_int8_vnni_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64]
     lib.hf_contbatch_int8_vnni_gemm.restype = None
     lib.hf_contbatch_int8_vnni_scratch.argtypes, lib.hf_contbatch_int8_vnni_scratch.restype = [i64, i64], i64
     for f in ("hf_contbatch_int8_nr", "hf_contbatch_int8_vnni_nr"):
@@ -458,6 +458,12 @@ class DequantFloatGEMM(_Int8Kernel):
         return y.reshape(*x.shape[:-1], out_features)
 
 
+def vnni_scratch_bytes(m: int, k: int) -> int:
+    """Bytes of scratch ``hf_contbatch_int8_vnni_gemm`` needs for ``m`` rows of ``k`` features (its C
+    twin ``hf_contbatch_int8_vnni_scratch``, computed here to save a foreign call per step)."""
+    return m * (-(-k // 4) * 4 + 4) + 64
+
+
 MAX_W8A8_IN_FEATURES = 65_000
 """The largest ``in_features`` :class:`W8A8GEMM` takes: its int32 sums of ``255 * 127`` products stay
 below ``2**31`` up to there."""
@@ -478,7 +484,9 @@ class W8A8GEMM(_CInt8Kernel):
     It is not the weight-only scheme: the activations lose precision too (about 1/254 of a row's
     largest magnitude each), so it is no candidate of ``linear_backend="auto"`` (see
     ``registry.available_int8_kernels``) and is served only when named (``linear_backend="w8a8"``).
-    ``x`` float32 or bfloat16 (quantized from float32; the output rounded to ``x``'s dtype).
+    ``x`` float32 or bfloat16, read as it is (a bfloat16 row is quantized from its exact float32
+    value); the output is written in ``x``'s dtype (bfloat16: the float32 result rounded to nearest
+    even, as ``Tensor.to``).
 
     Args:
         extra_flags: compiler flags after the defaults (``("-mno-avx512f",)``: the AVX-VNNI path).
@@ -492,6 +500,20 @@ class W8A8GEMM(_CInt8Kernel):
     probe_tolerance = 3e-2
     """Relative tolerance against ``F.linear`` over the dequantized weight (``packed_linears``' probe):
     the activation rounding, not only the summation order, separates the two."""
+
+    def __init__(self, extra_flags: tuple[str, ...] = ()) -> None:
+        super().__init__(extra_flags)
+        # The quantized activations' buffer, reused across calls (a fresh multi-MB buffer a call cost
+        # page faults and zeroing comparable to the quantization itself); one per thread, since an
+        # engine's scheduler thread and a tuning or test thread may share this object.
+        self._local = threading.local()
+
+    def _scratch(self, nbytes: int) -> torch.Tensor:
+        """This thread's uint8 scratch of at least ``nbytes`` (grown, never shrunk; read by C only)."""
+        buf = getattr(self._local, "scratch", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._local.scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return buf
 
     @property
     def isa(self) -> str:
@@ -536,23 +558,28 @@ class W8A8GEMM(_CInt8Kernel):
             return torch.ops.hf_contbatch.w8a8_linear(
                 x, packed.data, packed.scales, packed.zero_points, bias, out_features
             )
-        return _w8a8_gemm(x, packed.data, packed.scales, packed.zero_points, bias, out_features, self._lib)
+        return _w8a8_gemm(
+            x, packed.data, packed.scales, packed.zero_points, bias, out_features, self._lib, self._scratch
+        )
 
 
-def _w8a8_gemm(x, data, scales, colsum, bias, out_features: int, lib=None) -> torch.Tensor:
+def _w8a8_gemm(x, data, scales, colsum, bias, out_features: int, lib=None, scratch=None) -> torch.Tensor:
     """``W8A8GEMM``'s product: ``x [..., k]`` float32/bfloat16, the packed int8 weight, float32
-    scales, int32 column sums, float32 bias or None → ``[..., out_features]`` in ``x``'s dtype."""
-    lib = lib or int8_library()
+    scales, int32 column sums, float32 bias or None → ``[..., out_features]`` in ``x``'s dtype.
+    ``scratch(nbytes)`` gives a reusable uint8 buffer (default: a fresh one)."""
     n, k = out_features, x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if x2.dtype != torch.float32 or not x2.is_contiguous():
-        x2 = x2.to(torch.float32).contiguous()
-    m = x2.shape[0]
-    y = x2.new_empty((m, n))
-    if m and k:
-        scratch = torch.empty(int(lib.vnni_scratch(m, k)), dtype=torch.uint8)
-        lib.vnni_gemm(
-            x2.data_ptr(),
+    # A contiguous [..., in] tensor is already the [rows, in] matrix the kernel reads: no reshape
+    # (a decode step makes dozens of these calls; each Python-side op costs about a microsecond).
+    if not x.is_contiguous():
+        x = x.contiguous()
+    y = x.new_empty((*x.shape[:-1], n))
+    m = x.numel() // k if k else 0
+    if m:
+        # x read in its own dtype and y written in it by the C kernel (no float32 copies).
+        nbytes = vnni_scratch_bytes(m, k)
+        buf = scratch(nbytes) if scratch is not None else torch.empty(nbytes, dtype=torch.uint8)
+        (lib or int8_library()).vnni_gemm(
+            x.data_ptr(),
             m,
             k,
             data.data_ptr(),
@@ -561,12 +588,13 @@ def _w8a8_gemm(x, data, scales, colsum, bias, out_features: int, lib=None) -> to
             scales.data_ptr(),
             None if bias is None else bias.data_ptr(),
             y.data_ptr(),
-            scratch.data_ptr(),
+            buf.data_ptr(),
             torch.get_num_threads(),
+            x.dtype == torch.bfloat16,
         )
-    elif m:
+    elif k == 0 and y.numel():
         y.zero_() if bias is None else y.copy_(bias.expand_as(y))
-    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+    return y
 
 
 def _native_int8_op(x, packed, scales, zero_points, bias, out_features: int) -> torch.Tensor:
