@@ -24,8 +24,8 @@ scales), timed per shape by ``autotune`` like the float ones:
   is paid once per call, not per row, so it serves many-row (prefill) calls at float GEMM speed,
   where the two above, built for streaming the weight at few rows, fall behind.
 - :class:`W8A8GEMM` (``"w8a8"``, ``int8_gemm.c`` part 2): activations quantized to int8 too (per row),
-  int8 dot products (VNNI). Not the weight-only scheme, so never an "auto" candidate; served when
-  named (``linear_backend="w8a8"``).
+  int8 dot products (VNNI). Not the weight-only scheme: a candidate of ``quantization="w8a8"``
+  only (``registry.W8A8_KERNELS``, beside ``w8a8_torch.TorchW8A8GEMM``).
 
 None can give the float weight back (``exact_unpack`` False), so the module keeps its float
 weight while packed (``close()`` restores the model exactly); only the int8 copy is read in steps.
@@ -482,8 +482,8 @@ class W8A8GEMM(_CInt8Kernel):
     for ``VPDPBUSD`` (``sum (xq + 128) * w = sum xq * w + 128 * colsum``), computed once at pack.
 
     It is not the weight-only scheme: the activations lose precision too (about 1/254 of a row's
-    largest magnitude each), so it is no candidate of ``linear_backend="auto"`` (see
-    ``registry.available_int8_kernels``) and is served only when named (``linear_backend="w8a8"``).
+    largest magnitude each), so it serves ``quantization="w8a8"`` only, never the weight-only
+    ``"int8"`` (``registry.QUANTIZED_KERNELS``).
     ``x`` float32 or bfloat16, read as it is (a bfloat16 row is quantized from its exact float32
     value); the output is written in ``x``'s dtype (bfloat16: the float32 result rounded to nearest
     even, as ``Tensor.to``).
