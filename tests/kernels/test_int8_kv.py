@@ -416,3 +416,26 @@ def test_an_int8_decode_row_does_not_depend_on_its_batch(cpu_backend, query_dtyp
             v_scale=v_scale,
         )
         assert torch.equal(alone[0], full[i]), i
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("heads,kvh,dim", [(15, 5, 64), (8, 2, 32), (8, 4, 128), (8, 1, 80)])
+def test_c_prefill_int8_of_a_bfloat16_query_is_float32_exact(cpu_backend, heads, kvh, dim):
+    """A bfloat16 model's query over int8 keys (where the CPU has AVX512-BF16 the scores are bfloat16
+    dot products: exact products, float32 sums, the key's scale once per dot product): written to a
+    float32 output, equal to the float32 reference over the dequantized cache to float32 rounding,
+    not to bfloat16's."""
+    prefill = [(5, 5), (7, 30), (1, 12), (40, 40), (70, 100)]
+    query, k_float, v_float, meta, (k_pool, v_pool, k_scale, v_scale) = _int8_case(
+        [3], prefill, 16, kvh, heads, dim, cpu_backend, seed=9
+    )
+    query = query.bfloat16()
+    out = torch.zeros(query.shape)
+    got = cpu_backend.prefill_kernel(
+        query, k_pool, v_pool, meta, 0.3, None, None, out=out, k_scale=k_scale, v_scale=v_scale
+    )
+    # The reference over the cache as stored (so no quantization tie can differ): float rounding only.
+    k_deq, v_deq = (k_pool.double() * k_scale.double()).float(), (v_pool.double() * v_scale.double()).float()
+    want = reference_for(query.float(), k_deq, v_deq, meta, 0.3)
+    rows = meta.query_start_loc_cpu[meta.num_decodes]
+    torch.testing.assert_close(got[rows:], want[rows:], rtol=1e-5, atol=1e-5)
