@@ -391,6 +391,23 @@ def test_the_narrow_and_portable_builds_store_and_decode_int8_like_the_torch_pat
             )
             want = torch_paged_attention(query, k_pool, v_pool, meta, 0.2, k_scale=k_scale, v_scale=v_scale)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # The prefill kernel's int8 path in the same build (no vdpbf16ps there: float32 scores).
+    from hf_contbatch.kernels.attention import cpu_prefill
+
+    prefill = cpu_prefill.CPUPrefillKernel()
+    prefill.enabled = True
+    pflags = [*cpu_prefill._FLAGS, *flags]
+    prefill._kernel = LoadedOnce(
+        lambda: cpu_prefill._load(build_library(cpu_prefill.PREFILL_SOURCE, pflags)), "narrow build", "-"
+    )
+    assert prefill.available, prefill.error
+    query, _, _, meta, (k_pool, v_pool, k_scale, v_scale) = _int8_case(
+        [], [(5, 5), (7, 30), (40, 40)], 16, 5, 15, 64, backend, seed=2
+    )
+    k_deq, v_deq = (k_pool.double() * k_scale.double()).float(), (v_pool.double() * v_scale.double()).float()
+    for q in (query, query.bfloat16()):
+        got = prefill(q, k_pool, v_pool, meta, 0.3, out=torch.zeros(query.shape), k_scale=k_scale, v_scale=v_scale)
+        torch.testing.assert_close(got, reference_for(q.float(), k_deq, v_deq, meta, 0.3), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.timeout(120)
