@@ -73,19 +73,24 @@ class _Timers:
         self.on = False
         self.clock = clock
         self.kind = "decode"  # the kind of the step running now: "prefill" or "decode"
+        self.running = defaultdict(bool)  # part name -> a timed call of it is running
 
     def wrap(self, fn, name):
         perf = self.clock
 
         def timed(*args, **kwargs):
-            if not self.on:
+            # A wrapped function called from another of the same part (``torch_paged_attention``
+            # calls ``_int8_paged_attention`` over an int8 cache) counts once: the outer call.
+            if not self.on or self.running[name]:
                 return fn(*args, **kwargs)
+            self.running[name] = True
             t0 = perf()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.total[name] += perf() - t0
                 self.calls[name] += 1
+                self.running[name] = False
 
         return timed
 

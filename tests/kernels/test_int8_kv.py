@@ -6,6 +6,7 @@ plain torch, by the scheme's definition (symmetric, scale = absmax / 127 per tok
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 
 import pytest
@@ -322,3 +323,136 @@ def test_the_kernel_choices_time_int8_pools_holding_quantized_normal_rows():
         assert bool((pool.abs().amax(-1) == 127).all())  # absmax / 127: each row reaches 127
         amax = s.squeeze(-1) * 127
         assert 0.5 < float(amax.min()) and float(amax.max()) < 8
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim,tokens", [(32, 40), (64, 600), (128, 9)], ids=["d32", "d64-threaded", "d128"])
+def test_c_store_quantizes_whole_vectors_and_long_chunks_by_the_definition(cpu_backend, dtype, dim, tokens):
+    """The compiled store's register path (head sizes 32, 64, 128) and its threaded path (a prompt
+    chunk of 600 tokens x 5 KV heads x 64), rows with magnitudes from 1e-3 to 1e3, against the
+    definition computed here in double precision."""
+    g = torch.Generator().manual_seed(1)
+    kvh = 5
+    scale = torch.logspace(-3, 3, tokens * kvh).view(tokens, kvh, 1)
+    k = (torch.randn(tokens, kvh, dim, generator=g) * scale).to(dtype)
+    v = (torch.randn(tokens, kvh, dim, generator=g) * scale.flip(0)).to(dtype)
+    k[3, 1] = 0  # an all-zero row: scale 0, values 0
+    k_pool, v_pool, k_scale, v_scale = _store_all(cpu_backend, k.view(tokens, 1, kvh, dim), v.view(tokens, 1, kvh, dim))
+    for got_q, got_s, x in ((k_pool, k_scale, k), (v_pool, v_scale, v)):
+        want_q, want_s = reference_quantize(x.float().view(tokens, 1, kvh, dim))
+        torch.testing.assert_close(got_s, want_s, rtol=1e-6, atol=0)
+        assert (got_q.int() - want_q.int()).abs().max() <= 1  # a tie or a last-ulp product: one step
+        assert (got_q != want_q).float().mean() < 0.01
+    assert k_scale[3, 0, 1].item() == 0 and bool((k_pool[3, 0, 1] == 0).all())
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector widths only")
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx",)], ids=["avx2", "portable"])
+def test_the_narrow_and_portable_builds_store_and_decode_int8_like_the_torch_path(flags, tmp_path, monkeypatch):
+    """The int8 store and decode of ``cpu_decode.c`` built without AVX-512 (the 8-float code AVX2-only
+    CPUs run) and without AVX at all (the portable C), against the torch int8 path on the pools
+    that build wrote, and the store against the definition."""
+    from hf_contbatch.kernels.attention import cpu_kernel
+    from hf_contbatch.kernels.native_build import LoadedOnce, build_library
+
+    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
+        pytest.skip("no C compiler")
+    if flags == ("-mno-avx512f",) and "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("no AVX2 on this CPU")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    backend = Int8CPUKernelAttentionBackend()
+    build = [*cpu_kernel._FLAGS, *flags]
+    backend.decode_kernel._kernel = LoadedOnce(
+        lambda: cpu_kernel._load(build_library(cpu_kernel.DECODE_SOURCE, build)), "narrow build", "-"
+    )
+    assert backend.decode_kernel.available, backend.decode_kernel.error
+    for heads, kvh, dim in ((12, 4, 64), (6, 2, 24)):
+        query, k_float, _, meta, (k_pool, v_pool, k_scale, v_scale) = _int8_case(
+            [300, 7, 150, 33], [], 16, kvh, heads, dim, backend, seed=6
+        )
+        want_q, want_s = reference_quantize(k_float)
+        torch.testing.assert_close(k_scale, want_s, rtol=1e-6, atol=0)
+        assert (k_pool.int() - want_q.int()).abs().max() <= 1
+        for split in (False, True):
+            got = backend.decode_kernel(
+                query,
+                k_pool,
+                v_pool,
+                meta.block_tables,
+                meta.seq_lens,
+                0.2,
+                None,
+                None,
+                split_heads=split,
+                k_scale=k_scale,
+                v_scale=v_scale,
+            )
+            want = torch_paged_attention(query, k_pool, v_pool, meta, 0.2, k_scale=k_scale, v_scale=v_scale)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # The prefill kernel's int8 path in the same build (no vdpbf16ps there: float32 scores).
+    from hf_contbatch.kernels.attention import cpu_prefill
+
+    prefill = cpu_prefill.CPUPrefillKernel()
+    prefill.enabled = True
+    pflags = [*cpu_prefill._FLAGS, *flags]
+    prefill._kernel = LoadedOnce(
+        lambda: cpu_prefill._load(build_library(cpu_prefill.PREFILL_SOURCE, pflags)), "narrow build", "-"
+    )
+    assert prefill.available, prefill.error
+    query, _, _, meta, (k_pool, v_pool, k_scale, v_scale) = _int8_case(
+        [], [(5, 5), (7, 30), (40, 40)], 16, 5, 15, 64, backend, seed=2
+    )
+    k_deq, v_deq = (k_pool.double() * k_scale.double()).float(), (v_pool.double() * v_scale.double()).float()
+    for q in (query, query.bfloat16()):
+        got = prefill(q, k_pool, v_pool, meta, 0.3, out=torch.zeros(query.shape), k_scale=k_scale, v_scale=v_scale)
+        torch.testing.assert_close(got, reference_for(q.float(), k_deq, v_deq, meta, 0.3), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+def test_an_int8_decode_row_does_not_depend_on_its_batch(cpu_backend, query_dtype):
+    """A sequence's decode output through the int8 backend is the same bits alone, in a batch of
+    many (the kernel then splits by sequence, not by KV head), and beside prefill chunks."""
+    query, _, _, meta, (k_pool, v_pool, k_scale, v_scale) = _int8_case(
+        [70, 300, 7, 150, 33, 64, 90, 200, 11, 5, 250], [(9, 60), (33, 33)], 16, 5, 15, 64, cpu_backend, seed=8
+    )
+    query = query.to(query_dtype)
+    full = cpu_backend.attend(query, k_pool, v_pool, meta, 0.125, k_scale=k_scale, v_scale=v_scale)
+    decodes = cpu_backend.decode_kernel
+    for i in range(meta.num_decodes):
+        alone = decodes(
+            query[i : i + 1],
+            k_pool,
+            v_pool,
+            meta.block_tables[i : i + 1],
+            meta.seq_lens[i : i + 1],
+            0.125,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+        assert torch.equal(alone[0], full[i]), i
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("heads,kvh,dim", [(15, 5, 64), (8, 2, 32), (8, 4, 128), (8, 1, 80)])
+def test_c_prefill_int8_of_a_bfloat16_query_is_float32_exact(cpu_backend, heads, kvh, dim):
+    """A bfloat16 model's query over int8 keys (where the CPU has AVX512-BF16 the scores are bfloat16
+    dot products: exact products, float32 sums, the key's scale once per dot product): written to a
+    float32 output, equal to the float32 reference over the dequantized cache to float32 rounding,
+    not to bfloat16's."""
+    prefill = [(5, 5), (7, 30), (1, 12), (40, 40), (70, 100)]
+    query, k_float, v_float, meta, (k_pool, v_pool, k_scale, v_scale) = _int8_case(
+        [3], prefill, 16, kvh, heads, dim, cpu_backend, seed=9
+    )
+    query = query.bfloat16()
+    out = torch.zeros(query.shape)
+    got = cpu_backend.prefill_kernel(
+        query, k_pool, v_pool, meta, 0.3, None, None, out=out, k_scale=k_scale, v_scale=v_scale
+    )
+    # The reference over the cache as stored (so no quantization tie can differ): float rounding only.
+    k_deq, v_deq = (k_pool.double() * k_scale.double()).float(), (v_pool.double() * v_scale.double()).float()
+    want = reference_for(query.float(), k_deq, v_deq, meta, 0.3)
+    rows = meta.query_start_loc_cpu[meta.num_decodes]
+    torch.testing.assert_close(got[rows:], want[rows:], rtol=1e-5, atol=1e-5)

@@ -260,9 +260,10 @@ class Int8CPUKernelAttentionBackend(Int8TorchAttentionBackend):
     on write (always, where built: the same bits as the torch store but for ties, see
     ``cpu_decode.c``) and serving decode rows (``CPUDecodeKernel``'s int8 path: each int8 row widened
     in registers once for its query heads, the token's scale applied once per dot product, float32
-    accumulation), the prefill kernel serving prompt chunks (``CPUPrefillKernel``'s int8 path: rows
-    dequantized into its float32 tiles), each where :meth:`setup` timed it faster than the torch
-    path here."""
+    accumulation), the prefill kernel serving prompt chunks (``CPUPrefillKernel``'s int8 path: value
+    rows dequantized into its float32 tiles; key rows too, or, for a bfloat16 query on a CPU with
+    AVX512-BF16, kept as bfloat16 for ``vdpbf16ps`` scores with the scale applied per key), each
+    where :meth:`setup` timed it faster than the torch path here."""
 
     def __init__(self) -> None:
         from .cpu_kernel import CPUDecodeKernel

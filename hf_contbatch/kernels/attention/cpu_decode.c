@@ -37,6 +37,7 @@
 #include <immintrin.h>
 #endif
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,6 +60,11 @@ typedef int32_t vi __attribute__((vector_size(VW * 4)));
 #define DT_I8 2
 
 #define INLINE static inline __attribute__((always_inline))
+
+/* At least this many K (and as many V) elements in one store before it is split over the threads:
+ * about 400 tokens of a 5-KV-head, head_dim-64 model (tens of microseconds on one core: below that,
+ * waking the team and, on a busy machine, waiting for a core cost about as much as the work). */
+#define STORE_PAR_ELEMS 131072
 
 INLINE float hsum(vf x) {
     float s = 0.f;
@@ -346,39 +352,147 @@ void hf_contbatch_store_kv(const void *key, const void *value, int64_t k_stride_
 }
 
 /* Quantize one row of D elements (float32, or bfloat16 when bf16) to int8: scale = max|x| / 127
- * (0 for an all-zero row), q = round(x / scale) clamped to [-127, 127] (round half away from zero,
- * as roundf; the torch reference rounds half to even: the two differ only on exact ties). */
-static inline void quantize_row(const void *x, int bf16, int64_t D, int8_t *q, float *scale) {
+ * (0 for an all-zero row), q = x * (1 / scale) rounded to nearest, ties to even (as torch.round),
+ * which lies in [-127, 127] by construction (|x| <= max|x|; the clamp guards the last ulp). One pass
+ * to find the absmax and one to scale, round and narrow, both VW lanes wide where the compiler
+ * targets AVX-512 or AVX2 (vcvtps2dq rounds to nearest even; vpmovsdb narrows with saturation),
+ * a scalar tail for head sizes not a multiple of VW. The reference (kv_quant.quantize_kv) divides
+ * by the scale: the product with its reciprocal can differ in the last ulp, so a value within an
+ * ulp of a half-integer may round one step apart (tests allow that, and only that). */
+INLINE void quantize_row(const void *x, const int bf16, int64_t D, int8_t *q, float *scale) {
     float amax = 0.f;
-    for (int64_t d = 0; d < D; d++) {
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    __m512 m = _mm512_setzero_ps();
+    for (; d + VW <= D; d += VW) m = _mm512_max_ps(m, _mm512_abs_ps((__m512)load(at(x, d, bf16), bf16)));
+    amax = _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 m = _mm256_setzero_ps();
+    for (; d + VW <= D; d += VW) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, (__m256)load(at(x, d, bf16), bf16)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    amax = _mm_cvtss_f32(h);
+#endif
+    for (; d < D; d++) {
         const float v = fabsf(load_one(at(x, d, bf16), bf16));
         amax = v > amax ? v : amax;
     }
     const float s = amax / 127.f;
     *scale = s;
-    const float inv = s > 0.f ? 1.f / s : 0.f;
-    for (int64_t d = 0; d < D; d++) {
-        float v = roundf(load_one(at(x, d, bf16), bf16) * inv);
+    const float inv = amax > 0.f ? 127.f / amax : 0.f; /* not 1 / s: the two divisions then overlap */
+    d = 0;
+#if defined(__AVX512F__)
+    for (; d + VW <= D; d += VW) {
+        const __m512i r = _mm512_cvtps_epi32((__m512)(load(at(x, d, bf16), bf16) * inv));
+        _mm_storeu_si128((__m128i *)(q + d), _mm512_cvtsepi32_epi8(r));
+    }
+#elif defined(__AVX2__)
+    for (; d + VW <= D; d += VW) {
+        const __m256i r = _mm256_cvtps_epi32((__m256)(load(at(x, d, bf16), bf16) * inv));
+        const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+        _mm_storel_epi64((__m128i *)(q + d), _mm_packs_epi16(w, w));
+    }
+#endif
+    for (; d < D; d++) {
+        float v = rintf(load_one(at(x, d, bf16), bf16) * inv);
         v = v > 127.f ? 127.f : v < -127.f ? -127.f : v;
         q[d] = (int8_t)v;
     }
 }
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+/* quantize_row for D a constant multiple of VW (32, 64, 128): the row is loaded (and widened) once
+ * into D / VW registers that both passes use; same results as quantize_row. */
+INLINE void quantize_row_regs(const void *x, const int bf16, const int64_t D, int8_t *q, float *scale) {
+    enum { MAXV = 128 / VW };
+    vf xs[MAXV];
+    for (int64_t v = 0; v < D / VW; v++) xs[v] = load(at(x, v * VW, bf16), bf16);
+#if defined(__AVX512F__)
+    __m512 m = _mm512_abs_ps((__m512)xs[0]);
+    for (int64_t v = 1; v < D / VW; v++) m = _mm512_max_ps(m, _mm512_abs_ps((__m512)xs[v]));
+    const float amax = _mm512_reduce_max_ps(m);
+#else
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 m = _mm256_andnot_ps(sign, (__m256)xs[0]);
+    for (int64_t v = 1; v < D / VW; v++) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, (__m256)xs[v]));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    const float amax = _mm_cvtss_f32(h);
+#endif
+    *scale = amax / 127.f;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    for (int64_t v = 0; v < D / VW; v++) {
+#if defined(__AVX512F__)
+        _mm_storeu_si128((__m128i *)(q + v * VW), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32((__m512)(xs[v] * inv))));
+#else
+        const __m256i r = _mm256_cvtps_epi32((__m256)(xs[v] * inv));
+        const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+        _mm_storel_epi64((__m128i *)(q + v * VW), _mm_packs_epi16(w, w));
+#endif
+    }
+}
+#define QUANTIZE_FIXED(x, bf16, D, q, s) quantize_row_regs(x, bf16, D, q, s)
+#else
+#define QUANTIZE_FIXED(x, bf16, D, q, s) quantize_row(x, bf16, D, q, s)
+#endif
+
+/* The rows of num_tokens tokens (key/value/slots already offset to the first), serially; the input
+ * dtype and the head size (32, 64, 128) constants in each loop. */
+static void store_q8_rows(const void *key, const void *value, int64_t k_stride_t, int64_t k_stride_h,
+                          int64_t v_stride_t, int64_t v_stride_h, int8_t *k_pool, int8_t *v_pool, float *k_scale,
+                          float *v_scale, const int64_t *slots, int64_t num_tokens, int64_t num_kv_heads,
+                          int64_t head_dim, int bf16) {
+#define STORE_ROWS(BF16, DIM, QUANT)                                                                    \
+    for (int64_t t = 0; t < num_tokens; t++) {                                                           \
+        const int64_t base = slots[t] * num_kv_heads;                                                    \
+        for (int64_t h = 0; h < num_kv_heads; h++) {                                                     \
+            QUANT(at(key, t * k_stride_t + h * k_stride_h, BF16), BF16, DIM, k_pool + (base + h) * DIM,  \
+                  k_scale + base + h);                                                                   \
+            QUANT(at(value, t * v_stride_t + h * v_stride_h, BF16), BF16, DIM, v_pool + (base + h) * DIM, \
+                  v_scale + base + h);                                                                   \
+        }                                                                                                \
+    }
+#define STORE_DIMS(BF16)                                          \
+    switch (head_dim) {                                           \
+        case 32: STORE_ROWS(BF16, 32, QUANTIZE_FIXED); break;     \
+        case 64: STORE_ROWS(BF16, 64, QUANTIZE_FIXED); break;     \
+        case 128: STORE_ROWS(BF16, 128, QUANTIZE_FIXED); break;   \
+        default: STORE_ROWS(BF16, head_dim, quantize_row); break; \
+    }
+    if (bf16 == DT_BF16) {
+        STORE_DIMS(DT_BF16)
+    } else {
+        STORE_DIMS(DT_F32)
+    }
+#undef STORE_DIMS
+#undef STORE_ROWS
+}
+
 /* Store one step's K and V rows quantized (the int8 layout of hf_contbatch_paged_decode_q8): inputs as
  * hf_contbatch_store_kv with in_bf16 0 (float32) or 1 (bfloat16); pool row of slot s at
- * pool + (s * num_kv_heads + h) * head_dim, its scale at scales[s * num_kv_heads + h]. */
+ * pool + (s * num_kv_heads + h) * head_dim, its scale at scales[s * num_kv_heads + h].
+ * A prompt chunk (many tokens) is split over the threads, each a contiguous share of the tokens
+ * (slots are distinct: no two tokens write one row); a decode step's few rows stay on the calling
+ * thread, where waking the team would cost more than the work. */
 void hf_contbatch_store_kv_q8(const void *key, const void *value, int64_t k_stride_t, int64_t k_stride_h,
                               int64_t v_stride_t, int64_t v_stride_h, int8_t *k_pool, int8_t *v_pool, float *k_scale,
                               float *v_scale, const int64_t *slots, int64_t num_tokens, int64_t num_kv_heads,
                               int64_t head_dim, int64_t in_bf16) {
     const int bf16 = in_bf16 ? DT_BF16 : DT_F32;
-    for (int64_t t = 0; t < num_tokens; t++) {
-        const int64_t base = slots[t] * num_kv_heads;
-        for (int64_t h = 0; h < num_kv_heads; h++) {
-            quantize_row(at(key, t * k_stride_t + h * k_stride_h, bf16), bf16, head_dim, k_pool + (base + h) * head_dim,
-                         k_scale + base + h);
-            quantize_row(at(value, t * v_stride_t + h * v_stride_h, bf16), bf16, head_dim,
-                         v_pool + (base + h) * head_dim, v_scale + base + h);
-        }
+    if (num_tokens * num_kv_heads * head_dim < STORE_PAR_ELEMS) {
+        store_q8_rows(key, value, k_stride_t, k_stride_h, v_stride_t, v_stride_h, k_pool, v_pool, k_scale, v_scale,
+                      slots, num_tokens, num_kv_heads, head_dim, bf16);
+        return;
+    }
+#pragma omp parallel
+    {
+        const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t t0 = num_tokens * id / nt, t1 = num_tokens * (id + 1) / nt;
+        store_q8_rows(at(key, t0 * k_stride_t, bf16), at(value, t0 * v_stride_t, bf16), k_stride_t, k_stride_h,
+                      v_stride_t, v_stride_h, k_pool, v_pool, k_scale, v_scale, slots + t0, t1 - t0, num_kv_heads,
+                      head_dim, bf16);
     }
 }

@@ -43,8 +43,16 @@
  * head each, k_scale/v_scale [num_blocks, block_size, num_kv_heads] (kv_quant.py: symmetric absmax /
  * 127). A row is dequantized as it is copied into the block's float32 scratch (q * scale, the same
  * float32 product as kv_quant.dequantize_kv), so everything after the copy is the float path and
- * the pool is read at a quarter of float32's bytes.
+ * the pool is read at a quarter of float32's bytes. Where the CPU has AVX512-BF16 and the query is a
+ * bfloat16 model's (q_bf16), the keys are instead copied as bfloat16 (an int8 value is exact in
+ * bfloat16) and the scores formed by vdpbf16ps: exact products, float32 sums, twice the products per
+ * instruction of float32 FMAs, each key's scale (times the softmax scale) applied once to its dot
+ * products (scores_q8_bf16); the values keep the float32 path.
  */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_DPBF16 1 /* vdpbf16ps: the int8-key scores of bfloat16 queries, see scores_q8_bf16 */
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -139,6 +147,48 @@ INLINE void scores(const float *Qt, int64_t R, const float *Kb, int64_t ldk, int
     }
 }
 
+#if HAVE_DPBF16
+/* int8 keys of a bfloat16 model's queries (AVX512-BF16): an int8 value (|q| <= 127) and a query that
+ * is a bfloat16 are both exact in bfloat16, and vdpbf16ps forms each product exactly in float32 and
+ * adds it to a float32 accumulator (two products per lane per instruction: half the instructions of
+ * float32 FMAs). So S^T[j][row] = (sum_d q[row][d] k8[j][d]) * ksc[j], with ksc the key's scale times
+ * the softmax scale, is the float32 dot product of the dequantized key up to float rounding (the
+ * scale applied once per key, not per element).
+ * Qt2: [D / 2][R] pairs of bfloat16 (query elements d, d + 1 of a row); Kb16: [nkp][ldk] bfloat16
+ * keys (int8 values), rows past nk zero. */
+INLINE void scores_q8_bf16(const uint32_t *Qt2, int64_t R, const uint16_t *Kb16, int64_t ldk, int64_t nkp,
+                           const int64_t D, float *S, const int NC, const float *ksc) {
+    for (int64_t j = 0; j < nkp; j += JB) {
+        __m512 acc[JB][MAXC];
+        for (int jj = 0; jj < JB; jj++)
+            for (int c = 0; c < NC; c++) acc[jj][c] = _mm512_setzero_ps();
+        const uint16_t *k = Kb16 + j * ldk;
+        for (int64_t d = 0; d < D; d += 2) {
+            __m512bh qv[MAXC];
+            for (int c = 0; c < NC; c++) qv[c] = (__m512bh)_mm512_loadu_si512(Qt2 + (d / 2) * R + c * VW);
+            for (int jj = 0; jj < JB; jj++) {
+                uint32_t pair;
+                memcpy(&pair, k + jj * ldk + d, 4);
+                const __m512bh kv = (__m512bh)_mm512_set1_epi32((int)pair);
+                for (int c = 0; c < NC; c++) acc[jj][c] = _mm512_dpbf16_ps(acc[jj][c], qv[c], kv);
+            }
+        }
+        for (int jj = 0; jj < JB; jj++) {
+            const __m512 f = _mm512_set1_ps(ksc[j + jj]);
+            for (int c = 0; c < NC; c++) _mm512_storeu_ps(S + (j + jj) * R + c * VW, _mm512_mul_ps(acc[jj][c], f));
+        }
+    }
+}
+
+/* Row of D int8 (D a multiple of 16) as bfloat16 (exact: |q| <= 127 has 7 significant bits). */
+INLINE void widen_row_i8_bf16(uint16_t *dst, const int8_t *src, int64_t D) {
+    for (int64_t d = 0; d < D; d += 16) {
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + d))));
+        _mm256_storeu_si256((__m256i *)(dst + d), (__m256i)_mm512_cvtneps_pbh(f));
+    }
+}
+#endif
+
 /* O[row] = O[row] * alpha[row] + sum_{j < nk} P^T[j][row] V[j] for all R rows, DV vectors of V's
  * (padded) head dimension: RB rows x DV vectors of accumulators, each V vector loaded once for RB rows. */
 INLINE void accumulate(float *O, int64_t R, const float *P, const float *alpha, const float *Vb, int64_t nk,
@@ -184,6 +234,7 @@ typedef struct {
     int64_t o_st, o_sh;
     const void *k_pool, *v_pool;
     const float *k_scale, *v_scale; /* int8 pools: [slots, num_kv_heads] scales, else NULL */
+    int q_bf16;                     /* every query element is a bfloat16 value (a bfloat16 model's) */
     int64_t num_kv_heads;
     int64_t row;  /* pool elements per token: num_kv_heads * head_dim */
     int64_t block_size, window;
@@ -210,8 +261,30 @@ INLINE void tile(const Args *a, const int32_t *table, int64_t t0, int64_t nq, in
         l[r] = 0.f;
         for (int64_t d = 0; d < D; d++) Qt[d * R + r] = 0.f;
     }
+#if HAVE_DPBF16
+    /* int8 keys and bfloat16 queries: scores by vdpbf16ps (scores_q8_bf16), the softmax scale
+     * folded into each key's scale, the query kept as its bfloat16 bits in pairs. */
+    const int dp = bf16 == DT_I8 && a->q_bf16 && D % 16 == 0;
+    uint32_t *Qt2 = (uint32_t *)Qt; /* [D / 2][R], in Qt's scratch */
+    uint16_t *Kb16 = (uint16_t *)Kb; /* [KB][Dp], in Kb's scratch */
+    float ksc_b[KB];
+#else
+    const int dp = 0;
+#endif
+    (void)dp;
     for (int64_t r = 0; r < rows; r++) {
         const float *src = a->q + (t0 + r / hg) * a->q_st + (h0 + r % hg) * a->q_sh;
+#if HAVE_DPBF16
+        if (dp) {
+            for (int64_t d = 0; d < D; d += 2) {
+                uint32_t lo, hi;
+                memcpy(&lo, src + d, 4);
+                memcpy(&hi, src + d + 1, 4);
+                Qt2[(d / 2) * R + r] = (lo >> 16) | (hi & 0xffff0000u);
+            }
+            continue;
+        }
+#endif
         for (int64_t d = 0; d < D; d++) Qt[d * R + r] = src[d] * a->scale;
     }
     memset(O, 0, sizeof(float) * (size_t)(R * Dp));
@@ -228,15 +301,37 @@ INLINE void tile(const Args *a, const int32_t *table, int64_t t0, int64_t nq, in
             const int64_t slot = (int64_t)table[p / bs] * bs + p % bs, at = slot * a->row + head_at;
             const int64_t sat = slot * a->num_kv_heads + kvh;
             const float ksc = bf16 == DT_I8 ? a->k_scale[sat] : 1.f, vsc = bf16 == DT_I8 ? a->v_scale[sat] : 1.f;
-            widen_row(Kb + j * Dp, (const char *)a->k_pool + at * elem, D, Dp, bf16, ksc);
+#if HAVE_DPBF16
+            if (dp) {
+                widen_row_i8_bf16(Kb16 + j * Dp, (const int8_t *)a->k_pool + at, D);
+                ksc_b[j] = ksc * a->scale;
+            } else
+#endif
+                widen_row(Kb + j * Dp, (const char *)a->k_pool + at * elem, D, Dp, bf16, ksc);
             widen_row(Vb + j * Dp, (const char *)a->v_pool + at * elem, D, Dp, bf16, vsc);
         }
-        for (int64_t j = nk; j < nkp; j++) memset(Kb + j * Dp, 0, sizeof(float) * (size_t)Dp);
-        switch (NC) {
-            case 1: scores(Qt, R, Kb, Dp, nkp, D, S, 1); break;
-            case 2: scores(Qt, R, Kb, Dp, nkp, D, S, 2); break;
-            case 3: scores(Qt, R, Kb, Dp, nkp, D, S, 3); break;
-            default: scores(Qt, R, Kb, Dp, nkp, D, S, 4); break;
+#if HAVE_DPBF16
+        if (dp) {
+            for (int64_t j = nk; j < nkp; j++) {
+                memset(Kb16 + j * Dp, 0, sizeof(uint16_t) * (size_t)Dp);
+                ksc_b[j] = 0.f;
+            }
+            switch (NC) {
+                case 1: scores_q8_bf16(Qt2, R, Kb16, Dp, nkp, D, S, 1, ksc_b); break;
+                case 2: scores_q8_bf16(Qt2, R, Kb16, Dp, nkp, D, S, 2, ksc_b); break;
+                case 3: scores_q8_bf16(Qt2, R, Kb16, Dp, nkp, D, S, 3, ksc_b); break;
+                default: scores_q8_bf16(Qt2, R, Kb16, Dp, nkp, D, S, 4, ksc_b); break;
+            }
+        } else
+#endif
+        {
+            for (int64_t j = nk; j < nkp; j++) memset(Kb + j * Dp, 0, sizeof(float) * (size_t)Dp);
+            switch (NC) {
+                case 1: scores(Qt, R, Kb, Dp, nkp, D, S, 1); break;
+                case 2: scores(Qt, R, Kb, Dp, nkp, D, S, 2); break;
+                case 3: scores(Qt, R, Kb, Dp, nkp, D, S, 3); break;
+                default: scores(Qt, R, Kb, Dp, nkp, D, S, 4); break;
+            }
         }
         /* A block needs masking where some row cannot see some key: its last key is past the
          * tile's first query, or its first key has left the window of the tile's last query. */
@@ -336,7 +431,8 @@ static int64_t paged_prefill(const float *q, int64_t q_st, int64_t q_sh, const v
                              int64_t bt_stride, const int32_t *query_start_loc, const int32_t *seq_lens,
                              int64_t first_req, int64_t num_reqs, int64_t row_base, int64_t num_heads,
                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float softcap,
-                             int64_t sliding_window, int64_t num_threads, float *out, int64_t o_st, int64_t o_sh) {
+                             int64_t sliding_window, int64_t num_threads, float *out, int64_t o_st, int64_t o_sh,
+                             int q_bf16) {
     const int64_t groups = num_heads / num_kv_heads;
     const int64_t hg = groups < MAXC * VW ? groups : MAXC * VW; /* query heads per tile */
     const int64_t subgroups = (groups + hg - 1) / hg;
@@ -371,7 +467,7 @@ static int64_t paged_prefill(const float *q, int64_t q_st, int64_t q_sh, const v
     const Args args = {.q = q, .q_st = q_st, .q_sh = q_sh, .out = out, .o_st = o_st, .o_sh = o_sh,
                        .k_pool = k_pool, .v_pool = v_pool, .k_scale = k_scale, .v_scale = v_scale,
                        .num_kv_heads = num_kv_heads, .row = num_kv_heads * head_dim, .block_size = block_size,
-                       .window = sliding_window, .scale = scale, .softcap = softcap};
+                       .window = sliding_window, .scale = scale, .softcap = softcap, .q_bf16 = q_bf16};
     const int bf16 = dt;
     int64_t failed = 0;
     /* A step whose attention is a few microseconds of work runs on the calling thread: waking
@@ -414,19 +510,20 @@ int64_t hf_contbatch_paged_prefill(const float *q, int64_t q_st, int64_t q_sh, c
                                    int64_t o_sh) {
     return paged_prefill(q, q_st, q_sh, k_pool, v_pool, pool_bf16 ? DT_BF16 : DT_F32, NULL, NULL, block_tables,
                          bt_stride, query_start_loc, seq_lens, first_req, num_reqs, row_base, num_heads, num_kv_heads,
-                         head_dim, block_size, scale, softcap, sliding_window, num_threads, out, o_st, o_sh);
+                         head_dim, block_size, scale, softcap, sliding_window, num_threads, out, o_st, o_sh, 0);
 }
 
 /* int8 pools with float32 scales [num_blocks, block_size, num_kv_heads] for K and for V; otherwise as
- * hf_contbatch_paged_prefill. */
+ * hf_contbatch_paged_prefill. q_bf16 != 0: every element of q is a bfloat16 value (the caller widened
+ * a bfloat16 query), which lets AVX512-BF16 CPUs compute the scores with vdpbf16ps (scores_q8_bf16). */
 int64_t hf_contbatch_paged_prefill_q8(const float *q, int64_t q_st, int64_t q_sh, const int8_t *k_pool,
                                       const int8_t *v_pool, const float *k_scale, const float *v_scale,
                                       const int32_t *block_tables, int64_t bt_stride, const int32_t *query_start_loc,
                                       const int32_t *seq_lens, int64_t first_req, int64_t num_reqs, int64_t row_base,
                                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                       float scale, float softcap, int64_t sliding_window, int64_t num_threads,
-                                      float *out, int64_t o_st, int64_t o_sh) {
+                                      float *out, int64_t o_st, int64_t o_sh, int64_t q_bf16) {
     return paged_prefill(q, q_st, q_sh, k_pool, v_pool, DT_I8, k_scale, v_scale, block_tables, bt_stride,
                          query_start_loc, seq_lens, first_req, num_reqs, row_base, num_heads, num_kv_heads, head_dim,
-                         block_size, scale, softcap, sliding_window, num_threads, out, o_st, o_sh);
+                         block_size, scale, softcap, sliding_window, num_threads, out, o_st, o_sh, q_bf16 != 0);
 }

@@ -52,7 +52,7 @@ def _load(path: Path):
     fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, *tail]
     fn.restype = i64
     fn_q8 = lib.hf_contbatch_paged_prefill_q8
-    fn_q8.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, *tail]
+    fn_q8.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, *tail, i64]
     fn_q8.restype = i64
     return fn, fn_q8
 
@@ -156,9 +156,13 @@ class CPUPrefillKernel:
             q = query[row0:].to(torch.float32)
             dst, base = torch.empty(q.shape, dtype=torch.float32), row0
         _, block_size, kvh, head_dim = k_pool.shape
+        extra = ()
         if k_scale is not None:
             k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()  # held until the call returns
             fn, pools = fn_q8, (k_pool.data_ptr(), v_pool.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr())
+            # A bfloat16 query (widened above: every element still a bfloat16 value) lets the kernel
+            # form int8-key scores with bfloat16 dot products (exact products, float32 sums).
+            extra = (int(query.dtype == torch.bfloat16),)
         else:
             pools = (k_pool.data_ptr(), v_pool.data_ptr(), int(k_pool.dtype == torch.bfloat16))
         failed = fn(
@@ -184,6 +188,7 @@ class CPUPrefillKernel:
             dst.data_ptr(),
             dst.stride(0),
             dst.stride(1),
+            *extra,
         )
         if failed:
             raise MemoryError("paged prefill attention: the kernel could not allocate its task list or scratch")
