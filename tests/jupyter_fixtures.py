@@ -55,9 +55,23 @@ def jupyter_env(state_dir: Path) -> dict:
         path = state_dir / sub
         path.mkdir(parents=True, exist_ok=True)
         env[var] = str(path)
+    seed_kernel_cache(Path(env["XDG_CACHE_HOME"]))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     return env
+
+
+def seed_kernel_cache(xdg_cache: Path) -> None:
+    """Copy this process's kernel cache (``native_build.cache_dir()``: the C kernels built and the
+    GEMM and attention timings measured on this CPU, by this session's earlier tests or before) into
+    ``xdg_cache``/hf_contbatch. A kernel started with that cache finds them as a user's second
+    session on the machine does, instead of building and timing again in every notebook (many
+    seconds each on two cores). The first run on an empty cache is tested in test_cli.py."""
+    from hf_contbatch.kernels.native_build import cache_dir
+
+    source = cache_dir()
+    if source.is_dir():
+        shutil.copytree(source, xdg_cache / "hf_contbatch", dirs_exist_ok=True)
 
 
 def widget_models(nb) -> dict:
