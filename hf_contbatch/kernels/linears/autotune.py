@@ -23,6 +23,7 @@ in ``native_build.cache_dir()``), so only the first engine on a machine pays for
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -35,7 +36,7 @@ import torch
 
 from ..native_build import cache_dir, cpu_id, read_json, write_json
 from .dispatch_gemm import DispatchGEMM, bucket_of
-from .gemm_kernel import GemmKernel
+from .gemm_kernel import GemmKernel, PackedWeight
 from .registry import UNPACKED, make_kernel
 
 logger = logging.getLogger(__name__)
@@ -180,6 +181,30 @@ def shape_key(in_features: int, out_features: int, dtype: torch.dtype) -> str:
     return f"{in_features}x{out_features}:{str(dtype).removeprefix('torch.')}"
 
 
+def _packed_copies(kernel, weight: torch.Tensor, copies: int) -> list[PackedWeight]:
+    """``copies`` packed copies of ``weight`` in distinct memory (for timing streamed weights): one
+    pack, then clones of its tensors, where the layout is plain tensors (a pack can cost far more
+    than a copy: an int8 kernel quantizes), else one pack each (oneDNN's opaque layouts)."""
+    first = kernel.pack(weight)
+    parts = (first.data, first.scales, first.zero_points)
+    plain = all(t is None or (isinstance(t, torch.Tensor) and t.layout == torch.strided) for t in parts)
+    if not plain:
+        return [first, *(kernel.pack(weight.clone()) for _ in range(copies - 1))]
+
+    def clone(t):
+        return None if t is None else t.clone()
+
+    return [
+        first,
+        *(
+            dataclasses.replace(
+                first, data=clone(first.data), scales=clone(first.scales), zero_points=clone(first.zero_points)
+            )
+            for _ in range(copies - 1)
+        ),
+    ]
+
+
 class KernelTuner:
     """Times the candidate GEMMs per shape class and chooses (see the module docstring).
 
@@ -313,12 +338,12 @@ class KernelTuner:
         g = torch.Generator().manual_seed(0)
         weight_bytes = in_features * out_features * torch.empty((), dtype=dtype).element_size()
         copies = max(1, min(_MAX_COPIES, math.ceil(_STREAM_BYTES / max(1, weight_bytes))))
-        weights = [(torch.randn(out_features, in_features, generator=g) * 0.02).to(dtype) for _ in range(copies)]
+        weight = (torch.randn(out_features, in_features, generator=g) * 0.02).to(dtype)
         packs = {}
         for name, kernel in self.candidates.items():
             try:
-                if kernel.supports(weights[0]):
-                    packs[name] = [kernel.pack(w) for w in weights]
+                if kernel.supports(weight):
+                    packs[name] = _packed_copies(kernel, weight, copies)
             except RuntimeError as exc:  # a kernel that cannot pack this shape is no candidate
                 logger.info("%s cannot pack %s: %s", name, shape_key(in_features, out_features, dtype), exc)
         result: dict = {name: {} for name in self.candidates}
