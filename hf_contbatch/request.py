@@ -297,6 +297,9 @@ class StructuredOutputsParams:
         choice: the output is exactly one of these strings.
         grammar: an EBNF grammar (xgrammar's GBNF dialect, start rule ``root``) the output matches.
         json_object: True: the output is any JSON object.
+        argument: the call argument the value came from, named in error messages
+            (``"structured_outputs"``, or ``"response_format"`` for an OpenAI-style value); not part
+            of equality.
     """
 
     json: Any = None
@@ -304,6 +307,7 @@ class StructuredOutputsParams:
     choice: Optional[tuple] = None
     grammar: Optional[str] = None
     json_object: bool = False
+    argument: str = field(default="structured_outputs", repr=False, compare=False)
 
     FIELDS = ("json", "regex", "choice", "grammar", "json_object")
 

@@ -28,7 +28,7 @@ def response_format_params(value) -> Optional[StructuredOutputsParams]:
     if value is None:
         return None
     if isinstance(value, type) and hasattr(value, "model_json_schema"):  # a pydantic model class
-        return StructuredOutputsParams(json=value.model_json_schema())
+        return StructuredOutputsParams(json=value.model_json_schema(), argument="response_format")
     if not isinstance(value, dict) or value.get("type") not in _RESPONSE_FORMAT_TYPES:
         raise ValueError(
             "`response_format` must be {'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}, "
@@ -38,14 +38,14 @@ def response_format_params(value) -> Optional[StructuredOutputsParams]:
     if kind == "text":
         return None
     if kind == "json_object":
-        return StructuredOutputsParams(json_object=True)
+        return StructuredOutputsParams(json_object=True, argument="response_format")
     spec = value.get("json_schema")
     if not isinstance(spec, dict) or "schema" not in spec:
         raise ValueError(
             "`response_format` of type 'json_schema' needs 'json_schema': {'name': ..., 'schema': {...}}, "
             f"got {spec!r}"
         )
-    return StructuredOutputsParams(json=spec["schema"])
+    return StructuredOutputsParams(json=spec["schema"], argument="response_format")
 
 
 def structured_outputs_per_prompt(

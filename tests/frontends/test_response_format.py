@@ -31,6 +31,17 @@ def test_openai_shapes_and_pydantic_models_become_structured_outputs():
             response_format_params(bad)
 
 
+def test_a_schema_the_grammar_library_refuses_names_the_argument_the_caller_wrote():
+    from hf_contbatch.engine.structured import GrammarSpec
+
+    bad = {"type": "nonsense"}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": bad}}
+    with pytest.raises(ValueError, match=r"^`response_format` json is refused by xgrammar: .*nonsense"):
+        GrammarSpec.parse(response_format_params(fmt))
+    with pytest.raises(ValueError, match=r"^`structured_outputs` json is refused by xgrammar: .*nonsense"):
+        GrammarSpec.parse({"json": bad})
+
+
 def test_one_value_or_one_per_prompt():
     assert structured_outputs_per_prompt(None, None, 2) == [None, None]
     assert structured_outputs_per_prompt(None, {"regex": "a+"}, 2) == [StructuredOutputsParams(regex="a+")] * 2

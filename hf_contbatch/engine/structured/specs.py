@@ -184,6 +184,7 @@ class GrammarSpec:
         if isinstance(value, GrammarSpec):
             return value
         params = as_structured_outputs_params(value)
+        arg = f"`{params.argument}`"  # the argument the user wrote (response_format= or structured_outputs=)
         kind, strict = params.kind, True
         if kind == "json":
             schema = params.json
@@ -193,34 +194,34 @@ class GrammarSpec:
                 try:
                     schema = json.loads(schema)
                 except ValueError as exc:
-                    raise ValueError(f"`structured_outputs` json: the schema is not valid JSON ({exc})") from None
+                    raise ValueError(f"{arg} json: the schema is not valid JSON ({exc})") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(
-                    f"`structured_outputs` json must be a JSON schema (a dict or its JSON text), got {type(schema).__name__}"
+                    f"{arg} json must be a JSON schema (a dict or its JSON text), got {type(schema).__name__}"
                 )
             source = json.dumps(bounded_strings_as_patterns(schema))  # key order kept: properties come in it
         elif kind == "json_object":
             if params.json_object is not True:
-                raise ValueError(f"`structured_outputs` json_object must be True, got {params.json_object!r}")
+                raise ValueError(f"{arg} json_object must be True, got {params.json_object!r}")
             kind, source, strict = "json", json.dumps({"type": "object"}), False
         elif kind == "choice":
             choices = params.choice
             if isinstance(choices, str) or not isinstance(choices, (list, tuple)) or not choices:
-                raise ValueError(f"`structured_outputs` choice must be a non-empty list of strings, got {choices!r}")
+                raise ValueError(f"{arg} choice must be a non-empty list of strings, got {choices!r}")
             if not all(isinstance(c, str) and c for c in choices):
-                raise ValueError(f"`structured_outputs` choice must hold non-empty strings, got {choices!r}")
+                raise ValueError(f"{arg} choice must hold non-empty strings, got {choices!r}")
             try:
                 kind, source = "grammar", choice_as_ebnf(choices)
             except ValueError as exc:
-                raise ValueError(f"`structured_outputs` choice: {exc}") from None
+                raise ValueError(f"{arg} choice: {exc}") from None
         else:
             source = getattr(params, kind)
             if not isinstance(source, str) or not source:
-                raise ValueError(f"`structured_outputs` {kind} must be a non-empty string, got {source!r}")
+                raise ValueError(f"{arg} {kind} must be a non-empty string, got {source!r}")
         key = (kind, strict, source)
         grammar = parsed.get(key) if parsed is not None else None
         if grammar is None:
-            grammar = _parse(kind, source, strict, params.kind)
+            grammar = _parse(kind, source, strict, f"{arg} {params.kind}")
             if parsed is not None:
                 parsed[key] = grammar
                 while len(parsed) > PARSED_CACHE_SIZE:
@@ -228,7 +229,7 @@ class GrammarSpec:
         return cls(params, kind, source, strict, grammar)
 
 
-def _parse(kind: str, source: str, strict: bool, field: str):
+def _parse(kind: str, source: str, strict: bool, what: str):
     """The library's ``Grammar`` for ``source`` (``ValueError`` with the library's reason)."""
     xgr = import_xgrammar()
     try:
@@ -240,7 +241,7 @@ def _parse(kind: str, source: str, strict: bool, field: str):
             return xgr.Grammar.from_regex(source)
         return xgr.Grammar.from_ebnf(source)
     except (RuntimeError, ValueError, TypeError) as exc:
-        raise ValueError(f"`structured_outputs` {field} is refused by xgrammar: {_library_message(exc)}") from None
+        raise ValueError(f"{what} is refused by xgrammar: {_library_message(exc)}") from None
 
 
 def spec_of(sampling) -> Optional[GrammarSpec]:
