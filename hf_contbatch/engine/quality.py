@@ -72,13 +72,13 @@ class QualityReport:
         lines = [
             f"weights: perplexity on {self.tokens} held-out tokens: float {self.ppl_float:.4f}, "
             f"{self.quantization} {self.ppl_quantized:.4f} ({100 * self.ppl_change:+.2f}%); "
-            f"greedy agreement: {self.greedy_agreement}/{self.greedy_tokens} leading tokens equal",
+            f"greedy from one prompt: the first {self.greedy_agreement} of {self.greedy_tokens} tokens equal",
         ]
         if self.kv_cache_dtype is not None:
             lines.append(
                 f"KV cache: perplexity on {self.tokens} held-out tokens: float {self.kv_ppl_float:.4f}, "
                 f"{self.kv_cache_dtype} {self.kv_ppl_quantized:.4f} ({100 * self.kv_ppl_change:+.2f}%); "
-                f"greedy agreement: {self.kv_greedy_agreement}/{self.greedy_tokens} leading tokens equal"
+                f"greedy from one prompt: the first {self.kv_greedy_agreement} of {self.greedy_tokens} tokens equal"
             )
         return lines
 
