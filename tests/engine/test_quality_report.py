@@ -133,7 +133,7 @@ def test_the_kv_cache_figures_match_plain_torch_over_float_and_quantized_kv():
     assert report.kv_greedy_agreement == want_agree
     lines = report.lines()
     assert len(lines) == 2 and lines[0].startswith("weights: ") and lines[1].startswith("KV cache: ")
-    assert f"int8 {report.kv_ppl_quantized:.4f}" in lines[1] and f"{want_agree}/8 leading" in lines[1]
+    assert f"int8 {report.kv_ppl_quantized:.4f}" in lines[1] and f"the first {want_agree} of 8 tokens equal" in lines[1]
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert all("forward" not in m.__dict__ for m in model.modules())
     with pytest.raises(ValueError, match=r"`kv_cache_dtype` must be one of \(None, 'int8'\)"):

@@ -60,8 +60,9 @@ def test_compiled_greedy_equals_generate_two_engines_preemption_and_weight_chang
         # Really compiled, into a handful of graphs, not one per batch shape (18 distinct (model,
         # tokens, sampled rows) shapes run here): per model class one-token steps, plus the general
         # and the one-row-logits cases, each compiled static at its first shape and dynamic at its
-        # second (dynamo's automatic dynamic shapes) in whichever order the two engines meet them.
-        assert 1 <= _graphs() - before <= 10
+        # second (dynamo's automatic dynamic shapes) in whichever order the two engines meet them:
+        # at most 2 classes x 3 cases x (static + dynamic) = 12 (a CI run met 11; usually fewer).
+        assert 1 <= _graphs() - before <= 12
 
         # An in-place weight change is followed (the packed copies are refreshed before each step),
         # before an engine opens and while it is open; ``shadow`` (never served) gives the references.
