@@ -131,6 +131,17 @@ class _Int8Kernel:
     def unpack(self, packed: PackedWeight) -> None:
         return None
 
+    def check_call(self, x: torch.Tensor, packed: PackedWeight, bias, out_features: int) -> None:
+        """RuntimeError naming the kernel when ``x`` (``[..., in]``, the packed dtype, CPU) or
+        ``bias`` (``[out_features]``) does not fit ``packed``."""
+        n, k = packed.shape
+        if x.device.type != "cpu" or x.dtype != packed.dtype or not x.dim() or x.shape[-1] != k or n != out_features:
+            raise RuntimeError(
+                f"{self.name} linear: input {tuple(x.shape)} {x.dtype} on {x.device} does not fit a packed "
+                f"{packed.dtype} int8 weight of {k} inputs and {n} outputs"
+            )
+        _check_bias(self.name, bias, out_features)
+
     @staticmethod
     def step_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return None if bias is None else bias.detach()
@@ -410,13 +421,7 @@ class DequantFloatGEMM(_Int8Kernel):
     def linear(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
         """``x`` ``[..., in]`` (the packed dtype, CPU) → ``[..., out_features]``. RuntimeError when
         ``x`` or ``bias`` does not fit."""
-        n, k = packed.shape
-        if x.device.type != "cpu" or x.dtype != packed.dtype or not x.dim() or x.shape[-1] != k or n != out_features:
-            raise RuntimeError(
-                f"dequant-float linear: input {tuple(x.shape)} {x.dtype} on {x.device} does not fit a packed "
-                f"{packed.dtype} int8 weight of {k} inputs and {n} outputs"
-            )
-        _check_bias(self.name, bias, out_features)
+        self.check_call(x, packed, bias, out_features)
         return self.linear_verified(x, packed, None if bias is None else bias.detach(), out_features)
 
     def _scratch(self, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -544,13 +549,7 @@ class W8A8GEMM(_CInt8Kernel):
     def linear(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
         """``x`` ``[..., in]`` (the packed dtype, CPU) → ``[..., out_features]``; RuntimeError when
         ``x`` or ``bias`` does not fit (the C kernel trusts its arguments)."""
-        n, k = packed.shape
-        if x.device.type != "cpu" or x.dtype != packed.dtype or not x.dim() or x.shape[-1] != k or n != out_features:
-            raise RuntimeError(
-                f"w8a8 linear: input {tuple(x.shape)} {x.dtype} on {x.device} does not fit a packed "
-                f"{packed.dtype} int8 weight of {k} inputs and {n} outputs"
-            )
-        _check_bias(self.name, bias, out_features)
+        self.check_call(x, packed, bias, out_features)
         return self.linear_verified(x, packed, self.step_bias(bias), out_features)
 
     def linear_verified(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from .gemm_kernel import PackedWeight
-from .int8_gemm import _check_bias, _Int8Kernel, int8_parts, is_plain_tensor, is_torchao_int8_weight_only
+from .int8_gemm import _Int8Kernel, int8_parts, is_plain_tensor, is_torchao_int8_weight_only
 
 QMAX = 127
 
@@ -86,13 +86,7 @@ class TorchW8A8GEMM(_Int8Kernel):
     def linear(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
         """``x`` ``[..., in]`` (the packed dtype, CPU) → ``[..., out_features]``; RuntimeError when
         ``x`` or ``bias`` does not fit."""
-        n, k = packed.shape
-        if x.device.type != "cpu" or x.dtype != packed.dtype or not x.dim() or x.shape[-1] != k or n != out_features:
-            raise RuntimeError(
-                f"torch-w8a8 linear: input {tuple(x.shape)} {x.dtype} on {x.device} does not fit a packed "
-                f"{packed.dtype} int8 weight of {k} inputs and {n} outputs"
-            )
-        _check_bias(self.name, bias, out_features)
+        self.check_call(x, packed, bias, out_features)
         return self.linear_verified(x, packed, self.step_bias(bias), out_features)
 
     @staticmethod
