@@ -4,6 +4,8 @@ scheme), at decode and prefill row counts, odd sizes, with and without a bias.""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -168,21 +170,26 @@ def test_dispatch_serves_native_int8_at_few_rows_and_dequant_float_at_many():
     from hf_contbatch.kernels.linears.autotune import ROW_BUCKETS
     from hf_contbatch.kernels.linears.dispatch_gemm import DispatchGEMM
 
-    kernels = [NativeInt8GEMM(), DequantFloatGEMM()]
+    # Tiles of 64 columns: with panels of 32 or 64 columns, a 90-column weight is served in two
+    # tiles, the last one a partial panel.
+    kernels = [NativeInt8GEMM(), DequantFloatGEMM(tile_bytes=64 * 4 * 48)]
     table = [0 if b < 64 else 1 for b in ROW_BUCKETS]
     dispatch = DispatchGEMM(kernels, table, ROW_BUCKETS)
     g = torch.Generator().manual_seed(5)
     w, b = torch.randn(90, 48, generator=g), torch.randn(90, generator=g)
     packed = dispatch.pack(w)
     native, dequant = packed.data
-    assert native.data.dtype == dequant.data.dtype == torch.int8
-    # A byte a weight and a float32 scale a column each (native-int8 pads to panels of nr columns:
-    # 64 with AVX-512, 32 with 256-bit vectors; 90 columns pad to 128 here): both copies together
-    # below the float32 weight's 17280 bytes.
+    # One int8 copy, read by both kernels: a byte a weight (native-int8 pads to panels of nr
+    # columns: 64 with AVX-512, 32 with 256-bit vectors; 90 columns pad to 128 here), a float32
+    # scale a column, and dequant-float's scales padded to whole panels.
+    assert dequant.data is native.data and native.data.dtype == torch.int8
     nr = int8_library().nr
     assert nr in (32, 64)
-    assert dequant.nbytes == 90 * 48 + 4 * 90 and native.nbytes == -(-90 // nr) * nr * 48 + 4 * 90
-    assert packed.nbytes == native.nbytes + dequant.nbytes < w.numel() * w.element_size()
+    padded = -(-90 // nr) * nr
+    assert native.nbytes == padded * 48 + 4 * 90 and dequant.nbytes == padded * 48 + 4 * padded
+    assert packed.nbytes == padded * 48 + 4 * 90 + 4 * padded < w.numel() * w.element_size()
+    # Alone, dequant-float keeps its own row-major copy.
+    assert DequantFloatGEMM().pack(w).nbytes == 90 * 48 + 4 * 90
     for rows in (1, 7, 64, 200):
         x = torch.randn(rows, 48, generator=g)
         got = dispatch.linear(x, packed, dispatch.step_bias(b), 90)
@@ -190,6 +197,11 @@ def test_dispatch_serves_native_int8_at_few_rows_and_dequant_float_at_many():
         want_kernel = kernels[table[next(i for i, bk in enumerate(ROW_BUCKETS) if rows <= bk)]]
         alone = want_kernel.linear_verified(x, packed.data[kernels.index(want_kernel)], want_kernel.step_bias(b), 90)
         assert torch.equal(got, alone)
+    # Inside a compiled graph dequant-float dequantizes the whole shared weight at once.
+    x = torch.randn(5, 48, generator=g)
+    with mock.patch.object(torch.compiler, "is_compiling", return_value=True):
+        whole = kernels[1].linear_verified(x, dequant, b, 90)
+    torch.testing.assert_close(whole, _reference(x, w, b), rtol=1e-5, atol=1e-4)
 
 
 def test_int8_auto_can_choose_dequant_float_beside_native_int8():

@@ -49,7 +49,15 @@ class DispatchGEMM:
         return all(k.supports(weight) for k in self.kernels)
 
     def pack(self, weight: torch.Tensor) -> PackedWeight:
-        return PackedWeight(tuple(k.pack(weight) for k in self.kernels), tuple(weight.shape), weight.dtype)
+        """One packed copy per kernel, except that a kernel able to read another's copy in place
+        (an ``adopt(packed)`` method returning its own ``PackedWeight`` or None) shares it: two
+        int8 kernels then hold one int8 weight, not two."""
+        parts: list[Optional[PackedWeight]] = [None if hasattr(k, "adopt") else k.pack(weight) for k in self.kernels]
+        for i, k in enumerate(self.kernels):
+            if parts[i] is None:
+                shared = (k.adopt(p) for p in parts if p is not None)
+                parts[i] = next((s for s in shared if s is not None), None) or k.pack(weight)
+        return PackedWeight(tuple(parts), tuple(weight.shape), weight.dtype)
 
     def unpack(self, packed: PackedWeight) -> Optional[torch.Tensor]:
         for kernel, part in zip(self.kernels, packed.data):

@@ -38,10 +38,18 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the packed copy (data, scales and zero points)."""
+        """Bytes held by the packed copy (data, scales and zero points); a tensor that two parts of
+        a dispatching kernel's copy share (one int8 weight read by two kernels) counts once."""
+        return sum(_tensor_bytes(t) for t in {id(t): t for t in self._tensors()}.values())
+
+    def _tensors(self):
         parts = self.data if isinstance(self.data, tuple) else (self.data,)
-        total = sum(p.nbytes if isinstance(p, PackedWeight) else _tensor_bytes(p) for p in parts)
-        return total + sum(_tensor_bytes(t) for t in (self.scales, self.zero_points) if t is not None)
+        for p in parts:
+            if isinstance(p, PackedWeight):
+                yield from p._tensors()
+            elif isinstance(p, torch.Tensor):
+                yield p
+        yield from (t for t in (self.scales, self.zero_points) if t is not None)
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:

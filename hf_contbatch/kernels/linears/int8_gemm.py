@@ -304,8 +304,9 @@ def _native_int8_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
 
 class NativeInt8GEMM(_CInt8Kernel):
     """Our weight-only int8 GEMM (``int8_gemm.c``, part 1): the int8 weight in panels of ``nr``
-    output columns (64 with AVX-512, 32 with 256-bit vectors), ``[ceil(out/nr), in, nr]``, float32
-    scales ``[out]``; float32 inputs, float32 accumulation, the scale applied per output.
+    output columns (64 with AVX-512, 32 with 256-bit vectors), ``[ceil(out/nr), in, nr]`` (within a
+    panel's ``nr`` bytes, column ``v * nr/4 + i`` at byte ``4 * i + v``), float32 scales ``[out]``;
+    float32 inputs, float32 accumulation, the scale applied per output.
 
     Args:
         extra_flags: compiler flags after the defaults (tests build the 256-bit path with
@@ -360,6 +361,14 @@ class NativeInt8GEMM(_CInt8Kernel):
         return _native_int8_gemm(x, packed.data, packed.scales, bias, out_features, self._lib)
 
 
+def _panel_columns(data: torch.Tensor) -> torch.Tensor:
+    """A view ``[panels, 4, nr / 4, in]`` of :class:`NativeInt8GEMM`'s packed int8 panels
+    ``[panels, in, nr]`` in output-column order: ``int8_gemm.c`` stores column ``v * nr/4 + i`` of a
+    panel in byte ``4 * i + v`` (byte ``v`` of 32-bit lane ``i``, unpacked by shifts)."""
+    panels, k, nr = data.shape
+    return data.view(panels, k, nr // 4, 4).permute(0, 3, 2, 1)
+
+
 class DequantFloatGEMM(_Int8Kernel):
     """Weight-only int8 by dequantizing and multiplying in float: for each tile of ``tile_columns``
     output columns, ``Wt = (Wq[tile] * s[tile])`` in ``x``'s dtype (float32 product, then rounded:
@@ -372,7 +381,10 @@ class DequantFloatGEMM(_Int8Kernel):
     call whatever the row count, so it pays at many rows (prefill) and loses to
     :class:`NativeInt8GEMM` at few; ``autotune`` picks per row bucket.
 
-    Packed: ``data`` the int8 weight ``[out, in]`` row-major, ``scales`` float32 ``[out]``.
+    Packed: ``data`` the int8 weight ``[out, in]`` row-major, ``scales`` float32 ``[out]``; or, when
+    it serves beside :class:`NativeInt8GEMM` (``autotune`` gave each its row buckets), that kernel's
+    own packed copy, ``[ceil(out/nr), in, nr]`` panels, read in place (:meth:`adopt`): one int8 copy
+    of the weight, not two (the point of int8 is also the memory).
 
     Args:
         tile_bytes: float32 bytes of one dequantized tile; ``tile_columns`` is this over
@@ -418,6 +430,24 @@ class DequantFloatGEMM(_Int8Kernel):
         q, s = int8_parts(weight)
         return PackedWeight(q.contiguous(), tuple(weight.shape), _logical_dtype(weight), scales=s.contiguous())
 
+    def adopt(self, packed: PackedWeight) -> Optional[PackedWeight]:
+        """This kernel's packed copy reading ``packed``'s int8 values in place, when ``packed`` is a
+        float32 :class:`NativeInt8GEMM` copy (panels ``[ceil(out/nr), in, nr]``, float32 scales
+        ``[out]``), else None. The scales are zero-padded to whole panels (a few bytes); the int8
+        data is the same tensor (``PackedWeight.nbytes`` of a dispatching copy counts it once)."""
+        data, scales = packed.data, packed.scales
+        if not isinstance(data, torch.Tensor) or data.dtype != torch.int8 or data.dim() != 3 or scales is None:
+            return None
+        n, k = packed.shape
+        panels, nr = data.shape[0], data.shape[2]
+        if packed.dtype != torch.float32 or data.shape[1] != k or not nr or panels != -(-n // nr):
+            return None
+        if scales.dtype != torch.float32 or tuple(scales.shape) != (n,):
+            return None
+        padded = torch.zeros(panels * nr, dtype=torch.float32)
+        padded[:n] = scales
+        return PackedWeight(data, (n, k), torch.float32, scales=padded)
+
     def linear(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
         """``x`` ``[..., in]`` (the packed dtype, CPU) → ``[..., out_features]``. RuntimeError when
         ``x`` or ``bias`` does not fit."""
@@ -446,15 +476,25 @@ class DequantFloatGEMM(_Int8Kernel):
             return y.reshape(*x.shape[:-1], out_features)
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
+        panels = packed.data.dim() == 3  # a NativeInt8GEMM copy, adopted: [ceil(n/nr), k, nr]
         if torch.compiler.is_compiling():  # no scratch mutation in a graph: the whole weight at once
-            w = (packed.data.float() * packed.scales[:, None]).to(x.dtype)
+            q = _panel_columns(packed.data).reshape(-1, k) if panels else packed.data
+            w = (q.float() * packed.scales[:, None])[:n].to(x.dtype)
             return torch.nn.functional.linear(x, w, bias)
         f32, low = self._scratch(k, x.dtype)
-        cols = f32.shape[0]
+        nr = packed.data.shape[2] if panels else 1
+        cols = max(nr, f32.shape[0] // nr * nr)  # whole panels per tile
         for j0 in range(0, n, cols):
             j1 = min(n, j0 + cols)
-            w32 = f32[: j1 - j0]
-            torch.mul(packed.data[j0:j1], packed.scales[j0:j1, None], out=w32)
+            if panels:  # whole panels (the last one's padding columns have scale 0), then cut
+                p0, p1 = j0 // nr, -(-j1 // nr)
+                src = _panel_columns(packed.data[p0:p1])  # [panels, 4, nr / 4, k]
+                w32 = f32[: (p1 - p0) * nr]
+                torch.mul(src, packed.scales[p0 * nr : p1 * nr].view(src.shape[:3] + (1,)), out=w32.view(src.shape))
+                w32 = w32[: j1 - j0]
+            else:
+                w32 = f32[: j1 - j0]
+                torch.mul(packed.data[j0:j1], packed.scales[j0:j1, None], out=w32)
             w = w32 if low is None else low[: j1 - j0].copy_(w32)
             if bias is None:
                 torch.mm(x2, w.t(), out=y[:, j0:j1])
