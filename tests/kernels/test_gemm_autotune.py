@@ -300,6 +300,39 @@ def test_a_kernel_far_slower_at_two_prefill_buckets_is_not_timed_at_larger_ones(
     assert times["fast"] == {64: 1.0, 128: 1.0, 256: 1.0}
 
 
+class _Scaling(_Recording):
+    """A packed kernel whose call advances ``clock`` by ``base + per_row * rows`` seconds."""
+
+    def __init__(self, name, clock, base, per_row):
+        super().__init__(name)
+        self.clock, self.base, self.per_row = clock, base, per_row
+
+    def linear(self, x, packed, bias, out_features):
+        self.clock.now += self.base + self.per_row * (x.numel() // x.shape[-1])
+        return torch.nn.functional.linear(x, packed.data, bias)
+
+    linear_verified = linear
+
+
+def _scaling_tuner(**costs):
+    clock = _FakeClock()
+    kernels = {n: _Scaling(n, clock, *c) for n, c in costs.items() if n != UNPACKED}
+    tuner = KernelTuner(kernels, cache_path=None, timer=clock)
+    tuner.candidates[UNPACKED] = _Scaling(UNPACKED, clock, *costs[UNPACKED])
+    return tuner
+
+
+def test_a_kernel_hopelessly_slower_at_two_small_buckets_and_no_closer_is_not_timed_at_larger_ones():
+    # "scalar" costs 20 per row where "fast" costs 1 (+1 a call): 20x, 20x... slower at every bucket
+    # and no closer as rows grow; "overhead" is 20x slower at 1 row by a fixed cost per call, and
+    # gets closer as rows grow (11x at 2 rows... fastest from 64): it is still timed at every bucket.
+    tuner = _scaling_tuner(fast=(0.0, 1.0), scalar=(0.0, 20.0), overhead=(20.0, 0.1), torch=(0.0, 2.0))
+    times = tuner.measure(64, 32, torch.float32, [1, 2, 4, 8, 64])
+    assert times["scalar"] == pytest.approx({1: 20.0, 2: 40.0})  # 20x at 1 and at 2 rows: left out from 4 rows
+    assert times["overhead"] == pytest.approx({1: 20.1, 2: 20.2, 4: 20.4, 8: 20.8, 64: 26.4})
+    assert times["fast"] == pytest.approx({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0, 64: 64.0})
+
+
 def _cache_with(path, table):
     """A timings file as a first (noisy) run left it: ``table[name][bucket]`` seconds."""
     tuner = KernelTuner({"a": _Recording("a"), "b": _Recording("b")}, cache_path=path, measure=_fixed(table))

@@ -65,6 +65,12 @@ _COMPUTE_ROWS = 256
 _STRIKE_FROM = 64
 _IMPLAUSIBLE = 3.0  # a bucket timed this much slower than a larger one was disturbed
 _TIMEOUT_RATIO = 4.0  # a candidate this much slower than the best stops being timed at larger buckets
+# At any rows, a candidate this much slower at two buckets in a row, and no closer at the second,
+# is no contender either: its cost grows with the rows faster than the best one's (torch's int8
+# weight-only kernel on an AVX2 CPU: 26x at 4 rows, 34x at 8), and timing it at every bucket up to
+# 64 rows took half a quantized first start. A kernel far slower at few rows by per-call overhead
+# gets closer as rows grow, and is still timed.
+_HOPELESS_RATIO = 16.0
 
 Measure = Callable[[int, int, torch.dtype, Sequence[int]], "dict[str, dict[int, float]]"]
 
@@ -332,9 +338,10 @@ class KernelTuner:
         over weight copies adding up to more than a last-level cache (up to 16 copies), so the
         weights stream from memory as a model's layers do (one copy from 256 rows on, where the GEMM
         is compute-bound, :data:`_COMPUTE_ROWS`). A candidate ``4x`` slower than the fastest at two
-        buckets in a row of at least :data:`_STRIKE_FROM` rows is not timed at larger ones (``inf``),
-        except one whose ``always_timed`` attribute is true (a kernel whose cost per call is bounded
-        and whose relative speed grows with the rows)."""
+        buckets in a row of at least :data:`_STRIKE_FROM` rows, or ``16x`` slower at two buckets in a
+        row of any size and no closer at the second (:data:`_HOPELESS_RATIO`), is not timed at larger
+        ones (``inf``), except one whose ``always_timed`` attribute is true (a kernel whose cost per
+        call is bounded and whose relative speed grows with the rows)."""
         g = torch.Generator().manual_seed(0)
         weight_bytes = in_features * out_features * torch.empty((), dtype=dtype).element_size()
         copies = max(1, min(_MAX_COPIES, math.ceil(_STREAM_BYTES / max(1, weight_bytes))))
@@ -349,6 +356,7 @@ class KernelTuner:
         result: dict = {name: {} for name in self.candidates}
         alive = sorted(packs)
         strikes = dict.fromkeys(alive, 0)
+        last_ratio = dict.fromkeys(alive, 0.0)  # at the previous bucket, if hopeless there (else 0)
         with torch.inference_mode():
             for rows in sorted(buckets):
                 x = torch.randn(rows, in_features, generator=g).to(dtype)
@@ -366,13 +374,22 @@ class KernelTuner:
 
                 best = time_interleaved({n: functools.partial(one_pass, n) for n in alive}, _ROUNDS, self.timer)
                 fastest = min(best.values()) if best else math.inf
+                hopeless = set()
                 for name, seconds in best.items():
                     result[name][rows] = seconds
                     far = rows >= _STRIKE_FROM and seconds > _TIMEOUT_RATIO * fastest
                     strikes[name] = strikes[name] + 1 if far else 0
+                    ratio = seconds / fastest if fastest > 0 else 0.0
+                    if ratio >= _HOPELESS_RATIO and last_ratio[name] and ratio >= last_ratio[name]:
+                        hopeless.add(name)
+                    last_ratio[name] = ratio if ratio >= _HOPELESS_RATIO else 0.0
                 # Far slower twice in a row: no contender, unless the kernel says its relative speed
                 # grows with the rows (``always_timed``: dequant-float, slow at few rows by design).
-                alive = [n for n in alive if strikes[n] < 2 or getattr(self.candidates[n], "always_timed", False)]
+                alive = [
+                    n
+                    for n in alive
+                    if (strikes[n] < 2 and n not in hopeless) or getattr(self.candidates[n], "always_timed", False)
+                ]
         return result
 
     def choose(
