@@ -49,7 +49,10 @@ class InputBuffers:
         self._device: dict[str, torch.Tensor] = {}
         self._grow(max(1, num_tokens), max(1, num_table_entries))
 
+    @torch.inference_mode(False)
     def _grow(self, num_tokens: int, num_table_entries: int) -> None:
+        # Ordinary tensors even when a step (in inference mode) grows them: a compiled forward
+        # guards on its inputs' dispatch keys, and an inference tensor would compile a new graph.
         self._capacity = {"tokens": num_tokens, "table": num_table_entries}
         for name, (dtype, extra, dim) in _LAYOUT.items():
             host = torch.zeros(self._capacity[dim] + extra, dtype=dtype, pin_memory=self._pin)

@@ -57,6 +57,11 @@ class CompiledForward:
         # mask code it is a paged cache, so the graph builds no mask either.
         self.graph_cache = cache.for_step(None)
         self.compiled = torch.compile(model, dynamic=False)
+        # The one logits row a step that samples nothing gets (below): an ordinary tensor like the
+        # engine's input buffers, not an inference tensor made inside the step (the graph guards
+        # on dispatch keys, and one made there compiled a fourth graph per model).
+        with torch.inference_mode(False):
+            self._one_row = torch.zeros(1, dtype=torch.int64)
         self.failed: Exception | None = None
         self.compile_seconds = 0.0  # wall time of the calls that compiled a new graph
 
@@ -81,7 +86,7 @@ class CompiledForward:
             # A step that samples nothing (a prefill chunk) still needs every attention op to run,
             # for the K/V it stores: with no logits the graph's outputs do not depend on them and
             # the compiler would drop them as dead code. One row keeps them alive.
-            kwargs["logits_to_keep"] = rows.new_zeros(1)
+            kwargs["logits_to_keep"] = self._one_row if rows.device.type == "cpu" else rows.new_zeros(1)
         for name, dim in (("input_ids", 1), ("position_ids", 1), ("logits_to_keep", 0)):
             value = kwargs.get(name)
             if isinstance(value, torch.Tensor):
