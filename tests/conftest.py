@@ -77,6 +77,18 @@ def build_model(family: str, seed: int = 0, **overrides):
     return model
 
 
+def variant_flags(base, extra):
+    """Compiler flags of a narrower build of one of our C kernels: ``base`` then ``extra``, less
+    ``-mno-avx512f`` on a CPU without AVX-512, where ``-march=native`` already has none (the very
+    build the engine loads, found in the kernel cache instead of compiled again). The test
+    session's kernel cache holds the variants: each is compiled once a session, whichever tests
+    use it (cpu_prefill.c takes 10-25 s to compile on two cores)."""
+    extra = list(extra)
+    if "-mno-avx512f" in extra and " avx512f " not in open("/proc/cpuinfo").read().replace("\n", " "):
+        extra.remove("-mno-avx512f")
+    return [*base, *extra]
+
+
 def random_prompts(lengths, seed: int = 1, vocab: int = VOCAB):
     g = torch.Generator().manual_seed(seed)
     # Avoid special ids 0-2 so EOS never appears in a prompt.

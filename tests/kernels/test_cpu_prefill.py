@@ -20,7 +20,7 @@ from hf_contbatch.kernels.attention.cpu_prefill import CPUPrefillKernel, choose_
 from hf_contbatch.kernels.attention.torch_paged import torch_paged_attention
 from hf_contbatch.kernels.native_build import LoadedOnce, build_library
 
-from conftest import build_model, random_prompts, reference_greedy
+from conftest import build_model, random_prompts, reference_greedy, variant_flags
 
 # (query tokens, context) per prefill request: fresh prompts (equal), chunks that start mid-context
 # (chunked prefill, prefix-cache hits), one token after a long prefix, and up to 300 tokens.
@@ -124,17 +124,16 @@ def test_can_serve_dense_float32_or_bfloat16_cpu_pools_only(kernel):
 
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector widths only")
-def test_the_avx2_build_matches_the_reference_too(tmp_path, monkeypatch):
+def test_the_avx2_build_matches_the_reference_too():
     # -march=native picks 16-float vectors on an AVX-512 CPU; the 8-float code that AVX2-only CPUs
     # run is built here without AVX-512 (on an AVX2-only CPU this is the same build).
     if not _has_compiler():
         pytest.skip("no C compiler")
     if "avx2" not in open("/proc/cpuinfo").read():
         pytest.skip("no AVX2 on this CPU")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     k = CPUPrefillKernel()
     k.enabled = True
-    flags = [*cpu_prefill._FLAGS, "-mno-avx512f"]
+    flags = variant_flags(cpu_prefill._FLAGS, ["-mno-avx512f"])
     k._kernel = LoadedOnce(lambda: cpu_prefill._load(build_library(cpu_prefill.PREFILL_SOURCE, flags)), "avx2", "-")
     assert k.available, k.error
     query, k_pool, v_pool, meta = _batch([], CHUNKS, block_size=16, kvh=2, heads=6, dim=64, seed=7)

@@ -25,6 +25,8 @@ from hf_contbatch.kernels.attention.torch_paged import torch_paged_attention
 from hf_contbatch.kernels.kv_spec import KVCacheSpec
 from hf_contbatch.kernels.paged_cache import PagedKVCache
 
+from conftest import variant_flags
+
 DECODE_LENS = [1, 2, 5, 9, 16, 17, 33, 64, 100]
 
 
@@ -350,7 +352,7 @@ def test_c_store_quantizes_whole_vectors_and_long_chunks_by_the_definition(cpu_b
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector widths only")
 @pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx",)], ids=["avx2", "portable"])
-def test_the_narrow_and_portable_builds_store_and_decode_int8_like_the_torch_path(flags, tmp_path, monkeypatch):
+def test_the_narrow_and_portable_builds_store_and_decode_int8_like_the_torch_path(flags):
     """The int8 store and decode of ``cpu_decode.c`` built without AVX-512 (the 8-float code AVX2-only
     CPUs run) and without AVX at all (the portable C), against the torch int8 path on the pools
     that build wrote, and the store against the definition."""
@@ -361,9 +363,8 @@ def test_the_narrow_and_portable_builds_store_and_decode_int8_like_the_torch_pat
         pytest.skip("no C compiler")
     if flags == ("-mno-avx512f",) and "avx2" not in open("/proc/cpuinfo").read():
         pytest.skip("no AVX2 on this CPU")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     backend = Int8CPUKernelAttentionBackend()
-    build = [*cpu_kernel._FLAGS, *flags]
+    build = variant_flags(cpu_kernel._FLAGS, flags)
     backend.decode_kernel._kernel = LoadedOnce(
         lambda: cpu_kernel._load(build_library(cpu_kernel.DECODE_SOURCE, build)), "narrow build", "-"
     )
@@ -396,7 +397,7 @@ def test_the_narrow_and_portable_builds_store_and_decode_int8_like_the_torch_pat
 
     prefill = cpu_prefill.CPUPrefillKernel()
     prefill.enabled = True
-    pflags = [*cpu_prefill._FLAGS, *flags]
+    pflags = variant_flags(cpu_prefill._FLAGS, flags)
     prefill._kernel = LoadedOnce(
         lambda: cpu_prefill._load(build_library(cpu_prefill.PREFILL_SOURCE, pflags)), "narrow build", "-"
     )
