@@ -112,6 +112,18 @@ def reference_greedy(model, prompt, max_new_tokens: int):
     return out[0, len(prompt) :].tolist()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_kernels_built():
+    """The CPU kernels compiled (or found in the kernel cache) once, side by side, before the first
+    engine of the session needs them: built lazily one after another they took about 20 s of
+    whichever engine test came first on two cores, 11 s side by side. Tests of a first build use
+    an empty cache of their own."""
+    if not torch.cuda.is_available():
+        from hf_contbatch.kernels.prebuild import prebuild_cpu_kernels
+
+        prebuild_cpu_kernels()
+
+
 @pytest.fixture(scope="session")
 def llama_model():
     return build_model("llama")
