@@ -263,70 +263,60 @@ def test_the_deciding_buckets_are_the_smallest_and_the_closest_race():
 
 
 class _Costly(_Recording):
-    """A packed kernel whose call advances ``clock`` by ``small`` seconds below 64 rows and by
-    ``large`` from 64 on (a fake clock: timings are exact whatever else the machine runs)."""
+    """A packed kernel whose call advances ``clock`` by ``cost(rows)`` seconds (a fake clock:
+    timings are exact whatever else the machine runs)."""
 
-    def __init__(self, name, clock, small, large):
+    def __init__(self, name, clock, cost):
         super().__init__(name)
-        self.clock, self.small, self.large = clock, small, large
+        self.clock, self.cost = clock, cost
 
     def linear(self, x, packed, bias, out_features):
-        self.clock.now += self.small if x.numel() // x.shape[-1] < 64 else self.large
+        self.clock.now += self.cost(x.numel() // x.shape[-1])
         return torch.nn.functional.linear(x, packed.data, bias)
 
     linear_verified = linear
 
 
+def _step(small, large):
+    """``small`` seconds a call below 64 rows, ``large`` from 64 on."""
+    return lambda rows: small if rows < 64 else large
+
+
+def _affine(base, per_row):
+    """``base + per_row * rows`` seconds a call."""
+    return lambda rows: base + per_row * rows
+
+
 def _costly_tuner(**costs):
     clock = _FakeClock()
-    kernels = {n: _Costly(n, clock, *c) for n, c in costs.items() if n != UNPACKED}
+    kernels = {n: _Costly(n, clock, c) for n, c in costs.items() if n != UNPACKED}
     tuner = KernelTuner(kernels, cache_path=None, timer=clock)
-    tuner.candidates[UNPACKED] = _Costly(UNPACKED, clock, *costs[UNPACKED])  # not this CPU's F.linear
+    tuner.candidates[UNPACKED] = _Costly(UNPACKED, clock, costs[UNPACKED])  # not this CPU's F.linear
     return tuner
 
 
 def test_a_kernel_far_slower_at_decode_rows_is_still_timed_at_prefill_rows():
     # 10x slower at 1-2 rows (or timed so under load), 10x faster from 64 rows: it must be timed
     # (and win) there, not left out after two slow small buckets.
-    tuner = _costly_tuner(dec=(1.0, 10.0), pre=(10.0, 1.0), torch=(5.0, 5.0))
+    tuner = _costly_tuner(dec=_step(1.0, 10.0), pre=_step(10.0, 1.0), torch=_step(5.0, 5.0))
     times = tuner.measure(64, 32, torch.float32, [1, 2, 64])
     assert times["pre"] == {1: 10.0, 2: 10.0, 64: 1.0}
 
 
 def test_a_kernel_far_slower_at_two_prefill_buckets_is_not_timed_at_larger_ones():
-    tuner = _costly_tuner(fast=(1.0, 1.0), slow=(10.0, 10.0), torch=(1.0, 1.0))
+    tuner = _costly_tuner(fast=_step(1.0, 1.0), slow=_step(10.0, 10.0), torch=_step(1.0, 1.0))
     times = tuner.measure(64, 32, torch.float32, [64, 128, 256])
     assert times["slow"] == {64: 10.0, 128: 10.0}  # left out at 256
     assert times["fast"] == {64: 1.0, 128: 1.0, 256: 1.0}
 
 
-class _Scaling(_Recording):
-    """A packed kernel whose call advances ``clock`` by ``base + per_row * rows`` seconds."""
-
-    def __init__(self, name, clock, base, per_row):
-        super().__init__(name)
-        self.clock, self.base, self.per_row = clock, base, per_row
-
-    def linear(self, x, packed, bias, out_features):
-        self.clock.now += self.base + self.per_row * (x.numel() // x.shape[-1])
-        return torch.nn.functional.linear(x, packed.data, bias)
-
-    linear_verified = linear
-
-
-def _scaling_tuner(**costs):
-    clock = _FakeClock()
-    kernels = {n: _Scaling(n, clock, *c) for n, c in costs.items() if n != UNPACKED}
-    tuner = KernelTuner(kernels, cache_path=None, timer=clock)
-    tuner.candidates[UNPACKED] = _Scaling(UNPACKED, clock, *costs[UNPACKED])
-    return tuner
-
-
 def test_a_kernel_hopelessly_slower_at_two_small_buckets_and_no_closer_is_not_timed_at_larger_ones():
-    # "scalar" costs 20 per row where "fast" costs 1 (+1 a call): 20x, 20x... slower at every bucket
+    # "scalar" costs 20 per row where "fast" costs 1: 20x slower at every bucket
     # and no closer as rows grow; "overhead" is 20x slower at 1 row by a fixed cost per call, and
     # gets closer as rows grow (11x at 2 rows... fastest from 64): it is still timed at every bucket.
-    tuner = _scaling_tuner(fast=(0.0, 1.0), scalar=(0.0, 20.0), overhead=(20.0, 0.1), torch=(0.0, 2.0))
+    tuner = _costly_tuner(
+        fast=_affine(0.0, 1.0), scalar=_affine(0.0, 20.0), overhead=_affine(20.0, 0.1), torch=_affine(0.0, 2.0)
+    )
     times = tuner.measure(64, 32, torch.float32, [1, 2, 4, 8, 64])
     assert times["scalar"] == pytest.approx({1: 20.0, 2: 40.0})  # 20x at 1 and at 2 rows: left out from 4 rows
     assert times["overhead"] == pytest.approx({1: 20.1, 2: 20.2, 4: 20.4, 8: 20.8, 64: 26.4})
