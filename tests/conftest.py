@@ -83,8 +83,10 @@ def variant_flags(base, extra):
     build the engine loads, found in the kernel cache instead of compiled again). The test
     session's kernel cache holds the variants: each is compiled once a session, whichever tests
     use it (cpu_prefill.c takes 10-25 s to compile on two cores)."""
+    from hf_contbatch.kernels.native_build import cpu_id
+
     extra = list(extra)
-    if "-mno-avx512f" in extra and " avx512f " not in open("/proc/cpuinfo").read().replace("\n", " "):
+    if "-mno-avx512f" in extra and "avx512f" not in cpu_id().split():
         extra.remove("-mno-avx512f")
     return [*base, *extra]
 

@@ -43,10 +43,6 @@ def _libraries() -> set[str]:
     return {p.name for p in directory.glob("*.so")} if directory.is_dir() else set()
 
 
-def _build_gemm() -> None:
-    native_library()
-
-
 def _build_fused() -> None:
     if fused_library() is None:  # RMSNorm / SiLU-and-mul (fuse_model_ops): the module's ops serve without it
         raise RuntimeError(fused_library_error())
@@ -65,7 +61,7 @@ def prebuild_cpu_kernels() -> KernelBuild:
         builds.append(("prefill attention", build_prefill_library))
     if allowed_by_env():
         builds.append(("decode attention", build_decode_library))
-    builds += [("GEMM", _build_gemm), ("fused model ops", _build_fused), ("token bitmask", build_bitmask_library)]
+    builds += [("GEMM", native_library), ("fused model ops", _build_fused), ("token bitmask", build_bitmask_library)]
     start = time.monotonic()
     # Each build is a compiler process (the GIL is free meanwhile); its library is written under
     # a temporary name and renamed, so concurrent builds never see a half-written file.

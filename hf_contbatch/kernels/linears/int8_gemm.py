@@ -346,13 +346,7 @@ class NativeInt8GEMM(_CInt8Kernel):
         ``bias`` does not fit the packed weight (the C kernel trusts its arguments)."""
         if torch.compiler.is_compiling():
             return torch.ops.hf_contbatch.native_int8_linear(x, packed.data, packed.scales, None, bias, out_features)
-        n, k = packed.shape
-        if x.device.type != "cpu" or x.dtype != torch.float32 or not x.dim() or x.shape[-1] != k or n != out_features:
-            raise RuntimeError(
-                f"native-int8 linear: input {tuple(x.shape)} {x.dtype} on {x.device} does not fit a packed int8 "
-                f"weight of {k} inputs and {n} outputs"
-            )
-        _check_bias(self.name, bias, out_features)
+        self.check_call(x, packed, bias, out_features)  # packed.dtype is float32: so must x be
         return _native_int8_gemm(x, packed.data, packed.scales, self.step_bias(bias), out_features, self._lib)
 
     def linear_verified(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
