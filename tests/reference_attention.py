@@ -1,7 +1,8 @@
 """Naive paged-attention reference: the specification the kernels are tested against.
 
-Deliberately slow and plain: one query token at a time, keys gathered position by position
-through the block table, softmax over the visible keys in float32. Shares no code with
+Deliberately plain: one query token at a time, each request's keys gathered position by position
+through its block table, softmax over the visible keys in float32 (elementwise products and sums,
+no matmul kernels). Shares no code with
 ``hf_contbatch.attention``.
 """
 
@@ -64,21 +65,20 @@ def reference_paged_attention(
     for b, seq_len in enumerate(seq_lens.tolist()):
         q_begin, q_end = starts[b], starts[b + 1]
         q_len = q_end - q_begin
+        # The request's keys and values in position order, looked up through its block table, and
+        # widened so that query head h sits beside its KV head h // group: [seq_len, num_heads, head_dim].
+        positions = torch.arange(seq_len)
+        blocks = block_tables[b, positions // block_size].long()
+        keys_all = k_cache[blocks, positions % block_size].float().repeat_interleave(group, dim=1)
+        values_all = v_cache[blocks, positions % block_size].float().repeat_interleave(group, dim=1)
         for i in range(q_len):
             pos = seq_len - q_len + i
             first = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
-            keys, values = [], []
-            for key_pos in range(first, pos + 1):
-                block = int(block_tables[b, key_pos // block_size])
-                keys.append(k_cache[block, key_pos % block_size].float())  # [num_kv_heads, head_dim]
-                values.append(v_cache[block, key_pos % block_size].float())
-            keys = torch.stack(keys)  # [n, num_kv_heads, head_dim]
-            values = torch.stack(values)
-            for h in range(num_heads):
-                q = query[q_begin + i, h].float()
-                scores = (keys[:, h // group] @ q) * scale
-                if softcap is not None:
-                    scores = softcap * torch.tanh(scores / softcap)
-                probs = torch.softmax(scores, dim=0)
-                out[q_begin + i, h] = probs @ values[:, h // group]
+            keys, values = keys_all[first : pos + 1], values_all[first : pos + 1]  # [n, num_heads, head_dim]
+            q = query[q_begin + i].float()  # [num_heads, head_dim]
+            scores = (keys * q).sum(-1) * scale  # [n, num_heads]
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
+            probs = torch.softmax(scores, dim=0)
+            out[q_begin + i] = (probs.unsqueeze(-1) * values).sum(0)
     return out.to(query.dtype)
