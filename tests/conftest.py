@@ -145,13 +145,20 @@ LM_EVAL_TASKS_DIR = "tests/data/lm_eval_tasks"  # the task YAMLs name their json
 LM_EVAL_TASKS = ["hfcb_pydoc_gen", "hfcb_pydoc_choice", "hfcb_pydoc_text"]
 
 
+def local_task_manager():
+    """An lm-eval ``TaskManager`` that knows our local tasks only: indexing lm-eval's thousands of
+    built-in task YAMLs as well took about 20 s per TaskManager on a 2-core machine."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=LM_EVAL_TASKS_DIR, include_defaults=False)
+
+
 @pytest.fixture(scope="session")
 def lm_eval_hf_results():
     """lm-eval's own ``hf`` model on the embedded model (float32, CPU) over the three local tasks,
     with samples: the reference of tests/frontends/test_integrations_lm_eval.py and, for the base
     model, of test_lora_frontends.py; evaluated once per session (lm-eval must be installed)."""
     lm_eval = pytest.importorskip("lm_eval")
-    from lm_eval.tasks import TaskManager
 
     from hf_contbatch.default_model import default_model_path
 
@@ -162,7 +169,7 @@ def lm_eval_hf_results():
             model="hf",
             model_args=f"pretrained={default_model_path()},dtype=float32,device=cpu",
             tasks=LM_EVAL_TASKS,
-            task_manager=TaskManager(include_path=LM_EVAL_TASKS_DIR),
+            task_manager=local_task_manager(),
             log_samples=True,
             bootstrap_iters=0,
         )

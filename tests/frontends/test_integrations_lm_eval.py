@@ -18,7 +18,7 @@ import torch
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from hf_contbatch.default_model import default_model_path
 
-from conftest import LM_EVAL_TASKS, LM_EVAL_TASKS_DIR, build_model, random_prompts
+from conftest import LM_EVAL_TASKS, LM_EVAL_TASKS_DIR, build_model, local_task_manager, random_prompts
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -37,15 +37,13 @@ def in_repo_root():
 
 
 def _evaluate(model: str) -> dict:
-    from lm_eval.tasks import TaskManager
-
     import hf_contbatch.integrations.lm_eval  # noqa: F401  (registers hf-contbatch)
 
     return lm_eval.simple_evaluate(
         model=model,
         model_args=MODEL_ARGS,
         tasks=TASKS,
-        task_manager=TaskManager(include_path=TASKS_DIR),
+        task_manager=local_task_manager(),
         log_samples=True,
         bootstrap_iters=0,
     )
@@ -105,8 +103,6 @@ def test_rolling_loglikelihood_and_perplexities_equal_hf(hf_results, our_results
 
 @pytest.mark.timeout(300)
 def test_loglikelihoods_with_prefix_caching_of_shared_contexts_equal_hf(hf_results, in_repo_root):
-    from lm_eval.tasks import TaskManager
-
     from hf_contbatch.integrations.lm_eval import ContinuousBatchingLM
 
     # a few sequences at a time, so later requests of a question find its context's blocks cached
@@ -118,7 +114,7 @@ def test_loglikelihoods_with_prefix_caching_of_shared_contexts_equal_hf(hf_resul
         results = lm_eval.simple_evaluate(
             model=lm,
             tasks=[task],
-            task_manager=TaskManager(include_path=TASKS_DIR),
+            task_manager=local_task_manager(),
             log_samples=True,
             bootstrap_iters=0,
         )

@@ -26,6 +26,8 @@ from hf_contbatch import CacheConfig
 from hf_contbatch.cli import main
 from hf_contbatch.default_model import default_model_path
 
+from conftest import local_task_manager
+
 peft = pytest.importorskip("peft")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -147,7 +149,6 @@ def _responses(results) -> dict:
 def _evaluate(model: str, model_args: str) -> dict:
     """``lm_eval.simple_evaluate`` of the generation task, run from the repository root."""
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     import hf_contbatch.integrations.lm_eval  # noqa: F401  (registers hf-contbatch)
 
@@ -158,7 +159,7 @@ def _evaluate(model: str, model_args: str) -> dict:
             model=model,
             model_args=model_args,
             tasks=[TASK],
-            task_manager=TaskManager(include_path=TASKS_DIR),
+            task_manager=local_task_manager(),
             log_samples=True,
             bootstrap_iters=0,
         )
