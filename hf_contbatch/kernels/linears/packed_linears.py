@@ -86,12 +86,16 @@ class PackedLinears:
     def refresh(self) -> None:
         """Repack every weight changed since it was packed. A compiled forward cannot check the
         weights' versions inside its graph, so it calls this before each step instead."""
-        for f in self.forwards:
-            if f.group is not None:
-                if f is f.group.members[0]:
-                    f.group.repack_if_changed()
-            elif f.active:
-                f.repack_if_changed()
+        # Repacked tensors are ordinary tensors, as at packing time, even when called inside the
+        # step's inference mode: a compiled graph guards on its inputs' dispatch keys, and a bias
+        # repacked as an inference tensor recompiled every graph of the model after a weight change.
+        with torch.inference_mode(False):
+            for f in self.forwards:
+                if f.group is not None:
+                    if f is f.group.members[0]:
+                        f.group.repack_if_changed()
+                elif f.active:
+                    f.repack_if_changed()
 
     @contextlib.contextmanager
     def verified_step(self):
