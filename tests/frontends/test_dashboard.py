@@ -220,6 +220,25 @@ def test_refresher_ends_by_itself_when_the_engine_closes():
     assert "closed" in dash.header.value
 
 
+@pytest.mark.timeout(20)
+def test_an_explicit_refresh_sends_every_value_even_unchanged_ones():
+    # The refresher thread's messages belong to no notebook cell, and a tool that records a cell's
+    # messages (nbclient, nbconvert --execute) drops them: refresh() and stop() must send the frame
+    # in full, or a saved notebook could keep an older frame than the one on screen.
+    source = FakeSource(make_stats())
+    dash = Dashboard(source)
+    sent = []
+    for w in dash._widgets:
+        w._send = lambda msg, buffers=None, w=w: sent.append((w, msg))
+    dash._refresh(only_if_changed=False)  # what the refresher does: the grid did not change, not sent
+    assert dash.grid not in {w for w, _ in sent}
+    sent.clear()
+    dash.refresh()
+    assert {w for w, _ in sent} == set(dash._widgets)
+    grid_states = [msg["state"] for w, msg in sent if w is dash.grid]
+    assert grid_states and "4/8 in use" in grid_states[-1]["value"]
+
+
 @pytest.mark.timeout(10)
 def test_bad_arguments_are_rejected_with_the_argument_name():
     source = FakeSource(make_stats())

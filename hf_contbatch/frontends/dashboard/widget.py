@@ -132,8 +132,9 @@ class Dashboard:
 
     # --- public ---------------------------------------------------------------------------------
     def refresh(self):
-        """Take a snapshot and update every widget now (on the calling thread); returns the snapshot."""
-        return self._refresh(only_if_changed=False)[0]
+        """Take a snapshot and update every widget now (on the calling thread, each widget's values
+        sent in full); returns the snapshot."""
+        return self._refresh(only_if_changed=False, resend=True)[0]
 
     def start(self) -> "Dashboard":
         """Start the refresher thread (done on display); no-op if it runs."""
@@ -164,7 +165,7 @@ class Dashboard:
         self._thread = None
         if was_running and not self._source_closed():
             with contextlib.suppress(Exception):  # a view must never fail its caller
-                self._refresh(only_if_changed=False)
+                self._refresh(only_if_changed=False, resend=True)
 
     def close(self) -> None:
         """Stop refreshing and close the widgets (their views disappear)."""
@@ -212,8 +213,12 @@ class Dashboard:
             old = self._samples[-2]
         return (tokens - old[1]) / max(now - old[0], 1e-9)
 
-    def _refresh(self, only_if_changed: bool) -> tuple[Any, bool]:
-        """(snapshot, whether the widgets were updated)."""
+    def _refresh(self, only_if_changed: bool, resend: bool = False) -> tuple[Any, bool]:
+        """(snapshot, whether the widgets were updated). ``resend``: send every rendered value, also
+        those that did not change. The refresher thread's messages belong to no cell, and a tool
+        that records a cell's messages (nbclient, ``jupyter nbconvert --execute``) drops them; an
+        unchanged value sends nothing, so without this a saved notebook could keep an older frame
+        than the one an explicit refresh() shows."""
         with self._lock:
             stats = self.source.stats()
             now = time.monotonic()
@@ -247,6 +252,12 @@ class Dashboard:
                     held.enter_context(w.hold_sync())
                 for (widget, trait), value in values.items():
                     setattr(widget, trait, value)
+            if resend:
+                traits: dict = {}
+                for widget, trait in values:
+                    traits.setdefault(widget, []).append(trait)
+                for widget, keys in traits.items():
+                    widget.send_state(keys)
             self.num_refreshes += 1
             return stats, True
 
