@@ -3,6 +3,7 @@ default model; assertions read the saved outputs and the saved widget state (nb.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import os
@@ -27,15 +28,39 @@ from jupyter_fixtures import (
 NOTEBOOK_NAMES = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
 
 
-def execute(name: str, tmp_path, monkeypatch):
-    """Run notebooks/<name> in a fresh python3 kernel (cwd notebooks/) and return the executed notebook."""
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory) -> dict:
+    """Every notebook run at once, each in a fresh python3 kernel of its own (cwd notebooks/):
+    ``{name: executed notebook, or the exception its run raised}``. A kernel's run is mostly
+    importing torch on one core: two cores run the three side by side in less time than one after
+    another."""
     require_default_model()
-    for var, value in jupyter_env(tmp_path / "jupyter-state").items():
-        monkeypatch.setenv(var, value)  # the kernel inherits them: no state in $HOME, this checkout importable
-    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    NotebookClient(
-        nb, timeout=120, startup_timeout=60, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}
-    ).execute()
+    state = tmp_path_factory.mktemp("jupyter-state")
+
+    async def run_all() -> list:
+        clients = [
+            NotebookClient(
+                nbformat.read(NOTEBOOKS / name, as_version=4),
+                timeout=180,
+                startup_timeout=90,
+                kernel_name="python3",
+                resources={"metadata": {"path": str(NOTEBOOKS)}},
+            )
+            for name in NOTEBOOK_NAMES
+        ]
+        return await asyncio.gather(*(c.async_execute() for c in clients), return_exceptions=True)
+
+    with pytest.MonkeyPatch.context() as mp:
+        for var, value in jupyter_env(state).items():
+            mp.setenv(var, value)  # the kernels inherit them: no state in $HOME, this checkout importable
+        return dict(zip(NOTEBOOK_NAMES, asyncio.run(run_all())))
+
+
+def execute(executed: dict, name: str):
+    """notebooks/<name> as its kernel left it (the run's own exception if it failed)."""
+    nb = executed[name]
+    if isinstance(nb, BaseException):
+        raise nb
     return nb
 
 
@@ -56,8 +81,8 @@ def test_three_notebooks_are_committed_without_outputs():
 
 
 @pytest.mark.timeout(240)
-def test_quickstart_matches_transformers_pipeline_and_shows_progress(tmp_path, monkeypatch):
-    nb = execute("01_quickstart.ipynb", tmp_path, monkeypatch)
+def test_quickstart_matches_transformers_pipeline_and_shows_progress(executed):
+    nb = execute(executed, "01_quickstart.ipynb")
     assert "identical greedy outputs: True" in cell_text(cell_by_tag(nb, "compare"))
 
     # tqdm.auto chose its notebook bar (a widget) and the saved state shows it complete: 4 of 4 requests.
@@ -74,8 +99,8 @@ def test_quickstart_matches_transformers_pipeline_and_shows_progress(tmp_path, m
 
 
 @pytest.mark.timeout(240)
-def test_dashboard_notebook_saves_final_state_with_preemptions_and_no_leaked_block(tmp_path, monkeypatch):
-    nb = execute("02_dashboard.ipynb", tmp_path, monkeypatch)
+def test_dashboard_notebook_saves_final_state_with_preemptions_and_no_leaked_block(executed):
+    nb = execute(executed, "02_dashboard.ipynb")
     assert widget_views(cell_by_tag(nb, "setup")), "pipe.dashboard() as the last expression displayed no widget"
 
     (grid,) = models_with_class(nb, "hfcb-block-grid")
@@ -103,8 +128,8 @@ def test_dashboard_notebook_saves_final_state_with_preemptions_and_no_leaked_blo
 
 
 @pytest.mark.timeout(240)
-def test_static_vs_continuous_notebook_plots_both_runs(tmp_path, monkeypatch):
-    nb = execute("03_static_vs_continuous.ipynb", tmp_path, monkeypatch)
+def test_static_vs_continuous_notebook_plots_both_runs(executed):
+    nb = execute(executed, "03_static_vs_continuous.ipynb")
     plot = cell_by_tag(nb, "plot")
     pngs = [o["data"]["image/png"] for o in plot.outputs if "image/png" in o.get("data", {})]
     assert pngs, "no matplotlib figure"
