@@ -2,8 +2,7 @@
 
 Deliberately plain: one query token at a time, each request's keys gathered position by position
 through its block table, softmax over the visible keys in float32 (elementwise products and sums,
-no matmul kernels). Shares no code with
-``hf_contbatch.attention``.
+no matmul kernels). Shares no code with ``hf_contbatch.attention``.
 """
 
 from __future__ import annotations
