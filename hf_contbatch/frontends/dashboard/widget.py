@@ -247,17 +247,16 @@ class Dashboard:
             self._last_key, self._last_stats, self._rate = key, stats, rate
             self._history.append((now, rate or 0.0, stats.num_used_blocks))
             values = self._render(stats, rate)
+            unchanged: dict = {}  # widget -> its traits that setting sends nothing for (resend only)
             with contextlib.ExitStack() as held:
                 for w in self._widgets:
                     held.enter_context(w.hold_sync())
                 for (widget, trait), value in values.items():
+                    if resend and getattr(widget, trait) == value:
+                        unchanged.setdefault(widget, []).append(trait)
                     setattr(widget, trait, value)
-            if resend:
-                traits: dict = {}
-                for widget, trait in values:
-                    traits.setdefault(widget, []).append(trait)
-                for widget, keys in traits.items():
-                    widget.send_state(keys)
+            for widget, keys in unchanged.items():  # changed values went once, with the hold's sync
+                widget.send_state(keys)
             self.num_refreshes += 1
             return stats, True
 
