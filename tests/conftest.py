@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
@@ -112,6 +113,16 @@ def reference_greedy(model, prompt, max_new_tokens: int):
         )
     assert out.shape[1] == len(prompt) + max_new_tokens
     return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises ``KeyboardInterrupt`` in the main thread during the test, as in a terminal or
+    a Jupyter kernel, also where the test process inherited SIGINT ignored (a shell starts its
+    background jobs so, and Python then keeps it ignored): tests of Ctrl-C and the Stop button."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -292,7 +292,7 @@ def _interrupt_when(predicate, timeout: float = 60.0) -> threading.Thread:
 
 
 @pytest.mark.timeout(240)
-def test_interrupting_blocking_calls_twice_cancels_only_their_requests(embedded):
+def test_interrupting_blocking_calls_twice_cancels_only_their_requests(embedded, sigint_raises):
     from hf_contbatch import ContinuousBatchingPipeline
 
     model, tok = embedded

@@ -99,7 +99,7 @@ def test_breaking_out_of_a_stream_keeps_a_held_handle_generating(pipe):
 
 
 @pytest.mark.timeout(120)
-def test_stop_while_streaming_cancels_that_request_and_reraises(pipe):
+def test_stop_while_streaming_cancels_that_request_and_reraises(pipe, sigint_raises):
     other = pipe.submit("Lists are", max_new_tokens=60, ignore_eos=True, do_sample=False)
     handle = pipe.submit("Exceptions are", max_new_tokens=400, ignore_eos=True, do_sample=False)
     first = threading.Event()
@@ -114,7 +114,7 @@ def test_stop_while_streaming_cancels_that_request_and_reraises(pipe):
 
 
 @pytest.mark.timeout(180)
-def test_progress_bar_states_rates_and_closes_with_the_outcome(pipe, capsys):
+def test_progress_bar_states_rates_and_closes_with_the_outcome(pipe, capsys, sigint_raises):
     pipe(PROMPTS, max_new_tokens=6, do_sample=False, progress_bar=True)
     done = capsys.readouterr().err.strip().split("\r")[-1]
     assert "3/3" in done and " req/s, " in done and " tok/s" in done and "s/req" not in done
