@@ -62,7 +62,9 @@ def main(argv=None) -> int:
         return_full_text=False,
     )
     seconds = time.monotonic() - t0
-    print(f"[rank {info['process_index']}/{info['num_processes']}] done in {seconds:.1f} s", file=sys.stderr)
+    # One write per line: the ranks share stderr, and print() writes the text and its newline
+    # separately, so another rank's line could land between them.
+    sys.stderr.write(f"[rank {info['process_index']}/{info['num_processes']}] done in {seconds:.1f} s\n")
     if results is None:
         return 0
     rows = [{"prompt": p, "generated_text": r[0]["generated_text"]} for p, r in zip(prompts, results)]
@@ -79,7 +81,7 @@ def main(argv=None) -> int:
         "num_prompts": len(prompts),
         "seconds": round(seconds, 2),
     }
-    print(json.dumps(summary), file=sys.stderr)
+    sys.stderr.write(json.dumps(summary) + "\n")
     return 0
 
 
