@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 import shutil
@@ -326,6 +327,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_first_run_builds_the_c_kernels_before_the_timed_call_and_says_so_once(tmp_path):
     """A first run on a machine (an empty kernel cache) builds the kernels before the timed call,
@@ -403,6 +405,7 @@ def test_a_cached_hub_id_loads_from_the_cache_when_the_hub_does_not_answer_and_s
     assert record["generated_text"] == expected[0]["generated_text"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_generate_int8_says_the_weight_format_and_checks_quality(tmp_path, capsys, monkeypatch):
     from hf_contbatch.engine import quality
@@ -425,8 +428,24 @@ def test_generate_int8_says_the_weight_format_and_checks_quality(tmp_path, capsy
     model = transformers.AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(default_model_path())
     want = quality_report(model, tok)  # the report the CLI prints, from Python
+    # The same lines, with the figures equal to float32 rounding: on one torch thread (a pytest-xdist
+    # worker) the CLI's int8 KV perplexity once printed 1542.4698 and this run's 1542.4697.
     for line in want.lines():
-        assert line in err
+        assert any(_same_but_rounding(line, got) for got in err.splitlines()), (line, err)
+
+
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
+
+
+def _same_but_rounding(want: str, got: str) -> bool:
+    """``got`` reads as ``want`` with every number within 1e-5 relative (or 0.011 absolute, the
+    last printed digit of a percentage); integers such as token counts must be equal."""
+    if _NUMBER.sub("#", want) != _NUMBER.sub("#", got):
+        return False
+    pairs = zip(_NUMBER.findall(want), _NUMBER.findall(got))
+    return all(
+        (a == b) if "." not in a else math.isclose(float(a), float(b), rel_tol=1e-5, abs_tol=0.011) for a, b in pairs
+    )
 
 
 @pytest.mark.timeout(60)
