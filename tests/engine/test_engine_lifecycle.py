@@ -328,6 +328,7 @@ print("leaving with requests in flight")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_script_that_ends_with_requests_in_flight_and_no_close_exits_cleanly():
     # Before the exit hook, the engine's daemon thread was still inside torch's kernels while the

@@ -37,6 +37,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_cpu_ranks_shard_prompts_and_gather_them_in_input_order(tmp_path, reference_texts):
     launcher = shutil.which("accelerate")

@@ -204,6 +204,7 @@ def test_default_model_and_generation_driven_in_the_callers_thread():
         lm.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_eval_command_runs_lm_eval_with_our_model_type(tmp_path):
     out = tmp_path / "out"

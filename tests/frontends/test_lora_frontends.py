@@ -184,6 +184,7 @@ def test_lm_eval_peft_argument_serves_the_adapter(adapter_dirs, hf_peft_response
     assert _evaluate("hf-contbatch", args) == hf_peft_responses
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_lm_eval_peft_argument_with_two_data_parallel_cpu_ranks(adapter_dirs, hf_peft_responses, tmp_path):
     launcher = shutil.which("accelerate")

@@ -80,6 +80,7 @@ def test_three_notebooks_are_committed_without_outputs():
                 assert cell.outputs == [] and cell.execution_count is None, f"{name}: outputs committed"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_quickstart_matches_transformers_pipeline_and_shows_progress(executed):
     nb = execute(executed, "01_quickstart.ipynb")
@@ -98,6 +99,7 @@ def test_quickstart_matches_transformers_pipeline_and_shows_progress(executed):
     assert "KV blocks" in cell_text(cell_by_tag(nb, "stats"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_dashboard_notebook_saves_final_state_with_preemptions_and_no_leaked_block(executed):
     nb = execute(executed, "02_dashboard.ipynb")
@@ -127,6 +129,7 @@ def test_dashboard_notebook_saves_final_state_with_preemptions_and_no_leaked_blo
     assert "0/48 used" in summary
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_static_vs_continuous_notebook_plots_both_runs(executed):
     nb = execute(executed, "03_static_vs_continuous.ipynb")

@@ -18,6 +18,9 @@ from hf_contbatch.kernels.attention import triton_kernels as tk  # noqa: E402
 _ELEM_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 
 
+pytestmark = pytest.mark.slow  # the module fixture compiles a sample of kernels for NVIDIA archs
+
+
 @pytest.fixture(scope="module")
 def sampled_results():
     return triton_aot.run_plan_subprocess("sampled", triton_aot.ARCHS, workers=2, timeout=540)
