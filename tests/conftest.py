@@ -5,8 +5,17 @@ from __future__ import annotations
 import os
 import signal
 
-import pytest
-import torch
+# Under pytest-xdist (the README's `-n 2`) each worker runs torch on one thread, as do the scripts,
+# kernels and servers its tests start: two workers with a thread pool each per core fought over two
+# cores and ran the suite slower than one process did. Set before torch starts its thread pool.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case a plugin imported torch first
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Triton reads TRITON_INTERPRET when a kernel is decorated (at import of our kernels module), so it
@@ -196,3 +205,27 @@ def ref_model():
     from hf_contbatch.default_model import default_model_path
 
     return AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
+
+
+def pytest_sessionstart(session):
+    """Under pytest-xdist, the controller builds the CPU kernels (``_cpu_kernels_built``) while its
+    workers start and collect (about 25 s): they then find the kernels in the kernel cache instead
+    of both compiling the same ones at once on a cold cache. The compilers are subprocesses, so the
+    controller's thread holds no lock its event loop needs."""
+    numprocesses = getattr(session.config.option, "numprocesses", None)
+    if numprocesses and not os.environ.get("PYTEST_XDIST_WORKER") and not torch.cuda.is_available():
+        import threading
+
+        from hf_contbatch.kernels.prebuild import prebuild_cpu_kernels
+
+        session.config.stash[_PREBUILD] = thread = threading.Thread(target=prebuild_cpu_kernels, daemon=True)
+        thread.start()
+
+
+def pytest_sessionfinish(session):
+    thread = session.config.stash.get(_PREBUILD, None)
+    if thread is not None:
+        thread.join()
+
+
+_PREBUILD = pytest.StashKey()
