@@ -6,6 +6,7 @@ home directory; the kernels import this checkout (PYTHONPATH) and never reach th
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import secrets
@@ -118,9 +119,9 @@ def browser_missing_reason() -> str | None:
     if not os.access(CHROMIUM, os.X_OK):
         missing.append(f"{CHROMIUM} (run .ci/install-system-packages.sh)")
     for module in ("playwright", "jupyterlab"):
-        try:
-            __import__(module)
-        except ImportError:
+        # Found, not imported: importing jupyterlab loads jupyter_server and jsonschema (about 5 s),
+        # which every pytest-xdist worker would pay when it collects the browser tests.
+        if importlib.util.find_spec(module) is None:
             missing.append(f"the {module} package (pip install -e '.[dev]')")
     return "browser test needs " + " and ".join(missing) if missing else None
 

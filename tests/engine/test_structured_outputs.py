@@ -10,7 +10,6 @@ import json
 import re
 import threading
 
-import jsonschema
 import pytest
 import torch
 import xgrammar as xgr
@@ -20,6 +19,8 @@ from xgrammar.contrib.hf import LogitsProcessor as XgrammarProcessor
 import hf_contbatch
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from hf_contbatch.default_model import default_model_path
+
+from conftest import validate_json
 
 # Bounded everywhere, so that a sampled output always ends well inside max_new_tokens.
 PERSON = {
@@ -115,7 +116,7 @@ def texts(records) -> list[str]:
 
 # --- sampled batches: every output satisfies its constraint ---------------------------------------------
 @pytest.mark.timeout(300)
-def test_sampled_json_schema_outputs_parse_and_validate(pipe):
+def test_sampled_json_schema_outputs_parse_andvalidate_json(pipe):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
     out = pipe(
         PROMPTS,
@@ -127,7 +128,7 @@ def test_sampled_json_schema_outputs_parse_and_validate(pipe):
         return_full_text=False,
     )
     for text in texts(out):
-        jsonschema.validate(json.loads(text), PERSON)
+        validate_json(json.loads(text), PERSON)
     assert_nothing_left(pipe.engine)
 
 
@@ -169,7 +170,7 @@ def test_forks_each_follow_the_grammar_with_their_own_matcher(pipe):
     prompts = PROMPTS[:3]
     for prompt, recs in zip(prompts, out):
         for rec in recs:
-            jsonschema.validate(json.loads(rec["generated_text"][len(prompt) :]), PERSON)
+            validate_json(json.loads(rec["generated_text"][len(prompt) :]), PERSON)
     assert_nothing_left(pipe.engine)
 
 
@@ -333,7 +334,7 @@ def test_a_schema_repeated_over_submits_is_parsed_once_and_the_parsed_cache_is_b
     ]
     for h in handles:
         text = pipe.tokenizer.decode(token_ids(h)[0], skip_special_tokens=True)
-        jsonschema.validate(json.loads(text), schema)
+        validate_json(json.loads(text), schema)
     assert len(parses) == 1
     for k in range(PARSED_CACHE_SIZE + 3):  # distinct schemas: each parsed, the oldest forgotten
         pipe.engine.build_request([1, 2], SamplingParams(max_new_tokens=1, structured_outputs={"json": {"const": k}}))

@@ -15,7 +15,6 @@ import re
 import shutil
 import time
 
-import nbformat
 import pytest
 
 from jupyter_fixtures import (  # noqa: F401 - fixtures used by name
@@ -42,6 +41,9 @@ IN_USE_TITLE = re.compile(r'title="block \d+ · request \d+"')
 # 4 s after it here; the CI machine once finished it before the kernel read idle).
 ROUNDS = 4
 
+# nbformat (and nbclient) are imported in the functions that use them: with jsonschema they take about
+# 3-4 s to import, which every pytest-xdist worker would pay when it collects this module.
+
 
 def _save_docs_picture(png: bytes, name: str, colours: int = 128) -> None:
     """With HF_CONTBATCH_UPDATE_DOCS=1: ``png`` as docs/<name>, reduced to a small palette PNG."""
@@ -57,6 +59,8 @@ def _save_docs_picture(png: bytes, name: str, colours: int = 128) -> None:
 
 
 def _cell_index(tag: str) -> int:
+    import nbformat
+
     nb = nbformat.read(NOTEBOOKS / "02_dashboard.ipynb", as_version=4)
     return next(i for i, c in enumerate(nb.cells) if tag in c.metadata.get("tags", []))
 
@@ -65,6 +69,8 @@ def _copy_with_rounds(root, rounds: int) -> None:
     """The dashboard notebook with ``rounds`` of background requests, and its busy cell's requests
     made 2.5x longer (still within the 48-block pool), so that the cell is still running after
     two screenshots on a fast CPU."""
+    import nbformat
+
     path = copy_notebook("02_dashboard.ipynb", root)
     nb = nbformat.read(path, as_version=4)
     cell = nb.cells[_cell_index("background")]
@@ -193,6 +199,8 @@ def _tile(page, label: str) -> str:
 
 @pytest.mark.timeout(300)
 def test_default_pool_grid_is_readable_and_no_number_is_stale(lab_server, browser, tmp_path):
+    import nbformat
+
     require_default_model()
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}

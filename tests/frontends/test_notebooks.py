@@ -9,9 +9,7 @@ import io
 import os
 import re
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
 
 from jupyter_fixtures import (
     NOTEBOOKS,
@@ -27,6 +25,9 @@ from jupyter_fixtures import (
 
 NOTEBOOK_NAMES = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
 
+# nbformat (and nbclient) are imported in the functions that use them: with jsonschema they take about
+# 3-4 s to import, which every pytest-xdist worker would pay when it collects this module.
+
 
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory) -> dict:
@@ -34,6 +35,9 @@ def executed(tmp_path_factory) -> dict:
     ``{name: executed notebook, or the exception its run raised}``. A kernel's run is mostly
     importing torch on one core: two cores run the three side by side in less time than one after
     another."""
+    import nbformat
+    from nbclient import NotebookClient
+
     require_default_model()
     state = tmp_path_factory.mktemp("jupyter-state")
 
@@ -70,6 +74,8 @@ def widget_views(cell) -> list[str]:
 
 @pytest.mark.timeout(10)
 def test_three_notebooks_are_committed_without_outputs():
+    import nbformat
+
     assert NOTEBOOK_NAMES == ["01_quickstart.ipynb", "02_dashboard.ipynb", "03_static_vs_continuous.ipynb"]
     for name in NOTEBOOK_NAMES:
         nb = nbformat.read(NOTEBOOKS / name, as_version=4)

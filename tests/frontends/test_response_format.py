@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 
-import jsonschema
 import pytest
 
 from hf_contbatch.cli import main
 from hf_contbatch.frontends.response_format import response_format_params, structured_outputs_per_prompt
 from hf_contbatch.request import StructuredOutputsParams
+
+from conftest import validate_json
 
 SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
 
@@ -72,7 +73,7 @@ def test_cli_response_format_file_and_per_line_response_format(tmp_path, capsys)
     args = ["generate", "--input", str(inp), "--output", str(out), "--response-format", str(tmp_path / "schema.json")]
     assert main([*args, "--max-new-tokens", "32", "--quiet"]) == 0
     rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
-    jsonschema.validate(json.loads(rows[0]["generated_text"]), SCHEMA)
+    validate_json(json.loads(rows[0]["generated_text"]), SCHEMA)
     assert 0 <= json.loads(rows[1]["generated_text"]) <= 9
     with pytest.raises(SystemExit) as exit_info:  # one error line naming the file, exit status 2
         main(["generate", "--response-format", str(tmp_path / "missing.json")])
