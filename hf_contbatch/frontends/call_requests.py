@@ -92,6 +92,10 @@ class CallRequestBuilder:
                 "`num_return_sequences` > 1 needs `do_sample=True` (greedy decoding would return the same sequence)"
             )
         checker = self.stop_checkers.checker(stop_strings)
+        for flag in ("ignore_eos", "progress_bar"):  # bool("no") is True: a string would be read as on
+            value = eng.get(flag)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"`{flag}` must be True or False, got {value!r}")
         priorities = _priorities(eng.get("priority", 0), len(prompts))
         adapters = _adapter_names(eng.get("adapter_names"), len(prompts))
         prefix_len = prefix_length(self.tokenizer, pre) if cfg.max_new_tokens is None or cfg.min_length else 0
@@ -112,7 +116,7 @@ class CallRequestBuilder:
             sp = sampling_params_from_config(
                 prompt_cfg,
                 len(ids),
-                ignore_eos=bool(eng.get("ignore_eos", False)),
+                ignore_eos=eng.get("ignore_eos") or False,
                 seed=eng.get("seed"),
                 prefix_len=prefix_len,
             )

@@ -7,12 +7,13 @@ Used by ``ContinuousBatchingPipeline`` and by the lm-eval integration (no pipeli
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 from typing import Optional
 
 from transformers import GenerationConfig
 
-from ..config import check_int, is_int
+from ..config import CacheConfig, EngineConfig, SchedulerConfig, check_int, is_int
 from ..engine.logits_processors import PROCESSOR_SETTINGS, UNSUPPORTED_GENERATION, check_supported
 from ..request import SamplingParams
 
@@ -221,6 +222,9 @@ def split_call_kwargs(kwargs: dict) -> dict:
                 f"{', '.join(SUPPORTED_GENERATION_KWARGS)}"
             )
         else:
+            config_hint = _config_field_hint(key)
+            if config_hint:
+                raise ValueError(config_hint)
             known = (*SUPPORTED_GENERATION_KWARGS, *PREPROCESS_KWARGS, *POSTPROCESS_KWARGS, *ENGINE_KWARGS)
             close = difflib.get_close_matches(key, known, n=1)
             hint = f" (did you mean `{close[0]}`?)" if close else ""
@@ -235,6 +239,24 @@ def split_call_kwargs(kwargs: dict) -> dict:
         groups["gen"]["stop_strings"] = [stop] if isinstance(stop, str) else stop
     groups["post"] = resolve_return_type(groups["post"])
     return groups
+
+
+def _config_field_hint(key: str) -> Optional[str]:
+    """Where ``key`` belongs when it is a field of the engine's configs (``num_blocks``,
+    ``max_num_seqs``...): those size the engine, so they are given once, when the pipeline is built.
+    None for any other name, and for ``dtype`` (the pipeline's own argument names the model's dtype;
+    ``CacheConfig.dtype`` is the KV cache's)."""
+    for cls, arg in (
+        (CacheConfig, "cache_config"),
+        (SchedulerConfig, "scheduler_config"),
+        (EngineConfig, "engine_config"),
+    ):
+        if key != "dtype" and key in {f.name for f in dataclasses.fields(cls)}:
+            return (
+                f"unknown argument `{key}`: it is a {cls.__name__} field, set when the pipeline is built: "
+                f'hf_contbatch.pipeline("text-generation", ..., {arg}={cls.__name__}({key}=...))'
+            )
+    return None
 
 
 def resolve_return_type(post: dict) -> dict:
@@ -272,20 +294,37 @@ def resolve_return_type(post: dict) -> dict:
     return post
 
 
-_INT_KWARGS = ("max_new_tokens", "min_new_tokens", "max_length", "top_k", "num_return_sequences")
-_FLOAT_KWARGS = ("temperature", "top_p", "repetition_penalty")
+# The allowed values, said in a type error as the range checks say them (SamplingParams, the
+# engine's request factory).
+_INT_KWARGS = {
+    "max_new_tokens": "an int >= 1",
+    "min_new_tokens": "an int >= 0",
+    "max_length": "an int >= 1",
+    "top_k": "an int >= 0 (0: off)",
+    "num_return_sequences": "an int >= 1",
+}
+_FLOAT_KWARGS = {
+    "temperature": "a number > 0 (used when do_sample=True)",
+    "top_p": "a number in (0, 1]",
+    "repetition_penalty": "a number > 0",
+}
 
 
 def check_generation_kwarg_types(kwargs: dict) -> None:
-    """Type errors named by argument, before GenerationConfig turns them into TypeErrors."""
-    for key in _INT_KWARGS:
+    """Type errors named by argument, with the allowed values, before GenerationConfig turns them
+    into TypeErrors.
+
+    Raises:
+        ValueError: ``"`max_new_tokens` must be an int >= 1, got 'x'"`` and the like.
+    """
+    for key, allowed in _INT_KWARGS.items():
         v = kwargs.get(key)
         if v is not None and not is_int(v):
-            raise ValueError(f"`{key}` must be an int, got {v!r}")
-    for key in _FLOAT_KWARGS:
+            raise ValueError(f"`{key}` must be {allowed}, got {v!r}")
+    for key, allowed in _FLOAT_KWARGS.items():
         v = kwargs.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            raise ValueError(f"`{key}` must be a number, got {v!r}")
+            raise ValueError(f"`{key}` must be {allowed}, got {v!r}")
     v = kwargs.get("do_sample")
     if v is not None and not isinstance(v, bool):
         raise ValueError(f"`do_sample` must be True or False, got {v!r}")

@@ -5,6 +5,7 @@ pipeline keeps serving."""
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -87,7 +88,16 @@ def test_sampling_with_seed_is_reproducible_and_returns_n_sequences(pipe):
     "call,match",
     [
         (lambda p: p("x", max_new_tokens=0), "max_new_tokens"),
-        (lambda p: p("x", max_new_tokens="5"), "max_new_tokens"),
+        (lambda p: p("x", max_new_tokens="5"), r"`max_new_tokens` must be an int >= 1, got '5'"),
+        (lambda p: p("x", temperature="hot", do_sample=True), r"`temperature` must be a number > 0 .*got 'hot'"),
+        (lambda p: p("x", top_p="all"), r"`top_p` must be a number in \(0, 1\], got 'all'"),
+        (lambda p: p("x", ignore_eos="yes"), r"`ignore_eos` must be True or False, got 'yes'"),
+        (lambda p: p("x", progress_bar="no"), r"`progress_bar` must be True or False, got 'no'"),
+        (
+            lambda p: p("x", num_blocks=4),
+            r"`num_blocks`: it is a CacheConfig field.*cache_config=CacheConfig\(num_blocks=",
+        ),
+        (lambda p: p("x", max_num_seqs=2), r"SchedulerConfig field.*scheduler_config=SchedulerConfig\(max_num_seqs="),
         (lambda p: p(123), "text_inputs"),
         (lambda p: p(["ok", 5]), "string or a chat"),
         (lambda p: p([]), "empty"),
@@ -185,3 +195,15 @@ def test_the_embedded_model_loads_in_float32_wherever_the_checkpoints_dtype_is_t
     # asked for explicitly, bfloat16 is still what it gets
     bf16 = transformers.AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.bfloat16)
     assert bf16.dtype == torch.bfloat16
+
+
+@pytest.mark.timeout(60)
+def test_an_engine_setting_given_to_the_pipeline_says_which_config_takes_it():
+    # Where a newcomer first writes it: in the pipeline's construction, as with transformers' kwargs.
+    def engine_threads():
+        return [t for t in threading.enumerate() if t.name.startswith("hf_contbatch")]
+
+    before = engine_threads()
+    with pytest.raises(ValueError, match=r"`num_blocks`: it is a CacheConfig field.*CacheConfig\(num_blocks=\.\.\.\)"):
+        ContinuousBatchingPipeline(default_model_path(), dtype=torch.float32, num_blocks=4)
+    assert engine_threads() == before, "a pipeline that failed to build left its engine running"
