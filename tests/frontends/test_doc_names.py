@@ -120,3 +120,18 @@ def test_a_missing_attribute_index_or_key_is_reported():
     assert follow(stats, '["secs"]')[1] == "no key 'secs' in dict ['seconds']"
     assert follow([stats], "[1]")[1] == "no [1] in a list of 1"
     assert follow(stats, ".nope")[1] == "no 'nope' on dict"
+
+
+def test_every_jupyterlab_menu_item_the_docs_name_is_one_of_jupyterlabs_own():
+    # A newcomer searched JupyterLab 4.6's context menu for "Create New View for Output"; it is
+    # "Create New View for Cell Output". The labels are in JupyterLab's bundled JavaScript.
+    jupyterlab = pytest.importorskip("jupyterlab")
+    static = Path(jupyterlab.__file__).parent / "static"
+    bundle = "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in static.glob("*.js"))
+    named = {
+        label
+        for text in documents().values()
+        for label in re.findall(r"\*\*((?:Create|New|Open|Run|Restart|Clear|Show)\b[^*]*)\*\*", text)
+    }
+    assert "Create New View for Cell Output" in named, named
+    assert [label for label in sorted(named) if label not in bundle] == []
