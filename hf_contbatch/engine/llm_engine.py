@@ -258,6 +258,10 @@ class LLMEngine:
         self.grammars.compilation.close()
         self.patches.undo()
         self.cache.release()
+        with self._state_lock:
+            # The pool's memory is gone: no free block holds a prefix any more (stats() after
+            # close, e.g. a dashboard's last frame, said N free blocks still held cached prefixes).
+            self.block_manager.reset_prefix_cache()
         atexit.unregister(self._close_at_exit)
 
     # --- the iteration ---------------------------------------------------------------------------

@@ -277,11 +277,17 @@ def test_by_default_a_prompt_sent_again_reuses_its_blocks_and_equals_generate(ll
         assert eng.wait_idle(10)
         stats = eng.stats()
         eng.block_manager.check_invariants()
+        long = eng.submit(prompt, SamplingParams(max_new_tokens=200, ignore_eos=True))
+        next(long.token_stream())  # closed below while it runs and holds blocks
     finally:
         eng.close()
     assert [o.output_token_ids for o in outs] == [ref, ref]
     assert stats.prefix_caching is True and stats.prefix_cache_hit_tokens == 2 * 16
-    assert stats.num_used_blocks == 0
+    assert stats.num_used_blocks == 0 and stats.num_cached_blocks == (37 + 8) // 16  # its full blocks
+    # close() freed the pool's memory: every block free, none said to hold a cached prefix.
+    closed = eng.stats()
+    assert closed.num_free_blocks == closed.num_blocks and closed.num_cached_blocks == 0
+    eng.block_manager.check_invariants()
 
 
 @pytest.mark.timeout(180)

@@ -20,6 +20,7 @@ from hf_contbatch.frontends.dashboard import (
     render_block_grid,
     render_pools,
 )
+from hf_contbatch.frontends.dashboard.render import render_phases, render_tiles
 
 from conftest import random_prompts
 
@@ -97,6 +98,32 @@ def test_format_stats_states_usage_queues_speed_and_phases():
     assert "waiting 2 · running 2 · swapped 0 · finished 3 · preempted 1" in text
     assert "50.0 tok/s now, 123.4 tok/s average" in text and "TTFT 50.0 ms" in text and "ITL 10.0 ms" in text
     assert "decode 1.00 ms" in text
+
+
+@pytest.mark.timeout(10)
+def test_every_number_has_thousands_separators_in_the_text_and_the_widget():
+    # One number format (issue 33): a newcomer saw "TTFT 5663.6 ms" beside "5,248 tokens".
+    stats = make_stats(
+        mean_ttft_s=5.6636,
+        mean_itl_s=1.25,
+        throughput_tokens_per_s=12345.6,
+        num_generated_tokens=5248,
+        recent_phases=((11, tuple((p, 2.5) for p in PHASES)),),
+    )
+    text = format_stats(stats, tokens_per_s_now=2048.0)
+    for shown in ("TTFT 5,663.6 ms", "ITL 1,250.0 ms", "2,048.0 tok/s now, 12,345.6 tok/s average", "5,248 tokens"):
+        assert shown in text, (shown, text)
+    assert "decode 2,500.00 ms" in text
+    html = render_tiles(dataclasses.replace(stats, num_finished=1500), tokens_per_s_now=2048.0) + render_phases(stats)
+    for shown in (
+        "<b>5,663.6 ms</b>",
+        "<b>1,250.0 ms</b>",
+        "<b>2,048.0</b>",
+        "avg 12,345.6",
+        "<b>1,500</b>",
+        "2,500.00 ms",
+    ):
+        assert shown in html, shown
 
 
 @pytest.mark.timeout(10)

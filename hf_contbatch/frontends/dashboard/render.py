@@ -240,15 +240,15 @@ def render_tiles(stats, tokens_per_s_now: Optional[float], history: Sequence[tup
     kinds = preemption_kinds(stats)
     hit = stat_field(stats, "prefix_cache_hit_rate") if stat_field(stats, "prefix_caching", False) else None
     tiles = [
-        _tile("waiting", str(stats.num_waiting)),
-        _tile("running", str(stats.num_running)),
-        _tile("swapped", str(stats.num_swapped)),
-        _tile("finished", str(stats.num_finished)),
-        _tile("preempted", str(stats.num_preemptions), kinds),
+        _tile("waiting", f"{stats.num_waiting:,}"),
+        _tile("running", f"{stats.num_running:,}"),
+        _tile("swapped", f"{stats.num_swapped:,}"),
+        _tile("finished", f"{stats.num_finished:,}"),
+        _tile("preempted", f"{stats.num_preemptions:,}", kinds),
         _tile(
             "tokens/s now",
-            "—" if tokens_per_s_now is None else f"{tokens_per_s_now:.1f}",
-            f"avg {stats.throughput_tokens_per_s:.1f}",
+            "—" if tokens_per_s_now is None else f"{tokens_per_s_now:,.1f}",
+            f"avg {stats.throughput_tokens_per_s:,.1f}",
         ),
         _tile("TTFT (mean)", format_ms(stats.mean_ttft_s)),
         _tile("ITL (mean)", format_ms(stats.mean_itl_s)),
@@ -259,7 +259,7 @@ def render_tiles(stats, tokens_per_s_now: Optional[float], history: Sequence[tup
             _tile("prefix hits", f"{100 * hit:.0f}%", "prompt tokens found cached / looked up (whole blocks only)")
         )
     for name, requests, detail in adapter_counts(stats):  # requests per LoRA adapter (a peft.PeftModel)
-        tiles.append(_tile(f"adapter {html.escape(name)}", str(requests), detail))
+        tiles.append(_tile(f"adapter {html.escape(name)}", f"{requests:,}", detail))
     rates = [r for _, r, _ in history]
     used = [u for _, _, u in history]
     spark = (
@@ -288,7 +288,7 @@ def render_phases(stats, width: int = 320, height: int = 60) -> str:
             y -= h
             rects.append(
                 f'<rect x="{i * bar_w:.1f}" y="{y:.1f}" width="{max(bar_w - 1, 1):.1f}" height="{h:.1f}" '
-                f'fill="{PHASE_COLOURS[phase]}"><title>{phase} {row[phase] * 1e3:.2f} ms</title></rect>'
+                f'fill="{PHASE_COLOURS[phase]}"><title>{phase} {row[phase] * 1e3:,.2f} ms</title></rect>'
             )
     svg = f'<svg width="{width}" height="{height}" style="background:#fafafa">' + "".join(rects) + "</svg>"
     totals_by_phase = dict(stat_field(stats, "phase_seconds", ()))
@@ -299,13 +299,13 @@ def render_phases(stats, width: int = 320, height: int = 60) -> str:
 
     cells = "".join(
         f'<tr><td><span style="color:{PHASE_COLOURS[p]}">■</span> {p}</td>'
-        f'<td align="right">{sum(r.get(p, 0.0) for r in rows) / len(rows) * 1e3:.2f} ms</td>'
-        f'<td align="right">{rows[-1].get(p, 0.0) * 1e3:.2f} ms</td>{share(p)}</tr>'
+        f'<td align="right">{sum(r.get(p, 0.0) for r in rows) / len(rows) * 1e3:,.2f} ms</td>'
+        f'<td align="right">{rows[-1].get(p, 0.0) * 1e3:,.2f} ms</td>{share(p)}</tr>'
         for p in PHASES
     )
     head = "<th></th><th>mean</th><th>last</th>" + ("<th>% of all</th>" if grand_total else "")
     table = f"<table><tr>{head}</tr>{cells}</table>"
     return (
         f'<div class="hfcb-phases"><div><small>phase durations, last {len(rows)} iterations '
-        f"(tallest {top * 1e3:.1f} ms)</small><br>{svg}</div>{table}</div>"
+        f"(tallest {top * 1e3:,.1f} ms)</small><br>{svg}</div>{table}</div>"
     )

@@ -9,8 +9,9 @@ from .snapshot import adapter_counts, phase_rows, stat_field
 
 
 def format_ms(seconds: Optional[float]) -> str:
-    """``seconds`` as milliseconds with one decimal ("—" for None)."""
-    return "—" if seconds is None else f"{seconds * 1e3:.1f} ms"
+    """``seconds`` as milliseconds with one decimal and thousands separators, as every count the
+    dashboard shows ("5,663.6 ms"; "—" for None)."""
+    return "—" if seconds is None else f"{seconds * 1e3:,.1f} ms"
 
 
 def preemption_kinds(stats, template: str = "{}") -> str:
@@ -68,9 +69,9 @@ def format_stats(stats, tokens_per_s_now: Optional[float] = None, width: int = 3
     adapters = adapter_counts(stats)
     if adapters:
         lines.append("adapters   " + " · ".join(f"{name}: {detail}" for name, _, detail in adapters))
-    now = "" if tokens_per_s_now is None else f"{tokens_per_s_now:.1f} tok/s now, "
+    now = "" if tokens_per_s_now is None else f"{tokens_per_s_now:,.1f} tok/s now, "
     lines.append(
-        f"speed      {now}{stats.throughput_tokens_per_s:.1f} tok/s average · TTFT {format_ms(stats.mean_ttft_s)}"
+        f"speed      {now}{stats.throughput_tokens_per_s:,.1f} tok/s average · TTFT {format_ms(stats.mean_ttft_s)}"
         f" · ITL {format_ms(stats.mean_itl_s)} · {stats.num_generated_tokens:,} tokens in {stats.num_iterations:,} iterations"
     )
     rows = phase_rows(stats.recent_phases)
@@ -78,6 +79,6 @@ def format_stats(stats, tokens_per_s_now: Optional[float] = None, width: int = 3
         means = {p: sum(r.get(p, 0.0) for r in rows) / len(rows) for p in PHASES}
         lines.append(
             f"phases     mean of last {len(rows)} iterations: "
-            + " · ".join(f"{p} {means[p] * 1e3:.2f} ms" for p in PHASES)
+            + " · ".join(f"{p} {means[p] * 1e3:,.2f} ms" for p in PHASES)
         )
     return "\n".join(lines)
