@@ -34,6 +34,7 @@ from .frontends.cli_checks import (
     engine_config,
     float_in,
     int_at_least,
+    non_empty_text,
     read_prompts,
     read_response_formats,
 )
@@ -304,7 +305,8 @@ def add_input_output_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help='prompts: .txt (one per line) or .jsonl (per line a string, {"prompt": "..."} or '
-        '{"messages": [{"role": "user", "content": "..."}]}) (default: eight built-in prompts)',
+        '{"messages": [{"role": "user", "content": "..."}]}; other keys, such as an id, are ignored) '
+        "(default: eight built-in prompts)",
     )
     g.add_argument(
         "--output",
@@ -361,6 +363,7 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--stop",
         action="append",
+        type=non_empty_text,
         default=None,
         metavar="TEXT",
         help="stop a prompt's generation at this text, which is kept in the output (repeatable; default: none)",

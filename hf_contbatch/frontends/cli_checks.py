@@ -9,6 +9,8 @@ only (the Hub check imports ``huggingface_hub``, which loads no torch).
 from __future__ import annotations
 
 import argparse
+import difflib
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +56,13 @@ def float_in(low: float, high: Optional[float], low_open: bool = False):
     return parse
 
 
+def non_empty_text(text: str) -> str:
+    """An argparse ``type``: any text but the empty string (``--stop ''`` would stop at once)."""
+    if not text:
+        raise argparse.ArgumentTypeError("must be a non-empty text, got ''")
+    return text
+
+
 # --- the prompts file ---------------------------------------------------------------------------------
 def _json_kind(value) -> str:
     """What a JSON value is, in JSON's words."""
@@ -93,9 +102,36 @@ def _checked_messages(messages, where: str) -> list:
     return messages
 
 
+# The keys a .jsonl line's object may have: its prompt, and the per-line options read later. Other
+# keys (an id, a reference answer: a dataset's own fields) are ignored, unless they name a generation
+# setting (which would otherwise be silently ignored) or are a near miss of one of these.
+LINE_KEYS = ("prompt", "messages", "response_format", "adapter")
+
+
+def _close_line_key(key) -> Optional[str]:
+    close = difflib.get_close_matches(str(key), LINE_KEYS, n=1, cutoff=0.8)
+    return close[0] if close else None
+
+
+@functools.lru_cache(maxsize=256)  # a dataset repeats its keys on every line
+def _is_generation_setting(key: str) -> bool:
+    """Whether a .jsonl key names a generation setting (``max_new_tokens``, ``temperature``, or a
+    near miss such as OpenAI's ``max_tokens``). Imports transformers, so only for a key we do not know."""
+    from transformers import GenerationConfig
+
+    from .generation_args import ENGINE_KWARGS, SUPPORTED_GENERATION_KWARGS
+
+    known = (*SUPPORTED_GENERATION_KWARGS, *ENGINE_KWARGS)
+    return (
+        key in known or hasattr(GenerationConfig(), key) or bool(difflib.get_close_matches(key, known, n=1, cutoff=0.8))
+    )
+
+
 def prompt_from_json(obj, where: str):
-    """The prompt of one ``.jsonl`` line: a string, ``{"prompt": str}`` or ``{"messages": [...]}``.
-    ``where`` names the file and line in errors."""
+    """The prompt of one ``.jsonl`` line: a string, ``{"prompt": str}`` or ``{"messages": [...]}``,
+    with optional ``"response_format"`` and ``"adapter"`` (other keys are ignored, see ``LINE_KEYS``).
+    ``where`` names the file and line in errors. Raises UsageError for any other shape, and for a key
+    that names a generation setting or nearly names a line key."""
     if isinstance(obj, str):
         return obj
     if not isinstance(obj, dict):
@@ -104,6 +140,16 @@ def prompt_from_json(obj, where: str):
         )
     if "prompt" in obj and "messages" in obj:
         raise UsageError(f"{where}: found both 'prompt' and 'messages'; give one")
+    if "prompt" in obj or "messages" in obj:  # without either, the message below says more
+        for key in obj:
+            close = None if key in LINE_KEYS else _close_line_key(key)
+            if key not in LINE_KEYS and (close or _is_generation_setting(str(key))):
+                hint = f" (did you mean {close!r}?)" if close else ""
+                raise UsageError(
+                    f"{where}: unknown key {key!r}{hint}; a line's object takes 'prompt' or 'messages', and "
+                    "optionally 'response_format' and 'adapter'; generation settings such as --max-new-tokens "
+                    "are the command's options, for every prompt"
+                )
     if "prompt" in obj:
         if not isinstance(obj["prompt"], str):
             raise UsageError(f"{where}: 'prompt' must be a string, found {_json_kind(obj['prompt'])}")

@@ -102,6 +102,28 @@ PRE_LOAD_ERRORS = {
         [],
         "--input p.jsonl line 1: 'prompt' must be a string, found the number 5",
     ),
+    "a generation setting on a line": (
+        "p.jsonl",
+        '{"prompt": "a", "max_new_tokens": "x"}\n',
+        [],
+        "--input p.jsonl line 1: unknown key 'max_new_tokens'; a line's object takes 'prompt' or 'messages', and "
+        "optionally 'response_format' and 'adapter'; generation settings such as --max-new-tokens are the "
+        "command's options, for every prompt",
+    ),
+    "a misspelt line option": (
+        "p.jsonl",
+        '{"messages": [{"role": "user", "content": "hi"}], "adapte": "a"}\n',
+        [],
+        "--input p.jsonl line 1: unknown key 'adapte' (did you mean 'adapter'?); a line's object takes 'prompt' "
+        "or 'messages', and optionally 'response_format' and 'adapter'; generation settings such as "
+        "--max-new-tokens are the command's options, for every prompt",
+    ),
+    "empty stop": (
+        "p.txt",
+        "x\n",
+        ["--stop", ""],
+        "argument --stop: must be a non-empty text, got '' (see `hf-contbatch generate --help`)",
+    ),
     "prompt and messages": (
         "p.jsonl",
         '{"prompt": "a", "messages": []}\n',
@@ -167,6 +189,17 @@ PRE_LOAD_ERRORS = {
         "unrecognized arguments: --max-tokens 3 (see `hf-contbatch generate --help`)",
     ),
 }
+
+
+@pytest.mark.timeout(30)
+def test_a_datasets_own_keys_on_a_jsonl_line_are_ignored(tmp_path):
+    from hf_contbatch.frontends.cli_checks import read_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(
+        '{"id": 3, "prompt": "a", "answer": "b"}\n{"messages": [{"role": "user", "content": "c"}], "meta": {}}\n'
+    )
+    assert read_prompts(str(path)).prompts == ["a", [{"role": "user", "content": "c"}]]
 
 
 @pytest.mark.timeout(60)
