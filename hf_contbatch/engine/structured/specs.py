@@ -208,8 +208,9 @@ class GrammarSpec:
             choices = params.choice
             if isinstance(choices, str) or not isinstance(choices, (list, tuple)) or not choices:
                 raise ValueError(f"{arg} choice must be a non-empty list of strings, got {choices!r}")
-            if not all(isinstance(c, str) and c for c in choices):
-                raise ValueError(f"{arg} choice must hold non-empty strings, got {choices!r}")
+            for i, c in enumerate(choices):  # the first bad entry, by index (a long list is hard to scan)
+                if not (isinstance(c, str) and c):
+                    raise ValueError(f"{arg} choice[{i}] must be a non-empty string, got {c!r}")
             try:
                 kind, source = "grammar", choice_as_ebnf(choices)
             except ValueError as exc:
