@@ -114,6 +114,8 @@ def test_every_number_has_thousands_separators_in_the_text_and_the_widget():
     for shown in ("TTFT 5,663.6 ms", "ITL 1,250.0 ms", "2,048.0 tok/s now, 12,345.6 tok/s average", "5,248 tokens"):
         assert shown in text, (shown, text)
     assert "decode 2,500.00 ms" in text
+    queues = format_stats(dataclasses.replace(stats, num_waiting=1200, num_finished=34000, num_preemptions=1001))
+    assert "waiting 1,200 ·" in queues and "finished 34,000 · preempted 1,001" in queues
     html = render_tiles(dataclasses.replace(stats, num_finished=1500), tokens_per_s_now=2048.0) + render_phases(stats)
     for shown in (
         "<b>5,663.6 ms</b>",

@@ -20,7 +20,7 @@ def preemption_kinds(stats, template: str = "{}") -> str:
     swap, recompute = stat_field(stats, "num_preemptions_swap"), stat_field(stats, "num_preemptions_recompute")
     if swap is None and recompute is None:
         return ""
-    return template.format(f"swap {swap or 0}, recompute {recompute or 0}")
+    return template.format(f"swap {swap or 0:,}, recompute {recompute or 0:,}")
 
 
 def logical_tokens_note(stats) -> str:
@@ -59,12 +59,12 @@ def format_stats(stats, tokens_per_s_now: Optional[float] = None, width: int = 3
     if stat_field(stats, "prefix_caching", False):
         shared = sum(1 for r in stat_field(stats, "block_ref_counts", ()) if r > 1)
         lines.append(
-            f"prefix     hits {100 * stat_field(stats, 'prefix_cache_hit_rate', 0.0):.0f}% of prompt tokens · {shared} shared blocks"
+            f"prefix     hits {100 * stat_field(stats, 'prefix_cache_hit_rate', 0.0):.0f}% of prompt tokens · {shared:,} shared blocks"
             f" · {stat_field(stats, 'num_cached_blocks', 0):,} free blocks holding cached prefixes"
         )
     lines.append(
-        f"queues     waiting {stats.num_waiting} · running {stats.num_running} · swapped {stats.num_swapped}"
-        f" · finished {stats.num_finished} · preempted {stats.num_preemptions}{preemption_kinds(stats, ' ({})')}"
+        f"queues     waiting {stats.num_waiting:,} · running {stats.num_running:,} · swapped {stats.num_swapped:,}"
+        f" · finished {stats.num_finished:,} · preempted {stats.num_preemptions:,}{preemption_kinds(stats, ' ({})')}"
     )
     adapters = adapter_counts(stats)
     if adapters:

@@ -265,9 +265,9 @@ class Dashboard:
         text = f"{stats.num_used_blocks:,}/{stats.num_blocks:,} blocks · peak {stats.peak_used_blocks:,}"
         reserved, watermark = stat_field(stats, "reserved_blocks"), stat_field(stats, "watermark_blocks")
         if reserved is not None:
-            text += f" · reserved last step {reserved}"
+            text += f" · reserved last step {reserved:,}"
         if watermark:
-            text += f" · watermark {watermark}"
+            text += f" · watermark {watermark:,}"
         return text
 
     def _grid_regions(self, stats) -> dict:
