@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,28 +102,30 @@ def _checked_messages(messages, where: str) -> list:
 
 
 # The keys a .jsonl line's object may have: its prompt, and the per-line options read later. Other
-# keys (an id, a reference answer: a dataset's own fields) are ignored, unless they name a generation
-# setting (which would otherwise be silently ignored) or are a near miss of one of these.
+# keys (an id, a reference answer: a dataset's own fields) are ignored, unless they set generation
+# (those are the command's options, for every prompt: ignoring one would be silent) or are a typo of
+# one of these.
 LINE_KEYS = ("prompt", "messages", "response_format", "adapter")
-
-
-def _close_line_key(key) -> Optional[str]:
-    close = difflib.get_close_matches(str(key), LINE_KEYS, n=1, cutoff=0.8)
-    return close[0] if close else None
-
-
-@functools.lru_cache(maxsize=256)  # a dataset repeats its keys on every line
-def _is_generation_setting(key: str) -> bool:
-    """Whether a .jsonl key names a generation setting (``max_new_tokens``, ``temperature``, or a
-    near miss such as OpenAI's ``max_tokens``). Imports transformers, so only for a key we do not know."""
-    from transformers import GenerationConfig
-
-    from .generation_args import ENGINE_KWARGS, SUPPORTED_GENERATION_KWARGS
-
-    known = (*SUPPORTED_GENERATION_KWARGS, *ENGINE_KWARGS)
-    return (
-        key in known or hasattr(GenerationConfig(), key) or bool(difflib.get_close_matches(key, known, n=1, cutoff=0.8))
+# Generation settings a line might carry: transformers' names for this command's options and their
+# neighbours, and the sampling fields of OpenAI-style batch files (vLLM's, OpenAI's).
+LINE_GENERATION_KEYS = frozenset(
+    (
+        "max_new_tokens", "min_new_tokens", "max_length", "min_length", "do_sample", "temperature", "top_p",
+        "top_k", "min_p", "typical_p", "repetition_penalty", "seed", "stop", "stop_strings",
+        "num_return_sequences", "ignore_eos", "priority", "logprobs", "generation_config",
+        "max_tokens", "max_completion_tokens", "min_tokens", "n", "best_of", "presence_penalty",
+        "frequency_penalty", "logit_bias", "stream", "sampling_params",
     )
+)  # fmt: skip
+
+
+def _line_key_typo(key: str) -> Optional[str]:
+    """The line key ``key`` is a near miss of (``"promt"``, ``"adapte"``, PEFT's ``"adapter_name"``),
+    or None. Other names that extend one (``"prompt_id"``) are a dataset's own fields, not typos."""
+    if key in ("adapter_name", "adapter_names"):
+        return "adapter"
+    close = difflib.get_close_matches(key, LINE_KEYS, n=1, cutoff=0.85)
+    return close[0] if close else None
 
 
 def prompt_from_json(obj, where: str):
@@ -142,8 +143,8 @@ def prompt_from_json(obj, where: str):
         raise UsageError(f"{where}: found both 'prompt' and 'messages'; give one")
     if "prompt" in obj or "messages" in obj:  # without either, the message below says more
         for key in obj:
-            close = None if key in LINE_KEYS else _close_line_key(key)
-            if key not in LINE_KEYS and (close or _is_generation_setting(str(key))):
+            close = None if key in LINE_KEYS else _line_key_typo(str(key))
+            if close or key in LINE_GENERATION_KEYS:
                 hint = f" (did you mean {close!r}?)" if close else ""
                 raise UsageError(
                     f"{where}: unknown key {key!r}{hint}; a line's object takes 'prompt' or 'messages', and "

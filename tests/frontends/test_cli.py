@@ -192,14 +192,21 @@ PRE_LOAD_ERRORS = {
 
 
 @pytest.mark.timeout(30)
-def test_a_datasets_own_keys_on_a_jsonl_line_are_ignored(tmp_path):
-    from hf_contbatch.frontends.cli_checks import read_prompts
+def test_a_datasets_own_keys_on_a_jsonl_line_are_ignored_and_generation_settings_are_not(tmp_path):
+    from hf_contbatch.frontends.cli_checks import UsageError, read_prompts
 
     path = tmp_path / "p.jsonl"
     path.write_text(
-        '{"id": 3, "prompt": "a", "answer": "b"}\n{"messages": [{"role": "user", "content": "c"}], "meta": {}}\n'
+        '{"id": 3, "prompt": "a", "answer": "b", "prompt_id": 7, "update": 1}\n'
+        '{"messages": [{"role": "user", "content": "c"}], "meta": {}, "validate": true}\n'
     )
     assert read_prompts(str(path)).prompts == ["a", [{"role": "user", "content": "c"}]]
+    # vLLM's and OpenAI's batch files set sampling per line; here the options do, for every prompt.
+    for key, typo in (("n", None), ("stop", None), ("max_tokens", None), ("adapter_name", "adapter")):
+        path.write_text(json.dumps({"prompt": "a", key: 2}) + "\n")
+        hint = f" (did you mean {typo!r}?)" if typo else ""
+        with pytest.raises(UsageError, match=re.escape(f"line 1: unknown key {key!r}{hint}; ")):
+            read_prompts(str(path))
 
 
 @pytest.mark.timeout(60)
