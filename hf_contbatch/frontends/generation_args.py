@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 from typing import Optional
 
 from transformers import GenerationConfig
@@ -294,36 +295,41 @@ def resolve_return_type(post: dict) -> dict:
     return post
 
 
-# The allowed values, said in a type error as the range checks say them (SamplingParams, the
-# engine's request factory).
+# The allowed values of the integer generation arguments: (lowest, how the message says it), said as
+# the range checks downstream say them (SamplingParams, the request factory), and checked here
+# first so that a call gets our message, not GenerationConfig's.
 _INT_KWARGS = {
-    "max_new_tokens": "an int >= 1",
-    "min_new_tokens": "an int >= 0",
-    "max_length": "an int >= 1",
-    "top_k": "an int >= 0 (0: off)",
-    "num_return_sequences": "an int >= 1",
+    "max_new_tokens": (1, "an int >= 1"),
+    "min_new_tokens": (0, "an int >= 0"),
+    "max_length": (1, "an int >= 1"),
+    "top_k": (0, "an int >= 0 (0: off)"),
+    "num_return_sequences": (1, "an int >= 1"),
 }
+# Floats: the type and finiteness here (temperature=inf samples uniformly: junk text); the ranges
+# that depend on do_sample stay downstream (temperature=0 is fine for greedy decoding, as lm-eval
+# sends it).
 _FLOAT_KWARGS = {
-    "temperature": "a number > 0 (used when do_sample=True)",
+    "temperature": "a finite number >= 0 (> 0 when do_sample=True)",
     "top_p": "a number in (0, 1]",
-    "repetition_penalty": "a number > 0",
+    "repetition_penalty": "a finite number > 0",
 }
 
 
 def check_generation_kwarg_types(kwargs: dict) -> None:
-    """Type errors named by argument, with the allowed values, before GenerationConfig turns them
-    into TypeErrors.
+    """Type errors (and the integers' ranges, the floats' finiteness) named by argument, with the
+    allowed values, before GenerationConfig turns them into TypeErrors or its own wording. ``None``
+    means unset and passes.
 
     Raises:
         ValueError: ``"`max_new_tokens` must be an int >= 1, got 'x'"`` and the like.
     """
-    for key, allowed in _INT_KWARGS.items():
+    for key, (low, allowed) in _INT_KWARGS.items():
         v = kwargs.get(key)
-        if v is not None and not is_int(v):
+        if v is not None and (not is_int(v) or v < low):
             raise ValueError(f"`{key}` must be {allowed}, got {v!r}")
     for key, allowed in _FLOAT_KWARGS.items():
         v = kwargs.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
             raise ValueError(f"`{key}` must be {allowed}, got {v!r}")
     v = kwargs.get("do_sample")
     if v is not None and not isinstance(v, bool):

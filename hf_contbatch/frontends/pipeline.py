@@ -157,6 +157,8 @@ class ContinuousBatchingPipeline:
         if kwargs.get("model_kwargs") is not None and not isinstance(kwargs["model_kwargs"], dict):
             raise ValueError(f"`model_kwargs` must be a dict, got {type(kwargs['model_kwargs']).__name__}")
         model_kwargs = dict(kwargs.pop("model_kwargs", None) or {})
+        _check_config_types(engine_config, cache_config, scheduler_config)
+        _check_dtype(dtype)
         device = _as_device(device)
         if isinstance(model, str):
             model_id = model
@@ -199,6 +201,13 @@ class ContinuousBatchingPipeline:
         init_kwargs = split_call_kwargs(kwargs)  # bad arguments raise before the engine changes the model
         self.engine = LLMEngine(model, engine_config, tokenizer=tokenizer)
         self._call_requests = CallRequestBuilder(self.engine, tokenizer, init_kwargs)
+        try:
+            # The constructor's generation arguments (temperature=-1, progress_bar="x"...) fail here,
+            # once, rather than in every call: a one-token prompt is validated with them, not queued.
+            self._call_requests.prepare(["x"], {})
+        except Exception:
+            self.engine.close()
+            raise
         self.last_call_stats = CallStats()  # filled by each blocking call
 
     # --- context management ----------------------------------------------------------------------
@@ -380,6 +389,31 @@ class ContinuousBatchingPipeline:
                 exc.partial_results = results
                 raise
         return results
+
+
+def _check_config_types(engine_config, cache_config, scheduler_config) -> None:
+    """Each config argument is its config class or None (named as the caller wrote it: a dict given
+    as ``cache_config`` was reported as ``cache``)."""
+    for name, value, cls in (
+        ("engine_config", engine_config, EngineConfig),
+        ("cache_config", cache_config, CacheConfig),
+        ("scheduler_config", scheduler_config, SchedulerConfig),
+    ):
+        if value is not None and not isinstance(value, cls):
+            hint = f" (e.g. {cls.__name__}(**{value!r}))" if isinstance(value, dict) else ""
+            raise ValueError(f"`{name}` must be a {cls.__name__} or None, got {type(value).__name__}{hint}")
+
+
+def _check_dtype(dtype) -> None:
+    """``dtype`` is None, "auto", a ``torch.dtype`` or the name of one (transformers raised an
+    ``AttributeError`` for a misspelt name)."""
+    if dtype is None or dtype == "auto" or isinstance(dtype, (torch.dtype, dict)):  # dict: per submodule
+        return
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        return
+    raise ValueError(
+        f"`dtype` must be 'auto', a torch.dtype or its name ('float32', 'bfloat16', 'float16', ...), got {dtype!r}"
+    )
 
 
 def pipeline(task: str = "text-generation", model=None, tokenizer=None, **kwargs) -> ContinuousBatchingPipeline:

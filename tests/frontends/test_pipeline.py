@@ -89,7 +89,15 @@ def test_sampling_with_seed_is_reproducible_and_returns_n_sequences(pipe):
     [
         (lambda p: p("x", max_new_tokens=0), "max_new_tokens"),
         (lambda p: p("x", max_new_tokens="5"), r"`max_new_tokens` must be an int >= 1, got '5'"),
-        (lambda p: p("x", temperature="hot", do_sample=True), r"`temperature` must be a number > 0 .*got 'hot'"),
+        (
+            lambda p: p("x", temperature="hot", do_sample=True),
+            r"`temperature` must be a finite number >= 0 .*got 'hot'",
+        ),
+        (
+            lambda p: p("x", temperature=float("inf"), do_sample=True),
+            r"`temperature` must be a finite number .*got inf",
+        ),
+        (lambda p: p("x", max_new_tokens=0), r"`max_new_tokens` must be an int >= 1, got 0"),
         (lambda p: p("x", top_p="all"), r"`top_p` must be a number in \(0, 1\], got 'all'"),
         (lambda p: p("x", ignore_eos="yes"), r"`ignore_eos` must be True or False, got 'yes'"),
         (lambda p: p("x", progress_bar="no"), r"`progress_bar` must be True or False, got 'no'"),
@@ -206,4 +214,17 @@ def test_an_engine_setting_given_to_the_pipeline_says_which_config_takes_it():
     before = engine_threads()
     with pytest.raises(ValueError, match=r"`num_blocks`: it is a CacheConfig field.*CacheConfig\(num_blocks=\.\.\.\)"):
         ContinuousBatchingPipeline(default_model_path(), dtype=torch.float32, num_blocks=4)
+    # Bad defaults for every call fail when the pipeline is built, not in each call after it.
+    for kwargs, match in (
+        ({"temperature": -1.0, "do_sample": True}, "`temperature` must be a number > 0 when do_sample=True"),
+        ({"progress_bar": "x"}, "`progress_bar` must be True or False, got 'x'"),
+        ({"max_new_tokens": "8"}, "`max_new_tokens` must be an int >= 1, got '8'"),
+        (
+            {"cache_config": {"num_blocks": 8}},
+            r"`cache_config` must be a CacheConfig or None, got dict \(e\.g\. CacheConfig",
+        ),
+        ({"dtype": "float64x"}, r"`dtype` must be 'auto', a torch.dtype or its name .*got 'float64x'"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            ContinuousBatchingPipeline(default_model_path(), **{"dtype": torch.float32, **kwargs})
     assert engine_threads() == before, "a pipeline that failed to build left its engine running"
