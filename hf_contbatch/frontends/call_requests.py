@@ -24,7 +24,12 @@ from ..engine.llm_engine import LLMEngine
 from ..engine.logits_processors import logits_device, prepare_generation_config, with_processors
 from ..engine.stopping import StopStringCheckers
 from ..request import Request
-from .generation_args import resolve_pipeline_generation_config, sampling_params_from_config, split_call_kwargs
+from .generation_args import (
+    check_engine_flags,
+    resolve_pipeline_generation_config,
+    sampling_params_from_config,
+    split_call_kwargs,
+)
 from .response_format import structured_outputs_per_prompt
 from .text_io import OutputOptions, TextInput, prefix_length, tokenize_prompt, truncate_for_hole
 
@@ -92,10 +97,7 @@ class CallRequestBuilder:
                 "`num_return_sequences` > 1 needs `do_sample=True` (greedy decoding would return the same sequence)"
             )
         checker = self.stop_checkers.checker(stop_strings)
-        for flag in ("ignore_eos", "progress_bar"):  # bool("no") is True: a string would be read as on
-            value = eng.get(flag)
-            if value is not None and not isinstance(value, bool):
-                raise ValueError(f"`{flag}` must be True or False, got {value!r}")
+        check_engine_flags(eng)
         priorities = _priorities(eng.get("priority", 0), len(prompts))
         adapters = _adapter_names(eng.get("adapter_names"), len(prompts))
         prefix_len = prefix_length(self.tokenizer, pre) if cfg.max_new_tokens is None or cfg.min_length else 0

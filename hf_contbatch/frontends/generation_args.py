@@ -260,6 +260,15 @@ def _config_field_hint(key: str) -> Optional[str]:
     return None
 
 
+def check_engine_flags(eng: dict) -> None:
+    """The engine group's on/off arguments are bools (``bool("no")`` is True: a string would be read
+    as on). Raises ValueError naming the argument."""
+    for flag in ("ignore_eos", "progress_bar"):
+        value = eng.get(flag)
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"`{flag}` must be True or False, got {value!r}")
+
+
 def resolve_return_type(post: dict) -> dict:
     """``return_full_text`` / ``return_text`` / ``return_tensors`` / ``return_type`` to one
     ``return_type`` ("full_text", "new_text" or "tensors"), with transformers' exclusivity rules
@@ -331,6 +340,8 @@ def check_generation_kwarg_types(kwargs: dict) -> None:
         v = kwargs.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
             raise ValueError(f"`{key}` must be {allowed}, got {v!r}")
+    if kwargs.get("temperature") is not None and kwargs["temperature"] < 0:  # never valid, greedy or not
+        raise ValueError(f"`temperature` must be {_FLOAT_KWARGS['temperature']}, got {kwargs['temperature']!r}")
     v = kwargs.get("do_sample")
     if v is not None and not isinstance(v, bool):
         raise ValueError(f"`do_sample` must be True or False, got {v!r}")

@@ -33,6 +33,8 @@ from .generation_args import (  # noqa: F401  (re-exported: their former home)
     POSTPROCESS_KWARGS,
     PREPROCESS_KWARGS,
     SUPPORTED_GENERATION_KWARGS,
+    check_engine_flags,
+    check_generation_kwarg_types,
     resolve_generate_config,
     resolve_pipeline_generation_config,
     sampling_params_from_config,
@@ -199,15 +201,13 @@ class ContinuousBatchingPipeline:
         if prefix is not None and "prefix" not in kwargs:
             kwargs["prefix"] = prefix  # transformers' pipeline takes the model's prompt prefix by default
         init_kwargs = split_call_kwargs(kwargs)  # bad arguments raise before the engine changes the model
+        # Values wrong whatever a call adds (temperature=-1, progress_bar="x") fail here, once, not in
+        # every call; defaults a call may override (a max_new_tokens too long for the pool, the model's
+        # generation_config) are checked per call, as transformers' pipeline does.
+        check_generation_kwarg_types(init_kwargs["gen"])
+        check_engine_flags(init_kwargs["engine"])
         self.engine = LLMEngine(model, engine_config, tokenizer=tokenizer)
         self._call_requests = CallRequestBuilder(self.engine, tokenizer, init_kwargs)
-        try:
-            # The constructor's generation arguments (temperature=-1, progress_bar="x"...) fail here,
-            # once, rather than in every call: a one-token prompt is validated with them, not queued.
-            self._call_requests.prepare(["x"], {})
-        except Exception:
-            self.engine.close()
-            raise
         self.last_call_stats = CallStats()  # filled by each blocking call
 
     # --- context management ----------------------------------------------------------------------

@@ -214,9 +214,9 @@ def test_an_engine_setting_given_to_the_pipeline_says_which_config_takes_it():
     before = engine_threads()
     with pytest.raises(ValueError, match=r"`num_blocks`: it is a CacheConfig field.*CacheConfig\(num_blocks=\.\.\.\)"):
         ContinuousBatchingPipeline(default_model_path(), dtype=torch.float32, num_blocks=4)
-    # Bad defaults for every call fail when the pipeline is built, not in each call after it.
+    # Values wrong whatever a call adds fail when the pipeline is built, not in each call after it.
     for kwargs, match in (
-        ({"temperature": -1.0, "do_sample": True}, "`temperature` must be a number > 0 when do_sample=True"),
+        ({"temperature": -1.0, "do_sample": True}, r"`temperature` must be a finite number >= 0 \(> 0 when do_sample"),
         ({"progress_bar": "x"}, "`progress_bar` must be True or False, got 'x'"),
         ({"max_new_tokens": "8"}, "`max_new_tokens` must be an int >= 1, got '8'"),
         (
@@ -228,3 +228,10 @@ def test_an_engine_setting_given_to_the_pipeline_says_which_config_takes_it():
         with pytest.raises(ValueError, match=match):
             ContinuousBatchingPipeline(default_model_path(), **{"dtype": torch.float32, **kwargs})
     assert engine_threads() == before, "a pipeline that failed to build left its engine running"
+    # A default that only some calls can use (100 new tokens in a 32-token pool) is checked per call.
+    with ContinuousBatchingPipeline(
+        default_model_path(), dtype=torch.float32, cache_config=CacheConfig(num_blocks=2), max_new_tokens=100
+    ) as p:
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            p("import")
+        assert len(p("import", max_new_tokens=4, do_sample=False, return_full_text=False)) == 1
