@@ -194,8 +194,14 @@ def test_pool_exhausted_mid_decode_finishes_with_length_and_keeps_the_tokens():
 
     eng.runner.execute = hog_after_second_step
     try:
-        first = eng.submit(prompts[0], _greedy(30))
-        second = eng.submit(prompts[1], _greedy(6))
+        # Queued at once: submitted one after the other, the engine could step between them on a
+        # loaded machine, and the hog then walled the second request too (4 of its 6 tokens).
+        first, second = (
+            handles[0]
+            for handles in eng.enqueue(
+                [eng.build_request(prompts[0], _greedy(30)), eng.build_request(prompts[1], _greedy(6))]
+            )
+        )
         out = first.result(60)
         assert out.finish_reason == "length"
         assert 2 <= len(out.output_token_ids) < 30
