@@ -22,6 +22,13 @@ from hf_contbatch import CacheConfig, EngineConfig, EngineError, LLMEngine, Samp
 from conftest import build_model, random_prompts, reference_greedy
 
 
+def _enqueue_at_once(eng, pairs) -> list:
+    """Queue ``(prompt, params)`` pairs in one call and return their handles: tests that count the
+    engine's steps need the requests batched the same way whatever the machine's load (one
+    ``submit`` after another lets the engine step in between)."""
+    return [handles[0] for handles in eng.enqueue([eng.build_request(p, sp) for p, sp in pairs])]
+
+
 def _greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, ignore_eos=True, **kw)
 
@@ -140,7 +147,7 @@ def test_a_step_that_fails_once_is_retried_and_nobody_fails():
 
     eng.runner.execute = fails_at_third_step
     try:
-        hs = [eng.submit(p, _greedy(6)) for p in prompts]
+        hs = _enqueue_at_once(eng, [(p, _greedy(6)) for p in prompts])
         assert [h.result(60).output_token_ids for h in hs] == refs
         assert calls[2] == 3 and calls[3] + calls[4] == 3, "the failed step was not retried in halves"
         _assert_at_rest(eng, 32)
@@ -194,14 +201,9 @@ def test_pool_exhausted_mid_decode_finishes_with_length_and_keeps_the_tokens():
 
     eng.runner.execute = hog_after_second_step
     try:
-        # Queued at once: submitted one after the other, the engine could step between them on a
-        # loaded machine, and the hog then walled the second request too (4 of its 6 tokens).
-        first, second = (
-            handles[0]
-            for handles in eng.enqueue(
-                [eng.build_request(prompts[0], _greedy(30)), eng.build_request(prompts[1], _greedy(6))]
-            )
-        )
+        # Submitted one after the other, the engine could step between them on a loaded machine, and
+        # the hog then walled the second request too (4 of its 6 tokens).
+        first, second = _enqueue_at_once(eng, [(prompts[0], _greedy(30)), (prompts[1], _greedy(6))])
         out = first.result(60)
         assert out.finish_reason == "length"
         assert 2 <= len(out.output_token_ids) < 30

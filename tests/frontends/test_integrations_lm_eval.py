@@ -196,10 +196,14 @@ def test_default_model_and_generation_driven_in_the_callers_thread():
         ]
         texts = lm.generate_until(requests, disable_tqdm=True)
         assert len(texts) == 3 and all(isinstance(t, str) for t in texts)
-        # The background thread, started by the first submit, may finish the one iteration it began
-        # before the caller takes over; every other iteration runs in the caller's thread.
-        elsewhere = [t for t in stepping_threads if t != threading.get_ident()]
-        assert len(stepping_threads) >= 8 and len(elsewhere) <= 1, (len(stepping_threads), len(elsewhere))
+        # The background thread, started by the first submit, may run an iteration or, on a loaded
+        # machine, two before the caller takes over; from the caller's first iteration on, every
+        # one is the caller's, and the caller runs most of them.
+        me = threading.get_ident()
+        assert me in stepping_threads, "generate_until should drive the engine in the caller"
+        first = stepping_threads.index(me)
+        assert set(stepping_threads[first:]) == {me}, stepping_threads
+        assert len(stepping_threads) >= 8 and len(stepping_threads) - first >= len(stepping_threads) // 2
     finally:
         lm.close()
 
