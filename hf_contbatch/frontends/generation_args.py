@@ -304,16 +304,10 @@ def resolve_return_type(post: dict) -> dict:
     return post
 
 
-# The allowed values of the integer generation arguments: (lowest, how the message says it), said as
-# the range checks downstream say them (SamplingParams, the request factory), and checked here
-# first so that a call gets our message, not GenerationConfig's.
-_INT_KWARGS = {
-    "max_new_tokens": (1, "an int >= 1"),
-    "min_new_tokens": (0, "an int >= 0"),
-    "max_length": (1, "an int >= 1"),
-    "top_k": (0, "an int >= 0 (0: off)"),
-    "num_return_sequences": (1, "an int >= 1"),
-}
+# The lowest allowed value of each integer generation argument, as the range checks downstream
+# have it (SamplingParams, the request factory), checked here first so that a call gets our message
+# (``check_int``'s), not GenerationConfig's.
+_INT_KWARGS = {"max_new_tokens": 1, "min_new_tokens": 0, "max_length": 1, "top_k": 0, "num_return_sequences": 1}
 # Floats: the type and finiteness here (temperature=inf samples uniformly: junk text); the ranges
 # that depend on do_sample stay downstream (temperature=0 is fine for greedy decoding, as lm-eval
 # sends it).
@@ -332,10 +326,9 @@ def check_generation_kwarg_types(kwargs: dict) -> None:
     Raises:
         ValueError: ``"`max_new_tokens` must be an int >= 1, got 'x'"`` and the like.
     """
-    for key, (low, allowed) in _INT_KWARGS.items():
-        v = kwargs.get(key)
-        if v is not None and (not is_int(v) or v < low):
-            raise ValueError(f"`{key}` must be {allowed}, got {v!r}")
+    for key, low in _INT_KWARGS.items():
+        if kwargs.get(key) is not None:
+            check_int(key, kwargs[key], low)
     for key, allowed in _FLOAT_KWARGS.items():
         v = kwargs.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
