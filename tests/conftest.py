@@ -101,6 +101,15 @@ def variant_flags(base, extra):
     return [*base, *extra]
 
 
+def enqueue_at_once(engine, prompts, params) -> list:
+    """Queue every prompt (token ids) with ``params`` (one ``SamplingParams``, or one per prompt) in
+    one ``enqueue`` call and return each one's handle. Tests that count the engine's steps or graphs
+    need the requests batched the same way whatever the machine's load: one ``submit`` after another
+    lets the engine step in between."""
+    params = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    return [handles[0] for handles in engine.enqueue([engine.build_request(p, sp) for p, sp in zip(prompts, params)])]
+
+
 def validate_json(instance, schema) -> None:
     """``jsonschema.validate(instance, schema)``. jsonschema is imported on first use: it takes about
     4 s to import where rfc3987-syntax is installed (JupyterLab's dependencies bring it), which every

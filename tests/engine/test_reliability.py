@@ -19,14 +19,7 @@ import torch
 
 from hf_contbatch import CacheConfig, EngineConfig, EngineError, LLMEngine, SamplingParams
 
-from conftest import build_model, random_prompts, reference_greedy
-
-
-def _enqueue_at_once(eng, pairs) -> list:
-    """Queue ``(prompt, params)`` pairs in one call and return their handles: tests that count the
-    engine's steps need the requests batched the same way whatever the machine's load (one
-    ``submit`` after another lets the engine step in between)."""
-    return [handles[0] for handles in eng.enqueue([eng.build_request(p, sp) for p, sp in pairs])]
+from conftest import build_model, enqueue_at_once, random_prompts, reference_greedy
 
 
 def _greedy(n: int, **kw) -> SamplingParams:
@@ -147,7 +140,7 @@ def test_a_step_that_fails_once_is_retried_and_nobody_fails():
 
     eng.runner.execute = fails_at_third_step
     try:
-        hs = _enqueue_at_once(eng, [(p, _greedy(6)) for p in prompts])
+        hs = enqueue_at_once(eng, prompts, _greedy(6))
         assert [h.result(60).output_token_ids for h in hs] == refs
         assert calls[2] == 3 and calls[3] + calls[4] == 3, "the failed step was not retried in halves"
         _assert_at_rest(eng, 32)
@@ -203,7 +196,7 @@ def test_pool_exhausted_mid_decode_finishes_with_length_and_keeps_the_tokens():
     try:
         # Submitted one after the other, the engine could step between them on a loaded machine, and
         # the hog then walled the second request too (4 of its 6 tokens).
-        first, second = _enqueue_at_once(eng, [(prompts[0], _greedy(30)), (prompts[1], _greedy(6))])
+        first, second = enqueue_at_once(eng, prompts, [_greedy(30), _greedy(6)])
         out = first.result(60)
         assert out.finish_reason == "length"
         assert 2 <= len(out.output_token_ids) < 30

@@ -116,7 +116,7 @@ def texts(records) -> list[str]:
 
 # --- sampled batches: every output satisfies its constraint ---------------------------------------------
 @pytest.mark.timeout(300)
-def test_sampled_json_schema_outputs_parse_andvalidate_json(pipe):
+def test_sampled_json_schema_outputs_parse_and_validate(pipe):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
     out = pipe(
         PROMPTS,

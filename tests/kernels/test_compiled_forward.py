@@ -17,7 +17,7 @@ import torch
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from hf_contbatch.config import resolve_compile_model
 
-from conftest import build_model, random_prompts, reference_greedy
+from conftest import build_model, enqueue_at_once, random_prompts, reference_greedy
 
 LENGTHS = [1, 5, 17, 33, 64, 40, 9]
 NEW = 12
@@ -43,8 +43,7 @@ def _submit(engine, prompts):
     # All queued at once (not one submit() after another while the engine steps): each run of the
     # same prompts then schedules the same batches, whatever the machine's load, so the graph
     # counts below do not depend on arrival timing.
-    requests = [engine.build_request(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
-    return [handles[0] for handles in engine.enqueue(requests)]
+    return enqueue_at_once(engine, prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
 
 
 @pytest.mark.slow
