@@ -8,6 +8,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import importlib  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -21,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 
 pytest.importorskip("triton")
 
+from hf_contbatch.kernels.attention import triton_aot, triton_launch, triton_tiles  # noqa: E402
 from hf_contbatch.kernels.attention import triton_kernels as tk  # noqa: E402
-from hf_contbatch.kernels.attention import triton_tiles  # noqa: E402
 
 from reference_attention import reference_paged_attention, reference_store_kv  # noqa: E402
 
@@ -424,9 +425,9 @@ def test_empty_batch_returns_empty_output_without_launching(monkeypatch):
         def __getitem__(self, grid):
             raise AssertionError("a kernel was launched for an empty batch")
 
-    for name in ("_store_kv_kernel", "_paged_decode_kernel", "_decode_reduce_kernel", "_paged_prefill_kernel"):
-        monkeypatch.setattr(tk, name, NoLaunch())
-    monkeypatch.setattr(tk, "_is_interpreted", lambda: INTERPRETED)
+    for module, name in triton_aot._KERNEL_NAMES:  # each kernel where its launcher looks it up
+        monkeypatch.setattr(importlib.import_module(f"hf_contbatch.kernels.attention.{module}"), name, NoLaunch())
+    monkeypatch.setattr(triton_launch, "_is_interpreted", lambda: INTERPRETED)
     k_cache = torch.zeros(4, 16, 2, 64, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
     no_tokens = torch.empty(0, 4, 64, device=DEVICE)
@@ -509,7 +510,7 @@ def test_unsupported_arguments_raise_value_error_naming_them(change, message):
 
 def _as_on(monkeypatch, arch):
     """Make the launchers size their tiles (and check dtypes) as on compute capability ``arch``."""
-    monkeypatch.setattr(tk, "_device_limits", lambda device: tk.arch_limits(arch))
+    monkeypatch.setattr(triton_launch, "_device_limits", lambda device: tk.arch_limits(arch))
 
 
 @pytest.mark.timeout(120)

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from hf_contbatch.kernels.attention import resolve_backend, triton_tiles  # noqa: E402
+from hf_contbatch.kernels.attention import resolve_backend, triton_launch, triton_tiles  # noqa: E402
 from hf_contbatch.kernels.attention import triton_kernels as tk  # noqa: E402
 
 CUDA = torch.device("cuda", 0)  # a device object only; the limits come from the arch table
@@ -78,7 +78,7 @@ def test_arch_table_lookup():
 
 
 def _on(monkeypatch, arch):
-    monkeypatch.setattr(tk, "_device_limits", lambda device: tk.arch_limits(arch))
+    monkeypatch.setattr(triton_launch, "_device_limits", lambda device: tk.arch_limits(arch))
 
 
 @pytest.mark.timeout(30)

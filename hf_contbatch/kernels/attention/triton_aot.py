@@ -205,7 +205,19 @@ class _Recorder:
         return launch
 
 
-_KERNEL_NAMES = ("_store_kv_kernel", "_paged_decode_kernel", "_decode_reduce_kernel", "_paged_prefill_kernel")
+# Each kernel by the module whose launcher looks it up (where it is replaced by a _Recorder).
+_KERNEL_NAMES = (
+    ("triton_launch", "_store_kv_kernel"),
+    ("triton_decode", "_paged_decode_kernel"),
+    ("triton_decode", "_decode_reduce_kernel"),
+    ("triton_prefill", "_paged_prefill_kernel"),
+)
+# The host functions that ask the device, replaced so that a launcher runs as on ``arch``.
+_DEVICE_QUERIES = (
+    ("triton_launch", "_check_device"),
+    ("triton_launch", "_device_limits"),
+    ("triton_launch", "_is_interpreted"),
+)
 
 
 def record_launches(case: Case, arch: int) -> list:
@@ -214,21 +226,28 @@ def record_launches(case: Case, arch: int) -> list:
     Returns ``[(jit_function, grid, args, kwargs), ...]``. Raises what the launcher raises (for
     example the ValueError refusing bf16 below sm_80).
     """
+    import importlib
+
     from . import triton_kernels as tk
 
     launches: list = []
     limits = tk.arch_limits(arch)
-    saved = {name: getattr(tk, name) for name in _KERNEL_NAMES + ("_check_device", "_device_limits", "_is_interpreted")}
+    modules = {name: importlib.import_module(f"{__package__}.{name}") for name, _ in _KERNEL_NAMES + _DEVICE_QUERIES}
+    saved = {(m, name): getattr(modules[m], name) for m, name in _KERNEL_NAMES + _DEVICE_QUERIES}
+    stand_ins = {
+        "_check_device": lambda tensors: None,
+        "_device_limits": lambda device: limits,
+        "_is_interpreted": lambda: False,
+    }
     try:
-        for name in _KERNEL_NAMES:
-            setattr(tk, name, _Recorder(saved[name], launches))
-        tk._check_device = lambda tensors: None
-        tk._device_limits = lambda device: limits
-        tk._is_interpreted = lambda: False
+        for m, name in _KERNEL_NAMES:
+            setattr(modules[m], name, _Recorder(saved[(m, name)], launches))
+        for m, name in _DEVICE_QUERIES:
+            setattr(modules[m], name, stand_ins[name])
         _call_launcher(tk, case)
     finally:
-        for name, value in saved.items():
-            setattr(tk, name, value)
+        for (m, name), value in saved.items():
+            setattr(modules[m], name, value)
     return launches
 
 

@@ -2,7 +2,7 @@
 
 A launch shape (:class:`TileConfig`) is chosen from the device's :class:`DeviceLimits`: its compute
 capability (tensor cores from sm_80 on) and its opt-in shared memory per block. On a device the
-launchers in :mod:`hf_contbatch.kernels.attention.triton_kernels` read the limits from
+launchers in :mod:`hf_contbatch.kernels.attention.triton_launch` read the limits from
 ``torch.cuda.get_device_properties``; ahead of time (``triton_aot``) and in tests they come from the
 per-arch table :data:`ARCH_SHARED_MEMORY`. Candidates are tried from the widest tile down and the
 first whose shared-memory estimate fits is taken, so every supported shape gets a tile on every arch
