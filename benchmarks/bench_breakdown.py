@@ -79,8 +79,9 @@ class _Timers:
         perf = self.clock
 
         def timed(*args, **kwargs):
-            # A wrapped function called from another of the same part (``torch_paged_attention``
-            # calls ``_int8_paged_attention`` over an int8 cache) counts once: the outer call.
+            # A wrapped function called from another of the same part (in older checkouts
+            # ``torch_paged_attention`` called ``_int8_paged_attention`` over an int8 cache) counts
+            # once: the outer call.
             if not self.on or self.running[name]:
                 return fn(*args, **kwargs)
             self.running[name] = True

@@ -44,30 +44,32 @@ def _attend(q, k, v, mask, scale: float, softcap: float | None, is_causal: bool 
     return torch.matmul(probs, v)
 
 
-def _decode_attend(q, k, rows_v, bag_index, bag_offsets, bias, scale: float, softcap: float | None):
-    """One query token per request: q ``[b, H, D]``, k ``[b, KVH, L, D]`` (gathered keys), values
-    read in place from ``rows_v`` (the pool viewed as ``[slots * KVH, D]``), bias ``[b, 1, 1, L]``.
+def _decode_probs(q, k, bias, scale: float, softcap: float | None):
+    """One query token per request: q ``[b, H, D]``, k ``[b, KVH, L, D]`` (gathered keys), bias
+    ``[b, 1, 1, L]`` additive (or None). Returns the float32 softmax weights ``[b, KVH, G, L]``.
 
     Scores are plain matmuls with the query heads of a KV group stacked as rows (no K repeat for
     GQA); on CPU this is faster than ``scaled_dot_product_attention`` with a mask at one query
-    token, which takes a slow masked path. The probability-weighted sum of values is
-    ``F.embedding_bag`` (mode "sum" with ``per_sample_weights``): one bag per (request, query head)
-    over ``bag_index`` rows of the pool, so values are never copied out of their pages, which is
-    faster than a gather and a matmul.
+    token, which takes a slow masked path.
     """
     b, num_heads, head_dim = q.shape
     kvh = k.shape[1]
-    qg = q.view(b, kvh, num_heads // kvh, head_dim)
+    qg = q.view(b, kvh, num_heads // kvh, head_dim).to(k.dtype).contiguous()
     scores = torch.matmul(qg, k.transpose(-1, -2)).float().mul_(scale)  # [b, KVH, G, L]
     if softcap is not None:
         scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
     if bias is not None:
         scores.add_(bias)
-    probs = torch.softmax(scores, dim=-1)
-    out = F.embedding_bag(
-        bag_index, rows_v, bag_offsets, mode="sum", per_sample_weights=probs.reshape(-1).to(rows_v.dtype)
-    )
-    return out.view(b, num_heads, head_dim).to(q.dtype)
+    return torch.softmax(scores, dim=-1)
+
+
+def _gather_rows(rows: torch.Tensor, row_scales: torch.Tensor | None, index: torch.Tensor, dtype: torch.dtype):
+    """Rows ``index`` of a pool viewed as ``[n, ...]``, in ``dtype``; an int8 pool's rows times their
+    scales (``row_scales`` viewed likewise, ``[n, ..., 1]``), dequantized in float32 first."""
+    picked = rows.index_select(0, index)
+    if row_scales is not None:
+        picked = picked.to(torch.float32) * row_scales.index_select(0, index)
+    return picked.to(dtype)
 
 
 def _decode_buckets(meta: AttentionMetadata, sliding_window: int | None, groups: int):
@@ -184,134 +186,71 @@ def torch_paged_attention(
     num_tokens, num_heads, head_dim = query.shape
     kvh = k_pool.shape[2]
     nd = meta.num_decodes
-    if k_scale is not None:
-        in_kernel = bool(nd) and decode_kernel is not None and decode_kernel.can_serve_int8(query, k_pool, v_pool)
-        kernel = decode_kernel if in_kernel else None
-        prefill = meta.num_requests > nd and prefill_kernel is not None
-        prefill = prefill and prefill_kernel.can_serve_int8(query, k_pool, v_pool)
-        return _int8_paged_attention(
-            query,
-            k_pool,
-            v_pool,
-            k_scale,
-            v_scale,
-            meta,
-            scale,
-            sliding_window,
-            softcap,
-            kernel,
-            prefill_kernel if prefill else None,
-        )
-    in_kernel = bool(nd) and decode_kernel is not None and decode_kernel.can_serve(query, k_pool, v_pool)
+    quantized = k_scale is not None
+    scales = {"k_scale": k_scale, "v_scale": v_scale} if quantized else {}
+
+    def serves(kernel) -> bool:
+        return kernel is not None and (kernel.can_serve_int8 if quantized else kernel.can_serve)(query, k_pool, v_pool)
+
+    in_kernel = bool(nd) and serves(decode_kernel)
     if in_kernel:
         # The decode rows' tables and lengths, as the kernel reads them: once a step, not per layer.
         tables, lens = meta.derived(
             ("decode_kernel",),
             lambda: (meta.block_tables[:nd].to(torch.int32).contiguous(), meta.seq_lens[:nd].to(torch.int32)),
         )
-        decoded = decode_kernel(query[:nd], k_pool, v_pool, tables, lens, scale, softcap, sliding_window)
+        decoded = decode_kernel(query[:nd], k_pool, v_pool, tables, lens, scale, softcap, sliding_window, **scales)
         if nd == num_tokens:  # a decode-only step (most steps): the kernel's output is the result
             return decoded
         out = torch.empty_like(query)
         out[:nd] = decoded
     else:
         out = torch.empty_like(query)
-    flat_k = k_pool.view(-1, kvh, head_dim)
-    flat_v = v_pool.view(-1, kvh, head_dim)
     if nd and not in_kernel:
         groups = num_heads // kvh
         plans = meta.derived(
             ("decode", sliding_window, kvh, groups), lambda: _decode_buckets(meta, sliding_window, groups)
         )
-        rows_k = k_pool.view(-1, head_dim)
-        rows_v = v_pool.view(-1, head_dim)
+        rows_k, rows_v = k_pool.view(-1, head_dim), v_pool.view(-1, head_dim)
+        rows_ks, rows_vs = (k_scale.view(-1, 1), v_scale.view(-1, 1)) if quantized else (None, None)
+        # int8 keys and values are dequantized to float32 and the math stays there.
+        compute = torch.float32 if quantized else query.dtype
         single = len(plans) == 1
-        for rows, head_index, bag_index, bag_offsets, mask, max_len in plans:
+        for rows, head_index, bag_index, bag_offsets, bias, max_len in plans:
             b = rows.numel()
-            k = rows_k.index_select(0, head_index).view(b, kvh, max_len, head_dim).to(query.dtype)
+            k = _gather_rows(rows_k, rows_ks, head_index, compute).view(b, kvh, max_len, head_dim)
             q = query[:nd] if single else query.index_select(0, rows)  # [b, H, D]
-            o = _decode_attend(q, k, rows_v, bag_index, bag_offsets, mask, scale, softcap)
+            probs = _decode_probs(q, k, bias, scale, softcap)
+            if quantized:
+                v = _gather_rows(rows_v, rows_vs, head_index, compute).view(b, kvh, max_len, head_dim)
+                o = torch.matmul(probs, v)  # [b, KVH, G, D]
+            else:
+                # The probability-weighted sum of values as ``F.embedding_bag`` (mode "sum" with
+                # ``per_sample_weights``): one bag per (request, query head) over ``bag_index`` rows of
+                # the pool, so values are never copied out of their pages (faster than gather + matmul).
+                weights = probs.reshape(-1).to(rows_v.dtype)
+                o = F.embedding_bag(bag_index, rows_v, bag_offsets, mode="sum", per_sample_weights=weights)
+            o = o.reshape(b, num_heads, head_dim).to(query.dtype)
             if single:
                 out[:nd] = o
             else:
                 out.index_copy_(0, rows, o)
-    if meta.num_requests > nd and prefill_kernel is not None and prefill_kernel.can_serve(query, k_pool, v_pool):
-        return prefill_kernel(query, k_pool, v_pool, meta, scale, softcap, sliding_window, out=out)
+    if meta.num_requests > nd and serves(prefill_kernel):
+        return prefill_kernel(query, k_pool, v_pool, meta, scale, softcap, sliding_window, out=out, **scales)
+    flat_k, flat_v = k_pool.view(-1, kvh, head_dim), v_pool.view(-1, kvh, head_dim)
+    flat_ks, flat_vs = (k_scale.view(-1, kvh, 1), v_scale.view(-1, kvh, 1)) if quantized else (None, None)
     for i in range(nd, meta.num_requests):
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         slots, mask = meta.derived(("prefill", i, sliding_window), lambda i=i: _prefill_gather(meta, i, sliding_window))
-        if key is not None and end - start == meta.seq_lens_cpu[i]:
-            # The whole context is this step's chunk: attend to the step's own K/V, no gather.
+        if key is not None and not quantized and end - start == meta.seq_lens_cpu[i]:
+            # The whole context is this step's chunk: attend to the step's own K/V, no gather (an int8
+            # cache never does: every row reads what the cache holds).
             k = key[:, start:end].unsqueeze(0).to(query.dtype)
             v = value[:, start:end].unsqueeze(0).to(query.dtype)
         else:
-            k = flat_k.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(query.dtype)
-            v = flat_v.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(query.dtype)
+            k = _gather_rows(flat_k, flat_ks, slots, query.dtype).transpose(0, 1).unsqueeze(0)
+            v = _gather_rows(flat_v, flat_vs, slots, query.dtype).transpose(0, 1).unsqueeze(0)
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
         o = _attend(q, k, v, mask, scale, softcap, is_causal=mask is None)
-        out[start:end] = o[0].transpose(0, 1)
-    return out
-
-
-def _int8_paged_attention(
-    query, k_pool, v_pool, k_scale, v_scale, meta, scale, sliding_window, softcap, decode_kernel, prefill_kernel=None
-):
-    """:func:`torch_paged_attention` over int8 pools with per-token-head scales: the decode rows
-    through ``decode_kernel`` (it reads the scales itself) or by gather, dequantize and the float
-    decode math; prefill chunks through ``prefill_kernel`` (it reads the scales itself) or by
-    gathering their context and dequantizing it (never this step's float K/V: everything reads what
-    the cache holds)."""
-    num_tokens, num_heads, head_dim = query.shape
-    kvh = k_pool.shape[2]
-    nd = meta.num_decodes
-    flat_k, flat_v = k_pool.view(-1, kvh, head_dim), v_pool.view(-1, kvh, head_dim)
-    flat_ks, flat_vs = k_scale.view(-1, kvh, 1), v_scale.view(-1, kvh, 1)
-    if nd and decode_kernel:
-        tables, lens = meta.derived(
-            ("decode_kernel",),
-            lambda: (meta.block_tables[:nd].to(torch.int32).contiguous(), meta.seq_lens[:nd].to(torch.int32)),
-        )
-        decoded = decode_kernel(
-            query[:nd], k_pool, v_pool, tables, lens, scale, softcap, sliding_window, k_scale=k_scale, v_scale=v_scale
-        )
-        if nd == num_tokens:  # a decode-only step (most steps): the kernel's output is the result
-            return decoded
-        out = torch.empty_like(query)
-        out[:nd] = decoded
-    else:
-        out = torch.empty_like(query)
-    if nd and not decode_kernel:
-        groups = num_heads // kvh
-        plans = meta.derived(
-            ("decode", sliding_window, kvh, groups), lambda: _decode_buckets(meta, sliding_window, groups)
-        )
-        rows_k, rows_v = k_pool.view(-1, head_dim), v_pool.view(-1, head_dim)
-        rows_ks, rows_vs = k_scale.view(-1, 1), v_scale.view(-1, 1)
-        for rows, head_index, _bag_index, _bag_offsets, bias, max_len in plans:
-            b = rows.numel()
-            shape = (b, kvh, max_len, head_dim)
-            k = (rows_k.index_select(0, head_index).float() * rows_ks.index_select(0, head_index)).view(shape)
-            v = (rows_v.index_select(0, head_index).float() * rows_vs.index_select(0, head_index)).view(shape)
-            q = query.index_select(0, rows).view(b, kvh, num_heads // kvh, head_dim)
-            scores = torch.matmul(q.to(k.dtype), k.transpose(-1, -2)).mul_(scale)  # [b, KVH, G, L]
-            if softcap is not None:
-                scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
-            if bias is not None:
-                scores.add_(bias)
-            o = torch.matmul(torch.softmax(scores, dim=-1), v)  # [b, KVH, G, D]
-            out.index_copy_(0, rows, o.reshape(b, num_heads, head_dim).to(query.dtype))
-    if prefill_kernel is not None:
-        return prefill_kernel(
-            query, k_pool, v_pool, meta, scale, softcap, sliding_window, out=out, k_scale=k_scale, v_scale=v_scale
-        )
-    for i in range(nd, meta.num_requests):
-        start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
-        slots, mask = meta.derived(("prefill", i, sliding_window), lambda i=i: _prefill_gather(meta, i, sliding_window))
-        k = (flat_k.index_select(0, slots).to(torch.float32) * flat_ks.index_select(0, slots)).to(query.dtype)
-        v = (flat_v.index_select(0, slots).to(torch.float32) * flat_vs.index_select(0, slots)).to(query.dtype)
-        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
-        o = _attend(
-            q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), mask, scale, softcap, mask is None
-        )
         out[start:end] = o[0].transpose(0, 1)
     return out
