@@ -54,7 +54,8 @@ typedef uint32_t vu __attribute__((vector_size(VW * 4)));
 typedef int8_t vb __attribute__((vector_size(VW), aligned(1)));
 typedef int32_t vi __attribute__((vector_size(VW * 4)));
 
-/* Pool element kinds (each a compile-time constant in the specialised loops). */
+/* Pool element kinds, the `dt` argument of the helpers below (each a compile-time constant in the
+ * specialised loops). */
 #define DT_F32 0
 #define DT_BF16 1
 #define DT_I8 2
@@ -86,18 +87,18 @@ INLINE vf load_i8(const void *p) {
 
 /* VW pool elements from p as floats: a bf16 is the upper half of a float32, so widening is exact;
  * an int8 converts exactly too (its scale is applied by the caller). */
-INLINE vf load(const void *p, const int bf16) {
-    if (bf16 == DT_I8) return load_i8(p);
-    if (!bf16) return *(const vf *)p;
+INLINE vf load(const void *p, const int dt) {
+    if (dt == DT_I8) return load_i8(p);
+    if (dt == DT_F32) return *(const vf *)p;
     const vu wide = __builtin_convertvector(*(const vh *)p, vu) << 16;
     vf out;
     memcpy(&out, &wide, sizeof out);
     return out;
 }
 
-INLINE float load_one(const void *p, const int bf16) {
-    if (bf16 == DT_I8) return (float)*(const int8_t *)p;
-    if (!bf16) return *(const float *)p;
+INLINE float load_one(const void *p, const int dt) {
+    if (dt == DT_I8) return (float)*(const int8_t *)p;
+    if (dt == DT_F32) return *(const float *)p;
     const uint32_t u = (uint32_t) * (const uint16_t *)p << 16;
     float f;
     memcpy(&f, &u, 4);
@@ -105,23 +106,23 @@ INLINE float load_one(const void *p, const int bf16) {
 }
 
 /* p + i elements of the pool's dtype */
-INLINE const void *at(const void *p, int64_t i, const int bf16) {
-    return (const char *)p + i * (bf16 == DT_I8 ? 1 : bf16 ? 2 : 4);
+INLINE const void *at(const void *p, int64_t i, const int dt) {
+    return (const char *)p + i * (dt == DT_I8 ? 1 : dt == DT_BF16 ? 2 : 4);
 }
 
-INLINE float dot(const float *a, const void *b, const int64_t D, const int bf16) {
+INLINE float dot(const float *a, const void *b, const int64_t D, const int dt) {
     vf acc = {0};
     int64_t d = 0;
-    for (; d + VW <= D; d += VW) acc += *(const vf *)(a + d) * load(at(b, d, bf16), bf16);
+    for (; d + VW <= D; d += VW) acc += *(const vf *)(a + d) * load(at(b, d, dt), dt);
     float s = hsum(acc);
-    for (; d < D; d++) s += a[d] * load_one(at(b, d, bf16), bf16);
+    for (; d < D; d++) s += a[d] * load_one(at(b, d, dt), dt);
     return s;
 }
 
-INLINE void axpy(float *y, float p, const void *x, const int64_t D, const int bf16) {
+INLINE void axpy(float *y, float p, const void *x, const int64_t D, const int dt) {
     int64_t d = 0;
-    for (; d + VW <= D; d += VW) *(vf *)(y + d) += p * load(at(x, d, bf16), bf16);
-    for (; d < D; d++) y[d] += p * load_one(at(x, d, bf16), bf16);
+    for (; d + VW <= D; d += VW) *(vf *)(y + d) += p * load(at(x, d, dt), dt);
+    for (; d < D; d++) y[d] += p * load_one(at(x, d, dt), dt);
 }
 
 /* Prefetch `bytes` from p (one line per 64 bytes). */
@@ -147,71 +148,50 @@ INLINE void softmax_rows(float *scores, int64_t nh, int64_t n, float softcap) {
     }
 }
 
+/* The scale of KV head g's row at position pos: an int8 pool's (scales [slots][kvh]); 1 for a float
+ * pool, whose products it then leaves exact (x * 1.f == x). */
+INLINE float row_scale(const float *scales, const int32_t *table, int64_t pos, int64_t block_size, int64_t kvh,
+                       int64_t g, const int dt) {
+    if (dt != DT_I8) return 1.f;
+    return scales[((int64_t)table[pos / block_size] * block_size + pos % block_size) * kvh + g];
+}
+
 /* One task: nh query heads (qs, o: [nh][D]) over positions [start, len) of one sequence; k_pool and
  * v_pool (and, for int8 pools, ks/vs: the scales) already offset to the task's first KV head; kvh:
- * KV heads per token (the scales' row); scores: nh * (len - start) floats of scratch. */
+ * KV heads per token (the scales' row); scores: nh * (len - start) floats of scratch; dt: the pool's
+ * element kind (DT_F32, DT_BF16, DT_I8).
+ * Each key (value) row of a KV head is loaded once for all the query heads of its group. With D a
+ * constant multiple of VW up to 128 (32, 64, 128) the row is widened into D / VW vector registers
+ * (bf16 and int8 conversions are exact); any other D goes through dot() / axpy() per query head, with
+ * a scalar tail. An int8 row's token-head scale multiplies each dot product once (each value's
+ * weight p once), never the channels. */
 INLINE void attend(const float *qs, const void *k_pool, const void *v_pool, const float *ks, const float *vs,
                    const int32_t *table, int64_t start, int64_t len, int64_t nh, int64_t groups, int64_t row,
                    int64_t kvh, const int64_t D, int64_t block_size, float scale, float softcap, float *scores,
-                   float *o, const int bf16) {
-    const int64_t page = block_size * row, n = len - start;
-    const int64_t span = (nh / groups) * D * (bf16 == DT_I8 ? 1 : bf16 ? 2 : 4);
-    int64_t i = 0;
-    for (int64_t pos = start; pos < len; pos++, i++) {
-        const int64_t blk = pos / block_size, off = (pos % block_size) * row;
-        if (pos + block_size < len) prefetch_span(at(k_pool, (int64_t)table[blk + 1] * page + off, bf16), span);
-        const void *kr = at(k_pool, (int64_t)table[blk] * page + off, bf16);
-        if (bf16 == DT_I8) {
-            const float *sr = ks + ((int64_t)table[blk] * block_size + pos % block_size) * kvh;
-            for (int64_t h = 0; h < nh; h++)
-                scores[h * n + i] = dot(qs + h * D, at(kr, (h / groups) * D, bf16), D, bf16) * (scale * sr[h / groups]);
-        } else {
-            for (int64_t h = 0; h < nh; h++) scores[h * n + i] = dot(qs + h * D, at(kr, (h / groups) * D, bf16), D, bf16) * scale;
-        }
-    }
-    softmax_rows(scores, nh, n, softcap);
-    for (int64_t x = 0; x < nh * D; x++) o[x] = 0.f;
-    i = 0;
-    for (int64_t pos = start; pos < len; pos++, i++) {
-        const int64_t blk = pos / block_size, off = (pos % block_size) * row;
-        if (pos + block_size < len) prefetch_span(at(v_pool, (int64_t)table[blk + 1] * page + off, bf16), span);
-        const void *vr = at(v_pool, (int64_t)table[blk] * page + off, bf16);
-        if (bf16 == DT_I8) {
-            const float *sr = vs + ((int64_t)table[blk] * block_size + pos % block_size) * kvh;
-            for (int64_t h = 0; h < nh; h++)
-                axpy(o + h * D, scores[h * n + i] * sr[h / groups], at(vr, (h / groups) * D, bf16), D, bf16);
-        } else {
-            for (int64_t h = 0; h < nh; h++) axpy(o + h * D, scores[h * n + i], at(vr, (h / groups) * D, bf16), D, bf16);
-        }
-    }
-}
-
-/* attend() for int8 pools with the head dimension D a constant multiple of VW (32, 64, 128): each key
- * (value) row of a KV head is widened to float32 once, into D / VW vector registers (vpmovsxbd +
- * vcvtdq2ps: exact), and used by all the query heads of its group; the token-head scale multiplies
- * each dot product once (each value's weight p once), never the channels. The generic attend() widens
- * a row once per query head, three to eight times the conversions at common GQA groupings. */
-INLINE void attend_q8(const float *qs, const int8_t *k_pool, const int8_t *v_pool, const float *ks, const float *vs,
-                      const int32_t *table, int64_t start, int64_t len, int64_t nh, int64_t groups, int64_t row,
-                      int64_t kvh, const int64_t D, int64_t block_size, float scale, float softcap, float *scores,
-                      float *o) {
+                   float *o, const int dt) {
     enum { MAXV = 128 / VW };
+    const int in_regs = D % VW == 0 && D <= 128; /* a constant wherever D is */
     const int64_t NV = D / VW, nkv = nh / groups, page = block_size * row, n = len - start;
+    const int64_t span = nkv * D * (dt == DT_I8 ? 1 : dt == DT_BF16 ? 2 : 4);
     int64_t i = 0;
     for (int64_t pos = start; pos < len; pos++, i++) {
         const int64_t blk = pos / block_size, off = (pos % block_size) * row;
-        if (pos + block_size < len) prefetch_span(k_pool + (int64_t)table[blk + 1] * page + off, nkv * D);
-        const int8_t *kr = k_pool + (int64_t)table[blk] * page + off;
-        const float *sr = ks + ((int64_t)table[blk] * block_size + pos % block_size) * kvh;
+        if (pos + block_size < len) prefetch_span(at(k_pool, (int64_t)table[blk + 1] * page + off, dt), span);
+        const void *kr = at(k_pool, (int64_t)table[blk] * page + off, dt);
         for (int64_t g = 0; g < nkv; g++) {
-            vf kw[MAXV];
-            for (int64_t v = 0; v < NV; v++) kw[v] = load_i8(kr + g * D + v * VW);
-            const float sg = scale * sr[g];
-            for (int64_t h = g * groups; h < (g + 1) * groups; h++) {
-                const float *qh = qs + h * D;
-                vf acc = *(const vf *)qh * kw[0];
-                for (int64_t v = 1; v < NV; v++) acc += *(const vf *)(qh + v * VW) * kw[v];
-                scores[h * n + i] = hsum(acc) * sg;
+            const float sg = scale * row_scale(ks, table, pos, block_size, kvh, g, dt);
+            if (in_regs) {
+                vf kw[MAXV];
+                for (int64_t v = 0; v < NV; v++) kw[v] = load(at(kr, g * D + v * VW, dt), dt);
+                for (int64_t h = g * groups; h < (g + 1) * groups; h++) {
+                    const float *qh = qs + h * D;
+                    vf acc = *(const vf *)qh * kw[0];
+                    for (int64_t v = 1; v < NV; v++) acc += *(const vf *)(qh + v * VW) * kw[v];
+                    scores[h * n + i] = hsum(acc) * sg;
+                }
+            } else {
+                for (int64_t h = g * groups; h < (g + 1) * groups; h++)
+                    scores[h * n + i] = dot(qs + h * D, at(kr, g * D, dt), D, dt) * sg;
             }
         }
     }
@@ -220,17 +200,21 @@ INLINE void attend_q8(const float *qs, const int8_t *k_pool, const int8_t *v_poo
     i = 0;
     for (int64_t pos = start; pos < len; pos++, i++) {
         const int64_t blk = pos / block_size, off = (pos % block_size) * row;
-        if (pos + block_size < len) prefetch_span(v_pool + (int64_t)table[blk + 1] * page + off, nkv * D);
-        const int8_t *vr = v_pool + (int64_t)table[blk] * page + off;
-        const float *sr = vs + ((int64_t)table[blk] * block_size + pos % block_size) * kvh;
+        if (pos + block_size < len) prefetch_span(at(v_pool, (int64_t)table[blk + 1] * page + off, dt), span);
+        const void *vr = at(v_pool, (int64_t)table[blk] * page + off, dt);
         for (int64_t g = 0; g < nkv; g++) {
-            vf vw[MAXV];
-            for (int64_t v = 0; v < NV; v++) vw[v] = load_i8(vr + g * D + v * VW);
-            const float sg = sr[g];
-            for (int64_t h = g * groups; h < (g + 1) * groups; h++) {
-                const float p = scores[h * n + i] * sg;
-                float *oh = o + h * D;
-                for (int64_t v = 0; v < NV; v++) *(vf *)(oh + v * VW) += p * vw[v];
+            const float sg = row_scale(vs, table, pos, block_size, kvh, g, dt);
+            if (in_regs) {
+                vf vw[MAXV];
+                for (int64_t v = 0; v < NV; v++) vw[v] = load(at(vr, g * D + v * VW, dt), dt);
+                for (int64_t h = g * groups; h < (g + 1) * groups; h++) {
+                    const float p = scores[h * n + i] * sg;
+                    float *oh = o + h * D;
+                    for (int64_t v = 0; v < NV; v++) *(vf *)(oh + v * VW) += p * vw[v];
+                }
+            } else {
+                for (int64_t h = g * groups; h < (g + 1) * groups; h++)
+                    axpy(o + h * D, scores[h * n + i] * sg, at(vr, g * D, dt), D, dt);
             }
         }
     }
@@ -240,39 +224,29 @@ INLINE void attend_q8(const float *qs, const int8_t *k_pool, const int8_t *v_poo
 static void attend_task(const float *qs, const void *kp, const void *vp, const float *ks, const float *vs,
                         const int32_t *table, int64_t start, int64_t len, int64_t nh, int64_t groups, int64_t row,
                         int64_t kvh, int64_t D, int64_t block_size, float scale, float softcap, float *scores,
-                        float *o, int bf16) {
-#define ATTEND(DIM, BF16) \
-    attend(qs, kp, vp, ks, vs, table, start, len, nh, groups, row, kvh, DIM, block_size, scale, softcap, scores, o, BF16)
-    if (bf16 == DT_I8) {
-#define ATTEND_Q8(DIM) \
-    attend_q8(qs, kp, vp, ks, vs, table, start, len, nh, groups, row, kvh, DIM, block_size, scale, softcap, scores, o)
-        switch (D) {
-            case 32: ATTEND_Q8(32); break;
-            case 64: ATTEND_Q8(64); break;
-            case 128: ATTEND_Q8(128); break;
-            default: ATTEND(D, DT_I8); break;
-        }
-#undef ATTEND_Q8
-    } else if (bf16) {
-        switch (D) {
-            case 32: ATTEND(32, 1); break;
-            case 64: ATTEND(64, 1); break;
-            case 128: ATTEND(128, 1); break;
-            default: ATTEND(D, 1); break;
-        }
-    } else {
-        switch (D) {
-            case 32: ATTEND(32, 0); break;
-            case 64: ATTEND(64, 0); break;
-            case 128: ATTEND(128, 0); break;
-            default: ATTEND(D, 0); break;
-        }
+                        float *o, int dt) {
+#define ATTEND(DIM, DT) \
+    attend(qs, kp, vp, ks, vs, table, start, len, nh, groups, row, kvh, DIM, block_size, scale, softcap, scores, o, DT)
+#define ATTEND_DIMS(DT)                     \
+    switch (D) {                            \
+        case 32: ATTEND(32, DT); break;     \
+        case 64: ATTEND(64, DT); break;     \
+        case 128: ATTEND(128, DT); break;   \
+        default: ATTEND(D, DT); break;      \
     }
+    if (dt == DT_I8) {
+        ATTEND_DIMS(DT_I8)
+    } else if (dt == DT_BF16) {
+        ATTEND_DIMS(DT_BF16)
+    } else {
+        ATTEND_DIMS(DT_F32)
+    }
+#undef ATTEND_DIMS
 #undef ATTEND
 }
 
 static int64_t paged_decode(const float *q, const void *k_pool, const void *v_pool, const float *k_scale,
-                            const float *v_scale, int bf16, const int32_t *block_tables, const int32_t *seq_lens,
+                            const float *v_scale, int dt, const int32_t *block_tables, const int32_t *seq_lens,
                             int64_t num_seqs, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, int64_t block_size, float scale, float softcap, int64_t sliding_window,
                             int64_t split_heads, float *out) {
@@ -298,10 +272,10 @@ static int64_t paged_decode(const float *q, const void *k_pool, const void *v_po
             failed = 1;
             continue;
         }
-        attend_task(q + q_at, at(k_pool, g0 * head_dim, bf16), at(v_pool, g0 * head_dim, bf16),
+        attend_task(q + q_at, at(k_pool, g0 * head_dim, dt), at(v_pool, g0 * head_dim, dt),
                     k_scale ? k_scale + g0 : NULL, v_scale ? v_scale + g0 : NULL, block_tables + s * max_blocks,
                     start, len, nh, groups, row, num_kv_heads, head_dim, block_size, scale, softcap, scores,
-                    out + q_at, bf16);
+                    out + q_at, dt);
         free(scores);
     }
     return failed;
@@ -351,7 +325,7 @@ void hf_contbatch_store_kv(const void *key, const void *value, int64_t k_stride_
     }
 }
 
-/* Quantize one row of D elements (float32, or bfloat16 when bf16) to int8: scale = max|x| / 127
+/* Quantize one row of D elements (float32, or bfloat16 when dt is DT_BF16) to int8: scale = max|x| / 127
  * (0 for an all-zero row), q = x * (1 / scale) rounded to nearest, ties to even (as torch.round),
  * which lies in [-127, 127] by construction (|x| <= max|x|; the clamp guards the last ulp). One pass
  * to find the absmax and one to scale, round and narrow, both VW lanes wide where the compiler
@@ -359,24 +333,24 @@ void hf_contbatch_store_kv(const void *key, const void *value, int64_t k_stride_
  * a scalar tail for head sizes not a multiple of VW. The reference (kv_quant.quantize_kv) divides
  * by the scale: the product with its reciprocal can differ in the last ulp, so a value within an
  * ulp of a half-integer may round one step apart (tests allow that, and only that). */
-INLINE void quantize_row(const void *x, const int bf16, int64_t D, int8_t *q, float *scale) {
+INLINE void quantize_row(const void *x, const int dt, int64_t D, int8_t *q, float *scale) {
     float amax = 0.f;
     int64_t d = 0;
 #if defined(__AVX512F__)
     __m512 m = _mm512_setzero_ps();
-    for (; d + VW <= D; d += VW) m = _mm512_max_ps(m, _mm512_abs_ps((__m512)load(at(x, d, bf16), bf16)));
+    for (; d + VW <= D; d += VW) m = _mm512_max_ps(m, _mm512_abs_ps((__m512)load(at(x, d, dt), dt)));
     amax = _mm512_reduce_max_ps(m);
 #elif defined(__AVX2__)
     const __m256 sign = _mm256_set1_ps(-0.f);
     __m256 m = _mm256_setzero_ps();
-    for (; d + VW <= D; d += VW) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, (__m256)load(at(x, d, bf16), bf16)));
+    for (; d + VW <= D; d += VW) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, (__m256)load(at(x, d, dt), dt)));
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
     amax = _mm_cvtss_f32(h);
 #endif
     for (; d < D; d++) {
-        const float v = fabsf(load_one(at(x, d, bf16), bf16));
+        const float v = fabsf(load_one(at(x, d, dt), dt));
         amax = v > amax ? v : amax;
     }
     const float s = amax / 127.f;
@@ -385,18 +359,18 @@ INLINE void quantize_row(const void *x, const int bf16, int64_t D, int8_t *q, fl
     d = 0;
 #if defined(__AVX512F__)
     for (; d + VW <= D; d += VW) {
-        const __m512i r = _mm512_cvtps_epi32((__m512)(load(at(x, d, bf16), bf16) * inv));
+        const __m512i r = _mm512_cvtps_epi32((__m512)(load(at(x, d, dt), dt) * inv));
         _mm_storeu_si128((__m128i *)(q + d), _mm512_cvtsepi32_epi8(r));
     }
 #elif defined(__AVX2__)
     for (; d + VW <= D; d += VW) {
-        const __m256i r = _mm256_cvtps_epi32((__m256)(load(at(x, d, bf16), bf16) * inv));
+        const __m256i r = _mm256_cvtps_epi32((__m256)(load(at(x, d, dt), dt) * inv));
         const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
         _mm_storel_epi64((__m128i *)(q + d), _mm_packs_epi16(w, w));
     }
 #endif
     for (; d < D; d++) {
-        float v = rintf(load_one(at(x, d, bf16), bf16) * inv);
+        float v = rintf(load_one(at(x, d, dt), dt) * inv);
         v = v > 127.f ? 127.f : v < -127.f ? -127.f : v;
         q[d] = (int8_t)v;
     }
@@ -405,10 +379,10 @@ INLINE void quantize_row(const void *x, const int bf16, int64_t D, int8_t *q, fl
 #if defined(__AVX512F__) || defined(__AVX2__)
 /* quantize_row for D a constant multiple of VW (32, 64, 128): the row is loaded (and widened) once
  * into D / VW registers that both passes use; same results as quantize_row. */
-INLINE void quantize_row_regs(const void *x, const int bf16, const int64_t D, int8_t *q, float *scale) {
+INLINE void quantize_row_regs(const void *x, const int dt, const int64_t D, int8_t *q, float *scale) {
     enum { MAXV = 128 / VW };
     vf xs[MAXV];
-    for (int64_t v = 0; v < D / VW; v++) xs[v] = load(at(x, v * VW, bf16), bf16);
+    for (int64_t v = 0; v < D / VW; v++) xs[v] = load(at(x, v * VW, dt), dt);
 #if defined(__AVX512F__)
     __m512 m = _mm512_abs_ps((__m512)xs[0]);
     for (int64_t v = 1; v < D / VW; v++) m = _mm512_max_ps(m, _mm512_abs_ps((__m512)xs[v]));
@@ -434,9 +408,9 @@ INLINE void quantize_row_regs(const void *x, const int bf16, const int64_t D, in
 #endif
     }
 }
-#define QUANTIZE_FIXED(x, bf16, D, q, s) quantize_row_regs(x, bf16, D, q, s)
+#define QUANTIZE_FIXED(x, dt, D, q, s) quantize_row_regs(x, dt, D, q, s)
 #else
-#define QUANTIZE_FIXED(x, bf16, D, q, s) quantize_row(x, bf16, D, q, s)
+#define QUANTIZE_FIXED(x, dt, D, q, s) quantize_row(x, dt, D, q, s)
 #endif
 
 /* The rows of num_tokens tokens (key/value/slots already offset to the first), serially; the input
@@ -444,7 +418,7 @@ INLINE void quantize_row_regs(const void *x, const int bf16, const int64_t D, in
 static void store_q8_rows(const void *key, const void *value, int64_t k_stride_t, int64_t k_stride_h,
                           int64_t v_stride_t, int64_t v_stride_h, int8_t *k_pool, int8_t *v_pool, float *k_scale,
                           float *v_scale, const int64_t *slots, int64_t num_tokens, int64_t num_kv_heads,
-                          int64_t head_dim, int bf16) {
+                          int64_t head_dim, int dt) {
 #define STORE_ROWS(BF16, DIM, QUANT)                                                                    \
     for (int64_t t = 0; t < num_tokens; t++) {                                                           \
         const int64_t base = slots[t] * num_kv_heads;                                                    \
@@ -462,7 +436,7 @@ static void store_q8_rows(const void *key, const void *value, int64_t k_stride_t
         case 128: STORE_ROWS(BF16, 128, QUANTIZE_FIXED); break;   \
         default: STORE_ROWS(BF16, head_dim, quantize_row); break; \
     }
-    if (bf16 == DT_BF16) {
+    if (dt == DT_BF16) {
         STORE_DIMS(DT_BF16)
     } else {
         STORE_DIMS(DT_F32)
@@ -481,18 +455,18 @@ void hf_contbatch_store_kv_q8(const void *key, const void *value, int64_t k_stri
                               int64_t v_stride_t, int64_t v_stride_h, int8_t *k_pool, int8_t *v_pool, float *k_scale,
                               float *v_scale, const int64_t *slots, int64_t num_tokens, int64_t num_kv_heads,
                               int64_t head_dim, int64_t in_bf16) {
-    const int bf16 = in_bf16 ? DT_BF16 : DT_F32;
+    const int dt = in_bf16 ? DT_BF16 : DT_F32;
     if (num_tokens * num_kv_heads * head_dim < STORE_PAR_ELEMS) {
         store_q8_rows(key, value, k_stride_t, k_stride_h, v_stride_t, v_stride_h, k_pool, v_pool, k_scale, v_scale,
-                      slots, num_tokens, num_kv_heads, head_dim, bf16);
+                      slots, num_tokens, num_kv_heads, head_dim, dt);
         return;
     }
 #pragma omp parallel
     {
         const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t t0 = num_tokens * id / nt, t1 = num_tokens * (id + 1) / nt;
-        store_q8_rows(at(key, t0 * k_stride_t, bf16), at(value, t0 * v_stride_t, bf16), k_stride_t, k_stride_h,
+        store_q8_rows(at(key, t0 * k_stride_t, dt), at(value, t0 * v_stride_t, dt), k_stride_t, k_stride_h,
                       v_stride_t, v_stride_h, k_pool, v_pool, k_scale, v_scale, slots + t0, t1 - t0, num_kv_heads,
-                      head_dim, bf16);
+                      head_dim, dt);
     }
 }
