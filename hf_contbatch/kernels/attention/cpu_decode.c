@@ -161,9 +161,9 @@ INLINE float row_scale(const float *scales, const int32_t *table, int64_t pos, i
  * KV heads per token (the scales' row); scores: nh * (len - start) floats of scratch; dt: the pool's
  * element kind (DT_F32, DT_BF16, DT_I8).
  * Each key (value) row of a KV head is loaded once for all the query heads of its group. With D a
- * constant multiple of VW up to 128 (32, 64, 128) the row is widened into D / VW vector registers
- * (bf16 and int8 conversions are exact); any other D goes through dot() / axpy() per query head, with
- * a scalar tail. An int8 row's token-head scale multiplies each dot product once (each value's
+ * multiple of VW up to 128 (a constant for 32, 64 and 128) the row is widened into D / VW vector
+ * registers (bf16 and int8 conversions are exact); any other D goes through dot() / axpy() per query
+ * head, with a scalar tail. An int8 row's token-head scale multiplies each dot product once (each value's
  * weight p once), never the channels. */
 INLINE void attend(const float *qs, const void *k_pool, const void *v_pool, const float *ks, const float *vs,
                    const int32_t *table, int64_t start, int64_t len, int64_t nh, int64_t groups, int64_t row,
