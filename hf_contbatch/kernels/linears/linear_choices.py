@@ -12,6 +12,7 @@ from typing import Callable, Collection, Optional
 
 import torch
 
+from ...config import QuantScheme
 from .autotune import KernelChoice, KernelTuner, shape_key
 from .gemm_kernel import GemmKernel
 from .linear_units import Unit, fits_auto, linear_units, packable_modules, unit_shape, weight_bytes
@@ -77,7 +78,7 @@ def tune_linears(
     fuse: bool = True,
     max_rows: int = 1024,
     max_head_rows: Optional[int] = None,
-    quantization: Optional[str] = None,
+    quantization: Optional[QuantScheme] = None,
 ) -> Optional[LinearChoices]:
     """Choose the GEMM kernel of every unit of ``model``'s packable linears by timing the kernels
     available here (the ``linear_backend="auto"`` step before packing; no module is changed).
@@ -89,7 +90,7 @@ def tune_linears(
         available_bytes: returns the available host memory in bytes (None when unknown).
         exclude, fuse, max_rows, max_head_rows, quantization: as
             :func:`~hf_contbatch.kernels.linears.pack_linears`. With a ``quantization`` the
-            candidates are its kernels (``registry.QUANTIZED_KERNELS``; default tuner), ``F.linear``
+            candidates are its kernels (``registry.quantized_kernels``; default tuner), ``F.linear``
             is none, and the linears are packed whatever the memory (the int8 copy is a quarter of
             float32's).
 

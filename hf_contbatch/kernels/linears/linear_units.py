@@ -7,6 +7,7 @@ from typing import Callable, Collection, Optional
 
 import torch
 
+from ...config import QuantScheme
 from .fused import sibling_groups
 from .int8_gemm import is_plain_tensor, is_torchao_int8_weight_only
 
@@ -50,18 +51,18 @@ def int8_eligible(m: torch.nn.Module, quantize_float: bool) -> bool:
 
 
 def packable_modules(
-    model: torch.nn.Module, exclude: Collection[torch.nn.Module] = (), quantization: Optional[str] = None
+    model: torch.nn.Module, exclude: Collection[torch.nn.Module] = (), quantization: Optional[QuantScheme] = None
 ) -> list[torch.nn.Linear]:
     """The model's eligible linears, minus ``exclude`` (LoRA's A and B, which ``kernels.lora`` reads).
 
-    ``quantization``: None, the float linears; ``"int8"`` or ``"w8a8"``, the float linears and
-    torchao int8 weight-only ones (all served with int8 weights); ``"torchao-int8"``, the torchao
-    int8 weight-only ones only."""
+    ``quantization``: None, the float linears; a scheme, the torchao int8 weight-only linears and,
+    when it ``quantize_float_weights`` ("int8", "w8a8"), the float ones too (all served with int8
+    weights)."""
     skip = {id(m) for m in exclude}
     if quantization is None:
         test = eligible
     else:
-        quantize_float = quantization != "torchao-int8"
+        quantize_float = quantization.quantize_float_weights
         test = lambda m: int8_eligible(m, quantize_float)  # noqa: E731
     return [m for m in model.modules() if test(m) and id(m) not in skip]
 
