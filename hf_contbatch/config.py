@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal, Optional, get_args
+from types import MappingProxyType
+from typing import Literal, Mapping, Optional, get_args
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -58,10 +59,9 @@ class QuantScheme:
         return f"w{self.weight_dtype.removeprefix('int')}a{self.activation_dtype.removeprefix('int')}"
 
 
-QUANT_SCHEMES: dict[str, QuantScheme] = {
-    "int8": QuantScheme("int8"),
-    "w8a8": QuantScheme("w8a8", activation_dtype="int8"),
-}
+QUANT_SCHEMES: Mapping[str, QuantScheme] = MappingProxyType(
+    {"int8": QuantScheme("int8"), "w8a8": QuantScheme("w8a8", activation_dtype="int8")}
+)
 """The scheme of each user-facing ``EngineConfig.quantization`` name (keys: :data:`QUANTIZATIONS`)."""
 TORCHAO_INT8 = QuantScheme("torchao-int8", quantize_float_weights=False)
 """A torchao int8 weight-only model's own linears, repacked exactly into the weight-only int8
