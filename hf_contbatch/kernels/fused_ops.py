@@ -355,7 +355,7 @@ class FusedModelOps:
 
     @staticmethod
     def _measure(op: str, width: int, dtype: torch.dtype, fwd) -> dict:
-        from .linears.autotune import time_interleaved
+        from .tuning import time_interleaved
 
         g = torch.Generator().manual_seed(0)
         out: dict = {"fused": [], "module": []}
