@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from .native_build import build_library
+from .tuning import Tuner, time_interleaved
 
 _SOURCE = Path(__file__).with_name("fused_ops.c")
 # -ffp-contract=off: a square is rounded before it is summed and a product before it is added, as
@@ -342,10 +343,19 @@ class FusedModelOps:
                     groups.setdefault(("silu_mul", width, weight.dtype), []).append(
                         (module, FusedMLPForward(module, kind))
                     )
+        # The package's one tuner, in memory: the fused forwards are timed per model, on its own
+        # module instances (a figure from another process's modules would not be about these).
+        tuner = Tuner(("fused", "module"), None, recheck=False, what="model ops")
         for (op, width, dtype), members in groups.items():
             if dtype not in DTYPES:
                 continue
-            times = (measure or self._measure)(op, width, dtype, members[0][1])
+            run = functools.partial(measure or self._measure, op, width, dtype, members[0][1])
+            table = tuner.timings(
+                f"{op} {width} {dtype}",
+                _TIMED_ROWS,
+                lambda rows, run=run: {n: dict(zip(_TIMED_ROWS, s)) for n, s in run().items()},
+            )
+            times = {n: [t[r] for r in _TIMED_ROWS] for n, t in table.items()}
             won = all(f < m for f, m in zip(times["fused"], times["module"]))
             self.choices[f"{op} {width} {str(dtype).removeprefix('torch.')}"] = ("fused" if won else "module", times)
             if won:
@@ -355,8 +365,6 @@ class FusedModelOps:
 
     @staticmethod
     def _measure(op: str, width: int, dtype: torch.dtype, fwd) -> dict:
-        from .tuning import time_interleaved
-
         g = torch.Generator().manual_seed(0)
         out: dict = {"fused": [], "module": []}
         with torch.inference_mode():
