@@ -9,7 +9,7 @@ import torch
 
 from ...config import QuantScheme
 from .fused import sibling_groups
-from .int8_gemm import is_plain_tensor, is_torchao_int8_weight_only
+from .int8_weights import is_plain_tensor, is_torchao_int8_weight_only
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 """Weight dtypes whose linears are packed (bfloat16 where a kernel has a bf16 path)."""
