@@ -68,6 +68,29 @@ TORCHAO_INT8 = QuantScheme("torchao-int8", quantize_float_weights=False)
 kernels while its float linears stay float (the engine's choice, not a user's)."""
 
 
+@dataclass(frozen=True)
+class KVQuantScheme:
+    """A quantized KV cache layout as a value: ``CacheConfig.dtype`` decoded
+    (``CacheConfig.kv_quant``), what the pools' ``KVCacheSpec`` is built from.
+
+    Attributes:
+        name: the ``CacheConfig.dtype`` name ("int8").
+        dtype: the stored K/V elements' dtype name ("int8"; symmetric, ``scale = absmax / 127`` over
+            a head's channels, quantized on write).
+        scale_dtype: the scales' dtype name ("float32").
+        scales_per_token_head: scales per token and KV head, for K and for V each (1).
+    """
+
+    name: str
+    dtype: str = "int8"
+    scale_dtype: str = "float32"
+    scales_per_token_head: int = 1
+
+
+KV_QUANT_SCHEMES: Mapping[str, KVQuantScheme] = MappingProxyType({"int8": KVQuantScheme("int8")})
+"""The layout of each quantized ``CacheConfig.dtype`` name (the others are float dtypes)."""
+
+
 def quant_scheme(name, allow_none: bool = True) -> Optional[QuantScheme]:
     """The :class:`QuantScheme` of a user's ``quantization`` name (None for None when
     ``allow_none``).
@@ -131,6 +154,10 @@ class CacheConfig:
             head each (symmetric: scale = absmax / 127 over the head's channels, quantized on
             write), about a quarter of float32's bytes: the pool holds >= 3x the tokens of float32
             in the same memory; attention reads the scales and computes in the model's dtype.
+
+    Attributes:
+        kv_quant: ``dtype`` decoded when it names a quantized layout (:class:`KVQuantScheme`),
+            else None: what the pools read.
     """
 
     block_size: int = 16
@@ -140,6 +167,7 @@ class CacheConfig:
     swap_space_gib: Optional[float] = None
     enable_prefix_caching: bool = True
     dtype: Optional[str] = None
+    kv_quant: Optional[KVQuantScheme] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_positive_int("block_size", self.block_size)
@@ -164,6 +192,7 @@ class CacheConfig:
             raise ValueError(f"`enable_prefix_caching` must be True or False, got {self.enable_prefix_caching!r}")
         if self.dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"`dtype` must be one of {KV_CACHE_DTYPES}, got {self.dtype!r}")
+        self.kv_quant = KV_QUANT_SCHEMES.get(self.dtype) if self.dtype is not None else None
 
 
 @dataclass

@@ -8,7 +8,16 @@ import dataclasses
 
 import pytest
 
-from hf_contbatch.config import QUANTIZATIONS, TORCHAO_INT8, EngineConfig, QuantScheme, quant_scheme
+from hf_contbatch.config import (
+    KV_CACHE_DTYPES,
+    KV_QUANT_SCHEMES,
+    QUANTIZATIONS,
+    TORCHAO_INT8,
+    CacheConfig,
+    EngineConfig,
+    QuantScheme,
+    quant_scheme,
+)
 
 # name -> (weight dtype, activation dtype, group size, quantize float weights, label). The schemes
 # as documented for users (EngineConfig.quantization): "int8" is torchao's Int8WeightOnlyConfig
@@ -51,3 +60,14 @@ def test_bad_names_are_refused_with_the_allowed_ones(bad):
         quant_scheme(None, allow_none=False)
     with pytest.raises(ValueError, match=r"^`linear_backend='onednn'` has no int8 kernel"):
         EngineConfig(quantization="int8", linear_backend="onednn")
+
+
+def test_a_quantized_kv_cache_dtype_decodes_to_its_layout_and_float_ones_to_none():
+    # CacheConfig.dtype="int8" as documented: int8 K/V, one float32 scale per token and KV head each.
+    kv = CacheConfig(dtype="int8").kv_quant
+    assert (kv.name, kv.dtype, kv.scale_dtype, kv.scales_per_token_head) == ("int8", "int8", "float32", 1)
+    assert set(KV_QUANT_SCHEMES) == {d for d in KV_CACHE_DTYPES if d and not d.startswith(("float", "bfloat"))}
+    for dtype in (None, "float32", "float16", "bfloat16"):
+        assert CacheConfig(dtype=dtype).kv_quant is None
+    with pytest.raises(ValueError, match=r"^`dtype` must be one of \(None, 'float32', 'float16', 'bfloat16', 'int8'\)"):
+        CacheConfig(dtype="int4")

@@ -19,11 +19,11 @@ from typing import Optional
 
 import torch
 
-from ..config import quant_scheme
+from ..config import KV_QUANT_SCHEMES, quant_scheme
 from ..kernels.linears import pack_linears
 from .attention_switch import num_open_engines
 
-QUANTIZED_KV_DTYPES = ("int8",)
+QUANTIZED_KV_DTYPES = tuple(KV_QUANT_SCHEMES)
 """``CacheConfig.dtype`` names of quantized KV caches: what ``kv_cache_dtype`` may measure."""
 
 
