@@ -17,6 +17,7 @@ from ..kernels.linears import pack_linears, tune_linears
 from ..kernels.linears.linear_units import check_quantized_linears
 from ..kernels.linears.registry import AUTO, UNPACKED
 from ..kernels.linears.weight_spill import WeightSpill
+from ..kernels.model_layout import ModelLayout
 from .attention_switch import restore_attention, switch_to_paged_attention
 from .lora_adapters import acquire_lora_layers, release_lora_layers
 from .pool_sizing import available_host_memory
@@ -43,6 +44,8 @@ class ModelPatches:
             serving the model (``lora_adapters.acquire_lora_layers``).
         compiled_forward: the ``CompiledForward`` (None unless ``compile_model``).
         previous_attention: the model's own attention implementation, restored by ``undo``.
+        layout: the one walk of the model (``kernels.model_layout.ModelLayout``: attention layers and
+            their kinds, linears, norms) that the checks, packing, quantizing and fusing read.
         weight_format: the linears' weights as served, for reports: "int8" / "w8a8" (``quantization``),
             "torchao Int8Tensor" (a quantizer's weights, by type name), else the model's dtype name.
 
@@ -58,7 +61,9 @@ class ModelPatches:
         # Before anything changes the model: quantized weights we cannot serve are refused by name.
         scheme = config.quant_scheme
         check_quantization_device(scheme, model_device(model))
-        foreign = check_quantized_linears(model)
+        # One walk of the model: packing, quantizing and fusing read it (kernels.model_layout).
+        self.layout = layout = ModelLayout.of(model)
+        foreign = check_quantized_linears(model, layout)
         self.weight_format = weight_format(model, scheme, foreign)
         # Before anything changes the model: a bad HF_CONTBATCH_COMPILE raises with the model untouched.
         compile_model = resolve_compile_model(config.compile_model)
@@ -77,16 +82,16 @@ class ModelPatches:
             lora_ab = [
                 ab for m in getattr(self.lora_layers, "modules", ()) for ab in (*m.lora_A.values(), *m.lora_B.values())
             ]
-            self.packed_linears = self._pack(model, config, config.linear_backend, lora_ab, scheme)
+            self.packed_linears = self._pack(model, config, config.linear_backend, lora_ab, scheme, layout)
             if scheme is None and foreign and config.linear_backend != UNPACKED:
                 # torchao's int8 weight-only linears: repacked exactly into the int8 kernels.
                 backend = config.linear_backend if config.linear_backend != "onednn" else AUTO
-                int8 = self._pack(model, config, backend, lora_ab, TORCHAO_INT8)
+                int8 = self._pack(model, config, backend, lora_ab, TORCHAO_INT8, layout)
                 if int8 is not None:
                     self.packed_linears = int8.merged(self.packed_linears)
             if scheme is not None and self.packed_linears is not None and not compile_model:
                 # The int8 copies serve: the float weights wait on disk for undo() (weight_spill).
-                self.weight_spill = WeightSpill(model, self.packed_linears.modules)
+                self.weight_spill = WeightSpill(model, self.packed_linears.modules, layout)
                 self.weight_spill.rekey(self.packed_linears.forwards)
             self.previous_attention = switch_to_paged_attention(model)
         except BaseException:
@@ -99,7 +104,7 @@ class ModelPatches:
         model.eval()
         self.fused_ops = None
         if config.fuse_model_ops and not compile_model:
-            self.fused_ops = acquire_fused_ops(model)
+            self.fused_ops = acquire_fused_ops(model, layout)
         self.compiled_forward = None
         if compile_model:
             from ..kernels.compiled_forward import CompiledForward
@@ -119,7 +124,7 @@ class ModelPatches:
             self.weight_spill = None
 
     @staticmethod
-    def _pack(model, config: EngineConfig, backend: str, lora_ab, scheme: Optional[QuantScheme]):
+    def _pack(model, config: EngineConfig, backend: str, lora_ab, scheme: Optional[QuantScheme], layout):
         """The packed linears of one weight format (``scheme``; None: float) or None when nothing packs."""
         # "auto": the kernel per GEMM unit is chosen first (timings from the tuner's disk cache,
         # measured only on a CPU seen for the first time), then packed by those choices.
@@ -133,6 +138,7 @@ class ModelPatches:
                 max_rows=config.scheduler.max_num_batched_tokens,
                 max_head_rows=config.scheduler.max_num_seqs,
                 quantization=scheme,
+                layout=layout,
             )
         # Before the attention switch: a forced backend that cannot pack raises with nothing changed.
         if choices is None and backend == AUTO:
@@ -145,6 +151,7 @@ class ModelPatches:
             fuse=config.fuse_linears,
             choices=choices,
             quantization=scheme,
+            layout=layout,
         )
 
     def undo(self) -> None:
@@ -166,9 +173,10 @@ class ModelPatches:
 # --- fused model ops (RMSNorm, SiLU-and-mul): installed by the first engine, removed by the last close
 
 
-def acquire_fused_ops(model):
+def acquire_fused_ops(model, layout=None):
     """The model's ``FusedModelOps`` (kernels.fused_ops), installed by the first engine on it (its
-    per-shape choice timed then) and shared by the later ones; None where the model is not on CPU."""
+    per-shape choice timed then) and shared by the later ones; None where the model is not on CPU.
+    ``layout``: the engine's walk of the model (``kernels.model_layout``; default: walked there)."""
     entry = model.__dict__.get(_FUSED_OPS_USERS)
     if entry is None:
         param = next(model.parameters(), None)
@@ -176,7 +184,7 @@ def acquire_fused_ops(model):
             return None
         from ..kernels.fused_ops import FusedModelOps
 
-        entry = [FusedModelOps(model), 0]
+        entry = [FusedModelOps(model, layout=layout), 0]
         model.__dict__[_FUSED_OPS_USERS] = entry
     entry[1] += 1
     return entry[0]

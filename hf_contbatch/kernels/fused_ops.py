@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .model_layout import ModelLayout
 from .native_build import build_library
 from .tuning import Tuner, time_interleaved
 
@@ -313,20 +314,21 @@ class FusedModelOps:
         model: a transformers model (any ``nn.Module``).
         measure: ``(op, width, dtype) -> {"fused": s, "module": s}`` at the timed rows (tests pass
             fixed figures); default: timed here.
+        layout: the model's walk (``kernels.model_layout``; default: walked here).
 
     Attributes:
         choices: ``{"rms_norm 960 bfloat16": ("fused" | "module", {"fused": [s per rows], ...})}``.
         error: why nothing was installed when the kernels cannot be built here (else None).
     """
 
-    def __init__(self, model, measure: Optional[Callable] = None) -> None:
+    def __init__(self, model, measure: Optional[Callable] = None, layout: Optional[ModelLayout] = None) -> None:
         self.installed: list[tuple[torch.nn.Module, object]] = []
         self.choices: dict[str, tuple[str, dict]] = {}
         self.error = None if fused_library() is not None else fused_library_error()
         if self.error is not None:
             return
         groups: dict[tuple, list] = {}
-        for module in model.modules():
+        for _, module in (layout or ModelLayout.of(model)).modules:
             if "forward" in module.__dict__:  # an instance forward someone else installed: leave it
                 continue
             form = norm_form(module)

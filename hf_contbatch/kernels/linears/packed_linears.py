@@ -19,6 +19,7 @@ from typing import Callable, Collection, Optional
 import torch
 
 from ...config import QuantScheme
+from ..model_layout import ModelLayout
 from .autotune import KernelTuner
 from .dispatch_gemm import DispatchGEMM
 from .fused import form_group
@@ -225,6 +226,7 @@ def pack_linears(
     choices: Optional[LinearChoices] = None,
     release_weights: bool = False,
     quantization: Optional[QuantScheme] = None,
+    layout: Optional[ModelLayout] = None,
 ) -> Optional[PackedLinears]:
     """Pack the model's float32 (and, where a kernel has a bf16 path, bfloat16) CPU ``nn.Linear``
     weights for a faster GEMM, or do nothing.
@@ -262,6 +264,7 @@ def pack_linears(
             ``w8a8_torch.TorchW8A8GEMM``); without ``quantize_float_weights``
             (``config.TORCHAO_INT8``): only the torchao int8 weight-only ones, repacked exactly.
             Always packed (never left to ``F.linear``), whatever the memory.
+        layout: the model's walk (``kernels.model_layout``; default: walked here).
 
     Returns:
         The packed modules (``kernel_names`` names the kernels used; ``choices`` holds the "auto"
@@ -277,8 +280,9 @@ def pack_linears(
         if quantization is not None:
             mode = forced_quantized_kernel(quantization, mode)
         kernel = make_kernel(mode)
-        modules = packable_modules(model, exclude, quantization)
-        units = linear_units(model, modules, fuse)
+        layout = layout or ModelLayout.of(model)
+        modules = packable_modules(model, exclude, quantization, layout)
+        units = linear_units(model, modules, fuse, layout)
         forwards = _pack_units(units, lambda i: kernel if kernel.supports(units[i][0].weight) else None)
         return _install(model, forwards, weight_bytes(modules), None, release_weights, quantization)
     if choices is None:
@@ -291,6 +295,7 @@ def pack_linears(
             max_rows=max_rows,
             max_head_rows=max_head_rows,
             quantization=quantization,
+            layout=layout,
         )
         if choices is None:
             return None
