@@ -120,11 +120,16 @@ def load_baseline(root: Path):
     stub = types.ModuleType("w8a8_base.linears.linear_op")
     stub.register_linear_op = lambda *a, **k: None
     sys.modules["w8a8_base.linears.linear_op"] = stub
-    path = root / "hf_contbatch" / "kernels" / "linears" / "int8_gemm.py"
-    spec = importlib.util.spec_from_file_location("w8a8_base.linears.int8_gemm", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
+    # A tree whose int8 linears are split by job (weights, the C library, the dequantizing kernel)
+    # has its int8_gemm.py import those siblings: theirs, loaded first where they exist.
+    for stem in ("int8_weights", "int8_library", "dequant_gemm", "int8_gemm"):
+        path = root / "hf_contbatch" / "kernels" / "linears" / f"{stem}.py"
+        if not path.exists():
+            continue
+        spec = importlib.util.spec_from_file_location(f"w8a8_base.linears.{stem}", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
     return mod.W8A8GEMM
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal, Optional, get_args
+from types import MappingProxyType
+from typing import Literal, Mapping, Optional, get_args
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -23,6 +24,87 @@ Quantization = Literal["int8", "w8a8"]
 QUANTIZATIONS = get_args(Quantization)
 """The ``EngineConfig.quantization`` schemes (None: the model's own weights): "int8", int8 weights
 with the activations in the model's dtype; "w8a8", int8 weights and int8 activations."""
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """A linear-weight quantization scheme as a value: what the kernels and the patches read.
+
+    Decoded once from the user's name (:func:`quant_scheme`); no other module compares the names.
+
+    Attributes:
+        name: the scheme's name ("int8", "w8a8"; "torchao-int8" for a torchao model's own int8
+            weight-only linears, never a user's choice).
+        weight_dtype: the stored weight's dtype name ("int8").
+        activation_dtype: None, the activations stay in the model's dtype (weight-only); "int8",
+            each input row of a linear is quantized on the fly (symmetric, one scale per row).
+        group_size: input channels sharing one weight scale; None, one scale per output channel
+            (``scale = absmax / 127`` over the whole row, symmetric).
+        quantize_float_weights: the model's float linears are quantized at load; False, only
+            linears already quantized by torchao are served (repacked exactly), the float ones stay.
+    """
+
+    name: str
+    weight_dtype: str = "int8"
+    activation_dtype: Optional[str] = None
+    group_size: Optional[int] = None
+    quantize_float_weights: bool = True
+
+    @property
+    def label(self) -> str:
+        """The weights' format as served, for reports: "int8" (weight-only, a torchao model's
+        too) or "w8a8"."""
+        if self.activation_dtype is None:
+            return self.weight_dtype
+        return f"w{self.weight_dtype.removeprefix('int')}a{self.activation_dtype.removeprefix('int')}"
+
+
+QUANT_SCHEMES: Mapping[str, QuantScheme] = MappingProxyType(
+    {"int8": QuantScheme("int8"), "w8a8": QuantScheme("w8a8", activation_dtype="int8")}
+)
+"""The scheme of each user-facing ``EngineConfig.quantization`` name (keys: :data:`QUANTIZATIONS`)."""
+TORCHAO_INT8 = QuantScheme("torchao-int8", quantize_float_weights=False)
+"""A torchao int8 weight-only model's own linears, repacked exactly into the weight-only int8
+kernels while its float linears stay float (the engine's choice, not a user's)."""
+
+
+@dataclass(frozen=True)
+class KVQuantScheme:
+    """A quantized KV cache layout as a value: ``CacheConfig.dtype`` decoded
+    (``CacheConfig.kv_quant``), what the pools' ``KVCacheSpec`` is built from.
+
+    Attributes:
+        name: the ``CacheConfig.dtype`` name ("int8").
+        dtype: the stored K/V elements' dtype name ("int8"; symmetric, ``scale = absmax / 127`` over
+            a head's channels, quantized on write).
+        scale_dtype: the scales' dtype name ("float32").
+        scales_per_token_head: scales per token and KV head, for K and for V each (1).
+    """
+
+    name: str
+    dtype: str = "int8"
+    scale_dtype: str = "float32"
+    scales_per_token_head: int = 1
+
+
+KV_QUANT_SCHEMES: Mapping[str, KVQuantScheme] = MappingProxyType({"int8": KVQuantScheme("int8")})
+"""The layout of each quantized ``CacheConfig.dtype`` name (the others are float dtypes)."""
+
+
+def quant_scheme(name, allow_none: bool = True) -> Optional[QuantScheme]:
+    """The :class:`QuantScheme` of a user's ``quantization`` name (None for None when
+    ``allow_none``).
+
+    Raises:
+        ValueError: "`quantization` must be [None or ]one of ('int8', 'w8a8'), got ..." for any
+            other value.
+    """
+    if name is None and allow_none:
+        return None
+    if isinstance(name, str) and name in QUANT_SCHEMES:
+        return QUANT_SCHEMES[name]
+    allowed = "None or one of" if allow_none else "one of"
+    raise ValueError(f"`quantization` must be {allowed} {QUANTIZATIONS}, got {name!r}")
 
 
 def is_int(value) -> bool:
@@ -72,6 +154,10 @@ class CacheConfig:
             head each (symmetric: scale = absmax / 127 over the head's channels, quantized on
             write), about a quarter of float32's bytes: the pool holds >= 3x the tokens of float32
             in the same memory; attention reads the scales and computes in the model's dtype.
+
+    Attributes:
+        kv_quant: ``dtype`` decoded when it names a quantized layout (:class:`KVQuantScheme`),
+            else None: what the pools read.
     """
 
     block_size: int = 16
@@ -81,6 +167,7 @@ class CacheConfig:
     swap_space_gib: Optional[float] = None
     enable_prefix_caching: bool = True
     dtype: Optional[str] = None
+    kv_quant: Optional[KVQuantScheme] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_positive_int("block_size", self.block_size)
@@ -105,6 +192,7 @@ class CacheConfig:
             raise ValueError(f"`enable_prefix_caching` must be True or False, got {self.enable_prefix_caching!r}")
         if self.dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"`dtype` must be one of {KV_CACHE_DTYPES}, got {self.dtype!r}")
+        self.kv_quant = KV_QUANT_SCHEMES.get(self.dtype) if self.dtype is not None else None
 
 
 @dataclass
@@ -222,6 +310,10 @@ class EngineConfig:
             is chosen by timing (ours, ``int8_gemm.c``, or torch's); ``linear_backend``
             "native"/"torch" force ours/torch's ("onednn" has no int8 kernel). CPU models only.
             The model's float weights are kept and the model restored exactly on close.
+
+    Attributes:
+        quant_scheme: ``quantization`` decoded (:class:`QuantScheme`, None without one): the value
+            the engine's patches and the kernels read.
     """
 
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -237,6 +329,7 @@ class EngineConfig:
     prompt_lookup_num_tokens: int = 0
     compile_model: Optional[bool] = None
     quantization: Optional[Quantization] = None
+    quant_scheme: Optional[QuantScheme] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, CacheConfig):
@@ -258,8 +351,8 @@ class EngineConfig:
             raise ValueError(
                 f"`prompt_lookup_num_tokens` must be an int >= 0 (0: off), got {self.prompt_lookup_num_tokens!r}"
             )
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"`quantization` must be None or one of {QUANTIZATIONS}, got {self.quantization!r}")
+        # The one decoding of the user's name: everything downstream reads ``quant_scheme``'s fields.
+        self.quant_scheme = quant_scheme(self.quantization)
         if self.quantization is not None and self.linear_backend == "onednn":
             raise ValueError(
                 f"`linear_backend='onednn'` has no {self.quantization} kernel; with `quantization={self.quantization!r}` "

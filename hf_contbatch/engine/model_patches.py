@@ -10,11 +10,14 @@ by name (``ValueError``) before anything changes."""
 
 from __future__ import annotations
 
-from ..config import EngineConfig, resolve_compile_model
+from typing import Optional
+
+from ..config import TORCHAO_INT8, EngineConfig, QuantScheme, resolve_compile_model
 from ..kernels.linears import pack_linears, tune_linears
 from ..kernels.linears.linear_units import check_quantized_linears
 from ..kernels.linears.registry import AUTO, UNPACKED
 from ..kernels.linears.weight_spill import WeightSpill
+from ..kernels.model_layout import ModelLayout
 from .attention_switch import restore_attention, switch_to_paged_attention
 from .lora_adapters import acquire_lora_layers, release_lora_layers
 from .pool_sizing import available_host_memory
@@ -41,6 +44,8 @@ class ModelPatches:
             serving the model (``lora_adapters.acquire_lora_layers``).
         compiled_forward: the ``CompiledForward`` (None unless ``compile_model``).
         previous_attention: the model's own attention implementation, restored by ``undo``.
+        layout: the one walk of the model (``kernels.model_layout.ModelLayout``: attention layers and
+            their kinds, linears, norms) that the checks, packing, quantizing and fusing read.
         weight_format: the linears' weights as served, for reports: "int8" / "w8a8" (``quantization``),
             "torchao Int8Tensor" (a quantizer's weights, by type name), else the model's dtype name.
 
@@ -54,9 +59,12 @@ class ModelPatches:
     def __init__(self, model, config: EngineConfig, cache, runner) -> None:
         self.model = model
         # Before anything changes the model: quantized weights we cannot serve are refused by name.
-        check_quantization_device(config.quantization, model_device(model))
-        foreign = check_quantized_linears(model)
-        self.weight_format = weight_format(model, config.quantization, foreign)
+        scheme = config.quant_scheme
+        check_quantization_device(scheme, model_device(model))
+        # One walk of the model: packing, quantizing and fusing read it (kernels.model_layout).
+        self.layout = layout = ModelLayout.of(model)
+        foreign = check_quantized_linears(model, layout)
+        self.weight_format = weight_format(model, scheme, foreign)
         # Before anything changes the model: a bad HF_CONTBATCH_COMPILE raises with the model untouched.
         compile_model = resolve_compile_model(config.compile_model)
         # Before anything changes the model: unsupported LoRA features raise with the model untouched.
@@ -74,16 +82,16 @@ class ModelPatches:
             lora_ab = [
                 ab for m in getattr(self.lora_layers, "modules", ()) for ab in (*m.lora_A.values(), *m.lora_B.values())
             ]
-            self.packed_linears = self._pack(model, config, config.linear_backend, lora_ab, config.quantization)
-            if config.quantization is None and foreign and config.linear_backend != UNPACKED:
+            self.packed_linears = self._pack(model, config, config.linear_backend, lora_ab, scheme, layout)
+            if scheme is None and foreign and config.linear_backend != UNPACKED:
                 # torchao's int8 weight-only linears: repacked exactly into the int8 kernels.
                 backend = config.linear_backend if config.linear_backend != "onednn" else AUTO
-                int8 = self._pack(model, config, backend, lora_ab, "torchao-int8")
+                int8 = self._pack(model, config, backend, lora_ab, TORCHAO_INT8, layout)
                 if int8 is not None:
                     self.packed_linears = int8.merged(self.packed_linears)
-            if config.quantization is not None and self.packed_linears is not None and not compile_model:
+            if scheme is not None and self.packed_linears is not None and not compile_model:
                 # The int8 copies serve: the float weights wait on disk for undo() (weight_spill).
-                self.weight_spill = WeightSpill(model, self.packed_linears.modules)
+                self.weight_spill = WeightSpill(model, self.packed_linears.modules, layout)
                 self.weight_spill.rekey(self.packed_linears.forwards)
             self.previous_attention = switch_to_paged_attention(model)
         except BaseException:
@@ -96,7 +104,7 @@ class ModelPatches:
         model.eval()
         self.fused_ops = None
         if config.fuse_model_ops and not compile_model:
-            self.fused_ops = acquire_fused_ops(model)
+            self.fused_ops = acquire_fused_ops(model, layout)
         self.compiled_forward = None
         if compile_model:
             from ..kernels.compiled_forward import CompiledForward
@@ -116,8 +124,8 @@ class ModelPatches:
             self.weight_spill = None
 
     @staticmethod
-    def _pack(model, config: EngineConfig, backend: str, lora_ab, quantization):
-        """The packed linears of one weight format (None when nothing packs)."""
+    def _pack(model, config: EngineConfig, backend: str, lora_ab, scheme: Optional[QuantScheme], layout):
+        """The packed linears of one weight format (``scheme``; None: float) or None when nothing packs."""
         # "auto": the kernel per GEMM unit is chosen first (timings from the tuner's disk cache,
         # measured only on a CPU seen for the first time), then packed by those choices.
         choices = None
@@ -129,7 +137,8 @@ class ModelPatches:
                 fuse=config.fuse_linears,
                 max_rows=config.scheduler.max_num_batched_tokens,
                 max_head_rows=config.scheduler.max_num_seqs,
-                quantization=quantization,
+                quantization=scheme,
+                layout=layout,
             )
         # Before the attention switch: a forced backend that cannot pack raises with nothing changed.
         if choices is None and backend == AUTO:
@@ -141,7 +150,8 @@ class ModelPatches:
             exclude=lora_ab,
             fuse=config.fuse_linears,
             choices=choices,
-            quantization=quantization,
+            quantization=scheme,
+            layout=layout,
         )
 
     def undo(self) -> None:
@@ -163,9 +173,10 @@ class ModelPatches:
 # --- fused model ops (RMSNorm, SiLU-and-mul): installed by the first engine, removed by the last close
 
 
-def acquire_fused_ops(model):
+def acquire_fused_ops(model, layout=None):
     """The model's ``FusedModelOps`` (kernels.fused_ops), installed by the first engine on it (its
-    per-shape choice timed then) and shared by the later ones; None where the model is not on CPU."""
+    per-shape choice timed then) and shared by the later ones; None where the model is not on CPU.
+    ``layout``: the engine's walk of the model (``kernels.model_layout``; default: walked there)."""
     entry = model.__dict__.get(_FUSED_OPS_USERS)
     if entry is None:
         param = next(model.parameters(), None)
@@ -173,7 +184,7 @@ def acquire_fused_ops(model):
             return None
         from ..kernels.fused_ops import FusedModelOps
 
-        entry = [FusedModelOps(model), 0]
+        entry = [FusedModelOps(model, layout=layout), 0]
         model.__dict__[_FUSED_OPS_USERS] = entry
     entry[1] += 1
     return entry[0]
@@ -196,22 +207,22 @@ def model_device(model) -> str:
     return "cpu" if param is None else param.device.type
 
 
-def check_quantization_device(quantization, device: str) -> None:
-    """Raise ``ValueError`` for a ``quantization`` on a non-CPU model: the int8 kernels are CPU ones
-    (on CUDA a model quantized by torchao is served through its own kernels instead)."""
-    if quantization is not None and device != "cpu":
+def check_quantization_device(scheme: Optional[QuantScheme], device: str) -> None:
+    """Raise ``ValueError`` for a quantization ``scheme`` on a non-CPU model: the int8 kernels are
+    CPU ones (on CUDA a model quantized by torchao is served through its own kernels instead)."""
+    if scheme is not None and device != "cpu":
         raise ValueError(
-            f"`quantization={quantization!r}` serves CPU models only (its kernels are CPU kernels); the model is on "
+            f"`quantization={scheme.name!r}` serves CPU models only (its kernels are CPU kernels); the model is on "
             f"{device}. On CUDA, load the model quantized (transformers' TorchAoConfig) and leave `quantization=None`: "
             "its own kernels serve it"
         )
 
 
-def weight_format(model, quantization, foreign: dict) -> str:
-    """How the linears' weights are served, for stats and the CLI: "int8", the quantizer's weight
-    types ("torchao Int8Tensor"), or the model's dtype name ("float32")."""
-    if quantization is not None:
-        return quantization
+def weight_format(model, scheme: Optional[QuantScheme], foreign: dict) -> str:
+    """How the linears' weights are served, for stats and the CLI: the scheme's label ("int8",
+    "w8a8"), the quantizer's weight types ("torchao Int8Tensor"), or the model's dtype name ("float32")."""
+    if scheme is not None:
+        return scheme.label
     if foreign:
         return ", ".join(sorted({f"torchao {k}" if k == "Int8Tensor" else k for k in foreign.values()}))
     param = next(iter(model.parameters()), None)

@@ -19,11 +19,11 @@ from typing import Optional
 
 import torch
 
-from ..config import QUANTIZATIONS
+from ..config import KV_QUANT_SCHEMES, quant_scheme
 from ..kernels.linears import pack_linears
 from .attention_switch import num_open_engines
 
-QUANTIZED_KV_DTYPES = ("int8",)
+QUANTIZED_KV_DTYPES = tuple(KV_QUANT_SCHEMES)
 """``CacheConfig.dtype`` names of quantized KV caches: what ``kv_cache_dtype`` may measure."""
 
 
@@ -167,7 +167,7 @@ def quality_report(
         model: a transformers causal LM on the CPU (not open in an engine: its linears are packed
             here for the quantized figures and restored afterwards).
         tokenizer: its tokenizer (needed with ``text``; default: loaded from the model's path).
-        quantization: the weight format (``config.QUANTIZATIONS``).
+        quantization: the weight format, a user-facing name (``config.QUANTIZATIONS``).
         text: the held-out text; default: the embedded default model's README.
         max_tokens: most tokens of the text scored.
         prompt_tokens, greedy_tokens: greedy generation from the text's first ``prompt_tokens``
@@ -180,8 +180,7 @@ def quality_report(
         ValueError: an unknown ``quantization`` or ``kv_cache_dtype`` (naming the choices), a
             text under 2 tokens, or a model an open engine serves (``pipe.model``).
     """
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"`quantization` must be one of {QUANTIZATIONS}, got {quantization!r}")
+    scheme = quant_scheme(quantization, allow_none=False)
     if num_open_engines(model):
         # Its linears are packed (maybe quantized already) and its attention switched: both
         # figures would measure the served model, and say int8 costs nothing.
@@ -209,7 +208,7 @@ def quality_report(
     greedy_float = _greedy(model, prompt, greedy_tokens)
     # Timed (on a first call) at the row counts this report runs, the scored text's at most: not
     # up to an engine's default 1,024-token budget.
-    packed = pack_linears(model, "auto", quantization=quantization, max_rows=int(ids.shape[1]))
+    packed = pack_linears(model, "auto", quantization=scheme, max_rows=int(ids.shape[1]))
     try:
         ppl_quant = perplexity(model, ids)
         greedy_quant = _greedy(model, prompt, greedy_tokens)
@@ -231,4 +230,4 @@ def quality_report(
             kv_ppl_quantized=ppl_kv_quant,
             kv_greedy_agreement=_leading_equal(greedy_kv_float, greedy_kv_quant),
         )
-    return QualityReport(quantization, int(ids.shape[1]), ppl_float, ppl_quant, greedy_tokens, agree, **kv)
+    return QualityReport(scheme.label, int(ids.shape[1]), ppl_float, ppl_quant, greedy_tokens, agree, **kv)

@@ -23,7 +23,7 @@ from typing import Iterable, Optional
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from ..config import CacheConfig, EngineConfig, SchedulerConfig, is_int
+from ..config import CacheConfig, EngineConfig, SchedulerConfig, is_int, quant_scheme
 from ..engine.handles import EngineError
 from ..engine.llm_engine import LLMEngine
 from .call_requests import CallRequestBuilder
@@ -191,7 +191,7 @@ class ContinuousBatchingPipeline:
         elif cache_config is not None or scheduler_config is not None:
             raise ValueError("pass either `engine_config` or `cache_config`/`scheduler_config`, not both")
         if quantization is not None:  # EngineConfig.quantization, spelled as a pipeline argument
-            if engine_config.quantization not in (None, quantization):
+            if engine_config.quant_scheme not in (None, quant_scheme(quantization)):
                 raise ValueError(
                     f"`quantization={quantization!r}` disagrees with `engine_config.quantization="
                     f"{engine_config.quantization!r}`; pass one"

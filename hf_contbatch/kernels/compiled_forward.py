@@ -25,7 +25,7 @@ import warnings
 
 import torch
 
-from .attention import step_handle
+from .attention import COMPILED_STEP_SUPPORTED, CompiledStep
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class CompiledForward:
     Args:
         model: the transformers causal LM, already switched to the paged attention.
         cache: the engine's ``PagedKVCache``; the graph gets a view of it that stores nothing (the
-            attention op stores K/V through each step's own view, found by a per-step handle).
+            attention op stores K/V through each step's own view, its argument as a ``CompiledStep``).
         cache_arg: the forward's cache argument name ("past_key_values" or "cache").
         packed_linears: the engine's ``PackedLinears`` (refreshed before each step) or None.
     """
@@ -63,23 +63,32 @@ class CompiledForward:
         with torch.inference_mode(False):
             self._one_row = torch.zeros(1, dtype=torch.int64)
         self.failed: Exception | None = None
+        if not COMPILED_STEP_SUPPORTED:
+            # The attention op takes the step's view as an opaque object: without them, eager.
+            self.failed = RuntimeError("this torch has no opaque objects for custom ops")
+            warnings.warn(
+                f"compile_model: torch {torch.__version__} cannot pass the step's cache view to the compiled "
+                "attention op (no opaque reference objects); running the model eagerly instead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         self.compile_seconds = 0.0  # wall time of the calls that compiled a new graph
 
     def __call__(self, **kwargs):
         """Run the forward with the model's keyword arguments (``input_ids``/``position_ids``
         int64 ``[1, T]``, ``logits_to_keep`` int64 ``[R]``, ``paged_cache`` the step's view, which the
-        graph gets as a handle, and the cache argument, which is replaced by a view that stores
-        nothing) and return its output (``logits`` ``[1, R, vocab]``). Compile failures
+        graph gets wrapped in a ``CompiledStep``, and the cache argument, which is replaced by a view
+        that stores nothing) and return its output (``logits`` ``[1, R, vocab]``). Compile failures
         (``TorchDynamoException``) fall back to eager with one ``RuntimeWarning``; errors of the
         computation itself propagate."""
         if self.packed_linears is not None:
             self.packed_linears.refresh()
-        step = kwargs["paged_cache"]  # held until the call returns: the op's handle is weak
-        kwargs["paged_cache"] = step_handle(step)
+        if self.failed is not None:
+            return self.model(**kwargs)  # eager: the step's view stores K/V through update()
+        eager_kwargs = dict(kwargs)
+        kwargs["paged_cache"] = CompiledStep(kwargs["paged_cache"])
         kwargs[self.cache_arg] = self.graph_cache  # the attention op stores K/V
         kwargs["use_cache"] = False
-        if self.failed is not None:
-            return self.model(**kwargs)
         rows = kwargs.get("logits_to_keep")
         no_rows = isinstance(rows, torch.Tensor) and rows.numel() == 0
         if no_rows:
@@ -103,6 +112,7 @@ class CompiledForward:
             # Compiling failed (not the model's computation): serve eagerly from now on. The op
             # may have stored some layers' K/V already; the eager rerun stores the same values.
             self.failed = exc
+            kwargs = eager_kwargs
             warnings.warn(
                 f"compile_model: torch.compile failed, running the model eagerly instead ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else ''})",

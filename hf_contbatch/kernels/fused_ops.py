@@ -20,7 +20,9 @@ from typing import Callable, Optional
 
 import torch
 
+from .model_layout import ModelLayout
 from .native_build import build_library
+from .tuning import Tuner, time_interleaved
 
 _SOURCE = Path(__file__).with_name("fused_ops.c")
 # -ffp-contract=off: a square is rounded before it is summed and a product before it is added, as
@@ -312,20 +314,21 @@ class FusedModelOps:
         model: a transformers model (any ``nn.Module``).
         measure: ``(op, width, dtype) -> {"fused": s, "module": s}`` at the timed rows (tests pass
             fixed figures); default: timed here.
+        layout: the model's walk (``kernels.model_layout``; default: walked here).
 
     Attributes:
         choices: ``{"rms_norm 960 bfloat16": ("fused" | "module", {"fused": [s per rows], ...})}``.
         error: why nothing was installed when the kernels cannot be built here (else None).
     """
 
-    def __init__(self, model, measure: Optional[Callable] = None) -> None:
+    def __init__(self, model, measure: Optional[Callable] = None, layout: Optional[ModelLayout] = None) -> None:
         self.installed: list[tuple[torch.nn.Module, object]] = []
         self.choices: dict[str, tuple[str, dict]] = {}
         self.error = None if fused_library() is not None else fused_library_error()
         if self.error is not None:
             return
         groups: dict[tuple, list] = {}
-        for module in model.modules():
+        for _, module in (layout or ModelLayout.of(model)).modules:
             if "forward" in module.__dict__:  # an instance forward someone else installed: leave it
                 continue
             form = norm_form(module)
@@ -342,10 +345,19 @@ class FusedModelOps:
                     groups.setdefault(("silu_mul", width, weight.dtype), []).append(
                         (module, FusedMLPForward(module, kind))
                     )
+        # The package's one tuner, in memory: the fused forwards are timed per model, on its own
+        # module instances (a figure from another process's modules would not be about these).
+        tuner = Tuner(("fused", "module"), None, recheck=False, what="model ops")
         for (op, width, dtype), members in groups.items():
             if dtype not in DTYPES:
                 continue
-            times = (measure or self._measure)(op, width, dtype, members[0][1])
+            run = functools.partial(measure or self._measure, op, width, dtype, members[0][1])
+            table = tuner.timings(
+                f"{op} {width} {dtype}",
+                _TIMED_ROWS,
+                lambda rows, run=run: {n: dict(zip(_TIMED_ROWS, s)) for n, s in run().items()},
+            )
+            times = {n: [t[r] for r in _TIMED_ROWS] for n, t in table.items()}
             won = all(f < m for f, m in zip(times["fused"], times["module"]))
             self.choices[f"{op} {width} {str(dtype).removeprefix('torch.')}"] = ("fused" if won else "module", times)
             if won:
@@ -355,8 +367,6 @@ class FusedModelOps:
 
     @staticmethod
     def _measure(op: str, width: int, dtype: torch.dtype, fwd) -> dict:
-        from .linears.autotune import time_interleaved
-
         g = torch.Generator().manual_seed(0)
         out: dict = {"fused": [], "module": []}
         with torch.inference_mode():

@@ -102,23 +102,6 @@ def write_json(path: Path | str, value: Any) -> bool:
         return False
 
 
-def cached_path_times(prefix: str, source: Path, geometry: tuple, measure: Callable[[], dict]) -> dict:
-    """Seconds of a compiled kernel and of the torch path it may replace (``{"kernel": s, "torch":
-    s}``), measured by ``measure()`` once per CPU, torch version, kernel source and ``geometry``, and
-    cached beside the C kernels as ``{prefix}_{hash}.json`` (a file without both timings is measured
-    again). Shared by the decode and prefill attention choices."""
-    import torch
-
-    source_hash = hashlib.sha256(Path(source).read_bytes()).hexdigest()[:16]
-    key = "|".join(map(str, (cpu_id(), torch.__version__, source_hash, *geometry)))
-    path = cache_dir() / f"{prefix}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    times = read_json(path)
-    if not (isinstance(times, dict) and {"kernel", "torch"} <= times.keys()):
-        times = measure()
-        write_json(path, times)
-    return times
-
-
 class LoadedOnce:
     """What ``load()`` returns (a loaded kernel library's functions), computed on the first
     :meth:`get` of this object, thread-safe, and kept; or None for good when ``load()`` raised, with

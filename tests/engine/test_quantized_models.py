@@ -95,10 +95,11 @@ def test_bad_quantization_names_are_refused_naming_the_choices():
 def test_int8_on_cuda_is_refused_by_name():
     from hf_contbatch.engine.model_patches import check_quantization_device
 
+    int8 = EngineConfig(quantization="int8").quant_scheme
     with pytest.raises(ValueError, match=r"quantization='int8'.*CPU models only.*cuda"):
-        check_quantization_device("int8", "cuda")
+        check_quantization_device(int8, "cuda")
     check_quantization_device(None, "cuda")  # a torchao model on CUDA runs its own kernels
-    check_quantization_device("int8", "cpu")
+    check_quantization_device(int8, "cpu")
 
 
 class _Broken(torch.Tensor):

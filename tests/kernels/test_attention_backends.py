@@ -72,6 +72,29 @@ def test_triton_on_cpu_needs_the_interpreter_and_unknown_names_fail(monkeypatch)
         select_backend("flash", CPU, _spec(), 4)
 
 
+def test_only_the_triton_backends_say_their_decode_step_can_be_captured_in_a_cuda_graph():
+    from hf_contbatch.kernels.attention import backends as b
+
+    # The torch path loops over each step's host-side lists and the CPU paths have no CUDA graphs;
+    # the Triton launches depend on tensor shapes alone.
+    capturable = {b.TritonAttentionBackend, b.Int8TritonAttentionBackend}
+    classes = [
+        b.TorchAttentionBackend,
+        b.Int8TorchAttentionBackend,
+        b.TritonAttentionBackend,
+        b.Int8TritonAttentionBackend,
+    ]
+    for cls in classes:
+        assert cls().supports_graph_capture is (cls in capturable), cls
+    for backend in (
+        select_backend("torch", CPU, _spec(), num_heads=4),
+        select_backend(
+            "torch", CPU, _spec(torch.int8, scale_dtype=torch.float32, scales_per_token_head=1), num_heads=4
+        ),
+    ):
+        assert backend.supports_graph_capture is False
+
+
 def test_a_float_backend_refuses_a_layout_with_scales():
     spec = _spec(torch.int8, scale_dtype=torch.float16, scales_per_token_head=1)
     with pytest.raises(ValueError, match="one float32 scale per token"):  # int8 layouts: float32 scales only

@@ -196,14 +196,17 @@ def test_the_real_measurement_times_every_available_kernel_at_every_bucket(tmp_p
 
 
 def test_the_registry_names_every_linear_backend_but_auto_and_each_kernel_keeps_the_protocol():
-    from hf_contbatch.config import LINEAR_BACKENDS, QUANTIZATIONS
+    from hf_contbatch.config import LINEAR_BACKENDS, QUANTIZATIONS, TORCHAO_INT8, quant_scheme
     from hf_contbatch.kernels.linears import KERNELS, GemmKernel
-    from hf_contbatch.kernels.linears.registry import QUANTIZED_FOR_BACKEND, QUANTIZED_KERNELS
+    from hf_contbatch.kernels.linears.registry import forced_quantized_kernel, quantized_kernels
 
     assert set(LINEAR_BACKENDS) == {"auto", *KERNELS}
     # Every quantization has kernels, and a forced backend names one of that quantization's.
-    for q in QUANTIZATIONS:
-        assert QUANTIZED_KERNELS[q] and set(QUANTIZED_FOR_BACKEND[q].values()) <= set(QUANTIZED_KERNELS[q])
+    for scheme in [*(quant_scheme(q) for q in QUANTIZATIONS), TORCHAO_INT8]:
+        kernels = quantized_kernels(scheme)
+        assert kernels and {forced_quantized_kernel(scheme, b) for b in ("native", "torch")} <= set(kernels)
+        with pytest.raises(ValueError, match=f"linear_backend='onednn' has no {scheme.label} kernel"):
+            forced_quantized_kernel(scheme, "onednn")
     for name, kernel in available_kernels().items():
         assert kernel.name == name and isinstance(kernel, GemmKernel)
         w = torch.randn(40, 24)

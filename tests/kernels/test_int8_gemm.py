@@ -9,6 +9,7 @@ from unittest import mock
 import pytest
 import torch
 
+from hf_contbatch.config import quant_scheme
 from hf_contbatch.kernels.linears.int8_gemm import (
     MAX_W8A8_IN_FEATURES,
     W8A8GEMM,
@@ -30,7 +31,7 @@ def _reference(x, w, b):
 
 
 def _kernels():
-    return list(available_quantized_kernels("int8").values())
+    return list(available_quantized_kernels(quant_scheme("int8")).values())
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 17, 64])

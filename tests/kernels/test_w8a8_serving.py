@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from hf_contbatch.config import quant_scheme
 from hf_contbatch.kernels.linears.registry import W8A8_KERNELS, available_quantized_kernels
 
 from conftest import build_model, random_prompts, reference_greedy
@@ -45,8 +46,10 @@ def _w8a8_copy(model):
 
 
 def test_w8a8_is_a_quantization_with_its_own_kernels_and_bad_names_are_refused():
-    assert set(available_quantized_kernels("w8a8")) <= set(W8A8_KERNELS) == {"w8a8", "torch-w8a8"}
-    assert not set(W8A8_KERNELS) & set(available_quantized_kernels("int8"))  # weight-only "auto" never rounds x
+    assert set(available_quantized_kernels(quant_scheme("w8a8"))) <= set(W8A8_KERNELS) == {"w8a8", "torch-w8a8"}
+    assert not set(W8A8_KERNELS) & set(
+        available_quantized_kernels(quant_scheme("int8"))
+    )  # weight-only "auto" never rounds x
     with pytest.raises(ValueError, match=r"`quantization` must be None or one of \('int8', 'w8a8'\), got 'w8a9'"):
         EngineConfig(quantization="w8a9")
     with pytest.raises(ValueError, match="`linear_backend` must be one of"):

@@ -9,18 +9,17 @@ Under a compiled forward (``EngineConfig.compile_model``, ``hf_contbatch.kernels
 function instead calls one opaque custom op, ``torch.ops.hf_contbatch.paged_attention``, that stores
 the step's K/V and attends: torch.compile then fuses everything around it without tracing the
 pool, the block tables or the step's Python-side metadata (which change every step and would force
-a recompile). The op finds its cache through a handle (a 0-d int64 tensor, so its value is data,
-not a guard) in a weak registry: each step's view has its own handle, alive while the step runs.
-vLLM does the same with its ``unified_attention`` op and forward context.
+a recompile). The step's view reaches the op as an argument too: wrapped in a :class:`CompiledStep`,
+an opaque reference object to torch.compile (a graph input it neither traces nor guards on), passed
+by the runner in the forward's keyword arguments like the eager view. No registry: two engines'
+steps can never meet, and the op reads nothing but its arguments.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import itertools
 import sys
-import weakref
 from typing import Optional
 
 import torch
@@ -81,8 +80,8 @@ def paged_attention_forward(
     """The ``AttentionInterface`` entry: ``query`` ``[1, H, T, D]`` -> ``([1, T, H, D], None)``.
 
     Inside an engine step ``paged_cache`` (a keyword argument the runner passes to the forward) is
-    the step's cache view (``PagedKVCache.for_step``), or under a compiled forward a 0-d int64
-    handle on it: ``key``/``value`` are this step's rows, already stored by the view's ``update``
+    the step's cache view (``PagedKVCache.for_step``), or under a compiled forward that view
+    wrapped in a :class:`CompiledStep`: ``key``/``value`` are this step's rows, already stored by the view's ``update``
     (under a compiled forward the op stores them) and the context is read from the pool. Without
     ``paged_cache`` (the user's own ``model.generate`` or forward while an engine serves the model)
     the model's previous implementation runs with the arguments as given.
@@ -93,10 +92,10 @@ def paged_attention_forward(
         return fn(module, query, key, value, attention_mask, **kwargs)
     scaling, sliding_window, softcap = kwargs.get("scaling"), kwargs.get("sliding_window"), kwargs.get("softcap")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if isinstance(paged_cache, torch.Tensor):
+    if isinstance(paged_cache, CompiledStep):
         # Compiled forward: the model was called without a real cache, so store and attend in one
-        # op (which finds the step's view through the handle: reading it here would make it part
-        # of the graph).
+        # op, which gets the step's view as an opaque argument (reading the view here would trace
+        # its metadata into the graph).
         out = torch.ops.hf_contbatch.paged_attention(
             query,
             key,
@@ -112,36 +111,50 @@ def paged_attention_forward(
 
 
 # --- the compiled forward's op ---------------------------------------------------------------------
-_STEPS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-_HANDLES = itertools.count(1)
+try:  # opaque objects as custom-op arguments (recent torch); older torch serves compile_model eagerly
+    from torch._library.opaque_object import get_opaque_type_name, register_opaque_type
+    from torch._opaque_base import OpaqueBase
+except ImportError:  # pragma: no cover - a torch without opaque objects
+    OpaqueBase = object
+    register_opaque_type = None
 
 
-def step_handle(step) -> torch.Tensor:
-    """A handle (0-d int64) through which the compiled forward's op finds ``step`` (a
-    ``PagedKVCache.for_step`` view). The entry lives as long as the caller holds ``step``."""
-    handle = next(_HANDLES)
-    _STEPS[handle] = step
-    return torch.tensor(handle, dtype=torch.int64)
+class CompiledStep(OpaqueBase):
+    """One step's cache view (``PagedKVCache.for_step``) as the compiled forward passes it to the
+    attention op: an opaque reference object, so torch.compile makes it a graph input without
+    tracing into it or guarding on it (a new one each step compiles nothing new).
+
+    Attributes:
+        step: the step's ``PagedCacheStep`` (its ``update`` stores K/V, ``attend`` reads the pool).
+    """
+
+    def __init__(self, step) -> None:
+        self.step = step
+
+
+COMPILED_STEP_SUPPORTED = False
+"""Whether this torch passes :class:`CompiledStep` to a custom op (opaque reference objects); where
+not, ``compile_model`` runs the model eagerly with one warning (``kernels.compiled_forward``)."""
+if register_opaque_type is not None:
+    try:
+        register_opaque_type(CompiledStep, typ="reference")
+        COMPILED_STEP_SUPPORTED = True
+    except TypeError:  # pragma: no cover - an opaque-object API without reference types
+        pass
 
 
 # A plain ``torch.library.Library`` kernel, not ``torch.library.custom_op``: the latter adds Python
 # autograd and alias-check layers to every call (see ``hf_contbatch.kernels.linears.linear_op``).
 # Inference only: no autograd formula.
 _OPS = torch.library.Library("hf_contbatch", "FRAGMENT")
-_OPS.define(
-    "paged_attention(Tensor query, Tensor key, Tensor value, Tensor cache_handle, int layer_idx, float scale, "
-    "int sliding_window, float softcap) -> Tensor"
-)
 
 
-def _paged_attention_op(query, key, value, cache_handle, layer_idx: int, scale: float, sliding_window: int, softcap):
-    """Store ``key``/``value`` ``[1, KVH, T, D]`` into the pool and attend: ``query`` ``[1, H, T, D]``
-    -> ``[1, T, H, D]``. ``sliding_window`` -1 and ``softcap`` 0.0 mean none. The pool is written
-    although it is not an argument: nothing else in the compiled graph reads it, and declaring it
-    would make the compiler copy it (functionalization)."""
-    step = _STEPS.get(int(cache_handle))
-    if step is None:
-        raise RuntimeError("hf_contbatch.paged_attention called outside an engine step (no step for this handle)")
+def _paged_attention_op(query, key, value, compiled_step, layer_idx: int, scale: float, sliding_window: int, softcap):
+    """Store ``key``/``value`` ``[1, KVH, T, D]`` into the pool of ``compiled_step``'s view and
+    attend: ``query`` ``[1, H, T, D]`` -> ``[1, T, H, D]``. ``sliding_window`` -1 and ``softcap``
+    0.0 mean none. The pool is written although it is not a tensor argument: nothing else in the
+    compiled graph reads it, and declaring it would make the compiler copy it (functionalization)."""
+    step = compiled_step.step
     step.update(key, value, layer_idx)
     out = step.attend(
         layer_idx,
@@ -157,12 +170,17 @@ def _paged_attention_op(query, key, value, cache_handle, layer_idx: int, scale: 
     return out.contiguous()
 
 
-def _paged_attention_fake(query, key, value, cache_handle, layer_idx, scale, sliding_window, softcap):
+def _paged_attention_fake(query, key, value, compiled_step, layer_idx, scale, sliding_window, softcap):
     return query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
 
 
-_OPS.impl("paged_attention", _paged_attention_op, "CompositeExplicitAutograd")
-torch.library.register_fake("hf_contbatch::paged_attention", _paged_attention_fake, lib=_OPS)
+if COMPILED_STEP_SUPPORTED:
+    _OPS.define(
+        f"paged_attention(Tensor query, Tensor key, Tensor value, {get_opaque_type_name(CompiledStep)} compiled_step, "
+        "int layer_idx, float scale, int sliding_window, float softcap) -> Tensor"
+    )
+    _OPS.impl("paged_attention", _paged_attention_op, "CompositeExplicitAutograd")
+    torch.library.register_fake("hf_contbatch::paged_attention", _paged_attention_fake, lib=_OPS)
 
 
 def register_attention(previous: Optional[str] = None) -> str:

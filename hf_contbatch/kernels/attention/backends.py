@@ -49,6 +49,17 @@ class AttentionBackend(ABC):
         """Per-engine preparation once the pools exist (kernel timing); a line for the log, or None."""
         return None
 
+    @property
+    def supports_graph_capture(self) -> bool:
+        """Whether a decode step (every row one query token) through this backend can be captured
+        in a CUDA graph and replayed: the hook for capturing decode steps. True where
+        :meth:`store_kv` and :meth:`attend` launch device kernels whose launches depend only on
+        tensor shapes, never on values read on the host, so a graph captured over persistent
+        metadata tensors (block tables padded to a bucket's width, ``max_query_len`` 1) replays any
+        step of that bucket. False here: the torch path loops over the step's host-side lists
+        (``query_start_loc_cpu``, ``seq_lens_cpu``), and the CPU paths have no graphs to capture."""
+        return False
+
     def build_metadata(
         self,
         *,
@@ -177,6 +188,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
 
+    @property
+    def supports_graph_capture(self) -> bool:
+        """True: the decode kernel and the K/V store are launched from tensor shapes alone (the
+        split count from the block table's width), with no host synchronisation."""
+        return True
+
     def store_kv(self, key, value, k_pool, v_pool, meta):
         from .triton_kernels import store_kv
 
@@ -290,6 +307,11 @@ class Int8TritonAttentionBackend(AttentionBackend):
     ``triton_kernels.paged_attention`` dequantizing each K/V tile with its tokens' scales."""
 
     name = "triton"
+
+    @property
+    def supports_graph_capture(self) -> bool:
+        """True, as :class:`TritonAttentionBackend`: the scales are tensors beside the pools."""
+        return True
 
     def check_spec(self, spec: KVCacheSpec) -> None:
         _check_int8_spec(self.name, spec)

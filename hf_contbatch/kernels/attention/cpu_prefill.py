@@ -26,7 +26,8 @@ from typing import Optional
 
 import torch
 
-from ..native_build import LoadedOnce, build_library, cached_path_times
+from ..native_build import LoadedOnce, build_library
+from ..tuning import attention_choice_key, attention_tuner
 from .cpu_kernel import allowed_by_env as _all_kernels_allowed
 from .kv_quant import quantize_kv
 from .metadata import AttentionMetadata
@@ -301,14 +302,13 @@ def choose_prefill_path(
     beside the C kernels). Returns a line for the engine's log."""
     if not kernel.available:
         return f"prefill attention: torch path ({kernel.error or 'kernel disabled'})"
-    geometry = (num_heads, num_kv_heads, head_dim, block_size, str(dtype))
-    times = cached_path_times(
-        "prefill_choice",
-        PREFILL_SOURCE,
-        geometry,
+    # Measured on one thread (measure_prefill_paths): the thread count is no part of the key.
+    tuner = attention_tuner(PREFILL_SOURCE, 1, "prefill attention")
+    winner, times = tuner.fastest(
+        attention_choice_key("prefill", num_heads, num_kv_heads, head_dim, block_size, dtype),
         lambda: measure_prefill_paths(kernel, num_heads, num_kv_heads, head_dim, block_size, dtype),
     )
-    kernel.enabled = times["kernel"] <= times["torch"]
+    kernel.enabled = winner == "kernel"
     chosen = "compiled kernel" if kernel.enabled else "torch path"
     return (
         f"prefill attention: {chosen} (per layer, one thread, 192 + 64 of 512 + 4 x 96 tokens: "

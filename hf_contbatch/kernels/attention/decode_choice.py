@@ -1,6 +1,7 @@
 """Whether the compiled decode kernel or the torch path serves decode attention here: both timed
-once per CPU, torch version, kernel source and model geometry (cached beside the C kernels), the
-faster one kept (``LLMEngine`` builds its KV pools through ``choose_decode_path``)."""
+once per CPU, torch version, kernel source, thread count and model geometry by the package's one
+tuner (``kernels.tuning.Tuner``, cached beside the C kernels), the faster one kept (``LLMEngine``
+builds its KV pools through ``choose_decode_path``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 
 import torch
 
-from ..native_build import cached_path_times
+from ..tuning import Tuner, attention_choice_key, attention_tuner
 from .cpu_kernel import DECODE_SOURCE, CPUDecodeKernel
 from .kv_quant import quantize_kv
 from .metadata import AttentionMetadata
@@ -88,14 +89,12 @@ def choose_decode_path(
     C kernels). Returns a line saying what was chosen and the times, for the engine's log."""
     if not kernel.available:
         return f"decode attention: torch path ({kernel.error or 'kernel disabled'})"
-    geometry = (num_heads, num_kv_heads, head_dim, block_size, str(dtype), torch.get_num_threads())
-    times = cached_path_times(
-        "decode_choice",
-        DECODE_SOURCE,
-        geometry,
+    tuner: Tuner = attention_tuner(DECODE_SOURCE, torch.get_num_threads(), "decode attention")
+    winner, times = tuner.fastest(
+        attention_choice_key("decode", num_heads, num_kv_heads, head_dim, block_size, dtype),
         lambda: measure_decode_paths(kernel, num_heads, num_kv_heads, head_dim, block_size, dtype),
     )
-    kernel.enabled = times["kernel"] <= times["torch"]
+    kernel.enabled = winner == "kernel"
     chosen = "compiled kernel" if kernel.enabled else "torch path"
     return (
         f"decode attention: {chosen} (per layer, 16 x 256 + 2 x 512 tokens: kernel {1e3 * times['kernel']:.3f} ms, "

@@ -16,8 +16,9 @@ stream from memory as a model's layers do, and keeps per shape:
 
 Each choice is a :class:`KernelChoice` (kernel names per bucket, never a joined string to split).
 
-Timings are cached on disk per CPU, torch version, GEMM build and thread count (beside the C kernels,
-in ``native_build.cache_dir()``), so only the first engine on a machine pays for them;
+Timings are kept by the package's one tuner (:class:`~hf_contbatch.kernels.tuning.Tuner`), cached on
+disk per CPU, torch version, GEMM build and thread count (beside the C kernels, in
+``native_build.cache_dir()``), so only the first engine on a machine pays for them;
 :meth:`KernelTuner.report` says what was measured and chosen.
 """
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import logging
 import math
 import time
@@ -34,7 +34,15 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..native_build import cache_dir, cpu_id, read_json, write_json
+from ..tuning import (  # noqa: F401  (re-exported: the timing helpers' former home)
+    RECHECK_MARGIN,
+    Tuner,
+    cache_file,
+    deciding_buckets,
+    implausible_buckets,
+    robust_seconds,
+    time_interleaved,
+)
 from .dispatch_gemm import DispatchGEMM, bucket_of
 from .gemm_kernel import GemmKernel, PackedWeight
 from .registry import UNPACKED, make_kernel
@@ -43,8 +51,6 @@ logger = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 """Row counts timed per shape; a call with ``m`` rows takes the choice of the smallest bucket >= m."""
-RECHECK_MARGIN = 0.10
-"""A re-time overrides a cached winner only when its new winner is faster by more than this."""
 DUAL_MARGIN = 0.15
 """A second packed backend serves the buckets where its time is at most ``1 - DUAL_MARGIN`` of the
 first's, if there are at least two such buckets (one could be noise) and memory allows it a packed
@@ -63,7 +69,6 @@ _COMPUTE_ROWS = 256
 # fewer, calls take microseconds to a few ms and one disturbed bucket pair (load elsewhere) dropped a
 # kernel that was fastest at every prefill bucket it was then never timed at.
 _STRIKE_FROM = 64
-_IMPLAUSIBLE = 3.0  # a bucket timed this much slower than a larger one was disturbed
 _TIMEOUT_RATIO = 4.0  # a candidate this much slower than the best stops being timed at larger buckets
 # At any rows, a candidate this much slower at two buckets in a row, and no closer at the second,
 # is no contender either: its cost grows with the rows faster than the best one's (torch's int8
@@ -83,69 +88,6 @@ def bucket_index(rows: int) -> int:
 def buckets_up_to(max_rows: int) -> tuple[int, ...]:
     """The buckets a call of at most ``max_rows`` rows can fall in (at least one)."""
     return ROW_BUCKETS[: bucket_index(max(1, max_rows)) + 1]
-
-
-def robust_seconds(samples: Sequence[float]) -> float:
-    """The fastest of ``samples`` (``inf`` for none). A GEMM call does fixed work, so load elsewhere
-    (another process on the cores, its cache and memory traffic) only ever adds time: the fastest
-    round is the least disturbed one, and it stays right while at least one round of each candidate
-    ran undisturbed. A median needs most rounds undisturbed, which a 2-core machine shared by a few
-    busy processes does not give (timings 3-10x off were cached and kept). The same reasoning is
-    why Python's ``timeit`` documentation recommends the minimum of repeats."""
-    return min(samples, default=math.inf)
-
-
-def time_interleaved(
-    runs: dict[str, Callable[[], Optional[int]]], rounds: int, timer: Callable[[], float] = time.perf_counter
-) -> dict[str, float]:
-    """Seconds per call of each of ``runs`` (name -> a callable doing ``k`` calls and returning
-    ``k``, or None for one): ``rounds`` rounds, each calling every candidate once, round-robin
-    (round ``i`` starts at candidate ``i mod n``, so none always runs first, right after another's
-    cache-evicting pass), then the :func:`robust_seconds` of each one's rounds. ``timer``: a clock
-    in seconds (tests pass a fake one)."""
-    names = list(runs)
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for j in range(len(names)):
-            name = names[(r + j) % len(names)]
-            t0 = timer()
-            calls = runs[name]() or 1
-            samples[name].append((timer() - t0) / calls)
-    return {n: robust_seconds(s) for n, s in samples.items()}
-
-
-def implausible_buckets(seconds: dict[int, float], ratio: float = _IMPLAUSIBLE) -> list[int]:
-    """Buckets whose time is more than ``ratio`` times the time at a larger bucket: more rows cannot
-    cost that much less, so the timing there was disturbed (a 1-row call timed at 6.3 ms beside
-    0.22 ms for 2 rows). ``inf`` (not timed) is never implausible."""
-    bad = []
-    for b, s in seconds.items():
-        if math.isinf(s):
-            continue
-        if any(c > b and not math.isinf(t) and s > ratio * t for c, t in seconds.items()):
-            bad.append(b)
-    return sorted(bad)
-
-
-def deciding_buckets(times: dict[str, dict[int, float]], most: int = 2) -> list[int]:
-    """The buckets worth re-timing to confirm a cached choice: the smallest (decode steps) and those
-    where the two fastest candidates are closest (relative gap), ``most`` in all, in bucket order."""
-    buckets = sorted(next(iter(times.values()))) if times else []
-    if not buckets:
-        return []
-
-    def gap(b: int) -> float:
-        ranked = sorted(t[b] for t in times.values())
-        if len(ranked) < 2 or math.isinf(ranked[1]):
-            return math.inf
-        return ranked[1] / ranked[0] - 1 if ranked[0] > 0 else 0.0
-
-    chosen = [buckets[0]]
-    for b in sorted(buckets[1:], key=gap):
-        if len(chosen) >= most or math.isinf(gap(b)):
-            break
-        chosen.append(b)
-    return sorted(chosen)
 
 
 @dataclass(frozen=True)
@@ -175,11 +117,6 @@ class KernelChoice:
         """Per :data:`ROW_BUCKETS` entry, the index in :attr:`kernels` serving it."""
         table = [self.kernels.index(n) for n in self.per_bucket]
         return tuple(table + [table[-1]] * (len(ROW_BUCKETS) - len(table)))
-
-
-# The timings file's entry listing, per shape key, the buckets whose cached figures a re-time has
-# confirmed (no shape key starts with an underscore).
-_CONFIRMED = "_confirmed"
 
 
 def shape_key(in_features: int, out_features: int, dtype: torch.dtype) -> str:
@@ -238,98 +175,38 @@ class KernelTuner:
         self.candidates = {**candidates, UNPACKED: make_kernel(UNPACKED)}
         self.threads = torch.get_num_threads()
         if cache_path == "default":
-            cache_path = str(cache_dir() / f"gemm_timings_{self._cache_key()}.json")
+            builds = ",".join(f"{n}:{getattr(k, 'build_id', '')}" for n, k in sorted(self.candidates.items()))
+            cache_path = cache_file("gemm_timings", builds, self.threads)
         self.cache_path = cache_path
         self._measure = measure or self.measure
-        self._timings: dict = self._load()
+        self.tuner = Tuner(self.candidates, cache_path, recheck=recheck, what="GEMM")
         self.choices: dict[str, KernelChoice] = {}
-        self.measured_seconds = 0.0  # wall time spent timing (0 when everything came from the cache)
-        self.recheck = recheck
-        self.recheck_seconds = 0.0  # wall time spent re-timing cached or disturbed figures
-        self.rechecked: dict[str, list[int]] = {}  # shape key -> buckets whose figures were replaced
-        self._checked: set[str] = set()
 
-    def _cache_key(self) -> str:
-        builds = ",".join(f"{n}:{getattr(k, 'build_id', '')}" for n, k in sorted(self.candidates.items()))
-        text = "|".join([cpu_id(), torch.__version__, builds, str(self.threads)])
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+    @property
+    def measured_seconds(self) -> float:
+        """Wall time spent timing (0 when everything came from the cache)."""
+        return self.tuner.measured_seconds
 
-    def _load(self) -> dict:
-        data = read_json(self.cache_path) if self.cache_path else None
-        return data if isinstance(data, dict) else {}
+    @property
+    def recheck_seconds(self) -> float:
+        """Wall time spent re-timing cached or disturbed figures."""
+        return self.tuner.recheck_seconds
 
-    def _save(self) -> None:
-        if self.cache_path:
-            write_json(self.cache_path, self._timings)
+    @property
+    def rechecked(self) -> dict[str, list[int]]:
+        """Shape key -> buckets whose figures a re-time replaced."""
+        return self.tuner.rechecked
 
     def timings(self, in_features: int, out_features: int, dtype: torch.dtype, buckets: Sequence[int]) -> dict:
         """``{backend: {bucket: seconds per call}}`` for every candidate at ``buckets`` (``inf``
-        where a backend cannot run the shape or was left out as far too slow): read from the cache,
-        the missing buckets measured (and cached). Then, once per shape and tuner, two cheap checks
-        re-time a few buckets (all candidates, fewer rounds than a full measurement):
-
-        - disturbed figures (:func:`implausible_buckets`: a candidate far slower at a bucket than at
-          a larger one), fresh or cached: re-timed and replaced;
-        - with ``recheck``, a choice read from the cache: its :func:`deciding_buckets` re-timed; where
-          the re-time names another winner, faster than the cached winner by more than
-          :data:`RECHECK_MARGIN`, the re-timed figures replace the cached ones there (one noisy first
-          run does not fix a choice for good). A bucket whose re-time agreed is recorded as
-          confirmed in the cache and not re-timed by later starts.
-        """
-        key = shape_key(in_features, out_features, dtype)
-        known = self._timings.setdefault(key, {})
-        missing = [b for b in buckets if any(str(b) not in known.get(n, {}) for n in self.candidates)]
-        if missing:
-            self._store(known, self._timed(in_features, out_features, dtype, missing, full=True), missing)
-        if key not in self._checked:
-            self._checked.add(key)
-            self._check(key, known, in_features, out_features, dtype, buckets, fresh=set(missing))
-        return {n: {b: float(known[n][str(b)]) for b in buckets} for n in self.candidates}
-
-    def _timed(self, in_features, out_features, dtype, buckets, full: bool) -> dict:
-        t0 = time.perf_counter()
-        measured = self._measure(in_features, out_features, dtype, buckets)
-        if full:
-            self.measured_seconds += time.perf_counter() - t0
-        else:
-            self.recheck_seconds += time.perf_counter() - t0
-        return measured
-
-    def _store(self, known: dict, measured: dict, buckets: Sequence[int]) -> None:
-        for name in self.candidates:
-            got = measured.get(name, {})
-            known.setdefault(name, {}).update({str(b): float(got.get(b, math.inf)) for b in buckets})
-        self._save()
-
-    def _check(self, key, known, in_features, out_features, dtype, buckets, fresh: set) -> None:
-        table = {n: {b: float(known[n][str(b)]) for b in buckets} for n in self.candidates}
-        suspect = sorted({b for t in table.values() for b in implausible_buckets(t)})
-        # A deciding bucket one earlier re-time already confirmed is not re-timed again: the check
-        # is meant to catch one noisy first run, and re-timing on every start costs seconds each.
-        confirmed = self._timings.setdefault(_CONFIRMED, {}).setdefault(key, [])
-        cached = [b for b in buckets if b not in fresh]
-        confirm = deciding_buckets({n: {b: t[b] for b in cached} for n, t in table.items()}) if self.recheck else []
-        confirm = [b for b in confirm if str(b) not in confirmed]
-        again = sorted(set(suspect) | set(confirm))
-        if not again:
-            return
-        measured = self._timed(in_features, out_features, dtype, again, full=False)
-        replace = []
-        for b in again:
-            new = {n: float(measured.get(n, {}).get(b, math.inf)) for n in self.candidates}
-            old_winner = min(table, key=lambda n: table[n][b])
-            new_winner = min(new, key=new.get)
-            flipped = new_winner != old_winner and new[new_winner] < (1 - RECHECK_MARGIN) * new[old_winner]
-            if b in suspect or flipped:
-                replace.append(b)
-        # Agreeing re-times confirm their bucket for later starts; a replaced figure is checked again.
-        confirmed[:] = sorted({*confirmed, *(str(b) for b in confirm if b not in replace)} - {str(b) for b in replace})
-        if replace:
-            self.rechecked[key] = replace
-            logger.info("GEMM timings of %s re-timed at rows %s (disturbed or contradicted)", key, replace)
-            self._store(known, measured, replace)
-        else:
-            self._save()
+        where a backend cannot run the shape or was left out as far too slow), through
+        :meth:`Tuner.timings <hf_contbatch.kernels.tuning.Tuner.timings>`: read from the cache, the
+        missing buckets measured, disturbed or (with ``recheck``) deciding ones re-timed."""
+        return self.tuner.timings(
+            shape_key(in_features, out_features, dtype),
+            buckets,
+            lambda bs: self._measure(in_features, out_features, dtype, bs),
+        )
 
     def measure(self, in_features: int, out_features: int, dtype: torch.dtype, buckets: Sequence[int]) -> dict:
         """Seconds per call of every candidate at ``buckets`` for a random ``[out, in]`` weight: the

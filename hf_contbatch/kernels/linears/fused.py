@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from ..model_layout import ModelLayout
 from .packed_forward import PackedForward, check_packable, is_placeholder, release_weight, watch_loads, weight_key
 
 logger = logging.getLogger(__name__)
@@ -203,15 +204,17 @@ def _base_linear(module):
     return base if isinstance(base, torch.nn.Linear) else module
 
 
-def sibling_groups(model: torch.nn.Module, modules: list[torch.nn.Linear]) -> list[list[torch.nn.Linear]]:
+def sibling_groups(
+    model: torch.nn.Module, modules: list[torch.nn.Linear], layout: Optional[ModelLayout] = None
+) -> list[list[torch.nn.Linear]]:
     """The groups of ``modules`` that can share one GEMM: every member of a :data:`FUSED_GROUPS`
     name tuple a child of the same parent and in ``modules``, with one ``in_features``, one weight
     dtype, and either all or none with a bias. Leaders first. A LoRA wrapper (peft's
     ``lora.Linear``) stands for its base layer: the LoRA delta is added on top of the fused output
-    (``hf_contbatch.kernels.lora``)."""
+    (``hf_contbatch.kernels.lora``). ``layout``: the model's walk (default: walked here)."""
     wanted = {id(m) for m in modules}
     groups = []
-    for owner in model.modules():
+    for _, owner in (layout or ModelLayout.of(model)).modules:
         children = dict(owner.named_children())
         for names in FUSED_GROUPS:
             mods = [_base_linear(children.get(n)) for n in names]

@@ -12,6 +12,8 @@ from typing import Callable, Collection, Optional
 
 import torch
 
+from ...config import QuantScheme
+from ..model_layout import ModelLayout
 from .autotune import KernelChoice, KernelTuner, shape_key
 from .gemm_kernel import GemmKernel
 from .linear_units import Unit, fits_auto, linear_units, packable_modules, unit_shape, weight_bytes
@@ -77,7 +79,8 @@ def tune_linears(
     fuse: bool = True,
     max_rows: int = 1024,
     max_head_rows: Optional[int] = None,
-    quantization: Optional[str] = None,
+    quantization: Optional[QuantScheme] = None,
+    layout: Optional[ModelLayout] = None,
 ) -> Optional[LinearChoices]:
     """Choose the GEMM kernel of every unit of ``model``'s packable linears by timing the kernels
     available here (the ``linear_backend="auto"`` step before packing; no module is changed).
@@ -89,15 +92,17 @@ def tune_linears(
         available_bytes: returns the available host memory in bytes (None when unknown).
         exclude, fuse, max_rows, max_head_rows, quantization: as
             :func:`~hf_contbatch.kernels.linears.pack_linears`. With a ``quantization`` the
-            candidates are its kernels (``registry.QUANTIZED_KERNELS``; default tuner), ``F.linear``
+            candidates are its kernels (``registry.quantized_kernels``; default tuner), ``F.linear``
             is none, and the linears are packed whatever the memory (the int8 copy is a quarter of
             float32's).
+        layout: the model's walk (``kernels.model_layout``; default: walked here).
 
     Returns:
         The choices, or None when "auto" packs nothing here (no packable linear, or one packed copy
         would take more than a quarter of the available memory).
     """
-    modules = packable_modules(model, exclude, quantization)
+    layout = layout or ModelLayout.of(model)
+    modules = packable_modules(model, exclude, quantization, layout)
     if not modules:
         return None
     total = weight_bytes(modules)
@@ -112,7 +117,7 @@ def tune_linears(
             total / 2**30,
         )
         return None
-    units = linear_units(model, modules, fuse)
+    units = linear_units(model, modules, fuse, layout)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     rows = [max_head_rows if u[0] is head and max_head_rows else max_rows for u in units]
     if tuner is None:

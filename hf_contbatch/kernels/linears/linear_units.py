@@ -7,8 +7,10 @@ from typing import Callable, Collection, Optional
 
 import torch
 
+from ...config import QuantScheme
+from ..model_layout import ModelLayout
 from .fused import sibling_groups
-from .int8_gemm import is_plain_tensor, is_torchao_int8_weight_only
+from .int8_weights import is_plain_tensor, is_torchao_int8_weight_only
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 """Weight dtypes whose linears are packed (bfloat16 where a kernel has a bf16 path)."""
@@ -50,20 +52,25 @@ def int8_eligible(m: torch.nn.Module, quantize_float: bool) -> bool:
 
 
 def packable_modules(
-    model: torch.nn.Module, exclude: Collection[torch.nn.Module] = (), quantization: Optional[str] = None
+    model: torch.nn.Module,
+    exclude: Collection[torch.nn.Module] = (),
+    quantization: Optional[QuantScheme] = None,
+    layout: Optional[ModelLayout] = None,
 ) -> list[torch.nn.Linear]:
-    """The model's eligible linears, minus ``exclude`` (LoRA's A and B, which ``kernels.lora`` reads).
+    """The model's eligible linears, minus ``exclude`` (LoRA's A and B, which ``kernels.lora`` reads),
+    from ``layout`` (the engine's one walk of the model; default: walked here).
 
-    ``quantization``: None, the float linears; ``"int8"`` or ``"w8a8"``, the float linears and
-    torchao int8 weight-only ones (all served with int8 weights); ``"torchao-int8"``, the torchao
-    int8 weight-only ones only."""
+    ``quantization``: None, the float linears; a scheme, the torchao int8 weight-only linears and,
+    when it ``quantize_float_weights`` ("int8", "w8a8"), the float ones too (all served with int8
+    weights)."""
     skip = {id(m) for m in exclude}
     if quantization is None:
         test = eligible
     else:
-        quantize_float = quantization != "torchao-int8"
+        quantize_float = quantization.quantize_float_weights
         test = lambda m: int8_eligible(m, quantize_float)  # noqa: E731
-    return [m for m in model.modules() if test(m) and id(m) not in skip]
+    linears = (layout or ModelLayout.of(model)).linears
+    return [m for _, m in linears if test(m) and id(m) not in skip]
 
 
 def weight_bytes(modules: list[torch.nn.Linear]) -> int:
@@ -81,9 +88,12 @@ def fits_auto(total: int, available_bytes: Optional[Callable[[], Optional[int]]]
     return total <= avail // 4, 2 * total <= avail // 4
 
 
-def linear_units(model: torch.nn.Module, modules: list[torch.nn.Linear], fuse: bool) -> list[Unit]:
-    """The GEMM units: each fused sibling group as one unit, every other module alone."""
-    groups = sibling_groups(model, modules) if fuse else []
+def linear_units(
+    model: torch.nn.Module, modules: list[torch.nn.Linear], fuse: bool, layout: Optional[ModelLayout] = None
+) -> list[Unit]:
+    """The GEMM units: each fused sibling group as one unit, every other module alone (``layout``:
+    the model's walk, see :func:`packable_modules`)."""
+    groups = sibling_groups(model, modules, layout) if fuse else []
     grouped = {id(m) for g in groups for m in g}
     return groups + [[m] for m in modules if id(m) not in grouped]
 
@@ -93,17 +103,17 @@ def unit_shape(unit: Unit) -> tuple[int, int, torch.dtype]:
     return unit[0].in_features, sum(m.out_features for m in unit), unit[0].weight.dtype
 
 
-def quantized_linears(model: torch.nn.Module) -> dict[str, str]:
+def quantized_linears(model: torch.nn.Module, layout: Optional[ModelLayout] = None) -> dict[str, str]:
     """``{module name: weight type name}`` of the model's linears whose weight is a tensor subclass
     (a quantizer's: torchao's ``Int8Tensor``, ...): never handed to a float kernel."""
     return {
         name: type(m.weight).__name__
-        for name, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear) and isinstance(m.weight, torch.Tensor) and not is_plain_tensor(m.weight)
+        for name, m in (layout or ModelLayout.of(model)).linears
+        if isinstance(m.weight, torch.Tensor) and not is_plain_tensor(m.weight)
     }
 
 
-def check_quantized_linears(model: torch.nn.Module) -> dict[str, str]:
+def check_quantized_linears(model: torch.nn.Module, layout: Optional[ModelLayout] = None) -> dict[str, str]:
     """Check that every linear with a quantized (tensor-subclass) weight runs its own ``F.linear``
     on an input of the model's dtype, once, with a one-row probe; returns :func:`quantized_linears`.
 
@@ -111,8 +121,9 @@ def check_quantized_linears(model: torch.nn.Module) -> dict[str, str]:
         ValueError: naming the module and its weight's type, for a weight whose own ``F.linear``
             fails (so it is refused when the engine is built, not in a step).
     """
-    found = quantized_linears(model)
-    modules = dict(model.named_modules())
+    layout = layout or ModelLayout.of(model)
+    found = quantized_linears(model, layout)
+    modules = dict(layout.modules)
     probed: set = set()
     for name, kind in found.items():
         m = modules[name]

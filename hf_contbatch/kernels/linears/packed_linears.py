@@ -18,6 +18,8 @@ from typing import Callable, Collection, Optional
 
 import torch
 
+from ...config import QuantScheme
+from ..model_layout import ModelLayout
 from .autotune import KernelTuner
 from .dispatch_gemm import DispatchGEMM
 from .fused import form_group
@@ -25,7 +27,7 @@ from .gemm_kernel import GemmKernel
 from .linear_choices import LinearChoices, tune_linears
 from .linear_units import linear_units, packable_modules, weight_bytes
 from .packed_forward import PackedForward
-from .registry import AUTO, QUANTIZED_FOR_BACKEND, TORCHAO_INT8, UNPACKED, make_kernel
+from .registry import AUTO, UNPACKED, forced_quantized_kernel, make_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +40,10 @@ class PackedLinears:
         packed_bytes: bytes of the float weights packed (what one packed copy costs).
         kernel_names: the registry names of the kernels in use, sorted (("native",), ("native", "onednn")).
         choices: the per-unit choices of ``linear_backend="auto"`` (None otherwise).
-        quantization: the scheme packed: None (float), "int8" (weight-only int8; also for a
-            torchao int8 weight-only model's linears, ``"torchao-int8"`` in ``pack_linears``) or
-            "w8a8" (int8 weights and dynamic int8 activations).
+        scheme: the :class:`~hf_contbatch.config.QuantScheme` packed (None: float).
+        quantization: the weights' format as served, for reports (``scheme.label``): None
+            (float), "int8" (weight-only int8; also for a torchao int8 weight-only model's linears)
+            or "w8a8" (int8 weights and dynamic int8 activations).
     """
 
     def __init__(
@@ -49,17 +52,18 @@ class PackedLinears:
         packed_bytes: int,
         kernel_names: tuple[str, ...],
         choices: Optional[LinearChoices] = None,
-        quantization: Optional[str] = None,
+        scheme: Optional[QuantScheme] = None,
     ) -> None:
         self.forwards = forwards
         self.packed_bytes = packed_bytes
         self.kernel_names = kernel_names
         self.choices = choices
-        self.quantization = quantization
+        self.scheme = scheme
+        self.quantization = None if scheme is None else scheme.label
 
     def merged(self, other: Optional["PackedLinears"]) -> "PackedLinears":
         """One collection of this and ``other``'s forwards (a float pass and an int8 pass over
-        different modules of one model); ``choices`` and ``quantization`` from the one that has them."""
+        different modules of one model); ``choices`` and ``scheme`` from the one that has them."""
         if other is None:
             return self
         return PackedLinears(
@@ -67,7 +71,7 @@ class PackedLinears:
             self.packed_bytes + other.packed_bytes,
             tuple(sorted({*self.kernel_names, *other.kernel_names})),
             self.choices or other.choices,
-            self.quantization or other.quantization,
+            self.scheme or other.scheme,
         )
 
     @property
@@ -221,7 +225,8 @@ def pack_linears(
     tuner: Optional[KernelTuner] = None,
     choices: Optional[LinearChoices] = None,
     release_weights: bool = False,
-    quantization: Optional[str] = None,
+    quantization: Optional[QuantScheme] = None,
+    layout: Optional[ModelLayout] = None,
 ) -> Optional[PackedLinears]:
     """Pack the model's float32 (and, where a kernel has a bf16 path, bfloat16) CPU ``nn.Linear``
     weights for a faster GEMM, or do nothing.
@@ -249,13 +254,17 @@ def pack_linears(
             default: while released, a weight cannot be read, written through ``.data`` or converted
             with ``module.to(dtype)``.
         quantization: None (float kernels over the plain float linears; a linear whose weight is
-            a tensor subclass is left to its own ``F.linear``); ``"int8"``: every float linear
-            and every torchao int8 weight-only one served by a weight-only int8 kernel
-            (:mod:`~hf_contbatch.kernels.linears.int8_gemm`; a forced ``mode`` "native"/"torch"
-            names ours/torch's); ``"w8a8"``: the same linears served with their inputs quantized to
-            int8 per row too (``int8_gemm.W8A8GEMM``, ``w8a8_torch.TorchW8A8GEMM``);
-            ``"torchao-int8"``: only the torchao int8 weight-only ones, repacked exactly. Always
-            packed (never left to ``F.linear``), whatever the memory.
+            a tensor subclass is left to its own ``F.linear``), or a
+            :class:`~hf_contbatch.config.QuantScheme`: the kernels of its weight and activation
+            dtypes (``registry.QUANTIZED_KERNELS``; a forced ``mode`` "native"/"torch" names
+            ours/torch's). Weight-only int8 ("int8"): every float linear and every torchao int8
+            weight-only one served by a weight-only int8 kernel
+            (:mod:`~hf_contbatch.kernels.linears.int8_gemm`); int8 activations too ("w8a8"): the
+            same linears with their inputs quantized to int8 per row (``int8_gemm.W8A8GEMM``,
+            ``w8a8_torch.TorchW8A8GEMM``); without ``quantize_float_weights``
+            (``config.TORCHAO_INT8``): only the torchao int8 weight-only ones, repacked exactly.
+            Always packed (never left to ``F.linear``), whatever the memory.
+        layout: the model's walk (``kernels.model_layout``; default: walked here).
 
     Returns:
         The packed modules (``kernel_names`` names the kernels used; ``choices`` holds the "auto"
@@ -269,15 +278,11 @@ def pack_linears(
         return None
     if mode != AUTO:
         if quantization is not None:
-            named = QUANTIZED_FOR_BACKEND[quantization]
-            if mode not in named:
-                raise ValueError(
-                    f"linear_backend={mode!r} has no {quantization} kernel; use one of {sorted([AUTO, *named])}"
-                )
-            mode = named[mode]
+            mode = forced_quantized_kernel(quantization, mode)
         kernel = make_kernel(mode)
-        modules = packable_modules(model, exclude, quantization)
-        units = linear_units(model, modules, fuse)
+        layout = layout or ModelLayout.of(model)
+        modules = packable_modules(model, exclude, quantization, layout)
+        units = linear_units(model, modules, fuse, layout)
         forwards = _pack_units(units, lambda i: kernel if kernel.supports(units[i][0].weight) else None)
         return _install(model, forwards, weight_bytes(modules), None, release_weights, quantization)
     if choices is None:
@@ -290,6 +295,7 @@ def pack_linears(
             max_rows=max_rows,
             max_head_rows=max_head_rows,
             quantization=quantization,
+            layout=layout,
         )
         if choices is None:
             return None
@@ -323,7 +329,7 @@ def _install(
     total: int,
     choices: Optional[LinearChoices],
     release: bool,
-    quantization: Optional[str] = None,
+    quantization: Optional[QuantScheme] = None,
 ) -> Optional[PackedLinears]:
     """Install the packed forwards and, with ``release``, release the float weights the packed
     copies give back exactly, except weights shared with another module (an LM head tied to the
@@ -341,5 +347,4 @@ def _install(
             f.group.release_weights()
     kernels = {f.group.kernel if f.group else f.kernel for f in forwards}
     names = sorted({n for k in kernels for n in getattr(k, "names", (k.name,))})
-    fmt = "int8" if quantization == TORCHAO_INT8 else quantization
-    return PackedLinears(forwards, total, tuple(names), choices, fmt)
+    return PackedLinears(forwards, total, tuple(names), choices, quantization)

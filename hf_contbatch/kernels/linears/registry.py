@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from ...config import LINEAR_BACKENDS, QUANTIZATIONS
+from ...config import LINEAR_BACKENDS, QUANT_SCHEMES, TORCHAO_INT8, QuantScheme
 from .gemm_kernel import GemmKernel
 from .int8_gemm import W8A8GEMM, DequantFloatGEMM, NativeInt8GEMM, TorchInt8GEMM
 from .native_gemm import NativeGEMM
@@ -35,24 +35,48 @@ models): the activations stay in the model's dtype."""
 W8A8_KERNELS: dict[str, type] = {k.name: k for k in (W8A8GEMM, TorchW8A8GEMM)}
 """Int8-weight, int8-activation kernel class by name (``quantization="w8a8"``): each input row is
 quantized to int8 on the fly and the products summed in int32."""
-TORCHAO_INT8 = "torchao-int8"
-"""``pack_linears``' quantization for a torchao int8 weight-only model's own linears (repacked exactly,
-served by the weight-only kernels) while its other linears stay float."""
-QUANTIZED_KERNELS: dict[str, dict[str, type]] = {"int8": INT8_KERNELS, "w8a8": W8A8_KERNELS, TORCHAO_INT8: INT8_KERNELS}
-"""The kernels of each ``EngineConfig.quantization`` (``config.QUANTIZATIONS``): "auto"'s candidates."""
-_INT8_NAMED = {"native": NativeInt8GEMM.name, "torch": TorchInt8GEMM.name}
-QUANTIZED_FOR_BACKEND: dict[str, dict[str, str]] = {
-    "int8": _INT8_NAMED,
-    "w8a8": {"native": W8A8GEMM.name, "torch": TorchW8A8GEMM.name},
-    TORCHAO_INT8: _INT8_NAMED,
+QUANTIZED_KERNELS: dict[tuple, dict[str, type]] = {
+    ("int8", None, None): INT8_KERNELS,
+    ("int8", "int8", None): W8A8_KERNELS,
 }
-"""The quantized kernel a forced ``linear_backend`` means under each quantization (oneDNN has none
-here)."""
+"""The kernels of a quantization scheme, keyed by what they compute: ``(weight dtype, activation
+dtype, group size)`` of a :class:`~hf_contbatch.config.QuantScheme` (:func:`kernel_key`): "auto"'s
+candidates. Every kernel here quantizes its weight with one scale per output channel (group None)."""
+QUANTIZED_FOR_BACKEND: dict[tuple, dict[str, str]] = {
+    ("int8", None, None): {"native": NativeInt8GEMM.name, "torch": TorchInt8GEMM.name},
+    ("int8", "int8", None): {"native": W8A8GEMM.name, "torch": TorchW8A8GEMM.name},
+}
+"""The quantized kernel a forced ``linear_backend`` means under each scheme (same keys as
+:data:`QUANTIZED_KERNELS`; oneDNN has none here)."""
+
+
+def kernel_key(scheme: QuantScheme) -> tuple:
+    """``(weight_dtype, activation_dtype, group_size)``: the key of ``scheme``'s kernels."""
+    return scheme.weight_dtype, scheme.activation_dtype, scheme.group_size
+
 
 if set(LINEAR_BACKENDS) != {AUTO, *KERNELS}:  # pragma: no cover - a kernel added on one side only
     raise ImportError(f"config.LINEAR_BACKENDS {LINEAR_BACKENDS} and the GEMM registry {sorted(KERNELS)} disagree")
-if set(QUANTIZED_KERNELS) != {*QUANTIZATIONS, TORCHAO_INT8}:  # pragma: no cover
-    raise ImportError(f"config.QUANTIZATIONS {QUANTIZATIONS} and the registry {sorted(QUANTIZED_KERNELS)} disagree")
+if any(kernel_key(s) not in QUANTIZED_KERNELS for s in (*QUANT_SCHEMES.values(), TORCHAO_INT8)):  # pragma: no cover
+    raise ImportError(f"a scheme of config.QUANT_SCHEMES {sorted(QUANT_SCHEMES)} has no kernels in the GEMM registry")
+
+
+def quantized_kernels(scheme: QuantScheme) -> dict[str, type]:
+    """The kernel classes by name that serve ``scheme`` (:data:`QUANTIZED_KERNELS`)."""
+    return QUANTIZED_KERNELS[kernel_key(scheme)]
+
+
+def forced_quantized_kernel(scheme: QuantScheme, mode: str) -> str:
+    """The kernel name a forced ``linear_backend`` ``mode`` means under ``scheme``.
+
+    Raises:
+        ValueError: ``mode`` has no kernel of the scheme ("linear_backend='onednn' has no int8
+            kernel; use one of [...]").
+    """
+    named = QUANTIZED_FOR_BACKEND[kernel_key(scheme)]
+    if mode not in named:
+        raise ValueError(f"linear_backend={mode!r} has no {scheme.label} kernel; use one of {sorted([AUTO, *named])}")
+    return named[mode]
 
 
 def make_kernel(name: str) -> GemmKernel:
@@ -79,13 +103,12 @@ def available_kernels() -> dict[str, GemmKernel]:
     return kernels
 
 
-def available_quantized_kernels(quantization: str) -> dict[str, GemmKernel]:
-    """The kernels of ``quantization`` (a key of :data:`QUANTIZED_KERNELS`) that work here by name:
-    the candidates of "auto" under that quantization."""
+def available_quantized_kernels(scheme: QuantScheme) -> dict[str, GemmKernel]:
+    """The kernels of ``scheme`` that work here by name: the candidates of "auto" under it."""
     kernels = {}
-    for name in QUANTIZED_KERNELS[quantization]:
+    for name in quantized_kernels(scheme):
         try:
             kernels[name] = make_kernel(name)
         except RuntimeError as exc:
-            logger.info("%s linears: %s unavailable (%s)", quantization, name, exc)
+            logger.info("%s linears: %s unavailable (%s)", scheme.label, name, exc)
     return kernels

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from .gemm_kernel import PackedWeight
-from .int8_gemm import _Int8Kernel, int8_parts, is_plain_tensor, is_torchao_int8_weight_only
+from .int8_weights import Int8Kernel, int8_parts, is_plain_tensor, is_torchao_int8_weight_only
 
 QMAX = 127
 
@@ -37,7 +37,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / sx).clamp_(-QMAX, QMAX).to(torch.int8), sx
 
 
-class TorchW8A8GEMM(_Int8Kernel):
+class TorchW8A8GEMM(Int8Kernel):
     """W8A8 by ``torch._int_mm`` (see the module docstring). ``x`` float32 or bfloat16 (quantized from
     float32; the output rounded to ``x``'s dtype).
 

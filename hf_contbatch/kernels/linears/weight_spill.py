@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch
 
+from ..model_layout import ModelLayout
+
 # Tensor attributes (properties) and methods a SpilledWeight answers: metadata only, never values.
 _METADATA = frozenset(
     {
@@ -137,13 +139,15 @@ class WeightSpill:
     Args:
         model: the served model (its modules named in errors).
         modules: the ``nn.Linear`` modules whose float weight an int8 copy now serves.
+        layout: the model's walk (``kernels.model_layout``; default: walked here).
 
     Raises:
         OSError: the file could not be written (disk full...); nothing is spilled then.
     """
 
-    def __init__(self, model: torch.nn.Module, modules: list[torch.nn.Module]) -> None:
-        names = {id(m): n for n, m in model.named_modules()}
+    def __init__(self, model: torch.nn.Module, modules: list[torch.nn.Module], layout=None) -> None:
+        walk = (layout or ModelLayout.of(model)).modules
+        names = {id(m): n for n, m in walk}
         uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
         chosen = []
         for m in modules:
@@ -179,7 +183,7 @@ class WeightSpill:
             self.entries.append((str(i), m, w, stand_in))
         self.guarded = []
         spilled = {id(m): s for _, m, _, s in self.entries}
-        for parent in model.modules():
+        for _, parent in walk:
             below = next((spilled[id(m)] for m in parent.modules() if id(m) in spilled), None)
             if below is not None and "_apply" not in parent.__dict__:
                 parent.__dict__["_apply"] = _RefuseApply(below)

@@ -1,0 +1,56 @@
+"""The one tuner of every timed kernel choice (``kernels.tuning.Tuner``): the GEMM per shape and the
+compiled attention kernels against the torch path share it, its cache and its checks."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from hf_contbatch.kernels import native_build
+from hf_contbatch.kernels.attention import decode_choice
+from hf_contbatch.kernels.attention.cpu_kernel import CPUDecodeKernel
+from hf_contbatch.kernels.linears.autotune import KernelTuner
+from hf_contbatch.kernels.tuning import Tuner, attention_choice_key
+
+
+def test_a_fixed_workload_keeps_its_fastest_candidate_measured_once_and_cached(tmp_path):
+    path = str(tmp_path / "t.json")
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return {"kernel": 3.0, "torch": 2.0}
+
+    first = Tuner(("kernel", "torch"), path, recheck=False)
+    assert first.fastest("decode 4/2x16", measure) == ("torch", {"kernel": 3.0, "torch": 2.0})
+    again = Tuner(("kernel", "torch"), path, recheck=False)
+    assert again.fastest("decode 4/2x16", measure)[0] == "torch" and len(calls) == 1  # read back
+    assert again.measured_seconds == 0.0
+    # A tie goes to the first candidate (the compiled kernel, as before the one tuner).
+    assert Tuner(("kernel", "torch"), None).fastest("x", lambda: {"kernel": 1.0, "torch": 1.0})[0] == "kernel"
+
+
+def test_the_gemm_tuner_is_the_one_tuner_and_keeps_its_cache_file_name(tmp_path, monkeypatch):
+    monkeypatch.setattr(native_build, "cache_dir", lambda: tmp_path)
+    tuner = KernelTuner({}, measure=lambda i, o, d, bs: {"torch": dict.fromkeys(bs, 1.0)})
+    assert isinstance(tuner.tuner, Tuner)
+    # The name the GEMM timings had before the one tuner: sha256 of CPU, torch, builds, threads.
+    text = "|".join([native_build.cpu_id(), torch.__version__, "torch:", str(torch.get_num_threads())])
+    assert tuner.cache_path == str(tmp_path / f"gemm_timings_{hashlib.sha256(text.encode()).hexdigest()[:16]}.json")
+    tuner.choose(8, 4, torch.float32, 1)
+    assert native_build.read_json(tuner.cache_path)["8x4:float32"] == {"torch": {"1": 1.0}}
+
+
+def test_the_decode_attention_choice_goes_through_the_tuner(tmp_path, monkeypatch):
+    kernel = CPUDecodeKernel()
+    if not kernel.available:  # no C compiler: the choice is the torch path without timing
+        assert "torch path" in decode_choice.choose_decode_path(kernel, 4, 2, 16, 16, torch.float32)
+        return
+    monkeypatch.setattr(native_build, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(decode_choice, "measure_decode_paths", lambda *a: {"kernel": 2.0, "torch": 1.0})
+    line = decode_choice.choose_decode_path(kernel, 4, 2, 16, 16, torch.float32)
+    assert not kernel.enabled and "torch path" in line
+    (cached,) = tmp_path.glob("attention_timings_*.json")
+    key = attention_choice_key("decode", 4, 2, 16, 16, torch.float32)
+    assert native_build.read_json(cached)[key] == {"kernel": {"1": 2.0}, "torch": {"1": 1.0}}
