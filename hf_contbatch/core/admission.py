@@ -81,7 +81,7 @@ class WaitingAdmission:
             hits = hits[: max(0, int(req.sampling.prompt_logprobs) - 1) // bm.block_size]
         computed = req.num_computed_tokens + len(hits) * bm.block_size
         n = step.tokens_to_schedule(req, computed)
-        need = bm.num_blocks_needed_with_prefix(hits, computed + n)
+        need = bm.num_blocks_needed_with_prefix(hits, computed + n, computed)
         need_seats = 1 + len(req.pending_forks)
         if n == 0 or need_seats > step.seats_left() or need > step.block_limit():
             return False

@@ -253,7 +253,10 @@ class Scheduler:
         if fork_of is not None:
             return self.block_manager.fork(fork_of.request_id, req.request_id, req.num_computed_tokens)
         self.block_manager.allocate(
-            req.request_id, req.num_computed_tokens + num_new_tokens, prefix_blocks=prefix_blocks
+            req.request_id,
+            req.num_computed_tokens + num_new_tokens,
+            prefix_blocks=prefix_blocks,
+            num_computed_tokens=req.num_computed_tokens,
         )
         return None
 
@@ -277,7 +280,8 @@ class Scheduler:
 
         A request with drafts keeps the longest prefix of drafts equal to the greedy tokens and the
         greedy token after it (``Drafts.accept``). Blocks that became full and computed enter the
-        prefix cache (accepted tokens only). Finishing (EOS, length, stop) is decided by the
+        prefix cache (accepted tokens only); under a sliding window, blocks no later query reads
+        are released (``BlockManager.free_out_of_window``). Finishing (EOS, length, stop) is decided by the
         engine, which marks the status; the blocks are freed by the next iteration's reap step.
         """
         advanced = []
@@ -305,6 +309,8 @@ class Scheduler:
                 bm.cache_full_blocks(
                     req.request_id, req.all_token_ids, req.block_hashes, req.num_computed_tokens, req.prefix_cache_key
                 )
+            # After the prefix cache took the full blocks: under a window, what no later query reads goes.
+            bm.free_out_of_window(req.request_id, req.num_computed_tokens)
         return advanced
 
     def trim_after_stop(self, request: Request, num_excess: int) -> None:

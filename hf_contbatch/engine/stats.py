@@ -122,7 +122,8 @@ def kv_token_counts(requests, bm) -> tuple[int, int]:
     A request's first ``num_computed_tokens`` positions are written, position ``p`` in slot
     ``p % block_size`` of block ``table[p // block_size]``. A block shared by forks or prefix-cache
     hits is counted once in the first figure (its fullest user decides how many of its slots hold
-    KV) and once per request in the second."""
+    KV) and once per request in the second. Positions whose block a sliding window released
+    (null entries) count in neither."""
     bs = bm.block_size
     computed = {r.request_id: r.num_computed_tokens for r in requests}
     filled: dict[int, int] = {}  # block -> slots holding KV
@@ -132,6 +133,9 @@ def kv_token_counts(requests, bm) -> tuple[int, int]:
         logical += n
         for i in range(-(-n // bs)):
             b = table[i]
+            if b == bm.null_block:  # the window moved on: those positions hold no KV any more
+                logical -= min(bs, n - i * bs)
+                continue
             filled[b] = max(filled.get(b, 0), min(bs, n - i * bs))
     return sum(filled.values()), logical
 
@@ -191,8 +195,8 @@ class EngineCounters:
         """An ``EngineStats`` of the counters, the scheduler ``sched``, the device pool's ``bm`` and
         the host swap pool's ``host_bm``."""
         owners = [-1] * bm.num_blocks
-        for rid, table in bm.block_tables.items():
-            for b in table:
+        for rid in bm.block_tables:
+            for b in bm.live_blocks(rid):  # a sliding window's null entries own nothing
                 owners[b] = rid
         itl = list(self.itls)
         ttft = list(self.ttfts)
