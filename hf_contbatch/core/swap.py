@@ -139,7 +139,9 @@ class Swap:
         result.report.swapped_out.append(req)
 
 
-def _live_pairs(src_table: list[int], dst_table: list[int], src: BlockManager, dst: BlockManager) -> list[tuple[int, int]]:
+def _live_pairs(
+    src_table: list[int], dst_table: list[int], src: BlockManager, dst: BlockManager
+) -> list[tuple[int, int]]:
     """(src block, dst block) pairs of two tables of one request, position by position, without
     the positions a window left null (nothing to move there; both pools' tables agree on them).
 

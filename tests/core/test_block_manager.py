@@ -423,7 +423,9 @@ def test_max_tokens_per_step_lets_a_request_alone_in_the_pool_always_progress(nu
         need = -(-(c + expected) // bs) - _first_live(c, window, bs)
         assert need <= num_blocks
     # One more token does not fit somewhere.
-    assert any(-(-(c + expected + 1) // bs) - _first_live(c, window, bs) > num_blocks for c in range(window, window + bs))
+    assert any(
+        -(-(c + expected + 1) // bs) - _first_live(c, window, bs) > num_blocks for c in range(window, window + bs)
+    )
 
 
 def test_a_new_table_deep_into_a_sequence_starts_with_null_entries():
