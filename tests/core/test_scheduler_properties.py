@@ -101,18 +101,18 @@ class FakeModel:
             tokens = req.all_token_ids + list(s.draft_token_ids)  # what the KV must hold (the oracle)
             assert context == [(p, tokens[p]) for p in range(lo, end)], f"request {req.request_id} reads corrupt KV"
             kv = dict(context)
-
-            def seen(q: int) -> list[int]:  # the keys a query at position q reads
-                first = max(0, q - self.window + 1) if self.window else 0
-                return [kv[p] for p in range(first, q + 1)]
-
             if s.draft_token_ids:
                 out.greedy[s.request_id] = [
-                    fake_next_token(seen(s.start_position + i), s.request_id) for i in range(s.num_new_tokens)
+                    fake_next_token(self.seen(kv, s.start_position + i), s.request_id) for i in range(s.num_new_tokens)
                 ]
             elif s.samples:
-                out.sampled[s.request_id] = fake_next_token(seen(end - 1), s.request_id)
+                out.sampled[s.request_id] = fake_next_token(self.seen(kv, end - 1), s.request_id)
         return out
+
+    def seen(self, kv: dict, q: int) -> list[int]:
+        """The tokens a query at position ``q`` reads from ``kv`` (position -> token): its window."""
+        first = max(0, q - self.window + 1) if self.window else 0
+        return [kv[p] for p in range(first, q + 1)]
 
 
 def finish_as_the_engine_does(req: Request) -> bool:
