@@ -97,7 +97,7 @@ def default_host_kv_blocks(
     if want is None:
         return PoolSize(cap, f"{cap_why} (the model's context is unknown)")
     if want <= cap:
-        return PoolSize(want, f"max_num_seqs {max_num_seqs} × context {max_model_len} tokens{_window_words(window)}")
+        return PoolSize(want, _want_words(max_num_seqs, max_model_len, window))
     return PoolSize(
         cap,
         f"capped at {cap_why}; max_num_seqs {max_num_seqs} × context {max_model_len} tokens "
@@ -126,11 +126,17 @@ def default_swap_blocks(
     want = blocks_model_can_use(max_num_seqs, max_model_len, block_size, window)
     target, why = device_blocks, "as many blocks as the KV pool"
     if want is not None and want < target:
-        target, why = want, f"max_num_seqs {max_num_seqs} × context {max_model_len} tokens{_window_words(window)}"
+        target, why = want, _want_words(max_num_seqs, max_model_len, window)
     if target <= cap:
         return PoolSize(target, why)
     return PoolSize(cap, f"capped at {cap_why}")
 
 
-def _window_words(window: Optional[Window]) -> str:
-    return "" if window is None else f", a window of {window.tokens} tokens each"
+def _want_words(max_num_seqs: int, max_model_len: Optional[int], window: Optional[Window]) -> str:
+    """Why a pool holds what the model can use, in words."""
+    words = f"max_num_seqs {max_num_seqs} × context {max_model_len} tokens"
+    if window is None:
+        return words
+    if max_model_len is None:
+        words = f"max_num_seqs {max_num_seqs}"
+    return f"{words}, a window of {window.tokens} tokens each (+ a {window.max_step_tokens}-token step)"

@@ -12,6 +12,7 @@ import torch
 
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from hf_contbatch.engine.kv_groups import kv_cache_groups, layer_windows
+from hf_contbatch.kernels.attention.triton_kernels import TRITON_AVAILABLE
 from hf_contbatch.kernels.kv_spec import KVCacheSpec
 
 from conftest import build_model, random_prompts, reference_greedy
@@ -90,6 +91,24 @@ def test_greedy_equals_generate_with_a_window_below_the_prompt_under_chunked_pre
         attention_backend=backend,
     )
     outs, stats = _serve(model, prompts, cfg, NEW)
+    assert outs == refs
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not TRITON_AVAILABLE, reason="triton is not installed on this platform")
+def test_greedy_equals_generate_with_the_triton_kernels_reading_past_null_entries():
+    # Interpreted on CPU. Prefill tiles start at a tile boundary before the window: they read (and
+    # mask) the null block where the window moved on, which must hold zeros, not garbage.
+    model = build_model("mistral", sliding_window=5)
+    prompts = random_prompts([13, 21], seed=17)
+    refs = [reference_greedy(model, p, 8) for p in prompts]
+    cfg = EngineConfig(
+        cache=CacheConfig(block_size=8, num_blocks=8),  # the Triton kernels' smallest block
+        scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=2),
+        attention_backend="triton",
+    )
+    outs, stats = _serve(model, prompts, cfg, 8)
     assert outs == refs
     assert stats.num_free_blocks == stats.num_blocks
 
