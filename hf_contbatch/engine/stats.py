@@ -99,6 +99,9 @@ class EngineStats:
     # "__base__" for the base model; empty when the engine serves a plain model.
     requests_per_adapter: tuple = ()
     kv_cache_dtype: str = ""  # the KV pools' dtype: "float32", "bfloat16", "int8" (with per-token scales), ...
+    # The KV cache group's sliding window in tokens (every layer slides over it: a request holds only
+    # the blocks its window still reads); None: full attention, every block of the context is kept.
+    kv_sliding_window: Optional[int] = None
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{name}={_short(getattr(self, name))}" for name in _REPR_FIELDS)
@@ -206,6 +209,7 @@ class EngineCounters:
         return EngineStats(
             num_blocks=bm.num_blocks,
             kv_cache_dtype=self.kv_cache_dtype,
+            kv_sliding_window=bm.sliding_window,
             block_size=bm.block_size,
             num_free_blocks=bm.num_free_blocks,
             num_used_blocks=bm.num_used_blocks,
