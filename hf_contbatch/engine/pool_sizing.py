@@ -263,7 +263,7 @@ class KVPoolSizer:
             restore_attention(self.model, previous)
         sizes: dict = collections.Counter()
         for k in probe.key_cache:
-            sizes[k.device] += num_blocks * spec.layer_bytes_per_block
+            sizes[k.device] += (num_blocks + spec.num_null_blocks) * spec.layer_bytes_per_block
         probe.release()
         return dict(sizes)
 
