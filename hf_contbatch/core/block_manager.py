@@ -143,6 +143,15 @@ class BlockManager:
         cap = (self.num_blocks - 1) * self.block_size - self.sliding_window + 2
         return cap if cap >= 1 else None
 
+    def step_token_limit(self, num_computed_tokens: int) -> Optional[int]:
+        """Most tokens a request with ``num_computed_tokens`` computed may schedule in one step, or
+        None for no limit: :attr:`max_tokens_per_step`, or more while its whole context so far and
+        the step's tokens fit the pool anyway (a short request's prefill is not cut for nothing)."""
+        cap = self.max_tokens_per_step
+        if cap is None:
+            return None
+        return max(cap, self.num_blocks * self.block_size - num_computed_tokens)
+
     def num_blocks_needed(self, request_id: Hashable, total_tokens: int, num_computed_tokens: int = 0) -> int:
         """Extra blocks ``request_id`` needs so that ``total_tokens`` of its tokens fit, when it has
         ``num_computed_tokens`` computed (a new table under a window starts with null entries for the

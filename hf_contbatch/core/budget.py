@@ -73,8 +73,8 @@ class StepBudget:
     def tokens_to_schedule(self, req: Request, computed: Optional[int] = None, stop_at_fork: bool = True) -> int:
         """Tokens ``req`` may run this step: what it lacks after ``computed`` (default: its
         ``num_computed_tokens``) tokens, within the token budget, ``long_prefill_token_threshold``
-        and, for a sliding-window pool, ``BlockManager.max_tokens_per_step`` (so a request alone in
-        the pool always progresses). With ``stop_at_fork``, a request with pending forks stops one
+        and, for a sliding-window pool, ``BlockManager.step_token_limit`` (so a request alone in the
+        pool always progresses). With ``stop_at_fork``, a request with pending forks stops one
         token before the end of its prompt (the fork point)."""
         computed = req.num_computed_tokens if computed is None else computed
         todo = req.num_tokens - computed
@@ -83,7 +83,7 @@ class StepBudget:
         n = min(todo, self._tokens)
         if self._config.long_prefill_token_threshold is not None:
             n = min(n, self._config.long_prefill_token_threshold)
-        cap = self._block_manager.max_tokens_per_step
+        cap = self._block_manager.step_token_limit(computed)
         if cap is not None:
             n = min(n, cap)
         return max(n, 0)

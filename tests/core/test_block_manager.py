@@ -400,7 +400,7 @@ def test_the_null_block_is_never_handed_out_and_a_window_can_fill_the_whole_pool
 def test_full_attention_releases_nothing_and_has_no_step_limit():
     bm = BlockManager(num_blocks=8, block_size=4)
     bm.allocate("a", 30)
-    assert bm.free_out_of_window("a", 30) == 0 and bm.max_tokens_per_step is None
+    assert bm.free_out_of_window("a", 30) == 0 and bm.max_tokens_per_step is None and bm.step_token_limit(0) is None
     assert bm.first_live_block(1000) == 0 and bm.get_block_table("a") == list(range(8))
 
 
@@ -426,6 +426,9 @@ def test_max_tokens_per_step_lets_a_request_alone_in_the_pool_always_progress(nu
     assert any(
         -(-(c + expected + 1) // bs) - _first_live(c, window, bs) > num_blocks for c in range(window, window + bs)
     )
+    # While the whole context and the step fit the pool, a step may take all of it.
+    assert bm.step_token_limit(0) == max(expected, num_blocks * bs)
+    assert bm.step_token_limit(num_blocks * bs) == expected
 
 
 def test_a_new_table_deep_into_a_sequence_starts_with_null_entries():
