@@ -203,28 +203,49 @@ class BlockManager:
         return block_hashes
 
     def match_prefix(
-        self, token_ids: Sequence[int], block_hashes: list[int], extra_key: Optional[str] = None
+        self,
+        token_ids: Sequence[int],
+        block_hashes: list[int],
+        extra_key: Optional[str] = None,
+        max_blocks: Optional[int] = None,
     ) -> list[int]:
         """Cached blocks holding the longest full-block prefix of ``token_ids`` under ``extra_key``
         (read-only).
 
-        At most ``(len(token_ids) - 1) // block_size`` blocks: at least one token is always
-        recomputed, because the step that computes the last token is the one that samples.
+        At most ``(len(token_ids) - 1) // block_size`` blocks (and ``max_blocks``): at least one
+        token is always recomputed, because the step that computes the last token is the one that
+        samples. Under a window a prefix of ``k`` blocks needs only the blocks its window reads
+        (from :meth:`first_live_block` of ``k * block_size``) to be cached: the entries before are
+        the null block, whether or not those blocks were evicted.
         """
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
         self.update_block_hashes(token_ids, block_hashes, extra_key)
-        hits: list[int] = []
+        limit = (len(token_ids) - 1) // bs
+        if max_blocks is not None:
+            limit = min(limit, max_blocks)
+        found: list[Optional[int]] = []  # the verified cached block of each full block, or None
         parent = chain_root(extra_key)
-        for i in range((len(token_ids) - 1) // bs):
+        for i in range(limit):
             h = block_hashes[i]
             b = self._cached.get(h)
-            if b is None or self._block_content[b] != (parent, tuple(token_ids[i * bs : (i + 1) * bs])):
-                break
-            hits.append(b)
+            ok = b is not None and self._block_content[b] == (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+            if not ok and self.sliding_window is None:
+                break  # full attention needs every block before the hit's end
+            found.append(b if ok else None)
             parent = h
-        return hits
+        # The longest k whose blocks from first_live_block(k * bs) to k are all found.
+        run = 0  # found blocks ending at index k - 1
+        best = 0
+        for k in range(1, len(found) + 1):
+            run = run + 1 if found[k - 1] is not None else 0
+            if run >= k - self.first_live_block(k * bs):
+                best = k
+        first = self.first_live_block(best * bs)
+        hits = found[first:best]
+        assert None not in hits, "a hit's window reads a block that is not cached"
+        return [self.null_block] * first + hits
 
     def num_blocks_needed_with_prefix(
         self, prefix_blocks: Sequence[int], total_tokens: int, num_computed_tokens: Optional[int] = None

@@ -454,9 +454,10 @@ def test_prefix_hits_the_window_no_longer_reads_are_not_taken():
     assert bm.num_used_blocks == 2 and bm.num_cached_free_blocks == 3
     bm.free("a")
     hits = bm.match_prefix(prompt, [], None)
-    assert hits == [0, 1, 2, 3]  # (17 - 1) // 4 = 4 full blocks, all still cached
-    # 16 computed from the hits: entries before (16 - 5 + 1) // 4 = 3 are null; hit 3 is taken
-    # (sitting free: 1 block) and position 16 needs one fresh block: 2 blocks in all.
+    # (17 - 1) // 4 = 4 full blocks hit; 16 computed from them: entries before (16 - 5 + 1) // 4 = 3
+    # are null (not taken), hit 3 is (sitting free: 1 block), and position 16 needs one fresh block:
+    # 2 blocks in all.
+    assert hits == [bm.null_block] * 3 + [3]
     assert bm.num_blocks_needed_with_prefix(hits, 17) == 2
     bm.allocate("b", 17, prefix_blocks=hits)
     assert bm.get_block_table("b")[:4] == [bm.null_block] * 3 + [3]
@@ -489,3 +490,28 @@ def test_trim_and_cancel_under_a_window_leave_no_block_behind():
     assert bm.get_block_table("a") == [8, 8, 2]
     assert bm.free("a") == 1 and bm.num_free_blocks == 8
     bm.check_invariants()
+
+
+def test_a_window_hit_needs_only_the_blocks_its_window_reads_to_be_cached():
+    bs, window = 4, 5
+    bm = BlockManager(num_blocks=10, block_size=bs, enable_prefix_caching=True, sliding_window=window)
+    prompt = _tokens(17)
+    bm.allocate("a", 17)  # blocks 0..4; 5..9 stay in the queue
+    bm.cache_full_blocks("a", prompt, [], 17)
+    bm.free_out_of_window("a", 17)  # 0, 1, 2 to the queue's tail, cached
+    bm.free("a")  # 4 (partial, unhashed) to the front, 3 (cached) to the tail
+    assert bm.allocate("x", 28) == [4, 5, 6, 7, 8, 9, 0]  # evicts block 0, the prefix's first
+    assert bm.num_evictions == 1
+    # A 4-block hit reads from position 16 - 5 + 1 = 12 on: block 3 only, still cached.
+    assert bm.match_prefix(prompt, [], None) == [bm.null_block] * 3 + [3]
+    # 3 blocks: from (12 - 4) // 4 = 2 on; 2 blocks: from (8 - 4) // 4 = 1 on; 1 block: block 0, evicted.
+    assert bm.match_prefix(prompt, [], None, max_blocks=3) == [bm.null_block] * 2 + [2]
+    assert bm.match_prefix(prompt, [], None, max_blocks=2) == [bm.null_block, 1]
+    assert bm.match_prefix(prompt, [], None, max_blocks=1) == []
+    full = BlockManager(num_blocks=10, block_size=bs, enable_prefix_caching=True)
+    full.allocate("a", 17)
+    full.cache_full_blocks("a", prompt, [], 17)
+    full.free("a")
+    full.allocate("x", 4 * 4)  # the never-used blocks 5..8 first
+    assert full.match_prefix(prompt, [], None) == [0, 1, 2, 3]
+    assert full.match_prefix(prompt, [], None, max_blocks=2) == [0, 1]
