@@ -20,9 +20,10 @@ never handed out (the pool tensors keep one zeroed block there, so a kernel that
 masked lane reads zeros, never NaN). Table positions stay logical (``table[p // block_size]``), so
 slot mappings and kernels do not change. The null entries are always a leading run of the table.
 Prefix caching stays on for such a group: a block's KV depends only on the tokens up to its end,
-whatever the windows, so a hashed block is as reusable as under full attention; a hit's leading
-blocks the window can no longer read are not taken (null entries), and blocks released out of the
-window keep their hash in the free queue, so a later request with the same prefix still hits them.
+whatever the windows, so a hashed block is as reusable as under full attention. A hit of ``k``
+blocks needs only the blocks its window reads to be cached (from ``first_live_block(k *
+block_size)`` on); the entries before are null, whether those blocks were evicted or not. Blocks
+released out of the window keep their hash in the free queue (LRU, so the oldest go first).
 """
 
 from __future__ import annotations

@@ -161,6 +161,31 @@ def test_greedy_equals_generate_with_prefix_caching():
 
 
 @pytest.mark.timeout(300)
+def test_a_prefix_hit_survives_the_eviction_of_the_blocks_its_window_does_not_read():
+    # 14 blocks of 4: the filler evicts the least recently freed cached blocks, the shared prefix's
+    # first ones (released first, as the window left them). A 5-block hit (20 tokens) reads from
+    # position 20 - 6 + 1 = 15 on, blocks 3 and 4: those are still cached, so the third prompt hits.
+    model = build_model("mistral", sliding_window=6)
+    system = random_prompts([21], seed=13)[0]
+    prompts = [system + [5, 6, 7], random_prompts([30], seed=18)[0], system + [9, 10]]
+    refs = [reference_greedy(model, p, 8) for p in prompts]
+    cfg = EngineConfig(cache=CacheConfig(block_size=4, num_blocks=14, enable_prefix_caching=True))
+    eng = LLMEngine(model, cfg)
+    try:
+        outs = [
+            eng.submit(p, SamplingParams(max_new_tokens=8, ignore_eos=True)).result(300).output_token_ids
+            for p in prompts
+        ]
+        assert eng.wait_idle(10)
+        stats = eng.stats()
+        eng.block_manager.check_invariants()
+    finally:
+        eng.close()
+    assert outs == refs
+    assert stats.num_prefix_evictions > 0 and stats.prefix_cache_hit_tokens == 20
+
+
+@pytest.mark.timeout(300)
 def test_greedy_equals_generate_with_prompt_lookup_drafts():
     model = build_model("mistral", sliding_window=6)
     base = random_prompts([6], seed=15)[0]
