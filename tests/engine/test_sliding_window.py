@@ -186,6 +186,26 @@ def test_a_prefix_hit_survives_the_eviction_of_the_blocks_its_window_does_not_re
 
 
 @pytest.mark.timeout(300)
+def test_forked_greedy_sequences_share_the_window_and_each_equal_generate():
+    # 13 and 30 tokens: the fork point (prompt - 1) lies past the window, so the forks share null
+    # entries, the parent's live full blocks, and a copy of its partial block.
+    model = build_model("mistral", sliding_window=5)
+    prompts = random_prompts([13, 30], seed=19)
+    refs = [reference_greedy(model, p, 8) for p in prompts]
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=24)))
+    try:
+        groups = [eng.submit(p, SamplingParams(max_new_tokens=8), num_return_sequences=3) for p in prompts]
+        outs = [[h.result(300).output_token_ids for h in g] for g in groups]
+        assert eng.wait_idle(10)
+        stats = eng.stats()
+        eng.block_manager.check_invariants()
+    finally:
+        eng.close()
+    assert outs == [[r] * 3 for r in refs]
+    assert stats.num_forks == 4 and stats.num_free_blocks == 24
+
+
+@pytest.mark.timeout(300)
 def test_greedy_equals_generate_with_prompt_lookup_drafts():
     model = build_model("mistral", sliding_window=6)
     base = random_prompts([6], seed=15)[0]
