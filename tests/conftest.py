@@ -55,7 +55,7 @@ def build_model(family: str, seed: int = 0, **overrides):
         cfg = tf.LlamaConfig(**_common(num_key_value_heads=1, **overrides))
         cls = tf.LlamaForCausalLM
     elif family == "mistral":
-        cfg = tf.MistralConfig(**_common(sliding_window=8, **overrides))
+        cfg = tf.MistralConfig(**_common(**{"sliding_window": 8, **overrides}))
         cls = tf.MistralForCausalLM
     elif family == "qwen2":
         cfg = tf.Qwen2Config(**_common(**overrides))

@@ -73,15 +73,18 @@ class WaitingAdmission:
         """Admit ``req`` if its seats, blocks (after prefix-cache hits) and tokens fit."""
         bm = self._block_manager
         hits = []
-        if bm.enable_prefix_caching and req.num_computed_tokens == 0:
-            hits = bm.match_prefix(req.all_token_ids, req.block_hashes, req.prefix_cache_key)
+        limit = None  # at most this many blocks of hits (None: as many as match)
         if req.pending_forks:  # leave the parent at least one token before its fork point
-            hits = hits[: max(0, (req.num_prompt_tokens - 2) // bm.block_size)]
+            limit = max(0, (req.num_prompt_tokens - 2) // bm.block_size)
         if req.sampling.prompt_logprobs:  # rows from prompt_logprobs - 1 on must be computed
-            hits = hits[: max(0, int(req.sampling.prompt_logprobs) - 1) // bm.block_size]
+            cut = max(0, int(req.sampling.prompt_logprobs) - 1) // bm.block_size
+            limit = cut if limit is None else min(limit, cut)
+        if bm.enable_prefix_caching and req.num_computed_tokens == 0:
+            # The limit goes into the lookup: under a window, a shorter hit needs other blocks cached.
+            hits = bm.match_prefix(req.all_token_ids, req.block_hashes, req.prefix_cache_key, max_blocks=limit)
         computed = req.num_computed_tokens + len(hits) * bm.block_size
         n = step.tokens_to_schedule(req, computed)
-        need = bm.num_blocks_needed_with_prefix(hits, computed + n)
+        need = bm.num_blocks_needed_with_prefix(hits, computed + n, computed)
         need_seats = 1 + len(req.pending_forks)
         if n == 0 or need_seats > step.seats_left() or need > step.block_limit():
             return False

@@ -10,6 +10,20 @@ hash and stays in the free queue, reusable by a later request with the same pref
 evicted; the free queue is ordered least-recently-freed first, so eviction is LRU. An *extra key*
 (the request's LoRA adapter, ``Request.prefix_cache_key``) seeds the chain as the first block's
 parent, as vLLM puts its extra keys into the hash: the same tokens under two keys never share a block.
+
+Sliding-window KV cache group (``sliding_window=W``): a query at position ``q`` reads the keys at
+``q - W + 1 .. q`` (W tokens, itself included: transformers' ``kv_idx > q_idx - sliding_window``).
+Once a request has computed ``c`` tokens, no future query reads a position below ``c - W + 1``, so
+its leading blocks whose every token lies below that are released (:meth:`free_out_of_window`) and
+their table entries become :attr:`BlockManager.null_block`: an id one past the pool's blocks that is
+never handed out (the pool tensors keep one zeroed block there, so a kernel that reads it in a
+masked lane reads zeros, never NaN). Table positions stay logical (``table[p // block_size]``), so
+slot mappings and kernels do not change. The null entries are always a leading run of the table.
+Prefix caching stays on for such a group: a block's KV depends only on the tokens up to its end,
+whatever the windows, so a hashed block is as reusable as under full attention. A hit of ``k``
+blocks needs only the blocks its window reads to be cached (from ``first_live_block(k *
+block_size)`` on); the entries before are null, whether those blocks were evicted or not. Blocks
+released out of the window keep their hash in the free queue (LRU, so the oldest go first).
 """
 
 from __future__ import annotations
@@ -44,6 +58,8 @@ class BlockManager:
         num_blocks: blocks in the pool (0 is allowed: an empty swap pool).
         block_size: tokens per block.
         enable_prefix_caching: keep hashes of full blocks and reuse them across requests.
+        sliding_window: W for a sliding-window KV cache group (blocks no future query can read are
+            released as a request advances), None for full attention.
 
     A request's block table maps its token at position ``p`` to block
     ``table[p // block_size]``, offset ``p % block_size``. Tables are keyed by any hashable (the
@@ -52,10 +68,21 @@ class BlockManager:
     queue hands them out again.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        sliding_window: Optional[int] = None,
+    ) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or positive, got {sliding_window}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
+        # The id of the null block: outside the pool's range, never in the free queue.
+        self.null_block = num_blocks
         # Least recently freed first; OrderedDict so a prefix hit can take a block out of the middle in O(1).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.ref_counts: list[int] = [0] * num_blocks
@@ -93,10 +120,49 @@ class BlockManager:
         """Blocks that hold ``num_tokens`` tokens (ceil division)."""
         return -(-num_tokens // self.block_size)
 
-    def num_blocks_needed(self, request_id: Hashable, total_tokens: int) -> int:
-        """Extra blocks ``request_id`` needs so that ``total_tokens`` of its tokens fit."""
-        have = len(self.block_tables.get(request_id, ()))
+    def first_live_block(self, num_computed_tokens: int) -> int:
+        """Index of the first table entry a request with ``num_computed_tokens`` computed tokens
+        still needs: 0 under full attention; under a window W, the blocks ending before position
+        ``num_computed_tokens - W + 1`` (the oldest key any later query reads) are not needed."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, (num_computed_tokens - self.sliding_window + 1) // self.block_size)
+
+    @property
+    def max_tokens_per_step(self) -> Optional[int]:
+        """Most tokens one request may schedule in a step, or None for no limit.
+
+        Under a window W a step of ``n`` tokens needs the blocks spanning ``W - 1 + n`` positions,
+        at most ``ceil((W - 2 + n) / block_size) + 1`` blocks: so a request alone in the pool
+        always progresses if ``n <= (num_blocks - 1) * block_size - W + 2``, however long it is
+        (a prefill is then cut into chunks). None under full attention (chunking does not lower a
+        request's total need) and when the pool cannot hold one window (the window then never frees
+        a block within the pool: the group behaves as full attention).
+        """
+        if self.sliding_window is None:
+            return None
+        cap = (self.num_blocks - 1) * self.block_size - self.sliding_window + 2
+        return cap if cap >= 1 else None
+
+    def step_token_limit(self, num_computed_tokens: int) -> Optional[int]:
+        """Most tokens a request with ``num_computed_tokens`` computed may schedule in one step, or
+        None for no limit: :attr:`max_tokens_per_step`, or more while its whole context so far and
+        the step's tokens fit the pool anyway (a short request's prefill is not cut for nothing)."""
+        cap = self.max_tokens_per_step
+        if cap is None:
+            return None
+        return max(cap, self.num_blocks * self.block_size - num_computed_tokens)
+
+    def num_blocks_needed(self, request_id: Hashable, total_tokens: int, num_computed_tokens: int = 0) -> int:
+        """Extra blocks ``request_id`` needs so that ``total_tokens`` of its tokens fit, when it has
+        ``num_computed_tokens`` computed (a new table under a window starts with null entries for the
+        blocks the window no longer reads; a table that exists already has them)."""
+        have = max(len(self.block_tables.get(request_id, ())), self.first_live_block(num_computed_tokens))
         return max(0, self.blocks_for_tokens(total_tokens) - have)
+
+    def live_blocks(self, request_id: Hashable) -> list[int]:
+        """The blocks ``request_id`` holds: its table without the null entries."""
+        return [b for b in self.block_tables.get(request_id, ()) if b != self.null_block]
 
     def get_block_table(self, request_id: Hashable) -> list[int]:
         return self.block_tables.get(request_id, [])
@@ -138,34 +204,60 @@ class BlockManager:
         return block_hashes
 
     def match_prefix(
-        self, token_ids: Sequence[int], block_hashes: list[int], extra_key: Optional[str] = None
+        self,
+        token_ids: Sequence[int],
+        block_hashes: list[int],
+        extra_key: Optional[str] = None,
+        max_blocks: Optional[int] = None,
     ) -> list[int]:
         """Cached blocks holding the longest full-block prefix of ``token_ids`` under ``extra_key``
         (read-only).
 
-        At most ``(len(token_ids) - 1) // block_size`` blocks: at least one token is always
-        recomputed, because the step that computes the last token is the one that samples.
+        At most ``(len(token_ids) - 1) // block_size`` blocks (and ``max_blocks``): at least one
+        token is always recomputed, because the step that computes the last token is the one that
+        samples. Under a window a prefix of ``k`` blocks needs only the blocks its window reads
+        (from :meth:`first_live_block` of ``k * block_size``) to be cached: the entries before are
+        the null block, whether or not those blocks were evicted.
         """
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
         self.update_block_hashes(token_ids, block_hashes, extra_key)
-        hits: list[int] = []
+        limit = (len(token_ids) - 1) // bs
+        if max_blocks is not None:
+            limit = min(limit, max_blocks)
+        found: list[Optional[int]] = []  # the verified cached block of each full block, or None
         parent = chain_root(extra_key)
-        for i in range((len(token_ids) - 1) // bs):
+        for i in range(limit):
             h = block_hashes[i]
             b = self._cached.get(h)
-            if b is None or self._block_content[b] != (parent, tuple(token_ids[i * bs : (i + 1) * bs])):
-                break
-            hits.append(b)
+            ok = b is not None and self._block_content[b] == (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+            if not ok and self.sliding_window is None:
+                break  # full attention needs every block before the hit's end
+            found.append(b if ok else None)
             parent = h
-        return hits
+        # The longest k whose blocks from first_live_block(k * bs) to k are all found.
+        run = 0  # found blocks ending at index k - 1
+        best = 0
+        for k in range(1, len(found) + 1):
+            run = run + 1 if found[k - 1] is not None else 0
+            if run >= k - self.first_live_block(k * bs):
+                best = k
+        first = self.first_live_block(best * bs)
+        hits = found[first:best]
+        assert None not in hits, "a hit's window reads a block that is not cached"
+        return [self.null_block] * first + hits
 
-    def num_blocks_needed_with_prefix(self, prefix_blocks: Sequence[int], total_tokens: int) -> int:
-        """Free-queue blocks a new table needs for ``total_tokens`` when it starts with ``prefix_blocks``:
-        fresh blocks for the rest, plus every hit that is itself sitting free (cached, ref count 0)."""
-        fresh = max(0, self.blocks_for_tokens(total_tokens) - len(prefix_blocks))
-        return fresh + sum(1 for b in prefix_blocks if self.ref_counts[b] == 0)
+    def num_blocks_needed_with_prefix(
+        self, prefix_blocks: Sequence[int], total_tokens: int, num_computed_tokens: Optional[int] = None
+    ) -> int:
+        """Free-queue blocks a new table needs for ``total_tokens`` when it starts with ``prefix_blocks``
+        and has ``num_computed_tokens`` computed (default: the prefix's tokens): fresh blocks for the
+        rest, plus every hit the window still reads that is itself sitting free (cached, ref count 0)."""
+        computed = len(prefix_blocks) * self.block_size if num_computed_tokens is None else num_computed_tokens
+        first = self.first_live_block(computed)
+        fresh = max(0, self.blocks_for_tokens(total_tokens) - max(len(prefix_blocks), first))
+        return fresh + sum(1 for b in prefix_blocks[first:] if self.ref_counts[b] == 0)
 
     def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.num_prefix_query_tokens += num_query_tokens
@@ -200,7 +292,7 @@ class BlockManager:
         for i in range(start, full):
             b = table[i]
             h = block_hashes[i]
-            if self._block_hash[b] is not None or h in self._cached:
+            if b == self.null_block or self._block_hash[b] is not None or h in self._cached:
                 continue
             self._cached[h] = b
             self._block_hash[b] = h
@@ -220,27 +312,42 @@ class BlockManager:
         self.ref_counts[b] = 1
         return b
 
-    def allocate(self, request_id: Hashable, total_tokens: int, prefix_blocks: Sequence[int] = ()) -> list[int]:
+    def allocate(
+        self,
+        request_id: Hashable,
+        total_tokens: int,
+        prefix_blocks: Sequence[int] = (),
+        num_computed_tokens: Optional[int] = None,
+    ) -> list[int]:
         """Grow ``request_id``'s block table to hold ``total_tokens`` tokens.
 
         Args:
             prefix_blocks: cached blocks (from ``match_prefix``) a *new* table starts with; they are
                 shared (ref count + 1), not copied.
+            num_computed_tokens: the request's computed tokens (default: the prefix's tokens). Under
+                a window, new entries before :meth:`first_live_block` of it are null entries, and
+                so are the hits there (not taken): a request resumed or admitted deep into its
+                sequence holds only its window.
 
         Returns the newly allocated (fresh) block ids. Raises ``RuntimeError`` if the pool is short
         (the scheduler checks its budget first) or if ``prefix_blocks`` is given for an existing table.
         """
         if prefix_blocks and request_id in self.block_tables:
             raise RuntimeError(f"prefix blocks given for request {request_id}, which already has a block table")
+        computed = len(prefix_blocks) * self.block_size if num_computed_tokens is None else num_computed_tokens
         need = (
-            self.num_blocks_needed_with_prefix(prefix_blocks, total_tokens)
+            self.num_blocks_needed_with_prefix(prefix_blocks, total_tokens, computed)
             if prefix_blocks
-            else self.num_blocks_needed(request_id, total_tokens)
+            else self.num_blocks_needed(request_id, total_tokens, computed)
         )
         if need > len(self._free):
             raise RuntimeError(f"KV pool exhausted: request {request_id} needs {need} blocks, {len(self._free)} free")
         table = self.block_tables.setdefault(request_id, [])
-        for b in prefix_blocks:
+        first = self.first_live_block(computed)
+        for i, b in enumerate(prefix_blocks):
+            if i < first:  # a hit the window no longer reads
+                table.append(self.null_block)
+                continue
             if self.ref_counts[b] == 0:
                 del self._free[b]
                 self._num_cached_free -= 1
@@ -248,6 +355,7 @@ class BlockManager:
             table.append(b)
         if prefix_blocks:
             self._num_hashed[request_id] = len(prefix_blocks)
+        table.extend([self.null_block] * max(0, min(first, self.blocks_for_tokens(total_tokens)) - len(table)))
         new_blocks = [self._pop_free_block() for _ in range(self.blocks_for_tokens(total_tokens) - len(table))]
         table.extend(new_blocks)
         return new_blocks
@@ -268,7 +376,8 @@ class BlockManager:
             raise RuntimeError(f"KV pool exhausted: fork of request {parent_id} needs 1 block, 0 free")
         table = list(parent[:num_full])
         for b in table:
-            self.ref_counts[b] += 1
+            if b != self.null_block:  # the window's null entries are shared as they are
+                self.ref_counts[b] += 1
         self.block_tables[child_id] = table
         self._num_hashed[child_id] = min(self._num_hashed.get(parent_id, 0), num_full)
         if not partial:
@@ -283,11 +392,32 @@ class BlockManager:
         self._num_hashed.pop(request_id, None)
         return self._release(table) if table else 0
 
+    def free_out_of_window(self, request_id: Hashable, num_computed_tokens: int) -> int:
+        """Release the blocks of ``request_id`` no future query reads once ``num_computed_tokens``
+        of its tokens are computed (entries before :meth:`first_live_block`), putting the null block
+        in their place; returns how many returned to the free queue. Nothing under full attention.
+        Run after the request's full blocks were offered to the prefix cache: a released block
+        keeps its hash and serves later hits until it is evicted."""
+        table = self.block_tables.get(request_id)
+        if not table or self.sliding_window is None:
+            return 0
+        out: list[int] = []
+        # The null entries are a leading run: walk back from the first live entry until one.
+        i = min(self.first_live_block(num_computed_tokens), len(table)) - 1
+        while i >= 0 and table[i] != self.null_block:
+            out.append(table[i])
+            table[i] = self.null_block
+            i -= 1
+        # Oldest first into the free queue's tail (``_release`` walks its argument backwards).
+        return self._release(out)
+
     def _release(self, blocks: Sequence[int]) -> int:
-        """Drop one reference to each block; those at 0 return to the free queue."""
+        """Drop one reference to each block (null entries skipped); those at 0 return to the free queue."""
         released = 0
         # Reverse order: a sequence's tail blocks are evicted before its head, which more requests share.
         for b in reversed(blocks):
+            if b == self.null_block:
+                continue
             self.ref_counts[b] -= 1
             if self.ref_counts[b] < 0:
                 raise RuntimeError(f"block {b} double-freed")
@@ -317,12 +447,19 @@ class BlockManager:
         """Assert the bookkeeping is consistent (used by tests after every iteration).
 
         Ref counts equal table memberships; a block is free exactly when unreferenced; no table
-        holds a block twice; the hash -> block map and the per-block hashes agree both ways.
+        holds a block twice; null entries only under a window and only as a leading run; the
+        hash -> block map and the per-block hashes agree both ways.
         """
         counted = [0] * self.num_blocks
+        null = self.null_block
         for rid, table in self.block_tables.items():
-            assert len(set(table)) == len(table), f"table of {rid} holds a block twice"
-            for b in table:
+            live = [b for b in table if b != null]
+            assert len(set(live)) == len(live), f"table of {rid} holds a block twice"
+            assert table[: len(table) - len(live)] == [null] * (len(table) - len(live)), (
+                f"table of {rid}: null entries not a leading run"
+            )
+            assert self.sliding_window is not None or len(live) == len(table), f"null entries in {rid}'s table"
+            for b in live:
                 counted[b] += 1
         for b in range(self.num_blocks):
             assert counted[b] == self.ref_counts[b], f"block {b}: ref count {self.ref_counts[b]} != {counted[b]}"

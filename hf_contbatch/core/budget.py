@@ -72,9 +72,10 @@ class StepBudget:
     # --- reading -----------------------------------------------------------------------------------
     def tokens_to_schedule(self, req: Request, computed: Optional[int] = None, stop_at_fork: bool = True) -> int:
         """Tokens ``req`` may run this step: what it lacks after ``computed`` (default: its
-        ``num_computed_tokens``) tokens, within the token budget and ``long_prefill_token_threshold``.
-        With ``stop_at_fork``, a request with pending forks stops one token before the end of its
-        prompt (the fork point)."""
+        ``num_computed_tokens``) tokens, within the token budget, ``long_prefill_token_threshold``
+        and, for a sliding-window pool, ``BlockManager.step_token_limit`` (so a request alone in the
+        pool always progresses). With ``stop_at_fork``, a request with pending forks stops one
+        token before the end of its prompt (the fork point)."""
         computed = req.num_computed_tokens if computed is None else computed
         todo = req.num_tokens - computed
         if stop_at_fork and req.pending_forks:
@@ -82,6 +83,9 @@ class StepBudget:
         n = min(todo, self._tokens)
         if self._config.long_prefill_token_threshold is not None:
             n = min(n, self._config.long_prefill_token_threshold)
+        cap = self._block_manager.step_token_limit(computed)
+        if cap is not None:
+            n = min(n, cap)
         return max(n, 0)
 
     def reservation(self, rows: list[ScheduledRequest]) -> int:

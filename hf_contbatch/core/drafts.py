@@ -57,6 +57,9 @@ class Drafts:
                 continue
             held = bm.blocks_for_tokens(req.num_tokens)
             room = (held + max(0, step.block_budget)) * bm.block_size - req.num_tokens
+            limit = bm.step_token_limit(req.num_computed_tokens)
+            if limit is not None:  # the decode's token and its drafts in one step
+                room = min(room, limit - 1)
             drafts = self._propose(req, min(step.token_budget, room))
             if drafts:
                 extra = bm.blocks_for_tokens(req.num_tokens + len(drafts)) - held

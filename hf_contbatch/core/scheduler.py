@@ -47,12 +47,16 @@ class Scheduler:
         block_manager: the device pool's bookkeeping.
         clock: time source (seconds), injectable for tests.
         host_block_manager: the host swap pool's bookkeeping; None (or 0 blocks) means swap
-            preemption falls back to recompute.
+            preemption falls back to recompute. Its ``sliding_window`` must be the device pool's
+            (a swapped request's host table mirrors its device table's null entries).
         swap_cost_per_block: cost of swapping one block out and back in, in tokens of recompute
             (``preemption_mode="auto"``); ``config.swap_cost_per_block`` overrides it. The engine
             estimates it from the model size and the block bytes.
         draft_filter: cuts a request's prompt-lookup drafts to the prefix it may verify
             (``Drafts``; the engine's grammar check); None keeps them all.
+
+    Raises:
+        ValueError: the two pools' ``sliding_window`` or ``block_size`` differ.
     """
 
     def __init__(
@@ -66,7 +70,15 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.block_manager = block_manager
-        self.host_block_manager = host_block_manager or BlockManager(0, block_manager.block_size)
+        self.host_block_manager = host_block_manager or BlockManager(
+            0, block_manager.block_size, sliding_window=block_manager.sliding_window
+        )
+        host = self.host_block_manager
+        if (host.sliding_window, host.block_size) != (block_manager.sliding_window, block_manager.block_size):
+            raise ValueError(
+                f"the host pool (sliding_window={host.sliding_window}, block_size={host.block_size}) must match "
+                f"the device pool (sliding_window={block_manager.sliding_window}, block_size={block_manager.block_size})"
+            )
         self.clock = clock
         self.queues = RequestQueues(config, clock())
         self.counters = SchedulerCounters()
@@ -253,7 +265,10 @@ class Scheduler:
         if fork_of is not None:
             return self.block_manager.fork(fork_of.request_id, req.request_id, req.num_computed_tokens)
         self.block_manager.allocate(
-            req.request_id, req.num_computed_tokens + num_new_tokens, prefix_blocks=prefix_blocks
+            req.request_id,
+            req.num_computed_tokens + num_new_tokens,
+            prefix_blocks=prefix_blocks,
+            num_computed_tokens=req.num_computed_tokens,
         )
         return None
 
@@ -277,7 +292,8 @@ class Scheduler:
 
         A request with drafts keeps the longest prefix of drafts equal to the greedy tokens and the
         greedy token after it (``Drafts.accept``). Blocks that became full and computed enter the
-        prefix cache (accepted tokens only). Finishing (EOS, length, stop) is decided by the
+        prefix cache (accepted tokens only); under a sliding window, blocks no later query reads
+        are released (``BlockManager.free_out_of_window``). Finishing (EOS, length, stop) is decided by the
         engine, which marks the status; the blocks are freed by the next iteration's reap step.
         """
         advanced = []
@@ -305,6 +321,8 @@ class Scheduler:
                 bm.cache_full_blocks(
                     req.request_id, req.all_token_ids, req.block_hashes, req.num_computed_tokens, req.prefix_cache_key
                 )
+            # After the prefix cache took the full blocks: under a window, what no later query reads goes.
+            bm.free_out_of_window(req.request_id, req.num_computed_tokens)
         return advanced
 
     def trim_after_stop(self, request: Request, num_excess: int) -> None:

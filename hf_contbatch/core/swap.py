@@ -67,7 +67,9 @@ class Swap:
                 step.swap_barrier_rank = rank(req)
                 return
             n = step.tokens_to_schedule(req)
-            need = self._block_manager.blocks_for_tokens(req.num_computed_tokens + n)
+            need = self._block_manager.num_blocks_needed(
+                req.request_id, req.num_computed_tokens + n, req.num_computed_tokens
+            )
             if n == 0 or step.seats_left() < 1 + len(req.pending_forks) or need > step.block_limit():
                 step.swap_barrier_rank = rank(req)
                 return
@@ -80,9 +82,10 @@ class Swap:
             host_table = self._host_block_manager.get_block_table(req.request_id)
             self._allocate_slots(req, n)
             device_table = self._block_manager.get_block_table(req.request_id)
-            result.plan.blocks_to_swap_in.extend(zip(host_table, device_table))
+            pairs = _live_pairs(host_table, device_table, self._host_block_manager, self._block_manager)
+            result.plan.blocks_to_swap_in.extend(pairs)
             self._host_block_manager.free(req.request_id)
-            self._counters.num_blocks_swapped_in += len(host_table)
+            self._counters.num_blocks_swapped_in += len(pairs)
             self._queues.swap_in(req)
             step.kv_arrives.add(req.request_id)
             step.schedule_reserved(ScheduledRequest.for_tokens(req, n))
@@ -99,7 +102,8 @@ class Swap:
         """
         mode = self._config.preemption_mode
         bm = self._block_manager
-        blocks = bm.blocks_for_tokens(req.num_computed_tokens)
+        # The blocks it holds (under a window, fewer than its computed tokens span).
+        blocks = bm.blocks_for_tokens(req.num_computed_tokens) - bm.first_live_block(req.num_computed_tokens)
         if mode == "recompute" or blocks == 0:
             return "recompute", False
         if req.request_id in step.kv_arrives or not self._host_block_manager.can_allocate(blocks):
@@ -108,7 +112,12 @@ class Swap:
             return "swap", False
         table = bm.get_block_table(req.request_id)
         shared = 0
-        while shared < blocks and bm.ref_counts[table[shared]] > 1 and bm.is_cached(table[shared]):
+        while (
+            shared < blocks
+            and table[shared] != bm.null_block
+            and bm.ref_counts[table[shared]] > 1
+            and bm.is_cached(table[shared])
+        ):
             shared += 1
         tokens_to_recompute = req.num_computed_tokens - shared * bm.block_size
         return ("swap" if self.swap_cost_per_block * blocks < tokens_to_recompute else "recompute"), False
@@ -116,13 +125,33 @@ class Swap:
     def swap_out(self, result: StepResult, req: Request) -> None:
         """Preempt sub-step: move running ``req``'s computed KV to the host pool and queue it as
         swapped."""
-        bm = self._block_manager
-        blocks = bm.blocks_for_tokens(req.num_computed_tokens)
-        host_table = self._host_block_manager.allocate(req.request_id, blocks * bm.block_size)
-        device_table = bm.get_block_table(req.request_id)[:blocks]
-        result.plan.blocks_to_swap_out.extend(zip(device_table, host_table))
+        bm, host = self._block_manager, self._host_block_manager
+        computed = req.num_computed_tokens
+        # Under a window the host table gets the same null entries as the device one.
+        host.allocate(req.request_id, bm.blocks_for_tokens(computed) * bm.block_size, num_computed_tokens=computed)
+        device_table = bm.get_block_table(req.request_id)
+        pairs = _live_pairs(device_table, host.get_block_table(req.request_id), bm, host)
+        result.plan.blocks_to_swap_out.extend(pairs)
         bm.free(req.request_id)
-        self._counters.num_blocks_swapped_out += blocks
+        self._counters.num_blocks_swapped_out += len(pairs)
         self._counters.num_swap_preemptions += 1
         self._queues.swap_out(req)
         result.report.swapped_out.append(req)
+
+
+def _live_pairs(
+    src_table: list[int], dst_table: list[int], src: BlockManager, dst: BlockManager
+) -> list[tuple[int, int]]:
+    """(src block, dst block) pairs of two tables of one request, position by position, without
+    the positions a window left null (nothing to move there; both pools' tables agree on them).
+
+    Raises:
+        RuntimeError: one table holds a block where the other has a null entry (KV would be lost).
+    """
+    pairs = []
+    for s, d in zip(src_table, dst_table):
+        if (s == src.null_block) != (d == dst.null_block):
+            raise RuntimeError(f"swap tables disagree on a null entry: {src_table} vs {dst_table}")
+        if s != src.null_block:
+            pairs.append((s, d))
+    return pairs

@@ -13,9 +13,10 @@ from ..config import EngineConfig
 from ..core.block_manager import BlockManager
 from ..core.plan import StepPlan
 from ..kernels.attention.backends import AttentionBackend, select_backend
-from ..kernels.kv_spec import KVCacheSpec
+from ..kernels.kv_spec import KVCacheGroup, KVCacheSpec
 from ..kernels.paged_cache import PagedKVCache
-from .pool_sizing import KVGeometry, KVPoolSizer, PoolSizes, layer_devices
+from .kv_groups import kv_cache_groups, layer_windows
+from .pool_sizing import KVGeometry, KVPoolSizer, PoolSizes, layer_devices, text_config
 
 logger = logging.getLogger("hf_contbatch.engine")
 
@@ -26,7 +27,9 @@ class KVPools:
 
     Attributes:
         geometry: the model's KV geometry.
-        spec: the cache layout every part reads (shapes, dtype, bytes per block).
+        groups: the model's KV cache groups (one today: see ``engine.kv_groups.kv_cache_groups``).
+        spec: the cache layout every part reads (shapes, dtype, bytes per block, window): the
+            one group's.
         device: the device of the model's input embedding.
         backend: the engine's attention backend (``kernels.attention.backends.select_backend``).
         sizes: the pools' sizes and why each has its size.
@@ -36,6 +39,7 @@ class KVPools:
     """
 
     geometry: KVGeometry
+    groups: list[KVCacheGroup]
     spec: KVCacheSpec
     device: torch.device
     backend: AttentionBackend
@@ -56,7 +60,9 @@ class KVPools:
         geometry = KVGeometry.of(model)
         device = model.get_input_embeddings().weight.device
         cache_cfg = config.cache
-        spec = cache_spec(cache_cfg, geometry, next(model.parameters()).dtype)
+        windows = layer_windows(text_config(model))
+        groups = kv_cache_groups(cache_spec(cache_cfg, geometry, next(model.parameters()).dtype), windows)
+        spec = groups[0].spec
         devices = layer_devices(model, geometry.num_layers)
         backend = select_backend(config.attention_backend, device, spec, geometry.num_heads, devices)
         sizes = KVPoolSizer(model, config, geometry, device=device, backend=backend).size(devices, spec)
@@ -64,15 +70,19 @@ class KVPools:
         line = backend.setup(spec, geometry.num_heads)  # e.g. the compiled decode kernel where it is faster here
         if line:
             logger.info("%s", line)
+        window = spec.sliding_window
         return cls(
             geometry=geometry,
+            groups=groups,
             spec=spec,
             device=device,
             backend=backend,
             sizes=sizes,
             cache=cache,
-            block_manager=BlockManager(sizes.num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching),
-            host_block_manager=BlockManager(sizes.num_swap_blocks, cache_cfg.block_size),
+            block_manager=BlockManager(
+                sizes.num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching, sliding_window=window
+            ),
+            host_block_manager=BlockManager(sizes.num_swap_blocks, cache_cfg.block_size, sliding_window=window),
         )
 
 

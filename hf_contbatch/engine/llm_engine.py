@@ -181,7 +181,8 @@ class LLMEngine:
             ValueError: empty prompt, a token id outside the model's input embedding (the message
                 names the id, its position and the vocabulary size), a sampling value out of range,
                 a request that can never fit (prompt + 1 token beyond the model's context, or
-                prompt + max_new_tokens beyond the whole KV pool), ``num_return_sequences`` not a
+                prompt + max_new_tokens beyond the whole KV pool, unless every layer slides over a
+                window the pool holds), ``num_return_sequences`` not a
                 positive int, an unknown ``sampling.adapter_name`` (the message lists the loaded
                 adapters), or a ``structured_outputs`` the grammar library refuses (the message
                 names the problem). Nothing enters the engine then.

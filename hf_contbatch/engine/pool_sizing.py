@@ -18,7 +18,7 @@ import torch
 from ..config import EngineConfig
 from ..core.block_manager import BlockManager
 from ..core.plan import ScheduledRequest, StepPlan
-from ..core.pool_size import default_host_kv_blocks, default_swap_blocks
+from ..core.pool_size import Window, default_host_kv_blocks, default_swap_blocks
 from ..kernels.kv_spec import KVCacheSpec
 from ..kernels.paged_cache import PagedKVCache
 from ..request import Request, SamplingParams
@@ -150,7 +150,7 @@ class KVPoolSizer:
             reasons["kv"] = f"num_blocks={num_blocks}"
         else:
             num_blocks, reasons["kv"] = self._blocks_from_memory(block_bytes, layer_devices, spec)
-        swap_blocks, swap_reason = self._swap_blocks(block_bytes, num_blocks)
+        swap_blocks, swap_reason = self._swap_blocks(block_bytes, num_blocks, self._window(spec))
         if swap_reason:
             reasons["swap"] = swap_reason
         sizes = PoolSizes(num_blocks, swap_blocks, block_bytes, self._swap_cost_per_block(block_bytes), reasons)
@@ -169,9 +169,10 @@ class KVPoolSizer:
                 available host memory.
         """
         cache_cfg = self.config.cache
+        nulls = spec.num_null_blocks  # a sliding group's null block comes out of the same memory
         if any(d.type == "cuda" for d in layer_devices):
             reason = f"gpu_memory_utilization={cache_cfg.gpu_memory_utilization:g}"
-            return self.blocks_from_device_memory(layer_devices, spec), reason
+            return max(1, self.blocks_from_device_memory(layer_devices, spec) - nulls), reason
         available = available_host_memory()
         if cache_cfg.cpu_cache_gib is None:
             size = default_host_kv_blocks(
@@ -180,6 +181,7 @@ class KVPoolSizer:
                 self.config.scheduler.max_num_seqs,
                 self.geometry.max_model_len,
                 available,
+                self._window(spec),
             )
             return size.num_blocks, size.reason
         want = cache_cfg.cpu_cache_gib * 2**30
@@ -188,7 +190,13 @@ class KVPoolSizer:
                 f"`cpu_cache_gib`={cache_cfg.cpu_cache_gib} exceeds the available host memory "
                 f"({available / 2**30:.1f} GiB); lower it or pass `num_blocks`"
             )
-        return max(1, int(want // block_bytes)), f"cpu_cache_gib={cache_cfg.cpu_cache_gib:g}"
+        return max(1, int(want // block_bytes) - nulls), f"cpu_cache_gib={cache_cfg.cpu_cache_gib:g}"
+
+    def _window(self, spec: KVCacheSpec) -> Optional[Window]:
+        """The window of a sliding-window group, for the pool sizes by what the model can use."""
+        if spec.sliding_window is None:
+            return None
+        return Window(spec.sliding_window, self.config.scheduler.max_num_batched_tokens)
 
     def blocks_from_device_memory(self, layer_devices: Sequence[torch.device], spec: KVCacheSpec) -> int:
         """vLLM's ``gpu_memory_utilization`` sizing, per CUDA device holding layers.
@@ -255,11 +263,11 @@ class KVPoolSizer:
             restore_attention(self.model, previous)
         sizes: dict = collections.Counter()
         for k in probe.key_cache:
-            sizes[k.device] += num_blocks * spec.layer_bytes_per_block
+            sizes[k.device] += (num_blocks + spec.num_null_blocks) * spec.layer_bytes_per_block
         probe.release()
         return dict(sizes)
 
-    def _swap_blocks(self, block_bytes: int, num_blocks: int) -> tuple[int, str]:
+    def _swap_blocks(self, block_bytes: int, num_blocks: int, window: Optional[Window] = None) -> tuple[int, str]:
         """Host swap pool size in blocks (0 unless a swapping preemption mode is on), and why.
 
         Raises:
@@ -280,6 +288,7 @@ class KVPoolSizer:
                 self.geometry.max_model_len,
                 available,
                 host_kv,
+                window,
             )
             return size.num_blocks, size.reason
         swap_blocks = int(gib * 2**30 // block_bytes)

@@ -49,6 +49,10 @@ class RequestFactory:
         self.max_model_len = max_model_len
         self.num_blocks = block_manager.num_blocks
         self.block_size = block_manager.block_size
+        # Under a sliding window a request alone in the pool runs however long it is, one step of at
+        # most this many tokens at a time (None: full attention, or a pool smaller than one window).
+        self._window_step_tokens = block_manager.max_tokens_per_step
+        self._sliding_window = block_manager.sliding_window
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
         self.adapters = adapters
         self.grammars = grammars
@@ -141,7 +145,9 @@ class RequestFactory:
 
     def _check_fits(self, n: int, sampling: SamplingParams) -> None:
         """Raise ``ValueError`` for an ``n``-token prompt that can never run: prompt + 1 token
-        beyond the model's context, or prompt + ``max_new_tokens`` beyond the whole KV pool."""
+        beyond the model's context, or prompt + ``max_new_tokens`` beyond the whole KV pool (under a
+        sliding window only when the pool cannot hold one window and a token: a request then needs
+        at most its window's blocks, see ``BlockManager.max_tokens_per_step``)."""
         # A one-token scoring request (prompt log-probs) never feeds its sampled token, so its prompt
         # may fill the whole context (lm-eval scores windows of exactly the model's length).
         scoring = bool(sampling.prompt_logprobs) and sampling.max_new_tokens == 1
@@ -152,9 +158,10 @@ class RequestFactory:
         worst = n + sampling.max_new_tokens
         if self.max_model_len is not None:
             worst = min(worst, self.max_model_len)
-        if worst > self.capacity_tokens:
+        if worst > self.capacity_tokens and self._window_step_tokens is None:
+            window = "" if self._sliding_window is None else f" (more than its window of {self._sliding_window})"
             raise ValueError(
                 f"request needs up to {worst} tokens of KV (prompt {n} + max_new_tokens {sampling.max_new_tokens}) "
                 f"but the whole pool holds {self.capacity_tokens} tokens ({self.num_blocks} blocks "
-                f"of {self.block_size}); lower max_new_tokens or enlarge the cache"
+                f"of {self.block_size}){window}; lower max_new_tokens or enlarge the cache"
             )

@@ -99,6 +99,9 @@ class EngineStats:
     # "__base__" for the base model; empty when the engine serves a plain model.
     requests_per_adapter: tuple = ()
     kv_cache_dtype: str = ""  # the KV pools' dtype: "float32", "bfloat16", "int8" (with per-token scales), ...
+    # The KV cache group's sliding window in tokens (every layer slides over it: a request holds only
+    # the blocks its window still reads); None: full attention, every block of the context is kept.
+    kv_sliding_window: Optional[int] = None
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{name}={_short(getattr(self, name))}" for name in _REPR_FIELDS)
@@ -122,7 +125,8 @@ def kv_token_counts(requests, bm) -> tuple[int, int]:
     A request's first ``num_computed_tokens`` positions are written, position ``p`` in slot
     ``p % block_size`` of block ``table[p // block_size]``. A block shared by forks or prefix-cache
     hits is counted once in the first figure (its fullest user decides how many of its slots hold
-    KV) and once per request in the second."""
+    KV) and once per request in the second. Positions whose block a sliding window released
+    (null entries) count in neither."""
     bs = bm.block_size
     computed = {r.request_id: r.num_computed_tokens for r in requests}
     filled: dict[int, int] = {}  # block -> slots holding KV
@@ -132,6 +136,9 @@ def kv_token_counts(requests, bm) -> tuple[int, int]:
         logical += n
         for i in range(-(-n // bs)):
             b = table[i]
+            if b == bm.null_block:  # the window moved on: those positions hold no KV any more
+                logical -= min(bs, n - i * bs)
+                continue
             filled[b] = max(filled.get(b, 0), min(bs, n - i * bs))
     return sum(filled.values()), logical
 
@@ -191,8 +198,8 @@ class EngineCounters:
         """An ``EngineStats`` of the counters, the scheduler ``sched``, the device pool's ``bm`` and
         the host swap pool's ``host_bm``."""
         owners = [-1] * bm.num_blocks
-        for rid, table in bm.block_tables.items():
-            for b in table:
+        for rid in bm.block_tables:
+            for b in bm.live_blocks(rid):  # a sliding window's null entries own nothing
                 owners[b] = rid
         itl = list(self.itls)
         ttft = list(self.ttfts)
@@ -202,6 +209,7 @@ class EngineCounters:
         return EngineStats(
             num_blocks=bm.num_blocks,
             kv_cache_dtype=self.kv_cache_dtype,
+            kv_sliding_window=bm.sliding_window,
             block_size=bm.block_size,
             num_free_blocks=bm.num_free_blocks,
             num_used_blocks=bm.num_used_blocks,

@@ -5,6 +5,20 @@ tensor shapes and bytes: pool sizing (``engine.pool_sizing``), the pool tensors 
 (``kernels.paged_cache``) and the attention backends read it. A quantized layout (for example int8
 K/V with one float scale per token and KV head) is described by ``scale_dtype`` and
 ``scales_per_token_head``; float caches leave them at None and 0.
+
+A ``KVCacheGroup`` is the layers that share one spec and one block table per request (vLLM's KV
+cache groups): today one group per model, full attention or, when every layer slides over the same
+window, sliding window W (its blocks are released as the window moves on, see
+``core.block_manager``). Where the kinds not built yet go (each needs its own tests first):
+
+- K and V of different head sizes (MLA): a ``v_head_size`` field beside ``head_size``, read by
+  ``layer_shape`` (a V shape of its own) and ``layer_bytes_per_block``.
+- Attention sinks: a ``num_sink_tokens`` field; the block manager then keeps the first
+  ``ceil(sinks / block_size)`` entries live however far the window moved (``first_live_block``).
+- A recurrent layer's state: a spec of its own kind with ``state_bytes`` per request instead of
+  blocks (one slot per request, no block table), in its own group.
+- Mixed models (Gemma-2/3, Qwen2 with ``max_window_layers``): one group per kind, each with its
+  block manager and block table per request; until then they are one full-attention group.
 """
 
 from __future__ import annotations
@@ -33,9 +47,14 @@ class KVCacheSpec:
             pools hold K/V as they are, no scales).
         scales_per_token_head: scales stored per (token, KV head) for K and for V each (0 without a
             quantized layout).
+        sliding_window: W when every layer of the group attends over the last W positions (the
+            query's own included; transformers' ``sliding_window``), None for full attention. A
+            sliding group's device pool has one more block, the null block (zeroed, never handed
+            out), at index ``num_blocks``: see :attr:`num_null_blocks`.
 
     Raises:
-        ValueError: a non-positive size, or scales declared without a ``scale_dtype`` (or the reverse).
+        ValueError: a non-positive size or window, or scales declared without a ``scale_dtype`` (or
+            the reverse).
     """
 
     num_layers: int
@@ -45,13 +64,22 @@ class KVCacheSpec:
     dtype: torch.dtype
     scale_dtype: Optional[torch.dtype] = None
     scales_per_token_head: int = 0
+    sliding_window: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "block_size", "num_kv_heads", "head_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"KVCacheSpec.{name} must be positive, got {getattr(self, name)}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"KVCacheSpec.sliding_window must be None or positive, got {self.sliding_window}")
         if (self.scale_dtype is None) != (self.scales_per_token_head == 0):
             raise ValueError("KVCacheSpec: scale_dtype and scales_per_token_head go together (both set or neither)")
+
+    @property
+    def num_null_blocks(self) -> int:
+        """Blocks the device pool holds beyond its ``num_blocks``: 1 (the null block that a sliding
+        group's block tables point at where the window moved on) or 0 (full attention)."""
+        return 0 if self.sliding_window is None else 1
 
     @property
     def is_quantized(self) -> bool:
@@ -81,3 +109,25 @@ class KVCacheSpec:
     def bytes_per_block(self) -> int:
         """Bytes of one block over all layers: K and V, scales included."""
         return self.num_layers * self.layer_bytes_per_block
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that share one KV layout and one block table per request.
+
+    Attributes:
+        group_id: the group's index in the model's groups (0-based).
+        layers: indices of the decoder layers in the group, ascending.
+        spec: their layout (``spec.num_layers == len(layers)``; its ``sliding_window`` is the kind).
+
+    Raises:
+        ValueError: no layer, or ``spec.num_layers`` not the number of layers.
+    """
+
+    group_id: int
+    layers: tuple[int, ...]
+    spec: KVCacheSpec
+
+    def __post_init__(self) -> None:
+        if not self.layers or self.spec.num_layers != len(self.layers):
+            raise ValueError(f"KVCacheGroup: {len(self.layers)} layers but a spec of {self.spec.num_layers}")

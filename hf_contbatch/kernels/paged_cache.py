@@ -28,7 +28,8 @@ class PagedKVCache:
 
     Args:
         spec: the cache layout (layers, block size, heads, head size, dtype).
-        num_blocks: blocks of the device pool.
+        num_blocks: blocks of the device pool (the block manager's; a sliding-window spec adds its
+            zeroed null block at index ``num_blocks``, see ``KVCacheSpec.num_null_blocks``).
         layer_devices: device of each layer's pool (one entry per layer).
         backend: the engine's ``AttentionBackend`` (stores K/V and attends); its ``check_spec``
             must accept ``spec`` (ValueError otherwise).
@@ -55,11 +56,11 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = spec.block_size
         self.dtype = spec.dtype
-        shape = spec.layer_shape(num_blocks)
+        shape = spec.layer_shape(num_blocks + spec.num_null_blocks)
         self.key_cache = [torch.zeros(shape, dtype=spec.dtype, device=d) for d in layer_devices]
         self.value_cache = [torch.zeros(shape, dtype=spec.dtype, device=d) for d in layer_devices]
         # A quantized layout's scales, beside the pools block for block (empty for a float cache).
-        scale_shape = spec.scale_shape(num_blocks)
+        scale_shape = spec.scale_shape(num_blocks + spec.num_null_blocks)
         self.key_scales: list[torch.Tensor] = []
         self.value_scales: list[torch.Tensor] = []
         if scale_shape is not None:
@@ -112,8 +113,8 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the device pool (all layers, K and V)."""
-        return self.num_blocks * self.spec.bytes_per_block
+        """Bytes of the device pool (all layers, K and V; the null block included)."""
+        return (self.num_blocks + self.spec.num_null_blocks) * self.spec.bytes_per_block
 
     # --- swapping (block contents between device pool and host pool) ---------------------------
     def swap_out(self, mapping: Sequence[tuple[int, int]]) -> None:

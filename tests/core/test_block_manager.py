@@ -335,3 +335,183 @@ def test_every_block_is_free_after_freeing_every_table_whatever_happened_before(
     bm.check_invariants()
     assert bm.num_free_blocks == 24 and bm.num_used_blocks == 0
     assert bm.ref_counts == [0] * 24 and bm.block_tables == {}
+
+
+# --- sliding-window groups ------------------------------------------------------------------------
+# A query at position q reads q - W + 1 .. q, so after c computed tokens the blocks ending before
+# c - W + 1 are no longer read: the first (c - W + 1) // block_size entries of the table (when positive).
+def _first_live(c: int, window: int, bs: int) -> int:
+    return max(0, (c - window + 1) // bs)
+
+
+@pytest.mark.parametrize("window, bs", [(6, 4), (1, 4), (4, 4), (5, 1), (16, 16), (17, 8)])
+def test_a_decoding_request_holds_only_the_blocks_its_window_still_reads(window, bs):
+    bm = BlockManager(num_blocks=40, block_size=bs, sliding_window=window)
+    null = bm.null_block
+    bm.allocate("a", 3)  # a 3-token prompt
+    for c in range(3, 120):  # c tokens computed; the next step computes token c
+        released = bm.free_out_of_window("a", c)
+        bm.allocate("a", c + 1)
+        table = bm.get_block_table("a")
+        first = _first_live(c, window, bs)
+        total = -(-(c + 1) // bs)
+        assert len(table) == total  # positions stay logical
+        assert table[:first] == [null] * first and null not in table[first:]
+        assert bm.num_used_blocks == total - first
+        # A whole block is released each time the window's edge crosses a block boundary.
+        assert released == first - _first_live(c - 1, window, bs) if c > 3 else released == first
+        bm.check_invariants()
+    used = bm.num_used_blocks
+    assert bm.free("a") == used  # finishing releases only the live blocks: the null entries hold none
+    assert bm.num_free_blocks == bm.num_blocks and bm.block_tables == {}
+
+
+def test_window_counts_by_arithmetic():
+    # bs 4, W 6: 10 computed -> oldest read position 5 -> block 0 (0..3) goes, block 1 (4..7) stays.
+    bm = BlockManager(num_blocks=8, block_size=4, sliding_window=6)
+    assert bm.allocate("a", 10) == [0, 1, 2]
+    assert bm.free_out_of_window("a", 10) == 1
+    assert bm.get_block_table("a") == [8, 1, 2] and bm.null_block == 8
+    assert bm.free_out_of_window("a", 10) == 0  # nothing more until the window moves
+    assert bm.allocate("a", 13) == [0]  # the released block, unhashed, is handed out first
+    # 13 computed -> oldest read position 8 -> blocks 0 and 1 (0..7) are out.
+    assert bm.free_out_of_window("a", 13) == 1
+    assert bm.get_block_table("a") == [8, 8, 2, 0] and bm.num_free_blocks == 6
+    assert bm.free("a") == 2 and bm.num_free_blocks == 8
+    bm.check_invariants()
+
+
+def test_the_null_block_is_never_handed_out_and_a_window_can_fill_the_whole_pool():
+    bm = BlockManager(num_blocks=5, block_size=2, sliding_window=3)
+    handed = bm.allocate("a", 10)  # every block of the pool
+    assert handed == [0, 1, 2, 3, 4] and bm.num_free_blocks == 0
+    for c in range(10, 60):  # the window keeps moving: released blocks come back, never the null one
+        bm.free_out_of_window("a", c)
+        handed += bm.allocate("a", c + 1)
+        assert bm.num_used_blocks == -(-(c + 1) // 2) - (c - 3 + 1) // 2
+    assert bm.null_block == 5 and 5 not in handed and set(handed) == set(range(5))
+    with pytest.raises(IndexError):  # the null block has no ref count: it is no block of the pool
+        bm.ref_counts[bm.null_block]
+    bm.free("a")
+    assert bm.num_free_blocks == 5
+    bm.check_invariants()
+
+
+def test_full_attention_releases_nothing_and_has_no_step_limit():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    bm.allocate("a", 30)
+    assert bm.free_out_of_window("a", 30) == 0 and bm.max_tokens_per_step is None and bm.step_token_limit(0) is None
+    assert bm.first_live_block(1000) == 0 and bm.get_block_table("a") == list(range(8))
+
+
+@pytest.mark.parametrize(
+    "num_blocks, bs, window, expected",
+    [
+        (6, 16, 16, 5 * 16 - 16 + 2),  # 66: a step of 66 tokens spans ceil((16 - 2 + 66) / 16) + 1 = 6 blocks
+        (6, 16, 81, 1),  # the pool holds one window and a token
+        (6, 16, 90, None),  # it cannot hold one window: the window never frees a block in it
+        (3, 4, 1, 2 * 4 - 1 + 2),
+    ],
+)
+def test_max_tokens_per_step_lets_a_request_alone_in_the_pool_always_progress(num_blocks, bs, window, expected):
+    bm = BlockManager(num_blocks=num_blocks, block_size=bs, sliding_window=window)
+    assert bm.max_tokens_per_step == expected
+    if expected is None:
+        return
+    # Worst case over the starting position: the blocks a step of that many tokens needs fit the pool.
+    for c in range(0, 5 * num_blocks * bs):
+        need = -(-(c + expected) // bs) - _first_live(c, window, bs)
+        assert need <= num_blocks
+    # One more token does not fit somewhere.
+    assert any(
+        -(-(c + expected + 1) // bs) - _first_live(c, window, bs) > num_blocks for c in range(window, window + bs)
+    )
+    # While the whole context and the step fit the pool, a step may take all of it.
+    assert bm.step_token_limit(0) == max(expected, num_blocks * bs)
+    assert bm.step_token_limit(num_blocks * bs) == expected
+
+
+def test_a_new_table_deep_into_a_sequence_starts_with_null_entries():
+    # A swap-in or an admission after prefix hits: 16 computed, W 6, bs 4 -> the first (16-6+1)//4 = 2
+    # entries are null; 20 tokens need 5 entries, so 3 fresh blocks.
+    bm = BlockManager(num_blocks=8, block_size=4, sliding_window=6)
+    assert bm.num_blocks_needed("b", 20, num_computed_tokens=16) == 3
+    assert bm.num_blocks_needed("b", 20) == 5  # from the start: all of them
+    assert bm.allocate("b", 20, num_computed_tokens=16) == [0, 1, 2]
+    assert bm.get_block_table("b") == [8, 8, 0, 1, 2]
+    assert bm.free("b") == 3 and bm.num_free_blocks == 8
+    bm.check_invariants()
+
+
+def test_prefix_hits_the_window_no_longer_reads_are_not_taken():
+    bs, window = 4, 5
+    bm = BlockManager(num_blocks=10, block_size=bs, enable_prefix_caching=True, sliding_window=window)
+    prompt = _tokens(17)
+    hashes: list[int] = []
+    bm.allocate("a", 17)
+    bm.cache_full_blocks("a", prompt, hashes, 17)  # 4 full blocks hashed, before the window moves
+    bm.free_out_of_window("a", 17)  # (17 - 5 + 1) // 4 = 3 blocks out, back to the queue, still cached
+    assert bm.num_used_blocks == 2 and bm.num_cached_free_blocks == 3
+    bm.free("a")
+    hits = bm.match_prefix(prompt, [], None)
+    # (17 - 1) // 4 = 4 full blocks hit; 16 computed from them: entries before (16 - 5 + 1) // 4 = 3
+    # are null (not taken), hit 3 is (sitting free: 1 block), and position 16 needs one fresh block:
+    # 2 blocks in all.
+    assert hits == [bm.null_block] * 3 + [3]
+    assert bm.num_blocks_needed_with_prefix(hits, 17) == 2
+    bm.allocate("b", 17, prefix_blocks=hits)
+    assert bm.get_block_table("b")[:4] == [bm.null_block] * 3 + [3]
+    assert bm.ref_counts[:4] == [0, 0, 0, 1]
+    bm.check_invariants()
+    bm.free("b")
+    assert bm.num_free_blocks == 10
+    bm.check_invariants()
+
+
+def test_a_fork_shares_the_null_entries_and_its_parents_live_blocks():
+    bm = BlockManager(num_blocks=8, block_size=4, sliding_window=3)
+    bm.allocate("p", 13)  # blocks 0..3
+    bm.free_out_of_window("p", 13)  # (13 - 3 + 1) // 4 = 2 out
+    copy = bm.fork("p", "c", 13)  # 3 full blocks shared (2 of them null), the partial one copied
+    assert bm.get_block_table("c")[:3] == [8, 8, 2] and copy == (3, bm.get_block_table("c")[3])
+    assert bm.ref_counts[2] == 2
+    bm.check_invariants()
+    bm.free("p")
+    bm.free("c")
+    assert bm.num_free_blocks == 8
+    bm.check_invariants()
+
+
+def test_trim_and_cancel_under_a_window_leave_no_block_behind():
+    bm = BlockManager(num_blocks=8, block_size=2, sliding_window=2)
+    bm.allocate("a", 9)  # 5 blocks
+    bm.free_out_of_window("a", 6)  # (6 - 2 + 1) // 2 = 2 out
+    assert bm.trim("a", 6) == 2  # the rejected drafts' blocks 3 and 4 (positions 6..8)
+    assert bm.get_block_table("a") == [8, 8, 2]
+    assert bm.free("a") == 1 and bm.num_free_blocks == 8
+    bm.check_invariants()
+
+
+def test_a_window_hit_needs_only_the_blocks_its_window_reads_to_be_cached():
+    bs, window = 4, 5
+    bm = BlockManager(num_blocks=10, block_size=bs, enable_prefix_caching=True, sliding_window=window)
+    prompt = _tokens(17)
+    bm.allocate("a", 17)  # blocks 0..4; 5..9 stay in the queue
+    bm.cache_full_blocks("a", prompt, [], 17)
+    bm.free_out_of_window("a", 17)  # 0, 1, 2 to the queue's tail, cached
+    bm.free("a")  # 4 (partial, unhashed) to the front, 3 (cached) to the tail
+    assert bm.allocate("x", 28) == [4, 5, 6, 7, 8, 9, 0]  # evicts block 0, the prefix's first
+    assert bm.num_evictions == 1
+    # A 4-block hit reads from position 16 - 5 + 1 = 12 on: block 3 only, still cached.
+    assert bm.match_prefix(prompt, [], None) == [bm.null_block] * 3 + [3]
+    # 3 blocks: from (12 - 4) // 4 = 2 on; 2 blocks: from (8 - 4) // 4 = 1 on; 1 block: block 0, evicted.
+    assert bm.match_prefix(prompt, [], None, max_blocks=3) == [bm.null_block] * 2 + [2]
+    assert bm.match_prefix(prompt, [], None, max_blocks=2) == [bm.null_block, 1]
+    assert bm.match_prefix(prompt, [], None, max_blocks=1) == []
+    full = BlockManager(num_blocks=10, block_size=bs, enable_prefix_caching=True)
+    full.allocate("a", 17)
+    full.cache_full_blocks("a", prompt, [], 17)
+    full.free("a")
+    full.allocate("x", 4 * 4)  # the never-used blocks 5..8 first
+    assert full.match_prefix(prompt, [], None) == [0, 1, 2, 3]
+    assert full.match_prefix(prompt, [], None, max_blocks=2) == [0, 1]

@@ -203,3 +203,11 @@ def test_trim_after_stop_takes_back_the_tokens_after_the_stop_and_refuses_more_t
     with pytest.raises(ValueError, match="num_excess"):
         sched.trim_after_stop(req, -1)
     assert req.num_computed_tokens == 7
+
+
+def test_the_host_pool_must_slide_over_the_device_pools_window():
+    # A swapped request's host table mirrors its device table's null entries: one window for both.
+    with pytest.raises(ValueError, match="host pool .* must match the device pool"):
+        Scheduler(SchedulerConfig(), BlockManager(8, 4, sliding_window=6), host_block_manager=BlockManager(8, 4))
+    sched = Scheduler(SchedulerConfig(), BlockManager(8, 4, sliding_window=6))
+    assert sched.host_block_manager.sliding_window == 6 and sched.host_block_manager.num_blocks == 0

@@ -7,6 +7,11 @@ its block table; and "samples" a token that is a fixed function of the request's
 expected outputs are therefore computable without the scheduler (``expected_output``): a lost,
 duplicated or corrupted token, in the KV or in the output, shows up as a mismatch.
 
+Some workloads run a sliding-window pool (window W): the fake model then reads, for a query at
+position ``q``, only positions ``q - W + 1 .. q`` and samples from those alone, as a sliding-window
+layer does; positions the window left behind may hold anything (their blocks are reused), and a
+request never holds more blocks than its window and the step's tokens span.
+
 After EVERY iteration: the phases ran in order; the block bookkeeping is consistent (ref counts,
 free queue, prefix hash map) in both pools; no scheduled token is written into a shared block; the
 token budget and ``max_num_seqs`` hold; reservations are never negative; admissions respect the
@@ -44,11 +49,12 @@ def fake_next_token(tokens: list[int], salt: int) -> int:
     return h % (VOCAB - 3) + 3
 
 
-def expected_output(prompt: list[int], request_id: int, max_new: int, eos: tuple) -> list[int]:
-    """What the request must produce, computed without any scheduler."""
+def expected_output(prompt: list[int], request_id: int, max_new: int, eos: tuple, window=None) -> list[int]:
+    """What the request must produce, computed without any scheduler (``window``: the tokens a
+    query sees, itself included; None: all)."""
     tokens, out = list(prompt), []
     while len(out) < max_new:
-        t = fake_next_token(tokens, request_id)
+        t = fake_next_token(tokens[-window:] if window else tokens, request_id)
         out.append(t)
         tokens.append(t)
         if t in eos:
@@ -59,8 +65,9 @@ def expected_output(prompt: list[int], request_id: int, max_new: int, eos: tuple
 class FakeModel:
     """Slot contents of both pools; moves blocks as the engine does and checks every context read."""
 
-    def __init__(self, num_blocks: int, num_host_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, num_host_blocks: int, block_size: int, window=None) -> None:
         self.bs = block_size
+        self.window = window
         self.device = [[None] * block_size for _ in range(num_blocks)]
         self.host = [[None] * block_size for _ in range(num_host_blocks)]
 
@@ -88,20 +95,24 @@ class FakeModel:
         for s in plan.scheduled:
             req, table = s.request, s.block_ids
             end = s.start_position + s.num_new_tokens
-            context = [self.device[table[p // bs]][p % bs] for p in range(end)]
+            # The oldest position any of the row's queries sees (all of them without a window).
+            lo = max(0, s.start_position - self.window + 1) if self.window else 0
+            context = [self.device[table[p // bs]][p % bs] for p in range(lo, end)]
             tokens = req.all_token_ids + list(s.draft_token_ids)  # what the KV must hold (the oracle)
-            assert context == [(p, tokens[p]) for p in range(len(context))], (
-                f"request {req.request_id} reads corrupt KV"
-            )
-            kv_tokens = [t for _, t in context]
+            assert context == [(p, tokens[p]) for p in range(lo, end)], f"request {req.request_id} reads corrupt KV"
+            kv = dict(context)
             if s.draft_token_ids:
                 out.greedy[s.request_id] = [
-                    fake_next_token(kv_tokens[: s.start_position + 1 + i], s.request_id)
-                    for i in range(s.num_new_tokens)
+                    fake_next_token(self.seen(kv, s.start_position + i), s.request_id) for i in range(s.num_new_tokens)
                 ]
             elif s.samples:
-                out.sampled[s.request_id] = fake_next_token(kv_tokens, s.request_id)
+                out.sampled[s.request_id] = fake_next_token(self.seen(kv, end - 1), s.request_id)
         return out
+
+    def seen(self, kv: dict, q: int) -> list[int]:
+        """The tokens a query at position ``q`` reads from ``kv`` (position -> token): its window."""
+        first = max(0, q - self.window + 1) if self.window else 0
+        return [kv[p] for p in range(first, q + 1)]
 
 
 def finish_as_the_engine_does(req: Request) -> bool:
@@ -139,7 +150,12 @@ def check_iteration(sched: Scheduler, out: StepResult, prior_running: set, max_n
         assert s.adapter_name == req.sampling.adapter_name
         assert len(table) * bm.block_size >= req.num_computed_tokens + s.num_new_tokens
         for p in range(req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens):
+            assert table[p // bm.block_size] != bm.null_block, "a write into the null block"
             assert bm.ref_counts[table[p // bm.block_size]] == 1, "a write into a shared block (no copy-on-write)"
+        if bm.sliding_window is not None:
+            # Positions start - W + 1 .. start + n - 1 span at most ceil((W - 2 + n) / bs) + 1 blocks.
+            span = -(-(bm.sliding_window - 2 + s.num_new_tokens) // bm.block_size) + 1
+            assert len(bm.live_blocks(req.request_id)) <= span, "a sliding-window request holds blocks it cannot read"
         if s.draft_token_ids:
             assert s.samples and req.num_computed_tokens + 1 == req.num_tokens
             assert s.num_new_tokens == 1 + len(s.draft_token_ids)
@@ -152,6 +168,8 @@ def check_iteration(sched: Scheduler, out: StepResult, prior_running: set, max_n
     assert set(host.block_tables) == set(swapped), "host tables and the swapped queue disagree"
     for rid, req in swapped.items():
         assert len(host.get_block_table(rid)) == bm.blocks_for_tokens(req.num_computed_tokens)
+        held = bm.blocks_for_tokens(req.num_computed_tokens) - bm.first_live_block(req.num_computed_tokens)
+        assert len(host.live_blocks(rid)) == held, "a swapped-out request holds host blocks its window cannot read"
     assert all(r.status is RequestStatus.WAITING for r in sched.waiting)
     entered = out.report.admitted or out.report.swapped_in
     if entered and prior_running and not out.report.preempted and not out.report.forked:
@@ -197,21 +215,22 @@ def workloads(draw):
     lookup = draw(st.sampled_from([0, 0, 1, 3]))  # prompt-lookup drafts (speculative decoding)
     for r in requests:
         r["lookup"] = lookup
-    return bs, num_blocks, host_blocks, prefix_caching, config, requests
+    window = draw(st.sampled_from([None, None, 1, 2, 5, 9]))  # a sliding-window pool, or full attention
+    return bs, num_blocks, host_blocks, prefix_caching, config, requests, window
 
 
-def run_workload(bs, num_blocks, host_blocks, prefix_caching, config, specs):
+def run_workload(bs, num_blocks, host_blocks, prefix_caching, config, specs, window=None):
     clock = [0.0]
-    bm = BlockManager(num_blocks, bs, enable_prefix_caching=prefix_caching)
-    host = BlockManager(host_blocks, bs)
+    bm = BlockManager(num_blocks, bs, enable_prefix_caching=prefix_caching, sliding_window=window)
+    host = BlockManager(host_blocks, bs, sliding_window=window)
     sched = Scheduler(config, bm, clock=lambda: clock[0], host_block_manager=host)
-    model = FakeModel(num_blocks, host_blocks, bs)
+    model = FakeModel(num_blocks, host_blocks, bs, window)
     next_id = 0
     groups = []  # (spec, [requests]) of accepted submissions
     work = 0
     for spec in specs:
-        if -(-(len(spec["prompt"]) + spec["max_new"]) // bs) > num_blocks:
-            continue  # the engine rejects it at submit: it can never fit
+        if -(-(len(spec["prompt"]) + spec["max_new"]) // bs) > num_blocks and bm.max_tokens_per_step is None:
+            continue  # the engine rejects it at submit: it can never fit (a window that fits always does)
         sp = SamplingParams(
             max_new_tokens=spec["max_new"],
             eos_token_ids=EOS_TOKENS if spec["eos"] else (),
@@ -263,7 +282,7 @@ def run_workload(bs, num_blocks, host_blocks, prefix_caching, config, specs):
     bm.check_invariants()
     for spec, seqs in groups:
         for r in seqs:
-            want = expected_output(spec["prompt"], r.request_id, spec["max_new"], r.sampling.eos_token_ids)
+            want = expected_output(spec["prompt"], r.request_id, spec["max_new"], r.sampling.eos_token_ids, window)
             if r.status is RequestStatus.FINISHED_CANCELLED:
                 assert r.output_token_ids == want[: len(r.output_token_ids)], "cancelled output is not a prefix"
             else:

@@ -45,8 +45,10 @@ def test_greedy_equals_generate_under_preemption_and_chunked_prefill(family):
     prompts = random_prompts(LENGTHS, seed=3)
     refs = [reference_greedy(model, p, NEW) for p in prompts]
     # 22 blocks of 4 tokens = 88 tokens for 7 requests of up to 80 tokens; 24-token budget forces chunks.
+    # Mistral's layers all slide over 8 tokens: a request holds at most ceil((8 - 2 + 24) / 4) + 1 = 9
+    # blocks (a prefill chunk) or 3 (a decode), so 8 blocks force preemption there.
     cfg = EngineConfig(
-        cache=CacheConfig(block_size=4, num_blocks=22),
+        cache=CacheConfig(block_size=4, num_blocks=8 if family == "mistral" else 22),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24),
     )
     outs, stats = _run(model, prompts, cfg)

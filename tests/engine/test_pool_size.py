@@ -7,7 +7,9 @@ import logging
 import pytest
 
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SchedulerConfig
-from hf_contbatch.core.pool_size import default_host_kv_blocks, default_swap_blocks
+from hf_contbatch.core.pool_size import Window, blocks_per_request, default_host_kv_blocks, default_swap_blocks
+
+from conftest import build_model
 
 GIB = 2**30
 
@@ -67,6 +69,42 @@ def test_explicit_sizes_are_kept(llama_model):
     try:
         assert engine.block_manager.num_blocks == 2**20 // block
         assert engine.host_block_manager.num_blocks == 2 * 2**20 // block
+    finally:
+        engine.close()
+
+
+def test_a_sliding_window_request_needs_its_window_and_one_step_whatever_the_context():
+    # W 16, steps of up to 64 tokens, blocks of 16: ceil((16 - 2 + 64) / 16) + 1 = 6 blocks, under the
+    # full context's ceil(4096 / 16) = 256; a short context stays the bound when it is smaller.
+    assert blocks_per_request(4096, 16, Window(16, 64)) == 6
+    assert blocks_per_request(40, 16, Window(16, 64)) == 3
+    assert blocks_per_request(4096, 16) == 256 and blocks_per_request(None, 16) is None
+    assert blocks_per_request(None, 16, Window(16, 64)) == 6  # bounded even with an unknown context
+    size = default_host_kv_blocks(2**20, 16, 8, 4096, available_bytes=64 * GIB, window=Window(16, 64))
+    assert size.num_blocks == 8 * 6 and "a window of 16 tokens" in size.reason
+    assert (
+        default_swap_blocks(2**20, 4096, 16, 8, 4096, available_bytes=64 * GIB, window=Window(16, 64)).num_blocks == 48
+    )
+
+
+def test_engine_default_pool_of_a_sliding_model_holds_its_windows_and_a_null_block():
+    # Mistral, every layer over 8 tokens; max_num_seqs 6, max_num_batched_tokens 1024, blocks of 16:
+    # each request holds at most ceil((8 - 2 + 1024) / 16) + 1 = 66 blocks, under ceil(512 / 16) = 32
+    # of the full context, so the default is the full context's 6 x 32; the pool tensors add the
+    # zeroed null block at index 192.
+    model = build_model("mistral")
+    engine = LLMEngine(model, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=6), linear_backend="torch"))
+    try:
+        assert engine.block_manager.num_blocks == 192 and engine.block_manager.sliding_window == 8
+        assert engine.cache.key_cache[0].shape[0] == 193
+        assert not engine.cache.key_cache[0][192].any()
+    finally:
+        engine.close()
+    # A 64-token step budget: ceil((8 - 2 + 64) / 16) + 1 = 6 blocks a request.
+    sched = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64)
+    engine = LLMEngine(model, EngineConfig(scheduler=sched, linear_backend="torch"))
+    try:
+        assert engine.block_manager.num_blocks == 36
     finally:
         engine.close()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_contbatch.kernels.kv_spec import KVCacheSpec
+from hf_contbatch.kernels.kv_spec import KVCacheGroup, KVCacheSpec
 
 
 def test_a_float_block_holds_k_and_v_of_every_layer():
@@ -41,7 +41,7 @@ def test_a_quantized_layout_counts_its_scales():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(block_size=0), dict(scale_dtype=torch.float16), dict(scales_per_token_head=2)],
+    [dict(block_size=0), dict(scale_dtype=torch.float16), dict(scales_per_token_head=2), dict(sliding_window=0)],
 )
 def test_inconsistent_specs_are_rejected(kwargs):
     base = dict(num_layers=1, block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32)
@@ -54,3 +54,20 @@ def test_the_spec_is_a_value():
     assert a == KVCacheSpec(2, 4, 2, 16, torch.float32) and hash(a) == hash(KVCacheSpec(2, 4, 2, 16, torch.float32))
     with pytest.raises(AttributeError):
         a.block_size = 8
+
+
+def test_a_sliding_window_spec_adds_one_null_block_and_keeps_the_block_size_in_bytes():
+    full = KVCacheSpec(2, 4, 2, 16, torch.float32)
+    sliding = KVCacheSpec(2, 4, 2, 16, torch.float32, sliding_window=8)
+    assert (full.num_null_blocks, sliding.num_null_blocks) == (0, 1)
+    assert sliding.bytes_per_block == full.bytes_per_block == 2 * 2 * 4 * 2 * 16 * 4
+
+
+def test_a_group_holds_as_many_layers_as_its_spec():
+    spec = KVCacheSpec(2, 4, 2, 16, torch.float32, sliding_window=8)
+    group = KVCacheGroup(group_id=0, layers=(0, 1), spec=spec)
+    assert group.spec.sliding_window == 8
+    with pytest.raises(ValueError, match="3 layers but a spec of 2"):
+        KVCacheGroup(group_id=0, layers=(0, 1, 2), spec=spec)
+    with pytest.raises(ValueError):
+        KVCacheGroup(group_id=0, layers=(), spec=spec)

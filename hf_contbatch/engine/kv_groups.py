@@ -1,0 +1,67 @@
+"""Which KV cache group each decoder layer belongs to, read from the model's config the way
+transformers decides each layer's attention.
+
+The window that counts is the one transformers passes to the attention function as its
+``sliding_window`` keyword (a query at position ``q`` then sees keys ``q - W + 1 .. q``; the kernels
+mask the same way). Families differ in where it comes from:
+
+- Mistral, Mixtral, Phi-3 and Qwen3-MoE pass ``config.sliding_window`` in every layer (Mistral
+  ignores ``layer_types`` with a warning).
+- Qwen2, Qwen2-MoE, Qwen3, Gemma-2, Gemma-3 and SmolLM3 pass it in the layers whose
+  ``config.layer_types[i]`` is ``"sliding_attention"`` (their configs build ``layer_types`` from
+  ``use_sliding_window``/``max_window_layers`` or a sliding pattern; Qwen2's and Qwen3's null
+  ``sliding_window`` unless ``use_sliding_window``, Qwen2-MoE's set it to 0, SmolLM3 also checks
+  ``use_sliding_window`` in the layer).
+- The other families pass none.
+
+``tests/engine/test_kv_groups.py`` checks these rules against the windows each family's forward
+really passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+from ..kernels.kv_spec import KVCacheGroup, KVCacheSpec
+
+__all__ = ["kv_cache_groups", "layer_windows"]
+
+_EVERY_LAYER = frozenset({"mistral", "mixtral", "phi3", "qwen3_moe"})
+_BY_LAYER_TYPE = frozenset({"qwen2", "qwen2_moe", "qwen3", "gemma2", "gemma3", "gemma3_text", "smollm3"})
+
+
+def layer_windows(config) -> list[Optional[int]]:
+    """The sliding window each decoder layer of a model with text config ``config`` attends over
+    (tokens, the query's own included), None for a full-attention layer; one entry per layer."""
+    num_layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None) or None  # Qwen2-MoE's "no window" is 0
+    model_type = getattr(config, "model_type", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return [None] * num_layers
+    if model_type in _EVERY_LAYER:
+        return [int(window)] * num_layers
+    layer_types = getattr(config, "layer_types", None)
+    if model_type in _BY_LAYER_TYPE and layer_types is not None:
+        return [int(window) if t == "sliding_attention" else None for t in layer_types[:num_layers]]
+    return [None] * num_layers
+
+
+def kv_cache_groups(spec: KVCacheSpec, windows: Sequence[Optional[int]]) -> list[KVCacheGroup]:
+    """The KV cache groups of a model whose layer ``i`` attends over ``windows[i]`` (None: full),
+    each layer laid out as ``spec`` (whose ``num_layers`` must be ``len(windows)``).
+
+    One group either way: sliding window W when every layer slides over the same W, else full
+    attention. A mixed model (some full, some sliding layers) stores the whole context in every
+    layer, as a full-attention model does: correct, not smaller; a group per kind with its own
+    block tables is the next step (see ``kernels.kv_spec``).
+
+    Raises:
+        ValueError: ``len(windows)`` differs from ``spec.num_layers``.
+    """
+    if len(windows) != spec.num_layers:
+        raise ValueError(f"{len(windows)} layer windows for a spec of {spec.num_layers} layers")
+    kinds = set(windows)
+    window = kinds.pop() if len(kinds) == 1 else None
+    group_spec = dataclasses.replace(spec, sliding_window=window)
+    return [KVCacheGroup(group_id=0, layers=tuple(range(spec.num_layers)), spec=group_spec)]
