@@ -25,21 +25,7 @@ from hf_contbatch.cli import main
 from hf_contbatch.default_model import default_model_path
 from hf_contbatch.frontends.integrations.lm_eval_args import ENGINE_ARGS
 
-ROOT = Path(__file__).resolve().parents[2]
-ENTRY_POINT = Path(sys.executable).with_name("hf-contbatch")  # pyproject's [project.scripts]
-
-
-def cli_command() -> list[str]:
-    """The installed ``hf-contbatch`` script (it runs ``hf_contbatch.cli:main``), else the module."""
-    return [str(ENTRY_POINT)] if ENTRY_POINT.exists() else [sys.executable, "-m", "hf_contbatch.cli"]
-
-
-def cli_env(**extra: str) -> dict:
-    """The environment of a CLI subprocess: this checkout's package first on the path, offline."""
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
-    env.pop("HF_CONTBATCH_DEBUG", None)
-    return {**env, **extra}
+from conftest import ENTRY_POINT, cli_command, cli_env
 
 
 def run_cli(*args: str, cwd: Path, timeout: int = 60, **env: str) -> subprocess.CompletedProcess:
