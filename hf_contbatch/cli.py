@@ -179,6 +179,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _report_gemm_choices(pipe.engine.patches.packed_linears, args.quiet)
     weight_format = pipe.engine.patches.weight_format
     output = JobOutput(args.output, source.num_rows, resume=args.resume) if args.output else None
+    if output is not None:
+        output.check_ids(source.rows())
     model_name = args.model or "hf_contbatch/default_model"
     try:
         with pipe:
@@ -193,6 +195,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 model_name=model_name,
             )
             stats = pipe.stats()
+    except KeyboardInterrupt:
+        if output is None:
+            raise
+        output.close()
+        print(
+            f"hf-contbatch: interrupted; {output.num_done:,} of {source.num_rows:,} rows have their record in "
+            f"{args.output}: rerun with --resume to finish",
+            file=sys.stderr,
+        )
+        return 130  # the shell's status for SIGINT
     finally:
         if output is not None:
             output.close()

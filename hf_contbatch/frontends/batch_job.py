@@ -79,6 +79,7 @@ class JobOutput:
     def _load(self) -> None:
         """Index the records already in the file; cut a torn last line."""
         good_end = 0
+        size = os.path.getsize(self.path)
         with open(self.path, "rb") as f:
             offset = 0
             for raw in f:
@@ -87,8 +88,13 @@ class JobOutput:
                     record = json.loads(raw) if raw.endswith(b"\n") else None
                 except json.JSONDecodeError:
                     record = None
+                if record is None and end == size:
+                    break  # a line torn by a kill mid-write: only ever the last one; cut below
                 if record is None:
-                    break  # a torn line: only ever the last, the rest is rewritten
+                    raise UsageError(
+                        f"--resume: {self.path} has a line that is not a JSON record before its last line (at "
+                        f"byte {offset}); it is not a file this command wrote, or was edited"
+                    )
                 index = record.get("index") if isinstance(record, dict) else None
                 if not isinstance(index, int) or not 0 <= index < self.num_rows or self.offsets[index] >= 0:
                     raise UsageError(
@@ -103,6 +109,23 @@ class JobOutput:
         if good_end < os.path.getsize(self.path):
             with open(self.path, "r+b") as f:
                 f.truncate(good_end)
+
+    def check_ids(self, rows) -> None:
+        """Check, before anything runs, that every record kept has the id of the input's row at
+        its index (``rows``: the input's rows, read once).
+
+        Raises:
+            UsageError: naming the first row whose ids differ.
+        """
+        if not self.ids:
+            return
+        for row in rows:
+            if row.index in self.ids and self.ids[row.index] != row.id:
+                raise UsageError(
+                    f"--resume: {self.path} has row {row.index} with id {self.ids[row.index]!r} but the input's row "
+                    f"{row.index} ({row.where}) has id {row.id!r}; give the output of this input, or start anew "
+                    "without --resume"
+                )
 
     def has(self, index: int) -> bool:
         return self.offsets[index] >= 0
@@ -119,7 +142,9 @@ class JobOutput:
         self._file.flush()
 
     def close(self) -> None:
-        """Close the file; when every row has a record, rewrite it in input order."""
+        """Close the file; when every row has a record, rewrite it in input order. Once only."""
+        if self._file.closed:
+            return
         self._file.close()
         if any(o < 0 for o in self.offsets) or list(self.offsets) == sorted(self.offsets):
             return
@@ -255,7 +280,6 @@ def run_job(
                 for row in itertools.islice(rows, want):
                     pulled += 1
                     if output is not None and output.has(row.index):
-                        _check_resumed_id(output, row)
                         result.skipped += 1
                     elif row.error is not None or not _check_response_format(row):
                         fail(row, row.error)
@@ -318,15 +342,6 @@ def _groups(batch: list[Row], size: int) -> Iterator[list[Row]]:
         same = list(same)
         for i in range(0, len(same), size):
             yield same[i : i + size]
-
-
-def _check_resumed_id(output: JobOutput, row: Row) -> None:
-    recorded = output.ids.get(row.index)
-    if recorded != row.id:
-        raise UsageError(
-            f"--resume: {output.path} has row {row.index} with id {recorded!r} but the input's row {row.index} "
-            f"({row.where}) has id {row.id!r}; give the output of this input, or start anew without --resume"
-        )
 
 
 def error_record(row: Row, message: str, openai: bool) -> dict:

@@ -104,6 +104,13 @@ def test_resume_repairs_a_torn_line_skips_done_rows_and_refuses_a_foreign_output
         main([*args, "--resume"])
     assert exc.value.code == 2
     assert "has row 2 with id 'other' but the input's row 2 (line 3) has id 2" in capsys.readouterr().err
+    assert read_records(out) == [{**done, "id": "other"}]  # nothing appended
+    # Only the last line can be torn by a kill: a bad line before it is not cut away with what follows.
+    out.write_text("not json\n" + json.dumps(done) + "\n", encoding="utf-8")
+    with pytest.raises(SystemExit) as exc:
+        main([*args, "--resume"])
+    assert exc.value.code == 2
+    assert "has a line that is not a JSON record before its last line (at byte 0)" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(120)
