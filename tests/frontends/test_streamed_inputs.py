@@ -158,3 +158,31 @@ def test_breaking_out_while_requests_run_cancels_them(pipe):
     del out  # collected: the generator's cleanup cancels the call's requests in flight
     assert_all_free(pipe)
     assert pipe.last_call_stats["num_requests"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_an_input_the_engine_fails_is_named_with_its_partial_records_after_the_earlier_ones(pipe, expected):
+    from transformers import StoppingCriteria
+
+    from hf_contbatch.engine.handles import EngineError
+
+    marker = pipe.tokenizer.encode("Exceptions are raised when", add_special_tokens=False)
+
+    class FailsOneInput(StoppingCriteria):
+        """Raises inside the engine for the input whose prompt is PROMPTS[2], at its second token."""
+
+        def __call__(self, input_ids, scores, **kwargs):
+            ids = input_ids[0].tolist()
+            if ids[-len(marker) - 2 : -2] == marker:
+                raise RuntimeError("criteria broke")
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    got = []
+    with pytest.raises(EngineError, match="input 2: .*criteria broke") as info:
+        for records in pipe(iter(PROMPTS * 2), stopping_criteria=[FailsOneInput()], batch_size=3, **GREEDY):
+            got.append(records)
+    assert got == expected[:2]
+    (partial,) = info.value.partial_results
+    assert expected[2][0]["generated_text"].startswith(partial["generated_text"])
+    assert_all_free(pipe)
+    assert list(pipe(iter(PROMPTS), **GREEDY)) == expected
