@@ -183,3 +183,32 @@ def test_parquet_and_csv_inputs_read_through_datasets(tmp_path, hf_pipe, suffix,
     assert f"--input {inp}: no column 'prompt' (its columns: id, text, label); choose one with --input-column" in (
         capsys.readouterr().err
     )
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_keeps_the_records_written_says_how_to_resume_and_resume_finishes(
+    tmp_path, hf_pipe, capsys, monkeypatch
+):
+    from hf_contbatch.frontends import batch_job
+
+    inp, out = tmp_path / "rows.txt", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(WORDS) + "\n", encoding="utf-8")
+    args = ["generate", "--input", str(inp), "--output", str(out), "--max-new-tokens", "5", "--quiet"]
+    write = batch_job.JobOutput.write
+
+    def interrupted_at_the_third(self, index, record):
+        if sum(1 for o in self.offsets if o >= 0) == 2:
+            raise KeyboardInterrupt
+        write(self, index, record)
+
+    monkeypatch.setattr(batch_job.JobOutput, "write", interrupted_at_the_third)
+    assert main(args) == 130
+    assert (
+        f"interrupted; 2 of 6 rows have their record in {out}: rerun with --resume to finish" in capsys.readouterr().err
+    )
+    assert len(read_records(out)) == 2
+    monkeypatch.setattr(batch_job.JobOutput, "write", write)
+    assert main([*args, "--resume"]) == 0
+    assert read_records(out) == [
+        {"index": i, "id": None, "prompt": w, "generated_text": greedy(hf_pipe, w, 5)} for i, w in enumerate(WORDS)
+    ]

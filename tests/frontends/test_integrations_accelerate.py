@@ -148,8 +148,7 @@ def test_output_streams_to_a_shard_and_a_resumed_run_generates_only_what_the_sha
     original = ContinuousBatchingPipeline.__call__
 
     def counting(self, inputs, **kwargs):
-        inputs = list(inputs)
-        calls.append(inputs)
+        calls.append(list(inputs))
         return original(self, inputs, **kwargs)
 
     ContinuousBatchingPipeline.__call__ = counting

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import UserList
 from typing import Any, Optional, Sequence
 
 import torch
@@ -111,7 +112,9 @@ def distributed_generate(
             pipe = ContinuousBatchingPipeline(model, tokenizer, **kwargs)
             sink = open(shard_path, "ab") if shard_path is not None else None
             try:
-                for (i, _), out in zip(todo, pipe((p for _, p in todo), **generate_kwargs)):
+                # A UserList is no list: the pipeline streams it (records as they come, a bounded
+                # number in flight) and, as it has a length, its progress bar shows an ETA.
+                for (i, _), out in zip(todo, pipe(UserList(p for _, p in todo), **generate_kwargs)):
                     local.append((i, out))
                     if sink is not None:  # this prompt survives a kill from here on
                         sink.write((json.dumps({"index": i, "records": out}, ensure_ascii=False) + "\n").encode())
