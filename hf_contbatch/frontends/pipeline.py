@@ -43,7 +43,7 @@ from .generation_args import (  # noqa: F401  (re-exported: their former home)
 from .generation_handle import GenerationHandle, records_so_far
 from .progress import wait_for
 from .quiet_imports import quiet_optional_import_notices
-from .streamed_call import StreamedCall, in_flight_limit, is_indexed_dataset
+from .streamed_call import StreamedCall, call_level_kwargs, in_flight_limit, is_indexed_dataset
 from .text_io import TextInput, is_chat
 
 TASK_NAME = "continuous-batching-text-generation"  # the task ``register_pipeline()`` adds to transformers
@@ -385,6 +385,9 @@ class ContinuousBatchingPipeline:
         records in input order, with at most ``batch_size`` (default ``4 * max_num_seqs``) prompts
         pulled and not yet yielded."""
         in_flight = in_flight_limit(self._call_default(kwargs, "batch_size"), self.engine.config.scheduler.max_num_seqs)
+        # The call's arguments are checked now, with no prompt (as a list call checks them before
+        # returning): a bad one is the call's error, not one of the inputs'.
+        self._call_requests.prepare([], call_level_kwargs(kwargs))
         show = self._call_default(kwargs, "progress_bar")
         call = StreamedCall(
             self,

@@ -102,6 +102,20 @@ def slice_per_input(kwargs: dict, start: int, stop: int) -> dict:
     return out
 
 
+def call_level_kwargs(kwargs: dict) -> dict:
+    """``kwargs`` with each per-input list replaced by its first entry (dropped when empty): what
+    ``CallRequestBuilder.prepare([], ...)`` checks before a streamed call pulls its first input."""
+    out = dict(kwargs)
+    for key in PER_INPUT_KWARGS:
+        value = kwargs.get(key)
+        if isinstance(value, (list, tuple)):
+            if value:
+                out[key] = value[0]
+            else:
+                del out[key]
+    return out
+
+
 @dataclass
 class _Entry:
     """One input in flight: its position, its prompt, its sequences' handles and output options."""

@@ -148,6 +148,10 @@ def test_per_input_lists_follow_a_streamed_input_and_wrong_lengths_are_named(pip
         list(pipe(iter(prompts), priority=[0] * 7, **GREEDY))
     with pytest.raises(ValueError, match="batch_size"):
         pipe(iter(prompts), batch_size=0, **GREEDY)
+    source = Counting(3)
+    with pytest.raises(ValueError, match="^`temperature` must be"):  # the call's error, raised by the call
+        pipe(iter(source), do_sample=True, temperature=-1.0)
+    assert source.pulled == 0
     assert_all_free(pipe)
 
 
