@@ -201,6 +201,7 @@ def run_job(
     created = int(time.time())
     chunk = max(1, in_flight // 4)
     counts = {"rows": 0}  # rows queued or running
+    max_num_seqs = engine.config.scheduler.max_num_seqs
 
     def emit(row: Row, record: dict, text: Optional[str] = None) -> None:
         if record.get("error") is not None:
@@ -273,8 +274,10 @@ def run_job(
             bar = tqdm(total=source.num_rows, initial=done_before, desc="hf-contbatch", unit="row", dynamic_ncols=True)
         exhausted = False
         while True:
-            if not exhausted and counts["rows"] < in_flight:
-                want = in_flight - counts["rows"]
+            want = in_flight - counts["rows"]
+            # Refill a chunk at a time (building requests resolves a generation config per group of
+            # rows), or sooner when the engine would run short of rows.
+            if not exhausted and want > 0 and (want >= chunk or counts["rows"] < max_num_seqs):
                 pulled = 0
                 batch = []
                 for row in itertools.islice(rows, want):
@@ -293,7 +296,11 @@ def run_job(
                     break
                 continue  # every row pulled was done already or bad: pull more
             if engine.driver.blocking_calls_drive:
-                engine.driver.drive(lambda: not done_q.empty())
+                # Back to this loop once a few rows finished (a quarter of a chunk; fewer at the
+                # tail): each return costs a hand-over with the engine's background thread, and
+                # the rows still queued keep the engine busy meanwhile.
+                target = max(1, min(chunk, counts["rows"]) // 4)
+                engine.driver.drive(lambda target=target: done_q.qsize() >= target)
             if done_q.empty():
                 try:
                     done_q.put(done_q.get(timeout=0.5))
