@@ -11,7 +11,6 @@ in ``frontends.cli_checks``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -35,8 +34,7 @@ from .frontends.cli_checks import (
     float_in,
     int_at_least,
     non_empty_text,
-    read_prompts,
-    read_response_formats,
+    read_response_format,
 )
 
 DESCRIPTION = """\
@@ -48,7 +46,14 @@ HF_CONTBATCH_DEBUG=1 (or pass --debug to generate) for the traceback."""
 GENERATE_DESCRIPTION = """\
 Generate for every prompt of a file with continuous batching and print the throughput.
 Decoding is greedy unless --do-sample is given; outputs then equal transformers' greedy
-pipeline on the same model."""
+pipeline on the same model.
+
+Each row's record is written as the row finishes, so a killed job keeps its work:
+rerun it with --resume to finish it. A bad row (not JSON, a prompt the model refuses)
+gets an error record and the other rows run.
+
+Exit status: 0 every row generated; 2 a usage error (nothing ran); 3 some rows failed
+(their error records are in --output, the others ran)."""
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 DEFAULT_TEMPERATURE = 0.7  # with --do-sample: transformers' text-generation pipeline default
@@ -133,22 +138,23 @@ def _report_gemm_choices(packed_linears, quiet: bool) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """Run the job (``frontends.batch_job``); returns 0 when every row has a generated record,
+    ``EXIT_ROWS_FAILED`` (3) when some rows have error records."""
+    from .frontends.batch_job import EXIT_ROWS_FAILED, JobOutput, run_job
+    from .frontends.job_inputs import ListInput, open_input
+
     # Everything that can be wrong with the arguments is found before torch or the model loads.
-    source = read_prompts(args.input) if args.input else None
-    prompts = source.prompts if source is not None else _default_prompts()
+    source = open_input(args.input, args.input_column) if args.input else ListInput(_default_prompts())
     if args.output:
         check_output(args.output)
+    if args.resume and not args.output:
+        raise UsageError("--resume needs --output (the file of the interrupted job)")
     model = check_model(args.model) if args.model else None  # None: the embedded model
     config = engine_config(args)
     gen_kwargs = _generation_kwargs(args)
-    response_formats = read_response_formats(args.response_format, source, len(prompts))
-    if response_formats is not None:
-        check_library(
-            "xgrammar",
-            "--response-format" if args.response_format else f"--input {args.input} (response_format)",
-            "structured",
-        )
-        gen_kwargs["response_format"] = response_formats
+    if args.response_format:
+        check_library("xgrammar", "--response-format", "structured")
+        gen_kwargs["response_format"] = read_response_format(args.response_format)
     if args.adapter:
         check_library("peft", "--adapter", "lora")
 
@@ -165,38 +171,52 @@ def cmd_generate(args: argparse.Namespace) -> int:
         transformers.utils.logging.disable_progress_bar()  # the weights' loading bar
     kernel_s = _prebuild_kernels(args)
     t_load = time.monotonic()
-    tokenizer = adapter_names = None
-    if args.adapter:  # LoRA adapters over the base model, a prompt's own or the first (frontends.adapters)
-        records = source.records if source is not None else []
-        model, adapter_names, tokenizer = _model_with_adapters(args, model, records, len(prompts))
-        gen_kwargs["adapter_names"] = adapter_names
+    tokenizer = None
+    if args.adapter:  # LoRA adapters over the base model; a row's own "adapter", else the first
+        model, gen_kwargs["adapter_names"], tokenizer = _model_with_adapters(args, model)
     pipe = pipeline("text-generation", model=model, tokenizer=tokenizer, dtype=args.dtype, engine_config=config)
     load_s = time.monotonic() - t_load
     _report_gemm_choices(pipe.engine.patches.packed_linears, args.quiet)
     weight_format = pipe.engine.patches.weight_format
-    with pipe:
-        results = pipe(prompts, progress_bar=not args.quiet, **gen_kwargs)
-        call = pipe.last_call_stats
-        stats = pipe.stats()
-    out_f = open(args.output, "w", encoding="utf-8") if args.output else None
+    output = JobOutput(args.output, source.num_rows, resume=args.resume) if args.output else None
+    if output is not None:
+        output.check_ids(source.rows())
+    model_name = args.model or "hf_contbatch/default_model"
     try:
-        for i, (prompt, recs) in enumerate(zip(prompts, results)):
-            row = {"prompt": prompt, "generated_text": recs[0]["generated_text"]}
-            if adapter_names is not None:
-                row["adapter"] = adapter_names[i]
-            if out_f:
-                out_f.write(json.dumps(row, ensure_ascii=False) + "\n")
-            elif not args.quiet:
-                print(f"--- {prompt!r}\n{recs[0]['generated_text']}\n")
+        with pipe:
+            job = run_job(
+                pipe,
+                source,
+                gen_kwargs,
+                output,
+                in_flight=4 * config.scheduler.max_num_seqs,
+                show_progress=not args.quiet,
+                print_texts=not args.quiet,
+                model_name=model_name,
+            )
+            stats = pipe.stats()
+    except KeyboardInterrupt:
+        if output is None:
+            raise
+        output.close()
+        print(
+            f"hf-contbatch: interrupted; {output.num_done:,} of {source.num_rows:,} rows have their record in "
+            f"{args.output}: rerun with --resume to finish",
+            file=sys.stderr,
+        )
+        return 130  # the shell's status for SIGINT
     finally:
-        if out_f:
-            out_f.close()
+        if output is not None:
+            output.close()
     summary = {
         "model": args.model or "embedded default (hf_contbatch/default_model)",
-        "requests": call["num_requests"],
-        "generated_tokens": call["generated_tokens"],
-        "seconds": round(call["seconds"], 3),
-        "throughput_tokens_per_s": round(call["tokens_per_s"], 1),
+        "rows": source.num_rows,
+        "ran": job.ran,
+        "skipped": job.skipped,
+        "failed": job.failed,
+        "generated_tokens": job.tokens,
+        "seconds": round(job.seconds, 3),
+        "throughput_tokens_per_s": round(job.tokens / job.seconds if job.seconds else 0.0, 1),
         "preemptions": stats.num_preemptions,
         "peak_used_blocks": stats.peak_used_blocks,
         "num_blocks": stats.num_blocks,
@@ -206,14 +226,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "weights": weight_format,
         "kv_cache_dtype": stats.kv_cache_dtype,
     }
+    skipped = f" ({summary['skipped']:,} already in {args.output})" if summary["skipped"] else ""
     print(
-        f"{summary['requests']} request{'s' if summary['requests'] != 1 else ''}, "
-        f"{summary['generated_tokens']:,} generated tokens in {summary['seconds']} s: "
+        f"{summary['ran']:,} request{'s' if summary['ran'] != 1 else ''} done, {summary['failed']:,} failed"
+        f"{skipped}; {summary['generated_tokens']:,} generated tokens in {summary['seconds']} s: "
         f"{summary['throughput_tokens_per_s']} tok/s; preemptions {summary['preemptions']}; "
         f"peak blocks {summary['peak_used_blocks']:,}/{summary['num_blocks']:,} (block size {summary['block_size']}); "
         f"weights {weight_format}; KV cache {summary['kv_cache_dtype']}",
         file=sys.stderr,
     )
+    for message in job.errors:
+        print(f"hf-contbatch: failed {message}", file=sys.stderr)
     if args.check_quality:  # after close(): the model is back to its own weights
         from .engine.quality import quality_report
 
@@ -224,25 +247,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(line, file=sys.stderr)
     if args.output:
         print(f"wrote {args.output}", file=sys.stderr)
+    if job.failed:
+        where = f"error records in {args.output}" if args.output else "errors above"
+        print(f"hf-contbatch: {job.failed:,} of {source.num_rows:,} rows failed ({where})", file=sys.stderr)
+        return EXIT_ROWS_FAILED
     return 0
 
 
-def _model_with_adapters(args: argparse.Namespace, model, records, num_prompts: int):
+def _model_with_adapters(args: argparse.Namespace, model):
     """The base model (``model``: the checked ``--model``, None for the embedded one) with the
-    ``--adapter NAME=PATH`` adapters loaded, each prompt's adapter (a .jsonl prompt's "adapter",
-    from ``records``, the ``PromptsFile.records`` of ``--input``; else the first adapter given), and
-    the base model's path for the tokenizer."""
+    ``--adapter NAME=PATH`` adapters loaded, the first adapter's name (the rows' default), and the
+    base model's path for the tokenizer."""
     from transformers import AutoModelForCausalLM
 
     from .default_model import default_model_path
-    from .frontends.adapters import load_adapters, parse_adapter_args, prompt_adapters
+    from .frontends.adapters import load_adapters, parse_adapter_args
 
     adapters = parse_adapter_args(args.adapter)
     path = model if model is not None else default_model_path()
     base = AutoModelForCausalLM.from_pretrained(path, dtype=args.dtype)
-    first = next(iter(adapters))
-    names = [name or first for name in prompt_adapters(records, num_prompts)]
-    return load_adapters(base, adapters), names, path
+    return load_adapters(base, adapters), next(iter(adapters)), path
 
 
 def _eval_help() -> str:
@@ -304,16 +328,34 @@ def add_input_output_arguments(parser: argparse.ArgumentParser) -> None:
         "--input",
         default=None,
         metavar="FILE",
-        help='prompts: .txt (one per line) or .jsonl (per line a string, {"prompt": "..."} or '
-        '{"messages": [{"role": "user", "content": "..."}]}; other keys, such as an id, are ignored) '
-        "(default: eight built-in prompts)",
+        help='prompts: .txt (one per line); .jsonl (per line a string, {"prompt": "..."} or '
+        '{"messages": [{"role": "user", "content": "..."}]}, with an optional "id" or "custom_id" kept in '
+        'the output, "response_format" and "adapter"; a dataset\'s other keys are ignored); an OpenAI '
+        "batch request file (.jsonl of {custom_id, method, url, body} for /v1/chat/completions or "
+        "/v1/completions; the body's max_tokens, temperature, top_p, stop, n, seed and response_format "
+        "apply to its row); or .parquet/.csv through datasets (see --input-column) (default: eight "
+        "built-in prompts)",
+    )
+    g.add_argument(
+        "--input-column",
+        default="prompt",
+        metavar="NAME",
+        help="the prompt column of a .parquet/.csv --input (text or a chat); an id or custom_id column is kept",
     )
     g.add_argument(
         "--output",
         default=None,
         metavar="FILE",
-        help='write {"prompt": ..., "generated_text": ...} per prompt to this .jsonl (default: print the '
-        "texts to stdout)",
+        help='write one JSON record per row to this .jsonl as each row finishes, {"index": ..., "id": ..., '
+        '"prompt": ..., "generated_text": ...}, or {"index": ..., "id": ..., "error": ...} for a row that '
+        "failed (OpenAI batch output records for an OpenAI batch input); the file is put in input order "
+        "when every row has its record (default: print the texts to stdout)",
+    )
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="finish the interrupted job whose --output this is: keep its records (a torn last line is "
+        "cut), skip their rows, run the others",
     )
     g.add_argument(
         "--quiet", action="store_true", help="no progress bars and no texts on stdout; the summary still goes to stderr"

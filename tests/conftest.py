@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+from pathlib import Path
 
 # Under pytest-xdist (the README's `-n 2`) each worker runs torch on one thread, as do the scripts,
 # kernels and servers its tests start: two workers with a thread pool each per core fought over two
@@ -24,6 +26,21 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 VOCAB = 512
+ROOT = Path(__file__).resolve().parents[1]  # the checkout
+ENTRY_POINT = Path(sys.executable).with_name("hf-contbatch")  # pyproject's [project.scripts]
+
+
+def cli_command() -> list[str]:
+    """The installed ``hf-contbatch`` script (it runs ``hf_contbatch.cli:main``), else the module."""
+    return [str(ENTRY_POINT)] if ENTRY_POINT.exists() else [sys.executable, "-m", "hf_contbatch.cli"]
+
+
+def cli_env(**extra: str) -> dict:
+    """The environment of a CLI subprocess: this checkout's package first on the path, offline."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_CONTBATCH_DEBUG", None)
+    return {**env, **extra}
 
 
 def _common(**kw):

@@ -1,9 +1,9 @@
-"""LoRA adapters from the command line: ``NAME=PATH`` arguments, the ``peft.PeftModel`` they make,
-and the adapter each prompt of a .jsonl file names (``hf-contbatch generate --adapter``)."""
+"""LoRA adapters from the command line: ``NAME=PATH`` arguments and the ``peft.PeftModel`` they make
+(``hf-contbatch generate --adapter``; a .jsonl row names its own with "adapter": ``job_inputs``)."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 
 def parse_adapter_args(values: Sequence[str]) -> dict[str, str]:
@@ -46,12 +46,3 @@ def load_adapters(model, adapters: dict[str, str]):
     for name, path in items[1:]:
         peft_model.load_adapter(path, adapter_name=name)
     return peft_model.eval()
-
-
-def prompt_adapters(records: Sequence[tuple[int, object]], num_prompts: int) -> list[Optional[str]]:
-    """The ``"adapter"`` of each prompt object of a .jsonl prompts file (``records``: per prompt,
-    its line number and parsed line, ``cli_checks.PromptsFile.records``), None where it names none;
-    all None without records (.txt files, the built-in prompts). One entry per prompt."""
-    if not records:
-        return [None] * num_prompts
-    return [obj.get("adapter") if isinstance(obj, dict) else None for _, obj in records]

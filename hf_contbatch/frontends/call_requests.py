@@ -86,7 +86,8 @@ class CallRequestBuilder:
             )
         stop_strings = gen.pop("stop_strings", None)
         cfgs = self._generation_configs(gen, len(prompts))
-        cfg = cfgs[0]
+        # No prompt: only the call's arguments are checked (a streamed call, before its first input).
+        cfg = cfgs[0] if cfgs else resolve_pipeline_generation_config(self.model, self.tokenizer, gen)
         if cfg.stop_strings and stop_strings is None:
             stop_strings = cfg.stop_strings
         if isinstance(stop_strings, str):

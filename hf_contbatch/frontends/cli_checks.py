@@ -1,5 +1,5 @@
-"""What ``hf-contbatch generate`` checks before it loads torch or a model: the prompts file, the
-output path, the model name or path, the engine settings, and the argparse types of its numbers.
+"""What ``hf-contbatch generate`` checks before it loads torch or a model: the prompts file's lines
+(``prompt_from_json``, used per row by ``job_inputs``), the output path, the model name or path, the engine settings, and the argparse types of its numbers.
 
 Each problem raises :class:`UsageError` with one line that names the option (or the file and line),
 what was found and what is allowed; the command prints it and exits with status 2. Standard library
@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -163,55 +162,6 @@ def prompt_from_json(obj, where: str):
         f"{where}: found {found}; each line must be a string or an object with 'prompt' or 'messages' "
         "(an array of role/content objects)"
     )
-
-
-@dataclass(frozen=True)
-class PromptsFile:
-    """What ``--input`` holds.
-
-    Attributes:
-        path: the file as given.
-        prompts: one per non-empty line (a string, or a chat for ``.jsonl``).
-        records: for a ``.jsonl`` file, per prompt ``(line number, the line's parsed JSON value)``,
-            where per-line options live (``"response_format"``, ``"adapter"``); empty for ``.txt``.
-    """
-
-    path: str
-    prompts: list
-    records: list
-
-
-def read_prompts(path: str) -> PromptsFile:
-    """Prompts from a ``.txt`` file (one per non-empty line) or a ``.jsonl`` file (see
-    :func:`prompt_from_json`; blank lines skipped). Raises UsageError naming the file and line."""
-    p = Path(path)
-    if p.suffix not in (".jsonl", ".txt"):
-        raise UsageError(f"--input {path}: must be a .jsonl or .txt file")
-    if not p.is_file():
-        raise UsageError(f"--input {path}: no such file")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise UsageError(f"--input {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except OSError as exc:
-        raise UsageError(f"--input {path}: cannot be read ({exc.strerror})") from None
-    records = []
-    if p.suffix == ".txt":
-        prompts = [line for line in text.splitlines() if line.strip()]
-    else:
-        prompts = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UsageError(f"--input {path} line {n}: not valid JSON ({exc})") from None
-            prompts.append(prompt_from_json(obj, f"--input {path} line {n}"))
-            records.append((n, obj))
-    if not prompts:
-        raise UsageError(f"--input {path}: no prompts in the file")
-    return PromptsFile(path, prompts, records)
 
 
 # --- output, model, engine settings -------------------------------------------------------------------
@@ -368,7 +318,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         raise UsageError(message) from None
 
 
-def _as_response_format(obj, where: str) -> dict:
+def as_response_format(obj, where: str) -> dict:
     """A response_format object (OpenAI's shape), or a bare JSON schema wrapped as one, checked as
     the engine will check it (its schema parsed by the grammar library), so that an error names
     ``where`` (the file, and the line of a ``.jsonl``) before the model loads."""
@@ -389,26 +339,16 @@ def _as_response_format(obj, where: str) -> dict:
     return obj
 
 
-def read_response_formats(response_format: Optional[str], source: Optional[PromptsFile], num_prompts: int):
-    """One response_format per prompt (None: unconstrained), or None when nothing asks for one:
-    the file ``--response-format FILE.json`` for every prompt, overridden by a ``.jsonl`` prompt
-    line's own ``"response_format"`` (``source``: the ``--input`` file read, or None). A file or
-    line may hold a response_format object or a bare JSON schema. Raises UsageError naming the file
-    (and line)."""
-    default = None
-    if response_format:
-        path = Path(response_format)
-        if not path.is_file():
-            raise UsageError(f"--response-format {path}: no such file")
-        try:
-            default = _as_response_format(json.loads(path.read_text(encoding="utf-8")), f"--response-format {path}")
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"--response-format {path}: not valid JSON ({exc})") from None
-    formats = [default] * num_prompts
-    for i, (n, obj) in enumerate(source.records if source is not None else ()):
-        if isinstance(obj, dict) and obj.get("response_format") is not None:
-            formats[i] = _as_response_format(obj["response_format"], f"--input {source.path} line {n}")
-    return formats if any(f is not None for f in formats) else None
+def read_response_format(path: str) -> dict:
+    """The ``--response-format FILE.json`` for every row (a response_format object or a bare JSON
+    schema), checked as the engine will check it. Raises UsageError naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"--response-format {p}: no such file")
+    try:
+        return as_response_format(json.loads(p.read_text(encoding="utf-8")), f"--response-format {p}")
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--response-format {p}: not valid JSON ({exc})") from None
 
 
 def check_library(module: str, option: str, extra: str) -> None:

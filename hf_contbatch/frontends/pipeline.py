@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -43,6 +43,7 @@ from .generation_args import (  # noqa: F401  (re-exported: their former home)
 from .generation_handle import GenerationHandle, records_so_far
 from .progress import wait_for
 from .quiet_imports import quiet_optional_import_notices
+from .streamed_call import StreamedCall, call_level_kwargs, in_flight_limit, is_indexed_dataset
 from .text_io import TextInput, is_chat
 
 TASK_NAME = "continuous-batching-text-generation"  # the task ``register_pipeline()`` adds to transformers
@@ -310,8 +311,9 @@ class ContinuousBatchingPipeline:
         """Generate for one input or many; same inputs and output shapes as transformers' pipeline.
 
         Args:
-            text_inputs: a string, a chat, a list of strings/chats, or an iterable (generator,
-                dataset) of them.
+            text_inputs: a string, a chat, a list of strings/chats, or any other iterable of them
+                (a generator, a ``datasets`` column such as ``ds["text"]``, ``KeyDataset(ds, "text")``
+                or another torch ``Dataset`` with ``__getitem__``/``__len__``), pulled lazily.
             **kwargs: generation parameters (``max_new_tokens``, ``do_sample``, ``temperature``,
                 ``top_k``, ``top_p``, ``repetition_penalty``, ``eos_token_id``, ``stop_strings``,
                 ``num_return_sequences``...; ``max_new_tokens`` may also be a list, one per input),
@@ -322,16 +324,24 @@ class ContinuousBatchingPipeline:
                 choice or grammar; one value or one per input; see ``frontends.response_format``),
                 ``streamer`` (a transformers ``TextStreamer``/``TextIteratorStreamer``; one prompt),
                 ``prefix``, ``stop_sequence``, ``continue_final_message``, ``return_tensors``,
-                ``return_text``, ``handle_long_generation`` as in transformers.
+                ``return_text``, ``handle_long_generation`` as in transformers. ``batch_size``
+                (int >= 1) is, for us, the most prompts in flight: pulled from the input and not
+                yet returned (queued, running, or finished behind an earlier one still running);
+                the engine still batches continuously up to ``max_num_seqs``. Without it an
+                iterable input keeps ``4 * max_num_seqs`` in flight and a list is queued whole.
 
         Returns:
-            For one input, a list of ``{"generated_text": ...}`` (one per returned sequence); for
-            several, a list of such lists in input order; for a generator/dataset, an iterator of them.
+            As transformers' pipeline: for one input, a list of ``{"generated_text": ...}`` (one
+            per returned sequence); for a list or tuple, a list of such lists in input order; for
+            any other iterable or dataset, a generator of them in input order, each yielded as soon
+            as it and every input before it are done (``streamed_call.StreamedCall``). Leaving the
+            generator early (``break``, ``close()``) cancels the call's requests still in flight.
 
         Raises:
             ValueError: bad inputs or arguments, token ids outside the model's vocabulary (a
                 tokenizer with added tokens and no ``resize_token_embeddings``); nothing is
-                submitted then.
+                submitted then. From a generator: the message starts ``input i:`` naming the bad
+                element; the records before it were yielded and the requests in flight cancelled.
             RuntimeError: the pipeline is closed (``close()`` ran, or its ``with`` block ended).
             EngineError: the engine failed one of this call's requests. The others ran to the end;
                 ``exc.partial_results`` is what the call would have returned, the failed
@@ -354,12 +364,48 @@ class ContinuousBatchingPipeline:
         if isinstance(text_inputs, (list, tuple)):
             if len(text_inputs) == 0:
                 raise ValueError("`text_inputs` is an empty list; give at least one prompt")
+            if self._call_default(kwargs, "batch_size") is not None:  # a bounded number in flight
+                return list(self._stream(text_inputs, kwargs))
             return self._run(list(text_inputs), kwargs)
-        if isinstance(text_inputs, Iterable) and not isinstance(text_inputs, (dict, bytes)):
-            return iter(self._run(list(text_inputs), kwargs))
+        if (isinstance(text_inputs, Iterable) and not isinstance(text_inputs, (dict, bytes))) or is_indexed_dataset(
+            text_inputs
+        ):
+            return self._stream(text_inputs, kwargs)
         raise ValueError(
             "`text_inputs` must be a string, a chat (list of role/content dicts), a list of those, or an "
             f"iterable of those; got {type(text_inputs).__name__}"
+        )
+
+    def _call_default(self, kwargs: dict, name: str):
+        """A call argument of the engine group (``batch_size``, ``progress_bar``): the call's, else the pipeline's."""
+        return kwargs[name] if name in kwargs else self._call_requests.init_kwargs["engine"].get(name)
+
+    def _stream(self, inputs, kwargs: dict) -> Iterator[list[dict]]:
+        """A lazy call over ``inputs`` (``streamed_call.StreamedCall``): a generator of each input's
+        records in input order, with at most ``batch_size`` (default ``4 * max_num_seqs``) prompts
+        pulled and not yet yielded."""
+        in_flight = in_flight_limit(self._call_default(kwargs, "batch_size"), self.engine.config.scheduler.max_num_seqs)
+        # The call's arguments are checked now, with no prompt (as a list call checks them before
+        # returning): a bad one is the call's error, not one of the inputs'.
+        self._call_requests.prepare([], call_level_kwargs(kwargs))
+        show = self._call_default(kwargs, "progress_bar")
+        call = StreamedCall(
+            self,
+            inputs,
+            kwargs,
+            in_flight=in_flight,
+            show=True if show is None else bool(show),
+            on_end=self._set_call_stats,
+        )
+        return iter(call)
+
+    def _set_call_stats(self, num_requests: int, tokens: int, seconds: float, preemptions: int) -> None:
+        self.last_call_stats = CallStats(
+            num_requests=num_requests,
+            generated_tokens=tokens,
+            seconds=seconds,
+            tokens_per_s=tokens / seconds if seconds else 0.0,
+            preemptions=preemptions,
         )
 
     def _run(self, prompts: list, kwargs: dict) -> list[list[dict]]:
@@ -370,14 +416,7 @@ class ContinuousBatchingPipeline:
         flat = [h for hs in submitted for h in hs]
         show = call.progress_bar if call.progress_bar is not None else len(prompts) > 1
         tokens = wait_for(self.engine, flat, desc="hf_contbatch", show=bool(show))
-        elapsed = time.monotonic() - t0
-        self.last_call_stats = CallStats(
-            num_requests=len(flat),
-            generated_tokens=tokens,
-            seconds=elapsed,
-            tokens_per_s=tokens / elapsed if elapsed else 0.0,
-            preemptions=sum(h.request.num_preemptions for h in flat),
-        )
+        self._set_call_stats(len(flat), tokens, time.monotonic() - t0, sum(h.request.num_preemptions for h in flat))
         results = [
             records_so_far(self.tokenizer, prompt, hs, call.output) for prompt, hs in zip(call.prompts, submitted)
         ]

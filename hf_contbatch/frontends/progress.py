@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import queue
 import time
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 from ..engine.handles import RequestHandle
 
@@ -21,7 +21,14 @@ from ..engine.handles import RequestHandle
 _LIVE_INTERVAL_S = 0.5
 
 
-def wait_for(engine, handles: Sequence[RequestHandle], *, desc: str = "hf_contbatch", show: bool = True) -> int:
+def wait_for(
+    engine,
+    handles: Sequence[RequestHandle],
+    *,
+    desc: str = "hf_contbatch",
+    show: bool = True,
+    on_finished: Optional[Callable[[RequestHandle], None]] = None,
+) -> int:
     """Block until every handle in ``handles`` finished; return their generated tokens in total.
 
     Args:
@@ -29,6 +36,8 @@ def wait_for(engine, handles: Sequence[RequestHandle], *, desc: str = "hf_contba
         handles: the requests to wait for.
         desc: the bar's label.
         show: draw a ``tqdm.auto`` bar (a widget in notebooks).
+        on_finished: called in this thread with each handle as it finishes (between iterations,
+            never inside one): where a caller keeps each result as it comes (lm-eval's cache).
 
     Raises:
         RuntimeError: the engine was closed while driving. On any exception (``KeyboardInterrupt``
@@ -57,6 +66,8 @@ def wait_for(engine, handles: Sequence[RequestHandle], *, desc: str = "hf_contba
         if bar is not None:
             bar.set_postfix_str(_rates(finished, generated_so_far(), time.monotonic() - t0), refresh=False)
             bar.update(1)
+        if on_finished is not None:
+            on_finished(h)
 
     def show_live_rate() -> None:
         nonlocal last_live

@@ -1,6 +1,7 @@
 """`hf-contbatch generate`, the main job: reads prompts, writes one record per prompt, equal to
-transformers' greedy pipeline on the same model, and rejects bad input before loading anything:
-one line, ``hf-contbatch: error: ...``, exit status 2 (argparse's convention). ``--help`` answers
+transformers' greedy pipeline on the same model, and rejects bad arguments before loading anything:
+one line, ``hf-contbatch: error: ...``, exit status 2 (argparse's convention); a bad row gets an
+error record and exit status 3 (tests/frontends/test_cli_jobs.py: resume, OpenAI batch files). ``--help`` answers
 without importing torch. The error tests run the installed entry point in a subprocess."""
 
 from __future__ import annotations
@@ -24,21 +25,7 @@ from hf_contbatch.cli import main
 from hf_contbatch.default_model import default_model_path
 from hf_contbatch.frontends.integrations.lm_eval_args import ENGINE_ARGS
 
-ROOT = Path(__file__).resolve().parents[2]
-ENTRY_POINT = Path(sys.executable).with_name("hf-contbatch")  # pyproject's [project.scripts]
-
-
-def cli_command() -> list[str]:
-    """The installed ``hf-contbatch`` script (it runs ``hf_contbatch.cli:main``), else the module."""
-    return [str(ENTRY_POINT)] if ENTRY_POINT.exists() else [sys.executable, "-m", "hf_contbatch.cli"]
-
-
-def cli_env(**extra: str) -> dict:
-    """The environment of a CLI subprocess: this checkout's package first on the path, offline."""
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
-    env.pop("HF_CONTBATCH_DEBUG", None)
-    return {**env, **extra}
+from conftest import ENTRY_POINT, cli_command, cli_env
 
 
 def run_cli(*args: str, cwd: Path, timeout: int = 60, **env: str) -> subprocess.CompletedProcess:
@@ -61,62 +48,22 @@ def test_generate_writes_records_equal_to_transformers_greedy(tmp_path, capsys):
     hf = transformers.pipeline("text-generation", model=default_model_path(), dtype=torch.float32)
     expected = [hf(p, max_new_tokens=12, do_sample=False, return_full_text=False)[0]["generated_text"] for p in prompts]
     assert [r["prompt"] for r in rows] == prompts
+    assert [(r["index"], r["id"]) for r in rows] == [(0, None), (1, None), (2, None)]
     assert [r["generated_text"] for r in rows] == expected
     summary = capsys.readouterr().err
-    assert "3 requests" in summary and "tok/s" in summary and "peak blocks" in summary
+    assert "3 requests done, 0 failed" in summary and "tok/s" in summary and "peak blocks" in summary
     assert "weights float32; KV cache float32\n" in summary  # the formats served
 
 
 # (input file name, its content, extra arguments, the one line on stderr). Relative paths: the
 # subprocess runs in the test's directory, so the messages are exact.
 PRE_LOAD_ERRORS = {
-    "invalid JSON": (
-        "p.jsonl",
-        '{"prompt": "x"}\nnot json\n',
-        [],
-        "--input p.jsonl line 2: not valid JSON (Expecting value: line 1 column 1 (char 0))",
-    ),
     "no prompts": ("p.txt", "\n  \n", [], "--input p.txt: no prompts in the file"),
-    "unknown key": (
-        "p.jsonl",
-        '{"prompt": "a"}\n\n{"text": "x"}\n',
-        [],
-        "--input p.jsonl line 3: found the key 'text'; each line must be a string or an object with 'prompt' "
-        "or 'messages' (an array of role/content objects)",
-    ),
-    "messages not a list": (
-        "p.jsonl",
-        '{"messages": "not a list"}\n',
-        [],
-        """--input p.jsonl line 1: 'messages' must be an array of {"role": ..., "content": ...} objects, found a string""",
-    ),
-    "message without content": (
-        "p.jsonl",
-        '{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user"}]}\n',
-        [],
-        "--input p.jsonl line 1: messages[1] has no 'content' (its keys: 'role')",
-    ),
-    "prompt not a string": (
-        "p.jsonl",
-        '{"prompt": 5}\n',
-        [],
-        "--input p.jsonl line 1: 'prompt' must be a string, found the number 5",
-    ),
-    "a generation setting on a line": (
-        "p.jsonl",
-        '{"prompt": "a", "max_new_tokens": "x"}\n',
-        [],
-        "--input p.jsonl line 1: unknown key 'max_new_tokens'; a line's object takes 'prompt' or 'messages', and "
-        "optionally 'response_format' and 'adapter'; generation settings such as --max-new-tokens are the "
-        "command's options, for every prompt",
-    ),
-    "a misspelt line option": (
-        "p.jsonl",
-        '{"messages": [{"role": "user", "content": "hi"}], "adapte": "a"}\n',
-        [],
-        "--input p.jsonl line 1: unknown key 'adapte' (did you mean 'adapter'?); a line's object takes 'prompt' "
-        "or 'messages', and optionally 'response_format' and 'adapter'; generation settings such as "
-        "--max-new-tokens are the command's options, for every prompt",
+    "resume without output": (
+        "p.txt",
+        "x\n",
+        ["--resume"],
+        "--resume needs --output (the file of the interrupted job)",
     ),
     "empty stop": (
         "p.txt",
@@ -124,19 +71,7 @@ PRE_LOAD_ERRORS = {
         ["--stop", ""],
         "argument --stop: must be a non-empty text, got '' (see `hf-contbatch generate --help`)",
     ),
-    "prompt and messages": (
-        "p.jsonl",
-        '{"prompt": "a", "messages": []}\n',
-        [],
-        "--input p.jsonl line 1: found both 'prompt' and 'messages'; give one",
-    ),
-    "not a string or object": (
-        "p.jsonl",
-        "[1, 2]\n",
-        [],
-        "--input p.jsonl line 1: found an array; each line must be a string or an object with 'prompt' or 'messages'",
-    ),
-    "wrong suffix": ("p.csv", "x\n", [], "--input p.csv: must be a .jsonl or .txt file"),
+    "wrong suffix": ("p.xlsx", "x\n", [], "--input p.xlsx: must be a .jsonl, .txt, .parquet or .csv file"),
     "missing input": ("p.txt", "x\n", ["--input", "nope.txt"], "--input nope.txt: no such file"),
     "max new tokens": (
         "p.txt",
@@ -191,22 +126,70 @@ PRE_LOAD_ERRORS = {
 }
 
 
+# A bad row is an error record naming its line (the other rows run): (its line, the record's error).
+ROW_ERRORS = [
+    ("not json", "not valid JSON (Expecting value: line 1 column 1 (char 0))"),
+    ('{"text": "x"}', "found the key 'text'; each line must be a string or an object with 'prompt' or 'messages' "
+     "(an array of role/content objects)"),
+    ('{"messages": "not a list"}', """'messages' must be an array of {"role": ..., "content": ...} objects, found a string"""),
+    ('{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user"}]}',
+     "messages[1] has no 'content' (its keys: 'role')"),
+    ('{"prompt": 5}', "'prompt' must be a string, found the number 5"),
+    ('{"prompt": "a", "max_new_tokens": "x"}', "unknown key 'max_new_tokens'; a line's object takes 'prompt' or "
+     "'messages', and optionally 'response_format' and 'adapter'; generation settings such as --max-new-tokens "
+     "are the command's options, for every prompt"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "adapte": "a"}', "unknown key 'adapte' (did you mean "
+     "'adapter'?); a line's object takes 'prompt' or 'messages', and optionally 'response_format' and 'adapter'; "
+     "generation settings such as --max-new-tokens are the command's options, for every prompt"),
+    ('{"prompt": "a", "messages": []}', "found both 'prompt' and 'messages'; give one"),
+    ("[1, 2]", "found an array; each line must be a string or an object with 'prompt' or 'messages'"),
+    ('{"id": "long", "prompt": "' + "word " * 2000 + '"}', "context"),
+]  # fmt: skip
+
+
+@pytest.mark.timeout(180)
+def test_bad_rows_get_error_records_the_others_run_and_the_exit_status_says_so(tmp_path, capsys):
+    good = ["The for statement", "A class is"]
+    lines = [json.dumps({"id": 10, "prompt": good[0]})] + [line for line, _ in ROW_ERRORS] + [json.dumps(good[1])]
+    inp, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    args = ["generate", "--input", str(inp), "--output", str(out), "--max-new-tokens", "6", "--quiet"]
+    assert main(args) == 3  # some rows failed (documented in --help)
+    records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [r["index"] for r in records] == list(range(len(lines)))  # one per row, in input order
+    hf = transformers.pipeline("text-generation", model=default_model_path(), dtype=torch.float32)
+    for record, prompt, row_id in ((records[0], good[0], 10), (records[-1], good[1], None)):
+        expected = hf(prompt, max_new_tokens=6, do_sample=False, return_full_text=False)[0]["generated_text"]
+        assert record == {"index": record["index"], "id": row_id, "prompt": prompt, "generated_text": expected}
+    for n, (record, (_, message)) in enumerate(zip(records[1:-1], ROW_ERRORS), 2):
+        assert set(record) == {"index", "id", "error"}
+        assert record["error"].startswith(f"line {n}: ") and message in record["error"], record["error"]
+    assert records[-2]["id"] == "long"
+    err = capsys.readouterr().err
+    assert f"2 requests done, {len(ROW_ERRORS)} failed" in err
+    assert f"hf-contbatch: {len(ROW_ERRORS)} of {len(lines)} rows failed (error records in {out})" in err
+
+
 @pytest.mark.timeout(30)
 def test_a_datasets_own_keys_on_a_jsonl_line_are_ignored_and_generation_settings_are_not(tmp_path):
-    from hf_contbatch.frontends.cli_checks import UsageError, read_prompts
+    from hf_contbatch.frontends.job_inputs import open_input
 
     path = tmp_path / "p.jsonl"
     path.write_text(
         '{"id": 3, "prompt": "a", "answer": "b", "prompt_id": 7, "update": 1}\n'
         '{"messages": [{"role": "user", "content": "c"}], "meta": {}, "validate": true}\n'
     )
-    assert read_prompts(str(path)).prompts == ["a", [{"role": "user", "content": "c"}]]
+    rows = list(open_input(str(path)).rows())
+    assert [(r.prompt, r.id, r.error) for r in rows] == [
+        ("a", 3, None),
+        ([{"role": "user", "content": "c"}], None, None),
+    ]
     # vLLM's and OpenAI's batch files set sampling per line; here the options do, for every prompt.
     for key, typo in (("n", None), ("stop", None), ("max_tokens", None), ("adapter_name", "adapter")):
         path.write_text(json.dumps({"prompt": "a", key: 2}) + "\n")
         hint = f" (did you mean {typo!r}?)" if typo else ""
-        with pytest.raises(UsageError, match=re.escape(f"line 1: unknown key {key!r}{hint}; ")):
-            read_prompts(str(path))
+        (row,) = open_input(str(path)).rows()
+        assert row.prompt is None and row.error.startswith(f"line 1: unknown key {key!r}{hint}; ")
 
 
 @pytest.mark.timeout(60)
@@ -231,7 +214,7 @@ def test_a_bad_dtype_lists_the_allowed_ones(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_an_error_found_by_the_engine_is_one_line_too(tmp_path):
+def test_a_row_the_engine_refuses_is_one_line_and_exit_status_3(tmp_path):
     (tmp_path / "p.txt").write_text("x\n", encoding="utf-8")
     proc = run_cli(
         "generate",
@@ -245,11 +228,12 @@ def test_an_error_found_by_the_engine_is_one_line_too(tmp_path):
         cwd=tmp_path,
         timeout=170,
     )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = [line for line in proc.stderr.splitlines() if not line.startswith("built CPU kernels")]
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("hf-contbatch")]
     assert lines == [
-        "hf-contbatch: error: request needs up to 41 tokens of KV (prompt 1 + max_new_tokens 40) but the whole "
-        "pool holds 16 tokens (1 blocks of 16); lower max_new_tokens or enlarge the cache"
+        "hf-contbatch: failed row 0: line 1: request needs up to 41 tokens of KV (prompt 1 + max_new_tokens 40) but the "
+        "whole pool holds 16 tokens (1 blocks of 16); lower max_new_tokens or enlarge the cache",
+        "hf-contbatch: 1 of 1 rows failed (errors above)",
     ]
 
 
@@ -354,14 +338,14 @@ def _has_c_compiler() -> bool:
 # Runs the command with a spy on the timed call: which kernel libraries the cache holds when it starts.
 _SPY = """
 import os, sys, pathlib
-from hf_contbatch.frontends import pipeline as p
-timed_call = p.ContinuousBatchingPipeline._run
-def spy(self, prompts, kwargs):
+from hf_contbatch.frontends import batch_job as b
+timed_call = b.run_job
+def spy(*args, **kwargs):
     cache = pathlib.Path(os.environ["XDG_CACHE_HOME"], "hf_contbatch")
     names = sorted(f.name.rsplit("_", 1)[0] for f in cache.glob("*.so")) if cache.is_dir() else []
     print("libraries when the timed call starts:", names, file=sys.stderr)
-    return timed_call(self, prompts, kwargs)
-p.ContinuousBatchingPipeline._run = spy
+    return timed_call(*args, **kwargs)
+b.run_job = spy
 from hf_contbatch.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -407,7 +391,8 @@ def test_first_run_builds_the_c_kernels_before_the_timed_call_and_says_so_once(t
     )
     assert first.index(timed[0]) < first.index(next(line for line in first if line.startswith("libraries when")))
     assert not any(line.startswith("timed the GEMMs") for line in second)
-    assert first[-1].startswith("1 request, 2 generated tokens in ") and second[-1].startswith("1 request, ")
+    assert first[-1].startswith("1 request done, 0 failed; 2 generated tokens in ")
+    assert second[-1].startswith("1 request done, ")
 
 
 # --- a Hub id without network: one short probe, one line (issue 33) -------------------------------------

@@ -127,3 +127,43 @@ def test_each_layers_kv_pool_follows_the_models_device_map(reference_texts):
         assert [r[0]["generated_text"] for r in pipe(PROMPTS, **GREEDY)] == reference_texts
     finally:
         pipe.close()
+
+
+@pytest.mark.timeout(180)
+def test_output_streams_to_a_shard_and_a_resumed_run_generates_only_what_the_shard_lacks(tmp_path, reference_texts):
+    out = tmp_path / "results.jsonl"
+    pipeline_kwargs = {"dtype": torch.float32, "engine_config": EngineConfig(cache=CacheConfig(num_blocks=64))}
+    results = distributed_generate(PROMPTS, model=PATH, pipeline_kwargs=pipeline_kwargs, output=str(out), **GREEDY)
+    assert [r[0]["generated_text"] for r in results] == reference_texts
+    merged = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert merged == [{"index": i, "records": r} for i, r in enumerate(results)]
+    assert list(tmp_path.iterdir()) == [out]  # the shard is gone once merged
+    # A killed run: its shard holds prompts 3 and 0 (kept as they are, even a text no model wrote)
+    # and a torn line; the rerun generates the other three only.
+    out.unlink()
+    shard = tmp_path / "results.jsonl.rank0-of-1"
+    kept = [{"index": 3, "records": [{"generated_text": "kept"}]}, {"index": 0, "records": results[0]}]
+    shard.write_text("".join(json.dumps(r) + "\n" for r in kept) + '{"index": 1, "rec', encoding="utf-8")
+    calls = []
+    original = ContinuousBatchingPipeline.__call__
+
+    def counting(self, inputs, **kwargs):
+        calls.append(list(inputs))
+        return original(self, inputs, **kwargs)
+
+    ContinuousBatchingPipeline.__call__ = counting
+    try:
+        resumed = distributed_generate(
+            PROMPTS, model=PATH, pipeline_kwargs=pipeline_kwargs, output=str(out), resume=True, **GREEDY
+        )
+    finally:
+        ContinuousBatchingPipeline.__call__ = original
+    assert calls == [[PROMPTS[1], PROMPTS[2], PROMPTS[4]]]
+    assert [r[0]["generated_text"] for r in resumed] == [
+        reference_texts[0],
+        *reference_texts[1:3],
+        "kept",
+        reference_texts[4],
+    ]
+    # A finished output is read back without loading a model.
+    assert distributed_generate(PROMPTS, model="no/such/model", output=str(out), resume=True, **GREEDY) == resumed

@@ -281,3 +281,69 @@ def test_a_bad_sampling_value_gets_one_message_from_one_place_through_pipeline_s
     finally:
         pipe.close()
         lm.close()
+
+
+class _KilledAfter(Exception):
+    """Stands for a kill: raised by the cache hook after some results were stored."""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("request_type", ["generate_until", "loglikelihood", "loglikelihood_rolling"])
+def test_results_reach_the_cache_as_they_finish_and_a_rerun_computes_only_the_missing(tmp_path, request_type):
+    """With lm-eval's ``--use_cache`` (``CachingLM``), each result is stored as its request finishes:
+    a run stopped after 4 results keeps those 4, and the rerun sends only the others to the model,
+    and returns what an uninterrupted run returns."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.model import CacheHook, CachingLM
+
+    from hf_contbatch.integrations.lm_eval import ContinuousBatchingLM
+
+    texts = [f"{w} number {i} is" for i, w in enumerate(["The for statement", "A class", "import x"] * 3)]
+    arguments = {
+        "generate_until": [
+            (t, {"until": ["\n\n"], "max_gen_toks": 6 + i, "do_sample": False}) for i, t in enumerate(texts)
+        ],
+        "loglikelihood": [(t, " a value") for t in texts],
+        "loglikelihood_rolling": [(t * (1 + i % 3),) for i, t in enumerate(texts)],
+    }[request_type]
+    requests = [Instance(request_type=request_type, doc={}, idx=i, arguments=a) for i, a in enumerate(arguments)]
+    lm = ContinuousBatchingLM(dtype="float32", device="cpu", num_blocks=128, max_num_seqs=2)
+    try:
+        reference = getattr(lm, request_type)(requests, disable_tqdm=True)
+        db = str(tmp_path / "cache.db")
+        cached = CachingLM(lm, db)
+        hook = lm.cache_hook
+        stored = []
+
+        class StopAfterFour(CacheHook):
+            def __init__(self):
+                self.dbdict = hook.dbdict
+
+            def add_partial(self, attr, req, res):
+                hook.add_partial(attr, req, res)
+                stored.append(req)
+                if len(stored) == 4:
+                    raise _KilledAfter
+
+        lm.set_cache_hook(StopAfterFour())
+        with pytest.raises(_KilledAfter):
+            getattr(cached, request_type)(requests)
+        assert lm.engine.wait_idle(30)  # the others were cancelled, their blocks freed
+        assert lm.engine.block_manager.num_free_blocks == lm.engine.block_manager.num_blocks
+        cached.dbdict.close()  # what the killed process had committed
+
+        rerun = CachingLM(lm, db)
+        sent = []
+        method = getattr(lm, request_type)
+
+        def recording(reqs, *args, **kwargs):
+            sent.extend(reqs)
+            return method(reqs, *args, **kwargs)
+
+        setattr(lm, request_type, recording)
+        assert getattr(rerun, request_type)(requests) == reference
+        assert len(sent) == len(requests) - 4
+        assert {repr(r.args) for r in sent}.isdisjoint(repr(tuple(s)) for s in stored)
+        rerun.dbdict.close()
+    finally:
+        lm.close()

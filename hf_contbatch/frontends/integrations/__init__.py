@@ -2,6 +2,7 @@
 
 - ``transformers``: ``register_pipeline()`` adds a ``transformers.pipeline`` task for our pipeline.
 - ``accelerate``: ``distributed_generate()`` for scripts started with ``accelerate launch``/``torchrun``.
+- ``ray``: ``build_processor()``, Ray Data batch inference with one engine per replica (actor).
 - ``lm_eval``: the ``hf-contbatch`` lm-eval model type (``import hf_contbatch.frontends.integrations.lm_eval``);
   ``lm_eval_args``: its name and engine settings, readable without torch (``hf-contbatch eval --help``).
 

@@ -5,6 +5,9 @@ eval ...``, or ``lm_eval.simple_evaluate(model="hf-contbatch", ...)`` after the 
 lm-eval's ``HFLM`` so that model loading, ``model_args``, tokenization, truncation, chat templates and
 the post-processing of generations are lm-eval's own; only the model calls change:
 
+Every result goes to lm-eval's cache (``--use_cache``) as soon as its request finishes, not when the
+whole request type is done: a killed run keeps what finished, and the rerun computes only the rest.
+
 - ``generate_until`` submits every request at once (lm-eval does no batching for us), honouring
   ``until`` (stop strings), ``max_gen_toks``, ``do_sample``, ``temperature`` and the rest of the
   generation kwargs, resolved over the model's generation config exactly as ``generate`` would.
@@ -23,7 +26,8 @@ Engine settings are extra ``model_args``: ``block_size``, ``num_blocks``, ``cach
 
 from __future__ import annotations
 
-from typing import Optional
+import itertools
+from typing import Callable, Optional
 
 import lm_eval.models  # noqa: F401  (first: registering into an empty registry hides lm-eval's own models)
 import torch
@@ -106,15 +110,27 @@ class ContinuousBatchingLM(HFLM):
         self.engine.close()
 
     # --- running many requests at once ---------------------------------------------------------
-    def _wait_all(self, handles: list[RequestHandle], desc: str, disable_tqdm: bool) -> None:
+    def _wait_all(
+        self, handles: list[RequestHandle], desc: str, disable_tqdm: bool, on_result: Callable[[int], None]
+    ) -> None:
         """Wait for ``handles`` as the pipeline does: this thread drives the engine (cancels all of
-        them if interrupted)."""
-        wait_for(self.engine, handles, desc=desc, show=not (disable_tqdm or self.rank != 0))
+        them if interrupted). ``on_result(i)`` runs in this thread as soon as ``handles[i]``
+        finished well: each result goes to lm-eval's cache then (``cache_hook.add_partial``; with
+        ``--use_cache`` a killed run keeps every request that finished, and a rerun computes only
+        the others)."""
+        position = {id(h): i for i, h in enumerate(handles)}
+
+        def finished(h: RequestHandle) -> None:
+            if h.request.error is None and h.request.finish_reason != "cancelled":
+                on_result(position[id(h)])
+
+        wait_for(self.engine, handles, desc=desc, show=not (disable_tqdm or self.rank != 0), on_finished=finished)
 
     # --- scoring ---------------------------------------------------------------------------------
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None, on_result=None):
         """``(sum log-prob, all greedy)`` of each continuation, scored as ``hf`` does: the last
-        ``max_length + 1`` tokens of context + continuation, the final one never fed to the model."""
+        ``max_length + 1`` tokens of context + continuation, the final one never fed to the model.
+        Each answer goes to lm-eval's cache as it is scored (and to ``on_result(i, answer)``)."""
         built = []
         spans = []
         for _, context_enc, continuation_enc in requests:
@@ -132,20 +148,26 @@ class ContinuousBatchingLM(HFLM):
             built.append(self.engine.build_request(whole[:-1], sp))
             spans.append((first, len(whole) - 1))
         handles = [hs[0] for hs in self.engine.enqueue(built)]  # all validated: none queued if one is bad
-        self._wait_all(handles, "Running loglikelihood requests", disable_tqdm)
-        results = []
-        for (request_str, _, _), h, (first, last) in zip(requests, handles, spans):
-            h.result()
+        results: list = [None] * len(handles)
+
+        def score(i: int) -> None:
+            h, (first, last) = handles[i], spans[i]
             scored = (h.request.prompt_logprobs or [])[first : last + 1]
             if len(scored) != last + 1 - first or any(x is None for x in scored):
                 raise RuntimeError(
                     f"request {h.request_id}: prompt log-probs missing for scored tokens (a prefix-cache hit "
                     "must not cover rows that prompt_logprobs asks for)"
                 )
-            answer = (float(sum(lp for lp, _ in scored)), all(greedy for _, greedy in scored))
-            results.append(answer)
+            results[i] = (float(sum(lp for lp, _ in scored)), all(greedy for _, greedy in scored))
+            request_str = requests[i][0]
             if request_str is not None:
-                self.cache_hook.add_partial("loglikelihood", request_str, answer)
+                self.cache_hook.add_partial("loglikelihood", request_str, results[i])
+            if on_result is not None:
+                on_result(i, results[i])
+
+        self._wait_all(handles, "Running loglikelihood requests", disable_tqdm, score)
+        for h in handles:
+            h.result()  # an engine error surfaces here
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -166,15 +188,23 @@ class ContinuousBatchingLM(HFLM):
             )
             windows.extend((None,) + w for w in rolling)
             counts.append(len(rolling))
-        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
-        totals = []
-        pos = 0
-        for req, n in zip(requests, counts):
-            total = sum(lp for lp, _ in scores[pos : pos + n])
-            pos += n
-            totals.append(total)
-            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
-        return totals
+        owner = [i for i, n in enumerate(counts) for _ in range(n)]  # window -> request
+        starts = [0, *itertools.accumulate(counts)][:-1]
+        left = list(counts)
+        window_lps = [0.0] * len(windows)
+
+        def total(i: int) -> float:
+            return sum(window_lps[starts[i] : starts[i] + counts[i]])  # in window order, as hf sums
+
+        def window_scored(w: int, answer) -> None:
+            window_lps[w] = answer[0]
+            i = owner[w]
+            left[i] -= 1
+            if left[i] == 0:  # the request's last window: its total goes to the cache now
+                self.cache_hook.add_partial("loglikelihood_rolling", requests[i].args, total(i))
+
+        self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm, on_result=window_scored)
+        return [total(i) for i in range(len(counts))]
 
     # --- generation ------------------------------------------------------------------------------
     def _sampling_for(self, gen_kwargs: dict, prompt: list, max_gen_toks: int) -> SamplingParams:
@@ -223,25 +253,31 @@ class ContinuousBatchingLM(HFLM):
             untils.append(until)
         # Every request validated before any is queued; the wait cancels them all if interrupted.
         handles: list[RequestHandle] = [hs[0] for hs in self.engine.enqueue(built)]
-        self._wait_all(handles, "Running generate_until requests", disable_tqdm)
-        results = []
-        for req, h, until in zip(requests, handles, untils):
-            cont_toks = h.result().output_token_ids
-            if isinstance(self.think_end_token, int):
-                marks = [i for i, t in enumerate(cont_toks) if t == self.think_end_token]
-                if marks:
-                    cont_toks = cont_toks[marks[-1] + 1 :]
-            text = self.tok_decode(cont_toks)
-            if isinstance(self.think_end_token, int):
-                text = text.lstrip()
-            text = postprocess_generated_text(
-                generation=text,
-                stop=until,
-                think_end_token=self.think_end_token if isinstance(self.think_end_token, str) else None,
-            )
-            results.append(text)
-            self.cache_hook.add_partial("generate_until", req.args, text)
+        results: list = [None] * len(handles)
+
+        def finished(i: int) -> None:
+            results[i] = self._generated_text(handles[i].request.output_token_ids, untils[i])
+            self.cache_hook.add_partial("generate_until", requests[i].args, results[i])
+
+        self._wait_all(handles, "Running generate_until requests", disable_tqdm, finished)
+        for h in handles:
+            h.result()  # an engine error surfaces here
         return results
+
+    def _generated_text(self, cont_toks: list[int], until: list[str]) -> str:
+        """A continuation's text as ``hf`` post-processes it (thinking cut, stop sequences)."""
+        if isinstance(self.think_end_token, int):
+            marks = [i for i, t in enumerate(cont_toks) if t == self.think_end_token]
+            if marks:
+                cont_toks = cont_toks[marks[-1] + 1 :]
+        text = self.tok_decode(cont_toks)
+        if isinstance(self.think_end_token, int):
+            text = text.lstrip()
+        return postprocess_generated_text(
+            generation=text,
+            stop=until,
+            think_end_token=self.think_end_token if isinstance(self.think_end_token, str) else None,
+        )
 
 
 def simple_evaluate(model_args: Optional[str] = None, **kwargs):
