@@ -356,14 +356,6 @@ class Scheduler:
                 tokens = []
             decision = decisions.get(rid) if decisions is not None else None
             kept = tokens if decision is None else tokens[: decision.num_kept]
-            if s.draft_token_ids:
-                # the last token's KV, and each kept draft's (the kept tokens are drafts but the last)
-                kept_drafts = min(len(kept), len(tokens) - 1)
-                state.set_computed(req, s.start_position + 1 + kept_drafts)
-                self.drafts.count(len(s.draft_token_ids), kept_drafts)
-                bm.trim(rid, s.start_position + 1 + kept_drafts)
-            else:
-                state.set_computed(req, req.num_computed_tokens + s.num_new_tokens)
             if kept:
                 state.append_tokens(req, kept)
                 logprob = output.logprobs.get(rid)
@@ -373,6 +365,14 @@ class Scheduler:
                     if top is not None:
                         req.output_top_logprobs.append(top)
                 advanced.append((req, kept))
+            if s.draft_token_ids:
+                # the last token's KV, and each kept draft's (the kept tokens are drafts but the last)
+                kept_drafts = min(len(kept), len(tokens) - 1)
+                state.set_computed(req, s.start_position + 1 + kept_drafts)
+                self.drafts.count(len(s.draft_token_ids), kept_drafts)
+                bm.trim(rid, s.start_position + 1 + kept_drafts)
+            else:
+                state.set_computed(req, req.num_computed_tokens + s.num_new_tokens)
             if decision is not None and decision.error is not None:
                 self.fail(req, decision.error)
             elif decision is not None and decision.status is not None:
