@@ -65,14 +65,15 @@ class InputBatch:
         for rid in plan.preempted_ids:
             self.rows.pop(rid, None)
         for new in plan.new_requests:
-            self._add(new)
+            self.add(new)
         rows = self.rows
         for s in plan.scheduled:
             tokens = rows[s.request_id].token_ids
             del tokens[s.start_position :]  # rejected drafts of the last step, or a retry's same ids
             tokens.extend(s.token_ids)
 
-    def _add(self, new: NewRequestData) -> None:
+    def add(self, new: NewRequestData) -> None:
+        """Add (or replace) the row of ``new``: its tokens, prompt length, sampling values, adapter."""
         self.rows[new.request_id] = BatchRow(
             new.request_id, new.num_prompt_tokens, new.sampling, new.adapter_name, list(new.token_ids)
         )

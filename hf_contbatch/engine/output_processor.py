@@ -56,9 +56,7 @@ class OutputProcessor:
         self.sampler = sampler
         self.processors = processors
 
-    def decide(
-        self, proposed: Mapping[int, Sequence[int]], requests: Mapping[int, Request]
-    ) -> dict[int, StopDecision]:
+    def decide(self, proposed: Mapping[int, Sequence[int]], requests: Mapping[int, Request]) -> dict[int, StopDecision]:
         """``{request id: StopDecision}`` for each request's ``proposed`` tokens (``requests``: the
         request of each id). Runs user code: call with the state lock released. Never raises: a
         failing check fails its request (``StopDecision.error``)."""

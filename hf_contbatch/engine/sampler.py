@@ -225,7 +225,9 @@ class Sampler:
         masked, at = [], 0
         for s, row in zip(drafting, rows):
             if row.sampling.has_grammar:  # its output: the row's tokens before this step's
-                masked.append((at, row.request_id, row.token_ids[row.num_prompt_tokens : s.start_position + 1], s.draft_token_ids))
+                masked.append(
+                    (at, row.request_id, row.token_ids[row.num_prompt_tokens : s.start_position + 1], s.draft_token_ids)
+                )
             at += s.num_new_tokens
         if masked:
             self.grammar.mask_draft_rows(scores, masked)

@@ -26,22 +26,27 @@ class ProposedRequest:
     anything is appended. ``output_token_ids`` is a tuple (the proposed token last); every other
     attribute reads the request's."""
 
-    __slots__ = ("_request", "output_token_ids")
+    __slots__ = ("_request", "_output")
 
     def __init__(self, request: Request, output_token_ids: Sequence[int]) -> None:
         self._request = request
-        self.output_token_ids = tuple(output_token_ids)
+        self._output = tuple(output_token_ids)
 
     def __getattr__(self, name: str):
         return getattr(self._request, name)
 
     @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        """The request's output with the proposed tokens up to the one being checked."""
+        return self._output
+
+    @property
     def num_tokens(self) -> int:
-        return self._request.num_prompt_tokens + len(self.output_token_ids)
+        return self._request.num_prompt_tokens + len(self._output)
 
     @property
     def all_token_ids(self) -> list[int]:
-        return [*self._request.prompt_token_ids, *self.output_token_ids]
+        return [*self._request.prompt_token_ids, *self._output]
 
 
 def length_or_eos_status(req: Request, output_token_ids: Sequence[int]) -> Optional[RequestStatus]:
