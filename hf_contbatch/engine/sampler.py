@@ -272,9 +272,9 @@ class Sampler:
                 k = requests[i].sampling.logprobs
                 best = list(zip(top.indices[j, :k].tolist(), top.values[j, :k].tolist())) if k else None
                 out[requests[i].request_id] = (chosen[j], best)
-        for i, r in enumerate(requests):
-            if states[i].needs_scores:
-                states[i].last_scores = scores[i : i + 1].clone()
+        for i, st in enumerate(states):
+            if st.needs_scores:
+                st.last_scores = scores[i : i + 1].clone()
         return out
 
 

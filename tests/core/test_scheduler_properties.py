@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from hf_contbatch.config import SchedulerConfig
 from hf_contbatch.core.block_manager import BlockManager
-from hf_contbatch.core.plan import StopDecision, RunnerOutput, StepPlan, StepResult
+from hf_contbatch.core.plan import RunnerOutput, StepPlan, StepResult, StopDecision
 from hf_contbatch.core.scheduler import PHASES, Scheduler
 from hf_contbatch.request import Request, RequestStatus, SamplingParams
 
