@@ -177,7 +177,8 @@ class LLMEngine:
             prompt_token_ids: the prompt as a non-empty sequence of ints.
             sampling: its sampling parameters.
             priority: lower is served first.
-            stop_checker: called after each new token (engine thread); True finishes with "stop".
+            stop_checker: called for each new token before it is appended (engine thread), with a
+                read-only view of the request whose output ends with it; True finishes with "stop".
             num_return_sequences: None for one sequence (returns a handle); an int n >= 1 returns a
                 list of n handles, sequences that share the prompt's KV (``RequestFactory.build``).
 
