@@ -151,13 +151,9 @@ class ScheduledRequest:
             chunk). Decodes come first in a step's batch; attention serves them batched.
         block_ids: the request's block table (device block ids) when the plan was finished; it
             covers ``start_position + num_new_tokens`` tokens. Empty until ``with_blocks``.
-        prompt_logprobs: ``SamplingParams.prompt_logprobs``: positions ``p`` with ``p + 1`` in
-            ``[prompt_logprobs, num_prompt_tokens)`` score the next prompt token (0: none).
-        num_prompt_tokens: the prompt's length (bounds the scored positions).
-        score_token_ids: the prompt token ids this step's rows score, one per scored row, in row
-            order (``scored_positions``).
-        score_token_id: the token the sampling row scores (``SamplingParams.score_token_id`` while
-            no token has been generated), else None.
+
+    Which positions score their next prompt token (``SamplingValues.prompt_logprobs``,
+    ``score_token_id``) the runner works out from the request's batch row: they never change.
     """
 
     num_new_tokens: int
@@ -168,10 +164,6 @@ class ScheduledRequest:
     start_position: int = 0
     is_decode: bool = False
     block_ids: tuple[int, ...] = ()
-    prompt_logprobs: int = 0
-    num_prompt_tokens: int = 0
-    score_token_ids: tuple[int, ...] = ()
-    score_token_id: Optional[int] = None
 
     @classmethod
     def for_tokens(
@@ -194,15 +186,7 @@ class ScheduledRequest:
                 token_ids = tuple(prompt[start:end])
             else:
                 token_ids = (*prompt[start:], *output[: end - n_prompt])
-        sp = request.sampling
-        k = int(sp.prompt_logprobs)
-        num_prompt = request.num_prompt_tokens
-        scored = ()
-        if k:  # position p predicts prompt token p + 1, for p + 1 in [k, num_prompt_tokens)
-            lo, hi = max(start, k - 1), min(start + num_new_tokens, num_prompt - 1)
-            scored = tuple(request.prompt_token_ids[lo + 1 : hi + 1]) if hi > lo else ()
         samples = bool(drafts) or start + num_new_tokens == request.num_tokens
-        score_token_id = sp.score_token_id if samples and not drafts and not request.output_token_ids else None
         return cls(
             num_new_tokens,
             samples,
@@ -211,11 +195,6 @@ class ScheduledRequest:
             token_ids,
             start,
             num_new_tokens == 1 and not request.is_prefill,
-            (),
-            k,
-            num_prompt,
-            scored,
-            score_token_id,
         )
 
     def with_blocks(self, block_ids: Sequence[int]) -> "ScheduledRequest":
@@ -233,15 +212,14 @@ class ScheduledRequest:
         so these come right after the decodes."""
         return bool(self.draft_token_ids)
 
-    @property
-    def scored_positions(self) -> range:
-        """Positions of this step whose next prompt token is scored (``prompt_logprobs``), the
-        targets being ``p + 1``; empty when the request scores none."""
-        if not self.prompt_logprobs:
+    def scored_positions(self, prompt_logprobs: int, num_prompt_tokens: int) -> range:
+        """Positions of this step whose next prompt token is scored, the targets being ``p + 1``
+        in ``[prompt_logprobs, num_prompt_tokens)``; empty when ``prompt_logprobs`` is 0."""
+        if not prompt_logprobs:
             return range(0)
         start = self.start_position
-        lo = max(start, self.prompt_logprobs - 1)
-        return range(lo, max(lo, min(start + self.num_new_tokens, self.num_prompt_tokens - 1)))
+        lo = max(start, prompt_logprobs - 1)
+        return range(lo, max(lo, min(start + self.num_new_tokens, num_prompt_tokens - 1)))
 
 
 @dataclass

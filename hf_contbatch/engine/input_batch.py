@@ -4,8 +4,8 @@ step and changed only by the plan's diffs.
 A row is added when the plan carries the request's ``NewRequestData`` (admitted, swapped in,
 forked, resumed after preemption) and removed when its id is in ``finished_ids`` or
 ``preempted_ids``; in between, each step's ``ScheduledRequest`` writes its token ids at its
-positions, so a row holds the request's tokens up to the end of its latest rows (what its logits
-processors read as history) without the runner ever seeing the ``Request``. Applying a plan's
+positions, so a row holds the request's prompt and its tokens up to the end of its latest rows
+(what its logits processors read as history, and the prompt tokens it scores) without the runner ever seeing the ``Request``. Applying a plan's
 diffs twice changes nothing (a failed step's requests run again in halves).
 """
 
@@ -28,8 +28,8 @@ class BatchRow:
         num_prompt_tokens: the prompt's length.
         sampling: its sampling settings (values).
         adapter_name: its LoRA adapter (None: the base model).
-        token_ids: its prompt and output token ids up to the end of its latest scheduled rows
-            (a step's drafts included until the next step overwrites them).
+        token_ids: its whole prompt, then its output token ids up to the end of its latest
+            scheduled rows (a step's drafts included until the next step overwrites them).
     """
 
     request_id: int
@@ -68,9 +68,11 @@ class InputBatch:
             self.add(new)
         rows = self.rows
         for s in plan.scheduled:
-            tokens = rows[s.request_id].token_ids
-            del tokens[s.start_position :]  # rejected drafts of the last step, or a retry's same ids
-            tokens.extend(s.token_ids)
+            row = rows[s.request_id]
+            end = s.start_position + s.num_new_tokens
+            row.token_ids[s.start_position : end] = s.token_ids
+            if end >= row.num_prompt_tokens:  # what follows is stale: the last step's rejected drafts
+                del row.token_ids[end:]
 
     def add(self, new: NewRequestData) -> None:
         """Add (or replace) the row of ``new``: its tokens, prompt length, sampling values, adapter."""

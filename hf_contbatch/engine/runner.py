@@ -18,10 +18,10 @@ from typing import Optional
 
 import torch
 
-from ..core.plan import RunnerOutput, ScheduledRequest, StepPlan
+from ..core.plan import RunnerOutput, StepPlan
 from ..kernels.lora import AdapterRows
 from ..kernels.paged_cache import AttentionMetadata, PagedKVCache
-from .input_batch import InputBatch
+from .input_batch import BatchRow, InputBatch
 from .input_buffers import InputBuffers
 from .sampler import Sampler
 
@@ -247,40 +247,49 @@ class ModelRunner:
                 output.greedy[s.request_id] = greedy[at : at + s.num_new_tokens]
                 at += s.num_new_tokens
         sampling = plan.sampling
-        if num_score_rows or any(s.score_token_id is not None for s in sampling):
-            output.prompt_logprobs = self._prompt_logprobs(logits, sampling, inputs.score_targets)
+        rows = [self.batch.get(s.request_id) for s in sampling]
+        # The first sampling row of a request with no output yet scores score_token_id after the prompt.
+        score_ids = [r.sampling.score_token_id if len(r.token_ids) == r.num_prompt_tokens else None for r in rows]
+        if num_score_rows or any(t is not None for t in score_ids):
+            output.prompt_logprobs = self._prompt_logprobs(logits, rows, score_ids, inputs.score_targets)
             logits = logits[:num_sample_rows]
-        tokens, output.logprobs = self.sampler.sample(logits, [self.batch.get(s.request_id) for s in sampling])
+        tokens, output.logprobs = self.sampler.sample(logits, rows)
         output.sampled.update((s.request_id, t) for s, t in zip(sampling, tokens))
         return output
 
     # --- prompt log-probs (SamplingParams.prompt_logprobs; lm-eval scoring) ----------------------
-    @staticmethod
-    def _prompt_logprob_rows(plan: StepPlan) -> tuple[list[int], list[tuple[int, int, int]]]:
+    def _prompt_logprob_rows(self, plan: StepPlan) -> tuple[list[int], list[tuple[int, int, int]]]:
         """Extra LM-head rows for requests scoring their prompt: the flattened row of each position
         ``p`` this step computes whose next prompt token ``p + 1`` is requested, with
-        ``(request id, p + 1, that token)``."""
+        ``(request id, p + 1, that token)`` (the prompt from the request's batch row)."""
         rows: list[int] = []
         targets: list[tuple[int, int, int]] = []
         offset = 0
+        batch = self.batch.rows
         for s in plan.scheduled:
-            for p, token in zip(s.scored_positions, s.score_token_ids):
-                rows.append(offset + p - s.start_position)
-                targets.append((s.request_id, p + 1, token))
+            row = batch[s.request_id]
+            k = row.sampling.prompt_logprobs
+            if k:
+                for p in s.scored_positions(k, row.num_prompt_tokens):
+                    rows.append(offset + p - s.start_position)
+                    targets.append((s.request_id, p + 1, row.token_ids[p + 1]))
             offset += s.num_new_tokens
         return rows, targets
 
     @staticmethod
     def _prompt_logprobs(
-        logits: torch.Tensor, sampling: list[ScheduledRequest], score_targets: list[tuple[int, int, int]]
+        logits: torch.Tensor,
+        sampling: list[BatchRow],
+        score_token_ids: list[Optional[int]],
+        score_targets: list[tuple[int, int, int]],
     ) -> dict[int, list[tuple[int, float, bool]]]:
         """``{request id: [(position, log-prob, is_argmax), ...]}`` of the scored positions; rows
-        after the sampling rows are the prompt rows, and a sampling row scores ``score_token_id``
-        at position ``num_prompt_tokens``."""
+        after the sampling rows are the prompt rows, and sampling row ``i`` scores
+        ``score_token_ids[i]`` (when not None) at position ``num_prompt_tokens``."""
         targets = [
-            (s.request_id, s.num_prompt_tokens, s.score_token_id, i)
-            for i, s in enumerate(sampling)
-            if s.score_token_id is not None
+            (r.request_id, r.num_prompt_tokens, t, i)
+            for i, (r, t) in enumerate(zip(sampling, score_token_ids))
+            if t is not None
         ]
         n_sample = len(sampling)
         targets += [(rid, t, tok, n_sample + j) for j, (rid, t, tok) in enumerate(score_targets)]

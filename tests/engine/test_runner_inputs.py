@@ -138,7 +138,7 @@ def test_the_input_batch_changes_only_by_the_plans_diffs():
     batch = InputBatch()
     first = ScheduledRequest.for_tokens(prompt, 3)  # a chunk: positions 0..2
     batch.apply(StepPlan(0, [first], new_requests=[NewRequestData.of(prompt), NewRequestData.of(other)]))
-    assert sorted(batch.rows) == [0, 1] and batch.get(0).token_ids == [1, 2, 3]
+    assert sorted(batch.rows) == [0, 1] and batch.get(0).token_ids == [1, 2, 3, 4, 5]  # the whole prompt
     prompt.num_computed_tokens = 3
     last = ScheduledRequest.for_tokens(prompt, 2)  # the rest of the prompt: it samples
     batch.apply(StepPlan(1, [last]))
