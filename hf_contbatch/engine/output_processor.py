@@ -27,7 +27,7 @@ from ..request import Request, RequestStatus
 from .handles import HandleRegistry
 from .per_request_processors import RequestProcessors
 from .sampler import Sampler
-from .stopping import length_or_eos_status, stop_check_status
+from .stopping import has_user_checks, length_or_eos_status, stop_check_status
 from .structured import GrammarMatchers
 
 logger = logging.getLogger(__name__)
@@ -63,12 +63,17 @@ class OutputProcessor:
         return {rid: self._decide(requests[rid], tokens) for rid, tokens in proposed.items()}
 
     def _decide(self, req: Request, tokens: Sequence[int]) -> StopDecision:
-        output = list(req.output_token_ids)
+        base = len(req.output_token_ids)
+        # The output ids with the proposed tokens, built only for checks that read them (copying a
+        # long output for every token of every request would cost more than the checks).
+        output = list(req.output_token_ids) if has_user_checks(req) or self.grammars.tracks(req.request_id) else None
         for k, token in enumerate(tokens):
-            output.append(token)
             try:
-                grammar_done = self.grammars.accept(req.request_id, output)
-                status = length_or_eos_status(req, output) or stop_check_status(req, output, grammar_done, self.sampler)
+                status = length_or_eos_status(req, base + k + 1, token)
+                if output is not None:
+                    output.append(token)
+                    grammar_done = self.grammars.accept(req.request_id, output)
+                    status = status or stop_check_status(req, output, grammar_done, self.sampler)
             except Exception as exc:  # noqa: BLE001 - a stop checker or grammar of one request
                 log_failure(req, exc)
                 return StopDecision(k + 1, RequestStatus.FINISHED_ERROR, exc)

@@ -49,20 +49,26 @@ class ProposedRequest:
         return [*self._request.prompt_token_ids, *self._output]
 
 
-def length_or_eos_status(req: Request, output_token_ids: Sequence[int]) -> Optional[RequestStatus]:
-    """The status ``req`` finishes with by EOS or length if its output were ``output_token_ids``
-    (the proposed token last), or None to go on: EOS (unless ``ignore_eos``, and not before
+def length_or_eos_status(req: Request, num_output_tokens: int, token: int) -> Optional[RequestStatus]:
+    """The status ``req`` finishes with by EOS or length if ``token`` were its newest output token,
+    the ``num_output_tokens``-th, or None to go on: EOS (unless ``ignore_eos``, and not before
     ``min_new_tokens``) -> "stop"; ``max_new_tokens`` reached, or the model's context
     (``max_total_tokens``) full -> "length". Cheap and free of user code."""
     sp = req.sampling
-    n = len(output_token_ids)
-    if not sp.ignore_eos and output_token_ids[-1] in sp.eos_token_ids and n >= sp.min_new_tokens:
+    n = num_output_tokens
+    if not sp.ignore_eos and token in sp.eos_token_ids and n >= sp.min_new_tokens:
         return RequestStatus.FINISHED_STOPPED
     if n >= sp.max_new_tokens:
         return RequestStatus.FINISHED_LENGTH
     if req.max_total_tokens is not None and req.num_prompt_tokens + n >= req.max_total_tokens:
         return RequestStatus.FINISHED_LENGTH
     return None
+
+
+def has_user_checks(req: Request) -> bool:
+    """True when ``req`` has a stop checker or stopping criteria (``stop_check_status`` then needs
+    its output ids)."""
+    return req.stop_checker is not None or bool(req.sampling.stopping_criteria)
 
 
 def stop_check_status(

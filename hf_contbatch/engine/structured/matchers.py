@@ -113,6 +113,10 @@ class GrammarMatchers:
         self._entries.pop(request_id, None)
         self._stop_tokens.pop(request_id, None)
 
+    def tracks(self, request_id: int) -> bool:
+        """True when ``request_id`` has a grammar here."""
+        return request_id in self._compiled
+
     # --- the tokens a request keeps --------------------------------------------------------------------
     def accept(self, request_id: int, output_token_ids: Sequence[int]) -> bool:
         """Advance the request's matcher on the newest of its output tokens ``output_token_ids``
