@@ -194,7 +194,10 @@ def check_sampling_values(sp: SamplingParams) -> None:
 
 @dataclass
 class Request:
-    """One generation request.
+    """One generation request, the engine's live record of it. It never crosses into the model
+    runner, the sampler or kernels (they get values: ``core.plan.NewRequestData``), and its
+    ``status``, ``num_computed_tokens`` and ``output_token_ids`` have one writer: the scheduler's
+    ``core.request_state.RequestState``, under the engine's state lock.
 
     Attributes:
         request_id: unique within its engine.
