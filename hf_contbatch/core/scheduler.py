@@ -289,6 +289,13 @@ class Scheduler:
         )
         return None
 
+    def departures(self) -> StepPlan:
+        """A plan without rows carrying the ids that left the runner's batch since the last plan,
+        for a reap or a drop outside an iteration (the runner applies it at once)."""
+        plan = StepPlan(self.iteration)
+        plan.finished_ids, plan.preempted_ids = self.state.take_departures()
+        return plan
+
     # --- after the forward -----------------------------------------------------------------------
     def request(self, request_id: int) -> Optional[Request]:
         """The request ``request_id`` while the scheduler holds it (pending forks included), else None."""

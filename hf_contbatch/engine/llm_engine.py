@@ -351,6 +351,8 @@ class LLMEngine:
         with self._state_lock:
             reaped = self.scheduler.reap()
             self.counters.num_finished += len(reaped)
+            departed = self.scheduler.departures()
+        self.runner.execute(departed)  # no rows: the runner's batch lets them go now
         self.outputs.complete(reaped)
 
     def fail_all(
@@ -363,4 +365,6 @@ class LLMEngine:
             dropped = self.scheduler.drop_all_requests() + [r for q in not_taken for r in (q, *q.pending_forks)]
             self.scheduler.finish_dropped(dropped, status, exc)
             self.counters.num_finished += len(dropped)
+            departed = self.scheduler.departures()
+        self.runner.execute(departed)  # no rows: the runner's batch lets them go now
         self.outputs.complete(dropped)

@@ -52,6 +52,11 @@ class RequestProcessors:
         self._params: dict[int, tuple[SamplingParams, int]] = {}
         self._lists: dict[int, LogitsProcessorList] = {}
 
+    @property
+    def num_tracked(self) -> int:
+        """Requests whose settings are held here (0 once every request ended)."""
+        return len(self._params)
+
     def track(self, request: Request) -> None:
         """Keep the settings of ``request`` and of its pending forks."""
         for r in (request, *request.pending_forks):
