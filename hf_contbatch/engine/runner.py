@@ -211,8 +211,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> RunnerOutput:
-        """Run the step's forward; returns the sampled token of each sampling row, the greedy tokens
-        of each request verifying drafts, and the scored prompt positions' log-probs."""
+        """Apply the plan's diffs to the batch and run the step's forward; returns the sampled token
+        of each sampling row (with its log-probs where ``SamplingValues.logprobs`` asks), the greedy
+        tokens of each request verifying drafts, and the scored prompt positions' log-probs. A plan
+        without rows only applies its diffs (rows of requests that left go)."""
         output = RunnerOutput()
         if plan.is_empty:
             self.batch.apply(plan)  # rows that left still leave
