@@ -17,8 +17,8 @@ time and tok/s that count) and once with timers around each part of a step:
 - ``model other``: the rest of the forward (embedding, norms, rotary, activations, transformers'
   Python modules, logits selection);
 - ``sampling``: ``Sampler.sample``;
-- ``outputs``: ``Scheduler.update_from_output`` and the engine's per-token bookkeeping
-  (``OutputProcessor``: streaming, stop checks, the grammar's advance).
+- ``outputs``: ``Scheduler.proposed_tokens`` and ``update_from_output`` and the engine's per-token
+  bookkeeping (``OutputProcessor``: stop decisions, the grammar's advance, streaming).
 
 Figures are ms per step and share of the instrumented step. The timers cost a few µs per call
 (about 40 per layer per step), so the instrumented run is a little slower than the plain one;
@@ -105,7 +105,11 @@ def _instrument(engine, timers: _Timers) -> None:
 
     sched, runner = engine.scheduler, engine.runner
     outputs = getattr(engine, "outputs", None)  # OutputProcessor; older trees: LLMEngine._on_new_token
-    if outputs is not None:
+    if outputs is not None and hasattr(outputs, "decide"):  # stops decided before the scheduler appends
+        outputs.decide = timers.wrap(outputs.decide, "on token")
+        outputs.stream = timers.wrap(outputs.stream, "on token")
+        sched.proposed_tokens = timers.wrap(sched.proposed_tokens, "update")
+    elif outputs is not None:
         outputs.process = timers.wrap(outputs.process, "on token")  # its on_token hook runs inside "update"
     else:
         engine._on_new_token = timers.wrap(engine._on_new_token, "on token")

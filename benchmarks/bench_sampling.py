@@ -19,6 +19,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from hf_contbatch.core.plan import NewRequestData  # noqa: E402
+from hf_contbatch.engine.input_batch import InputBatch  # noqa: E402
 from hf_contbatch.engine.sampler import Sampler, build_logits_processors  # noqa: E402
 from hf_contbatch.request import Request, SamplingParams  # noqa: E402
 
@@ -57,13 +59,19 @@ def run(kind, kw, rows, vocab, steps, prompt_len, seed=0):
         ]
         sampler = Sampler(torch.Generator().manual_seed(seed))
         procs = [build_logits_processors(r.sampling, r.num_prompt_tokens) for r in reqs]
+        batch = InputBatch()  # the runner's rows: what the sampler reads instead of the requests
+        for r in reqs:
+            sampler.processors.track(r)
+            batch.add(NewRequestData.of(r))
+        batch_rows = [batch.get(r.request_id) for r in reqs]
         gen = torch.Generator().manual_seed(seed)
         t0 = time.perf_counter()
         for s in range(steps):
             x = logits[s].clone()
-            toks = sampler.sample(x, reqs) if way == "ours" else per_row_step(x, reqs, procs, gen)
-            for r, t in zip(reqs, toks):
-                r.output_token_ids.append(t)
+            toks = sampler.sample(x, batch_rows)[0] if way == "ours" else per_row_step(x, reqs, procs, gen)
+            for r, row, t in zip(reqs, batch_rows, toks):
+                r.output_token_ids.append(t)  # a benchmark's own requests: no engine
+                row.token_ids.append(t)
         times[way] = (time.perf_counter() - t0) / steps * 1e3
     print(
         f"{kind:36s} per-row {times['per-row']:8.2f} ms/step   ours {times['ours']:8.2f} ms/step   "

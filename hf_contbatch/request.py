@@ -194,7 +194,10 @@ def check_sampling_values(sp: SamplingParams) -> None:
 
 @dataclass
 class Request:
-    """One generation request.
+    """One generation request, the engine's live record of it. It never crosses into the model
+    runner, the sampler or kernels (they get values: ``core.plan.NewRequestData``), and its
+    ``status``, ``num_computed_tokens`` and ``output_token_ids`` have one writer: the scheduler's
+    ``core.request_state.RequestState``, under the engine's state lock.
 
     Attributes:
         request_id: unique within its engine.
@@ -202,8 +205,10 @@ class Request:
         output_token_ids: tokens generated so far (kept across preemption).
         num_computed_tokens: tokens whose KV is in the cache (0 after recompute preemption).
         priority: lower value is served first (vLLM convention); ties go by arrival.
-        stop_checker: called with the request after each new token; True finishes it as "stop"
-            (the pipeline uses it for stop strings, since only it has the tokenizer).
+        stop_checker: called for each new token before it is appended, with a read-only view of
+            the request whose ``output_token_ids`` end with that token
+            (``engine.stopping.ProposedRequest``); True finishes it as "stop", the token kept (the
+            pipeline uses it for stop strings, since only it has the tokenizer).
         block_hashes: chained hashes of its full blocks of tokens (prefix caching), grown lazily.
         pending_forks: the other sequences of a ``num_return_sequences > 1`` request, not yet
             forked; they are forked off this one once its prompt, minus the last token, has KV.

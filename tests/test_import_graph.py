@@ -145,3 +145,39 @@ def test_importing_the_package_loads_no_torch_and_each_name_on_first_use():
         "assert set(hf_contbatch.__all__) <= set(namespace)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=100)
+
+
+# The runner side of the step contract sees values only (StepPlan, NewRequestData, BatchRow).
+VALUES_ONLY = ("engine/runner.py", "engine/sampler.py", "engine/input_batch.py", "engine/input_buffers.py", "kernels/")
+
+
+def _request_uses(path: Path) -> list[str]:
+    """Where ``path`` imports ``Request`` (from any module) or names it (annotations included)."""
+    uses = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and any(a.name == "Request" for a in node.names):
+            uses.append(f"line {node.lineno}: imports Request")
+        elif isinstance(node, ast.Name) and node.id == "Request":
+            uses.append(f"line {node.lineno}: names Request")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value == "Request":
+            uses.append(f"line {node.lineno}: a 'Request' annotation")
+    return uses
+
+
+def test_the_runner_the_sampler_and_kernels_never_see_a_request():
+    checked, found = [], {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith(VALUES_ONLY):
+            checked.append(rel)
+            uses = _request_uses(path)
+            if uses:
+                found[rel] = uses
+    assert {"engine/runner.py", "engine/sampler.py", "kernels/lora.py"} <= set(checked)
+    assert found == {}
+
+
+def test_the_request_check_finds_an_import_and_an_annotation(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("from ..request import Request, SamplingParams\ndef f(r: 'Request') -> None: ...\n")
+    assert _request_uses(src) == ["line 1: imports Request", "line 2: a 'Request' annotation"]

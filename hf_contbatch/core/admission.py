@@ -95,7 +95,7 @@ class WaitingAdmission:
                 # its own blocks again shares no prefix with anyone (counted once, at first admission).
                 bm.record_prefix_lookup(req.num_prompt_tokens, len(hits) * bm.block_size)
                 req.num_cached_prompt_tokens = len(hits) * bm.block_size
-        req.num_computed_tokens = computed
+        self._queues.state.set_computed(req, computed)
         self._allocate_slots(req, n, prefix_blocks=hits)
         self._queues.admit_waiting(req)
         step.schedule(ScheduledRequest.for_tokens(req, n), blocks=need)

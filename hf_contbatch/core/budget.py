@@ -132,8 +132,8 @@ class StepBudget:
 
     def unschedule(self, req: Request) -> list[ScheduledRequest]:
         """Take ``req`` out of this step's rows, giving its tokens back; returns its rows."""
-        removed = [s for s in self.rows if s.request is req]
-        self.rows[:] = [s for s in self.rows if s.request is not req]
+        removed = [s for s in self.rows if s.request_id == req.request_id]
+        self.rows[:] = [s for s in self.rows if s.request_id != req.request_id]
         self._tokens += sum(s.num_new_tokens for s in removed)
         return removed
 

@@ -6,14 +6,15 @@ proposed from its own context (``prompt_lookup.NgramProposer``) as one query of 
 take only what the step has left once running requests, forks, swap-ins and admissions have their
 tokens and blocks: a draft never holds back, preempts or keeps waiting anything else, and never
 takes the watermark. After the forward the longest prefix of drafts equal to the greedy tokens is
-kept, with the greedy token after it, so the output is exactly plain greedy decoding's. A request
+proposed, with the greedy token after it (``accepted_tokens``), so the output is exactly plain
+greedy decoding's; the engine's stop checks may keep fewer, and the scheduler appends them. A request
 with a grammar drafts only the prefix its grammar accepts (the engine's ``draft_filter``), so
 verification under the grammar's mask keeps the output exactly constrained greedy decoding's.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from ..request import Request
 from .block_manager import BlockManager
@@ -45,15 +46,19 @@ class Drafts:
         self._draft_filter = draft_filter
         self.proposer = NgramProposer()
 
-    def add(self, step: StepBudget) -> None:
-        """Admit sub-step: drafts for the planned decodes, in plan order, from the tokens and blocks
-        the step has left (the blocks a decode already holds may take drafts too)."""
+    def add(self, step: StepBudget, running: Sequence[Request]) -> None:
+        """Admit sub-step: drafts for the planned decodes (of ``running``, the running requests),
+        in plan order, from the tokens and blocks the step has left (the blocks a decode already
+        holds may take drafts too)."""
         bm = self._block_manager
+        by_id = {r.request_id: r for r in running}
         for i, s in enumerate(step.rows):
-            req = s.request
             if step.token_budget < 1:
                 return
-            if not req.sampling.prompt_lookup_num_tokens or not s.is_decode:
+            if not s.is_decode:
+                continue
+            req = by_id[s.request_id]
+            if not req.sampling.prompt_lookup_num_tokens:
                 continue
             held = bm.blocks_for_tokens(req.num_tokens)
             room = (held + max(0, step.block_budget)) * bm.block_size - req.num_tokens
@@ -84,28 +89,21 @@ class Drafts:
             drafts = self._draft_filter(req, drafts)
         return drafts
 
-    def accept(
-        self, row: ScheduledRequest, tokens: list[int], on_token: Optional[Callable[[Request], bool]] = None
-    ) -> None:
-        """Greedy verification (Leviathan et al., 2023, with argmax targets): ``tokens[i]`` is the
-        greedy token after the last token and ``i`` drafts; keep drafts while they equal it, then
-        the greedy token after them, stopping early when ``on_token`` says the request finished.
-        The KV of rejected drafts is dropped: ``num_computed_tokens`` covers accepted tokens only and
-        the blocks past it are freed."""
-        req, drafts = row.request, row.draft_token_ids
+    @staticmethod
+    def accepted_tokens(draft_token_ids: Sequence[int], greedy: Sequence[int]) -> list[int]:
+        """Greedy verification (Leviathan et al., 2023, with argmax targets): ``greedy[i]`` is the
+        greedy token after the last token and ``i`` drafts; the drafts while they equal it, then the
+        greedy token after them (``1 + accepted`` tokens, the request's proposal for the step)."""
         accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == tokens[accepted]:
+        while accepted < len(draft_token_ids) and draft_token_ids[accepted] == greedy[accepted]:
             accepted += 1
-        self._counters.num_draft_tokens += len(drafts)
-        req.num_computed_tokens += 1  # the last token's KV
-        for i, token in enumerate(tokens[: accepted + 1]):
-            req.output_token_ids.append(token)
-            if i < accepted:
-                req.num_computed_tokens += 1  # it was a draft: its KV was computed this step
-                self._counters.num_accepted_draft_tokens += 1  # counted only when kept (a stop may come first)
-            if on_token is not None and on_token(req):
-                break
-        self._block_manager.trim(req.request_id, req.num_computed_tokens)
+        return list(greedy[: accepted + 1])
+
+    def count(self, num_drafts: int, num_kept_drafts: int) -> None:
+        """Count ``num_drafts`` verified drafts of which ``num_kept_drafts`` were kept (accepted and
+        not past a stop)."""
+        self._counters.num_draft_tokens += num_drafts
+        self._counters.num_accepted_draft_tokens += num_kept_drafts
 
     def forget(self, request_id: int) -> None:
         """Drop the proposer's index of a request that left the scheduler."""

@@ -57,15 +57,15 @@ class Forks:
             return forks
         return []
 
-    @staticmethod
-    def reap_pending(req: Request) -> list[Request]:
+    def reap_pending(self, req: Request) -> list[Request]:
         """Reap sub-step: cancelled not-yet-forked sequences go now; the others go with a finished
         parent. A cancelled parent with live pending forks keeps computing the prefix they share.
         Returns the sequences taken off ``req``."""
         gone = [c for c in req.pending_forks if c.cancel_requested or req.status.is_finished]
         for c in gone:
             if not c.status.is_finished:
-                c.status = RequestStatus.FINISHED_CANCELLED if c.cancel_requested else req.status
+                status = RequestStatus.FINISHED_CANCELLED if c.cancel_requested else req.status
+                self._queues.state.set_status(c, status)
         req.pending_forks = [c for c in req.pending_forks if c not in gone]
         return gone
 
@@ -112,7 +112,7 @@ class Forks:
         partial last block; every sequence then computes the last prompt token and samples."""
         children, parent.pending_forks = parent.pending_forks, []
         for child in children:
-            child.num_computed_tokens = parent.num_computed_tokens
+            self._queues.state.set_computed(child, parent.num_computed_tokens)
             copy = self._allocate_slots(child, 0, fork_of=parent)
             if copy is not None:
                 result.plan.blocks_to_copy.append(copy)
@@ -124,12 +124,12 @@ class Forks:
         if parent.cancel_requested:
             # Finished, but its blocks stay until the next reap: the copies of its partial block are
             # made after this step's swap-ins, which must not be handed that block.
-            parent.status = RequestStatus.FINISHED_CANCELLED
+            self._queues.state.set_status(parent, RequestStatus.FINISHED_CANCELLED)
         else:
             step.schedule_reserved(ScheduledRequest.for_tokens(parent, 1))
 
     def _finish_cancelled_parent(self, parent: Request) -> None:
         """A cancelled parent whose forks were detached lived on only to compute their prefix. Its
         blocks go now (nothing copies from them), so nobody waits on them; the next reap reports it."""
-        parent.status = RequestStatus.FINISHED_CANCELLED
+        self._queues.state.set_status(parent, RequestStatus.FINISHED_CANCELLED)
         self._block_manager.free(parent.request_id)

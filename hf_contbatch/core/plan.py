@@ -1,10 +1,14 @@
 """The scheduler's plain-data outputs: the plan the runner executes, and the report stats read.
 
-``StepPlan`` holds what the engine and the model runner need to carry out one iteration: the
-scheduled requests in the batch's layout order (with their draft tokens) and the block mappings to
-apply before the forward. ``StepReport`` holds what stats and the dashboard read: who was reaped,
-admitted, preempted, swapped or forked, the budget, prefix-cache hits and the phases' seconds. As in
-vLLM v1, the runner's input carries no bookkeeping it does not use.
+``StepPlan`` is the contract between the scheduler and the model runner, made of values only (no
+``Request`` crosses it): the data of each request that enters the runner's batch, once
+(``NewRequestData``: its token ids, ``SamplingValues``, adapter); per step only what changes (the
+scheduled rows in the batch's layout order with their token ids, first position, block table and
+drafts); the ids that left the batch (finished, cancelled, failed, preempted); and the block
+mappings to apply before the forward. The runner answers with a ``RunnerOutput``, on which the
+engine decides the stops (``StopDecision``) before the scheduler appends any token.
+``StepReport`` holds what stats and the dashboard read: who was reaped, admitted, preempted,
+swapped or forked, the budget, prefix-cache hits and the phases' seconds.
 """
 
 from __future__ import annotations
@@ -12,9 +16,114 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from ..request import Request
+from ..request import Request, RequestStatus, SamplingParams
 
-__all__ = ["RunnerOutput", "ScheduledRequest", "SchedulerCounters", "StepPlan", "StepReport", "StepResult"]
+__all__ = [
+    "NewRequestData",
+    "RunnerOutput",
+    "SamplingValues",
+    "ScheduledRequest",
+    "SchedulerCounters",
+    "StepPlan",
+    "StepReport",
+    "StepResult",
+    "StopDecision",
+]
+
+
+@dataclass(frozen=True)
+class SamplingValues:
+    """A request's sampling settings as plain values, for the runner's batch and the sampler
+    (``SamplingParams`` minus the live objects: processors, criteria and the grammar stay
+    engine-side, keyed by request id; only whether the request has them is here).
+
+    Attributes:
+        do_sample, temperature, top_k, top_p, seed, logprobs, max_new_tokens, eos_token_ids:
+            ``SamplingParams``' values.
+        prompt_logprobs: positions ``p`` with ``p + 1`` in ``[prompt_logprobs, num_prompt_tokens)``
+            score the next prompt token (0: none).
+        score_token_id: scored as the whole prompt's continuation at its first sampling row.
+        has_grammar: the request's structured outputs mask its rows (engine-side matcher).
+        has_stopping_criteria: its stopping criteria read the processed scores of each step.
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    seed: Optional[int] = None
+    logprobs: Optional[int] = None
+    max_new_tokens: int = 256
+    eos_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: int = 0
+    score_token_id: Optional[int] = None
+    has_grammar: bool = False
+    has_stopping_criteria: bool = False
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> "SamplingValues":
+        """The values of ``params`` (its processors, criteria and grammar stay with the engine)."""
+        has_grammar = params.structured_outputs is not None
+        return cls(
+            do_sample=params.do_sample,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            seed=params.seed,
+            logprobs=params.logprobs,
+            max_new_tokens=params.max_new_tokens,
+            eos_token_ids=tuple(params.eos_token_ids),
+            prompt_logprobs=int(params.prompt_logprobs),
+            score_token_id=params.score_token_id,
+            has_grammar=has_grammar,
+            has_stopping_criteria=bool(params.stopping_criteria),
+        )
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request entering the runner's batch (admitted, swapped in, forked, or resumed after
+    preemption): sent once; later steps carry only its ``ScheduledRequest`` rows.
+
+    Attributes:
+        request_id: the request's id (the key of its batch row).
+        token_ids: its prompt and the tokens generated so far (a resumed request keeps them).
+        num_prompt_tokens: the prompt's length (``token_ids[:num_prompt_tokens]``).
+        sampling: its sampling settings as values.
+        adapter_name: the LoRA adapter its rows run (None: the base model).
+    """
+
+    request_id: int
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    sampling: SamplingValues
+    adapter_name: Optional[str] = None
+
+    @classmethod
+    def of(cls, request: Request) -> "NewRequestData":
+        return cls(
+            request.request_id,
+            tuple(request.all_token_ids),
+            request.num_prompt_tokens,
+            SamplingValues.of(request.sampling),
+            request.sampling.adapter_name,
+        )
+
+
+@dataclass(frozen=True)
+class StopDecision:
+    """What the engine decided on one request's proposed tokens of a step, before any is appended
+    (``Scheduler.update_from_output`` applies it).
+
+    Attributes:
+        num_kept: how many of the proposed tokens the request keeps (the first ones; 0..all).
+        status: the finished status it ends with after them (a stop), or None to go on.
+        error: the exception that failed the request (``status`` is then ``FINISHED_ERROR``).
+    """
+
+    num_kept: int
+    status: Optional[RequestStatus] = None
+    error: Optional[BaseException] = None
 
 
 @dataclass(frozen=True)
@@ -24,12 +133,10 @@ class ScheduledRequest:
 
     The scheduler creates a row when it plans the request (``for_tokens``; the ids and positions
     are fixed then) and adds the block table once every planned request has its blocks
-    (``with_blocks``, at the end of the preempt step).
+    (``with_blocks``, at the end of the preempt step). What does not change from step to step
+    (sampling settings, adapter, prompt) reached the runner once, in ``NewRequestData``.
 
     Attributes:
-        request: the live request, for the scheduler after the forward and for the sampler
-            (sampling parameters, logits processors, grammar). The runner's input building never
-            reads it; everything it needs is in the fields below.
         num_new_tokens: tokens whose KV this step computes.
         samples: True when this step completes the request's known tokens, so a token is sampled.
         draft_token_ids: prompt-lookup drafts that follow the request's last token this step
@@ -44,17 +151,11 @@ class ScheduledRequest:
             chunk). Decodes come first in a step's batch; attention serves them batched.
         block_ids: the request's block table (device block ids) when the plan was finished; it
             covers ``start_position + num_new_tokens`` tokens. Empty until ``with_blocks``.
-        prompt_logprobs: ``SamplingParams.prompt_logprobs``: positions ``p`` with ``p + 1`` in
-            ``[prompt_logprobs, num_prompt_tokens)`` score the next prompt token (0: none).
-        num_prompt_tokens: the prompt's length (bounds the scored positions).
-        score_token_ids: the prompt token ids this step's rows score, one per scored row, in row
-            order (``scored_positions``).
-        score_token_id: the token the sampling row scores (``SamplingParams.score_token_id`` while
-            no token has been generated), else None.
-        adapter_name: the LoRA adapter the rows run (None: the base model).
+
+    Which positions score their next prompt token (``SamplingValues.prompt_logprobs``,
+    ``score_token_id``) the runner works out from the request's batch row: they never change.
     """
 
-    request: Request = field(repr=False, compare=False)
     num_new_tokens: int
     samples: bool
     draft_token_ids: tuple[int, ...] = ()
@@ -63,11 +164,6 @@ class ScheduledRequest:
     start_position: int = 0
     is_decode: bool = False
     block_ids: tuple[int, ...] = ()
-    prompt_logprobs: int = 0
-    num_prompt_tokens: int = 0
-    score_token_ids: tuple[int, ...] = ()
-    score_token_id: Optional[int] = None
-    adapter_name: Optional[str] = None
 
     @classmethod
     def for_tokens(
@@ -90,17 +186,8 @@ class ScheduledRequest:
                 token_ids = tuple(prompt[start:end])
             else:
                 token_ids = (*prompt[start:], *output[: end - n_prompt])
-        sp = request.sampling
-        k = int(sp.prompt_logprobs)
-        num_prompt = request.num_prompt_tokens
-        scored = ()
-        if k:  # position p predicts prompt token p + 1, for p + 1 in [k, num_prompt_tokens)
-            lo, hi = max(start, k - 1), min(start + num_new_tokens, num_prompt - 1)
-            scored = tuple(request.prompt_token_ids[lo + 1 : hi + 1]) if hi > lo else ()
         samples = bool(drafts) or start + num_new_tokens == request.num_tokens
-        score_token_id = sp.score_token_id if samples and not drafts and not request.output_token_ids else None
         return cls(
-            request,
             num_new_tokens,
             samples,
             drafts,
@@ -108,12 +195,6 @@ class ScheduledRequest:
             token_ids,
             start,
             num_new_tokens == 1 and not request.is_prefill,
-            (),
-            k,
-            num_prompt,
-            scored,
-            score_token_id,
-            sp.adapter_name,
         )
 
     def with_blocks(self, block_ids: Sequence[int]) -> "ScheduledRequest":
@@ -131,15 +212,14 @@ class ScheduledRequest:
         so these come right after the decodes."""
         return bool(self.draft_token_ids)
 
-    @property
-    def scored_positions(self) -> range:
-        """Positions of this step whose next prompt token is scored (``prompt_logprobs``), the
-        targets being ``p + 1``; empty when the request scores none."""
-        if not self.prompt_logprobs:
+    def scored_positions(self, prompt_logprobs: int, num_prompt_tokens: int) -> range:
+        """Positions of this step whose next prompt token is scored, the targets being ``p + 1``
+        in ``[prompt_logprobs, num_prompt_tokens)``; empty when ``prompt_logprobs`` is 0."""
+        if not prompt_logprobs:
             return range(0)
         start = self.start_position
-        lo = max(start, self.prompt_logprobs - 1)
-        return range(lo, max(lo, min(start + self.num_new_tokens, self.num_prompt_tokens - 1)))
+        lo = max(start, prompt_logprobs - 1)
+        return range(lo, max(lo, min(start + self.num_new_tokens, num_prompt_tokens - 1)))
 
 
 @dataclass
@@ -158,10 +238,18 @@ class StepPlan:
         blocks_to_swap_in: (host block, device block) pairs.
         blocks_to_swap_out: (device block, host block) pairs.
         blocks_to_copy: (src, dst) device block pairs (copy-on-write of a forked partial block).
+        new_requests: requests entering the runner's batch this step (their data, once); the
+            runner adds them after removing ``finished_ids`` and ``preempted_ids``.
+        finished_ids: ids that left the batch since the last plan: finished, cancelled, failed.
+        preempted_ids: ids that left the batch since the last plan by preemption (recompute or
+            swap out); they come back as ``new_requests``.
     """
 
     iteration: int
     scheduled: list[ScheduledRequest] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_ids: list[int] = field(default_factory=list)
+    preempted_ids: list[int] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
@@ -194,6 +282,7 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
+        """No row to run (the batch diffs, if any, are applied at the next forward)."""
         return not self.scheduled
 
 
@@ -210,16 +299,20 @@ class RunnerOutput:
             the token at ``position`` given the ones before it (prompt tokens of
             ``SamplingParams.prompt_logprobs``; ``num_prompt_tokens`` for ``score_token_id``), and
             whether it was the argmax.
+        logprobs: ``{request_id: (log-prob of the sampled token, top [(token, log-prob), ...] or
+            None)}`` for sampling rows whose ``SamplingValues.logprobs`` is set (processed scores).
     """
 
     sampled: dict[int, int] = field(default_factory=dict)
     greedy: dict[int, list[int]] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[tuple[int, float, bool]]] = field(default_factory=dict)
+    logprobs: dict[int, tuple[float, Optional[list[tuple[int, float]]]]] = field(default_factory=dict)
 
     def merge(self, other: "RunnerOutput") -> None:
         """Add ``other``'s entries (another part of the same step's requests)."""
         self.sampled.update(other.sampled)
         self.greedy.update(other.greedy)
+        self.logprobs.update(other.logprobs)
         for rid, scores in other.prompt_logprobs.items():
             self.prompt_logprobs.setdefault(rid, []).extend(scores)
 

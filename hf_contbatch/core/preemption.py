@@ -96,7 +96,7 @@ class Preemption:
             self._swap.swap_out(result, req)
         else:
             bm.free(req.request_id)
-            req.num_computed_tokens = 0
+            self._queues.state.set_computed(req, 0)
             self._counters.num_recompute_preemptions += 1
             self._queues.preempt_to_waiting(req)
         step.give_back_blocks(reserved + bm.num_free_blocks - before)
@@ -116,9 +116,11 @@ class Preemption:
         cannot hold their next tokens and nothing is left to preempt (blocks held by requests that
         cannot be preempted, or taken outside the scheduler). They keep every token generated so
         far; the next reap frees their blocks. Failing instead would fail every request in flight."""
-        for s in sorted(step.rows, key=lambda s: self._queues.rank(s.request), reverse=True):
+        by_id = {r.request_id: r for r in self._queues.running}
+        for s in sorted(step.rows, key=lambda s: self._queues.rank(by_id[s.request_id]), reverse=True):
             if step.reservation(step.rows) <= self._block_manager.num_free_blocks:
                 return
-            step.unschedule(s.request)
-            s.request.status = RequestStatus.FINISHED_LENGTH
+            req = by_id[s.request_id]
+            step.unschedule(req)
+            self._queues.state.set_status(req, RequestStatus.FINISHED_LENGTH)
             self._counters.num_pool_wall_stops += 1

@@ -11,10 +11,11 @@ everything and are preempted only when nothing else is left to preempt.
 from __future__ import annotations
 
 import bisect
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from ..config import SchedulerConfig
 from ..request import Request, RequestStatus
+from .request_state import RequestState
 
 __all__ = ["Rank", "RequestQueues"]
 
@@ -36,18 +37,20 @@ class Rank(NamedTuple):
 class RequestQueues:
     """Waiting, running and swapped requests; the waiting and swapped queues sorted by rank.
 
-    The only code that moves requests between queues (and sets the queue statuses WAITING, RUNNING,
-    SWAPPED): the scheduler's sub-steps call its verbs and only read ``waiting``, ``running`` and
-    ``swapped``.
+    The only code that moves requests between queues (and asks ``RequestState`` for the queue
+    statuses WAITING, RUNNING, SWAPPED): the scheduler's sub-steps call its verbs and only read
+    ``waiting``, ``running`` and ``swapped``.
 
     Args:
         config: the scheduler limits (``aging_seconds`` and ``max_preemptions`` shape the rank).
         epoch: the clock reading (seconds) that aging counts arrival from.
+        state: the scheduler's writer of request statuses (None: a private one).
     """
 
-    def __init__(self, config: SchedulerConfig, epoch: float) -> None:
+    def __init__(self, config: SchedulerConfig, epoch: float, state: Optional[RequestState] = None) -> None:
         self.config = config
         self.epoch = epoch
+        self.state = state if state is not None else RequestState()
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -62,17 +65,17 @@ class RequestQueues:
 
     def add_waiting(self, req: Request) -> None:
         """Queue ``req`` to wait, by rank."""
-        req.status = RequestStatus.WAITING
+        self.state.set_status(req, RequestStatus.WAITING)
         bisect.insort(self.waiting, req, key=self.rank)
 
     def add_swapped(self, req: Request) -> None:
         """Queue ``req``, whose KV is in the host pool now, by rank."""
-        req.status = RequestStatus.SWAPPED
+        self.state.set_status(req, RequestStatus.SWAPPED)
         bisect.insort(self.swapped, req, key=self.rank)
 
     def start_running(self, req: Request) -> None:
         """Run ``req``, which is in no queue (a sequence forked off its parent)."""
-        req.status = RequestStatus.RUNNING
+        self.state.set_status(req, RequestStatus.RUNNING)
         self.running.append(req)
 
     def admit_waiting(self, req: Request) -> None:

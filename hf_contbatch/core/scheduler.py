@@ -15,13 +15,19 @@ resumption after recompute or swap preemption are that one rule.
 The sub-steps live beside this file, one job each: ``forks`` (parallel sampling), ``swap`` (swap
 preemption), ``admission`` (waiting requests), ``drafts`` (prompt-lookup drafts), ``preemption``
 (victims and modes); the queues and the rank that orders them are in ``queues``, the step's budget
-in ``budget``, the plain-data outputs in ``plan``.
+in ``budget``, the plain-data outputs in ``plan``, the one writer of a request's progress fields in
+``request_state``.
+
+After the forward the engine asks for each request's proposed tokens (``proposed_tokens``: the
+sampled one, or the accepted drafts and the greedy token after them), decides the stops on them
+(``StopDecision``) and hands the decisions to ``update_from_output``, which appends the kept tokens
+once and advances ``num_computed_tokens``.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from ..config import SchedulerConfig
 from ..request import Request, RequestStatus
@@ -31,9 +37,19 @@ from .budget import StepBudget
 from .drafts import Drafts
 from .forks import Forks
 from .phases import PHASES, PhaseTimer
-from .plan import RunnerOutput, ScheduledRequest, SchedulerCounters, StepPlan, StepReport, StepResult
+from .plan import (
+    NewRequestData,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerCounters,
+    StepPlan,
+    StepReport,
+    StepResult,
+    StopDecision,
+)
 from .preemption import Preemption
 from .queues import Rank, RequestQueues
+from .request_state import RequestState
 from .swap import Swap
 
 __all__ = ["PHASES", "Scheduler"]
@@ -80,7 +96,9 @@ class Scheduler:
                 f"the device pool (sliding_window={block_manager.sliding_window}, block_size={block_manager.block_size})"
             )
         self.clock = clock
-        self.queues = RequestQueues(config, clock())
+        self.state = RequestState()  # the one writer of status, num_computed_tokens, output tokens
+        self.queues = RequestQueues(config, clock(), self.state)
+        self._requests: dict[int, Request] = {}  # every request it holds, pending forks included
         self.counters = SchedulerCounters()
         self.iteration = 0
         self._watermark_blocks = int(config.watermark * block_manager.num_blocks)
@@ -127,6 +145,8 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue ``request`` to wait, by rank (its pending forks apart when they can never fork)."""
+        for r in (request, *request.pending_forks):
+            self._requests[r.request_id] = r
         for child in Forks.take_unforkable(request, self.config.max_num_seqs):
             self.queues.add_waiting(child)
         self.queues.add_waiting(request)
@@ -145,6 +165,10 @@ class Scheduler:
         caller's to set (the engine fails them when it closes or a step fails)."""
         dropped = self.queues.all_requests()
         for req in dropped:
+            self.state.leaves(req.request_id)
+            self._requests.pop(req.request_id, None)
+            for child in req.pending_forks:
+                self._requests.pop(child.request_id, None)
             self.block_manager.free(req.request_id)
             self.host_block_manager.free(req.request_id)
             self.drafts.forget(req.request_id)
@@ -189,7 +213,7 @@ class Scheduler:
             if req.pending_forks:
                 reaped += self.forks.reap_pending(req)
             if req.cancel_requested and not req.status.is_finished and not req.pending_forks:
-                req.status = RequestStatus.FINISHED_CANCELLED
+                self.state.set_status(req, RequestStatus.FINISHED_CANCELLED)
             if req.status.is_finished:
                 self.block_manager.free(req.request_id)
                 self.host_block_manager.free(req.request_id)
@@ -197,6 +221,8 @@ class Scheduler:
                 reaped.append(req)
                 gone.append(req)
         self.queues.remove(gone)
+        for req in reaped:
+            self._requests.pop(req.request_id, None)
         return reaped
 
     def budget(self, report: StepReport) -> StepBudget:
@@ -224,22 +250,28 @@ class Scheduler:
         self.forks.admit(result, step)
         self.swap.swap_in(result, step)
         self.waiting_admission.admit(result, step, timer)
-        self.drafts.add(step)
+        self.drafts.add(step, self.running)
 
     def preempt(self, result: StepResult, step: StepBudget) -> None:
         """Step 4: preempt running requests, lowest-ranked first, until the others' blocks for this
         step fit (``Preemption.until_running_fit``); then every planned request gets its blocks."""
         self.preemption.until_running_fit(result, step)
         for s in step.rows:
-            self.allocate_slots(s.request, s.num_new_tokens)
+            self.allocate_slots(self._requests[s.request_id], s.num_new_tokens)
 
     def finish_plan(self, result: StepResult, step: StepBudget) -> None:
         """Put the rows into the plan in the layout attention metadata expects (decodes, then
-        requests verifying drafts, then prefill chunks), each with its block table as it is now,
-        and check the iteration's invariants."""
+        requests verifying drafts, then prefill chunks), each with its block table as it is now;
+        add the data of the requests that enter the runner's batch and the ids that left it; and
+        check the iteration's invariants."""
         rows = sorted(step.rows, key=lambda s: 0 if s.is_decode else 1 if s.is_speculative else 2)
         bm = self.block_manager
-        result.plan.scheduled = [s.with_blocks(bm.get_block_table(s.request_id)) for s in rows]
+        plan = result.plan
+        plan.scheduled = [s.with_blocks(bm.get_block_table(s.request_id)) for s in rows]
+        plan.finished_ids, plan.preempted_ids = self.state.take_departures()
+        plan.new_requests = [
+            NewRequestData.of(self._requests[s.request_id]) for s in rows if self.state.enters_batch(s.request_id)
+        ]
         assert step.token_budget >= 0, "token budget overspent"
         assert result.plan.num_batched_tokens <= self.config.max_num_batched_tokens, "token budget exceeded"
         assert len(self.running) <= self.config.max_num_seqs, "max_num_seqs exceeded"
@@ -272,89 +304,134 @@ class Scheduler:
         )
         return None
 
+    def departures(self) -> StepPlan:
+        """A plan without rows carrying the ids that left the runner's batch since the last plan,
+        for a reap or a drop outside an iteration (the runner applies it at once)."""
+        plan = StepPlan(self.iteration)
+        plan.finished_ids, plan.preempted_ids = self.state.take_departures()
+        return plan
+
     # --- after the forward -----------------------------------------------------------------------
+    def request(self, request_id: int) -> Optional[Request]:
+        """The request ``request_id`` while the scheduler holds it (pending forks included), else None."""
+        return self._requests.get(request_id)
+
+    def proposed_tokens(self, plan: StepPlan, output: RunnerOutput) -> dict[int, list[int]]:
+        """``{request id: the tokens it would get this step}``, nothing appended: the sampled token
+        of a sampling row; for a request verifying drafts, the drafts equal to the greedy tokens and
+        the greedy token after them (``Drafts.accepted_tokens``). Requests that finished meanwhile
+        (failed in the forward, cancelled) get none. The engine decides the stops on these
+        (``StopDecision``) before ``update_from_output`` appends anything."""
+        proposed: dict[int, list[int]] = {}
+        for s in plan.scheduled:
+            req = self._requests.get(s.request_id)
+            if req is None or req.status.is_finished:
+                continue
+            if s.draft_token_ids:
+                proposed[s.request_id] = Drafts.accepted_tokens(s.draft_token_ids, output.greedy[s.request_id])
+            elif s.samples:
+                proposed[s.request_id] = [output.sampled[s.request_id]]
+        return proposed
+
     def update_from_output(
         self,
         plan: StepPlan,
         output: RunnerOutput,
-        on_token: Optional[Callable[[Request], bool]] = None,
-    ) -> list[Request]:
-        """Record prompt log-probs, advance ``num_computed_tokens``, append sampled tokens; return
-        requests that got a token.
+        decisions: Optional[Mapping[int, StopDecision]] = None,
+    ) -> list[tuple[Request, list[int]]]:
+        """Apply the step: record prompt log-probs, advance ``num_computed_tokens``, append each
+        request's kept tokens once (with their log-probs), and set the status the engine decided.
 
         Args:
             plan: the step's plan.
             output: the forward's tokens: ``sampled[request_id]`` for a sampling row,
                 ``greedy[request_id]`` for a request with drafts (the greedy token after its last
-                token and after each draft), and the scored prompt positions' log-probs.
-            on_token: called after each appended token (the engine's stop checks and streaming);
-                True means the request finished and gets no further token of this step.
+                token and after each draft), the scored prompt positions' and the sampled tokens'
+                log-probs.
+            decisions: ``{request id: StopDecision}`` on ``proposed_tokens(plan, output)``: how many
+                of its proposed tokens each request keeps, and the status it finishes with. A
+                request without an entry keeps them all and goes on (None: every request).
 
-        A request with drafts keeps the longest prefix of drafts equal to the greedy tokens and the
-        greedy token after it (``Drafts.accept``). Blocks that became full and computed enter the
-        prefix cache (accepted tokens only); under a sliding window, blocks no later query reads
-        are released (``BlockManager.free_out_of_window``). Finishing (EOS, length, stop) is decided by the
-        engine, which marks the status; the blocks are freed by the next iteration's reap step.
+        Returns:
+            ``(request, the tokens appended to it)`` per request that got tokens, in plan order.
+
+        A request verifying drafts counts as computed its last token and the kept drafts; the KV of
+        the others (rejected, or past a stop) is dropped: ``num_computed_tokens`` covers them no
+        more and the blocks past it are freed. Blocks that became full and computed enter the
+        prefix cache (kept tokens only); under a sliding window, blocks no later query reads are
+        released (``BlockManager.free_out_of_window``). The blocks of a finished request are freed by
+        the next iteration's reap step.
         """
-        advanced = []
-        bm = self.block_manager
+        advanced: list[tuple[Request, list[int]]] = []
+        bm, state = self.block_manager, self.state
         if output.prompt_logprobs:
-            _record_prompt_logprobs(plan, output.prompt_logprobs)
-        sampled = output.sampled
+            self._record_prompt_logprobs(output.prompt_logprobs)
         for s in plan.scheduled:
-            req = s.request
-            if req.status.is_finished:
+            rid = s.request_id
+            req = self._requests.get(rid)
+            if req is None or req.status.is_finished:
                 continue
             if s.draft_token_ids:
-                self.drafts.accept(s, output.greedy[req.request_id], on_token)
-                advanced.append(req)
+                tokens = Drafts.accepted_tokens(s.draft_token_ids, output.greedy[rid])
+            elif s.samples:
+                tokens = [output.sampled[rid]]
             else:
-                req.num_computed_tokens += s.num_new_tokens
-                if s.samples:
-                    req.output_token_ids.append(sampled[req.request_id])
-                    advanced.append(req)
-                    if on_token is not None:
-                        on_token(req)
-            if bm.enable_prefix_caching and req.num_computed_tokens // bm.block_size > bm.num_hashed_blocks(
-                req.request_id
-            ):
+                tokens = []
+            decision = decisions.get(rid) if decisions is not None else None
+            kept = tokens if decision is None else tokens[: decision.num_kept]
+            if kept:
+                state.append_tokens(req, kept)
+                logprob = output.logprobs.get(rid)
+                if logprob is not None and not s.draft_token_ids:
+                    chosen, top = logprob
+                    req.output_logprobs.append(chosen)
+                    if top is not None:
+                        req.output_top_logprobs.append(top)
+                advanced.append((req, kept))
+            if s.draft_token_ids:
+                # the last token's KV, and each kept draft's (the kept tokens are drafts but the last)
+                kept_drafts = min(len(kept), len(tokens) - 1)
+                state.set_computed(req, s.start_position + 1 + kept_drafts)
+                self.drafts.count(len(s.draft_token_ids), kept_drafts)
+                bm.trim(rid, s.start_position + 1 + kept_drafts)
+            else:
+                state.set_computed(req, req.num_computed_tokens + s.num_new_tokens)
+            if decision is not None and decision.error is not None:
+                self.fail(req, decision.error)
+            elif decision is not None and decision.status is not None:
+                state.set_status(req, decision.status)
+            if bm.enable_prefix_caching and req.num_computed_tokens // bm.block_size > bm.num_hashed_blocks(rid):
                 bm.cache_full_blocks(
-                    req.request_id, req.all_token_ids, req.block_hashes, req.num_computed_tokens, req.prefix_cache_key
+                    rid, req.all_token_ids, req.block_hashes, req.num_computed_tokens, req.prefix_cache_key
                 )
             # After the prefix cache took the full blocks: under a window, what no later query reads goes.
             bm.free_out_of_window(req.request_id, req.num_computed_tokens)
         return advanced
 
-    def trim_after_stop(self, request: Request, num_excess: int) -> None:
-        """Forget ``num_excess`` accepted draft tokens that fell after a stop string.
+    def fail(self, request: Request, exc: BaseException) -> None:
+        """Fail one request (a step's forward, its stop checks or its grammar raised ``exc``): it
+        keeps its tokens, the next reap frees its blocks and finishes its handle, its pending forks
+        with it; the other requests are untouched."""
+        request.error = exc
+        self.state.set_status(request, RequestStatus.FINISHED_ERROR)
+        for child in request.pending_forks:
+            child.error = exc
 
-        The output processor stops a request inside a step's accepted drafts after
-        ``update_from_output`` advanced ``num_computed_tokens`` past them; the tokens after the stop
-        are not kept, so their KV is not counted as computed (nor their drafts as accepted). The
-        request is finished, so its blocks are freed by the next reap either way; this keeps the
-        progress counters true for stats and for a later fork of the same prefix.
+    def finish_dropped(self, requests: Sequence[Request], status: RequestStatus, exc: BaseException) -> None:
+        """Finish requests the scheduler no longer holds (``drop_all_requests``, or never queued)
+        with ``status`` and ``exc``."""
+        for req in requests:
+            req.error = exc
+            self.state.set_status(req, status)
 
-        Raises:
-            ValueError: ``num_excess`` is negative or more than the request's computed tokens.
-        """
-        if not 0 <= num_excess <= request.num_computed_tokens:
-            raise ValueError(
-                f"num_excess must be in [0, {request.num_computed_tokens}] "
-                f"(the request's computed tokens), got {num_excess}"
-            )
-        request.num_computed_tokens -= num_excess
-        self.counters.num_accepted_draft_tokens -= num_excess
-
-
-def _record_prompt_logprobs(plan: StepPlan, scores: dict[int, list[tuple[int, float, bool]]]) -> None:
-    """Store (log-prob, is_argmax) per scored position in ``Request.prompt_logprobs`` (a list of
-    ``num_prompt_tokens + 1`` entries, None where nothing was scored)."""
-    for s in plan.scheduled:
-        got = scores.get(s.request_id)
-        if not got:
-            continue
-        req = s.request
-        if req.prompt_logprobs is None:
-            req.prompt_logprobs = [None] * (req.num_prompt_tokens + 1)
-        for position, logprob, is_argmax in got:
-            req.prompt_logprobs[position] = (logprob, is_argmax)
+    def _record_prompt_logprobs(self, scores: dict[int, list[tuple[int, float, bool]]]) -> None:
+        """Store (log-prob, is_argmax) per scored position in ``Request.prompt_logprobs`` (a list
+        of ``num_prompt_tokens + 1`` entries, None where nothing was scored)."""
+        for rid, got in scores.items():
+            req = self._requests.get(rid)
+            if req is None or not got:
+                continue
+            if req.prompt_logprobs is None:
+                req.prompt_logprobs = [None] * (req.num_prompt_tokens + 1)
+            for position, logprob, is_argmax in got:
+                req.prompt_logprobs[position] = (logprob, is_argmax)

@@ -245,11 +245,11 @@ class HandleRegistry:
         if handle is not None and not handle.request.status.is_finished:
             handle.request.cancel_requested = True
 
-    def push_token(self, request: Request) -> None:
-        """Stream the newest token of ``request`` to its handle."""
-        handle = self._handles.get(request.request_id)
+    def push(self, request_id: int, token: int) -> None:
+        """Stream ``token``, just appended to request ``request_id``, to its handle."""
+        handle = self._handles.get(request_id)
         if handle is not None:
-            handle.push_tokens([request.output_token_ids[-1]])
+            handle.push_tokens([token])
 
     def finish(self, request: Request) -> None:
         """Finish the handle of ``request`` (it left the engine) and forget it."""

@@ -45,7 +45,8 @@ from .kv_pools import KVPools, move_blocks
 from .lora_adapters import LoraAdapters, is_peft_model
 from .model_patches import ModelPatches
 from .model_support import SUPPORTED_MODEL_TYPES, check_supported_model, vocab_widths
-from .output_processor import OutputProcessor, fail_in_step
+from .output_processor import OutputProcessor, log_failure
+from .per_request_processors import RequestProcessors
 from .reliability import execute_isolating_failures
 from .request_factory import RequestFactory
 from .runner import ModelRunner
@@ -120,7 +121,10 @@ class LLMEngine:
             swap_cost_per_block=sizes.swap_cost_per_block,
             draft_filter=self.grammars.draft_prefix,
         )
-        self.sampler = Sampler(seeded_generator(cfg.seed), self.grammars)
+        # Per-request logits processors and stopping criteria, by request id (the sampler looks
+        # them up; no Request reaches the runner or the sampler).
+        self.processors = RequestProcessors()
+        self.sampler = Sampler(seeded_generator(cfg.seed), self.grammars, self.processors)
         self.runner = ModelRunner(
             model, self.cache, self.device, self.sampler, bm.block_size, cfg.scheduler.max_num_batched_tokens
         )
@@ -139,7 +143,7 @@ class LLMEngine:
         )
         self.driver = EngineDriver(self, drive_in_caller=cfg.drive_in_caller, num_threads=cfg.num_threads)
         self._handles = HandleRegistry(self.driver)  # handles wait, drive and cancel through the driver
-        self.outputs = OutputProcessor(self._handles, self.grammars, self.sampler)
+        self.outputs = OutputProcessor(self._handles, self.grammars, self.sampler, self.processors)
         self._close_at_exit = register_close_at_exit(self)  # a script that ends without close()
 
     @property
@@ -173,7 +177,8 @@ class LLMEngine:
             prompt_token_ids: the prompt as a non-empty sequence of ints.
             sampling: its sampling parameters.
             priority: lower is served first.
-            stop_checker: called after each new token (engine thread); True finishes with "stop".
+            stop_checker: called for each new token before it is appended (engine thread), with a
+                read-only view of the request whose output ends with it; True finishes with "stop".
             num_return_sequences: None for one sequence (returns a handle); an int n >= 1 returns a
                 list of n handles, sequences that share the prompt's KV (``RequestFactory.build``).
 
@@ -272,9 +277,11 @@ class LLMEngine:
         blocks minus reservations minus the watermark); admit (forks, swap-ins, waiting requests by
         rank whose grammar is ready, then drafts); preempt (until the running requests' blocks fit,
         then ``Scheduler.allocate_slots``); wait (only when nothing can run but grammars compile);
-        decode (swap/copy blocks, one batched forward, sample, append, EOS/length checks); output
-        (``OutputProcessor.process``: streaming, grammar, stop strings and criteria, with the state
-        lock released). Returns the iteration's plan and report. Raises ``RuntimeError`` outside the
+        decode (swap/copy blocks, one batched forward, sample; the tokens each request would get);
+        output (``OutputProcessor.decide``: EOS, length, grammar, stop strings and criteria on those
+        tokens with the state lock released; then ``Scheduler.update_from_output`` appends the kept
+        ones and sets the statuses under the lock, and ``OutputProcessor.stream`` streams them).
+        Returns the iteration's plan and report. Raises ``RuntimeError`` outside the
         engine's driver (two threads must never iterate at once; to iterate in the calling thread
         use ``engine.driver.drive``)."""
         self.driver.check_in_iteration("LLMEngine.step()")
@@ -287,7 +294,8 @@ class LLMEngine:
         timer.charge("reap")
         with self._state_lock:
             for req, exc in self.grammars.poll():  # grammars compiled since: admissible (or failed)
-                fail_in_step(req, exc)
+                log_failure(req, exc)
+                sched.fail(req, exc)
             sched.plan(result, timer)  # budget, admit, preempt
         plan = result.plan
         if plan.is_empty and self.grammars.has_waiting:
@@ -301,17 +309,22 @@ class LLMEngine:
         now = time.monotonic()
         with self._state_lock:
             for s, exc in failed:
-                fail_in_step(s.request, exc)
-            sched.update_from_output(plan, output, on_token=self.outputs.on_token)
+                req = sched.request(s.request_id)
+                if req is not None and not req.status.is_finished:
+                    log_failure(req, exc)
+                    sched.fail(req, exc)
+            proposed = sched.proposed_tokens(plan, output)
+            requests = {rid: sched.request(rid) for rid in proposed}
         timer.charge("decode")
-        processed = self.outputs.process()  # user code (streamers, stop checkers): the lock is free
+        decisions = self.outputs.decide(proposed, requests)  # user code (stop checkers): the lock is free
+        with self._state_lock:
+            appended = sched.update_from_output(plan, output, decisions)
+            for req, tokens in appended:
+                for _ in tokens:
+                    self.counters.record_token(req, now)
+        self.outputs.stream(appended)
         timer.charge("output")
         with self._state_lock:
-            for req, num_kept in processed.kept:
-                for _ in range(num_kept):
-                    self.counters.record_token(req, now)
-            for req, excess in processed.excess_computed:  # accepted drafts after a stop: not kept
-                sched.trim_after_stop(req, excess)
             result.report.phases = list(timer.as_tuple())
             used = self.block_manager.num_used_blocks
             self.counters.record_iteration(result, used, time.monotonic() - t0, swap_seconds)
@@ -331,6 +344,7 @@ class LLMEngine:
                     self._handles.request_cancel(item.request_id)
                 else:
                     self.grammars.track(item)  # its grammar compiles meanwhile; admission waits for it
+                    self.processors.track(item)
                     self.scheduler.add_request(item)
 
     def release_finished(self) -> None:
@@ -338,6 +352,8 @@ class LLMEngine:
         with self._state_lock:
             reaped = self.scheduler.reap()
             self.counters.num_finished += len(reaped)
+            departed = self.scheduler.departures()
+        self.runner.execute(departed)  # no rows: the runner's batch lets them go now
         self.outputs.complete(reaped)
 
     def fail_all(
@@ -348,8 +364,8 @@ class LLMEngine:
         ``close``) shows nothing in flight. After a failed step the engine then serves new ones."""
         with self._state_lock:
             dropped = self.scheduler.drop_all_requests() + [r for q in not_taken for r in (q, *q.pending_forks)]
-            for req in dropped:
-                req.error = exc
-                req.status = status
+            self.scheduler.finish_dropped(dropped, status, exc)
             self.counters.num_finished += len(dropped)
+            departed = self.scheduler.departures()
+        self.runner.execute(departed)  # no rows: the runner's batch lets them go now
         self.outputs.complete(dropped)

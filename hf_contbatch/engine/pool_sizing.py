@@ -17,7 +17,7 @@ import torch
 
 from ..config import EngineConfig
 from ..core.block_manager import BlockManager
-from ..core.plan import ScheduledRequest, StepPlan
+from ..core.plan import NewRequestData, ScheduledRequest, StepPlan
 from ..core.pool_size import Window, default_host_kv_blocks, default_swap_blocks
 from ..kernels.kv_spec import KVCacheSpec
 from ..kernels.paged_cache import PagedKVCache
@@ -248,14 +248,16 @@ class KVPoolSizer:
         probe = PagedKVCache(spec, num_blocks, layer_devices, self.backend)
         probe_bm = BlockManager(num_blocks, bs)
         plan = StepPlan(iteration=-1)
+        sampler = Sampler(torch.Generator(device="cpu"))
         for i, n in enumerate(lengths):
             req = Request(request_id=-1 - i, prompt_token_ids=[0] * n, sampling=SamplingParams(max_new_tokens=1))
             probe_bm.allocate(req.request_id, n)
             row = ScheduledRequest.for_tokens(req, n)
             plan.scheduled.append(row.with_blocks(probe_bm.get_block_table(req.request_id)))
+            plan.new_requests.append(NewRequestData.of(req))  # the runner's batch gets its values once
+            sampler.processors.track(req)
         previous = switch_to_paged_attention(self.model)
         try:
-            sampler = Sampler(torch.Generator(device="cpu"))
             ModelRunner(self.model, probe, self.device, sampler, bs, budget).execute(plan)
             for d in {d for d in layer_devices if d.type == "cuda"}:
                 torch.cuda.synchronize(d)

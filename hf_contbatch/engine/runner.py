@@ -4,6 +4,9 @@ All requests' new tokens are concatenated into a single ``[1, T]`` sequence (dec
 then requests verifying drafts, then prefill chunks); the paged attention keeps them apart through
 the step's metadata, so there is no padding and no dense mask. Only the rows whose logits are used
 reach the LM head (``logits_to_keep`` as an index tensor); ``StepInputs`` documents the layout.
+
+The runner sees values only: the plan's rows and the per-request data it keeps in its persistent
+``InputBatch`` (added and removed by the plan's diffs). No ``Request`` reaches it or the sampler.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ from typing import Optional
 
 import torch
 
-from ..core.plan import RunnerOutput, ScheduledRequest, StepPlan
+from ..core.plan import RunnerOutput, StepPlan
 from ..kernels.lora import AdapterRows
 from ..kernels.paged_cache import AttentionMetadata, PagedKVCache
+from .input_batch import BatchRow, InputBatch
 from .input_buffers import InputBuffers
 from .sampler import Sampler
 
@@ -66,9 +70,9 @@ class StepInputs:
 
 
 class ModelRunner:
-    """Runs the model for one scheduler step, from the step's plan alone (each row's token ids,
-    first position and block table); it reads neither the block manager nor the live requests,
-    which only the sampler sees.
+    """Runs the model for one scheduler step, from the step's plan and its persistent batch (each
+    row's token ids, first position and block table; each request's sampling values and adapter,
+    sent once); it reads neither the block manager nor any ``Request``.
 
     Args:
         model: a transformers causal LM already switched to the paged attention implementation.
@@ -103,10 +107,17 @@ class ModelRunner:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._supports_logits_to_keep = "logits_to_keep" in params
         self.buffers = InputBuffers(device, max_num_tokens, 16 * max_num_tokens)
+        self.batch = InputBatch()  # the requests it runs, by id: changed by each plan's diffs
 
     def build_metadata(self, plan: StepPlan) -> StepInputs:
-        """The flattened inputs of ``plan``'s forward, its attention metadata and the rows the LM
-        head reads (see ``StepInputs`` for the row layout), from the plan's rows alone."""
+        """Apply ``plan``'s diffs to the persistent batch, then build the flattened inputs of its
+        forward, its attention metadata and the rows the LM head reads (see ``StepInputs`` for the
+        row layout) from the plan's rows (and each request's adapter, kept in the batch).
+
+        Raises:
+            KeyError: a row whose request never entered the batch (no ``NewRequestData``).
+        """
+        self.batch.apply(plan)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -174,8 +185,9 @@ class ModelRunner:
         )
         adapter_rows = None
         if self.lora_layers is not None:
+            rows = self.batch.rows
             adapter_rows = AdapterRows.build(
-                [(s.adapter_name, s.num_new_tokens) for s in plan.scheduled],
+                [(rows[s.request_id].adapter_name, s.num_new_tokens) for s in plan.scheduled],
                 logits_rows if self._supports_logits_to_keep else None,
                 dev,
             )
@@ -199,10 +211,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> RunnerOutput:
-        """Run the step's forward; returns the sampled token of each sampling row, the greedy tokens
-        of each request verifying drafts, and the scored prompt positions' log-probs."""
+        """Apply the plan's diffs to the batch and run the step's forward; returns the sampled token
+        of each sampling row (with its log-probs where ``SamplingValues.logprobs`` asks), the greedy
+        tokens of each request verifying drafts, and the scored prompt positions' log-probs. A plan
+        without rows only applies its diffs (rows of requests that left go)."""
         output = RunnerOutput()
         if plan.is_empty:
+            self.batch.apply(plan)  # rows that left still leave
             return output
         inputs = self.build_metadata(plan)
         step = self.cache.for_step(inputs.metadata)  # the step's metadata travels with the view, not on the cache
@@ -224,47 +239,59 @@ class ModelRunner:
         if inputs.draft_rows:
             # Drafting requests are greedy (SamplingParams.can_draft): the argmax of every row, under
             # the request's grammar where it has one.
-            greedy = self.sampler.verify_drafts(logits[num_sample_rows + num_score_rows :], plan.drafting)
+            drafting = plan.drafting
+            greedy = self.sampler.verify_drafts(
+                logits[num_sample_rows + num_score_rows :], drafting, [self.batch.get(s.request_id) for s in drafting]
+            )
             logits = logits[: num_sample_rows + num_score_rows]
             at = 0
-            for s in plan.drafting:
+            for s in drafting:
                 output.greedy[s.request_id] = greedy[at : at + s.num_new_tokens]
                 at += s.num_new_tokens
         sampling = plan.sampling
-        if num_score_rows or any(s.score_token_id is not None for s in sampling):
-            output.prompt_logprobs = self._prompt_logprobs(logits, sampling, inputs.score_targets)
+        rows = [self.batch.get(s.request_id) for s in sampling]
+        # The first sampling row of a request with no output yet scores score_token_id after the prompt.
+        score_ids = [r.sampling.score_token_id if len(r.token_ids) == r.num_prompt_tokens else None for r in rows]
+        if num_score_rows or any(t is not None for t in score_ids):
+            output.prompt_logprobs = self._prompt_logprobs(logits, rows, score_ids, inputs.score_targets)
             logits = logits[:num_sample_rows]
-        tokens = self.sampler.sample(logits, [s.request for s in sampling])
+        tokens, output.logprobs = self.sampler.sample(logits, rows)
         output.sampled.update((s.request_id, t) for s, t in zip(sampling, tokens))
         return output
 
     # --- prompt log-probs (SamplingParams.prompt_logprobs; lm-eval scoring) ----------------------
-    @staticmethod
-    def _prompt_logprob_rows(plan: StepPlan) -> tuple[list[int], list[tuple[int, int, int]]]:
+    def _prompt_logprob_rows(self, plan: StepPlan) -> tuple[list[int], list[tuple[int, int, int]]]:
         """Extra LM-head rows for requests scoring their prompt: the flattened row of each position
         ``p`` this step computes whose next prompt token ``p + 1`` is requested, with
-        ``(request id, p + 1, that token)``."""
+        ``(request id, p + 1, that token)`` (the prompt from the request's batch row)."""
         rows: list[int] = []
         targets: list[tuple[int, int, int]] = []
         offset = 0
+        batch = self.batch.rows
         for s in plan.scheduled:
-            for p, token in zip(s.scored_positions, s.score_token_ids):
-                rows.append(offset + p - s.start_position)
-                targets.append((s.request_id, p + 1, token))
+            row = batch[s.request_id]
+            k = row.sampling.prompt_logprobs
+            if k:
+                for p in s.scored_positions(k, row.num_prompt_tokens):
+                    rows.append(offset + p - s.start_position)
+                    targets.append((s.request_id, p + 1, row.token_ids[p + 1]))
             offset += s.num_new_tokens
         return rows, targets
 
     @staticmethod
     def _prompt_logprobs(
-        logits: torch.Tensor, sampling: list[ScheduledRequest], score_targets: list[tuple[int, int, int]]
+        logits: torch.Tensor,
+        sampling: list[BatchRow],
+        score_token_ids: list[Optional[int]],
+        score_targets: list[tuple[int, int, int]],
     ) -> dict[int, list[tuple[int, float, bool]]]:
         """``{request id: [(position, log-prob, is_argmax), ...]}`` of the scored positions; rows
-        after the sampling rows are the prompt rows, and a sampling row scores ``score_token_id``
-        at position ``num_prompt_tokens``."""
+        after the sampling rows are the prompt rows, and sampling row ``i`` scores
+        ``score_token_ids[i]`` (when not None) at position ``num_prompt_tokens``."""
         targets = [
-            (s.request_id, s.num_prompt_tokens, s.score_token_id, i)
-            for i, s in enumerate(sampling)
-            if s.score_token_id is not None
+            (r.request_id, r.num_prompt_tokens, t, i)
+            for i, (r, t) in enumerate(zip(sampling, score_token_ids))
+            if t is not None
         ]
         n_sample = len(sampling)
         targets += [(rid, t, tok, n_sample + j) for j, (rid, t, tok) in enumerate(score_targets)]

@@ -1,8 +1,10 @@
 """Turn the last-position logits of a step into next tokens, batched where the settings allow.
 
-Each request's scores go through the ``LogitsProcessorList`` ``generate`` would build for it
-(``SamplingParams.logits_processor``, built by ``engine.logits_processors.build_logits_processor``; for engine
-callers that give only the plain fields, the same processors built here). Per step:
+The sampler sees no ``Request``: each row is the runner's ``BatchRow`` (request id, sampling values,
+token ids). Each request's scores go through the ``LogitsProcessorList`` ``generate`` would build for
+it, which the engine keeps by request id (``per_request_processors.RequestProcessors``:
+``SamplingParams.logits_processor``, built by ``engine.logits_processors.build_logits_processor``;
+for engine callers that give only the plain fields, the same processors built from them). Per step:
 
 * plain greedy rows (no processor): one batched argmax over the raw logits (with greedy rows whose
   only processor is their grammar: the step's bitmask first, then that one argmax);
@@ -29,39 +31,18 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    MinNewTokensLengthLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers.generation.logits_process import LogitsProcessorList
 
 from ..core.plan import ScheduledRequest
-from ..request import Request, SamplingParams
+from .input_batch import BatchRow
 from .logits_processors import TokenHistory, split_fast_suffix, warp_batched
-from .structured import GrammarMaskSlot, GrammarMatchers, GrammarViolation, spec_of, split_at_mask_slot
+from .per_request_processors import RequestProcessors, build_logits_processors
 
+__all__ = ["Logprobs", "Sampler", "build_logits_processors"]
+from .structured import GrammarMatchers, GrammarViolation, split_at_mask_slot
 
-def build_logits_processors(params: SamplingParams, prompt_len: int) -> LogitsProcessorList:
-    """The processors ``generate`` would build for the plain fields of ``params`` (engine callers
-    that pass no ``logits_processor``)."""
-    procs = LogitsProcessorList()
-    if params.repetition_penalty not in (None, 1.0):
-        procs.append(RepetitionPenaltyLogitsProcessor(penalty=params.repetition_penalty))
-    if params.min_new_tokens > 0 and params.eos_token_ids:
-        procs.append(MinNewTokensLengthLogitsProcessor(prompt_len, params.min_new_tokens, list(params.eos_token_ids)))
-    if spec_of(params) is not None:
-        procs.append(GrammarMaskSlot())  # where generate runs a custom processor: before the warpers
-    if params.do_sample:
-        if params.temperature is not None and params.temperature != 1.0:
-            procs.append(TemperatureLogitsWarper(params.temperature))
-        if params.top_k is not None and params.top_k != 0:
-            procs.append(TopKLogitsWarper(top_k=params.top_k, min_tokens_to_keep=1))
-        if params.top_p is not None and params.top_p < 1.0:
-            procs.append(TopPLogitsWarper(top_p=params.top_p, min_tokens_to_keep=1))
-    return procs
+#: ``{request id: (log-prob of the chosen token, top [(token, log-prob), ...] or None)}``
+Logprobs = dict[int, tuple[float, Optional[list[tuple[int, float]]]]]
 
 
 @dataclass
@@ -85,11 +66,19 @@ class Sampler:
         generator: the engine's own ``torch.Generator`` (no global RNG state is touched).
         grammar: the engine's grammar matchers (requests with structured outputs); None: no
             request has a grammar.
+        processors: the engine's per-request processors and stopping criteria, by request id
+            (None: a registry of its own, for callers that track their requests in it).
     """
 
-    def __init__(self, generator: torch.Generator, grammar: Optional[GrammarMatchers] = None) -> None:
+    def __init__(
+        self,
+        generator: torch.Generator,
+        grammar: Optional[GrammarMatchers] = None,
+        processors: Optional[RequestProcessors] = None,
+    ) -> None:
         self.generator = generator
         self.grammar = grammar
+        self.processors = processors if processors is not None else RequestProcessors()
         self._states: dict[int, _RowState] = {}
 
     def forget(self, request_id: int) -> None:
@@ -97,58 +86,55 @@ class Sampler:
         called when it finishes; unknown ids are ignored, never raises)."""
         self._states.pop(request_id, None)
 
-    def _state(self, req: Request) -> _RowState:
-        st = self._states.get(req.request_id)
+    def _state(self, row: BatchRow) -> _RowState:
+        st = self._states.get(row.request_id)
         if st is None:
-            params = req.sampling
-            procs = params.logits_processor
-            if procs is None:
-                procs = build_logits_processors(params, req.num_prompt_tokens)
-            elif not isinstance(procs, (list, tuple)):
-                procs = procs()  # a factory: this request's (or fork's) own processors
-            grammar = spec_of(params) is not None
+            values = row.sampling
+            procs = self.processors.processors(row.request_id)
+            grammar = values.has_grammar
             split = split_at_mask_slot(procs) if grammar else None
             if split is None:  # no grammar, or none placed: the mask goes before the batched warpers
                 (head, fast), tail = split_fast_suffix(procs), LogitsProcessorList()
             else:
                 head = LogitsProcessorList(split[0])
                 tail, fast = split_fast_suffix(LogitsProcessorList(split[1]))
-            plain = not params.do_sample and len(procs) == 0 and not grammar
+            plain = not values.do_sample and len(procs) == 0 and not grammar
             st = _RowState(head=head, fast=fast, plain=plain, tail=tail, grammar=grammar)
-            st.argmax_after_mask = not params.do_sample and not head and not tail and fast is None
-            st.needs_scores = bool(params.stopping_criteria)  # they read the processed row
-            self._states[req.request_id] = st
+            st.argmax_after_mask = not values.do_sample and not head and not tail and fast is None
+            st.needs_scores = values.has_stopping_criteria  # they read the processed row
+            self._states[row.request_id] = st
         return st
 
-    def history(self, req: Request, device: torch.device) -> torch.Tensor:
-        """The request's prompt + output ids as a ``[1, seq]`` LongTensor on ``device``."""
-        st = self._state(req)
+    def history(self, row: BatchRow, device: torch.device) -> torch.Tensor:
+        """The row's prompt + output ids as a ``[1, seq]`` LongTensor on ``device``."""
+        st = self._state(row)
         if st.history is None:
-            cap = req.num_prompt_tokens + req.sampling.max_new_tokens + 1
-            st.history = TokenHistory(cap, device)
-        return st.history.view(req.prompt_token_ids, req.output_token_ids)
+            st.history = TokenHistory(row.num_prompt_tokens + row.sampling.max_new_tokens + 1, device)
+        return st.history.view(row.token_ids, ())
 
-    def should_stop(self, req: Request) -> bool:
-        """Evaluate ``req.sampling.stopping_criteria`` on its own ids (and, as ``scores``, a
-        one-tuple with this step's processed ``[1, vocab]`` scores)."""
-        criteria = req.sampling.stopping_criteria
+    def should_stop(self, request_id: int, token_ids: Sequence[int]) -> bool:
+        """Evaluate the request's stopping criteria on its ids ``token_ids`` (prompt and output,
+        the newest token last) and, as ``scores``, a one-tuple with its latest processed
+        ``[1, vocab]`` scores. False for a request without criteria."""
+        criteria = self.processors.stopping_criteria(request_id)
         if not criteria:
             return False
-        st = self._state(req)
-        ids = self.history(req, st.last_scores.device if st.last_scores is not None else torch.device("cpu"))
-        scores = (st.last_scores,) if st.last_scores is not None else None
-        return bool(criteria(ids, scores).any())
+        st = self._states.get(request_id)
+        last = st.last_scores if st is not None else None
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=last.device if last is not None else "cpu")
+        return bool(criteria(ids, (last,) if last is not None else None).any())
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
-        """Next token for each request (and its log-probs where ``sampling.logprobs`` asks).
+    def sample(self, logits: torch.Tensor, requests: Sequence[BatchRow]) -> tuple[list[int], Logprobs]:
+        """Next token for each row (and its log-probs where ``sampling.logprobs`` asks).
 
         Args:
             logits: ``[N, vocab]`` logits, row ``i`` for ``requests[i]`` (may be overwritten).
+            requests: the runner's batch rows of the sampling requests.
         Returns:
-            N token ids.
+            N token ids, and ``{request id: (log-prob, top or None)}`` for rows that asked.
         """
         if not requests:
-            return []
+            return [], {}
         n = len(requests)
         states = [self._state(r) for r in requests]
         scores = logits if logits.dtype == torch.float32 else logits.float()
@@ -158,8 +144,7 @@ class Sampler:
         plain = [i for i, st in enumerate(states) if st.plain]
         if len(plain) == n:  # the common all-greedy step: one argmax, nothing else
             tokens = scores.argmax(dim=-1).tolist()
-            self._after(scores, requests, states, tokens)
-            return tokens
+            return tokens, self._after(scores, requests, states, tokens)
         constrained = [i for i, st in enumerate(states) if st.grammar]
         if all(st.plain or (st.grammar and st.argmax_after_mask) for st in states):
             # greedy rows, some under a grammar only: one bitmask, one argmax (rows whose masked
@@ -167,10 +152,9 @@ class Sampler:
             argmax_only = [
                 i for i in constrained if requests[i].sampling.logprobs is None and not states[i].needs_scores
             ]
-            self.grammar.mask_rows(scores, constrained, [requests[i] for i in constrained], argmax_only=argmax_only)
+            self.grammar.mask_rows(scores, constrained, _grammar_rows(requests, constrained), argmax_only=argmax_only)
             tokens = scores.argmax(dim=-1).tolist()
-            self._after(scores, requests, states, tokens)
-            return tokens
+            return tokens, self._after(scores, requests, states, tokens)
         # Per request first (its own history), then the grammars' one bitmask, then the trailing
         # warpers of every row batched.
         for i, st in enumerate(states):
@@ -178,7 +162,7 @@ class Sampler:
                 ids = self.history(requests[i], dev)
                 scores[i : i + 1] = st.head(ids, scores[i : i + 1].clone())
         if constrained:
-            self.grammar.mask_rows(scores, constrained, [requests[i] for i in constrained])
+            self.grammar.mask_rows(scores, constrained, _grammar_rows(requests, constrained))
             for i in constrained:
                 if states[i].tail:
                     ids = self.history(requests[i], dev)
@@ -209,11 +193,10 @@ class Sampler:
                 st.generator = torch.Generator(device=dev).manual_seed(req.sampling.seed)
             probs = torch.softmax(scores[i : i + 1], dim=-1)
             tokens[i] = int(torch.multinomial(probs, 1, generator=st.generator).item())
-        self._after(scores, requests, states, tokens)
-        return tokens  # type: ignore[return-value]
+        return tokens, self._after(scores, requests, states, tokens)  # type: ignore[return-value]
 
     @staticmethod
-    def _check_some_token_allowed(scores: torch.Tensor, rows: list[int], requests: Sequence[Request]) -> None:
+    def _check_some_token_allowed(scores: torch.Tensor, rows: list[int], requests: Sequence[BatchRow]) -> None:
         """Raise ``GrammarViolation`` naming the request when a constrained row has no finite score
         left (its grammar and its own processors together refuse every token), instead of torch's
         error about the probabilities (the step's failure isolation then fails that request alone)."""
@@ -225,24 +208,29 @@ class Sampler:
                 "(e.g. no_repeat_ngram_size, bad_words_ids) together refuse every token"
             )
 
-    def verify_drafts(self, logits: torch.Tensor, drafting: Sequence[ScheduledRequest]) -> list[int]:
+    def verify_drafts(
+        self, logits: torch.Tensor, drafting: Sequence[ScheduledRequest], rows: Sequence[BatchRow]
+    ) -> list[int]:
         """The greedy token of every verification row of requests with drafts (plain greedy ones,
         ``SamplingParams.can_draft``), each row masked first by its request's grammar, if any, in
         the state after the drafts before it.
 
         Args:
             logits: ``[R, vocab]``, the ``1 + len(drafts)`` rows of each of ``drafting`` in order.
+            rows: the batch row of each of ``drafting``.
         Returns:
             R token ids.
         """
         scores = logits.float()
-        rows, at = [], 0
-        for s in drafting:
-            if spec_of(s.request.sampling) is not None:
-                rows.append((at, s.request, s.draft_token_ids))
+        masked, at = [], 0
+        for s, row in zip(drafting, rows):
+            if row.sampling.has_grammar:  # its output: the row's tokens before this step's
+                masked.append(
+                    (at, row.request_id, row.token_ids[row.num_prompt_tokens : s.start_position + 1], s.draft_token_ids)
+                )
             at += s.num_new_tokens
-        if rows:
-            self.grammar.mask_draft_rows(scores, rows)
+        if masked:
+            self.grammar.mask_draft_rows(scores, masked)
         return scores.argmax(dim=-1).tolist()
 
     def _draw_unseeded(self, scores, rows, fast, candidates, tokens) -> None:
@@ -267,8 +255,10 @@ class Sampler:
             tokens[i] = t
 
     @staticmethod
-    def _after(scores: torch.Tensor, requests: Sequence[Request], states, tokens) -> None:
-        """Record log-probs where asked, keep the processed row for stopping criteria."""
+    def _after(scores: torch.Tensor, requests: Sequence[BatchRow], states, tokens) -> Logprobs:
+        """Log-probs where asked (returned, for ``RunnerOutput.logprobs``); keep the processed row
+        for stopping criteria."""
+        out: Logprobs = {}
         want = [i for i, r in enumerate(requests) if r.sampling.logprobs is not None]
         if want:
             idx = torch.tensor(want, device=scores.device)
@@ -279,11 +269,15 @@ class Sampler:
             top_n = max(requests[i].sampling.logprobs for i in want)
             top = torch.topk(logp, min(top_n, logp.shape[-1])) if top_n else None
             for j, i in enumerate(want):
-                req = requests[i]
-                req.output_logprobs.append(chosen[j])
-                k = req.sampling.logprobs
-                if k:
-                    req.output_top_logprobs.append(list(zip(top.indices[j, :k].tolist(), top.values[j, :k].tolist())))
-        for i, r in enumerate(requests):
-            if r.sampling.stopping_criteria:
-                states[i].last_scores = scores[i : i + 1].clone()
+                k = requests[i].sampling.logprobs
+                best = list(zip(top.indices[j, :k].tolist(), top.values[j, :k].tolist())) if k else None
+                out[requests[i].request_id] = (chosen[j], best)
+        for i, st in enumerate(states):
+            if st.needs_scores:
+                st.last_scores = scores[i : i + 1].clone()
+        return out
+
+
+def _grammar_rows(requests: Sequence[BatchRow], rows: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """``(request id, output token ids)`` of each of ``rows``: the grammar's state to mask with."""
+    return [(requests[i].request_id, requests[i].output_token_ids) for i in rows]

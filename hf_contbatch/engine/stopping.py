@@ -1,7 +1,7 @@
 """When a request stops: EOS, length and stop strings, in one place.
 
-``length_or_eos_status`` (under the engine's state lock) and ``stop_check_status`` (after it, in
-``output_processor``) are the checks after each new token; ``StopStringCheckers`` builds the
+``length_or_eos_status`` and ``stop_check_status`` are the checks the ``OutputProcessor`` runs on
+each proposed token of a step, in order, before anything is appended (the state lock released); ``StopStringCheckers`` builds the
 per-request stop-string check that the pipeline and the lm-eval integration pass to
 ``LLMEngine.build_request`` (transformers' ``StopStringCriteria``, which matches stop strings against the
 token strings, so a stop string spanning tokens is found without decoding).
@@ -20,32 +20,72 @@ from ..request import Request, RequestStatus
 StopChecker = Callable[[Request], bool]
 
 
-def length_or_eos_status(req: Request) -> Optional[RequestStatus]:
-    """The status ``req`` finishes with after its latest token by EOS or length, or None to go on:
-    EOS (unless ``ignore_eos``, and not before ``min_new_tokens``) -> "stop"; ``max_new_tokens``
-    reached, or the model's context (``max_total_tokens``) full -> "length". Cheap and free of user
-    code: the engine runs it under its state lock, where it decides how many accepted drafts stay."""
+class ProposedRequest:
+    """A read-only view of a request as it would be with its proposed tokens kept: what a stop
+    checker (``Request.stop_checker``, user code) is called with while the engine decides, before
+    anything is appended. ``output_token_ids`` is a tuple (the proposed token last); every other
+    attribute reads the request's."""
+
+    __slots__ = ("_request", "_output")
+
+    def __init__(self, request: Request, output_token_ids: Sequence[int]) -> None:
+        self._request = request
+        self._output = tuple(output_token_ids)
+
+    def __getattr__(self, name: str):
+        return getattr(self._request, name)
+
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        """The request's output with the proposed tokens up to the one being checked."""
+        return self._output
+
+    @property
+    def num_tokens(self) -> int:
+        return self._request.num_prompt_tokens + len(self._output)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return [*self._request.prompt_token_ids, *self._output]
+
+
+def length_or_eos_status(req: Request, num_output_tokens: int, token: int) -> Optional[RequestStatus]:
+    """The status ``req`` finishes with by EOS or length if ``token`` were its newest output token,
+    the ``num_output_tokens``-th, or None to go on: EOS (unless ``ignore_eos``, and not before
+    ``min_new_tokens``) -> "stop"; ``max_new_tokens`` reached, or the model's context
+    (``max_total_tokens``) full -> "length". Cheap and free of user code."""
     sp = req.sampling
-    token = req.output_token_ids[-1]
-    if not sp.ignore_eos and token in sp.eos_token_ids and len(req.output_token_ids) >= sp.min_new_tokens:
+    n = num_output_tokens
+    if not sp.ignore_eos and token in sp.eos_token_ids and n >= sp.min_new_tokens:
         return RequestStatus.FINISHED_STOPPED
-    if len(req.output_token_ids) >= sp.max_new_tokens:
+    if n >= sp.max_new_tokens:
         return RequestStatus.FINISHED_LENGTH
-    if req.max_total_tokens is not None and req.num_tokens >= req.max_total_tokens:
+    if req.max_total_tokens is not None and req.num_prompt_tokens + n >= req.max_total_tokens:
         return RequestStatus.FINISHED_LENGTH
     return None
 
 
-def stop_check_status(req: Request, grammar_done: bool, sampler) -> Optional[RequestStatus]:
-    """The status ``req`` finishes with after its latest token by the checks that run user code, or
-    None to go on; in order: the request's stop checker (stop strings), the grammar's end
-    (``grammar_done``), the call's ``stopping_criteria`` on the request's own ids
-    (``sampler.should_stop``). Each finishes with "stop". Raises whatever a check raises."""
-    if req.stop_checker is not None and req.stop_checker(req):
+def has_user_checks(req: Request) -> bool:
+    """True when ``req`` has a stop checker or stopping criteria (``stop_check_status`` then needs
+    its output ids)."""
+    return req.stop_checker is not None or bool(req.sampling.stopping_criteria)
+
+
+def stop_check_status(
+    req: Request, output_token_ids: Sequence[int], grammar_done: bool, sampler
+) -> Optional[RequestStatus]:
+    """The status ``req`` finishes with by the checks that run user code if its output were
+    ``output_token_ids`` (the proposed token last), or None to go on; in order: the request's stop
+    checker (stop strings; called with a ``ProposedRequest``), the grammar's end (``grammar_done``),
+    the call's ``stopping_criteria`` on the request's ids (``sampler.should_stop``). Each finishes
+    with "stop". Raises whatever a check raises."""
+    if req.stop_checker is not None and req.stop_checker(ProposedRequest(req, output_token_ids)):
         return RequestStatus.FINISHED_STOPPED
     if grammar_done:
         return RequestStatus.FINISHED_STOPPED
-    if req.sampling.stopping_criteria and sampler.should_stop(req):
+    if req.sampling.stopping_criteria and sampler.should_stop(
+        req.request_id, [*req.prompt_token_ids, *output_token_ids]
+    ):
         return RequestStatus.FINISHED_STOPPED
     return None
 

@@ -26,11 +26,11 @@ def test_a_request_waiting_for_its_grammar_is_passed_over_then_admitted():
     for r in (first, second, third):
         sched.add_request(r)
     out = sched.schedule()
-    assert [s.request for s in out.plan.scheduled] == [second, third]
+    assert [sched.request(s.request_id) for s in out.plan.scheduled] == [second, third]
     assert sched.waiting == [first]
     first.waiting_for_grammar = False
     out = sched.schedule()
-    assert first in [s.request for s in out.plan.scheduled]
+    assert first in [sched.request(s.request_id) for s in out.plan.scheduled]
     assert sched.waiting == []
 
 

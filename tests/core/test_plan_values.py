@@ -8,7 +8,7 @@ import pytest
 from hf_contbatch.config import SchedulerConfig
 from hf_contbatch.core.block_manager import BlockManager
 from hf_contbatch.core.budget import StepBudget
-from hf_contbatch.core.plan import RunnerOutput, ScheduledRequest
+from hf_contbatch.core.plan import NewRequestData, RunnerOutput, ScheduledRequest
 from hf_contbatch.core.queues import RequestQueues
 from hf_contbatch.request import Request, RequestStatus, SamplingParams
 
@@ -25,12 +25,30 @@ def test_a_row_holds_its_tokens_position_and_scoring_as_of_scheduling():
     row = ScheduledRequest.for_tokens(req, 5)
     # Prompt positions 4..8; positions p with p + 1 in [2, 10) score token p + 1: p = 4..8.
     assert (row.request_id, row.token_ids, row.start_position) == (3, tuple(range(104, 109)), 4)
-    assert not row.samples and not row.is_decode and row.adapter_name == "sql"
-    assert list(row.scored_positions) == [4, 5, 6, 7, 8] and row.score_token_ids == tuple(range(105, 110))
+    assert not row.samples and not row.is_decode
+    assert list(row.scored_positions(2, req.num_prompt_tokens)) == [4, 5, 6, 7, 8]
+    assert list(row.scored_positions(0, req.num_prompt_tokens)) == []  # prompt_logprobs off
+    assert list(row.scored_positions(9, req.num_prompt_tokens)) == [8]  # only p + 1 = 9 from 9 on
     req.num_computed_tokens = 9  # the live request moves on; the row does not
     assert row.start_position == 4 and row.with_blocks([7, 2, 5]).block_ids == (7, 2, 5)
     with pytest.raises(AttributeError):
         row.num_new_tokens = 1  # frozen
+
+
+def test_a_new_request_reaches_the_runner_once_as_values():
+    req = _request(3, [1, 2, 3], output=[4], computed=3, adapter_name="sql", do_sample=True, top_k=5, seed=7)
+    new = NewRequestData.of(req)
+    assert (new.request_id, new.token_ids, new.num_prompt_tokens, new.adapter_name) == (3, (1, 2, 3, 4), 3, "sql")
+    assert (new.sampling.do_sample, new.sampling.top_k, new.sampling.seed, new.sampling.has_grammar) == (
+        True,
+        5,
+        7,
+        False,
+    )
+    req.output_token_ids.append(5)  # the live request moves on; the value does not
+    assert new.token_ids == (1, 2, 3, 4)
+    with pytest.raises(AttributeError):
+        new.sampling.top_k = 1  # frozen
 
 
 def test_a_drafting_row_runs_the_last_token_then_the_drafts_and_samples():
@@ -39,12 +57,6 @@ def test_a_drafting_row_runs_the_last_token_then_the_drafts_and_samples():
     assert row.token_ids == (8, 9, 10) and row.start_position == 3 and row.samples and row.is_speculative
     decode = ScheduledRequest.for_tokens(req, 1)
     assert decode.is_decode and decode.token_ids == (8,) and decode.samples
-
-
-def test_score_token_id_only_before_the_first_generated_token():
-    first = ScheduledRequest.for_tokens(_request(0, [1, 2, 3], score_token_id=42), 3)
-    later = ScheduledRequest.for_tokens(_request(0, [1, 2, 3], output=[4], computed=3, score_token_id=42), 1)
-    assert first.score_token_id == 42 and later.score_token_id is None
 
 
 def test_runner_outputs_of_two_halves_merge():

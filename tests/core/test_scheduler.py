@@ -6,19 +6,20 @@ import pytest
 
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from hf_contbatch.core.block_manager import BlockManager
+from hf_contbatch.core.plan import StopDecision
+from hf_contbatch.core.request_state import RequestState
 from hf_contbatch.core.scheduler import PHASES, Scheduler
 from hf_contbatch.request import Request, RequestStatus
 
 from conftest import random_prompts
-from runner_outputs import runner_output
+from runner_outputs import length_decisions, runner_output
 
 
 def _fake_step(sched: Scheduler, out, token: int = 7) -> None:
     """Stand-in for the model: every sampling request gets ``token``; finish at max_new_tokens."""
-    sampled = {s.request.request_id: token for s in out.plan.scheduled if s.samples}
-    for req in sched.update_from_output(out.plan, runner_output(sampled)):
-        if len(req.output_token_ids) >= req.sampling.max_new_tokens:
-            req.status = RequestStatus.FINISHED_LENGTH
+    sampled = {s.request_id: token for s in out.plan.scheduled if s.samples}
+    output = runner_output(sampled)
+    sched.update_from_output(out.plan, output, length_decisions(sched, out.plan, output))
 
 
 def _req(rid, n, new=4, priority=0, t=0.0):
@@ -65,7 +66,7 @@ def test_decodes_come_before_prefill_chunks_and_take_one_token_each():
     _fake_step(sched, sched.schedule())  # prefill of request 0
     sched.add_request(_req(1, 20, t=1))
     out = sched.schedule()
-    assert [(s.request.request_id, s.num_new_tokens) for s in out.plan.scheduled] == [(0, 1), (1, 11)]
+    assert [(s.request_id, s.num_new_tokens) for s in out.plan.scheduled] == [(0, 1), (1, 11)]
 
 
 @pytest.mark.timeout(30)
@@ -149,7 +150,7 @@ def test_budget_changes_no_queue_and_frees_no_block_admit_carries_out_a_detached
     assert parent.pending_forks == children and parent.status is RequestStatus.RUNNING
     assert step.detached_forks == [parent] and not step.forks
     # The parent goes on alone with its last prompt token, unless it was cancelled.
-    assert [(s.request.request_id, s.num_new_tokens) for s in step.rows] == ([] if cancel_parent else [(0, 1)])
+    assert [(s.request_id, s.num_new_tokens) for s in step.rows] == ([] if cancel_parent else [(0, 1)])
 
     sched.admit(result, step)
     assert parent.pending_forks == [] and sched.counters.num_fork_fallbacks == 2
@@ -188,21 +189,32 @@ def test_drop_all_requests_empties_every_queue_and_frees_both_pools():
     assert sched.drop_all_requests() == []
 
 
-def test_trim_after_stop_takes_back_the_tokens_after_the_stop_and_refuses_more_than_were_computed():
+def test_a_stop_decision_finishes_the_request_and_the_tokens_come_once():
     bm = BlockManager(num_blocks=20, block_size=4)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16, watermark=0.0), bm)
     req = _req(0, 9, new=6)
     sched.add_request(req)
-    _fake_step(sched, sched.schedule())  # the whole 9-token prompt in one step
+    out = sched.schedule()  # the whole 9-token prompt in one step; its last row samples
+    output = runner_output({0: 42})
+    assert sched.proposed_tokens(out.plan, output) == {0: [42]} and req.output_token_ids == []
+    appended = sched.update_from_output(out.plan, output, {0: StopDecision(1, RequestStatus.FINISHED_LENGTH)})
+    assert appended == [(req, [42])] and req.output_token_ids == [42]
+    assert (req.num_computed_tokens, req.status) == (9, RequestStatus.FINISHED_LENGTH)
+    assert sched.proposed_tokens(out.plan, output) == {}  # finished: nothing more to propose
+    assert [r.request_id for r in sched.reap()] == [0] and bm.num_free_blocks == 20
+    finished, preempted = sched.state.take_departures()
+    assert (finished, preempted) == ([0], [])  # the runner's batch drops its row with the next plan
+
+
+def test_request_state_refuses_computed_tokens_the_request_does_not_have():
+    req = _req(0, 9, new=6)
+    state = RequestState()
+    state.set_computed(req, 9)
+    with pytest.raises(ValueError, match=r"num_computed_tokens must be in \[0, 9\]"):
+        state.set_computed(req, 10)
+    with pytest.raises(ValueError, match="num_computed_tokens"):
+        state.set_computed(req, -1)
     assert req.num_computed_tokens == 9
-    sched.counters.num_accepted_draft_tokens = 3  # as if 3 drafts had been accepted in that step
-    sched.trim_after_stop(req, 2)
-    assert (req.num_computed_tokens, sched.counters.num_accepted_draft_tokens) == (7, 1)
-    with pytest.raises(ValueError, match=r"num_excess must be in \[0, 7\]"):
-        sched.trim_after_stop(req, 8)
-    with pytest.raises(ValueError, match="num_excess"):
-        sched.trim_after_stop(req, -1)
-    assert req.num_computed_tokens == 7
 
 
 def test_the_host_pool_must_slide_over_the_device_pools_window():

@@ -12,7 +12,7 @@ from hf_contbatch.core.queues import Rank
 from hf_contbatch.core.scheduler import Scheduler
 from hf_contbatch.request import Request, RequestStatus, SamplingParams
 
-from runner_outputs import runner_output
+from runner_outputs import length_decisions, runner_output
 
 
 def _req(rid, n, new=4, priority=0, t=0.0):
@@ -31,10 +31,9 @@ def _sched(num_blocks=64, block_size=4, host_blocks=0, clock=None, **cfg):
 def _step(sched, token=7):
     """One iteration with a fake model: every sampling request gets ``token``; finish at max_new_tokens."""
     out = sched.schedule()
-    sampled = {s.request.request_id: token for s in out.plan.scheduled if s.samples}
-    for req in sched.update_from_output(out.plan, runner_output(sampled)):
-        if len(req.output_token_ids) >= req.sampling.max_new_tokens:
-            req.status = RequestStatus.FINISHED_LENGTH
+    sampled = {s.request_id: token for s in out.plan.scheduled if s.samples}
+    output = runner_output(sampled)
+    sched.update_from_output(out.plan, output, length_decisions(sched, out.plan, output))
     sched.block_manager.check_invariants()
     sched.host_block_manager.check_invariants()
     return out
@@ -140,13 +139,13 @@ def test_long_prefill_token_threshold_caps_a_long_prompt_so_short_ones_run_in_th
     for rid in (1, 2):
         sched.add_request(_req(rid, 5, t=float(rid)))
     out = _step(sched)
-    assert [(s.request.request_id, s.num_new_tokens) for s in out.plan.scheduled] == [(0, 8), (1, 5), (2, 5)]
+    assert [(s.request_id, s.num_new_tokens) for s in out.plan.scheduled] == [(0, 8), (1, 5), (2, 5)]
     out = _step(sched)
-    assert dict((s.request.request_id, s.num_new_tokens) for s in out.plan.scheduled)[0] == 8
+    assert dict((s.request_id, s.num_new_tokens) for s in out.plan.scheduled)[0] == 8
     unlimited = _sched(max_num_batched_tokens=32)
     unlimited.add_request(_req(0, 100, t=0.0))
     unlimited.add_request(_req(1, 5, t=1.0))
-    assert [(s.request.request_id, s.num_new_tokens) for s in _step(unlimited).plan.scheduled] == [(0, 32)]
+    assert [(s.request_id, s.num_new_tokens) for s in _step(unlimited).plan.scheduled] == [(0, 32)]
 
 
 # --- swap preemption ------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from hf_contbatch.config import SchedulerConfig
 from hf_contbatch.core.block_manager import BlockManager
-from hf_contbatch.core.plan import RunnerOutput, StepPlan, StepResult
+from hf_contbatch.core.plan import RunnerOutput, StepPlan, StepResult, StopDecision
 from hf_contbatch.core.scheduler import PHASES, Scheduler
 from hf_contbatch.request import Request, RequestStatus, SamplingParams
 
@@ -81,7 +81,7 @@ class FakeModel:
         for (_, d), content in zip(plan.blocks_to_copy, copies):
             self.device[d] = content
 
-    def forward(self, plan: StepPlan) -> RunnerOutput:
+    def forward(self, plan: StepPlan, request_of) -> RunnerOutput:
         """From the plan alone, as the model runner works: each row's token ids, first position and
         block table; the context is read back from the KV pool (never from the live request)."""
         bs = self.bs
@@ -93,7 +93,7 @@ class FakeModel:
                 self.device[s.block_ids[p // bs]][p % bs] = (p, t)
         out = RunnerOutput()
         for s in plan.scheduled:
-            req, table = s.request, s.block_ids
+            req, table = request_of(s.request_id), s.block_ids  # the live request: the oracle's tokens
             end = s.start_position + s.num_new_tokens
             # The oldest position any of the row's queries sees (all of them without a window).
             lo = max(0, s.start_position - self.window + 1) if self.window else 0
@@ -115,17 +115,27 @@ class FakeModel:
         return [kv[p] for p in range(first, q + 1)]
 
 
-def finish_as_the_engine_does(req: Request) -> bool:
-    """The engine's stop check after each new token (EOS, then max_new_tokens)."""
-    if req.output_token_ids[-1] in req.sampling.eos_token_ids:
-        req.status = RequestStatus.FINISHED_STOPPED
-    elif len(req.output_token_ids) >= req.sampling.max_new_tokens:
-        req.status = RequestStatus.FINISHED_LENGTH
-    return req.status.is_finished
+def decide_as_the_engine_does(req: Request, tokens: list[int]) -> StopDecision:
+    """The engine's stop decision on a request's proposed tokens, token by token (EOS, then
+    max_new_tokens): the first stop keeps the tokens up to it."""
+    for k, token in enumerate(tokens):
+        if token in req.sampling.eos_token_ids:
+            return StopDecision(k + 1, RequestStatus.FINISHED_STOPPED)
+        if len(req.output_token_ids) + k + 1 >= req.sampling.max_new_tokens:
+            return StopDecision(k + 1, RequestStatus.FINISHED_LENGTH)
+    return StopDecision(len(tokens))
 
 
-def check_iteration(sched: Scheduler, out: StepResult, prior_running: set, max_num_seqs: int) -> None:
+def check_iteration(sched: Scheduler, out: StepResult, prior_running: set, max_num_seqs: int, in_batch: set) -> None:
     bm, host = sched.block_manager, sched.host_block_manager
+    # The runner's batch, kept as the runner keeps it: rows leave, then new ones come, once each.
+    in_batch -= set(out.plan.finished_ids) | set(out.plan.preempted_ids)
+    for new in out.plan.new_requests:
+        req = sched.request(new.request_id)
+        assert new.request_id not in in_batch, "a request's data sent twice"
+        assert new.token_ids == tuple(req.all_token_ids) and new.adapter_name == req.sampling.adapter_name
+        in_batch.add(new.request_id)
+    assert in_batch <= {r.request_id for r in sched.running}, "the runner keeps a row of a request not running"
     assert [name for name, _ in out.report.phases] == list(PHASES[:4])
     bm.check_invariants()
     host.check_invariants()
@@ -133,10 +143,10 @@ def check_iteration(sched: Scheduler, out: StepResult, prior_running: set, max_n
     assert len(sched.running) + owed <= max_num_seqs
     assert out.plan.num_batched_tokens <= sched.config.max_num_batched_tokens
     assert out.report.reserved_blocks >= 0
-    ids = [s.request.request_id for s in out.plan.scheduled]
+    ids = [s.request_id for s in out.plan.scheduled]
     assert len(ids) == len(set(ids)), "a request scheduled twice in one step"
     for s in out.plan.scheduled:
-        req = s.request
+        req = sched.request(s.request_id)
         assert s.num_new_tokens >= 1 and req.status is RequestStatus.RUNNING
         table = bm.get_block_table(req.request_id)
         # The plan is a value: each row holds what the runner reads, equal to the live state now.
@@ -147,7 +157,7 @@ def check_iteration(sched: Scheduler, out: StepResult, prior_running: set, max_n
             last_and_drafts if s.draft_token_ids else tuple(req.all_token_ids[s.start_position :][: s.num_new_tokens])
         )
         assert s.token_ids == want_ids and len(s.token_ids) == s.num_new_tokens
-        assert s.adapter_name == req.sampling.adapter_name
+        assert s.request_id in in_batch, "a row whose request's data never reached the runner"
         assert len(table) * bm.block_size >= req.num_computed_tokens + s.num_new_tokens
         for p in range(req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens):
             assert table[p // bm.block_size] != bm.null_block, "a write into the null block"
@@ -255,6 +265,7 @@ def run_workload(bs, num_blocks, host_blocks, prefix_caching, config, specs, win
     bound = 25 + 10 * (config.max_preemptions + 2) * (work + 1)
     every = [r for _, seqs in groups for r in seqs]
     empty_in_a_row = 0
+    in_batch: set = set()
     for it in range(bound):
         clock[0] = float(it)
         for spec, seqs in groups:
@@ -268,11 +279,14 @@ def run_workload(bs, num_blocks, host_blocks, prefix_caching, config, specs, win
             break
         prior = {r.request_id for r in sched.running if not r.status.is_finished and not r.cancel_requested}
         out = sched.schedule()
-        check_iteration(sched, out, prior, config.max_num_seqs)
+        check_iteration(sched, out, prior, config.max_num_seqs, in_batch)
         empty_in_a_row = empty_in_a_row + 1 if (out.plan.is_empty and sched.has_work and not out.report.reaped) else 0
         assert empty_in_a_row < 3, "the scheduler stalls with work pending"
         model.move_blocks(out.plan)
-        sched.update_from_output(out.plan, model.forward(out.plan), on_token=finish_as_the_engine_does)
+        output = model.forward(out.plan, sched.request)
+        proposed = sched.proposed_tokens(out.plan, output)
+        decisions = {rid: decide_as_the_engine_does(sched.request(rid), t) for rid, t in proposed.items()}
+        sched.update_from_output(out.plan, output, decisions)
     else:
         pytest.fail(
             f"not finished after {bound} iterations (livelock): {[(r.request_id, r.status) for r in every if not r.status.is_finished]}"

@@ -95,8 +95,8 @@ def test_step_positions_and_slot_mapping_follow_the_block_tables():
         inputs = real(plan)
         want_pos, want_slots = [], []
         for s in plan.scheduled:
-            table = eng.block_manager.get_block_table(s.request.request_id)
-            start = s.request.num_computed_tokens
+            table = eng.block_manager.get_block_table(s.request_id)
+            start = eng.scheduler.request(s.request_id).num_computed_tokens  # the live request, not the plan
             if not s.is_decode and start % bs:
                 checked["mid_block_chunks"] += 1
             for p in range(start, start + s.num_new_tokens):

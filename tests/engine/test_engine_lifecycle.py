@@ -42,6 +42,14 @@ def test_cancel_in_any_state_frees_every_block_and_returns_partial_output(llama_
         assert outs[3].finish_reason == "length"
         assert eng.stats().num_free_blocks == 40
         eng.block_manager.check_invariants()
+        # Nothing outlives its request: the runner's batch rows and the per-request processors.
+        assert len(eng.runner.batch) == 0 and eng.processors.num_tracked == 0
+        # cancel_now releases at once, outside an iteration: the rows go with it.
+        h = eng.submit(prompts[0], SamplingParams(max_new_tokens=140))
+        next(h.token_stream())
+        eng.driver.cancel_now([h])
+        assert h.result(60).finish_reason == "cancelled" and eng.wait_idle(10)
+        assert len(eng.runner.batch) == 0 and eng.processors.num_tracked == 0
     finally:
         eng.close()
 

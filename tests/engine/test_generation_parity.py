@@ -335,6 +335,8 @@ def test_batched_warping_equals_transformers_warpers_bit_for_bit(params, tie, vo
 def test_unseeded_draws_over_top_k_candidates_follow_the_distribution():
     # 20,000 draws of a 3-candidate distribution through the sampler's batched path: the
     # frequencies match the probabilities of the warped scores (5 sigma).
+    from hf_contbatch.core.plan import NewRequestData
+    from hf_contbatch.engine.input_batch import InputBatch
     from hf_contbatch.engine.sampler import Sampler
     from hf_contbatch.request import Request, SamplingParams
 
@@ -342,8 +344,13 @@ def test_unseeded_draws_over_top_k_candidates_follow_the_distribution():
     logits = torch.full((1, 64), -5.0)
     logits[0, [3, 10, 40]] = torch.tensor([1.0, 0.5, 0.0])
     sp = SamplingParams(do_sample=True, top_k=3, temperature=0.8, max_new_tokens=1)
-    reqs = [Request(request_id=i, prompt_token_ids=[1], sampling=sp) for i in range(20000)]
-    tokens = torch.tensor(sampler.sample(logits.expand(20000, -1).clone(), reqs))
+    batch = InputBatch()
+    for i in range(20000):
+        req = Request(request_id=i, prompt_token_ids=[1], sampling=sp)
+        sampler.processors.track(req)  # the engine keeps each request's processors by id
+        batch.add(NewRequestData.of(req))
+    tokens, _ = sampler.sample(logits.expand(20000, -1).clone(), list(batch.rows.values()))
+    tokens = torch.tensor(tokens)
     probs = torch.softmax(logits[0, [3, 10, 40]] / 0.8, -1)
     freq = torch.stack([(tokens == t).float().mean() for t in (3, 10, 40)])
     assert set(tokens.tolist()) == {3, 10, 40}

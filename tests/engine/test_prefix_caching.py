@@ -146,7 +146,7 @@ def test_admission_sets_num_computed_tokens_from_hits_and_counts_the_hit_rate():
     sched.add_request(second)
     out = sched.schedule()
     assert second in out.report.admitted and second.num_computed_tokens == 16
-    assert [(s.request.request_id, s.num_new_tokens) for s in out.plan.scheduled] == [(0, 1), (1, 3)]
+    assert [(s.request_id, s.num_new_tokens) for s in out.plan.scheduled] == [(0, 1), (1, 3)]
     assert bm.get_block_table(1)[:4] == bm.get_block_table(0)[:4]
     assert out.report.num_prefix_hit_tokens == 16
     assert bm.prefix_hit_rate == pytest.approx(16 / (18 + 19))

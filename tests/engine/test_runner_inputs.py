@@ -7,13 +7,13 @@ before building.
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 
 import torch
 
 from hf_contbatch.core.block_manager import BlockManager
-from hf_contbatch.core.plan import ScheduledRequest, StepPlan
+from hf_contbatch.core.plan import NewRequestData, ScheduledRequest, StepPlan
+from hf_contbatch.engine.input_batch import InputBatch
 from hf_contbatch.engine.runner import ModelRunner
 from hf_contbatch.kernels.attention.backends import TorchAttentionBackend
 from hf_contbatch.request import Request, SamplingParams
@@ -53,7 +53,9 @@ def test_rows_are_decodes_then_draft_rows_then_prefill_chunks_and_the_lm_head_re
     table = {rid: bm.get_block_table(rid) for rid in range(4)}
     # The plan is a value: the live requests and the block manager are gone when the runner reads it.
     plan = StepPlan(
-        iteration=0, scheduled=[dataclasses.replace(s.with_blocks(table[s.request_id]), request=None) for s in rows]
+        iteration=0,
+        scheduled=[s.with_blocks(table[s.request_id]) for s in rows],
+        new_requests=[NewRequestData.of(r) for r in (decode, drafting, scoring, chunk)],
     )
     for req in (decode, drafting, scoring, chunk):
         bm.free(req.request_id)
@@ -94,7 +96,8 @@ def test_the_persistent_buffers_give_a_small_step_after_a_large_one_what_a_fresh
 
     def plan_of(reqs, n):
         rows = [ScheduledRequest.for_tokens(r, n(r)) for r in reqs]
-        return StepPlan(0, [s.with_blocks(bm.get_block_table(s.request_id)) for s in rows])
+        new = [NewRequestData.of(r) for r in reqs]  # sent again: adding a row twice changes nothing
+        return StepPlan(0, [s.with_blocks(bm.get_block_table(s.request_id)) for s in rows], new_requests=new)
 
     def inputs_of(runner, plan):
         i = runner.build_metadata(plan)
@@ -127,3 +130,29 @@ def test_the_persistent_buffers_give_a_small_step_after_a_large_one_what_a_fresh
     assert got == ([9], [6], [table[1] * bs + 2], [0, 1], [7], [table], [0])
     assert got == inputs_of(new_runner(2), plan_of([small], lambda r: 1))
     assert reused.build_metadata(plan_of([small], lambda r: 1)).metadata.block_tables.is_contiguous()
+
+
+def test_the_input_batch_changes_only_by_the_plans_diffs():
+    prompt = _request(0, [1, 2, 3, 4, 5])
+    other = _request(1, [9, 9])
+    batch = InputBatch()
+    first = ScheduledRequest.for_tokens(prompt, 3)  # a chunk: positions 0..2
+    batch.apply(StepPlan(0, [first], new_requests=[NewRequestData.of(prompt), NewRequestData.of(other)]))
+    assert sorted(batch.rows) == [0, 1] and batch.get(0).token_ids == [1, 2, 3, 4, 5]  # the whole prompt
+    prompt.num_computed_tokens = 3
+    last = ScheduledRequest.for_tokens(prompt, 2)  # the rest of the prompt: it samples
+    batch.apply(StepPlan(1, [last]))
+    assert batch.get(0).token_ids == [1, 2, 3, 4, 5] and batch.get(0).output_token_ids == []
+    prompt.output_token_ids.append(6)
+    prompt.num_computed_tokens = 5
+    drafting = ScheduledRequest.for_tokens(prompt, 3, [7, 8])  # 6, then drafts 7 and 8
+    batch.apply(StepPlan(2, [drafting]))
+    assert batch.get(0).token_ids == [1, 2, 3, 4, 5, 6, 7, 8]
+    prompt.output_token_ids += [7, 0]  # draft 7 accepted, 8 rejected: the greedy token 0 instead
+    prompt.num_computed_tokens = 7
+    decode = ScheduledRequest.for_tokens(prompt, 1)
+    batch.apply(StepPlan(3, [decode], finished_ids=[1]))
+    assert batch.get(0).token_ids == [1, 2, 3, 4, 5, 6, 7, 0] and sorted(batch.rows) == [0]
+    assert batch.get(0).output_token_ids == [6, 7, 0]
+    batch.apply(StepPlan(4, [], preempted_ids=[0]))
+    assert len(batch) == 0

@@ -19,10 +19,11 @@ from hf_contbatch import (
     SchedulerConfig,
 )
 from hf_contbatch.core.block_manager import BlockManager
+from hf_contbatch.core.plan import StopDecision
 from hf_contbatch.core.prompt_lookup import NgramProposer
 from hf_contbatch.core.scheduler import Scheduler
 from hf_contbatch.default_model import default_model_path
-from hf_contbatch.request import Request
+from hf_contbatch.request import Request, RequestStatus
 
 from conftest import random_prompts, reference_greedy
 from runner_outputs import runner_output
@@ -147,7 +148,7 @@ def _decoding(sched: Scheduler, rid: int, prompt: list[int], first_token: int, k
     req = Request(rid, prompt, SamplingParams(max_new_tokens=10, prompt_lookup_num_tokens=k))
     sched.add_request(req)
     out = sched.schedule()
-    assert [s.request for s in out.plan.scheduled] == [req]
+    assert [sched.request(s.request_id) for s in out.plan.scheduled] == [req]
     sched.update_from_output(out.plan, runner_output({rid: first_token}))
     return req
 
@@ -272,9 +273,9 @@ def _step_accepting_every_draft(sched: Scheduler):
     sampled = {}
     for s in out.plan.scheduled:
         if s.draft_token_ids:
-            sampled[s.request.request_id] = [*s.draft_token_ids, _next_of(s.request)]
+            sampled[s.request_id] = [*s.draft_token_ids, _next_of(sched.request(s.request_id))]
         elif s.samples:
-            sampled[s.request.request_id] = _next_of(s.request)
+            sampled[s.request_id] = _next_of(sched.request(s.request_id))
     sched.update_from_output(out.plan, runner_output(sampled))
     return out
 
@@ -291,7 +292,7 @@ def test_drafts_only_take_the_token_budget_nothing_else_needs():
             late = Request(2, REPEATING[:5], SamplingParams(max_new_tokens=5))
             sched.add_request(late)
         out = _step_accepting_every_draft(sched)
-        planned = {s.request.request_id: s for s in out.plan.scheduled}
+        planned = {s.request_id: s for s in out.plan.scheduled}
         if it >= 2:  # once the drafter's prompt is in, the other one gets tokens every step
             assert 1 in planned, f"iteration {it}: drafts took the budget of a running request"
         if it == 6:
@@ -326,11 +327,12 @@ def test_accepted_drafts_after_a_stop_are_not_counted():
     out = sched.schedule()
     assert out.plan.scheduled[0].draft_token_ids == (2, 3, 4, 5, 6)
 
-    def stop_at_eos(r: Request) -> bool:
-        if r.output_token_ids[-1] in r.sampling.eos_token_ids:
-            r.status = r.status.FINISHED_STOPPED
-        return r.status.is_finished
-
-    sched.update_from_output(out.plan, runner_output({0: [2, 3, 4, 5, 6, 7]}), on_token=stop_at_eos)
-    assert req.output_token_ids == [1, 2]
+    output = runner_output({0: [2, 3, 4, 5, 6, 7]})
+    # All five drafts equal the greedy tokens; the engine's EOS check stops at the first one (2).
+    assert sched.proposed_tokens(out.plan, output) == {0: [2, 3, 4, 5, 6, 7]}
+    sched.update_from_output(out.plan, output, {0: StopDecision(1, RequestStatus.FINISHED_STOPPED)})
+    assert req.output_token_ids == [1, 2] and req.status is RequestStatus.FINISHED_STOPPED
     assert (sched.counters.num_accepted_draft_tokens, sched.counters.num_draft_tokens) == (1, 5)
+    # KV of the last token (1) and the kept draft (2): 16 prompt tokens + 2; blocks past it freed.
+    assert req.num_computed_tokens == 18
+    assert len(sched.block_manager.get_block_table(0)) == sched.block_manager.blocks_for_tokens(18)

@@ -54,6 +54,7 @@ class GrammarMatchers:
         self._compiled: dict[int, concurrent.futures.Future] = {}  # request id -> its compile
         self._waiting: dict[int, Request] = {}  # requests whose compile was not seen done yet
         self._entries: dict[int, _Entry] = {}
+        self._stop_tokens: dict[int, Optional[list[int]]] = {}  # request id -> its EOS ids (None: the tokenizer's)
         self._batch = None  # xgrammar.BatchGrammarMatcher, made on first use
         self._bitmask: Optional[torch.Tensor] = None  # reused between steps, grown as needed
         self._kernel = TokenBitmaskKernel()  # ours on CPU float32 scores; xgrammar's otherwise
@@ -73,6 +74,7 @@ class GrammarMatchers:
         future = self.compilation.compile(spec)
         for r in (req, *req.pending_forks):
             self._compiled[r.request_id] = future
+            self._stop_tokens[r.request_id] = list(r.sampling.eos_token_ids) or None
             self._waiting[r.request_id] = r
             r.waiting_for_grammar = not future.done()
 
@@ -109,21 +111,27 @@ class GrammarMatchers:
         self._compiled.pop(request_id, None)
         self._waiting.pop(request_id, None)
         self._entries.pop(request_id, None)
+        self._stop_tokens.pop(request_id, None)
+
+    def tracks(self, request_id: int) -> bool:
+        """True when ``request_id`` has a grammar here."""
+        return request_id in self._compiled
 
     # --- the tokens a request keeps --------------------------------------------------------------------
-    def accept(self, req: Request) -> bool:
-        """Advance ``req``'s matcher on its newest kept token; True when the grammar terminated (it
-        accepted its stop token; with no stop token at all, once it is complete). No-op (False)
-        without a grammar.
+    def accept(self, request_id: int, output_token_ids: Sequence[int]) -> bool:
+        """Advance the request's matcher on the newest of its output tokens ``output_token_ids``
+        (the token the engine is deciding on, last); True when the grammar terminated (it accepted
+        its stop token; with no stop token at all, once it is complete). No-op (False) without a
+        grammar.
 
         Raises:
             GrammarViolation: the token is not allowed there (the request fails alone).
         """
-        if req.request_id not in self._compiled:
+        if request_id not in self._compiled:
             return False
-        n = len(req.output_token_ids)
-        entry = self._synced(req, n - 1)
-        token = req.output_token_ids[-1]
+        n = len(output_token_ids)
+        entry = self._synced(request_id, output_token_ids, n - 1)
+        token = output_token_ids[-1]
         if not entry.matcher.accept_token(token):
             raise GrammarViolation(f"token {token} is not allowed by the request's grammar after {n - 1} tokens")
         entry.num_accepted = n
@@ -134,7 +142,7 @@ class GrammarMatchers:
         stop tokens (the row after one would have nothing to mask); the matcher is rolled back."""
         if req.request_id not in self._compiled:
             return drafts
-        matcher = self._synced(req, len(req.output_token_ids)).matcher
+        matcher = self._synced(req.request_id, req.output_token_ids, len(req.output_token_ids)).matcher
         stops = set(matcher.stop_token_ids)
         n = 0
         for token in drafts:
@@ -150,7 +158,7 @@ class GrammarMatchers:
         self,
         scores: torch.Tensor,
         rows: Sequence[int],
-        requests: Sequence[Request],
+        requests: Sequence[tuple[int, Sequence[int]]],
         argmax_only: Sequence[int] = (),
     ) -> None:
         """Set to ``-inf`` the scores of tokens each request's grammar does not allow next.
@@ -158,14 +166,14 @@ class GrammarMatchers:
         Args:
             scores: ``[N, vocab]`` float32 scores, changed in place.
             rows: the rows of ``scores`` to mask, one per request.
-            requests: the constrained requests of those rows.
+            requests: ``(request id, output token ids)`` of those rows' constrained requests.
             argmax_only: rows (of ``rows``) whose caller reads only the argmax: unless our kernel
                 serves ``scores`` (then masking every row costs less than the check), they are
                 masked only when their argmax is a token the grammar refuses. Exact: when the first
                 maximum of a row is allowed, it is also the first maximum of the masked row.
         """
         bitmask = self._bitmask_rows(scores.shape[0])
-        matchers = [self._synced(r, len(r.output_token_ids)).matcher for r in requests]
+        matchers = [self._synced(rid, out, len(out)).matcher for rid, out in requests]
         if self._batch is None:
             self._batch = import_xgrammar().BatchGrammarMatcher()
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask, list(rows))
@@ -179,17 +187,20 @@ class GrammarMatchers:
         if apply:
             self._apply(scores, bitmask, apply)
 
-    def mask_draft_rows(self, scores: torch.Tensor, drafting: Sequence[tuple[int, Request, list[int]]]) -> None:
-        """Mask the verification rows of requests with drafts: ``(first row, request, drafts)``;
-        row ``first + j`` gets the grammar's state after the request's kept tokens and ``j`` drafts.
+    def mask_draft_rows(
+        self, scores: torch.Tensor, drafting: Sequence[tuple[int, int, Sequence[int], Sequence[int]]]
+    ) -> None:
+        """Mask the verification rows of requests with drafts: ``(first row, request id, its output
+        token ids, drafts)``; row ``first + j`` gets the grammar's state after the request's kept
+        tokens and ``j`` drafts.
 
         Raises:
             GrammarViolation: a draft the grammar refuses (``draft_prefix`` cut them before).
         """
         bitmask = self._bitmask_rows(scores.shape[0])
         rows = []
-        for first, req, drafts in drafting:
-            matcher = self._synced(req, len(req.output_token_ids)).matcher
+        for first, rid, out, drafts in drafting:
+            matcher = self._synced(rid, out, len(out)).matcher
             matcher.fill_next_token_bitmask(bitmask, first)
             for j, token in enumerate(drafts):
                 if not matcher.accept_token(token):
@@ -202,21 +213,21 @@ class GrammarMatchers:
         self._apply(scores, bitmask, rows)
 
     # --- helpers -----------------------------------------------------------------------------------
-    def _synced(self, req: Request, n: int) -> _Entry:
-        """``req``'s matcher having accepted exactly its first ``n`` output tokens: the kept one, or
-        one rebuilt from the kept tokens (new request, or found out of step)."""
-        entry = self._entries.get(req.request_id)
+    def _synced(self, request_id: int, output_token_ids: Sequence[int], n: int) -> _Entry:
+        """The request's matcher having accepted exactly the first ``n`` of ``output_token_ids``:
+        the kept one, or one rebuilt from those tokens (new request, or found out of step)."""
+        entry = self._entries.get(request_id)
         if entry is not None and entry.num_accepted == n:
             return entry
-        compiled = self._compiled[req.request_id].result()  # done: admission waited for it
+        compiled = self._compiled[request_id].result()  # done: admission waited for it
         xgr = import_xgrammar()
-        stops = list(req.sampling.eos_token_ids) or None  # None: the tokenizer's own stop tokens
+        stops = self._stop_tokens.get(request_id)  # None: the tokenizer's own stop tokens
         no_stop = not stops and not list(compiled.tokenizer_info.stop_token_ids)
         matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops, terminate_without_stop_token=no_stop)
-        for token in req.output_token_ids[:n]:
+        for token in output_token_ids[:n]:
             if not matcher.accept_token(token):
                 raise GrammarViolation(f"token {token} of the request's output is not allowed by its grammar")
-        entry = self._entries[req.request_id] = _Entry(matcher, n)
+        entry = self._entries[request_id] = _Entry(matcher, n)
         return entry
 
     def _bitmask_rows(self, num_rows: int) -> torch.Tensor:
