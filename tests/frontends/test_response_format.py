@@ -89,12 +89,13 @@ def test_cli_response_format_file_and_per_line_response_format(tmp_path, capsys)
         ({"type": "wat"}, 'Unsupported type "wat"'),  # a bare schema the grammar library refuses
     ],
 )
-def test_cli_a_bad_response_format_on_a_jsonl_line_is_one_error_naming_the_line(tmp_path, capsys, bad, says):
-    inp = tmp_path / "prompts.jsonl"
+def test_cli_a_bad_response_format_on_a_jsonl_line_is_an_error_record_naming_the_line(tmp_path, bad, says):
+    # A bad row is an error record of its own; the other rows run and the exit status is 3.
+    inp, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
     lines = [{"prompt": "A", "response_format": {"type": "json_object"}}, {"prompt": "B", "response_format": bad}]
     inp.write_text("\n".join(json.dumps(line) for line in lines) + "\n", encoding="utf-8")
-    with pytest.raises(SystemExit) as exit_info:
-        main(["generate", "--input", str(inp), "--max-new-tokens", "4", "--quiet"])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"hf-contbatch: error: --input {inp} line 2: ") and says in err[0]
+    assert main(["generate", "--input", str(inp), "--output", str(out), "--max-new-tokens", "4", "--quiet"]) == 3
+    good, failed = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert good["index"] == 0 and "generated_text" in good and "error" not in good
+    assert failed["index"] == 1 and "generated_text" not in failed
+    assert failed["error"].startswith("line 2: ") and says in failed["error"], failed
