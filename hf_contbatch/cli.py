@@ -227,12 +227,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "kv_cache_dtype": stats.kv_cache_dtype,
     }
     skipped = f" ({summary['skipped']:,} already in {args.output})" if summary["skipped"] else ""
+    from .frontends.machine_load import load_note
+
+    load_text, busy = load_note()  # tok/s depends on the machine's load
+    if busy:
+        print(busy, file=sys.stderr)  # before the summary, which stays the last line
     print(
         f"{summary['ran']:,} request{'s' if summary['ran'] != 1 else ''} done, {summary['failed']:,} failed"
         f"{skipped}; {summary['generated_tokens']:,} generated tokens in {summary['seconds']} s: "
         f"{summary['throughput_tokens_per_s']} tok/s; preemptions {summary['preemptions']}; "
         f"peak blocks {summary['peak_used_blocks']:,}/{summary['num_blocks']:,} (block size {summary['block_size']}); "
-        f"weights {weight_format}; KV cache {summary['kv_cache_dtype']}",
+        f"weights {weight_format}; KV cache {summary['kv_cache_dtype']}{load_text}",
         file=sys.stderr,
     )
     for message in job.errors:

@@ -165,10 +165,10 @@ def lab_server(tmp_path_factory):
         )
         base = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 90
+            deadline = time.monotonic() + 450
             while True:
                 try:
-                    urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+                    urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=10)
                     break
                 except OSError:
                     if proc.poll() is not None or time.monotonic() > deadline:
@@ -178,7 +178,7 @@ def lab_server(tmp_path_factory):
         finally:
             proc.terminate()
             try:
-                proc.wait(timeout=15)
+                proc.wait(timeout=75)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()

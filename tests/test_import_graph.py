@@ -130,7 +130,7 @@ def test_the_circle_finder_finds_a_circle():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_importing_the_package_loads_no_torch_and_each_name_on_first_use():
     code = (
         "import sys\nimport hf_contbatch\n"
@@ -144,7 +144,7 @@ def test_importing_the_package_loads_no_torch_and_each_name_on_first_use():
         "namespace = {}\nexec('from hf_contbatch import *', namespace)\n"
         "assert set(hf_contbatch.__all__) <= set(namespace)\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=100)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=500)
 
 
 # The runner side of the step contract sees values only (StepPlan, NewRequestData, BatchRow).

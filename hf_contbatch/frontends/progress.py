@@ -15,6 +15,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 from ..engine.handles import RequestHandle
+from .machine_load import MachineLoad
 
 # Seconds between two refreshes of the bar's rate while no request finishes (tqdm's own default
 # minimum interval between redraws is 0.1 s; a rate needs no more than two updates a second).
@@ -143,6 +144,8 @@ def _refresh_live_views(engine) -> None:
 
 
 def _rates(requests: int, tokens: int, seconds: float) -> str:
-    """Progress-bar postfix: requests and generated tokens per second."""
+    """Progress-bar postfix: requests and generated tokens per second, and the machine's load
+    (these rates depend on it; ``machine_load``)."""
     seconds = max(seconds, 1e-9)
-    return f"{requests / seconds:.2f} req/s, {tokens / seconds:.0f} tok/s"
+    load = MachineLoad.now()
+    return f"{requests / seconds:.2f} req/s, {tokens / seconds:.0f} tok/s" + (f", {load.short()}" if load else "")

@@ -18,7 +18,7 @@ def _req(rid, n=6, **sampling):
     return Request(rid, list(range(3, 3 + n)), SamplingParams(max_new_tokens=8, **sampling), arrival_time=float(rid))
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(150)
 def test_a_request_waiting_for_its_grammar_is_passed_over_then_admitted():
     sched = Scheduler(SchedulerConfig(watermark=0.0), BlockManager(num_blocks=32, block_size=4))
     first, second, third = _req(0), _req(1), _req(2)
@@ -34,7 +34,7 @@ def test_a_request_waiting_for_its_grammar_is_passed_over_then_admitted():
     assert sched.waiting == []
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(150)
 def test_the_draft_filter_cuts_a_requests_drafts_to_the_prefix_it_returns():
     seen = []
 

@@ -304,14 +304,14 @@ def run_workload(bs, num_blocks, host_blocks, prefix_caching, config, specs, win
     return sched
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(workloads())
 def test_random_workloads_keep_every_invariant_and_every_token(workload):
     run_workload(*workload)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     mode=st.sampled_from(["swap", "auto"]),
@@ -343,7 +343,7 @@ def test_tight_pools_swap_and_every_request_still_finishes(mode, lengths, bs):
     )  # nothing cancelled: all came back
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(workloads())
 def test_device_blocks_are_handed_out_only_by_allocate_slots(workload):
@@ -368,7 +368,7 @@ def test_device_blocks_are_handed_out_only_by_allocate_slots(workload):
     assert host <= {"swap_out"}, "host blocks are taken only by a swap-out"
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_a_cancelled_parents_copy_source_survives_a_swap_in_of_the_same_step():
     # Found by a random search: request 9's parent is cancelled before it arrives, so it lives only
     # to compute its fork's prefix; the step that forks it also swaps a request in. The fork's

@@ -17,7 +17,7 @@ from hf_contbatch import CacheConfig, EngineConfig, EngineError, LLMEngine, Samp
 from conftest import build_model, random_prompts, reference_greedy
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_cancel_in_any_state_frees_every_block_and_returns_partial_output(llama_model):
     from hf_contbatch import SchedulerConfig
 
@@ -35,7 +35,7 @@ def test_cancel_in_any_state_frees_every_block_and_returns_partial_output(llama_
             next(stream)
         for h in hs[:3]:
             h.cancel()
-        outs = [h.result(60) for h in hs]
+        outs = [h.result(300) for h in hs]
         assert eng.wait_idle(10)
         assert [o.finish_reason for o in outs[:3]] == ["cancelled"] * 3
         assert len(outs[0].output_token_ids) >= 3
@@ -54,7 +54,7 @@ def test_cancel_in_any_state_frees_every_block_and_returns_partial_output(llama_
         eng.close()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_request_that_can_never_fit_is_rejected_at_submit_with_numbers(llama_model):
     eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=10)))
     try:
@@ -65,12 +65,12 @@ def test_request_that_can_never_fit_is_rejected_at_submit_with_numbers(llama_mod
         with pytest.raises(ValueError, match="empty"):
             eng.submit([], SamplingParams(max_new_tokens=1))
         # and the engine still serves the next request
-        assert len(eng.submit([5, 6, 7], SamplingParams(max_new_tokens=3)).result(30).output_token_ids) == 3
+        assert len(eng.submit([5, 6, 7], SamplingParams(max_new_tokens=3)).result(150).output_token_ids) == 3
     finally:
         eng.close()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_engine_error_reaches_the_caller_and_the_engine_keeps_serving():
     model = build_model("llama")
     prompt = random_prompts([6])[0]
@@ -90,15 +90,15 @@ def test_engine_error_reaches_the_caller_and_the_engine_keeps_serving():
     try:
         h = eng.submit([5, 6, 7], SamplingParams(max_new_tokens=4))
         with pytest.raises(EngineError, match="injected failure"):
-            h.result(30)
+            h.result(150)
         assert eng.wait_idle(10)
         assert eng.stats().num_free_blocks == 32
-        assert eng.submit(prompt, SamplingParams(max_new_tokens=5)).result(30).output_token_ids == ref
+        assert eng.submit(prompt, SamplingParams(max_new_tokens=5)).result(150).output_token_ids == ref
     finally:
         eng.close()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_two_engines_side_by_side_and_close_restores_attention():
     m1, m2 = build_model("llama", seed=0), build_model("qwen2", seed=1)
     before = m1.config._attn_implementation
@@ -109,7 +109,7 @@ def test_two_engines_side_by_side_and_close_restores_attention():
     try:
         h1 = e1.submit(p, SamplingParams(max_new_tokens=6))
         h2 = e2.submit(p, SamplingParams(max_new_tokens=6))
-        assert [h1.result(60).output_token_ids, h2.result(60).output_token_ids] == refs
+        assert [h1.result(300).output_token_ids, h2.result(300).output_token_ids] == refs
     finally:
         e1.close()
         e2.close()
@@ -120,7 +120,7 @@ def test_two_engines_side_by_side_and_close_restores_attention():
         e1.submit(p, SamplingParams(max_new_tokens=1))
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("first_closed", ["first_opened", "last_opened"])
 def test_two_engines_on_one_model_keep_serving_until_the_last_closes(first_closed):
     model = build_model("llama")
@@ -132,7 +132,7 @@ def test_two_engines_on_one_model_keep_serving_until_the_last_closes(first_close
     closing, staying = (a, b) if first_closed == "first_opened" else (b, a)
     try:
         closing.close()
-        out = staying.submit(p, SamplingParams(max_new_tokens=8, ignore_eos=True)).result(60).output_token_ids
+        out = staying.submit(p, SamplingParams(max_new_tokens=8, ignore_eos=True)).result(300).output_token_ids
         assert out == ref, "closing one engine changed the other's output"
     finally:
         staying.close()
@@ -140,7 +140,7 @@ def test_two_engines_on_one_model_keep_serving_until_the_last_closes(first_close
     assert reference_greedy(model, p, 8) == ref  # the model works on its own again
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_unsupported_model_family_gets_a_clear_error():
     import transformers as tf
 
@@ -149,7 +149,7 @@ def test_unsupported_model_family_gets_a_clear_error():
         LLMEngine(model)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_blocking_caller_drives_iterations_and_background_requests_still_finish():
     model = build_model("llama")
     prompts = random_prompts([5, 9, 14], seed=21)
@@ -170,8 +170,8 @@ def test_blocking_caller_drives_iterations_and_background_requests_still_finish(
         reader.start()
         blocking = [eng.submit(p, SamplingParams(max_new_tokens=12)) for p in prompts[1:]]
         outs = [h.result().output_token_ids for h in blocking]  # drives in this thread
-        assert streaming.result(60).output_token_ids == refs[0]
-        reader.join(30)
+        assert streaming.result(300).output_token_ids == refs[0]
+        reader.join(150)
         assert eng.wait_idle(10)
         assert eng.stats().num_free_blocks == 40
     finally:
@@ -181,7 +181,7 @@ def test_blocking_caller_drives_iterations_and_background_requests_still_finish(
     assert threading.get_ident() in threads, "the blocking caller should have run iterations"
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_result_inside_a_done_callback_raises_instead_of_nesting_iterations(llama_model):
     eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(num_blocks=32)))
     try:
@@ -196,14 +196,14 @@ def test_result_inside_a_done_callback_raises_instead_of_nesting_iterations(llam
 
         first = eng.submit([8, 9], SamplingParams(max_new_tokens=1))
         first.add_done_callback(callback)
-        first.result(30)
-        late.result(60)
+        first.result(150)
+        late.result(300)
     finally:
         eng.close()
     assert errors and "inside an engine iteration" in str(errors[0])
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_blocking_callers_leave_iterations_to_the_background_while_a_live_view_runs(llama_model):
     class View:
         running = True
@@ -217,7 +217,7 @@ def test_blocking_callers_leave_iterations_to_the_background_while_a_live_view_r
         threads = []
         original = eng.step
         eng.step = lambda: threads.append(threading.get_ident()) or original()
-        eng.submit([5, 6, 7], SamplingParams(max_new_tokens=4)).result(30)
+        eng.submit([5, 6, 7], SamplingParams(max_new_tokens=4)).result(150)
         assert threads and threading.get_ident() not in threads
         view.running = False
         assert eng.driver.blocking_calls_drive
@@ -225,7 +225,7 @@ def test_blocking_callers_leave_iterations_to_the_background_while_a_live_view_r
         eng.close()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_result_with_a_timeout_drives_in_the_caller_and_a_timeout_leaves_the_request_running(llama_model):
     prompt = random_prompts([7], seed=31)[0]
     ref = reference_greedy(llama_model, prompt, 120)
@@ -235,7 +235,7 @@ def test_result_with_a_timeout_drives_in_the_caller_and_a_timeout_leaves_the_req
     eng.step = lambda: threads.append(threading.get_ident()) or original()
     try:
         short = eng.submit(prompt, SamplingParams(max_new_tokens=3, ignore_eos=True))
-        assert short.result(timeout=30).output_token_ids == ref[:3]
+        assert short.result(timeout=150).output_token_ids == ref[:3]
         # The engine thread may step before the caller reaches result() (once or, on a loaded
         # machine, twice); from the caller's first step on, every step is the caller's.
         me = threading.get_ident()
@@ -245,13 +245,13 @@ def test_result_with_a_timeout_drives_in_the_caller_and_a_timeout_leaves_the_req
         with pytest.raises(TimeoutError):
             long.result(timeout=0.001)
         assert not long.done()
-        assert long.result(timeout=60).output_token_ids == ref  # it kept its place and finishes whole
+        assert long.result(timeout=300).output_token_ids == ref  # it kept its place and finishes whole
         assert eng.wait_idle(10) and eng.stats().num_free_blocks == 64
     finally:
         eng.close()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_a_timed_result_polled_inside_a_done_callback_times_out_instead_of_nesting(llama_model):
     eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(num_blocks=32)))
     try:
@@ -266,14 +266,14 @@ def test_a_timed_result_polled_inside_a_done_callback_times_out_instead_of_nesti
 
         first = eng.submit([8, 9], SamplingParams(max_new_tokens=1))
         first.add_done_callback(callback)
-        first.result(30)
-        assert len(late.result(60).output_token_ids) == 30
+        first.result(150)
+        assert len(late.result(300).output_token_ids) == 30
     finally:
         eng.close()
     assert len(seen) == 1 and isinstance(seen[0], TimeoutError)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_build_request_queues_nothing_and_enqueue_queues_every_built_request(llama_model):
     prompts = random_prompts([6, 11, 4], seed=8)
     refs = [reference_greedy(build_model("llama"), p, 5) for p in prompts]
@@ -287,15 +287,15 @@ def test_build_request_queues_nothing_and_enqueue_queues_every_built_request(lla
         assert eng.stats().num_iterations == 0
         handles = eng.enqueue([*built, sampled])
         assert [len(hs) for hs in handles] == [1, 1, 1, 2]  # a request's own handle, then its fork's
-        assert [hs[0].result(60).output_token_ids for hs in handles[:3]] == refs
-        assert [len(h.result(60).output_token_ids) for h in handles[3]] == [3, 3]
+        assert [hs[0].result(300).output_token_ids for hs in handles[:3]] == refs
+        assert [len(h.result(300).output_token_ids) for h in handles[3]] == [3, 3]
         assert eng.wait_idle(10)
         assert eng.stats().num_free_blocks == 40
     finally:
         eng.close()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_close_cancels_running_and_still_queued_requests_and_frees_every_block(llama_model):
     eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=40), drive_in_caller=False))
     original = eng.step
@@ -303,12 +303,12 @@ def test_close_cancels_running_and_still_queued_requests_and_frees_every_block(l
 
     def held_step():
         in_step.set()
-        release.wait(30)  # hold the background thread inside the first iteration
+        release.wait(150)  # hold the background thread inside the first iteration
         return original()
 
     eng.step = held_step
     running = eng.submit([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=100))
-    assert in_step.wait(30)
+    assert in_step.wait(150)
     queued = eng.submit([10, 11], SamplingParams(max_new_tokens=100))  # waits in the inbox: the thread is busy
     threading.Timer(0.5, release.set).start()  # let the iteration end while close() waits for the thread
     eng.close()
@@ -322,7 +322,7 @@ def test_close_cancels_running_and_still_queued_requests_and_frees_every_block(l
     eng.block_manager.check_invariants()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_enqueueing_no_requests_leaves_the_engine_idle(llama_model):
     eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(num_blocks=16)))
     try:
@@ -341,7 +341,7 @@ print("leaving with requests in flight")
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(1200)
 def test_a_script_that_ends_with_requests_in_flight_and_no_close_exits_cleanly():
     # Before the exit hook, the engine's daemon thread was still inside torch's kernels while the
     # interpreter tore down: "terminate called without an active exception", status 134, in 2 of
@@ -367,7 +367,7 @@ def test_a_script_that_ends_with_requests_in_flight_and_no_close_exits_cleanly()
         for _ in range(3)
     ]
     try:
-        outputs = [proc.communicate(timeout=150) for proc in procs]
+        outputs = [proc.communicate(timeout=750) for proc in procs]
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -378,7 +378,7 @@ def test_a_script_that_ends_with_requests_in_flight_and_no_close_exits_cleanly()
         assert "leaving with requests in flight" in stdout
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_the_exit_hook_keeps_no_engine_alive(llama_model):
     engine = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(num_blocks=16)))
     ref = weakref.ref(engine)
@@ -394,7 +394,7 @@ def test_the_exit_hook_keeps_no_engine_alive(llama_model):
     assert ref() is None
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_step_from_outside_the_driver_is_refused_and_the_engine_keeps_serving(llama_model):
     # Two threads iterating at once would race on the attention metadata and the KV pool (it
     # crashed the process); only the driver iterates, and drive() lends it the calling thread.
@@ -405,13 +405,13 @@ def test_step_from_outside_the_driver_is_refused_and_the_engine_keeps_serving(ll
         handles = [engine.submit(p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in prompts]
         with pytest.raises(RuntimeError, match=r"LLMEngine\.step\(\) runs inside the engine's driver only"):
             engine.step()
-        assert [h.result(timeout=60).output_token_ids for h in handles] == want
-        assert engine.wait_idle(timeout=30) and engine.stats().num_used_blocks == 0
+        assert [h.result(timeout=300).output_token_ids for h in handles] == want
+        assert engine.wait_idle(timeout=150) and engine.stats().num_used_blocks == 0
     finally:
         engine.close()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_stop_checks_and_streaming_run_with_the_state_lock_released(llama_model):
     # A stop checker (user code, run after each new token) asks for stats() from another thread: it
     # must get them at once, which it cannot while the engine holds its state lock.
@@ -424,12 +424,12 @@ def test_stop_checks_and_streaming_run_with_the_state_lock_released(llama_model)
         got: list = []
         reader = threading.Thread(target=lambda: got.append(eng.stats()), daemon=True)
         reader.start()
-        reader.join(timeout=10)
+        reader.join(timeout=50)
         seen.append(bool(got))
         return len(req.output_token_ids) == 4
 
     try:
-        out = eng.submit(prompt, SamplingParams(max_new_tokens=8), stop_checker=checker).result(60)
+        out = eng.submit(prompt, SamplingParams(max_new_tokens=8), stop_checker=checker).result(300)
         assert seen == [True] * 4, "stats() blocked while a stop checker ran"
         assert out.finish_reason == "stop"
         assert out.output_token_ids == expected

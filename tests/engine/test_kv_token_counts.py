@@ -23,7 +23,7 @@ def slots_holding_kv(engine) -> set[tuple[int, int]]:
     }
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_tokens_count_shared_blocks_once_with_forks_and_prefix_hits(llama_model):
     prompt = random_prompts([33], seed=61)[0]  # two full blocks of 16, and one token
     engine = LLMEngine(

@@ -27,7 +27,7 @@ def _cached_table(bm, key, tokens):
 
 
 # --- block manager ---------------------------------------------------------------------------------
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(150)
 def test_a_full_prompt_hit_still_leaves_one_token_to_recompute():
     bm = BlockManager(16, 4, enable_prefix_caching=True)
     prompt = list(range(10, 18))  # exactly two full blocks
@@ -37,7 +37,7 @@ def test_a_full_prompt_hit_still_leaves_one_token_to_recompute():
     assert bm.match_prefix(prompt + [99], []) == bm.get_block_table("a")  # one more token: both blocks hit
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(150)
 def test_hits_share_blocks_by_ref_count_and_chain_on_the_whole_prefix():
     bm = BlockManager(16, 4, enable_prefix_caching=True)
     system = list(range(20, 28))
@@ -49,7 +49,7 @@ def test_hits_share_blocks_by_ref_count_and_chain_on_the_whole_prefix():
     assert bm.match_prefix(list(range(30, 34)) + system[4:] + [7], []) == []
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(150)
 def test_freed_blocks_stay_cached_until_evicted_least_recently_freed_first():
     bm = BlockManager(6, 2, enable_prefix_caching=True)
     old, new = [3, 4, 5, 6, 7], [8, 9, 10, 11, 12]
@@ -80,7 +80,7 @@ _OPS = st.lists(
 )
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=_OPS, num_blocks=st.integers(4, 24), bs=st.sampled_from([1, 2, 4]))
 def test_hash_map_stays_consistent_and_hits_return_the_right_content(ops, num_blocks, bs):
@@ -133,7 +133,7 @@ def test_hash_map_stays_consistent_and_hits_return_the_right_content(ops, num_bl
     assert bm.num_free_blocks == num_blocks
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(150)
 def test_admission_sets_num_computed_tokens_from_hits_and_counts_the_hit_rate():
     bm = BlockManager(64, 4, enable_prefix_caching=True)
     sched = Scheduler(SchedulerConfig(watermark=0.0), bm)
@@ -160,7 +160,7 @@ def _engine(model, **cache):
     return LLMEngine(model, EngineConfig(cache=CacheConfig(**cache), scheduler=sched))
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)
 def test_shared_system_prompt_is_computed_once_and_outputs_equal_generate():
     model = build_model("llama")
     system = random_prompts([24], seed=11)[0]  # 6 full blocks of 4
@@ -168,8 +168,8 @@ def test_shared_system_prompt_is_computed_once_and_outputs_equal_generate():
     refs = [reference_greedy(model, p, 10) for p in prompts]
     eng = _engine(model, num_blocks=64, enable_prefix_caching=True)
     try:
-        first = eng.submit(prompts[0], SamplingParams(max_new_tokens=10)).result(60)
-        rest = [h.result(60) for h in [eng.submit(p, SamplingParams(max_new_tokens=10)) for p in prompts[1:]]]
+        first = eng.submit(prompts[0], SamplingParams(max_new_tokens=10)).result(300)
+        rest = [h.result(300) for h in [eng.submit(p, SamplingParams(max_new_tokens=10)) for p in prompts[1:]]]
         assert eng.wait_idle(10)
         stats = eng.stats()
         eng.block_manager.check_invariants()
@@ -181,7 +181,7 @@ def test_shared_system_prompt_is_computed_once_and_outputs_equal_generate():
     assert stats.num_free_blocks == 64 and stats.num_cached_blocks > 0
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)
 def test_prefix_caching_under_recompute_preemption_equals_generate():
     model = build_model("llama")
     system = random_prompts([12], seed=21)[0]
@@ -190,7 +190,7 @@ def test_prefix_caching_under_recompute_preemption_equals_generate():
     sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24, preemption_mode="recompute")
     eng = _engine(model, num_blocks=24, enable_prefix_caching=True, scheduler=sched)
     try:
-        outs = [h.result(120) for h in [eng.submit(p, SamplingParams(max_new_tokens=16)) for p in prompts]]
+        outs = [h.result(600) for h in [eng.submit(p, SamplingParams(max_new_tokens=16)) for p in prompts]]
         assert eng.wait_idle(10)
         stats = eng.stats()
         eng.block_manager.check_invariants()
@@ -201,7 +201,7 @@ def test_prefix_caching_under_recompute_preemption_equals_generate():
     assert stats.num_free_blocks == 24
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)
 def test_forked_greedy_sequences_each_equal_generate():
     model = build_model("llama")
     prompts = random_prompts([13, 16, 1, 30], seed=31)  # 13: partial block copied; 16 + 1: none; 1: no fork
@@ -209,7 +209,7 @@ def test_forked_greedy_sequences_each_equal_generate():
     eng = _engine(model, num_blocks=64)
     try:
         groups = [eng.submit(p, SamplingParams(max_new_tokens=8), num_return_sequences=3) for p in prompts]
-        outs = [[h.result(60).output_token_ids for h in g] for g in groups]
+        outs = [[h.result(300).output_token_ids for h in g] for g in groups]
         assert eng.wait_idle(10)
         stats = eng.stats()
         eng.block_manager.check_invariants()
@@ -220,7 +220,7 @@ def test_forked_greedy_sequences_each_equal_generate():
     assert stats.num_free_blocks == 64
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)
 def test_forked_sequences_sample_exactly_like_independent_seeded_requests():
     """Copy-on-write check: sampled sequences write different tokens after the fork; if a fork
     wrote into a block it shares, its siblings would read foreign KV and diverge from the same
@@ -231,11 +231,11 @@ def test_forked_sequences_sample_exactly_like_independent_seeded_requests():
     eng = _engine(model, num_blocks=64)
     try:
         groups = [eng.submit(p, sp, num_return_sequences=4) for p in prompts]
-        forked = [[h.result(60).output_token_ids for h in g] for g in groups]
+        forked = [[h.result(300).output_token_ids for h in g] for g in groups]
         assert eng.stats().num_forks == 6
         independent = [
             [
-                eng.submit(p, SamplingParams(**{**sp.__dict__, "seed": 1234 + k})).result(60).output_token_ids
+                eng.submit(p, SamplingParams(**{**sp.__dict__, "seed": 1234 + k})).result(300).output_token_ids
                 for k in range(4)
             ]
             for p in prompts
@@ -248,14 +248,14 @@ def test_forked_sequences_sample_exactly_like_independent_seeded_requests():
     assert all(len({tuple(o) for o in g}) > 1 for g in forked), "the sequences should differ (sampling)"
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_cancelling_a_not_yet_forked_sequence_resolves_it_and_keeps_its_siblings(llama_model):
     prompt = random_prompts([160], seed=51)[0]
     eng = _engine(llama_model, num_blocks=64, scheduler=SchedulerConfig(max_num_batched_tokens=8))
     try:
         handles = eng.submit(prompt, SamplingParams(max_new_tokens=6), num_return_sequences=3)
         handles[1].cancel()  # 160 prompt tokens at 8 per step: the fork is ~20 steps ahead
-        outs = [h.result(60) for h in handles]
+        outs = [h.result(300) for h in handles]
         assert eng.wait_idle(10)
         assert eng.stats().num_free_blocks == 64
         eng.block_manager.check_invariants()
@@ -267,13 +267,13 @@ def test_cancelling_a_not_yet_forked_sequence_resolves_it_and_keeps_its_siblings
 
 
 # --- the default ---------------------------------------------------------------------------------
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)
 def test_by_default_a_prompt_sent_again_reuses_its_blocks_and_equals_generate(llama_model):
     prompt = random_prompts([37], seed=21)[0]  # block 16: two full blocks, the third recomputed
     ref = reference_greedy(llama_model, prompt, 8)
     eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(num_blocks=32)))
     try:
-        outs = [eng.submit(prompt, SamplingParams(max_new_tokens=8)).result(60) for _ in range(2)]
+        outs = [eng.submit(prompt, SamplingParams(max_new_tokens=8)).result(300) for _ in range(2)]
         assert eng.wait_idle(10)
         stats = eng.stats()
         eng.block_manager.check_invariants()
@@ -290,17 +290,17 @@ def test_by_default_a_prompt_sent_again_reuses_its_blocks_and_equals_generate(ll
     eng.block_manager.check_invariants()
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)
 def test_reset_prefix_cache_makes_the_next_pass_recompute_and_is_refused_while_a_request_runs(llama_model):
     prompt = random_prompts([37], seed=22)[0]
     ref = reference_greedy(llama_model, prompt, 8)
     eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(num_blocks=32)))
     try:
-        first = eng.submit(prompt, SamplingParams(max_new_tokens=8)).result(60)
+        first = eng.submit(prompt, SamplingParams(max_new_tokens=8)).result(300)
         assert eng.wait_idle(10) and eng.stats().num_cached_blocks > 0
         assert eng.reset_prefix_cache() is True
         assert eng.stats().num_cached_blocks == 0
-        again = eng.submit(prompt, SamplingParams(max_new_tokens=8)).result(60)
+        again = eng.submit(prompt, SamplingParams(max_new_tokens=8)).result(300)
         assert eng.stats().prefix_cache_hit_tokens == 0  # recomputed: nothing was left to hit
         long = eng.submit(prompt, SamplingParams(max_new_tokens=200, ignore_eos=True))
         next(long.token_stream())  # it is running and holds blocks

@@ -45,7 +45,7 @@ def _ppl(model, ids):
     return math.exp(nll)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_quality_report_matches_plain_torch():
     model = build_model("llama")
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -82,7 +82,7 @@ def _plain_w8a8(model):
     return ref
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_the_w8a8_report_matches_plain_torch_with_rounded_activations():
     model = build_model("llama")
     ids = torch.randint(3, 512, (1, 40), generator=torch.Generator().manual_seed(8))
@@ -103,7 +103,7 @@ def _leading_equal(a, b):
     return n
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1500)
 def test_the_kv_cache_figures_match_plain_torch_over_float_and_quantized_kv():
     """The KV cache's figures against transformers' own forward and generate: plain, and with an
     attention function that quantizes and dequantizes K/V by the scheme's definition (written in the
@@ -142,7 +142,7 @@ def test_the_kv_cache_figures_match_plain_torch_over_float_and_quantized_kv():
     assert weights_only.kv_ppl_quantized is None and len(weights_only.lines()) == 1
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_a_model_an_open_engine_serves_is_refused_and_accepted_after_close():
     from hf_contbatch import CacheConfig, EngineConfig, LLMEngine
 

@@ -37,7 +37,7 @@ def _serve(model, prompts, cfg):
     eng = LLMEngine(model, cfg)
     try:
         handles = [eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
-        outs = [h.result(timeout=120).output_token_ids for h in handles]
+        outs = [h.result(timeout=600).output_token_ids for h in handles]
         assert eng.wait_idle(10)
         stats = eng.stats()
         eng.block_manager.check_invariants()
@@ -50,7 +50,7 @@ def _serve(model, prompts, cfg):
         eng.close()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1500)
 @pytest.mark.parametrize("family,backend", [("llama", "auto"), ("qwen2", "native"), ("gemma", "torch")])
 def test_int8_greedy_equals_generate_on_dequantized_weights(family, backend):
     model = build_model(family)
@@ -71,7 +71,7 @@ def test_int8_greedy_equals_generate_on_dequantized_weights(family, backend):
     assert all("forward" not in m.__dict__ for m in model.modules())
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1500)
 def test_int8_under_preemption_and_chunked_prefill():
     model = build_model("llama")
     prompts = random_prompts(LENGTHS + [64], seed=3)
@@ -112,7 +112,7 @@ class _Broken(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_a_quantized_weight_that_cannot_run_is_refused_by_name_at_construction():
     model = build_model("llama")
     proj = model.model.layers[0].mlp.down_proj
@@ -138,7 +138,7 @@ def _torchao_model(tmp_path, config):
     )
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1500)
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_torchao_int8_weight_only_model_is_served_as_its_own_generate(tmp_path, backend):
     from torchao.quantization import Int8WeightOnlyConfig
@@ -158,7 +158,7 @@ def test_torchao_int8_weight_only_model_is_served_as_its_own_generate(tmp_path, 
         assert any(type(m.weight).__name__ == "Int8Tensor" for m in packed[2])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1500)
 def test_torchao_int8_dynamic_activation_model_runs_its_own_linear(tmp_path):
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig
 
@@ -171,7 +171,7 @@ def test_torchao_int8_dynamic_activation_model_runs_its_own_linear(tmp_path):
     assert packed is None or not any(type(m.weight).__name__ == "Int8Tensor" for m in packed[2])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1500)
 def test_torchao_model_with_int8_quantization_repacks_exactly(tmp_path):
     from torchao.quantization import Int8WeightOnlyConfig
 
@@ -193,7 +193,7 @@ def test_torchao_model_with_int8_quantization_repacks_exactly(tmp_path):
     assert packed[1] == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1500)
 def test_pipeline_spells_quantization_as_an_argument():
     from transformers import AutoTokenizer
 

@@ -35,7 +35,7 @@ def _assert_at_rest(eng, num_blocks: int) -> None:
 
 
 # --- 1. everything a request brings is checked at submit ------------------------------------------
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_out_of_range_or_negative_token_id_is_refused_at_submit_naming_id_position_and_vocab(llama_model):
     eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(num_blocks=16)))
     try:
@@ -51,7 +51,7 @@ def test_out_of_range_or_negative_token_id_is_refused_at_submit_naming_id_positi
             eng.submit([5, 6], SamplingParams(max_new_tokens=0))
         assert not eng.driver.has_work(), "a refused request entered the engine"  # inbox and scheduler
         ref = reference_greedy(build_model("llama"), [5, 6, 7], 4)
-        assert eng.submit([5, 6, 7], _greedy(4)).result(30).output_token_ids == ref
+        assert eng.submit([5, 6, 7], _greedy(4)).result(150).output_token_ids == ref
         _assert_at_rest(eng, 16)
     finally:
         eng.close()
@@ -68,7 +68,7 @@ def embedded():
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_added_special_token_without_resize_is_refused_and_a_running_request_is_untouched(embedded):
     from hf_contbatch import ContinuousBatchingPipeline
 
@@ -84,14 +84,14 @@ def test_added_special_token_without_resize_is_refused_and_a_running_request_is_
             pipe("Call <|tool|> now", max_new_tokens=8)
         with pytest.raises(ValueError, match=r"token id 4096"):  # a list: nothing of it is submitted
             pipe(["fine prompt", "Call <|tool|> now"], max_new_tokens=8)
-        assert bg.handles[0].result(60).output_token_ids == ref
+        assert bg.handles[0].result(300).output_token_ids == ref
         _assert_at_rest(pipe.engine, 64)
     finally:
         pipe.close()
 
 
 # --- 2. failures stay with the request that caused them --------------------------------------------
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_forward_raising_for_one_request_fails_it_alone_with_its_partial_output():
     """The forward raises whenever position 24 is in the batch: only the culprit (20-token prompt)
     reaches it, at its fifth decode step; the others share every batch with it until then."""
@@ -108,22 +108,22 @@ def test_forward_raising_for_one_request_fails_it_alone_with_its_partial_output(
     try:
         hs = [eng.submit(p, _greedy(10)) for p in prompts]
         with pytest.raises(EngineError, match="position 24 is poisoned") as info:
-            hs[0].result(60)
+            hs[0].result(300)
         partial = info.value.output
         assert partial.finish_reason == "error"
         assert partial.output_token_ids == refs[0][:5], "the culprit lost the tokens it had generated"
         assert hs[0].output().output_token_ids == refs[0][:5]
         for h, ref in zip(hs[1:], refs[1:]):
-            assert h.result(60).output_token_ids == ref
+            assert h.result(300).output_token_ids == ref
         _assert_at_rest(eng, 64)
         hook.remove()
-        assert eng.submit(prompts[0], _greedy(10)).result(60).output_token_ids == refs[0]
+        assert eng.submit(prompts[0], _greedy(10)).result(300).output_token_ids == refs[0]
     finally:
         hook.remove()
         eng.close()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_a_step_that_fails_once_is_retried_and_nobody_fails():
     model = build_model("llama")
     prompts = random_prompts([5, 8, 11], seed=4)
@@ -141,14 +141,14 @@ def test_a_step_that_fails_once_is_retried_and_nobody_fails():
     eng.runner.execute = fails_at_third_step
     try:
         hs = enqueue_at_once(eng, prompts, _greedy(6))
-        assert [h.result(60).output_token_ids for h in hs] == refs
+        assert [h.result(300).output_token_ids for h in hs] == refs
         assert calls[2] == 3 and calls[3] + calls[4] == 3, "the failed step was not retried in halves"
         _assert_at_rest(eng, 32)
     finally:
         eng.close()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_stop_checker_raising_fails_only_its_request():
     model = build_model("llama")
     prompts = random_prompts([7, 10], seed=5)
@@ -164,15 +164,15 @@ def test_stop_checker_raising_fails_only_its_request():
         bad = eng.submit(prompts[0], _greedy(8), stop_checker=broken_checker)
         good = eng.submit(prompts[1], _greedy(8))
         with pytest.raises(EngineError, match="stop checker broke") as info:
-            bad.result(60)
+            bad.result(300)
         assert info.value.output.output_token_ids == refs[0][:3]
-        assert good.result(60).output_token_ids == refs[1]
+        assert good.result(300).output_token_ids == refs[1]
         _assert_at_rest(eng, 32)
     finally:
         eng.close()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_pool_exhausted_mid_decode_finishes_with_length_and_keeps_the_tokens():
     """At the third step everything free is taken outside the scheduler. The later request is
     preempted to make room; the earlier one runs until nothing is left to preempt, then stops at
@@ -197,20 +197,20 @@ def test_pool_exhausted_mid_decode_finishes_with_length_and_keeps_the_tokens():
         # Submitted one after the other, the engine could step between them on a loaded machine, and
         # the hog then walled the second request too (4 of its 6 tokens).
         first, second = enqueue_at_once(eng, prompts, [_greedy(30), _greedy(6)])
-        out = first.result(60)
+        out = first.result(300)
         assert out.finish_reason == "length"
         assert 2 <= len(out.output_token_ids) < 30
         assert out.output_token_ids == refs[0][: len(out.output_token_ids)]
-        assert second.result(60).output_token_ids == refs[1]
+        assert second.result(300).output_token_ids == refs[1]
         assert eng.scheduler.counters.num_pool_wall_stops == 1
         eng.block_manager.free(hog)
         _assert_at_rest(eng, 24)
-        assert eng.submit(prompts[0], _greedy(30)).result(60).output_token_ids == refs[0]
+        assert eng.submit(prompts[0], _greedy(30)).result(300).output_token_ids == refs[0]
     finally:
         eng.close()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_cancel_racing_finish_gives_cancelled_prefix_or_full_output_never_an_error():
     model = build_model("llama")
     prompts = random_prompts([4, 6, 8, 5, 7, 9], seed=8)
@@ -231,19 +231,19 @@ def test_cancel_racing_finish_gives_cancelled_prefix_or_full_output_never_an_err
         threads = [threading.Thread(target=canceller, args=(h, 5 + i % 2)) for i, h in enumerate(hs)]
         for t in threads:
             t.start()
-        outs = [h.result(60) for h in hs]
+        outs = [h.result(300) for h in hs]
         for t in threads:
-            t.join(30)
+            t.join(150)
         for o, ref in zip(outs, refs):
             assert o.finish_reason in ("cancelled", "length")
             assert o.output_token_ids == (ref if o.finish_reason == "length" else ref[: len(o.output_token_ids)])
         _assert_at_rest(eng, 48)
-        assert eng.submit(prompts[0], _greedy(6)).result(60).output_token_ids == refs[0]
+        assert eng.submit(prompts[0], _greedy(6)).result(300).output_token_ids == refs[0]
     finally:
         eng.close()
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)
 def test_streamer_raising_fails_its_call_and_a_background_request_is_exact(embedded):
     from hf_contbatch import ContinuousBatchingPipeline
 
@@ -269,7 +269,7 @@ def test_streamer_raising_fails_its_call_and_a_background_request_is_exact(embed
         bg = pipe.submit(bg_text, max_new_tokens=40, do_sample=False, ignore_eos=True)
         with pytest.raises(OSError, match="display went away"):
             pipe(fg_text, streamer=BrokenStreamer(), max_new_tokens=12, do_sample=False, ignore_eos=True)
-        assert bg.handles[0].result(60).output_token_ids == bg_ref
+        assert bg.handles[0].result(300).output_token_ids == bg_ref
         _assert_at_rest(pipe.engine, 64)
         out = pipe(fg_text, max_new_tokens=12, do_sample=False, ignore_eos=True, return_tensors=True)
         assert out[0]["generated_token_ids"][-12:] == fg_ref
@@ -278,7 +278,7 @@ def test_streamer_raising_fails_its_call_and_a_background_request_is_exact(embed
 
 
 # --- 3. interrupts are local ---------------------------------------------------------------------------
-def _interrupt_when(predicate, timeout: float = 60.0) -> threading.Thread:
+def _interrupt_when(predicate, timeout: float = 300.0) -> threading.Thread:
     """Start a thread that sends a real SIGINT-style interrupt to the main thread once ``predicate()``."""
 
     def run():
@@ -292,7 +292,7 @@ def _interrupt_when(predicate, timeout: float = 60.0) -> threading.Thread:
     return t
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(1200)
 def test_interrupting_blocking_calls_twice_cancels_only_their_requests(embedded, sigint_raises):
     from hf_contbatch import ContinuousBatchingPipeline
 
@@ -323,7 +323,7 @@ def test_interrupting_blocking_calls_twice_cancels_only_their_requests(embedded,
         t = _interrupt_when(fg_running_with_tokens)
         with pytest.raises(KeyboardInterrupt):
             pipe(fg_text, max_new_tokens=120, do_sample=False, ignore_eos=True)
-        t.join(5)
+        t.join(25)
         assert not any(r.prompt_token_ids == fg_ids for r in eng.scheduler.all_requests()), (
             "the interrupted call's request is still in the engine"
         )
@@ -333,7 +333,7 @@ def test_interrupting_blocking_calls_twice_cancels_only_their_requests(embedded,
         t = _interrupt_when(fg_running_with_tokens)
         with pytest.raises(KeyboardInterrupt):
             fg.result()
-        t.join(5)
+        t.join(25)
         assert fg.done() and fg.finish_reasons() == ["cancelled"]
         partial = fg.handles[0].output().output_token_ids
         assert 3 <= len(partial) < 120 and partial == fg_long[: len(partial)]
@@ -341,7 +341,7 @@ def test_interrupting_blocking_calls_twice_cancels_only_their_requests(embedded,
             fg_text
         )
         # The background request runs to completion, exactly; nothing leaked; the next call works.
-        assert bg.handles[0].result(120).output_token_ids == bg_ref
+        assert bg.handles[0].result(600).output_token_ids == bg_ref
         _assert_at_rest(eng, 64)
         out = pipe(fg_text, max_new_tokens=10, do_sample=False, ignore_eos=True, return_tensors=True)
         assert out[0]["generated_token_ids"][-10:] == fg_long[:10]
@@ -355,7 +355,7 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_packed_linear_memory_is_bounded_whatever_the_row_counts():
     """Every row count 1..1024 through one packed linear, as a serving engine produces them. oneDNN
     keeps a primitive per input shape (~0.6 MB measured), so unpadded this grew RSS by about
@@ -383,7 +383,7 @@ def test_packed_linear_memory_is_bounded_whatever_the_row_counts():
     assert growth <= 64, f"RSS grew {growth:.0f} MiB over 1,024 row counts"
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(1200)
 def test_short_soak_keeps_memory_flat_and_leaves_nothing_behind(embedded):
     """Six waves of 50 soak requests (benchmarks/soak.py) on the float32 embedded model (packed
     linears): everything finishes, no block is held at rest, and after two warm-up waves the next

@@ -97,7 +97,7 @@ def _output(page, index: int, text: str):
     return page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-OutputArea-output", has_text=text).first
 
 
-def _changed_grid(page, before_html: str, before_png: bytes, path, timeout_s: float = 10.0):
+def _changed_grid(page, before_html: str, before_png: bytes, path, timeout_s: float = 50.0):
     """Wait (polling, 200 ms) until the grid differs from before in its HTML and in its pixels.
 
     Both, because either alone misleads: an HTML change can be invisible (a hover title), and
@@ -126,7 +126,7 @@ def _grid_state(page, path):
     return png, grid.inner_html()
 
 
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(2400)
 def test_block_grid_renders_and_changes_while_busy_and_after_in_jupyterlab(lab_server, browser, tmp_path):
     require_default_model()
     _copy_with_rounds(lab_server["root"], ROUNDS)
@@ -138,14 +138,14 @@ def test_block_grid_renders_and_changes_while_busy_and_after_in_jupyterlab(lab_s
     try:
         page.goto(f"{lab_server['base']}/lab/tree/02_dashboard.ipynb?token={lab_server['token']}")
         # The toolbar's indicator reads idle before the kernel is connected; the status bar text does not.
-        page.locator(".jp-StatusBar-Widget", has_text="| Idle").first.wait_for(timeout=120_000)
+        page.locator(".jp-StatusBar-Widget", has_text="| Idle").first.wait_for(timeout=600_000)
         page.locator(".jp-Notebook .jp-Cell").first.click()
         page.keyboard.press("Escape")
         _run_cells(page, busy + 1)  # through the busy cell; the rest later
 
-        page.locator(GRID).wait_for(timeout=120_000)
-        _output(page, background, "requests queued").wait_for(timeout=120_000)
-        page.locator(IN_USE_CELL).first.wait_for(timeout=60_000)
+        page.locator(GRID).wait_for(timeout=600_000)
+        _output(page, background, "requests queued").wait_for(timeout=600_000)
+        page.locator(IN_USE_CELL).first.wait_for(timeout=300_000)
 
         # While the busy cell runs (kernel busy), the grid changes between two screenshots.
         busy_1, html_1 = _grid_state(page, shots / "busy-1.png")
@@ -155,7 +155,7 @@ def test_block_grid_renders_and_changes_while_busy_and_after_in_jupyterlab(lab_s
         assert html_1 != html_2 and busy_1 != busy_2, "block grid did not change while the cell was busy"
 
         # After it returns (kernel idle), background requests still run and the grid still changes.
-        page.locator(".jp-StatusBar-Widget", has_text="| Idle").first.wait_for(timeout=120_000)
+        page.locator(".jp-StatusBar-Widget", has_text="| Idle").first.wait_for(timeout=600_000)
         assert "*" not in _prompt(page, busy)
         idle_1, html_3 = _grid_state(page, shots / "idle-1.png")
         _save_docs_picture(page.locator(".hfcb-dashboard").screenshot(), "dashboard.png")  # preemptions by now
@@ -168,7 +168,7 @@ def test_block_grid_renders_and_changes_while_busy_and_after_in_jupyterlab(lab_s
 
         # The rest of the notebook: wait for the background requests, stop, refresh, summary.
         _run_cells(page, final - busy)
-        _output(page, final, f"finished {32 * ROUNDS + 6}").wait_for(timeout=240_000)  # a loaded machine: ~60 tok/s
+        _output(page, final, f"finished {32 * ROUNDS + 6}").wait_for(timeout=1_200_000)  # a loaded machine: ~60 tok/s
         assert page.locator(IN_USE_CELL).count() == 0, "blocks still in use after every request finished"
         page.screenshot(path=shots / "final-page.png", full_page=True)
         assert page.locator(".jp-OutputArea-output", has_text="Traceback").count() == 0
@@ -197,7 +197,7 @@ def _tile(page, label: str) -> str:
     return page.locator(f".hfcb-tile:has(small:text-is('{label}')) b").first.inner_text()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1500)
 def test_default_pool_grid_is_readable_and_no_number_is_stale(lab_server, browser, tmp_path):
     import nbformat
 
@@ -210,13 +210,13 @@ def test_default_pool_grid_is_readable_and_no_number_is_stale(lab_server, browse
     try:
         # A workspace of its own: the default one reopens the other test's notebook beside this one.
         page.goto(f"{lab_server['base']}/lab/workspaces/first/tree/first.ipynb?token={lab_server['token']}")
-        page.locator(".jp-StatusBar-Widget", has_text="| Idle").first.wait_for(timeout=120_000)
+        page.locator(".jp-StatusBar-Widget", has_text="| Idle").first.wait_for(timeout=600_000)
         page.locator(".jp-Notebook .jp-Cell").first.click()
         page.keyboard.press("Escape")
         _run_cells(page, 2)  # display, then submit
 
         # The default pool has thousands of blocks; the in-use ones are drawn one a cell, readable.
-        page.locator(DEVICE_IN_USE).first.wait_for(timeout=120_000)
+        page.locator(DEVICE_IN_USE).first.wait_for(timeout=600_000)
         page.wait_for_timeout(1500)
         # The grid is redrawn 4 times a second: a cell found can be replaced before it is measured
         # (bounding_box() is then None), so measure the first cell of a frame that holds still.
@@ -237,19 +237,19 @@ def test_default_pool_grid_is_readable_and_no_number_is_stale(lab_server, browse
         # Every handle returned: summary() in the same cell is a fresh snapshot.
         _run_cells(page, 1)
         out = _output(page, 2, "finished 24")
-        out.wait_for(timeout=180_000)
+        out.wait_for(timeout=900_000)
         assert "waiting 0 · running 0 · swapped 0 · finished 24" in out.inner_text()
         assert "tok/s now" not in out.inner_text()
 
         # Idle: "tokens/s now" reads "—" (the last burst's rate is not "now").
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 50
         while _tile(page, "tokens/s now") != "—" and time.monotonic() < deadline:
             page.wait_for_timeout(200)
         assert _tile(page, "tokens/s now") == "—"
 
         # After close(): the last frame says closed and shows nothing in flight.
         _run_cells(page, 1)
-        page.locator(".hfcb-dashboard", has_text="closed").first.wait_for(timeout=60_000)
+        page.locator(".hfcb-dashboard", has_text="closed").first.wait_for(timeout=300_000)
         page.wait_for_timeout(500)
         assert _tile(page, "running") == "0" and _tile(page, "waiting") == "0"
         assert _tile(page, "tokens/s now") == "—"

@@ -28,13 +28,13 @@ from hf_contbatch.frontends.integrations.lm_eval_args import ENGINE_ARGS
 from conftest import ENTRY_POINT, cli_command, cli_env
 
 
-def run_cli(*args: str, cwd: Path, timeout: int = 60, **env: str) -> subprocess.CompletedProcess:
+def run_cli(*args: str, cwd: Path, timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         cli_command() + list(args), cwd=cwd, env=cli_env(**env), capture_output=True, text=True, timeout=timeout
     )
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)
 def test_generate_writes_records_equal_to_transformers_greedy(tmp_path, capsys):
     chat = [{"role": "user", "content": "What is a generator?"}]
     prompts = ["The for statement", "A class is", chat]
@@ -52,7 +52,8 @@ def test_generate_writes_records_equal_to_transformers_greedy(tmp_path, capsys):
     assert [r["generated_text"] for r in rows] == expected
     summary = capsys.readouterr().err
     assert "3 requests done, 0 failed" in summary and "tok/s" in summary and "peak blocks" in summary
-    assert "weights float32; KV cache float32\n" in summary  # the formats served
+    # the formats served, then the machine's load (the tok/s depends on it; issue 48)
+    assert re.search(r"weights float32; KV cache float32; load \d+\.\d\d on \d+ cores?(, busy)?\n", summary), summary
 
 
 # (input file name, its content, extra arguments, the one line on stderr). Relative paths: the
@@ -147,7 +148,7 @@ ROW_ERRORS = [
 ]  # fmt: skip
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)
 def test_bad_rows_get_error_records_the_others_run_and_the_exit_status_says_so(tmp_path, capsys):
     good = ["The for statement", "A class is"]
     lines = [json.dumps({"id": 10, "prompt": good[0]})] + [line for line, _ in ROW_ERRORS] + [json.dumps(good[1])]
@@ -170,7 +171,7 @@ def test_bad_rows_get_error_records_the_others_run_and_the_exit_status_says_so(t
     assert f"hf-contbatch: {len(ROW_ERRORS)} of {len(lines)} rows failed (error records in {out})" in err
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(150)
 def test_a_datasets_own_keys_on_a_jsonl_line_are_ignored_and_generation_settings_are_not(tmp_path):
     from hf_contbatch.frontends.job_inputs import open_input
 
@@ -192,7 +193,7 @@ def test_a_datasets_own_keys_on_a_jsonl_line_are_ignored_and_generation_settings
         assert row.prompt is None and row.error.startswith(f"line 1: unknown key {key!r}{hint}; ")
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", list(PRE_LOAD_ERRORS))
 def test_a_user_error_is_one_line_naming_the_option_or_file_line_and_exit_status_2(tmp_path, case):
     name, content, args, message = PRE_LOAD_ERRORS[case]
@@ -204,7 +205,7 @@ def test_a_user_error_is_one_line_naming_the_option_or_file_line_and_exit_status
     assert proc.stdout == ""
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_a_bad_dtype_lists_the_allowed_ones(tmp_path):
     proc = run_cli("generate", "--dtype", "bogus", cwd=tmp_path)
     assert proc.returncode == 2
@@ -213,7 +214,7 @@ def test_a_bad_dtype_lists_the_allowed_ones(tmp_path):
     assert all(dtype in line for dtype in ("float32", "bfloat16", "float16", "auto"))
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)
 def test_a_row_the_engine_refuses_is_one_line_and_exit_status_3(tmp_path):
     (tmp_path / "p.txt").write_text("x\n", encoding="utf-8")
     proc = run_cli(
@@ -226,7 +227,7 @@ def test_a_row_the_engine_refuses_is_one_line_and_exit_status_3(tmp_path):
         "40",
         "--quiet",
         cwd=tmp_path,
-        timeout=170,
+        timeout=850,
     )
     assert proc.returncode == 3, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("hf-contbatch")]
@@ -237,7 +238,7 @@ def test_a_row_the_engine_refuses_is_one_line_and_exit_status_3(tmp_path):
     ]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("how", ["--debug", "HF_CONTBATCH_DEBUG=1"])
 def test_debug_shows_the_traceback(tmp_path, how):
     args, env = (["--debug"], {}) if how == "--debug" else ([], {"HF_CONTBATCH_DEBUG": "1"})
@@ -259,7 +260,7 @@ def _imported_top_level_packages(importtime_log: str) -> set[str]:
     }
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["eval", "--help"]])
 def test_help_answers_without_importing_torch(tmp_path, args):
     runner = [str(ENTRY_POINT)] if ENTRY_POINT.exists() else ["-m", "hf_contbatch.cli"]
@@ -269,7 +270,7 @@ def test_help_answers_without_importing_torch(tmp_path, args):
         env=cli_env(),
         capture_output=True,
         text=True,
-        timeout=50,
+        timeout=250,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     imported = _imported_top_level_packages(proc.stderr)
@@ -352,7 +353,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(1200)
 def test_first_run_builds_the_c_kernels_before_the_timed_call_and_says_so_once(tmp_path):
     """A first run on a machine (kernels missing from the cache) builds them before the timed
     call, and prints the build time on a line of its own; the next run finds them cached."""
@@ -373,7 +374,7 @@ def test_first_run_builds_the_c_kernels_before_the_timed_call_and_says_so_once(t
     cmd += ["--max-num-batched-tokens", "32", "--max-num-seqs", "4"]
     env = cli_env(XDG_CACHE_HOME=str(tmp_path / "cache"))
     env.pop("HF_CONTBATCH_CPU_KERNEL", None)
-    runs = [subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=110) for _ in range(2)]
+    runs = [subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=550) for _ in range(2)]
     for run in runs:
         assert run.returncode == 0, run.stderr[-2000:]
     first, second = (run.stderr.splitlines() for run in runs)
@@ -399,7 +400,7 @@ def test_first_run_builds_the_c_kernels_before_the_timed_call_and_says_so_once(t
 UNREACHABLE = "http://127.0.0.1:9"  # loopback, discard port: the connection is refused at once
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("offline", ["HF_HUB_OFFLINE=1", f"HF_ENDPOINT={UNREACHABLE}"])
 def test_a_hub_id_without_network_fails_at_once_with_one_line(tmp_path, offline):
     (tmp_path / "p.txt").write_text("x\n", encoding="utf-8")
@@ -409,7 +410,7 @@ def test_a_hub_id_without_network_fails_at_once_with_one_line(tmp_path, offline)
         env["HF_HUB_OFFLINE"] = "0"  # run_cli's default is offline
     # huggingface_hub's own download retried 5 times with back-off (about 25 s, a "Retrying" line
     # each); the check is one request with a 3 s timeout, so the whole command ends well inside 30 s
-    proc = run_cli("generate", "--input", "p.txt", "--model", "gpt2", cwd=tmp_path, timeout=30, **env)
+    proc = run_cli("generate", "--input", "p.txt", "--model", "gpt2", cwd=tmp_path, timeout=150, **env)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr  # no retry lines
@@ -419,7 +420,7 @@ def test_a_hub_id_without_network_fails_at_once_with_one_line(tmp_path, offline)
         assert UNREACHABLE in lines[0] and "cache has no copy" in lines[0]
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)
 def test_a_cached_hub_id_loads_from_the_cache_when_the_hub_does_not_answer_and_says_so(tmp_path):
     # A Hugging Face cache holding "org/tiny" (the embedded model's files as its snapshot).
     repo = tmp_path / "cache" / "models--org--tiny"
@@ -430,7 +431,7 @@ def test_a_cached_hub_id_loads_from_the_cache_when_the_hub_does_not_answer_and_s
     (tmp_path / "p.txt").write_text("The for statement\n", encoding="utf-8")
     env = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": UNREACHABLE, "HF_HUB_CACHE": str(tmp_path / "cache")}
     args = ["generate", "--input", "p.txt", "--max-new-tokens", "4", "--quiet", "--output"]
-    proc = run_cli(*args, "cached.jsonl", "--model", "org/tiny", cwd=tmp_path, timeout=150, **env)
+    proc = run_cli(*args, "cached.jsonl", "--model", "org/tiny", cwd=tmp_path, timeout=750, **env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "does not answer" in proc.stderr and "from the Hugging Face cache" in proc.stderr
     assert "Retrying" not in proc.stderr
@@ -441,7 +442,7 @@ def test_a_cached_hub_id_loads_from_the_cache_when_the_hub_does_not_answer_and_s
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1500)
 def test_generate_int8_says_the_weight_format_and_checks_quality(tmp_path, capsys, monkeypatch):
     from hf_contbatch.engine import quality
 
@@ -483,7 +484,7 @@ def _same_but_rounding(want: str, got: str) -> bool:
     )
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_a_bad_quantization_lists_the_allowed_ones(tmp_path):
     proc = run_cli("generate", "--quantization", "int3", cwd=tmp_path)
     assert proc.returncode == 2

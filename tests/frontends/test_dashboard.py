@@ -58,7 +58,7 @@ def with_fields(stats: EngineStats, **fields) -> EngineStats:
     return dataclasses.replace(stats, **fields)
 
 
-def eventually(condition, timeout_s: float = 10.0) -> bool:
+def eventually(condition, timeout_s: float = 50.0) -> bool:
     """Poll ``condition`` every 20 ms until it holds or ``timeout_s`` passes."""
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -82,16 +82,16 @@ class FakeSource:
         return self.snapshot
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_importing_the_package_and_text_summary_needs_no_ipywidgets():
     code = (
         "import sys; sys.modules['ipywidgets'] = None\n"  # any `import ipywidgets` now raises ImportError
         "import hf_contbatch\nfrom hf_contbatch.frontends.dashboard import format_stats\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=50)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=250)
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)
 def test_format_stats_states_usage_queues_speed_and_phases():
     text = format_stats(make_stats(), tokens_per_s_now=50.0)
     assert "4/8 used (50%), peak 6" in text
@@ -100,7 +100,7 @@ def test_format_stats_states_usage_queues_speed_and_phases():
     assert "decode 1.00 ms" in text
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)
 def test_every_number_has_thousands_separators_in_the_text_and_the_widget():
     # One number format (issue 33): a newcomer saw "TTFT 5663.6 ms" beside "5,248 tokens".
     stats = make_stats(
@@ -128,7 +128,7 @@ def test_every_number_has_thousands_separators_in_the_text_and_the_widget():
         assert shown in html, shown
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)
 def test_optional_fields_are_read_from_the_snapshot():
     stats = with_fields(
         make_stats(),
@@ -153,7 +153,7 @@ def test_optional_fields_are_read_from_the_snapshot():
     assert "shared by 2 requests" in pools  # block 1 has ref count 2
 
 
-@pytest.mark.timeout(20)
+@pytest.mark.timeout(120)
 def test_tokens_held_and_logical_tokens_are_labelled_apart_when_blocks_are_shared():
     shared = with_fields(make_stats(), num_kv_tokens=50, num_logical_kv_tokens=80)
     assert "4/8 used (50%), peak 6, 50/128 tokens (80 logical: shared blocks once per request)\n" in format_stats(
@@ -168,7 +168,7 @@ def test_tokens_held_and_logical_tokens_are_labelled_apart_when_blocks_are_share
     assert (dash.tokens_bar.value, dash.tokens_bar.max) == (50, 128)
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)
 def test_block_grid_has_one_cell_per_block_with_the_request_on_hover():
     html = render_block_grid((5, 5, -1, 7))
     titles = re.findall(r'title="([^"]*)"', html)
@@ -176,7 +176,7 @@ def test_block_grid_has_one_cell_per_block_with_the_request_on_hover():
     assert titles == ["block 0 · request 5", "block 1 · request 5", "block 3 · request 7"]
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)
 def test_large_pools_aggregate_blocks_into_at_most_max_cells():
     owners = tuple(i % 3 - 1 for i in range(10_000))  # -1, 0, 1 repeating: two thirds in use
     html = render_block_grid(owners, max_cells=500)
@@ -185,7 +185,7 @@ def test_large_pools_aggregate_blocks_into_at_most_max_cells():
     assert first.startswith("blocks 0–19: 13 in use") and first.endswith("7 free")
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)
 def test_phase_rows_reads_engine_and_flat_phase_logs():
     engine_log = ((3, (("reap", 0.1), ("budget", 0.2), ("decode", 1.0))), (4, (("reap", 0.3),)))
     assert phase_rows(engine_log) == [{"reap": 0.1, "budget": 0.2, "decode": 1.0}, {"reap": 0.3}]
@@ -193,7 +193,7 @@ def test_phase_rows_reads_engine_and_flat_phase_logs():
     assert phase_rows(flat) == [{"reap": 0.1, "decode": 1.0}, {"reap": 0.2, "decode": 2.0}]
 
 
-@pytest.mark.timeout(20)
+@pytest.mark.timeout(120)
 def test_dashboard_costs_nothing_until_displayed_and_its_refresher_sleeps():
     source = FakeSource(make_stats())
     dash = Dashboard(source, refresh_hz=5)
@@ -227,12 +227,15 @@ def test_dashboard_costs_nothing_until_displayed_and_its_refresher_sleeps():
     assert source.calls == calls  # stopped means stopped
 
 
-@pytest.mark.timeout(20)
+@pytest.mark.timeout(120)
 def test_refresher_polls_once_a_second_after_two_quiet_seconds():
     source = FakeSource(make_stats())
     dash = Dashboard(source, refresh_hz=20).start()
     try:
-        time.sleep(2.6)
+        # Two quiet seconds at 20 Hz are 40 unchanged polls; a busy machine slows the polls, so wait
+        # for the polls themselves rather than for 2.6 s: the constructor's and start()'s snapshots,
+        # one poll that may still render, 40 quiet ones, then two more that come a second apart.
+        assert eventually(lambda: source.calls >= 2 + 1 + 40 + 2, timeout_s=100)
         calls = source.calls
         time.sleep(2.0)
         assert source.calls - calls <= 3, f"{source.calls - calls} snapshots in 2 quiet seconds"
@@ -240,7 +243,7 @@ def test_refresher_polls_once_a_second_after_two_quiet_seconds():
         dash.stop()
 
 
-@pytest.mark.timeout(20)
+@pytest.mark.timeout(120)
 def test_refresher_ends_by_itself_when_the_engine_closes():
     source = FakeSource(make_stats())
     dash = Dashboard(source, refresh_hz=10).start()
@@ -249,7 +252,7 @@ def test_refresher_ends_by_itself_when_the_engine_closes():
     assert "closed" in dash.header.value
 
 
-@pytest.mark.timeout(20)
+@pytest.mark.timeout(120)
 def test_an_explicit_refresh_sends_every_value_even_unchanged_ones():
     # The refresher thread's messages belong to no notebook cell, and a tool that records a cell's
     # messages (nbclient, nbconvert --execute) drops them: refresh() and stop() must send the frame
@@ -268,7 +271,7 @@ def test_an_explicit_refresh_sends_every_value_even_unchanged_ones():
     assert grid_states and "4/8 in use" in grid_states[-1]["value"]
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)
 def test_bad_arguments_are_rejected_with_the_argument_name():
     source = FakeSource(make_stats())
     with pytest.raises(ValueError, match="refresh_hz"):
@@ -279,7 +282,7 @@ def test_bad_arguments_are_rejected_with_the_argument_name():
         Dashboard(object())
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_live_dashboard_follows_a_real_engine_under_preemption(llama_model):
     engine = LLMEngine(
         llama_model,
@@ -299,14 +302,14 @@ def test_live_dashboard_follows_a_real_engine_under_preemption(llama_model):
         dash.start()
 
         def hold_until_shown(request) -> bool:  # engine thread, after each token: never stops a request
-            shown_in_use.wait(timeout=10)  # pauses the engine, blocks in use, until the view has shown them
+            shown_in_use.wait(timeout=50)  # pauses the engine, blocks in use, until the view has shown them
             return False
 
         prompts = random_prompts([5, 9, 7, 11, 6, 8, 10, 4, 12, 7, 5, 9])
         handles = [engine.submit(p, SamplingParams(max_new_tokens=24), stop_checker=hold_until_shown) for p in prompts]
         for h in handles:
-            h.result(timeout=90)
-        assert engine.wait_idle(timeout=30)
+            h.result(timeout=450)
+        assert engine.wait_idle(timeout=150)
         dash.stop()
         stats = dash.refresh()
         # 12 requests of 8-9 blocks each in a 16-block pool: only one or two fit at a time.
@@ -326,7 +329,7 @@ def _legends(pools_html: str) -> list[str]:
     return re.findall(r"one cell = ([^<]*)</span>", pools_html)
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)
 def test_grid_draws_the_in_use_region_of_a_large_pool_one_cell_per_block():
     owners = (3,) * 30 + (-1,) * 8162  # 30 of 8,192 blocks in use, the lowest ones (as allocated)
     assert in_use_region(owners) == 64  # a power of two >= 30, at least 64
@@ -345,7 +348,7 @@ def test_grid_draws_the_in_use_region_of_a_large_pool_one_cell_per_block():
     assert _legends(pools) == ["1 block"]
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)
 def test_each_grid_has_a_legend_true_for_it():
     # a 48-block device pool beside a 4,096-block swap pool with 600 blocks swapped out
     stats = with_fields(
@@ -360,7 +363,7 @@ def test_each_grid_has_a_legend_true_for_it():
     assert "swapped out" in swap and "prefix-cached" not in swap
 
 
-@pytest.mark.timeout(20)
+@pytest.mark.timeout(120)
 def test_tokens_per_s_now_reads_a_dash_when_the_engine_is_idle():
     source = FakeSource(make_stats(num_generated_tokens=40))
     dash = Dashboard(source)
@@ -375,7 +378,7 @@ def test_tokens_per_s_now_reads_a_dash_when_the_engine_is_idle():
     assert "tok/s now" not in dash.summary()
 
 
-@pytest.mark.timeout(20)
+@pytest.mark.timeout(120)
 def test_summary_takes_a_fresh_snapshot_while_the_refresher_runs():
     source = FakeSource(make_stats())
     dash = Dashboard(source, refresh_hz=0.2).start()  # the refresher sleeps 5 s first
@@ -386,7 +389,7 @@ def test_summary_takes_a_fresh_snapshot_while_the_refresher_runs():
         dash.stop()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_frame_after_close_shows_nothing_in_flight(llama_model):
     engine = LLMEngine(
         llama_model, EngineConfig(cache=CacheConfig(num_blocks=128, block_size=4), linear_backend="torch")
@@ -402,7 +405,7 @@ def test_frame_after_close_shows_nothing_in_flight(llama_model):
     handles = [
         engine.submit(p, SamplingParams(max_new_tokens=150), stop_checker=slow) for p in random_prompts([5, 9, 7])
     ]
-    assert started.wait(60)
+    assert started.wait(300)
     engine.close()
     stats = dash.refresh()
     assert all(h.done() for h in handles)

@@ -40,7 +40,7 @@ class CountingView:
         return stats
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_a_live_view_is_refreshed_with_the_final_state_when_a_blocking_call_ends(llama_model):
     engine = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(num_blocks=32, block_size=4), num_threads=1))
     try:
@@ -54,22 +54,29 @@ def test_a_live_view_is_refreshed_with_the_final_state_when_a_blocking_call_ends
         engine.close()
 
 
-@pytest.mark.timeout(20)
+@pytest.mark.timeout(120)
 def test_tokens_per_s_now_of_a_burst_after_idle_time_counts_only_the_burst():
     idle = dataclasses.replace(make_stats(num_generated_tokens=40), num_waiting=0, num_running=0)
     source = FakeSource(idle)
     dash = Dashboard(source)
     time.sleep(1.0)  # one idle second...
+    before_first = time.monotonic()
     dash.refresh()
-    time.sleep(0.25)  # ...then 50 tokens in a quarter of a second
+    after_first = time.monotonic()
+    time.sleep(0.25)  # ...then 50 tokens in about a quarter of a second
     source.snapshot = make_stats(num_generated_tokens=90, num_iterations=20)
+    before_second = time.monotonic()
     dash.refresh()
+    after_second = time.monotonic()
     rate = float(_tile(dash.tiles.value, "tokens/s now")[0])
-    # 50 tokens over the burst (0.25 s plus scheduling slack), not over the idle second too (< 40/s)
-    assert 50 / 1.0 < rate <= 50 / 0.25 + 1e-6
+    # 50 tokens over the burst as this run timed it (a busy machine stretches the sleep), not over
+    # the idle second too: the dashboard's interval lies between the two refreshes' inner and
+    # outer edges, and counting the idle second would put it at least 1 s past the outer one.
+    # The tile shows one decimal, hence the 0.05 either side.
+    assert 50 / (after_second - before_first) - 0.05 <= rate <= 50 / (before_second - after_first) + 0.05
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)
 def test_every_view_writes_counts_as_used_over_total_with_thousands_separators():
     owners = (3,) * 2 + (-1,) * 8190
     stats = with_fields(
@@ -97,7 +104,7 @@ def test_every_view_writes_counts_as_used_over_total_with_thousands_separators()
     assert dash.blocks_label.value.startswith("2/8,192 blocks · peak 1,500")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_prefix_hits_are_zero_for_prompts_sharing_no_prefix_even_when_preempted(llama_model, mode):
     # 12 prompts, each starting with its own token (no shared first block), in a pool too small
@@ -111,7 +118,7 @@ def test_prefix_hits_are_zero_for_prompts_sharing_no_prefix_even_when_preempted(
     engine = LLMEngine(llama_model, config)
     try:
         for h in [engine.submit(p, SamplingParams(max_new_tokens=24, ignore_eos=True)) for p in prompts]:
-            h.result(timeout=90)
+            h.result(timeout=450)
         stats = engine.stats()
         assert stats.num_preemptions > 0, "the pool was meant to force preemption"
         assert stats.prefix_cache_hit_rate == 0.0
@@ -121,7 +128,7 @@ def test_prefix_hits_are_zero_for_prompts_sharing_no_prefix_even_when_preempted(
         engine.close()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_prefix_hits_are_hit_prompt_tokens_over_prompt_tokens_looked_up_and_the_tile_says_so(llama_model):
     engine = LLMEngine(
         llama_model,
@@ -129,8 +136,8 @@ def test_prefix_hits_are_hit_prompt_tokens_over_prompt_tokens_looked_up_and_the_
     )
     try:
         (prompt,) = random_prompts([17])
-        engine.submit(prompt, SamplingParams(max_new_tokens=3)).result(timeout=60)
-        engine.submit(prompt, SamplingParams(max_new_tokens=3)).result(timeout=60)
+        engine.submit(prompt, SamplingParams(max_new_tokens=3)).result(timeout=300)
+        engine.submit(prompt, SamplingParams(max_new_tokens=3)).result(timeout=300)
         stats = engine.stats()
         # second time: (17 - 1) // 4 = 4 full blocks found, 16 of its 17 tokens; 16 of 34 in all
         assert stats.prefix_cache_hit_tokens == 16 and stats.prefix_cache_query_tokens == 34

@@ -94,11 +94,11 @@ def follow(obj, chain: str):
     return obj, None
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_every_pipe_dashboard_and_handle_attribute_in_the_docs_exists(pipe):
     pipe("Hello", max_new_tokens=2, progress_bar=False)  # fills pipe.last_call_stats
     handle = pipe.submit("Hello", max_new_tokens=2)
-    handle.result(timeout=60)
+    handle.result(timeout=300)
     roots = {"pipe": pipe, "dash": Dashboard, "handle": handle}
     missing, checked = [], set()
     for doc, text in documents().items():

@@ -38,7 +38,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1500)
 def test_two_cpu_ranks_shard_prompts_and_gather_them_in_input_order(tmp_path, reference_texts):
     launcher = shutil.which("accelerate")
     if launcher is None:
@@ -69,7 +69,7 @@ def test_two_cpu_ranks_shard_prompts_and_gather_them_in_input_order(tmp_path, re
         "--max-new-tokens",
         "16",
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     # both ranks ran (the trap: a launch that silently starts one process)
     assert re.search(r"\[rank 0/2\]", proc.stderr) and re.search(r"\[rank 1/2\]", proc.stderr), proc.stderr[-2000:]
@@ -80,7 +80,7 @@ def test_two_cpu_ranks_shard_prompts_and_gather_them_in_input_order(tmp_path, re
     assert [r["generated_text"] for r in rows] == reference_texts
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_distributed_generate_without_a_launcher_runs_in_one_process(reference_texts):
     results = distributed_generate(
         PROMPTS,
@@ -91,13 +91,13 @@ def test_distributed_generate_without_a_launcher_runs_in_one_process(reference_t
     assert [r[0]["generated_text"] for r in results] == reference_texts
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_distributed_generate_rejects_a_single_string():
     with pytest.raises(ValueError, match="list of strings or chats"):
         distributed_generate("The for statement", model=PATH)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)
 def test_device_map_auto_loads_and_generates_like_transformers(reference_texts):
     pipe = ContinuousBatchingPipeline(
         PATH, device_map="auto", dtype=torch.float32, engine_config=EngineConfig(cache=CacheConfig(num_blocks=64))
@@ -111,7 +111,7 @@ def test_device_map_auto_loads_and_generates_like_transformers(reference_texts):
         pipe.close()
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)
 def test_each_layers_kv_pool_follows_the_models_device_map(reference_texts):
     num_layers = transformers.AutoConfig.from_pretrained(PATH).num_hidden_layers
     device_map = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}

@@ -45,8 +45,8 @@ def executed(tmp_path_factory) -> dict:
         clients = [
             NotebookClient(
                 nbformat.read(NOTEBOOKS / name, as_version=4),
-                timeout=180,
-                startup_timeout=90,
+                timeout=900,
+                startup_timeout=450,
                 kernel_name="python3",
                 resources={"metadata": {"path": str(NOTEBOOKS)}},
             )
@@ -72,7 +72,7 @@ def widget_views(cell) -> list[str]:
     return [o["data"][WIDGET_VIEW]["model_id"] for o in cell.get("outputs", []) if WIDGET_VIEW in o.get("data", {})]
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)
 def test_three_notebooks_are_committed_without_outputs():
     import nbformat
 
@@ -87,7 +87,7 @@ def test_three_notebooks_are_committed_without_outputs():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(1200)
 def test_quickstart_matches_transformers_pipeline_and_shows_progress(executed):
     nb = execute(executed, "01_quickstart.ipynb")
     assert "identical greedy outputs: True" in cell_text(cell_by_tag(nb, "compare"))
@@ -102,11 +102,14 @@ def test_quickstart_matches_transformers_pipeline_and_shows_progress(executed):
     quiet = cell_by_tag(nb, "quiet")
     assert quiet.outputs == [], f"progress_bar=False still printed: {quiet.outputs}"
     assert cell_text(cell_by_tag(nb, "stream")), "streaming printed nothing"
-    assert "KV blocks" in cell_text(cell_by_tag(nb, "stats"))
+    stats = cell_text(cell_by_tag(nb, "stats"))
+    assert "KV blocks" in stats
+    if hasattr(os, "getloadavg"):  # the speeds printed with the load they were measured under (issue 48)
+        assert re.search(r"tok/s average .* · load \d+\.\d\d on \d+ cores?", stats), stats
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(1200)
 def test_dashboard_notebook_saves_final_state_with_preemptions_and_no_leaked_block(executed):
     nb = execute(executed, "02_dashboard.ipynb")
     assert widget_views(cell_by_tag(nb, "setup")), "pipe.dashboard() as the last expression displayed no widget"
@@ -136,7 +139,7 @@ def test_dashboard_notebook_saves_final_state_with_preemptions_and_no_leaked_blo
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(1200)
 def test_static_vs_continuous_notebook_plots_both_runs(executed):
     nb = execute(executed, "03_static_vs_continuous.ipynb")
     plot = cell_by_tag(nb, "plot")

@@ -36,7 +36,7 @@ def pipe():
     p.close()
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)
 def test_greedy_records_equal_transformers_pipeline_for_string_list_and_chat(hf_pipe, pipe):
     kw = dict(do_sample=False, max_new_tokens=12)
     assert pipe(PROMPTS[0], **kw) == hf_pipe(PROMPTS[0], **kw)
@@ -47,14 +47,14 @@ def test_greedy_records_equal_transformers_pipeline_for_string_list_and_chat(hf_
     assert pipe([chat, chat], **kw) == hf_pipe([chat, chat], **kw)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_generator_input_yields_records_in_input_order(hf_pipe, pipe):
     kw = dict(do_sample=False, max_new_tokens=6)
     got = list(pipe((p for p in PROMPTS), **kw))
     assert got == [hf_pipe(p, **kw) for p in PROMPTS]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_stop_strings_stop_where_transformers_generate_stops(pipe):
     model = transformers.AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
     tok = pipe.tokenizer
@@ -68,22 +68,22 @@ def test_stop_strings_stop_where_transformers_generate_stops(pipe):
     assert stop in ref_text
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_submit_streams_deltas_that_join_to_the_result(pipe):
     handle = pipe.submit(PROMPTS[2], do_sample=False, max_new_tokens=16, return_full_text=False)
     deltas = list(handle)
-    assert "".join(deltas) == handle.result(30)[0]["generated_text"]
+    assert "".join(deltas) == handle.result(150)[0]["generated_text"]
     assert "\ufffd" not in "".join(deltas)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_sampling_with_seed_is_reproducible_and_returns_n_sequences(pipe):
     kw = dict(do_sample=True, temperature=0.9, top_k=20, top_p=0.9, max_new_tokens=8, num_return_sequences=3, seed=7)
     a, b = pipe(PROMPTS[0], **kw), pipe(PROMPTS[0], **kw)
     assert len(a) == 3 and a == b
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "call,match",
     [
@@ -130,7 +130,7 @@ def test_bad_input_gets_a_clear_error_and_the_pipeline_keeps_serving(pipe, hf_pi
     assert pipe.stats().num_free_blocks == pipe.stats().num_blocks
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_defaults_follow_the_transformers_pipeline_resolution(pipe, hf_pipe):
     # transformers adds its pipeline defaults (max_new_tokens=256, do_sample=True, temperature=0.7)
     # only where the model's generation_config is silent, and sampling defaults only when sampling.
@@ -157,7 +157,7 @@ def test_defaults_follow_the_transformers_pipeline_resolution(pipe, hf_pipe):
         pipe.model.generation_config, hf_pipe.model.generation_config = saved
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_context_manager_closes_the_engine():
     with ContinuousBatchingPipeline(
         default_model_path(), dtype=torch.float32, cache_config=CacheConfig(num_blocks=16)
@@ -168,7 +168,7 @@ def test_context_manager_closes_the_engine():
         p("import", max_new_tokens=2)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_a_closed_pipeline_says_to_build_a_new_one_for_every_call():
     p = ContinuousBatchingPipeline(default_model_path(), dtype=torch.float32, cache_config=CacheConfig(num_blocks=16))
     p.close()
@@ -181,7 +181,7 @@ def test_a_closed_pipeline_says_to_build_a_new_one_for_every_call():
         p.submit("import", max_new_tokens=2)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_a_call_with_one_bad_prompt_queues_none_of_its_prompts(pipe):
     assert pipe.engine.wait_idle(30)
     finished = pipe.stats().num_finished
@@ -192,7 +192,7 @@ def test_a_call_with_one_bad_prompt_queues_none_of_its_prompts(pipe):
     assert pipe.stats().num_finished == finished  # none was queued, so none finished (not even cancelled)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_the_embedded_model_loads_in_float32_wherever_the_checkpoints_dtype_is_taken():
     # One dtype for the embedded model (issue 33): the one in which greedy outputs equal generate.
     with hf_contbatch.pipeline("text-generation", cache_config=CacheConfig(num_blocks=16)) as p:
@@ -205,7 +205,7 @@ def test_the_embedded_model_loads_in_float32_wherever_the_checkpoints_dtype_is_t
     assert bf16.dtype == torch.bfloat16
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_an_engine_setting_given_to_the_pipeline_says_which_config_takes_it():
     # Where a newcomer first writes it: in the pipeline's construction, as with transformers' kwargs.
     def engine_threads():

@@ -54,7 +54,7 @@ def test_one_value_or_one_per_prompt():
         structured_outputs_per_prompt({"type": "json_object"}, {"regex": "a"}, 1)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)
 def test_cli_response_format_file_and_per_line_response_format(tmp_path, capsys):
     (tmp_path / "schema.json").write_text(json.dumps(SCHEMA), encoding="utf-8")  # a bare schema
     line_fmt = {
@@ -81,7 +81,7 @@ def test_cli_response_format_file_and_per_line_response_format(tmp_path, capsys)
     assert capsys.readouterr().err.strip().endswith("missing.json: no such file")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "bad, says",
     [

@@ -39,7 +39,7 @@ def _sigint_after(event: threading.Event) -> threading.Thread:
     """SIGINT to this process (what Jupyter's Stop sends the kernel) once ``event`` is set."""
 
     def fire():
-        if event.wait(60):
+        if event.wait(300):
             os.kill(os.getpid(), signal.SIGINT)
 
     t = threading.Thread(target=fire, daemon=True)
@@ -47,17 +47,17 @@ def _sigint_after(event: threading.Event) -> threading.Thread:
     return t
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)
 def test_max_new_tokens_per_prompt_equals_transformers_per_prompt(pipe):
     reference = transformers.pipeline("text-generation", model=default_model_path(), dtype=torch.float32)
     lengths = [3, 9, 5]
     got = pipe(PROMPTS, max_new_tokens=lengths, do_sample=False, progress_bar=False)
     assert got == [reference(p, max_new_tokens=n, do_sample=False) for p, n in zip(PROMPTS, lengths)]
     handle = pipe.submit(PROMPTS[0], max_new_tokens=[4], do_sample=False, ignore_eos=True)
-    assert len(handle.handles[0].result(timeout=60).output_token_ids) == 4
+    assert len(handle.handles[0].result(timeout=300).output_token_ids) == 4
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "value, message", [([3, 4], "2 entries for 3 prompts"), ([3, 0, 2], "int >= 1"), ([3, "4", 2], "int >= 1")]
 )
@@ -69,7 +69,7 @@ def test_bad_per_prompt_max_new_tokens_names_the_argument_and_submits_nothing(pi
     assert stats.num_waiting == stats.num_running == 0 and stats.num_iterations == before
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_breaking_out_of_a_stream_nobody_holds_cancels_the_request(pipe):
     handle = pipe.submit("Exceptions are", max_new_tokens=300, ignore_eos=True, do_sample=False)
     request = handle.handles[0]
@@ -77,7 +77,7 @@ def test_breaking_out_of_a_stream_nobody_holds_cancels_the_request(pipe):
     del handle  # as in `for delta in pipe.submit(...)`: only the loop holds the handle
     assert next(deltas)
     del deltas  # `break`: the loop drops its iterator
-    out = request.result(timeout=60)
+    out = request.result(timeout=300)
     assert out.finish_reason == "cancelled" and 0 < len(out.output_token_ids) < 300
     assert pipe.engine.wait_idle(30) and pipe.stats().num_used_blocks == 0
 
@@ -88,7 +88,7 @@ def test_breaking_out_of_a_stream_nobody_holds_cancels_the_request(pipe):
     assert pipe.stats().num_generated_tokens - generated < 300
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_breaking_out_of_a_stream_keeps_a_held_handle_generating(pipe):
     handle = pipe.submit("Exceptions are", max_new_tokens=40, ignore_eos=True, do_sample=False)
     for _delta in handle:
@@ -98,7 +98,7 @@ def test_breaking_out_of_a_stream_keeps_a_held_handle_generating(pipe):
     assert len(handle.handles[0].request.output_token_ids) == 40
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_stop_while_streaming_cancels_that_request_and_reraises(pipe, sigint_raises):
     other = pipe.submit("Lists are", max_new_tokens=60, ignore_eos=True, do_sample=False)
     handle = pipe.submit("Exceptions are", max_new_tokens=400, ignore_eos=True, do_sample=False)
@@ -108,16 +108,18 @@ def test_stop_while_streaming_cancels_that_request_and_reraises(pipe, sigint_rai
         for _delta in handle:
             first.set()
     assert {Path(str(e.path)).name for e in stopped.traceback} <= {Path(__file__).name, "generation_handle.py"}
-    assert handle.handles[0].result(timeout=60).finish_reason == "cancelled"
+    assert handle.handles[0].result(timeout=300).finish_reason == "cancelled"
     assert other.result()  # the other request is not affected
     assert other.finish_reasons() == ["length"] and len(other.handles[0].request.output_token_ids) == 60
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)
 def test_progress_bar_states_rates_and_closes_with_the_outcome(pipe, capsys, sigint_raises):
     pipe(PROMPTS, max_new_tokens=6, do_sample=False, progress_bar=True)
     done = capsys.readouterr().err.strip().split("\r")[-1]
     assert "3/3" in done and " req/s, " in done and " tok/s" in done and "s/req" not in done
+    if hasattr(os, "getloadavg"):  # the rates depend on the machine's load: shown beside them (issue 48)
+        assert re.search(r" tok/s, load \d+\.\d\d on \d+ cores?", done), done
 
     base = pipe.stats().num_generated_tokens
     started = threading.Event()
@@ -141,12 +143,12 @@ def test_progress_bar_states_rates_and_closes_with_the_outcome(pipe, capsys, sig
     assert pipe.engine.wait_idle(60) and pipe.stats().num_used_blocks == 0
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_loading_a_model_shows_no_notices_of_optional_quantization_libraries():
     # With torchao installed (the quant extra), transformers imports it on every load and torchao
     # logs a notice per CUDA-only extension it cannot load here: a red box in a notebook cell.
     code = "import hf_contbatch; p = hf_contbatch.pipeline(); print(p('x', max_new_tokens=1)[0]['generated_text']); p.close()"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=550)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Failed to load" not in proc.stderr and "_pytree" not in proc.stderr, proc.stderr
 
@@ -155,7 +157,7 @@ def _decimals(number: str) -> int:
     return len(number.split(".")[1]) if "." in number else 0
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_stats_shown_in_a_cell_is_one_short_line_and_keeps_every_field(pipe):
     from IPython.core.formatters import PlainTextFormatter
 
@@ -176,7 +178,7 @@ def test_stats_shown_in_a_cell_is_one_short_line_and_keeps_every_field(pipe):
     assert dataclasses.asdict(stats)["num_generated_tokens"] == stats.num_generated_tokens > 0
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_last_call_stats_reads_rounded_and_holds_exact_figures(pipe, capsys):
     from IPython.core.formatters import PlainTextFormatter
 

@@ -2,7 +2,8 @@
 float64 products within the standard dot-product error bound, rows independent of the batch they
 are in, columns independent of the panels packed beside them, any thread count and any vector width
 the same bits; the instruction set the build reports is the one this CPU offers; the bfloat16 kernel
-(AVX512-BF16 CPUs) within the bound of float32 accumulation and one bf16 rounding."""
+(AVX512-BF16 CPUs) within the bound of float32 accumulation and one bf16 rounding, and the fallback
+of CPUs without it (built here with ``bf16=False`` on any CPU): bf16 weights refused, float32 kept."""
 
 from __future__ import annotations
 
@@ -171,11 +172,26 @@ def test_the_512_bit_build_gives_the_bits_of_the_256_bit_build(gemm):
         assert torch.equal(gemm.linear(x, wide, None, 200), y), m
 
 
-@pytest.fixture(scope="module")
-def bf16_gemm(gemm):
-    if torch.bfloat16 not in gemm.library.dtypes:
-        pytest.skip("this CPU has no AVX512-BF16: our GEMM multiplies float32 only")
-    return gemm
+@pytest.fixture(scope="module", params=["native", "without-avx512bf16"])
+def bf16_gemm(request, gemm):
+    """Our GEMM as this CPU builds it, and as a CPU without AVX512-BF16 builds it (forced here):
+    the bf16 tests check the bf16 kernel where the build has one and the fallback where not."""
+    build = gemm if request.param == "native" else NativeGEMM(bf16=False)
+    flags = _cpu_flags()
+    has_bf16 = request.param == "native" and {"avx512f", "avx512_bf16"} <= flags
+    has_bf16 = has_bf16 and platform.machine() in ("x86_64", "AMD64")
+    assert (torch.bfloat16 in build.dtypes) == has_bf16, (request.param, build.dtypes)
+    return build
+
+
+def _check_bf16_fallback(build, w, x):
+    """Without AVX512-BF16 our GEMM packs float32 only: a bf16 weight is refused (the packer then
+    leaves it to oneDNN or ``F.linear``), and the float32 kernel of the same build still serves."""
+    assert build.dtypes == (torch.float32,) and not build.supports(w)
+    with pytest.raises(RuntimeError, match="cannot pack"):
+        build.pack(w)
+    w32, x32 = w.float(), x.float()
+    _check_against_float64(build.linear(x32, build.pack(w32), None, w.shape[0]), x32, w32, None)
 
 
 def _check_bf16_against_float64(y, x, w, b):
@@ -195,6 +211,8 @@ def test_bf16_products_match_float64_within_the_bound(bf16_gemm, m, k, n):
     g = torch.Generator().manual_seed(m * 1000 + k + n)
     x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16()
+    if torch.bfloat16 not in bf16_gemm.dtypes:
+        return _check_bf16_fallback(bf16_gemm, w, x)
     packed = bf16_gemm.pack(w)
     assert packed.data.dtype == torch.bfloat16 and packed.data.shape == (-(-n // 32), k // 2, 32, 2)
     for bias in (None, b):
@@ -207,6 +225,8 @@ def test_bf16_rows_past_one_row_block_give_the_bits_they_give_alone_at_any_threa
     # As for float32: more rows than one block, long inputs (fewer rows a block), threads sharing panels.
     g = torch.Generator().manual_seed(5)
     w, x = torch.randn(70, 4000, generator=g).bfloat16(), torch.randn(150, 4000, generator=g).bfloat16()
+    if torch.bfloat16 not in bf16_gemm.dtypes:
+        return _check_bf16_fallback(bf16_gemm, w, x)
     packed = bf16_gemm.pack(w)
     alone = torch.cat([bf16_gemm.linear(x[i : i + 1], packed, None, 70) for i in range(150)])
     before = torch.get_num_threads()
@@ -225,6 +245,8 @@ def test_bf16_needs_an_even_number_of_input_features(bf16_gemm):
     assert not bf16_gemm.supports(w)
     with pytest.raises(RuntimeError, match="cannot pack"):
         bf16_gemm.pack(w)
+    if torch.bfloat16 not in bf16_gemm.dtypes:  # no bf16 kernel: even widths are refused too
+        return _check_bf16_fallback(bf16_gemm, torch.randn(8, 6).bfloat16(), torch.randn(2, 6).bfloat16())
     packed = bf16_gemm.pack(torch.randn(8, 6).bfloat16())
     with pytest.raises(RuntimeError, match="does not fit"):
         bf16_gemm.linear(torch.randn(2, 6), packed, None, 8)  # float32 input for a bf16 weight

@@ -53,7 +53,7 @@ def test_silu_mul_matches_torch_on_the_halves_of_a_fused_output(dtype):
     torch.testing.assert_close(silu_mul(edges, torch.ones(8)), torch.nn.functional.silu(edges))
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("family", ["llama", "gemma2", "phi3", "qwen3"])
 def test_installed_fused_forwards_keep_greedy_tokens_equal_to_generate(family):
     model = build_model(family)
@@ -65,7 +65,7 @@ def test_installed_fused_forwards_keep_greedy_tokens_equal_to_generate(family):
         eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=32), fuse_model_ops=False))
         try:
             hs = [eng.submit(p, SamplingParams(max_new_tokens=8, ignore_eos=True)) for p in prompts]
-            assert [h.result(timeout=120).output_token_ids for h in hs] == refs
+            assert [h.result(timeout=600).output_token_ids for h in hs] == refs
         finally:
             eng.close()
     finally:

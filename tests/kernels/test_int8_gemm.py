@@ -21,7 +21,7 @@ from hf_contbatch.kernels.linears.int8_gemm import (
 )
 from hf_contbatch.kernels.linears.registry import available_quantized_kernels
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(600)
 
 
 def _reference(x, w, b):

@@ -14,7 +14,7 @@ import torch
 
 from hf_contbatch.kernels.token_bitmask import TokenBitmaskKernel
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")

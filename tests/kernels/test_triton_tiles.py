@@ -20,7 +20,7 @@ from hf_contbatch.kernels.attention import triton_kernels as tk  # noqa: E402
 CUDA = torch.device("cuda", 0)  # a device object only; the limits come from the arch table
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("arch", sorted(tk.ARCH_SHARED_MEMORY))
 def test_every_supported_shape_gets_tiles_within_the_arch_shared_memory(arch):
     limits = tk.arch_limits(arch)
@@ -41,7 +41,7 @@ def test_every_supported_shape_gets_tiles_within_the_arch_shared_memory(arch):
                     assert cfg.rows & (cfg.rows - 1) == 0 and 16 <= cfg.block_n <= 64
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(150)
 def test_shared_memory_estimate_bounds_the_allocations_measured_for_triton_3_9():
     # Allocations Triton 3.9 made for these kernels before tiles were sized per device (bytes,
     # compiled with triton_aot): prefill fp16 d128 128x64 on sm_75 / sm_80, fp32 d64 128x64 on sm_80,
@@ -57,7 +57,7 @@ def test_shared_memory_estimate_bounds_the_allocations_measured_for_triton_3_9()
         assert triton_tiles.shared_memory_estimate(*args) >= shared
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(150)
 def test_tiles_shrink_to_fit_the_device_not_a_fixed_budget():
     # sm_75's 64 KiB: the 96 KiB fp16 prefill tile of sm_80 does not fit, a smaller one is chosen.
     a100 = triton_tiles.prefill_tile_config(128, 1, torch.float16, tk.arch_limits(80))
@@ -69,7 +69,7 @@ def test_tiles_shrink_to_fit_the_device_not_a_fixed_budget():
         triton_tiles.prefill_tile_config(256, 1, torch.float32, tiny)
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(150)
 def test_arch_table_lookup():
     assert tk.arch_limits(89).shared_memory_per_block == 99 * 1024
     assert tk.arch_limits(120).shared_memory_per_block == 227 * 1024  # newer than the table: sm_90's
@@ -81,7 +81,7 @@ def _on(monkeypatch, arch):
     monkeypatch.setattr(triton_launch, "_device_limits", lambda device: tk.arch_limits(arch))
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(150)
 def test_auto_takes_triton_on_ampere_and_torch_below_sm80_without_warning(monkeypatch):
     monkeypatch.delenv("HF_CONTBATCH_ATTENTION_BACKEND", raising=False)
     shape = dict(dtype=torch.float16, head_dim=128, num_heads=32, num_kv_heads=8, block_size=16)
@@ -94,7 +94,7 @@ def test_auto_takes_triton_on_ampere_and_torch_below_sm80_without_warning(monkey
         assert resolve_backend("triton", CUDA, **shape) == "triton"  # forced: runs, with sm_75 tiles
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize(
     "shape, message",
     [
@@ -113,7 +113,7 @@ def test_auto_falls_back_to_torch_with_one_warning_where_triton_cannot_serve(mon
         resolve_backend("triton", CUDA, **shape)
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(150)
 def test_forced_triton_with_bf16_below_sm80_is_refused_naming_gpu_and_fp16(monkeypatch):
     _on(monkeypatch, 75)
     with pytest.raises(ValueError, match=r"sm_75 \(T4 / RTX 20xx\).*8\.0.*torch\.float16"):

@@ -10,7 +10,7 @@ import torch
 from hf_contbatch.kernels.linears.int8_gemm import W8A8GEMM
 from hf_contbatch.kernels.linears.w8a8_torch import TorchW8A8GEMM, quantize_rows
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(600)
 
 
 def _reference(x, w, b):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ...core.phases import PHASES
+from ..machine_load import MachineLoad, load_note
 from .snapshot import adapter_counts, phase_rows, stat_field
 
 
@@ -30,13 +31,18 @@ def logical_tokens_note(stats) -> str:
     return f" ({logical:,} logical: shared blocks once per request)" if logical > held else ""
 
 
-def format_stats(stats, tokens_per_s_now: Optional[float] = None, width: int = 30) -> str:
-    """A few lines describing one ``EngineStats`` snapshot (for scripts, logs and terminals).
+def format_stats(
+    stats, tokens_per_s_now: Optional[float] = None, width: int = 30, load: Optional[MachineLoad] = None
+) -> str:
+    """A few lines describing one ``EngineStats`` snapshot (for scripts, logs and terminals). The
+    speed line ends with the machine's load, and a line follows it when the machine is busy
+    (``machine_load.load_note``): the speeds depend on it.
 
     Args:
         stats: an ``EngineStats`` (or any object with its fields).
         tokens_per_s_now: a recent generation rate to show beside the engine's average.
         width: characters of the usage bar.
+        load: the load reading to show (default: this machine's now; none where the OS has none).
     """
     n = max(stats.num_blocks, 1)
     used = stats.num_used_blocks
@@ -70,10 +76,14 @@ def format_stats(stats, tokens_per_s_now: Optional[float] = None, width: int = 3
     if adapters:
         lines.append("adapters   " + " · ".join(f"{name}: {detail}" for name, _, detail in adapters))
     now = "" if tokens_per_s_now is None else f"{tokens_per_s_now:,.1f} tok/s now, "
+    note, busy = load_note(" · ", load)
     lines.append(
         f"speed      {now}{stats.throughput_tokens_per_s:,.1f} tok/s average · TTFT {format_ms(stats.mean_ttft_s)}"
         f" · ITL {format_ms(stats.mean_itl_s)} · {stats.num_generated_tokens:,} tokens in {stats.num_iterations:,} iterations"
+        + note
     )
+    if busy:
+        lines.append(f"           {busy}")
     rows = phase_rows(stats.recent_phases)
     if rows:
         means = {p: sum(r.get(p, 0.0) for r in rows) / len(rows) for p in PHASES}

@@ -50,11 +50,12 @@ class GemmLibrary:
 
 
 @functools.cache
-def _load_native_library():
+def _load_native_library(bf16: bool = True):
     """(GemmLibrary, None) or (None, the exception that prevented it): built once per process, a
-    failure too (no compiler: every later engine falls back at once instead of retrying the build)."""
+    failure too (no compiler: every later engine falls back at once instead of retrying the build).
+    ``bf16=False``: the build of a CPU without AVX512-BF16 (float32 only), on any CPU."""
     try:
-        path = build_library(_GEMM_SOURCE, _GEMM_FLAGS)
+        path = build_library(_GEMM_SOURCE, _GEMM_FLAGS if bf16 else [*_GEMM_FLAGS, "-mno-avx512bf16"])
         lib = ctypes.CDLL(str(path))
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:  # no/broken compiler, dlopen failed
         return None, exc
@@ -82,13 +83,14 @@ def _load_native_library():
     return library, None
 
 
-def native_library() -> GemmLibrary:
-    """The compiled GEMM, shared by the process like any loaded library.
+def native_library(bf16: bool = True) -> GemmLibrary:
+    """The compiled GEMM, shared by the process like any loaded library; ``bf16=False``: the
+    float32-only build a CPU without AVX512-BF16 gets (its float32 kernel is the same code).
 
     Raises:
         RuntimeError: the kernel cannot be built here (see ``native_build``); the message names why.
     """
-    library, exc = _load_native_library()
+    library, exc = _load_native_library(bf16)
     if exc is not None:
         raise RuntimeError(f"our GEMM cannot be built: {type(exc).__name__}: {exc}") from exc
     return library
@@ -175,6 +177,11 @@ class NativeGEMM:
     multiply-add chain over the input features, so a row's result does not depend on the batch it
     is in; bf16 outputs are accumulated in float32 and rounded once.
 
+    Args:
+        bf16: False builds without AVX512-BF16 whatever the CPU has: the float32-only fallback of
+            CPUs without it (bf16 weights are then left to another kernel or ``F.linear``), so
+            that fallback can be tested on any CPU.
+
     Raises:
         RuntimeError: on construction, when the kernel cannot be built (no C compiler, or the
             compile failed).
@@ -183,14 +190,15 @@ class NativeGEMM:
     name = "native"
     exact_unpack = True  # plain zero-padded panels: unpack gives the weight back bit for bit
 
-    def __init__(self) -> None:
-        native_library()  # raises here when the kernel cannot be built
+    def __init__(self, bf16: bool = True) -> None:
+        self._bf16 = bool(bf16)
+        native_library(self._bf16)  # raises here when the kernel cannot be built
 
     @property
     def library(self) -> GemmLibrary:
         """The compiled GEMM (looked up, not stored: a deepcopy or pickle of a model carries no
         ctypes function)."""
-        return native_library()
+        return native_library(self._bf16)
 
     @property
     def build_id(self) -> str:
