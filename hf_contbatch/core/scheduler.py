@@ -325,6 +325,17 @@ class Scheduler:
             bm.free_out_of_window(req.request_id, req.num_computed_tokens)
         return advanced
 
+    def recompute(self, request: Request) -> None:
+        """Drop running ``request``'s KV and queue it to compute all its known tokens again (as a
+        recompute preemption, not counted as one), under its current ``prefix_cache_key``: what
+        its KV depends on changed (a LongRoPE model's factors when the sequence passes the
+        threshold, ``engine.rotary_variants``). Its freed full blocks stay in the prefix cache
+        under the key they were computed with."""
+        self.block_manager.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.block_hashes.clear()  # chained from the old key's root
+        self.queues.preempt_to_waiting(request)
+
     def trim_after_stop(self, request: Request, num_excess: int) -> None:
         """Forget ``num_excess`` accepted draft tokens that fell after a stop string.
 

@@ -134,7 +134,13 @@ class LLMEngine:
         self._undo_patches.atexit = False
         self.packed_linears, self.compiled_forward = self.patches.packed_linears, self.patches.compiled_forward
         self.request_factory = RequestFactory(
-            self.vocab_size, g.max_model_len, bm, cfg.prompt_lookup_num_tokens, self.adapters, self.grammars.compilation
+            self.vocab_size,
+            g.max_model_len,
+            bm,
+            cfg.prompt_lookup_num_tokens,
+            self.adapters,
+            self.grammars.compilation,
+            kv_variant=None if self.patches.rotary_variants is None else self.patches.rotary_variants.prefix_key,
         )
         self._closed = False
         # Guards the scheduler's and block managers' state: held by the driving thread while it
@@ -319,6 +325,8 @@ class LLMEngine:
                     self.counters.record_token(req, now)
             for req, excess in processed.excess_computed:  # accepted drafts after a stop: not kept
                 sched.trim_after_stop(req, excess)
+            if self.patches.rotary_variants is not None:  # LongRoPE: past the threshold, all K again
+                self.patches.rotary_variants.recompute_crossed(sched)
             result.report.phases = list(timer.as_tuple())
             used = self.block_manager.num_used_blocks
             self.counters.record_iteration(result, used, time.monotonic() - t0, swap_seconds)
