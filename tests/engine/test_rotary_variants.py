@@ -144,3 +144,24 @@ def test_compile_model_is_refused_naming_the_rope_type(model):
         LLMEngine(model, EngineConfig(cache=CacheConfig(num_blocks=16), compile_model=True))
     assert "forward" not in model.model.rotary_emb.__dict__
     assert "_hf_contbatch_rotary_variants" not in model.__dict__
+
+
+@pytest.mark.timeout(600)
+def test_recompute_preemption_in_a_small_pool_keeps_each_request_s_factors(model, prompts, expected):
+    """Five requests in a pool of 8 blocks of 16 tokens (room for about two): they preempt one
+    another (recompute), and the crossing one may be preempted before or after its switch."""
+    names = ["long", "crosses in decode", "short", "shares 48 with long", "shares 16 with crossing"]
+    engine = LLMEngine(
+        model,
+        EngineConfig(
+            cache=CacheConfig(num_blocks=8, block_size=16), scheduler=SchedulerConfig(max_num_batched_tokens=32)
+        ),
+    )
+    try:
+        handles = enqueue_at_once(engine, [prompts[n] for n in names], GREEDY)
+        got = [h.result(timeout=300).output_token_ids for h in handles]
+        preemptions = engine.stats().num_preemptions
+    finally:
+        engine.close()
+    assert got == [expected[n] for n in names]
+    assert preemptions > 0  # the pool was too small for all of them: the case under test happened
