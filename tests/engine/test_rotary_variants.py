@@ -165,3 +165,21 @@ def test_recompute_preemption_in_a_small_pool_keeps_each_request_s_factors(model
         engine.close()
     assert got == [expected[n] for n in names]
     assert preemptions > 0  # the pool was too small for all of them: the case under test happened
+
+
+@pytest.mark.timeout(600)
+def test_dynamic_ntk_needs_nothing_within_the_context():
+    """transformers' "dynamic" rotary changes its frequencies only for a forward longer than
+    ``max_position_embeddings``; the engine keeps every request within it, so batched, chunked
+    requests of several lengths each equal their own generate with the rotary left as it is."""
+    rope = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
+    model = build_model("llama", max_position_embeddings=64, rope_parameters=rope, initializer_range=0.2)
+    batch = random_prompts([6, 56, 30], seed=11)
+    want = [reference_greedy(model, p, 8) for p in batch]
+    engine = _engine(model, max_num_batched_tokens=16)
+    try:
+        got = [h.result(timeout=300).output_token_ids for h in enqueue_at_once(engine, batch, GREEDY)]
+        assert "_hf_contbatch_rotary_variants" not in model.__dict__
+    finally:
+        engine.close()
+    assert got == want
