@@ -183,3 +183,19 @@ def test_dynamic_ntk_needs_nothing_within_the_context():
     finally:
         engine.close()
     assert got == want
+
+
+@pytest.mark.timeout(600)
+def test_the_model_s_own_generate_while_the_engine_serves_keeps_transformers_choice(model, prompts, expected):
+    """The per-row choice applies to the engine thread's forwards only: ``model.generate`` in the
+    caller's thread meanwhile takes transformers' own path (and its result)."""
+    names = ["long", "crosses in decode", "short"]
+    engine = _engine(model, max_num_batched_tokens=16)
+    try:
+        handles = enqueue_at_once(engine, [prompts[n] for n in names] * 2, GREEDY)
+        mine = [reference_greedy(model, prompts[n], NEW) for n in ("short", "crosses in decode")]
+        got = [h.result(timeout=300).output_token_ids for h in handles]
+    finally:
+        engine.close()
+    assert mine == [expected["short"], expected["crosses in decode"]]
+    assert got == [expected[n] for n in names] * 2
