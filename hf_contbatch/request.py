@@ -224,6 +224,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     stop_checker: Optional[Callable[["Request"], bool]] = None
     max_total_tokens: Optional[int] = None  # the model's context; reaching it finishes with "length"
+    # What besides its tokens and adapter decides its blocks' K (a LongRoPE model: whether the prompt
+    # selects the long factors, engine.rotary_variants), set by the engine; None: nothing.
+    kv_variant: Optional[str] = None
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -273,8 +276,11 @@ class Request:
     @property
     def prefix_cache_key(self) -> Optional[str]:
         """What besides the tokens decides this request's KV: its LoRA adapter (None for the base
-        model). Prefix-cache blocks are shared only between requests with the same key."""
-        return self.sampling.adapter_name
+        model) and its ``kv_variant``. Prefix-cache blocks are shared only between requests with the
+        same key."""
+        if self.kv_variant is None:
+            return self.sampling.adapter_name
+        return f"{self.sampling.adapter_name}\0{self.kv_variant}"
 
     @property
     def finish_reason(self) -> Optional[str]:

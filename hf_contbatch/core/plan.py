@@ -91,6 +91,9 @@ class NewRequestData:
         num_prompt_tokens: the prompt's length (``token_ids[:num_prompt_tokens]``).
         sampling: its sampling settings as values.
         adapter_name: the LoRA adapter its rows run (None: the base model).
+        kv_variant: what its K/V is computed with beyond the weights (``Request.kv_variant``: a
+            LongRoPE model's long factors), None for the default; fixed while the row is in the
+            batch (a change sends the request back to the waiting queue, and its row anew).
     """
 
     request_id: int
@@ -98,6 +101,7 @@ class NewRequestData:
     num_prompt_tokens: int
     sampling: SamplingValues
     adapter_name: Optional[str] = None
+    kv_variant: Optional[str] = None
 
     @classmethod
     def of(cls, request: Request) -> "NewRequestData":
@@ -107,6 +111,7 @@ class NewRequestData:
             request.num_prompt_tokens,
             SamplingValues.of(request.sampling),
             request.sampling.adapter_name,
+            request.kv_variant,
         )
 
 

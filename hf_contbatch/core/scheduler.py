@@ -408,6 +408,17 @@ class Scheduler:
             bm.free_out_of_window(req.request_id, req.num_computed_tokens)
         return advanced
 
+    def recompute(self, request: Request) -> None:
+        """Drop running ``request``'s KV and queue it to compute all its known tokens again (as a
+        recompute preemption, not counted as one), under its current ``prefix_cache_key``: what
+        its KV depends on changed (a LongRoPE model's factors when the sequence passes the
+        threshold, ``engine.rotary_variants``). Its freed full blocks stay in the prefix cache
+        under the key they were computed with."""
+        self.block_manager.free(request.request_id)
+        self.state.set_computed(request, 0)
+        request.block_hashes.clear()  # chained from the old key's root
+        self.queues.preempt_to_waiting(request)
+
     def fail(self, request: Request, exc: BaseException) -> None:
         """Fail one request (a step's forward, its stop checks or its grammar raised ``exc``): it
         keeps its tokens, the next reap frees its blocks and finishes its handle, its pending forks

@@ -28,6 +28,7 @@ class BatchRow:
         num_prompt_tokens: the prompt's length.
         sampling: its sampling settings (values).
         adapter_name: its LoRA adapter (None: the base model).
+        kv_variant: ``NewRequestData.kv_variant`` (None: the default).
         token_ids: its whole prompt, then its output token ids up to the end of its latest
             scheduled rows (a step's drafts included until the next step overwrites them).
     """
@@ -37,6 +38,7 @@ class BatchRow:
     sampling: SamplingValues
     adapter_name: Optional[str]
     token_ids: list[int] = field(default_factory=list)
+    kv_variant: Optional[str] = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -77,7 +79,7 @@ class InputBatch:
     def add(self, new: NewRequestData) -> None:
         """Add (or replace) the row of ``new``: its tokens, prompt length, sampling values, adapter."""
         self.rows[new.request_id] = BatchRow(
-            new.request_id, new.num_prompt_tokens, new.sampling, new.adapter_name, list(new.token_ids)
+            new.request_id, new.num_prompt_tokens, new.sampling, new.adapter_name, list(new.token_ids), new.kv_variant
         )
 
     def get(self, request_id: int) -> BatchRow:

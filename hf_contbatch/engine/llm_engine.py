@@ -129,9 +129,22 @@ class LLMEngine:
             model, self.cache, self.device, self.sampler, bm.block_size, cfg.scheduler.max_num_batched_tokens
         )
         self.patches = ModelPatches(model, cfg, self.cache, self.runner)  # linears, attention, compiled forward
+        # Whatever ends the engine gives the model back: close() calls this, and so does garbage
+        # collection of an engine nobody closed (its float weights would otherwise stay spilled
+        # to a temporary directory for good). It holds the patches, never the engine. Not at
+        # interpreter exit: the close-at-exit hook below closes a live engine there, stopping its
+        # thread before the weights move.
+        self._undo_patches = weakref.finalize(self, self.patches.undo)
+        self._undo_patches.atexit = False
         self.packed_linears, self.compiled_forward = self.patches.packed_linears, self.patches.compiled_forward
         self.request_factory = RequestFactory(
-            self.vocab_size, g.max_model_len, bm, cfg.prompt_lookup_num_tokens, self.adapters, self.grammars.compilation
+            self.vocab_size,
+            g.max_model_len,
+            bm,
+            cfg.prompt_lookup_num_tokens,
+            self.adapters,
+            self.grammars.compilation,
+            kv_variant=None if self.patches.rotary_variants is None else self.patches.rotary_variants.prefix_key,
         )
         self._closed = False
         # Guards the scheduler's and block managers' state: held by the driving thread while it
@@ -262,7 +275,7 @@ class LLMEngine:
         err = RuntimeError("the engine was closed before the request finished")
         self.fail_all(err, not_taken, status=RequestStatus.FINISHED_CANCELLED)
         self.grammars.compilation.close()
-        self.patches.undo()
+        self._undo_patches()  # ModelPatches.undo, once (never again at garbage collection)
         self.cache.release()
         with self._state_lock:
             # The pool's memory is gone: no free block holds a prefix any more (stats() after
@@ -325,6 +338,8 @@ class LLMEngine:
         self.outputs.stream(appended)
         timer.charge("output")
         with self._state_lock:
+            if self.patches.rotary_variants is not None:  # LongRoPE: past the threshold, all K again
+                self.patches.rotary_variants.recompute_crossed(sched)
             result.report.phases = list(timer.as_tuple())
             used = self.block_manager.num_used_blocks
             self.counters.record_iteration(result, used, time.monotonic() - t0, swap_seconds)

@@ -21,6 +21,7 @@ from ..kernels.model_layout import ModelLayout
 from .attention_switch import restore_attention, switch_to_paged_attention
 from .lora_adapters import acquire_lora_layers, release_lora_layers
 from .pool_sizing import available_host_memory
+from .rotary_variants import acquire_rotary_variants, release_rotary_variants
 
 _FUSED_OPS_USERS = "_hf_contbatch_fused_ops"  # on the model: [FusedModelOps, open engines using it]
 
@@ -44,6 +45,8 @@ class ModelPatches:
             serving the model (``lora_adapters.acquire_lora_layers``).
         compiled_forward: the ``CompiledForward`` (None unless ``compile_model``).
         previous_attention: the model's own attention implementation, restored by ``undo``.
+        rotary_variants: the model's ``RotaryVariants`` (LongRoPE factors per request, shared by the
+            engines on the model), or None for a rotary that needs none.
         layout: the one walk of the model (``kernels.model_layout.ModelLayout``: attention layers and
             their kinds, linears, norms) that the checks, packing, quantizing and fusing read.
         weight_format: the linears' weights as served, for reports: "int8" / "w8a8" (``quantization``),
@@ -53,7 +56,8 @@ class ModelPatches:
         ValueError: ``quantization`` on a model that is not on the CPU, a linear whose quantized
             weight cannot run (named), a bad ``HF_CONTBATCH_COMPILE``, a forced linear backend that cannot pack, a
             LoRA feature per-row adapters cannot serve (``kernels.lora.find_lora_layers``), or
-            ``compile_model`` with LoRA adapters. On any error the model is left as it was.
+            ``compile_model`` with LoRA adapters or a LongRoPE rotary, a LongRoPE rotary per layer
+            type (``rotary_variants``). On any error the model is left as it was.
     """
 
     def __init__(self, model, config: EngineConfig, cache, runner) -> None:
@@ -77,7 +81,15 @@ class ModelPatches:
             )
         self.packed_linears = None
         self.weight_spill = None
+        self.rotary_variants = None
         try:
+            # Before anything else changes the model: a rotary we cannot serve per request raises.
+            self.rotary_variants = acquire_rotary_variants(model)
+            if self.rotary_variants is not None and compile_model:
+                raise ValueError(
+                    "compile_model (HF_CONTBATCH_COMPILE=1) cannot serve rope_type 'longrope', whose factors are "
+                    "chosen per request; turn it off for this model"
+                )
             # LoRA's A and B stay unpacked (kernels.lora reads them); the base weights pack as usual.
             lora_ab = [
                 ab for m in getattr(self.lora_layers, "modules", ()) for ab in (*m.lora_A.values(), *m.lora_B.values())
@@ -95,6 +107,8 @@ class ModelPatches:
                 self.weight_spill.rekey(self.packed_linears.forwards)
             self.previous_attention = switch_to_paged_attention(model)
         except BaseException:
+            if self.rotary_variants is not None:
+                release_rotary_variants(model)
             self._restore_spilled()
             if self.packed_linears is not None:
                 self.packed_linears.restore()
@@ -114,6 +128,7 @@ class ModelPatches:
         else:  # eager steps check the packed linears once a step (a compiled forward refreshes them itself)
             runner.packed_linears = self.packed_linears
         runner.lora_layers = self.lora_layers
+        runner.rotary_variants = self.rotary_variants
 
     def _restore_spilled(self) -> None:
         """The spilled float weights back in their modules, exactly (``WeightSpill.restore``)."""
@@ -165,6 +180,9 @@ class ModelPatches:
         if self.lora_layers is not None:
             release_lora_layers(self.model)
         restore_attention(self.model, self.previous_attention)
+        if self.rotary_variants is not None:
+            release_rotary_variants(self.model)
+            self.rotary_variants = None
         if self.fused_ops is not None:
             release_fused_ops(self.model)
             self.fused_ops = None

@@ -42,6 +42,9 @@ class QualityReport:
         kv_ppl_float, kv_ppl_quantized: perplexity of the same tokens through the engine with a
             float KV cache and with the ``kv_cache_dtype`` one (float weights both times).
         kv_greedy_agreement: leading greedy tokens the engine generates the same with both caches.
+        clamped_to_context: the model's context in tokens (``max_position_embeddings``) when the
+            caller's ``max_tokens`` exceeded it and the text was scored on that many tokens
+            instead; None when ``max_tokens`` fit.
     """
 
     quantization: str
@@ -54,6 +57,7 @@ class QualityReport:
     kv_ppl_float: Optional[float] = None
     kv_ppl_quantized: Optional[float] = None
     kv_greedy_agreement: Optional[int] = None
+    clamped_to_context: Optional[int] = None
 
     @property
     def ppl_change(self) -> float:
@@ -74,6 +78,11 @@ class QualityReport:
             f"{self.quantization} {self.ppl_quantized:.4f} ({100 * self.ppl_change:+.2f}%); "
             f"greedy from one prompt: the first {self.greedy_agreement} of {self.greedy_tokens} tokens equal",
         ]
+        if self.clamped_to_context is not None:
+            lines.append(
+                f"note: scored {self.tokens} tokens: `max_tokens` was clamped to the model's context of "
+                f"{self.clamped_to_context} tokens (max_position_embeddings)"
+            )
         if self.kv_cache_dtype is not None:
             lines.append(
                 f"KV cache: perplexity on {self.tokens} held-out tokens: float {self.kv_ppl_float:.4f}, "
@@ -169,16 +178,20 @@ def quality_report(
         tokenizer: its tokenizer (needed with ``text``; default: loaded from the model's path).
         quantization: the weight format, a user-facing name (``config.QUANTIZATIONS``).
         text: the held-out text; default: the embedded default model's README.
-        max_tokens: most tokens of the text scored.
+        max_tokens: most tokens of the text scored; clamped to the model's context
+            (``max_position_embeddings``) where it exceeds it, the report's ``clamped_to_context``
+            then saying so.
         prompt_tokens, greedy_tokens: greedy generation from the text's first ``prompt_tokens``
-            tokens for ``greedy_tokens`` tokens (EOS not stopping it).
+            tokens for ``greedy_tokens`` tokens (EOS not stopping it); both together must fit the
+            model's context.
         kv_cache_dtype: the quantized KV cache dtype measured (``"int8"``, see ``CacheConfig.dtype``:
             :func:`engine_figures` with it and with the model's dtype), or None to leave the KV
             cache out (the report's ``kv_*`` figures are then None).
 
     Raises:
         ValueError: an unknown ``quantization`` or ``kv_cache_dtype`` (naming the choices), a
-            text under 2 tokens, or a model an open engine serves (``pipe.model``).
+            text under 2 tokens, a greedy prompt + ``greedy_tokens`` beyond the model's context,
+            or a model an open engine serves (``pipe.model``).
     """
     scheme = quant_scheme(quantization, allow_none=False)
     if num_open_engines(model):
@@ -198,10 +211,25 @@ def quality_report(
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    from .pool_sizing import text_config
+
+    # Positions past the model's context are never scored: the engine refuses such a prompt, and
+    # transformers' forward would score positions the model was not trained on.
+    context = getattr(text_config(model), "max_position_embeddings", None)
+    clamped = context if context is not None and max_tokens > context else None
+    if clamped is not None:
+        max_tokens = clamped
     ids = tokenizer(text, return_tensors="pt", truncation=True, max_length=max_tokens).input_ids
     if ids.shape[1] < 2:
         raise ValueError(f"`text` must have at least 2 tokens, got {ids.shape[1]}")
+    if clamped is not None and ids.shape[1] < clamped:
+        clamped = None  # the text was shorter than the context anyway: nothing was cut by it
     prompt = ids[:, : max(1, min(prompt_tokens, ids.shape[1] - 1))]
+    if context is not None and prompt.shape[1] + greedy_tokens > context:
+        raise ValueError(
+            f"a {prompt.shape[1]}-token greedy prompt (`prompt_tokens`) + `greedy_tokens`={greedy_tokens} "
+            f"exceeds the model's context of {context} tokens; lower `greedy_tokens` or `prompt_tokens`"
+        )
     was_training = model.training
     model.eval()
     ppl_float = perplexity(model, ids)
@@ -230,4 +258,6 @@ def quality_report(
             kv_ppl_quantized=ppl_kv_quant,
             kv_greedy_agreement=_leading_equal(greedy_kv_float, greedy_kv_quant),
         )
-    return QualityReport(scheme.label, int(ids.shape[1]), ppl_float, ppl_quant, greedy_tokens, agree, **kv)
+    return QualityReport(
+        scheme.label, int(ids.shape[1]), ppl_float, ppl_quant, greedy_tokens, agree, **kv, clamped_to_context=clamped
+    )

@@ -34,6 +34,9 @@ class RequestFactory:
             request's ``SamplingParams.adapter_name`` is resolved against them.
         grammars: the engine's grammar compilation (``SamplingParams.structured_outputs``); None:
             requests with structured outputs are refused.
+        kv_variant: the sequence length (tokens) -> what besides the tokens changes its blocks' K
+            (``Request.kv_variant``; a LongRoPE model's ``RotaryVariants.prefix_key``); None: nothing.
+            A request whose variant changes while it generates cannot use prompt-lookup drafts.
     """
 
     def __init__(
@@ -44,6 +47,7 @@ class RequestFactory:
         prompt_lookup_num_tokens: Optional[int] = None,
         adapters: Optional[LoraAdapters] = None,
         grammars: Optional[GrammarCompilation] = None,
+        kv_variant: Optional[Callable[[int], Optional[str]]] = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -56,6 +60,7 @@ class RequestFactory:
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
         self.adapters = adapters
         self.grammars = grammars
+        self.kv_variant = kv_variant
         self._ids = RequestIdCounter()
         self._parsed_grammars: dict = {}  # GrammarSpec.key -> the library's parsed grammar (bounded)
         self._parse_lock = threading.Lock()  # submit may come from several threads
@@ -119,6 +124,18 @@ class RequestFactory:
             self.grammars.check_ready_for(spec)
             sampling = dataclasses.replace(sampling, structured_outputs=spec)
         self._check_fits(len(ids), sampling)
+        variant = None if self.kv_variant is None else self.kv_variant(len(ids))
+        if (
+            self.kv_variant is not None
+            and sampling.prompt_lookup_num_tokens
+            and variant != self.kv_variant(len(ids) + sampling.max_new_tokens)
+        ):
+            # Draft rows past the switch would be verified with the K of before it (the engine
+            # recomputes the K only after a step's tokens are appended).
+            raise ValueError(
+                "prompt-lookup drafts (`prompt_lookup_num_tokens`) cannot serve a request that crosses its model's "
+                "rope_type 'longrope' switch to the long factors; set prompt_lookup_num_tokens=0 for it"
+            )
         req = Request(
             request_id=self._ids(),
             prompt_token_ids=ids,
@@ -126,6 +143,7 @@ class RequestFactory:
             priority=priority,
             stop_checker=stop_checker,
             max_total_tokens=self.max_model_len,
+            kv_variant=variant,
         )
         for k in range(1, num_sequences):
             sampling_k = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + k)
@@ -138,6 +156,7 @@ class RequestFactory:
                     arrival_time=req.arrival_time,
                     stop_checker=stop_checker,
                     max_total_tokens=self.max_model_len,
+                    kv_variant=variant,
                     parent_id=req.request_id,
                 )
             )

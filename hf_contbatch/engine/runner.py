@@ -103,6 +103,8 @@ class ModelRunner:
         self.packed_linears = None
         # The model's per-row LoRA forwards (hf_contbatch.kernels.lora.LoraLayers), set by the engine.
         self.lora_layers = None
+        # Per-request rotary factors (engine.rotary_variants.RotaryVariants), set by the engine.
+        self.rotary_variants = None
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._supports_logits_to_keep = "logits_to_keep" in params
@@ -231,7 +233,10 @@ class ModelRunner:
         rows = inputs.logits_index
         if self._supports_logits_to_keep:
             kwargs["logits_to_keep"] = rows
-        with self._linears_step(), self._lora_step(inputs):
+        rotary = (
+            contextlib.nullcontext() if self.rotary_variants is None else self.rotary_variants.step(plan, self.batch)
+        )
+        with self._linears_step(), self._lora_step(inputs), rotary:
             logits = self.model(**kwargs).logits[0]
         if not self._supports_logits_to_keep:
             logits = logits.index_select(0, rows)

@@ -42,9 +42,37 @@ def cpu_id() -> str:
     return platform.machine() + flags
 
 
+def _fingerprint(path: Path | str) -> dict[str, Any]:
+    """Size in bytes and SHA-256 of the file at ``path`` (what is written beside a built library)."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def _intact(target: Path) -> bool:
+    """Whether the cached library ``target`` is whole: its size and SHA-256 equal the ones written
+    beside it when it was built. A library cut short (an interrupted copy, a full disk) would kill the
+    process that maps it (SIGBUS on load), so anything that does not match, or has no record, is
+    built again."""
+    try:
+        return target.exists() and read_json(_record_path(target)) == _fingerprint(target)
+    except OSError:
+        return False
+
+
+def _record_path(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256.json")
+
+
 def build_library(source: Path, flags: list[str]) -> Path:
     """Path of the shared library compiled from ``source`` with ``flags``, compiling it when this
-    source/compiler/flags/CPU has none yet.
+    source/compiler/flags/CPU has none yet, or when the cached one does not match the size and
+    SHA-256 recorded beside it (``<name>.so.sha256.json``) at its build: a damaged library is
+    rebuilt, never loaded.
 
     Raises:
         RuntimeError: no C compiler (``$CC``, which may carry arguments, else ``cc``, ``gcc`` or
@@ -59,7 +87,7 @@ def build_library(source: Path, flags: list[str]) -> Path:
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256("\0".join([source.read_text(), *cc, version, " ".join(flags), cpu_id()]).encode())
     target = cache_dir() / f"{source.stem}_{key.hexdigest()[:16]}.so"
-    if target.exists():
+    if _intact(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: concurrent processes never load a half-written file.
@@ -69,6 +97,11 @@ def build_library(source: Path, flags: list[str]) -> Path:
         proc = subprocess.run([*cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{shlex.join(cc)} failed: {proc.stderr.strip()[-500:]}")
+        # The record first, then the library: a reader that sees the new library sees its record
+        # (a concurrent build of other bytes at worst makes the next process build once more). A
+        # damaged library is replaced (a new file), never rewritten in place: a process that has
+        # mapped the old one keeps it.
+        write_json(_record_path(target), _fingerprint(tmp))
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

@@ -157,3 +157,25 @@ def test_a_model_an_open_engine_serves_is_refused_and_accepted_after_close():
     one_token = lambda *args, **kwargs: types.SimpleNamespace(input_ids=torch.ones(1, 1, dtype=torch.long))  # noqa: E731
     with pytest.raises(ValueError, match="`text` must have at least 2 tokens"):
         quality_report(model, tokenizer=one_token, text="x", kv_cache_dtype=None)
+
+
+@pytest.mark.timeout(300)
+def test_max_tokens_beyond_the_context_is_clamped_to_it_and_said():
+    """A 96-token context and the default ``max_tokens=512`` on a 200-token text: the report scores
+    the text's first 96 tokens (plain torch over exactly those as the expectation), says so, and the
+    engine's figures come out for the same 96 tokens (no error about a prompt the caller never wrote)."""
+    model = build_model("llama", max_position_embeddings=96)
+    ids = torch.randint(3, 512, (1, 200), generator=torch.Generator().manual_seed(13))
+    text = " ".join(map(str, ids[0].tolist()))
+    report = quality_report(model, _Tok(), text=text, prompt_tokens=10, greedy_tokens=8)
+    first = ids[:, :96]
+    assert report.tokens == 96 and report.clamped_to_context == 96
+    assert report.ppl_float == pytest.approx(_ppl(model, first), rel=1e-5)
+    assert report.ppl_quantized == pytest.approx(_ppl(_plain_int8(model), first), rel=1e-5)
+    assert report.kv_ppl_float == pytest.approx(_ppl(model, first), rel=1e-4)
+    assert any("clamped to the model's context of 96 tokens" in line for line in report.lines())
+    # A text within the context is not reported as clamped.
+    short = quality_report(model, _Tok(), text=" ".join(text.split()[:50]), greedy_tokens=8, kv_cache_dtype=None)
+    assert short.tokens == 50 and short.clamped_to_context is None and len(short.lines()) == 1
+    with pytest.raises(ValueError, match=r"`greedy_tokens`=90 exceeds the model's context of 96 tokens"):
+        quality_report(model, _Tok(), text=text, prompt_tokens=10, greedy_tokens=90, kv_cache_dtype=None)

@@ -6,6 +6,9 @@ before the engine touched them; byte counts by arithmetic over the linears' shap
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import tempfile
 
 import pytest
 import torch
@@ -163,3 +166,51 @@ def test_a_failed_write_spills_nothing(monkeypatch, tmp_path):
     with pytest.raises(OSError, match="No space"):
         WeightSpill(model, [m for m in model.modules() if isinstance(m, torch.nn.Linear)])
     _assert_restored(model, before)
+
+
+def test_an_engine_collected_without_close_gives_the_weights_back(monkeypatch, tmp_path):
+    """``del engine; gc.collect()`` with no ``close()``: the float weights are back, bit for bit
+    (clones taken before the engine), and the spill directory is gone."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the spill directory goes
+    model = build_model("llama")
+    before = _params(model)
+    eng = LLMEngine(model, CFG)
+    assert eng.patches.weight_spill.num_weights > 0 and os.listdir(tmp_path)
+    h = eng.submit(random_prompts([5])[0], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert len(h.result(timeout=120).output_token_ids) == 4
+    gone = weakref.ref(eng)
+    del eng, h
+    gc.collect()
+    assert gone() is None  # neither the engine's thread nor the finalizer kept it alive
+    _assert_restored(model, before)
+    assert all(torch.equal(before[n][0], v) for n, v in model.state_dict().items() if n in before)
+    assert os.listdir(tmp_path) == []
+
+
+_EXIT_WITHOUT_CLOSE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from conftest import build_model, random_prompts
+from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+model = build_model("llama")
+engine = LLMEngine(model, EngineConfig(quantization="int8", cache=CacheConfig(num_blocks=64, block_size=4)))
+assert engine.patches.weight_spill.num_weights > 0
+h = engine.submit(random_prompts([5])[0], SamplingParams(max_new_tokens=4, ignore_eos=True))
+assert len(h.result(timeout=120).output_token_ids) == 4
+print("served")
+# No close(): the interpreter exits with the engine alive (a module global).
+"""
+
+
+@pytest.mark.timeout(300)
+def test_interpreter_exit_without_close_leaves_no_spilled_weights_on_disk(tmp_path):
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": os.path.dirname(tests)}
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_WITHOUT_CLOSE, tests], env=env, capture_output=True, text=True, timeout=280
+    )
+    assert done.returncode == 0 and "served" in done.stdout, done.stderr[-2000:]
+    assert [n for n in os.listdir(tmp_path) if n.startswith("hf_contbatch_spill_")] == []
