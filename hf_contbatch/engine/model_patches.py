@@ -23,6 +23,7 @@ from .lora_adapters import acquire_lora_layers, release_lora_layers
 from .pool_sizing import available_host_memory
 
 _FUSED_OPS_USERS = "_hf_contbatch_fused_ops"  # on the model: [FusedModelOps, open engines using it]
+_WEIGHT_FORMAT_USERS = "_hf_contbatch_weight_format"  # on the model: WeightFormatUsers
 
 
 class ModelPatches:
@@ -65,12 +66,15 @@ class ModelPatches:
         self.layout = layout = ModelLayout.of(model)
         foreign = check_quantized_linears(model, layout)
         self.weight_format = weight_format(model, scheme, foreign)
+        # Before anything changes the model: one weight format per model object (WeightFormatUsers).
+        self._format_users = acquire_weight_format(model, self.weight_format)
         # Before anything changes the model: a bad HF_CONTBATCH_COMPILE raises with the model untouched.
         compile_model = resolve_compile_model(config.compile_model)
         # Before anything changes the model: unsupported LoRA features raise with the model untouched.
         self.lora_layers = acquire_lora_layers(model)
         if self.lora_layers is not None and compile_model:
             release_lora_layers(model)
+            self._format_users.open -= 1
             raise ValueError(
                 "compile_model (HF_CONTBATCH_COMPILE=1) cannot serve LoRA adapters per request; turn it off for a "
                 "peft.PeftModel"
@@ -95,9 +99,9 @@ class ModelPatches:
                 self.weight_spill.rekey(self.packed_linears.forwards)
             self.previous_attention = switch_to_paged_attention(model)
         except BaseException:
-            self._restore_spilled()
-            if self.packed_linears is not None:
-                self.packed_linears.restore()
+            restore_linears(self.packed_linears, self.weight_spill)
+            self.weight_spill = None
+            self._format_users.open -= 1
             if self.lora_layers is not None:
                 release_lora_layers(model)
             raise
@@ -114,14 +118,6 @@ class ModelPatches:
         else:  # eager steps check the packed linears once a step (a compiled forward refreshes them itself)
             runner.packed_linears = self.packed_linears
         runner.lora_layers = self.lora_layers
-
-    def _restore_spilled(self) -> None:
-        """The spilled float weights back in their modules, exactly (``WeightSpill.restore``)."""
-        if self.weight_spill is not None:
-            self.weight_spill.restore()
-            if self.packed_linears is not None:
-                self.weight_spill.rekey(self.packed_linears.forwards)
-            self.weight_spill = None
 
     @staticmethod
     def _pack(model, config: EngineConfig, backend: str, lora_ab, scheme: Optional[QuantScheme], layout):
@@ -156,18 +152,87 @@ class ModelPatches:
 
     def undo(self) -> None:
         """Stop the compiled forward, restore the original linears, LoRA layers and the model's
-        attention (the last engine open on the model restores the shared ones)."""
+        attention (the last engine open on the model restores the shared ones: the linears every
+        engine on it packed too, so that the engines still open keep serving their weight format)."""
         if self.compiled_forward is not None:
             self.compiled_forward.close()
-        self._restore_spilled()  # before the packed forwards let go: they read real weights then
-        if self.packed_linears is not None:
-            self.packed_linears.restore()
+        users = self._format_users
+        users.deferred.append((self.packed_linears, self.weight_spill))
+        self.weight_spill = None
+        users.open -= 1
+        if users.open <= 0:
+            for packed, spill in users.deferred:
+                restore_linears(packed, spill)
+            users.deferred = []
         if self.lora_layers is not None:
             release_lora_layers(self.model)
         restore_attention(self.model, self.previous_attention)
         if self.fused_ops is not None:
             release_fused_ops(self.model)
             self.fused_ops = None
+
+
+# --- the weight format of the linears: one per model object, the last close restores them
+
+
+class WeightFormatUsers:
+    """The weight format the open engines on one model serve (``ModelPatches.weight_format``), how
+    many are open, and the packed linears (with their spilled float weights) of those already
+    closed, which the last close restores.
+
+    Why: an engine changes the model's linears in place (an instance forward per linear, int8
+    copies, float weights on disk), and a later engine leaves a linear that already has a forward
+    alone. Two engines of different formats on one model object would each serve a mixture of
+    both, so the second is refused; engines of one format share the first's packed linears, kept
+    until the last of them closes. A copy of the model (``copy.deepcopy``, pickling) gets an empty
+    record: no engine serves the copy.
+    """
+
+    def __init__(self, weight_format: Optional[str] = None) -> None:
+        self.weight_format = weight_format
+        self.open = 0
+        self.deferred: list = []  # (PackedLinears or None, WeightSpill or None) of closed engines
+
+    def __reduce__(self):
+        return (WeightFormatUsers, ())
+
+
+def acquire_weight_format(model, fmt: str) -> WeightFormatUsers:
+    """Count one more engine serving ``model``'s linears as ``fmt`` ("float32", "int8", "w8a8",
+    "torchao Int8Tensor"...; see :func:`weight_format`) and return the model's record.
+
+    Raises:
+        ValueError: an open engine serves the model in another format (nothing is changed).
+    """
+    users = model.__dict__.get(_WEIGHT_FORMAT_USERS)
+    if users is not None and users.open > 0 and users.weight_format != fmt:
+        engines = "engine" if users.open == 1 else f"{users.open} engines"
+        raise ValueError(
+            f"this model object is already served by an open {engines} with {users.weight_format} linears; this "
+            f"engine would serve it as {fmt}. An engine changes the model's linears in place (packed or quantized "
+            "copies that every engine on the model then runs), so two weight formats on one model would each "
+            f"serve a mixture of both. Serve a copy: `copy.deepcopy(model)` made before the first engine was "
+            "built (or close() the other engine first)"
+        )
+    if users is None or users.open <= 0:
+        leftover = users.deferred if users is not None else []
+        users = WeightFormatUsers(fmt)
+        users.deferred = leftover
+        model.__dict__[_WEIGHT_FORMAT_USERS] = users
+    users.open += 1
+    return users
+
+
+def restore_linears(packed, spill) -> None:
+    """Put one engine's linears back: the spilled float weights first, exactly
+    (``WeightSpill.restore``; the packed forwards read real weights from then on), then the
+    modules' own forwards (``PackedLinears.restore``). Either may be None."""
+    if spill is not None:
+        spill.restore()
+        if packed is not None:
+            spill.rekey(packed.forwards)
+    if packed is not None:
+        packed.restore()
 
 
 # --- fused model ops (RMSNorm, SiLU-and-mul): installed by the first engine, removed by the last close
