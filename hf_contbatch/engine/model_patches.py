@@ -67,7 +67,7 @@ class ModelPatches:
         foreign = check_quantized_linears(model, layout)
         self.weight_format = weight_format(model, scheme, foreign)
         # Before anything changes the model: one weight format per model object (WeightFormatUsers).
-        self._format_users = acquire_weight_format(model, self.weight_format)
+        self._format_users = acquire_weight_format(model, self.weight_format, layout)
         # Before anything changes the model: a bad HF_CONTBATCH_COMPILE raises with the model untouched.
         compile_model = resolve_compile_model(config.compile_model)
         # Before anything changes the model: unsupported LoRA features raise with the model untouched.
@@ -197,14 +197,26 @@ class WeightFormatUsers:
         return (WeightFormatUsers, ())
 
 
-def acquire_weight_format(model, fmt: str) -> WeightFormatUsers:
+def acquire_weight_format(model, fmt: str, layout: ModelLayout) -> WeightFormatUsers:
     """Count one more engine serving ``model``'s linears as ``fmt`` ("float32", "int8", "w8a8",
     "torchao Int8Tensor"...; see :func:`weight_format`) and return the model's record.
 
     Raises:
-        ValueError: an open engine serves the model in another format (nothing is changed).
+        ValueError: an open engine serves the model in another format, or the model is a copy of
+            one an engine served (its linears carry that engine's packed forwards); nothing is changed.
     """
     users = model.__dict__.get(_WEIGHT_FORMAT_USERS)
+    if users is None or users.open <= 0:
+        from ..kernels.linears.packed_forward import PackedForward
+
+        carried = [n for n, m in layout.linears if isinstance(m.__dict__.get("forward"), PackedForward)]
+        if carried:
+            raise ValueError(
+                f"this model is a copy (copy.deepcopy, pickle) of a model an open engine serves: its linears "
+                f"({carried[0]!r} and {len(carried) - 1} more) carry that engine's packed forwards, which this engine "
+                "would serve instead of its own. Copy the model before building the first engine (or close() that "
+                "engine, then copy)"
+            )
     if users is not None and users.open > 0 and users.weight_format != fmt:
         engines = "engine" if users.open == 1 else f"{users.open} engines"
         raise ValueError(

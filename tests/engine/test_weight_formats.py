@@ -128,3 +128,21 @@ def test_int8_engines_on_one_model_serve_int8_until_the_last_closes(first_closed
     tokens, logprobs = _generate(model, prompt)
     assert tokens == float_reference[0]
     torch.testing.assert_close(logprobs, float_reference[1], atol=0, rtol=0)  # restored bit for bit
+
+
+def test_a_copy_made_while_an_engine_serves_the_model_is_refused_until_copied_from_a_closed_one():
+    model = build_model("llama")
+    prompt = random_prompts([7], seed=5)[0]
+    reference = _generate(dequantized_copy(model), prompt)
+    eng = LLMEngine(model, FLOAT)
+    try:
+        served_copy = copy.deepcopy(model)  # carries the float engine's packed forwards
+        with pytest.raises(ValueError, match=r"a copy .* of a model an open engine serves.*before building"):
+            LLMEngine(served_copy, INT8)
+    finally:
+        eng.close()
+    clean = LLMEngine(copy.deepcopy(model), INT8)  # copied after close: nothing carried
+    try:
+        _assert_serves(clean, prompt, reference)
+    finally:
+        clean.close()
