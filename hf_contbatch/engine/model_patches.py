@@ -10,12 +10,14 @@ by name (``ValueError``) before anything changes."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 from ..config import TORCHAO_INT8, EngineConfig, QuantScheme, resolve_compile_model
 from ..kernels.linears import pack_linears, tune_linears
 from ..kernels.linears.linear_units import check_quantized_linears
 from ..kernels.linears.registry import AUTO, UNPACKED
+from ..kernels.linears.unquantized import FloatWeightsWarning, unquantized_weights
 from ..kernels.linears.weight_spill import WeightSpill
 from ..kernels.model_layout import ModelLayout
 from .attention_switch import restore_attention, switch_to_paged_attention
@@ -49,6 +51,9 @@ class ModelPatches:
             their kinds, linears, norms) that the checks, packing, quantizing and fusing read.
         weight_format: the linears' weights as served, for reports: "int8" / "w8a8" (``quantization``),
             "torchao Int8Tensor" (a quantizer's weights, by type name), else the model's dtype name.
+        unquantized: under a ``quantization``, the weights it leaves float (a mixture of experts'
+            3-D expert weights and router, ``kernels.linears.unquantized``; a
+            ``FloatWeightsWarning`` names them when there are any), else None.
 
     Raises:
         ValueError: ``quantization`` on a model that is not on the CPU, a linear whose quantized
@@ -93,6 +98,11 @@ class ModelPatches:
                 int8 = self._pack(model, config, backend, lora_ab, TORCHAO_INT8, layout)
                 if int8 is not None:
                     self.packed_linears = int8.merged(self.packed_linears)
+            self.unquantized = None
+            if scheme is not None and scheme.quantize_float_weights:
+                # Counted before the spill (sizes only): what "int8" does not cover, said loudly.
+                served = self.packed_linears.modules if self.packed_linears is not None else []
+                self.unquantized = unquantized_weights(model, served, lora_ab, layout)
             if scheme is not None and self.packed_linears is not None and not compile_model:
                 # The int8 copies serve: the float weights wait on disk for undo() (weight_spill).
                 self.weight_spill = WeightSpill(model, self.packed_linears.modules, layout)
@@ -105,6 +115,8 @@ class ModelPatches:
             if self.lora_layers is not None:
                 release_lora_layers(model)
             raise
+        if self.unquantized is not None and self.unquantized.names:
+            warnings.warn(self.unquantized.describe(scheme.label), FloatWeightsWarning, stacklevel=3)
         model.eval()
         self.fused_ops = None
         if config.fuse_model_ops and not compile_model:
