@@ -100,9 +100,13 @@ class ModelPatches:
                     self.packed_linears = int8.merged(self.packed_linears)
             self.unquantized = None
             if scheme is not None and scheme.quantize_float_weights:
-                # Counted before the spill (sizes only): what "int8" does not cover, said loudly.
-                served = self.packed_linears.modules if self.packed_linears is not None else []
-                self.unquantized = unquantized_weights(model, served, lora_ab, layout)
+                # Counted before the spill (sizes only): what "int8" does not cover, said loudly. A
+                # later engine of the format runs the first one's int8 linears: its figures hold.
+                users = self._format_users
+                if users.unquantized is None:
+                    served = self.packed_linears.modules if self.packed_linears is not None else []
+                    users.unquantized = unquantized_weights(model, served, lora_ab, layout)
+                self.unquantized = users.unquantized
             if scheme is not None and self.packed_linears is not None and not compile_model:
                 # The int8 copies serve: the float weights wait on disk for undo() (weight_spill).
                 self.weight_spill = WeightSpill(model, self.packed_linears.modules, layout)
@@ -204,6 +208,7 @@ class WeightFormatUsers:
         self.weight_format = weight_format
         self.open = 0
         self.deferred: list = []  # (PackedLinears or None, WeightSpill or None) of closed engines
+        self.unquantized = None  # the first quantized engine's UnquantizedWeights, for the later ones
 
     def __reduce__(self):
         return (WeightFormatUsers, ())

@@ -103,3 +103,22 @@ def test_the_quality_report_counts_the_float_experts():
     assert len(report.unquantized_weights) == 3 * LAYERS
     line = report.lines()[1]
     assert line.startswith("weights left float by int8 (in both figures): 6 tensors") and "experts" in line
+
+
+def test_a_second_int8_engine_on_the_model_reports_the_first_ones_figures():
+    # The second engine runs the int8 linears the first installed: they are not float for it.
+    model = _mixtral()
+    with pytest.warns(FloatWeightsWarning):
+        first = LLMEngine(model, CFG)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            second = LLMEngine(model, CFG)
+        try:
+            said = [str(w.message) for w in caught if w.category is FloatWeightsWarning]
+            assert len(said) == 1 and "leaves 6 weight tensors in float" in said[0], said
+            assert second.stats().unquantized_weight_bytes == EXPERT_BYTES + ROUTER_BYTES
+        finally:
+            second.close()
+    finally:
+        first.close()
