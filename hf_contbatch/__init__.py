@@ -11,7 +11,12 @@ import importlib
 from typing import TYPE_CHECKING
 
 from .config import CacheConfig, EngineConfig, SchedulerConfig
+from .frontends.quiet_imports import quiet_known_import_notices
 from .request import SamplingParams, StructuredOutputsParams
+
+# Before any model loads (a notebook's first cell): torchao's known harmless loader notices, which
+# transformers' import of torchao prints on a CPU machine, are dropped (frontends.quiet_imports).
+quiet_known_import_notices()
 
 __version__ = "0.2.0"
 

@@ -553,14 +553,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _quiet_quantizer_imports() -> None:
-    """Keep optional libraries' import-time notices (``frontends.quiet_imports``) off the command's
-    stderr for its whole run, so an error stays one line; ``--debug`` keeps them."""
-    import logging
+    """Keep optional libraries' known harmless import-time notices (``frontends.quiet_imports``) off
+    the command's stderr, so an error stays one line."""
+    from .frontends.quiet_imports import quiet_known_import_notices
 
-    from .frontends.quiet_imports import NOISY_LOGGERS
-
-    for name in NOISY_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
+    quiet_known_import_notices()
 
 
 def _debug(args: argparse.Namespace) -> bool:

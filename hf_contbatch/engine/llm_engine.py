@@ -152,7 +152,11 @@ class LLMEngine:
         # ``stats()`` for one consistent snapshot.
         self._state_lock = threading.RLock()
         self.counters = EngineCounters(
-            record_phases=cfg.record_phases, per_adapter=self.adapters is not None, kv_cache_dtype=pools.spec.dtype
+            record_phases=cfg.record_phases,
+            per_adapter=self.adapters is not None,
+            kv_cache_dtype=pools.spec.dtype,
+            weight_format=self.patches.weight_format,
+            unquantized=self.patches.unquantized,
         )
         self.driver = EngineDriver(self, drive_in_caller=cfg.drive_in_caller, num_threads=cfg.num_threads)
         self._handles = HandleRegistry(self.driver)  # handles wait, drive and cancel through the driver

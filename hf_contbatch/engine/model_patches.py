@@ -10,12 +10,14 @@ by name (``ValueError``) before anything changes."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 from ..config import TORCHAO_INT8, EngineConfig, QuantScheme, resolve_compile_model
 from ..kernels.linears import pack_linears, tune_linears
 from ..kernels.linears.linear_units import check_quantized_linears
 from ..kernels.linears.registry import AUTO, UNPACKED
+from ..kernels.linears.unquantized import FloatWeightsWarning, unquantized_weights
 from ..kernels.linears.weight_spill import WeightSpill
 from ..kernels.model_layout import ModelLayout
 from .attention_switch import restore_attention, switch_to_paged_attention
@@ -24,6 +26,7 @@ from .pool_sizing import available_host_memory
 from .rotary_variants import acquire_rotary_variants, release_rotary_variants
 
 _FUSED_OPS_USERS = "_hf_contbatch_fused_ops"  # on the model: [FusedModelOps, open engines using it]
+_WEIGHT_FORMAT_USERS = "_hf_contbatch_weight_format"  # on the model: WeightFormatUsers
 
 
 class ModelPatches:
@@ -51,6 +54,9 @@ class ModelPatches:
             their kinds, linears, norms) that the checks, packing, quantizing and fusing read.
         weight_format: the linears' weights as served, for reports: "int8" / "w8a8" (``quantization``),
             "torchao Int8Tensor" (a quantizer's weights, by type name), else the model's dtype name.
+        unquantized: under a ``quantization``, the weights it leaves float (a mixture of experts'
+            3-D expert weights and router, ``kernels.linears.unquantized``; a
+            ``FloatWeightsWarning`` names them when there are any), else None.
 
     Raises:
         ValueError: ``quantization`` on a model that is not on the CPU, a linear whose quantized
@@ -69,12 +75,15 @@ class ModelPatches:
         self.layout = layout = ModelLayout.of(model)
         foreign = check_quantized_linears(model, layout)
         self.weight_format = weight_format(model, scheme, foreign)
+        # Before anything changes the model: one weight format per model object (WeightFormatUsers).
+        self._format_users = acquire_weight_format(model, self.weight_format, layout)
         # Before anything changes the model: a bad HF_CONTBATCH_COMPILE raises with the model untouched.
         compile_model = resolve_compile_model(config.compile_model)
         # Before anything changes the model: unsupported LoRA features raise with the model untouched.
         self.lora_layers = acquire_lora_layers(model)
         if self.lora_layers is not None and compile_model:
             release_lora_layers(model)
+            self._format_users.open -= 1
             raise ValueError(
                 "compile_model (HF_CONTBATCH_COMPILE=1) cannot serve LoRA adapters per request; turn it off for a "
                 "peft.PeftModel"
@@ -101,6 +110,15 @@ class ModelPatches:
                 int8 = self._pack(model, config, backend, lora_ab, TORCHAO_INT8, layout)
                 if int8 is not None:
                     self.packed_linears = int8.merged(self.packed_linears)
+            self.unquantized = None
+            if scheme is not None and scheme.quantize_float_weights:
+                # Counted before the spill (sizes only): what "int8" does not cover, said loudly. A
+                # later engine of the format runs the first one's int8 linears: its figures hold.
+                users = self._format_users
+                if users.unquantized is None:
+                    served = self.packed_linears.modules if self.packed_linears is not None else []
+                    users.unquantized = unquantized_weights(model, served, lora_ab, layout)
+                self.unquantized = users.unquantized
             if scheme is not None and self.packed_linears is not None and not compile_model:
                 # The int8 copies serve: the float weights wait on disk for undo() (weight_spill).
                 self.weight_spill = WeightSpill(model, self.packed_linears.modules, layout)
@@ -109,12 +127,14 @@ class ModelPatches:
         except BaseException:
             if self.rotary_variants is not None:
                 release_rotary_variants(model)
-            self._restore_spilled()
-            if self.packed_linears is not None:
-                self.packed_linears.restore()
+            restore_linears(self.packed_linears, self.weight_spill)
+            self.weight_spill = None
+            self._format_users.open -= 1
             if self.lora_layers is not None:
                 release_lora_layers(model)
             raise
+        if self.unquantized is not None and self.unquantized.names:
+            warnings.warn(self.unquantized.describe(scheme.label), FloatWeightsWarning, stacklevel=3)
         model.eval()
         self.fused_ops = None
         if config.fuse_model_ops and not compile_model:
@@ -129,14 +149,6 @@ class ModelPatches:
             runner.packed_linears = self.packed_linears
         runner.lora_layers = self.lora_layers
         runner.rotary_variants = self.rotary_variants
-
-    def _restore_spilled(self) -> None:
-        """The spilled float weights back in their modules, exactly (``WeightSpill.restore``)."""
-        if self.weight_spill is not None:
-            self.weight_spill.restore()
-            if self.packed_linears is not None:
-                self.weight_spill.rekey(self.packed_linears.forwards)
-            self.weight_spill = None
 
     @staticmethod
     def _pack(model, config: EngineConfig, backend: str, lora_ab, scheme: Optional[QuantScheme], layout):
@@ -171,12 +183,18 @@ class ModelPatches:
 
     def undo(self) -> None:
         """Stop the compiled forward, restore the original linears, LoRA layers and the model's
-        attention (the last engine open on the model restores the shared ones)."""
+        attention (the last engine open on the model restores the shared ones: the linears every
+        engine on it packed too, so that the engines still open keep serving their weight format)."""
         if self.compiled_forward is not None:
             self.compiled_forward.close()
-        self._restore_spilled()  # before the packed forwards let go: they read real weights then
-        if self.packed_linears is not None:
-            self.packed_linears.restore()
+        users = self._format_users
+        users.deferred.append((self.packed_linears, self.weight_spill))
+        self.weight_spill = None
+        users.open -= 1
+        if users.open <= 0:
+            for packed, spill in users.deferred:
+                restore_linears(packed, spill)
+            users.deferred = []
         if self.lora_layers is not None:
             release_lora_layers(self.model)
         restore_attention(self.model, self.previous_attention)
@@ -186,6 +204,82 @@ class ModelPatches:
         if self.fused_ops is not None:
             release_fused_ops(self.model)
             self.fused_ops = None
+
+
+# --- the weight format of the linears: one per model object, the last close restores them
+
+
+class WeightFormatUsers:
+    """The weight format the open engines on one model serve (``ModelPatches.weight_format``), how
+    many are open, and the packed linears (with their spilled float weights) of those already
+    closed, which the last close restores.
+
+    Why: an engine changes the model's linears in place (an instance forward per linear, int8
+    copies, float weights on disk), and a later engine leaves a linear that already has a forward
+    alone. Two engines of different formats on one model object would each serve a mixture of
+    both, so the second is refused; engines of one format share the first's packed linears, kept
+    until the last of them closes. A copy of the model (``copy.deepcopy``, pickling) gets an empty
+    record: no engine serves the copy.
+    """
+
+    def __init__(self, weight_format: Optional[str] = None) -> None:
+        self.weight_format = weight_format
+        self.open = 0
+        self.deferred: list = []  # (PackedLinears or None, WeightSpill or None) of closed engines
+        self.unquantized = None  # the first quantized engine's UnquantizedWeights, for the later ones
+
+    def __reduce__(self):
+        return (WeightFormatUsers, ())
+
+
+def acquire_weight_format(model, fmt: str, layout: ModelLayout) -> WeightFormatUsers:
+    """Count one more engine serving ``model``'s linears as ``fmt`` ("float32", "int8", "w8a8",
+    "torchao Int8Tensor"...; see :func:`weight_format`) and return the model's record.
+
+    Raises:
+        ValueError: an open engine serves the model in another format, or the model is a copy of
+            one an engine served (its linears carry that engine's packed forwards); nothing is changed.
+    """
+    users = model.__dict__.get(_WEIGHT_FORMAT_USERS)
+    if users is None or users.open <= 0:
+        from ..kernels.linears.packed_forward import PackedForward
+
+        carried = [n for n, m in layout.linears if isinstance(m.__dict__.get("forward"), PackedForward)]
+        if carried:
+            raise ValueError(
+                f"this model is a copy (copy.deepcopy, pickle) of a model an open engine serves: its linears "
+                f"({carried[0]!r} and {len(carried) - 1} more) carry that engine's packed forwards, which this engine "
+                "would serve instead of its own. Copy the model before building the first engine (or close() that "
+                "engine, then copy)"
+            )
+    if users is not None and users.open > 0 and users.weight_format != fmt:
+        engines = "engine" if users.open == 1 else f"{users.open} engines"
+        raise ValueError(
+            f"this model object is already served by an open {engines} with {users.weight_format} linears; this "
+            f"engine would serve it as {fmt}. An engine changes the model's linears in place (packed or quantized "
+            "copies that every engine on the model then runs), so two weight formats on one model would each "
+            f"serve a mixture of both. Serve a copy: `copy.deepcopy(model)` made before the first engine was "
+            "built (or close() the other engine first)"
+        )
+    if users is None or users.open <= 0:
+        leftover = users.deferred if users is not None else []
+        users = WeightFormatUsers(fmt)
+        users.deferred = leftover
+        model.__dict__[_WEIGHT_FORMAT_USERS] = users
+    users.open += 1
+    return users
+
+
+def restore_linears(packed, spill) -> None:
+    """Put one engine's linears back: the spilled float weights first, exactly
+    (``WeightSpill.restore``; the packed forwards read real weights from then on), then the
+    modules' own forwards (``PackedLinears.restore``). Either may be None."""
+    if spill is not None:
+        spill.restore()
+        if packed is not None:
+            spill.rekey(packed.forwards)
+    if packed is not None:
+        packed.restore()
 
 
 # --- fused model ops (RMSNorm, SiLU-and-mul): installed by the first engine, removed by the last close

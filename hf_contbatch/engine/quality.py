@@ -21,6 +21,7 @@ import torch
 
 from ..config import KV_QUANT_SCHEMES, quant_scheme
 from ..kernels.linears import pack_linears
+from ..kernels.linears.unquantized import unquantized_weights
 from .attention_switch import num_open_engines
 
 QUANTIZED_KV_DTYPES = tuple(KV_QUANT_SCHEMES)
@@ -45,6 +46,10 @@ class QualityReport:
         clamped_to_context: the model's context in tokens (``max_position_embeddings``) when the
             caller's ``max_tokens`` exceeded it and the text was scored on that many tokens
             instead; None when ``max_tokens`` fit.
+        unquantized_weights: the weights the quantization left float in the quantized figures (a
+            mixture of experts' 3-D expert weights and router: ``kernels.linears.unquantized``).
+        unquantized_weight_bytes, unquantized_weight_fraction: their bytes, and their share of the
+            model's parameter bytes (0.0: every weight matrix was quantized).
     """
 
     quantization: str
@@ -58,6 +63,9 @@ class QualityReport:
     kv_ppl_quantized: Optional[float] = None
     kv_greedy_agreement: Optional[int] = None
     clamped_to_context: Optional[int] = None
+    unquantized_weights: tuple = ()
+    unquantized_weight_bytes: int = 0
+    unquantized_weight_fraction: float = 0.0
 
     @property
     def ppl_change(self) -> float:
@@ -82,6 +90,13 @@ class QualityReport:
             lines.append(
                 f"note: scored {self.tokens} tokens: `max_tokens` was clamped to the model's context of "
                 f"{self.clamped_to_context} tokens (max_position_embeddings)"
+            )
+        if self.unquantized_weights:
+            lines.append(
+                f"weights left float by {self.quantization} (in both figures): {len(self.unquantized_weights)} "
+                f"tensors, {self.unquantized_weight_bytes / 2**20:.2f} MiB, "
+                f"{100 * self.unquantized_weight_fraction:.1f}% of the model's parameters "
+                f"({', '.join(self.unquantized_weights[:2])}{', ...' if len(self.unquantized_weights) > 2 else ''})"
             )
         if self.kv_cache_dtype is not None:
             lines.append(
@@ -237,6 +252,7 @@ def quality_report(
     # Timed (on a first call) at the row counts this report runs, the scored text's at most: not
     # up to an engine's default 1,024-token budget.
     packed = pack_linears(model, "auto", quantization=scheme, max_rows=int(ids.shape[1]))
+    left_float = unquantized_weights(model, packed.modules if packed is not None else [])
     try:
         ppl_quant = perplexity(model, ids)
         greedy_quant = _greedy(model, prompt, greedy_tokens)
@@ -259,5 +275,15 @@ def quality_report(
             kv_greedy_agreement=_leading_equal(greedy_kv_float, greedy_kv_quant),
         )
     return QualityReport(
-        scheme.label, int(ids.shape[1]), ppl_float, ppl_quant, greedy_tokens, agree, **kv, clamped_to_context=clamped
+        scheme.label,
+        int(ids.shape[1]),
+        ppl_float,
+        ppl_quant,
+        greedy_tokens,
+        agree,
+        **kv,
+        unquantized_weights=left_float.names,
+        unquantized_weight_bytes=left_float.bytes,
+        unquantized_weight_fraction=left_float.fraction,
+        clamped_to_context=clamped,
     )

@@ -102,6 +102,13 @@ class EngineStats:
     # The KV cache group's sliding window in tokens (every layer slides over it: a request holds only
     # the blocks its window still reads); None: full attention, every block of the context is kept.
     kv_sliding_window: Optional[int] = None
+    # The linears' weights as served ("float32", "int8", "w8a8", "torchao Int8Tensor"), and under a
+    # quantization the weights it leaves float (a mixture of experts' 3-D expert weights and router:
+    # kernels.linears.unquantized): their names, bytes and share of the model's parameter bytes.
+    weight_format: str = ""
+    unquantized_weights: tuple = ()
+    unquantized_weight_bytes: int = 0
+    unquantized_weight_fraction: float = 0.0
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{name}={_short(getattr(self, name))}" for name in _REPR_FIELDS)
@@ -154,9 +161,21 @@ class EngineCounters:
         record_phases: keep the per-iteration phase log (``EngineConfig.record_phases``).
         per_adapter: count requests per LoRA adapter (the engine serves a ``peft.PeftModel``).
         kv_cache_dtype: the KV pools' dtype (``KVCacheSpec.dtype``), reported as its name.
+        weight_format: the linears' weights as served (``ModelPatches.weight_format``).
+        unquantized: the weights a quantization leaves float (``ModelPatches.unquantized``, an
+            ``UnquantizedWeights``; None without a quantization).
     """
 
-    def __init__(self, record_phases: bool = True, per_adapter: bool = False, kv_cache_dtype=None) -> None:
+    def __init__(
+        self,
+        record_phases: bool = True,
+        per_adapter: bool = False,
+        kv_cache_dtype=None,
+        weight_format: str = "",
+        unquantized=None,
+    ) -> None:
+        self.weight_format = weight_format
+        self.unquantized = unquantized
         self.per_adapter = per_adapter
         self.kv_cache_dtype = str(kv_cache_dtype).removeprefix("torch.") if kv_cache_dtype is not None else ""
         self.phase_log: collections.deque = collections.deque(maxlen=4096 if record_phases else 0)
@@ -210,6 +229,10 @@ class EngineCounters:
             num_blocks=bm.num_blocks,
             kv_cache_dtype=self.kv_cache_dtype,
             kv_sliding_window=bm.sliding_window,
+            weight_format=self.weight_format,
+            unquantized_weights=self.unquantized.names if self.unquantized is not None else (),
+            unquantized_weight_bytes=self.unquantized.bytes if self.unquantized is not None else 0,
+            unquantized_weight_fraction=self.unquantized.fraction if self.unquantized is not None else 0.0,
             block_size=bm.block_size,
             num_free_blocks=bm.num_free_blocks,
             num_used_blocks=bm.num_used_blocks,

@@ -105,11 +105,16 @@ def unit_shape(unit: Unit) -> tuple[int, int, torch.dtype]:
 
 def quantized_linears(model: torch.nn.Module, layout: Optional[ModelLayout] = None) -> dict[str, str]:
     """``{module name: weight type name}`` of the model's linears whose weight is a tensor subclass
-    (a quantizer's: torchao's ``Int8Tensor``, ...): never handed to a float kernel."""
+    (a quantizer's: torchao's ``Int8Tensor``, ...): never handed to a float kernel. A float weight an
+    open int8 engine spilled to disk (``weight_spill.SpilledWeight``) is a float weight, not listed."""
+    from .weight_spill import SpilledWeight
+
     return {
         name: type(m.weight).__name__
         for name, m in (layout or ModelLayout.of(model)).linears
-        if isinstance(m.weight, torch.Tensor) and not is_plain_tensor(m.weight)
+        if isinstance(m.weight, torch.Tensor)
+        and not is_plain_tensor(m.weight)
+        and not isinstance(m.weight, SpilledWeight)
     }
 
 
