@@ -51,6 +51,22 @@ def test_a_request_longer_than_the_whole_pool_is_served_when_every_layer_slides(
 
 
 @pytest.mark.timeout(120)
+def test_peak_used_blocks_counts_the_blocks_a_chunk_holds_before_the_window_releases_them():
+    # W = 4, blocks of 2, a 26-token prompt in chunks of 8. The second chunk (positions 8..15) reads
+    # from position 8 - 3 = 5 on: the table holds blocks 2..7 while it runs, 6 blocks, though only
+    # blocks 6 and 7 stay once it is computed (positions 13..15 are what a later query reads).
+    model = build_model("mistral", sliding_window=4)
+    prompt = random_prompts([26], seed=5)[0]
+    cfg = EngineConfig(
+        cache=CacheConfig(block_size=2, num_blocks=40, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_batched_tokens=8),
+    )
+    (out,), stats = _serve(model, [prompt], cfg, 1)
+    assert out == reference_greedy(model, prompt, 1)
+    assert stats.peak_used_blocks == 6
+
+
+@pytest.mark.timeout(120)
 def test_the_same_request_is_still_refused_under_full_attention():
     model = build_model("llama")
     eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=6)))
