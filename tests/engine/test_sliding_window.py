@@ -84,8 +84,24 @@ def test_a_window_wider_than_the_pool_is_refused_as_full_attention_is():
     model = build_model("mistral", sliding_window=90)
     eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=6)))
     try:
-        with pytest.raises(ValueError, match=r"the whole pool holds 96 tokens .*window of 90"):
+        with pytest.raises(ValueError, match=r"the whole pool holds 96 tokens .*window of 90") as info:
             eng.submit(random_prompts([24], seed=7)[0], SamplingParams(max_new_tokens=120))
+        assert "its window of 90 tokens and a step need 7 blocks" in str(info.value)
+    finally:
+        eng.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_window_wider_than_a_small_pool_is_refused_with_the_blocks_it_needs():
+    # 5 blocks of 2 hold 10 tokens, fewer than the window of 30: the window and a step need
+    # ceil((30 - 2 + 1) / 2) + 1 = 16 blocks (the message said the pool held "more than its window").
+    model = build_model("mistral", sliding_window=30)
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=2, num_blocks=5)))
+    try:
+        with pytest.raises(ValueError, match=r"the whole pool holds 10 tokens \(5 blocks of 2\)") as info:
+            eng.submit(random_prompts([8], seed=7)[0], SamplingParams(max_new_tokens=22))
+        assert "its window of 30 tokens and a step need 16 blocks" in str(info.value)
+        assert "more than its window" not in str(info.value)
     finally:
         eng.close()
 
