@@ -129,6 +129,35 @@ def test_greedy_equals_generate_with_a_window_below_the_prompt_under_chunked_pre
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("bs", [1, 4])
+def test_a_window_of_one_token_equals_generate_without_a_cache(bs):
+    # W = 1: each query reads its own key only, so a token's successor depends on that token alone.
+    # transformers' cached generate is no reference here: its sliding cache keeps keys[-W + 1:],
+    # which for W = 1 is the whole cache (a [-0:] slice); its uncached generate runs the full
+    # forward with the window's mask each step.
+    model = build_model("mistral", sliding_window=1)
+    prompts = random_prompts([1, 6, 24], seed=2)
+    with torch.no_grad():
+        refs = [
+            model.generate(
+                torch.tensor([p]),
+                max_new_tokens=10,
+                do_sample=False,
+                use_cache=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
+    cfg = EngineConfig(
+        cache=CacheConfig(block_size=bs, num_blocks=16), scheduler=SchedulerConfig(max_num_batched_tokens=8)
+    )
+    outs, stats = _serve(model, prompts, cfg, 10)
+    assert outs == refs
+    assert stats.kv_sliding_window == 1 and stats.num_free_blocks == stats.num_blocks
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.skipif(not TRITON_AVAILABLE, reason="triton is not installed on this platform")
 def test_greedy_equals_generate_with_the_triton_kernels_reading_past_null_entries():
     # Interpreted on CPU. Prefill tiles start at a tile boundary before the window: they read (and
