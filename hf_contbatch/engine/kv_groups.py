@@ -14,7 +14,7 @@ mask the same way). Families differ in where it comes from:
   ``use_sliding_window`` in the layer).
 - The other families pass none.
 
-``tests/engine/test_kv_groups.py`` checks these rules against the windows each family's forward
+``tests/engine/test_sliding_window.py`` checks these rules against the windows each family's forward
 really passes.
 """
 

@@ -314,6 +314,8 @@ class LLMEngine:
                 log_failure(req, exc)
                 sched.fail(req, exc)
             sched.plan(result, timer)  # budget, admit, preempt
+            # The step's blocks are all held now; its update may release some before the end.
+            self.counters.record_used_blocks(self.block_manager.num_used_blocks)
         plan = result.plan
         if plan.is_empty and self.grammars.has_waiting:
             self.grammars.wait(timeout=0.05)  # nothing else to run: wait for a compile, not spin

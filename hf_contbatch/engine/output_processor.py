@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 from ..core.plan import StopDecision
 from ..request import Request, RequestStatus
@@ -33,9 +33,13 @@ from .structured import GrammarMatchers
 logger = logging.getLogger(__name__)
 
 
-def log_failure(req: Request, exc: BaseException) -> None:
-    """Log that ``req`` fails in a step (the scheduler then fails it alone: ``Scheduler.fail``)."""
-    logger.error("request %s failed after %d generated tokens: %r", req.request_id, len(req.output_token_ids), exc)
+def log_failure(req: Request, exc: BaseException, num_generated: Optional[int] = None) -> None:
+    """Log that ``req`` fails in a step (the scheduler then fails it alone: ``Scheduler.fail``) after
+    ``num_generated`` generated tokens (None: its output's length now), the count its handle's
+    ``EngineError`` will give."""
+    if num_generated is None:
+        num_generated = len(req.output_token_ids)
+    logger.error("request %s failed after %d generated tokens: %r", req.request_id, num_generated, exc)
 
 
 class OutputProcessor:
@@ -75,7 +79,9 @@ class OutputProcessor:
                     grammar_done = self.grammars.accept(req.request_id, output)
                     status = status or stop_check_status(req, output, grammar_done, self.sampler)
             except Exception as exc:  # noqa: BLE001 - a stop checker or grammar of one request
-                log_failure(req, exc)
+                # The decision keeps the token the check failed on (appended after this), so the
+                # log counts it as the handle's error will.
+                log_failure(req, exc, base + k + 1)
                 return StopDecision(k + 1, RequestStatus.FINISHED_ERROR, exc)
             if status is not None:
                 return StopDecision(k + 1, status)

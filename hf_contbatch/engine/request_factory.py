@@ -178,7 +178,12 @@ class RequestFactory:
         if self.max_model_len is not None:
             worst = min(worst, self.max_model_len)
         if worst > self.capacity_tokens and self._window_step_tokens is None:
-            window = "" if self._sliding_window is None else f" (more than its window of {self._sliding_window})"
+            window = ""
+            if self._sliding_window is not None:
+                # A one-token step reads the W - 1 positions before it: they and it span at most
+                # ceil((W - 1) / block_size) + 1 blocks (``BlockManager.max_tokens_per_step`` with n = 1).
+                need = -(-(self._sliding_window - 1) // self.block_size) + 1
+                window = f", and its window of {self._sliding_window} tokens and a step need {need} blocks"
             raise ValueError(
                 f"request needs up to {worst} tokens of KV (prompt {n} + max_new_tokens {sampling.max_new_tokens}) "
                 f"but the whole pool holds {self.capacity_tokens} tokens ({self.num_blocks} blocks "

@@ -199,11 +199,17 @@ class EngineCounters:
         req.last_token_time = now
         self.num_generated += 1
 
+    def record_used_blocks(self, used_blocks: int) -> None:
+        """The pool's used blocks at a point of an iteration, for ``peak_used_blocks``: sampled once
+        the plan allocated the step's blocks, before its update releases any (rejected drafts'
+        blocks, blocks a sliding window no longer reads), and again at the end."""
+        self.peak_used_blocks = max(self.peak_used_blocks, used_blocks)
+
     def record_iteration(self, result: StepResult, used_blocks: int, busy_seconds: float, swap_seconds: float) -> None:
         """One iteration's plan and report (``result``, the report with its phases), the pool's used
         blocks after it, its wall seconds and the seconds spent moving blocks."""
         plan, report = result.plan, result.report
-        self.peak_used_blocks = max(self.peak_used_blocks, used_blocks)
+        self.record_used_blocks(used_blocks)
         if not plan.is_empty:
             self.busy_seconds += busy_seconds
         self.phase_log.append((report.iteration, tuple(report.phases)))

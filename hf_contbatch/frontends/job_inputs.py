@@ -64,6 +64,10 @@ class Row:
     error: Optional[str] = None
 
 
+# UTF-8, less a leading byte order mark (Notepad and PowerShell write one): it belongs to no row.
+TEXT_ENCODING = "utf-8-sig"
+
+
 @dataclass
 class InputFile:
     """``--input``: its path, its number of rows, whether it holds OpenAI batch requests, and how to
@@ -80,7 +84,7 @@ class InputFile:
             yield from _table_rows(self.path, self.column)
             return
         index = 0
-        with open(self.path, encoding="utf-8") as f:
+        with open(self.path, encoding=TEXT_ENCODING) as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -125,7 +129,7 @@ def open_input(path: str, column: str = "prompt") -> InputFile:
     num_rows = 0
     first = None
     try:
-        with open(p, encoding="utf-8") as f:
+        with open(p, encoding=TEXT_ENCODING) as f:
             for line in f:
                 if line.strip():
                     num_rows += 1

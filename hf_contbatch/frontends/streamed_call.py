@@ -67,6 +67,19 @@ def _elements(inputs) -> Iterator:
     return iter(inputs)
 
 
+def _pull(source: Iterator, n: int) -> tuple[list, Optional[Exception]]:
+    """Up to ``n`` elements of ``source``, and the exception its iteration raised, if any: the elements
+    pulled before it still run and are yielded, as transformers' pipeline yields them, before the
+    exception propagates (``KeyboardInterrupt`` and other non-``Exception`` errors propagate at once)."""
+    batch: list = []
+    try:
+        for element in itertools.islice(source, n):
+            batch.append(element)
+    except Exception as exc:  # noqa: BLE001 - the user's iterable; re-raised after the earlier records
+        return batch, exc
+    return batch, None
+
+
 def check_element(index: int, element) -> None:
     """Raise ``ValueError`` naming input ``index`` unless ``element`` is a prompt (a string or a chat)."""
     if isinstance(element, str) or is_chat(element):
@@ -147,6 +160,8 @@ class StreamedCall:
     Raises (from iterating):
         ValueError: input ``i`` is not a prompt or its request is invalid (the message starts with
             ``input i:``), raised after the records of every input before it; nothing after it runs.
+        Exception: whatever iterating ``inputs`` raised, after the records of every input pulled
+            before it.
         EngineError: the engine failed input ``i``'s request (``input i:``); ``partial_results`` holds
             its records with the text generated before the failure.
         RuntimeError: the pipeline was closed meanwhile.
@@ -175,7 +190,7 @@ class StreamedCall:
         counts = {"submitted": 0, "finished": 0}  # handles; the callback runs in the iterating thread
         stats = {"requests": 0, "tokens": 0, "preemptions": 0}
         exhausted = False
-        bad_input: Optional[ValueError] = None
+        bad_input: Optional[Exception] = None  # raised once every input before it was yielded
         bar = None
         t0 = time.monotonic()
 
@@ -192,18 +207,21 @@ class StreamedCall:
                 running = counts["submitted"] - counts["finished"]
                 # Refill when a whole chunk fits, or sooner when the engine would run out of work.
                 if not exhausted and room > 0 and (room >= chunk or running < max_num_seqs):
-                    batch = list(itertools.islice(source, room))
+                    batch, input_error = _pull(source, room)
                     exhausted = len(batch) < room
-                    if exhausted:
+                    if exhausted and input_error is None:
                         self._check_per_input_lengths(self.pulled + len(batch))
+                    entries: list[_Entry] = []
                     if batch:
                         entries, bad_input = self._submit(batch)
-                        exhausted = exhausted or bad_input is not None
-                        for entry in entries:
-                            for h in entry.handles:
-                                h.add_done_callback(finished)
-                            counts["submitted"] += len(entry.handles)
-                            inflight.append(entry)
+                    if bad_input is None:  # a bad element comes before the input's own error
+                        bad_input = input_error
+                    exhausted = exhausted or bad_input is not None
+                    for entry in entries:
+                        for h in entry.handles:
+                            h.add_done_callback(finished)
+                        counts["submitted"] += len(entry.handles)
+                        inflight.append(entry)
                 if not inflight:
                     if bad_input is not None:  # every input before it was yielded
                         raise bad_input

@@ -149,7 +149,7 @@ def test_a_step_that_fails_once_is_retried_and_nobody_fails():
 
 
 @pytest.mark.timeout(600)
-def test_stop_checker_raising_fails_only_its_request():
+def test_stop_checker_raising_fails_only_its_request(caplog):
     model = build_model("llama")
     prompts = random_prompts([7, 10], seed=5)
     refs = [reference_greedy(model, p, 8) for p in prompts]
@@ -163,9 +163,13 @@ def test_stop_checker_raising_fails_only_its_request():
     try:
         bad = eng.submit(prompts[0], _greedy(8), stop_checker=broken_checker)
         good = eng.submit(prompts[1], _greedy(8))
-        with pytest.raises(EngineError, match="stop checker broke") as info:
-            bad.result(300)
+        with caplog.at_level("ERROR", logger="hf_contbatch"):
+            with pytest.raises(EngineError, match="after 3 generated tokens: .*stop checker broke") as info:
+                bad.result(300)
         assert info.value.output.output_token_ids == refs[0][:3]
+        # The engine's log counts the tokens the request keeps, as the handle's error does (the
+        # token the checker raised on is the third, kept).
+        assert f"request {bad.request_id} failed after 3 generated tokens" in caplog.text
         assert good.result(300).output_token_ids == refs[1]
         _assert_at_rest(eng, 32)
     finally:

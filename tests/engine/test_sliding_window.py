@@ -51,6 +51,22 @@ def test_a_request_longer_than_the_whole_pool_is_served_when_every_layer_slides(
 
 
 @pytest.mark.timeout(600)
+def test_peak_used_blocks_counts_the_blocks_a_chunk_holds_before_the_window_releases_them():
+    # W = 4, blocks of 2, a 26-token prompt in chunks of 8. The second chunk (positions 8..15) reads
+    # from position 8 - 3 = 5 on: the table holds blocks 2..7 while it runs, 6 blocks, though only
+    # blocks 6 and 7 stay once it is computed (positions 13..15 are what a later query reads).
+    model = build_model("mistral", sliding_window=4)
+    prompt = random_prompts([26], seed=5)[0]
+    cfg = EngineConfig(
+        cache=CacheConfig(block_size=2, num_blocks=40, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_batched_tokens=8),
+    )
+    (out,), stats = _serve(model, [prompt], cfg, 1)
+    assert out == reference_greedy(model, prompt, 1)
+    assert stats.peak_used_blocks == 6
+
+
+@pytest.mark.timeout(600)
 def test_the_same_request_is_still_refused_under_full_attention():
     model = build_model("llama")
     eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=6)))
@@ -68,8 +84,24 @@ def test_a_window_wider_than_the_pool_is_refused_as_full_attention_is():
     model = build_model("mistral", sliding_window=90)
     eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=6)))
     try:
-        with pytest.raises(ValueError, match=r"the whole pool holds 96 tokens .*window of 90"):
+        with pytest.raises(ValueError, match=r"the whole pool holds 96 tokens .*window of 90") as info:
             eng.submit(random_prompts([24], seed=7)[0], SamplingParams(max_new_tokens=120))
+        assert "its window of 90 tokens and a step need 7 blocks" in str(info.value)
+    finally:
+        eng.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_window_wider_than_a_small_pool_is_refused_with_the_blocks_it_needs():
+    # 5 blocks of 2 hold 10 tokens, fewer than the window of 30: the window and a step need
+    # ceil((30 - 2 + 1) / 2) + 1 = 16 blocks (the message said the pool held "more than its window").
+    model = build_model("mistral", sliding_window=30)
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=2, num_blocks=5)))
+    try:
+        with pytest.raises(ValueError, match=r"the whole pool holds 10 tokens \(5 blocks of 2\)") as info:
+            eng.submit(random_prompts([8], seed=7)[0], SamplingParams(max_new_tokens=22))
+        assert "its window of 30 tokens and a step need 16 blocks" in str(info.value)
+        assert "more than its window" not in str(info.value)
     finally:
         eng.close()
 
@@ -94,6 +126,35 @@ def test_greedy_equals_generate_with_a_window_below_the_prompt_under_chunked_pre
     outs, stats = _serve(model, prompts, cfg, NEW)
     assert outs == refs
     assert stats.num_free_blocks == stats.num_blocks
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("bs", [1, 4])
+def test_a_window_of_one_token_equals_generate_without_a_cache(bs):
+    # W = 1: each query reads its own key only, so a token's successor depends on that token alone.
+    # transformers' cached generate is no reference here: its sliding cache keeps keys[-W + 1:],
+    # which for W = 1 is the whole cache (a [-0:] slice); its uncached generate runs the full
+    # forward with the window's mask each step.
+    model = build_model("mistral", sliding_window=1)
+    prompts = random_prompts([1, 6, 24], seed=2)
+    with torch.no_grad():
+        refs = [
+            model.generate(
+                torch.tensor([p]),
+                max_new_tokens=10,
+                do_sample=False,
+                use_cache=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
+    cfg = EngineConfig(
+        cache=CacheConfig(block_size=bs, num_blocks=16), scheduler=SchedulerConfig(max_num_batched_tokens=8)
+    )
+    outs, stats = _serve(model, prompts, cfg, 10)
+    assert outs == refs
+    assert stats.kv_sliding_window == 1 and stats.num_free_blocks == stats.num_blocks
 
 
 @pytest.mark.timeout(1500)

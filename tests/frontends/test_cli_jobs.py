@@ -166,6 +166,21 @@ def test_an_openai_batch_file_round_trips_with_its_custom_ids(tmp_path, hf_pipe)
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("suffix", ["jsonl", "txt"])
+def test_a_file_starting_with_a_utf8_byte_order_mark_reads_as_without_one(tmp_path, hf_pipe, suffix):
+    # Notepad and PowerShell write UTF-8 with a BOM (EF BB BF): it is not part of the first row, which
+    # was an invalid-JSON error record (.jsonl) or a prompt starting with U+FEFF (.txt).
+    lines = [json.dumps({"id": i, "prompt": w}) if suffix == "jsonl" else w for i, w in enumerate(WORDS[:2])]
+    inp, out = tmp_path / f"rows.{suffix}", tmp_path / "out.jsonl"
+    inp.write_bytes(b"\xef\xbb\xbf" + "".join(line + "\n" for line in lines).encode("utf-8"))
+    assert main(["generate", "--input", str(inp), "--output", str(out), "--max-new-tokens", "4", "--quiet"]) == 0
+    assert read_records(out) == [
+        {"index": i, "id": i if suffix == "jsonl" else None, "prompt": w, "generated_text": greedy(hf_pipe, w, 4)}
+        for i, w in enumerate(WORDS[:2])
+    ]
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("suffix", ["parquet", "csv"])
 def test_parquet_and_csv_inputs_read_through_datasets(tmp_path, hf_pipe, suffix, capsys):
     table = datasets.Dataset.from_dict({"id": [11, 12, 13], "text": WORDS[:3], "label": ["a", "b", "c"]})

@@ -136,6 +136,22 @@ def test_a_bad_element_is_named_by_index_earlier_records_come_and_nothing_leaks(
     assert list(pipe(iter(PROMPTS), **GREEDY)) == expected
 
 
+@pytest.mark.parametrize("batch_size", [3, None])
+def test_a_generator_that_raises_yields_the_records_of_every_input_before_and_leaks_nothing(pipe, expected, batch_size):
+    # transformers' pipeline yields a record per input pulled before the input's own exception; so
+    # must a streamed call, as it does for a bad element: the five inputs pulled are not lost.
+    def flaky():
+        yield from PROMPTS + PROMPTS[:1]
+        raise KeyError("the input broke")
+
+    got = []
+    with pytest.raises(KeyError, match="the input broke"):
+        for records in pipe(flaky(), batch_size=batch_size, **GREEDY):
+            got.append(records)
+    assert got == expected + expected[:1]
+    assert_all_free(pipe)
+
+
 @pytest.mark.timeout(120)
 def test_per_input_lists_follow_a_streamed_input_and_wrong_lengths_are_named(pipe, hf_pipe):
     lengths = [3, 1, 2, 4, 1, 2]
