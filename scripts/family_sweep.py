@@ -132,6 +132,8 @@ def tiny_config(model_type: str):
         # Latent attention: the config derives its rotary head size itself, and K/V heads are not grouped.
         kw.pop("head_dim", None)
         kw.pop("num_key_value_heads", None)
+    if "full_attn_idxs" in names:
+        kw["full_attn_idxs"], kw["layer_types"] = [1], None  # LFM2: one convolution layer, one attention layer
     if "rotary_dim" in names and getattr(default, "rotary_dim", None):
         kw["rotary_dim"] = 8  # GPT-J, CodeGen: rotary channels of the (16-wide) head
     if model_type == "gpt_neo":
@@ -243,7 +245,9 @@ def check_type(model_type: str, time_box: int, verbose: bool = False) -> dict:
         msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
         if verbose:
             traceback.print_exc()
-        if phase == "engine":
+        if phase == "engine" and "not served by hf_contbatch" in msg:
+            row.update(status="refused", detail=f"at the first step: {msg.split(chr(40), 1)[-1]}"[:200])
+        elif phase == "engine":
             row.update(status="error", detail=msg)
         else:
             row.update(status="skip", detail=f"transformers cannot {phase} it tiny: {msg}")

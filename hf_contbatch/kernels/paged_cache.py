@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .attention import note_stored
 from .attention.metadata import AttentionMetadata
 from .kv_spec import KVCacheSpec
 
@@ -211,6 +212,7 @@ class PagedCacheStep(_CBCache):
         key = key_states[0].transpose(0, 1)
         value = value_states[0].transpose(0, 1)
         cache.backend.store_kv(key, value, k_pool, v_pool, self.metadata.to(k_pool.device), **cache.scales(layer_idx))
+        note_stored(self, layer_idx, key_states, value_states)  # for the attention call that follows
         return key_states, value_states
 
     def attend(self, layer_idx: int, query, key, value, scale: float, sliding_window=None, softcap=None):

@@ -20,6 +20,7 @@ import functools
 import hashlib
 import itertools
 import sys
+import threading
 import weakref
 from typing import Optional
 
@@ -88,10 +89,16 @@ def paged_attention_forward(
     the model's previous implementation runs with the arguments as given.
     """
     paged_cache = kwargs.pop("paged_cache", None)
+    stored = take_stored(getattr(module, "layer_idx", None))
+    if paged_cache is None and stored is not None:
+        paged_cache = stored[0]  # a decoder layer that does not pass the forward's kwargs on (Nemotron)
     if paged_cache is None:
         fn = _previous_attention(module, previous_implementation)
         return fn(module, query, key, value, attention_mask, **kwargs)
+    _check_served_call(module, key, value, attention_mask, stored, kwargs)
     scaling, sliding_window, softcap = kwargs.get("scaling"), kwargs.get("sliding_window"), kwargs.get("softcap")
+    if "sliding_window" not in kwargs:
+        sliding_window = _mask_only_window(module)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if isinstance(paged_cache, torch.Tensor):
         # Compiled forward: the model was called without a real cache, so store and attend in one
@@ -109,6 +116,60 @@ def paged_attention_forward(
         )
         return out, None
     return paged_cache.attend(module.layer_idx, query, key, value, scale, sliding_window, softcap), None
+
+
+# --- what an engine step's attention call must look like ------------------------------------------
+# The last K/V a step's ``update`` stored on this thread: (step, layer_idx, weak refs to the key and
+# value it returned). Thread-local, so a user's own ``generate`` on another thread never sees it.
+# Read by the attention call that follows, for two things: the step, where a decoder layer drops the
+# forward's keyword arguments (``paged_cache``) instead of passing them to its attention module; and
+# whether the K/V reaching attention are the ones stored (the kernels read the pool, not the arguments).
+_STORED = threading.local()
+
+
+def note_stored(step, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Record that ``step`` stored ``key``/``value`` for ``layer_idx`` on this thread (``PagedCacheStep.update``)."""
+    _STORED.record = (step, layer_idx, weakref.ref(key), weakref.ref(value))
+
+
+def take_stored(layer_idx: Optional[int]):
+    """The record :func:`note_stored` left for ``layer_idx`` on this thread (then forgotten), or None."""
+    record = getattr(_STORED, "record", None)
+    if record is None or record[1] != layer_idx:
+        return None
+    _STORED.record = None
+    return record
+
+
+def _mask_only_window(module) -> Optional[int]:
+    """The sliding window of a layer whose model applies it through its mask alone (PhiMoE builds a
+    sliding-window mask from ``config.sliding_window`` and passes no ``sliding_window`` to attention):
+    an engine step builds no mask, so the kernels must be told. None for a full-attention layer."""
+    cfg = getattr(module, "config", None)
+    window = getattr(cfg, "sliding_window", None)
+    if not window or getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    kinds = getattr(cfg, "layer_types", None)
+    if isinstance(kinds, (list, tuple)) and kinds[module.layer_idx] != "sliding_attention":
+        return None
+    return int(window)
+
+
+def _check_served_call(module, key, value, attention_mask, stored, kwargs) -> None:
+    """Raise ``ValueError`` where the model asks attention for something the paged kernels would
+    silently not do (they read the step's context from the pool and mask causally, with the
+    ``sliding_window``/``softcap`` arguments): a mask of its own (an ALiBi or learned bias: an
+    engine step builds none), attention sinks (``s_aux``), or K/V changed after ``cache.update``."""
+    what = None
+    if attention_mask is not None:
+        what = "adds its own attention mask or bias"
+    elif kwargs.get("s_aux") is not None:
+        what = "passes attention sinks (s_aux)"
+    elif stored is not None and (stored[2]() is not key or stored[3]() is not value):
+        what = "changes K/V between cache.update and attention"
+    if what is not None:
+        model_type = getattr(getattr(module, "config", None), "model_type", None)
+        raise ValueError(f"{type(module).__name__} (model type {model_type!r}) {what}: not served by hf_contbatch")
 
 
 # --- the compiled forward's op ---------------------------------------------------------------------
@@ -143,6 +204,7 @@ def _paged_attention_op(query, key, value, cache_handle, layer_idx: int, scale: 
     if step is None:
         raise RuntimeError("hf_contbatch.paged_attention called outside an engine step (no step for this handle)")
     step.update(key, value, layer_idx)
+    take_stored(layer_idx)  # this op attends to what it just stored
     out = step.attend(
         layer_idx,
         query,
