@@ -132,8 +132,6 @@ def tiny_config(model_type: str):
         # Latent attention: the config derives its rotary head size itself, and K/V heads are not grouped.
         kw.pop("head_dim", None)
         kw.pop("num_key_value_heads", None)
-    if "full_attn_idxs" in names:
-        kw["full_attn_idxs"], kw["layer_types"] = [1], None  # LFM2: one convolution layer, one attention layer
     if "rotary_dim" in names and getattr(default, "rotary_dim", None):
         kw["rotary_dim"] = 8  # GPT-J, CodeGen: rotary channels of the (16-wide) head
     if model_type == "gpt_neo":
@@ -149,6 +147,8 @@ def tiny_config(model_type: str):
             else:
                 # Two layers of different kinds where the stack mixes kinds (sliding and full, attention and recurrent).
                 kw[key] = [kinds[0], next((k for k in kinds if k != kinds[0]), kinds[0])]
+    if "full_attn_idxs" in names:
+        kw["full_attn_idxs"], kw["layer_types"] = [1], ["conv", "full_attention"]  # LFM2: a convolution layer too
     for key, value in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
         if key in names:
             kw[key] = value

@@ -15,7 +15,7 @@ touched, so a refusal comes before any packing or pool is built):
 
 from __future__ import annotations
 
-from .pool_sizing import text_config
+from .pool_sizing import KVGeometry, text_config
 
 # ``config.layer_types`` entries the paged KV cache serves: attention layers whose masking the
 # kernels do themselves (causal, plus a window passed as ``sliding_window``), and stateless blocks.
@@ -52,6 +52,10 @@ def unserved_layer_kind(model):
     for name, module in model.named_modules():
         if "sinks" in getattr(module, "_parameters", {}):
             return f"attention sinks ({name}.sinks)"
+    try:
+        KVGeometry.of(model)
+    except (AttributeError, RuntimeError, TypeError) as exc:  # Gemma 4: head_dim is a per-layer attribute
+        return f"attention shapes that vary per layer ({str(exc).splitlines()[0][:100]})"
     return None
 
 
