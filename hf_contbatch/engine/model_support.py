@@ -15,6 +15,8 @@ touched, so a refusal comes before any packing or pool is built):
 
 from __future__ import annotations
 
+import inspect
+
 from .pool_sizing import KVGeometry, text_config
 
 # ``config.layer_types`` entries the paged KV cache serves: attention layers whose masking the
@@ -27,19 +29,38 @@ def _layer_kinds(cfg) -> list[str]:
     return [str(k) for k in kinds] if isinstance(kinds, (list, tuple)) else []
 
 
+def _dispatches_through_interface(cls) -> bool:
+    """Whether ``cls.forward``'s source looks its attention function up in transformers'
+    ``ALL_ATTENTION_FUNCTIONS`` (transformers decides ``_can_set_attn_implementation`` by reading
+    module source the same way)."""
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
+def _attention_through_interface(model) -> bool:
+    """True when transformers flags the model class as dispatching attention through the interface
+    (``is_backend_compatible``, the flag its custom-kernel loading reads), or, for the classes that
+    do so without setting the flag (StableLM, BioGPT), when every attention module with a
+    ``layer_idx`` looks its function up in ``ALL_ATTENTION_FUNCTIONS``."""
+    compatible = getattr(type(model), "is_backend_compatible", None)
+    if compatible() if callable(compatible) else getattr(model, "_supports_attention_backend", False):
+        return True
+    attention = {type(m) for m in model.modules() if hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention")}
+    return bool(attention) and all(_dispatches_through_interface(cls) for cls in attention)
+
+
 def unserved_layer_kind(model):
     """The first thing about ``model`` the engine cannot serve yet, as a short phrase naming the
     layer kind ("attention sinks", "recurrent or linear-attention layers ('linear_attention')",
     ...), or None when every layer is served. Reads classes, the config and module attributes only."""
     cfg = text_config(model)
-    backend_compatible = getattr(type(model), "is_backend_compatible", None)
-    if not (
-        backend_compatible() if callable(backend_compatible) else getattr(model, "_supports_attention_backend", False)
-    ):
-        return "attention outside transformers' AttentionInterface (legacy or recurrent layers)"
     unserved = [k for k in dict.fromkeys(_layer_kinds(cfg)) if k not in SERVED_LAYER_KINDS]
     if unserved:
         return f"layer kinds {', '.join(repr(k) for k in unserved)}"
+    if not _attention_through_interface(model):
+        return "attention outside transformers' AttentionInterface (legacy or recurrent layers)"
     if getattr(cfg, "alibi", False):
         return "ALiBi position biases (passed in the attention mask)"
     if getattr(cfg, "attention_chunk_size", None):
