@@ -89,8 +89,8 @@ def paged_attention_forward(
     the model's previous implementation runs with the arguments as given.
     """
     paged_cache = kwargs.pop("paged_cache", None)
-    stored = take_stored(getattr(module, "layer_idx", None))
-    if paged_cache is None and stored is not None:
+    stored = take_stored()
+    if paged_cache is None and stored is not None and stored[1] == getattr(module, "layer_idx", None):
         paged_cache = stored[0]  # a decoder layer that does not pass the forward's kwargs on (Nemotron)
     if paged_cache is None:
         fn = _previous_attention(module, previous_implementation)
@@ -132,11 +132,9 @@ def note_stored(step, layer_idx: int, key: torch.Tensor, value: torch.Tensor) ->
     _STORED.record = (step, layer_idx, weakref.ref(key), weakref.ref(value))
 
 
-def take_stored(layer_idx: Optional[int]):
-    """The record :func:`note_stored` left for ``layer_idx`` on this thread (then forgotten), or None."""
+def take_stored():
+    """The record :func:`note_stored` left on this thread (then forgotten), or None."""
     record = getattr(_STORED, "record", None)
-    if record is None or record[1] != layer_idx:
-        return None
     _STORED.record = None
     return record
 
@@ -165,6 +163,8 @@ def _check_served_call(module, key, value, attention_mask, stored, kwargs) -> No
         what = "adds its own attention mask or bias"
     elif kwargs.get("s_aux") is not None:
         what = "passes attention sinks (s_aux)"
+    elif stored is not None and stored[1] != getattr(module, "layer_idx", None):
+        what = f"attends as layer {getattr(module, 'layer_idx', None)} after storing K/V as layer {stored[1]}"
     elif stored is not None and (stored[2]() is not key or stored[3]() is not value):
         what = "changes K/V between cache.update and attention"
     if what is not None:
@@ -204,7 +204,7 @@ def _paged_attention_op(query, key, value, cache_handle, layer_idx: int, scale: 
     if step is None:
         raise RuntimeError("hf_contbatch.paged_attention called outside an engine step (no step for this handle)")
     step.update(key, value, layer_idx)
-    take_stored(layer_idx)  # this op attends to what it just stored
+    take_stored()  # this op attends to what it just stored
     out = step.attend(
         layer_idx,
         query,
