@@ -89,8 +89,14 @@ def paged_attention_forward(
     the model's previous implementation runs with the arguments as given.
     """
     paged_cache = kwargs.pop("paged_cache", None)
-    stored = take_stored()
-    if paged_cache is None and stored is not None and stored[1] == getattr(module, "layer_idx", None):
+    # Under a compiled forward nothing calls ``update`` (the op stores), and the record is not traced.
+    stored = None if isinstance(paged_cache, torch.Tensor) else take_stored()
+    if (
+        paged_cache is None
+        and stored is not None
+        and stored[1] == getattr(module, "layer_idx", None)
+        and stored[2]() is key
+    ):
         paged_cache = stored[0]  # a decoder layer that does not pass the forward's kwargs on (Nemotron)
     if paged_cache is None:
         fn = _previous_attention(module, previous_implementation)
