@@ -100,6 +100,19 @@ def test_family_greedy_equals_generate_under_preemption_and_chunked_prefill(mode
     assert stats.num_free_blocks == stats.num_blocks
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("model_type", ["gemma3_text", "exaone4", "olmo3"])
+def test_qk_norm_families_one_request_at_a_time(model_type):
+    """One row per decode step: a QK norm then runs on a ``[1, H, 1, D]`` view (the fused RMSNorm
+    once crashed on it: the size-1 dim's stride)."""
+    model = family_sweep.build_tiny(model_type)
+    prompts = family_sweep.prompts()
+    refs = [reference_greedy(model, p, NEW) for p in prompts]
+    cfg = EngineConfig(cache=CacheConfig(block_size=16, num_blocks=32), scheduler=SchedulerConfig(max_num_seqs=1))
+    outs, _ = _serve(model, prompts, cfg)
+    assert outs == refs
+
+
 def _meta_model(model_type):
     """A tiny model of ``model_type`` whose weights live on the meta device: reading one fails."""
     from transformers import AutoModelForCausalLM
