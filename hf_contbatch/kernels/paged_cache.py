@@ -243,6 +243,11 @@ class PagedCacheStep(_CBCache):
         )
         return out.unsqueeze(0)
 
+    @property
+    def is_initialized(self) -> bool:
+        # transformers' Cache: whether K/V were stored; the pool holds the requests' context (HRM reads it).
+        return True
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         # Positions are always passed explicitly; models that ask (OPT) get 0 as "no dense past".
         return 0
