@@ -53,7 +53,7 @@ def _attention_through_interface(model) -> bool:
 
 def unserved_layer_kind(model):
     """The first thing about ``model`` the engine cannot serve yet, as a short phrase naming the
-    layer kind ("attention sinks", "recurrent or linear-attention layers ('linear_attention')",
+    layer kind ("layer kinds 'linear_attention'", "attention sinks (model.layers.0.self_attn.sinks)",
     ...), or None when every layer is served. Reads classes, the config and module attributes only."""
     cfg = text_config(model)
     unserved = [k for k in dict.fromkeys(_layer_kinds(cfg)) if k not in SERVED_LAYER_KINDS]

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .attention import note_stored
+from .attention import note_stored, take_stored
 from .attention.metadata import AttentionMetadata
 from .kv_spec import KVCacheSpec
 
@@ -201,6 +201,7 @@ class PagedCacheStep(_CBCache):
         self.cache = cache
         self.metadata = metadata
         self.is_sliding = [False] * cache.num_layers
+        take_stored()  # a record a failed step left on this thread is not this step's
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store this step's K/V (``[1, num_kv_heads, T, head_dim]``) into their slots; returns the inputs."""
