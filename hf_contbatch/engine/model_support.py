@@ -10,7 +10,9 @@ touched, so a refusal comes before any packing or pool is built):
   (the window reaches the kernels as the ``sliding_window`` attention argument), and layers without
   attention (an MLP or MoE block listed in ``layer_types``). Kinds it cannot serve yet are named
   in the refusal: recurrent and linear-attention layers (a per-request state), chunked local
-  attention, attention sinks, latent attention whose K and V heads differ in size, ALiBi biases.
+  attention, latent attention whose K and V heads differ in size, ALiBi biases. Attention sinks
+  (gpt-oss's ``s_aux``) are served by the torch attention path; a Triton engine refuses them at
+  the first step, in one line.
 """
 
 from __future__ import annotations
@@ -53,8 +55,7 @@ def _attention_through_interface(model) -> bool:
 
 def unserved_layer_kind(model):
     """The first thing about ``model`` the engine cannot serve yet, as a short phrase naming the
-    layer kind ("layer kinds 'linear_attention'", "attention sinks (model.layers.0.self_attn.sinks)",
-    ...), or None when every layer is served. Reads classes, the config and module attributes only."""
+    layer kind ("layer kinds 'linear_attention'", "chunked local attention", ...), or None when every layer is served. Reads classes, the config and module attributes only."""
     cfg = text_config(model)
     unserved = [k for k in dict.fromkeys(_layer_kinds(cfg)) if k not in SERVED_LAYER_KINDS]
     if unserved:
@@ -70,13 +71,21 @@ def unserved_layer_kind(model):
         return (
             f"multi-head latent attention (K heads of {k_dim} channels, V heads of {getattr(cfg, 'v_head_dim', '?')})"
         )
-    for name, module in model.named_modules():
-        if "sinks" in getattr(module, "_parameters", {}):
-            return f"attention sinks ({name}.sinks)"
     try:
-        KVGeometry.of(model)
+        g = KVGeometry.of(model)
     except (AttributeError, RuntimeError, TypeError) as exc:  # Gemma 4: head_dim is a per-layer attribute
         return f"attention shapes that vary per layer ({str(exc).splitlines()[0][:100]})"
+    # One pool shape for every layer: each layer's K and V projections must give KVH x D channels
+    # (MiMo-V2-Flash's sliding layers have more KV heads; K and V heads may differ in size).
+    width = g.num_kv_heads * g.head_dim
+    for module in model.modules():
+        for proj in ("k_proj", "v_proj"):
+            out = getattr(getattr(module, proj, None), "out_features", None)
+            if hasattr(module, "layer_idx") and out is not None and out != width:
+                return (
+                    f"layers whose K/V shapes differ from the config's (layer {module.layer_idx}'s {proj} "
+                    f"gives {out} channels, the KV pool holds {g.num_kv_heads} x {g.head_dim})"
+                )
     return None
 
 

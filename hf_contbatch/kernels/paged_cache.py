@@ -216,12 +216,14 @@ class PagedCacheStep(_CBCache):
         note_stored(self, layer_idx, key_states, value_states)  # for the attention call that follows
         return key_states, value_states
 
-    def attend(self, layer_idx: int, query, key, value, scale: float, sliding_window=None, softcap=None):
+    def attend(self, layer_idx: int, query, key, value, scale: float, sliding_window=None, softcap=None, sinks=None):
         """``query`` ``[1, H, T, D]`` over the pool of ``layer_idx`` -> ``[1, T, H, D]``; ``key``/``value``
-        ``[1, KVH, T, D]`` this step's rows (already stored).
+        ``[1, KVH, T, D]`` this step's rows (already stored); ``sinks`` ``[H]`` attention-sink logits
+        (gpt-oss) or None.
 
         Raises:
             RuntimeError: a view without metadata (no step to attend for).
+            ValueError: ``sinks`` on a backend without them (Triton): one line naming it.
         """
         if self.metadata is None:
             raise RuntimeError("PagedCacheStep.attend called on a view without step metadata")
@@ -230,6 +232,8 @@ class PagedCacheStep(_CBCache):
         meta = self.metadata.to(k_pool.device)
         q = query[0].transpose(0, 1)  # [T, H, D]
         single = key.shape[0] == 1
+        if sinks is not None:
+            return self._attend_with_sinks(layer_idx, q, key, value, meta, scale, sliding_window, softcap, sinks)
         out = cache.backend.attend(
             q,
             k_pool,
@@ -240,6 +244,33 @@ class PagedCacheStep(_CBCache):
             softcap,
             key=key[0] if single else None,
             value=value[0] if single else None,
+            **cache.scales(layer_idx),
+        )
+        return out.unsqueeze(0)
+
+    def _attend_with_sinks(self, layer_idx, q, key, value, meta, scale, sliding_window, softcap, sinks):
+        """Attention sinks are served by the torch path alone (its kernels and Triton have none)."""
+        from .attention.backends import Int8TorchAttentionBackend, TorchAttentionBackend
+        from .attention.torch_paged import torch_paged_attention
+
+        cache = self.cache
+        if not isinstance(cache.backend, (TorchAttentionBackend, Int8TorchAttentionBackend)):
+            raise ValueError(
+                f"attention sinks are served by the torch attention backend only, not {cache.backend.name!r}: "
+                "EngineConfig(attention_backend='torch')"
+            )
+        single = key.shape[0] == 1
+        out = torch_paged_attention(
+            q,
+            cache.key_cache[layer_idx],
+            cache.value_cache[layer_idx],
+            meta,
+            scale,
+            sliding_window,
+            softcap,
+            key=key[0] if single else None,
+            value=value[0] if single else None,
+            sinks=sinks,
             **cache.scales(layer_idx),
         )
         return out.unsqueeze(0)

@@ -5,7 +5,8 @@ families, each a tiny random model built from its type's own config class by
 ``scripts/family_sweep.py`` (which walks the whole ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``): one per
 way of building attention the engine must get right (Conv1D linears, MQA, parallel blocks, learned
 positions, partial rotary, QK norms, soft-capping, sliding windows mixed with global layers, MoE
-routers, decoder layers that drop the forward's kwargs, windows applied through the mask alone).
+routers, attention sinks, decoder layers that drop the forward's kwargs, windows applied through
+the mask alone).
 Models the engine cannot serve get a one-line ``ValueError`` naming the layer kind, raised before
 any weight is touched (the refusal tests build their models on the meta device, where touching a
 weight would fail), or, where the model's attention call itself asks for something the paged
@@ -55,6 +56,8 @@ FAMILIES = [
     "dots1",  # MoE with grouped top-k routing
     "biogpt",  # BART-style attention through the interface, learned positions
     "vaultgemma",  # Gemma-style soft-capping
+    "gpt_oss",  # attention sinks (s_aux), sliding and full layers, MoE
+    "granitemoe_swa",  # attention sinks with sliding windows
 ]
 NEW = 16
 
@@ -84,7 +87,7 @@ def test_family_greedy_equals_generate(model_type):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("model_type", ["gpt2", "gpt_bigcode", "cohere2", "phimoe"])
+@pytest.mark.parametrize("model_type", ["gpt2", "gpt_bigcode", "cohere2", "phimoe", "gpt_oss"])
 def test_family_greedy_equals_generate_under_preemption_and_chunked_prefill(model_type):
     model = family_sweep.build_tiny(model_type)
     prompts = family_sweep.prompts() * 2
@@ -127,7 +130,7 @@ def _meta_model(model_type):
     [
         ("mamba", "'linear_attention'"),  # recurrent layers: a per-request state
         ("qwen3_next", "'linear_attention'"),  # a hybrid: linear-attention and full-attention layers
-        ("gpt_oss", "attention sinks"),
+        ("mimo_v2_flash", "K/V shapes differ"),  # sliding layers with more KV heads than the config's
         ("deepseek_v3", "multi-head latent attention"),
         ("llama4_text", "'chunked_attention'"),
         ("bloom", "AttentionInterface"),  # legacy attention with ALiBi biases

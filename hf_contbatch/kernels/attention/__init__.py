@@ -101,7 +101,7 @@ def paged_attention_forward(
     if paged_cache is None:
         fn = _previous_attention(module, previous_implementation)
         return fn(module, query, key, value, attention_mask, **kwargs)
-    _check_served_call(module, key, value, attention_mask, stored, kwargs)
+    _check_served_call(module, key, value, attention_mask, stored, kwargs, isinstance(paged_cache, torch.Tensor))
     scaling, sliding_window, softcap = kwargs.get("scaling"), kwargs.get("sliding_window"), kwargs.get("softcap")
     if "sliding_window" not in kwargs:
         sliding_window = _mask_only_window(module)
@@ -121,7 +121,8 @@ def paged_attention_forward(
             0.0 if softcap is None else float(softcap),
         )
         return out, None
-    return paged_cache.attend(module.layer_idx, query, key, value, scale, sliding_window, softcap), None
+    sinks = kwargs.get("s_aux")
+    return paged_cache.attend(module.layer_idx, query, key, value, scale, sliding_window, softcap, sinks), None
 
 
 # --- what an engine step's attention call must look like ------------------------------------------
@@ -166,16 +167,17 @@ def _mask_only_window(module) -> Optional[int]:
     return window or None
 
 
-def _check_served_call(module, key, value, attention_mask, stored, kwargs) -> None:
+def _check_served_call(module, key, value, attention_mask, stored, kwargs, compiled: bool) -> None:
     """Raise ``ValueError`` where the model asks attention for something the paged kernels would
     silently not do (they read the step's context from the pool and mask causally, with the
-    ``sliding_window``/``softcap`` arguments): a mask of its own (an ALiBi or learned bias: an
-    engine step builds none), attention sinks (``s_aux``), or K/V changed after ``cache.update``."""
+    ``sliding_window``/``softcap``/``s_aux`` arguments): a mask of its own (an ALiBi or learned
+    bias: an engine step builds none), attention sinks under a compiled forward (its op has none),
+    K/V changed after ``cache.update``, or a layer attending as another than the one it stored."""
     what = None
     if attention_mask is not None:
         what = "adds its own attention mask or bias"
-    elif kwargs.get("s_aux") is not None:
-        what = "passes attention sinks (s_aux)"
+    elif compiled and kwargs.get("s_aux") is not None:
+        what = "passes attention sinks (s_aux), which a compiled forward does not serve"
     elif stored is not None and stored[1] != getattr(module, "layer_idx", None):
         what = f"attends as layer {getattr(module, 'layer_idx', None)} after storing K/V as layer {stored[1]}"
     elif stored is not None and (stored[2]() is not key or stored[3]() is not value):
