@@ -163,3 +163,30 @@ def test_attention_call_the_kernels_cannot_serve_fails_at_the_first_step(model_t
         assert isinstance(err.value.__cause__, ValueError) and "\n" not in str(err.value.__cause__)
     finally:
         eng.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "model_type, targets",
+    [("gpt2", ["c_attn", "c_proj"]), ("gpt_neox", ["query_key_value", "dense"]), ("phi", ["q_proj", "v_proj", "fc1"])],
+)
+def test_lora_adapter_over_a_family_equals_peft(model_type, targets):
+    """Per-request LoRA serves each family's own linears, GPT-2's Conv1D ones included (PEFT's
+    ``fan_in_fan_out``): greedy tokens equal the PEFT model's own ``generate`` with the adapter on."""
+    peft = pytest.importorskip("peft")
+    base = family_sweep.build_tiny(model_type)
+    torch.manual_seed(3)
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, fan_in_fan_out=model_type == "gpt2"
+    )
+    model = peft.get_peft_model(base, lora, adapter_name="a").eval()
+    prompts = family_sweep.prompts()
+    refs = [reference_greedy(model, p, NEW) for p in prompts]
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=32)))
+    try:
+        handles = [
+            eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True, adapter_name="a")) for p in prompts
+        ]
+        assert [h.result(timeout=60).output_token_ids for h in handles] == refs
+    finally:
+        eng.close()
