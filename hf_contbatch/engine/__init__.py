@@ -2,7 +2,7 @@
 runner, sampling, logits processors, stopping, request handles and stats (see ARCHITECTURE.md)."""
 
 from .handles import EngineError, RequestHandle, RequestOutput
-from .llm_engine import SUPPORTED_MODEL_TYPES, LLMEngine
+from .llm_engine import SERVED_LAYER_KINDS, LLMEngine
 from .stats import EngineStats
 
-__all__ = ["EngineError", "EngineStats", "LLMEngine", "RequestHandle", "RequestOutput", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["EngineError", "EngineStats", "LLMEngine", "RequestHandle", "RequestOutput", "SERVED_LAYER_KINDS"]

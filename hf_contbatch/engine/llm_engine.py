@@ -44,7 +44,7 @@ from .handles import EngineError, HandleRegistry, RequestHandle, RequestOutput
 from .kv_pools import KVPools, move_blocks
 from .lora_adapters import LoraAdapters, is_peft_model
 from .model_patches import ModelPatches
-from .model_support import SUPPORTED_MODEL_TYPES, check_supported_model, vocab_widths
+from .model_support import SERVED_LAYER_KINDS, check_supported_model, vocab_widths
 from .output_processor import OutputProcessor, log_failure
 from .per_request_processors import RequestProcessors
 from .reliability import execute_isolating_failures
@@ -56,7 +56,7 @@ from .structured import GrammarCompilation, GrammarMatchers
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EngineError", "EngineStats", "LLMEngine", "RequestHandle", "RequestOutput", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["EngineError", "EngineStats", "LLMEngine", "RequestHandle", "RequestOutput", "SERVED_LAYER_KINDS"]
 
 
 def register_close_at_exit(engine: "LLMEngine") -> Callable[[], None]:
@@ -86,7 +86,9 @@ class LLMEngine:
     """Continuous batching over a paged KV cache for one transformers causal LM.
 
     Args:
-        model: a ``PreTrainedModel`` of a supported family (``SUPPORTED_MODEL_TYPES``), or a
+        model: a ``PreTrainedModel`` whose attention goes through transformers' ``AttentionInterface``
+            and whose layers are all of a kind the paged KV cache serves
+            (``engine.model_support.check_supported_model``), or a
             ``peft.PeftModel`` over one, whose LoRA adapters requests choose per request
             (``SamplingParams.adapter_name``).
         config: engine configuration.
@@ -94,7 +96,8 @@ class LLMEngine:
             ``SamplingParams.structured_outputs`` (their grammars are compiled against it).
 
     Raises:
-        ValueError: unsupported model family, a pool that does not fit in memory, or a PEFT
+        ValueError: a model with a layer kind the engine cannot serve (one line naming the kind and
+            the model type, raised before any weight is touched), a pool that does not fit in memory, or a PEFT
             feature per-request adapters cannot serve (named in the message).
     """
 

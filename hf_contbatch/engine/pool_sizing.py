@@ -89,7 +89,10 @@ class KVGeometry:
         return cls(
             num_layers=cfg.num_hidden_layers,
             num_heads=cfg.num_attention_heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            # GPT-BigCode's multi-query attention has one KV head and no num_key_value_heads.
+            num_kv_heads=1
+            if getattr(cfg, "multi_query", False)
+            else (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads),
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
             max_model_len=getattr(cfg, "max_position_embeddings", None),
         )

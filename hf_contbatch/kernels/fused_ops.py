@@ -90,14 +90,19 @@ def _rows_view(x: torch.Tensor) -> Optional[tuple[int, int]]:
     if x.dim() == 1:
         return 1, n
     rows = x.numel() // n if n else 0
-    stride = x.stride(-2)
-    # the leading dims must collapse into one at stride `stride` (outer stride = inner stride * size)
-    expected = stride
+    # The leading dims must collapse into one at stride `stride` (outer stride = inner stride * size).
+    # Size-1 dims are skipped: their stride is arbitrary, and contiguous() keeps it (a QK norm's
+    # [1, H, 1, D] decode view, transposed from [1, 1, H, D], has the T dim's stride H * D there).
+    stride = expected = None
     for d in range(x.dim() - 2, -1, -1):
-        if x.shape[d] != 1 and x.stride(d) != expected:
+        if x.shape[d] == 1:
+            continue
+        if stride is None:
+            stride = expected = x.stride(d)
+        elif x.stride(d) != expected:
             return None
         expected *= x.shape[d]
-    return rows, stride
+    return rows, n if stride is None else stride
 
 
 def fits(x: torch.Tensor) -> bool:

@@ -191,6 +191,7 @@ def find_lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     from peft.tuners.lora import layer as lora_layer
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper
+    from transformers.pytorch_utils import Conv1D
 
     found = []
     for path, m in model.named_modules():
@@ -206,9 +207,11 @@ def find_lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
             raise ValueError(
                 f"{path}: {kind} is not supported for per-request adapters (only LoRA on nn.Linear layers)"
             )
-        if type(m.base_layer) is not torch.nn.Linear:
+        # A Conv1D base (GPT-2's transposed linear, PEFT's fan_in_fan_out) runs as its own module;
+        # its LoRA A and B are plain linears all the same.
+        if type(m.base_layer) not in (torch.nn.Linear, Conv1D):
             raise ValueError(
-                f"{path}: LoRA over a {type(m.base_layer).__name__} (only over nn.Linear) is not supported"
+                f"{path}: LoRA over a {type(m.base_layer).__name__} (only over nn.Linear or Conv1D) is not supported"
             )
         if m.lora_variant:
             variants = ", ".join(f"{name}: {type(v).__name__}" for name, v in m.lora_variant.items())

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .attention import note_stored, take_stored
 from .attention.metadata import AttentionMetadata
 from .kv_spec import KVCacheSpec
 
@@ -201,6 +202,7 @@ class PagedCacheStep(_CBCache):
         self.cache = cache
         self.metadata = metadata
         self.is_sliding = [False] * cache.num_layers
+        take_stored()  # a record a failed step left on this thread is not this step's
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store this step's K/V (``[1, num_kv_heads, T, head_dim]``) into their slots; returns the inputs."""
@@ -212,14 +214,17 @@ class PagedCacheStep(_CBCache):
         key = key_states[0].transpose(0, 1)
         value = value_states[0].transpose(0, 1)
         cache.backend.store_kv(key, value, k_pool, v_pool, self.metadata.to(k_pool.device), **cache.scales(layer_idx))
+        note_stored(self, layer_idx, key_states, value_states)  # for the attention call that follows
         return key_states, value_states
 
-    def attend(self, layer_idx: int, query, key, value, scale: float, sliding_window=None, softcap=None):
+    def attend(self, layer_idx: int, query, key, value, scale: float, sliding_window=None, softcap=None, sinks=None):
         """``query`` ``[1, H, T, D]`` over the pool of ``layer_idx`` -> ``[1, T, H, D]``; ``key``/``value``
-        ``[1, KVH, T, D]`` this step's rows (already stored).
+        ``[1, KVH, T, D]`` this step's rows (already stored); ``sinks`` ``[H]`` attention-sink logits
+        (gpt-oss) or None.
 
         Raises:
             RuntimeError: a view without metadata (no step to attend for).
+            ValueError: ``sinks`` on a backend without them (Triton): one line naming it.
         """
         if self.metadata is None:
             raise RuntimeError("PagedCacheStep.attend called on a view without step metadata")
@@ -228,6 +233,8 @@ class PagedCacheStep(_CBCache):
         meta = self.metadata.to(k_pool.device)
         q = query[0].transpose(0, 1)  # [T, H, D]
         single = key.shape[0] == 1
+        if sinks is not None:
+            return self._attend_with_sinks(layer_idx, q, key, value, meta, scale, sliding_window, softcap, sinks)
         out = cache.backend.attend(
             q,
             k_pool,
@@ -241,6 +248,38 @@ class PagedCacheStep(_CBCache):
             **cache.scales(layer_idx),
         )
         return out.unsqueeze(0)
+
+    def _attend_with_sinks(self, layer_idx, q, key, value, meta, scale, sliding_window, softcap, sinks):
+        """Attention sinks are served by the torch path alone (its kernels and Triton have none)."""
+        from .attention.backends import Int8TorchAttentionBackend, TorchAttentionBackend
+        from .attention.torch_paged import torch_paged_attention
+
+        cache = self.cache
+        if not isinstance(cache.backend, (TorchAttentionBackend, Int8TorchAttentionBackend)):
+            raise ValueError(
+                f"attention sinks are served by the torch attention backend only, not {cache.backend.name!r}: "
+                "EngineConfig(attention_backend='torch')"
+            )
+        single = key.shape[0] == 1
+        out = torch_paged_attention(
+            q,
+            cache.key_cache[layer_idx],
+            cache.value_cache[layer_idx],
+            meta,
+            scale,
+            sliding_window,
+            softcap,
+            key=key[0] if single else None,
+            value=value[0] if single else None,
+            sinks=sinks,
+            **cache.scales(layer_idx),
+        )
+        return out.unsqueeze(0)
+
+    @property
+    def is_initialized(self) -> bool:
+        # transformers' Cache: whether K/V were stored; the pool holds the requests' context (HRM reads it).
+        return True
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         # Positions are always passed explicitly; models that ask (OPT) get 0 as "no dense past".

@@ -38,6 +38,16 @@ def test_rms_norm_matches_torch_within_an_ulp_and_takes_strided_rows(dtype):
         assert got.dtype == dtype and got.shape == x.shape
 
 
+def test_rms_norm_takes_a_qk_norm_decode_view_whose_size_one_dim_has_any_stride():
+    # A QK norm over [1, H, T, D] transposed from [1, T, H, D]: with T = 1 (one decode row) the T
+    # dim's stride is H * D, which contiguous() keeps (size-1 dims do not count); it crashed.
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 1, 4, 16, generator=g).transpose(1, 2)
+    assert x.shape == (1, 4, 1, 16) and x.is_contiguous() and x.stride(2) == 64
+    w = torch.randn(16, generator=g)
+    torch.testing.assert_close(rms_norm(x, w, 1e-6, round_first=True), _torch_rms(x, w, 1e-6), rtol=2e-7, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_matches_torch_on_the_halves_of_a_fused_output(dtype):
     g = torch.Generator().manual_seed(1)

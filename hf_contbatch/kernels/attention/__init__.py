@@ -20,6 +20,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import sys
+import threading
+import weakref
 from typing import Optional
 
 import torch
@@ -87,10 +89,22 @@ def paged_attention_forward(
     the model's previous implementation runs with the arguments as given.
     """
     paged_cache = kwargs.pop("paged_cache", None)
+    # Under a compiled forward nothing calls ``update`` (the op stores), and the record is not traced.
+    stored = None if isinstance(paged_cache, CompiledStep) else take_stored()
+    if (
+        paged_cache is None
+        and stored is not None
+        and stored[1] == getattr(module, "layer_idx", None)
+        and stored[2]() is key
+    ):
+        paged_cache = stored[0]  # a decoder layer that does not pass the forward's kwargs on (Nemotron)
     if paged_cache is None:
         fn = _previous_attention(module, previous_implementation)
         return fn(module, query, key, value, attention_mask, **kwargs)
+    _check_served_call(module, key, value, attention_mask, stored, kwargs, isinstance(paged_cache, CompiledStep))
     scaling, sliding_window, softcap = kwargs.get("scaling"), kwargs.get("sliding_window"), kwargs.get("softcap")
+    if "sliding_window" not in kwargs:
+        sliding_window = _mask_only_window(module)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if isinstance(paged_cache, CompiledStep):
         # Compiled forward: the model was called without a real cache, so store and attend in one
@@ -107,7 +121,70 @@ def paged_attention_forward(
             0.0 if softcap is None else float(softcap),
         )
         return out, None
-    return paged_cache.attend(module.layer_idx, query, key, value, scale, sliding_window, softcap), None
+    sinks = kwargs.get("s_aux")
+    return paged_cache.attend(module.layer_idx, query, key, value, scale, sliding_window, softcap, sinks), None
+
+
+# --- what an engine step's attention call must look like ------------------------------------------
+# The last K/V a step's ``update`` stored on this thread: (step, layer_idx, weak refs to the key and
+# value it returned). Thread-local, so a user's own ``generate`` on another thread never sees it.
+# Read by the attention call that follows, for two things: the step, where a decoder layer drops the
+# forward's keyword arguments (``paged_cache``) instead of passing them to its attention module; and
+# whether the K/V reaching attention are the ones stored (the kernels read the pool, not the arguments).
+_STORED = threading.local()
+
+
+def note_stored(step, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Record that ``step`` stored ``key``/``value`` for ``layer_idx`` on this thread (``PagedCacheStep.update``)."""
+    _STORED.record = (step, layer_idx, weakref.ref(key), weakref.ref(value))
+
+
+def take_stored():
+    """The record :func:`note_stored` left on this thread (then forgotten), or None."""
+    record = getattr(_STORED, "record", None)
+    _STORED.record = None
+    return record
+
+
+def _mask_only_window(module) -> Optional[int]:
+    """The sliding window of a layer whose model applies it through its mask alone (PhiMoE builds a
+    sliding-window mask from ``config.sliding_window`` and passes no ``sliding_window`` to attention):
+    an engine step builds no mask, so the kernels must be told. None for a full-attention layer.
+    Read from the config once per module and kept in its ``__dict__`` (a config lookup of a missing
+    attribute costs about 15 us, per layer and step)."""
+    window = module.__dict__.get("_hf_contbatch_mask_window")
+    if window is None:
+        cfg = getattr(module, "config", None)
+        window = getattr(cfg, "sliding_window", None) or 0
+        if getattr(cfg, "use_sliding_window", True) is False:
+            window = 0
+        kinds = getattr(cfg, "layer_types", None)
+        if isinstance(kinds, (list, tuple)) and kinds[module.layer_idx] != "sliding_attention":
+            window = 0
+        window = int(window)
+        if not torch.compiler.is_compiling():  # a traced forward reads the config (guards), never writes
+            module.__dict__["_hf_contbatch_mask_window"] = window
+    return window or None
+
+
+def _check_served_call(module, key, value, attention_mask, stored, kwargs, compiled: bool) -> None:
+    """Raise ``ValueError`` where the model asks attention for something the paged kernels would
+    silently not do (they read the step's context from the pool and mask causally, with the
+    ``sliding_window``/``softcap``/``s_aux`` arguments): a mask of its own (an ALiBi or learned
+    bias: an engine step builds none), attention sinks under a compiled forward (its op has none),
+    K/V changed after ``cache.update``, or a layer attending as another than the one it stored."""
+    what = None
+    if attention_mask is not None:
+        what = "adds its own attention mask or bias"
+    elif compiled and kwargs.get("s_aux") is not None:
+        what = "passes attention sinks (s_aux), which a compiled forward does not serve"
+    elif stored is not None and stored[1] != getattr(module, "layer_idx", None):
+        what = f"attends as layer {getattr(module, 'layer_idx', None)} after storing K/V as layer {stored[1]}"
+    elif stored is not None and (stored[2]() is not key or stored[3]() is not value):
+        what = "changes K/V between cache.update and attention"
+    if what is not None:
+        model_type = getattr(getattr(module, "config", None), "model_type", None)
+        raise ValueError(f"{type(module).__name__} (model type {model_type!r}) {what}: not served by hf_contbatch")
 
 
 # --- the compiled forward's op ---------------------------------------------------------------------
@@ -156,6 +233,7 @@ def _paged_attention_op(query, key, value, compiled_step, layer_idx: int, scale:
     compiled graph reads it, and declaring it would make the compiler copy it (functionalization)."""
     step = compiled_step.step
     step.update(key, value, layer_idx)
+    take_stored()  # this op attends to what it just stored
     out = step.attend(
         layer_idx,
         query,

@@ -16,9 +16,22 @@ import torch.nn.functional as F
 from .metadata import AttentionMetadata
 
 
-def _attend(q, k, v, mask, scale: float, softcap: float | None, is_causal: bool = False):
-    """q ``[B, H, Lq, D]``, k/v ``[B, KVH, Lk, D]``, mask bool broadcastable to ``[B, H, Lq, Lk]``."""
-    if softcap is None:
+def _with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None, head_shape: tuple) -> torch.Tensor:
+    """Softmax over the last dim of float32 ``scores`` ``[B, *head_shape-ish, L]`` with one more logit
+    per head, ``sinks`` ``[H]`` viewed as ``head_shape`` (``(H, 1)`` for ``[B, H, Lq, L]``, ``(KVH,
+    G)`` for decode's ``[b, KVH, G, L]``): gpt-oss's attention sinks, which take probability mass
+    and contribute no value, so their column is dropped after the softmax. Plain softmax where
+    ``sinks`` is None."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.to(scores.dtype).view(*head_shape, 1).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+
+
+def _attend(q, k, v, mask, scale: float, softcap: float | None, is_causal: bool = False, sinks=None):
+    """q ``[B, H, Lq, D]``, k/v ``[B, KVH, Lk, D]``, mask bool broadcastable to ``[B, H, Lq, Lk]``;
+    ``sinks`` ``[H]`` or None (see :func:`_with_sinks`)."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
             q,
             k,
@@ -33,18 +46,19 @@ def _attend(q, k, v, mask, scale: float, softcap: float | None, is_causal: bool 
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    scores = softcap * torch.tanh(scores / softcap)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     elif is_causal:
         lq, lk = scores.shape[-2:]
         causal = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
         scores = scores.masked_fill(~causal, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    probs = _with_sinks(scores, sinks, (q.shape[1], 1)).to(v.dtype)
     return torch.matmul(probs, v)
 
 
-def _decode_probs(q, k, bias, scale: float, softcap: float | None):
+def _decode_probs(q, k, bias, scale: float, softcap: float | None, sinks=None):
     """One query token per request: q ``[b, H, D]``, k ``[b, KVH, L, D]`` (gathered keys), bias
     ``[b, 1, 1, L]`` additive (or None). Returns the float32 softmax weights ``[b, KVH, G, L]``.
 
@@ -60,7 +74,7 @@ def _decode_probs(q, k, bias, scale: float, softcap: float | None):
         scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
     if bias is not None:
         scores.add_(bias)
-    return torch.softmax(scores, dim=-1)
+    return _with_sinks(scores, sinks, (kvh, num_heads // kvh))
 
 
 def _gather_rows(rows: torch.Tensor, row_scales: torch.Tensor | None, index: torch.Tensor, dtype: torch.dtype):
@@ -156,6 +170,7 @@ def torch_paged_attention(
     prefill_kernel=None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged context.
 
@@ -179,6 +194,9 @@ def torch_paged_attention(
             row, this step's too, reads the stored (quantized) K/V, so chunking and recompute
             see the same values. ``decode_kernel`` and ``prefill_kernel`` serve them where their
             ``can_serve_int8`` says they can (each dequantizes as it reads: ``q * scale`` in float32).
+        sinks: ``[H]`` attention-sink logits (gpt-oss's ``s_aux``): one more softmax logit per head
+            that takes probability mass and adds no value. The CPU kernels have none: with sinks
+            every row takes the torch path.
 
     Returns:
         ``[T, H, D]`` in the query dtype.
@@ -190,7 +208,11 @@ def torch_paged_attention(
     scales = {"k_scale": k_scale, "v_scale": v_scale} if quantized else {}
 
     def serves(kernel) -> bool:
-        return kernel is not None and (kernel.can_serve_int8 if quantized else kernel.can_serve)(query, k_pool, v_pool)
+        return (
+            kernel is not None
+            and sinks is None
+            and (kernel.can_serve_int8 if quantized else kernel.can_serve)(query, k_pool, v_pool)
+        )
 
     in_kernel = bool(nd) and serves(decode_kernel)
     if in_kernel:
@@ -220,7 +242,7 @@ def torch_paged_attention(
             b = rows.numel()
             k = _gather_rows(rows_k, rows_ks, head_index, compute).view(b, kvh, max_len, head_dim)
             q = query[:nd] if single else query.index_select(0, rows)  # [b, H, D]
-            probs = _decode_probs(q, k, bias, scale, softcap)
+            probs = _decode_probs(q, k, bias, scale, softcap, sinks)
             if quantized:
                 v = _gather_rows(rows_v, rows_vs, head_index, compute).view(b, kvh, max_len, head_dim)
                 o = torch.matmul(probs, v)  # [b, KVH, G, D]
@@ -251,6 +273,6 @@ def torch_paged_attention(
             k = _gather_rows(flat_k, flat_ks, slots, query.dtype).transpose(0, 1).unsqueeze(0)
             v = _gather_rows(flat_v, flat_vs, slots, query.dtype).transpose(0, 1).unsqueeze(0)
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
-        o = _attend(q, k, v, mask, scale, softcap, is_causal=mask is None)
+        o = _attend(q, k, v, mask, scale, softcap, is_causal=mask is None, sinks=sinks)
         out[start:end] = o[0].transpose(0, 1)
     return out

@@ -1,0 +1,192 @@
+"""Families transformers ships, served exactly or refused in one line.
+
+Greedy tokens equal transformers' own ``generate`` (float32, CPU) for a curated set of decoder-only
+families, each a tiny random model built from its type's own config class by
+``scripts/family_sweep.py`` (which walks the whole ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``): one per
+way of building attention the engine must get right (Conv1D linears, MQA, parallel blocks, learned
+positions, partial rotary, QK norms, soft-capping, sliding windows mixed with global layers, MoE
+routers, attention sinks, decoder layers that drop the forward's kwargs, windows applied through
+the mask alone).
+Models the engine cannot serve get a one-line ``ValueError`` naming the layer kind, raised before
+any weight is touched (the refusal tests build their models on the meta device, where touching a
+weight would fail), or, where the model's attention call itself asks for something the paged
+kernels do not do, at the first step instead of a wrong token.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from hf_contbatch.engine.llm_engine import EngineError
+
+from conftest import reference_greedy
+
+_SWEEP = Path(__file__).resolve().parents[2] / "scripts" / "family_sweep.py"
+_spec = importlib.util.spec_from_file_location("family_sweep", _SWEEP)
+family_sweep = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(family_sweep)
+
+FAMILIES = [
+    "gpt2",  # Conv1D linears (transposed weights), learned absolute positions
+    "gpt_bigcode",  # multi-query attention (config.multi_query), Conv1D-free fused c_attn
+    "gpt_neox",  # parallel attention/MLP, partial rotary
+    "gptj",  # parallel block, interleaved partial rotary
+    "phi",  # parallel block, partial rotary, dense LayerNorm
+    "opt",  # learned positions with an offset
+    "starcoder2",  # sliding window, biases
+    "stablelm",  # partial rotary, serves without the _supports_attention_backend flag
+    "cohere",  # parallel block, QK LayerNorm, logit scale
+    "cohere2",  # sliding and global layers mixed (layer_types)
+    "gemma3_text",  # sliding/global layers, QK RMSNorm, soft-capping off
+    "olmo",  # non-parametric LayerNorm, QKV clipping
+    "olmo3",  # sliding/global layers, QK norms
+    "exaone",  # a Llama clone under its own model type
+    "internlm3",  # a Llama clone under its own model type
+    "granitemoe",  # MoE with multipliers
+    "nemotron",  # decoder layers that drop the forward's kwargs (attention finds the step anyway)
+    "phimoe",  # sparsemixer router; sliding window applied through the mask alone
+    "glm4",  # sandwich norms, partial rotary
+    "ernie4_5_moe",  # MoE with shared experts
+    "hunyuan_v1_moe",  # MoE, QK norms
+    "dots1",  # MoE with grouped top-k routing
+    "biogpt",  # BART-style attention through the interface, learned positions
+    "vaultgemma",  # Gemma-style soft-capping
+    "gpt_oss",  # attention sinks (s_aux), sliding and full layers, MoE
+    "granitemoe_swa",  # attention sinks with sliding windows
+]
+NEW = 16
+
+
+def _serve(model, prompts, cfg):
+    eng = LLMEngine(model, cfg)
+    try:
+        handles = [eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
+        outs = [h.result(timeout=120).output_token_ids for h in handles]
+        assert eng.wait_idle(10)
+        stats = eng.stats()
+        eng.block_manager.check_invariants()
+        return outs, stats
+    finally:
+        eng.close()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_family_greedy_equals_generate(model_type):
+    model = family_sweep.build_tiny(model_type)
+    prompts = family_sweep.prompts()  # 5 and 23 tokens: the 23-token one spans two blocks of 16
+    refs = [reference_greedy(model, p, NEW) for p in prompts]
+    outs, stats = _serve(model, prompts, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=32)))
+    assert outs == refs
+    assert stats.num_free_blocks == stats.num_blocks, "blocks leaked"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("model_type", ["gpt2", "gpt_bigcode", "cohere2", "phimoe", "gpt_oss"])
+def test_family_greedy_equals_generate_under_preemption_and_chunked_prefill(model_type):
+    model = family_sweep.build_tiny(model_type)
+    prompts = family_sweep.prompts() * 2
+    refs = [reference_greedy(model, p, NEW) for p in prompts]
+    # 14 blocks of 4 tokens = 56 tokens for 4 requests of 21-39 tokens; a 12-token budget forces chunks.
+    cfg = EngineConfig(
+        cache=CacheConfig(block_size=4, num_blocks=14),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12),
+    )
+    outs, stats = _serve(model, prompts, cfg)
+    assert outs == refs
+    assert stats.num_preemptions > 0, "the pool was meant to force preemption"
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("model_type", ["gemma3_text", "exaone4", "olmo3"])
+def test_qk_norm_families_one_request_at_a_time(model_type):
+    """One row per decode step: a QK norm then runs on a ``[1, H, 1, D]`` view (the fused RMSNorm
+    once crashed on it: the size-1 dim's stride)."""
+    model = family_sweep.build_tiny(model_type)
+    prompts = family_sweep.prompts()
+    refs = [reference_greedy(model, p, NEW) for p in prompts]
+    cfg = EngineConfig(cache=CacheConfig(block_size=16, num_blocks=32), scheduler=SchedulerConfig(max_num_seqs=1))
+    outs, _ = _serve(model, prompts, cfg)
+    assert outs == refs
+
+
+def _meta_model(model_type):
+    """A tiny model of ``model_type`` whose weights live on the meta device: reading one fails."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(family_sweep.tiny_config(model_type)).eval()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "model_type, kind",
+    [
+        ("mamba", "'linear_attention'"),  # recurrent layers: a per-request state
+        ("qwen3_next", "'linear_attention'"),  # a hybrid: linear-attention and full-attention layers
+        ("mimo_v2_flash", "K/V shapes differ"),  # sliding layers with more KV heads than the config's
+        ("deepseek_v3", "multi-head latent attention"),
+        ("llama4_text", "'chunked_attention'"),
+        ("bloom", "AttentionInterface"),  # legacy attention with ALiBi biases
+    ],
+)
+def test_unserved_layer_kind_is_refused_in_one_line_before_any_weight_is_touched(model_type, kind):
+    model = _meta_model(model_type)
+    with pytest.raises(ValueError) as err:
+        LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=8)))
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"model type {model_type!r}" in message and kind in message
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "model_type, what",
+    [
+        ("doge", "adds its own attention mask or bias"),  # a learned dynamic mask reaches attention
+        ("diffllama", "changes K/V between cache.update and attention"),  # V split after the update
+    ],
+)
+def test_attention_call_the_kernels_cannot_serve_fails_at_the_first_step(model_type, what):
+    model = family_sweep.build_tiny(model_type)
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=8)))
+    try:
+        handle = eng.submit([5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))
+        with pytest.raises(EngineError, match=what) as err:
+            handle.result(timeout=60)
+        assert isinstance(err.value.__cause__, ValueError) and "\n" not in str(err.value.__cause__)
+    finally:
+        eng.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "model_type, targets",
+    [("gpt2", ["c_attn", "c_proj"]), ("gpt_neox", ["query_key_value", "dense"]), ("phi", ["q_proj", "v_proj", "fc1"])],
+)
+def test_lora_adapter_over_a_family_equals_peft(model_type, targets):
+    """Per-request LoRA serves each family's own linears, GPT-2's Conv1D ones included (PEFT's
+    ``fan_in_fan_out``): greedy tokens equal the PEFT model's own ``generate`` with the adapter on."""
+    peft = pytest.importorskip("peft")
+    base = family_sweep.build_tiny(model_type)
+    torch.manual_seed(3)
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, fan_in_fan_out=model_type == "gpt2"
+    )
+    model = peft.get_peft_model(base, lora, adapter_name="a").eval()
+    prompts = family_sweep.prompts()
+    refs = [reference_greedy(model, p, NEW) for p in prompts]
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=32)))
+    try:
+        handles = [
+            eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True, adapter_name="a")) for p in prompts
+        ]
+        assert [h.result(timeout=60).output_token_ids for h in handles] == refs
+    finally:
+        eng.close()
