@@ -34,6 +34,7 @@ from .frontends.cli_checks import (
     float_in,
     int_at_least,
     non_empty_text,
+    option_suggestions,
     read_response_format,
 )
 
@@ -140,6 +141,7 @@ def _report_gemm_choices(packed_linears, quiet: bool) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     """Run the job (``frontends.batch_job``); returns 0 when every row has a generated record,
     ``EXIT_ROWS_FAILED`` (3) when some rows have error records."""
+    from .frontends.adapters import parse_adapter_args
     from .frontends.batch_job import EXIT_ROWS_FAILED, JobOutput, run_job
     from .frontends.job_inputs import ListInput, open_input
 
@@ -155,32 +157,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.response_format:
         check_library("xgrammar", "--response-format", "structured")
         gen_kwargs["response_format"] = read_response_format(args.response_format)
+    adapters = None
     if args.adapter:
+        adapters = parse_adapter_args(args.adapter)
         check_library("peft", "--adapter", "lora")
-
-    import torch
-    import transformers
-
-    from .frontends.pipeline import pipeline
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if not _debug(args):
-        _quiet_quantizer_imports()
-    if args.quiet:
-        transformers.utils.logging.disable_progress_bar()  # the weights' loading bar
-    kernel_s = _prebuild_kernels(args)
-    t_load = time.monotonic()
-    tokenizer = None
-    if args.adapter:  # LoRA adapters over the base model; a row's own "adapter", else the first
-        model, gen_kwargs["adapter_names"], tokenizer = _model_with_adapters(args, model)
-    pipe = pipeline("text-generation", model=model, tokenizer=tokenizer, dtype=args.dtype, engine_config=config)
-    load_s = time.monotonic() - t_load
-    _report_gemm_choices(pipe.engine.patches.packed_linears, args.quiet)
-    weight_format = pipe.engine.patches.weight_format
-    output = JobOutput(args.output, source.num_rows, resume=args.resume) if args.output else None
-    if output is not None:
-        output.check_ids(source.rows())
+    output = None
+    try:
+        if args.resume:  # the kept records are checked before the model loads (a new --output is started after)
+            output = JobOutput(args.output, source.num_rows, resume=True)
+            output.check_ids(source.rows())
+        pipe, weight_format, kernel_s, load_s = _load_pipeline(args, model, config, gen_kwargs, adapters)
+    except BaseException:
+        if output is not None:
+            output.close()
+        raise
+    if output is None and args.output:
+        output = JobOutput(args.output, source.num_rows, resume=False)
     model_name = args.model or "hf_contbatch/default_model"
     try:
         with pipe:
@@ -259,16 +251,41 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_with_adapters(args: argparse.Namespace, model):
+def _load_pipeline(args: argparse.Namespace, model, config: EngineConfig, gen_kwargs: dict, adapters):
+    """Import torch, build the kernels and load the pipeline (with ``adapters``, the parsed
+    ``--adapter`` values, over the base model; sets ``gen_kwargs["adapter_names"]``). Returns the
+    pipeline, its weight format, and the kernel-build and load seconds."""
+    import torch
+    import transformers
+
+    from .frontends.pipeline import pipeline
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not _debug(args):
+        _quiet_quantizer_imports()
+    if args.quiet:
+        transformers.utils.logging.disable_progress_bar()  # the weights' loading bar
+    kernel_s = _prebuild_kernels(args)
+    t_load = time.monotonic()
+    tokenizer = None
+    if adapters:  # LoRA adapters over the base model; a row's own "adapter", else the first
+        model, gen_kwargs["adapter_names"], tokenizer = _model_with_adapters(args, model, adapters)
+    pipe = pipeline("text-generation", model=model, tokenizer=tokenizer, dtype=args.dtype, engine_config=config)
+    load_s = time.monotonic() - t_load
+    _report_gemm_choices(pipe.engine.patches.packed_linears, args.quiet)
+    return pipe, pipe.engine.patches.weight_format, kernel_s, load_s
+
+
+def _model_with_adapters(args: argparse.Namespace, model, adapters: dict):
     """The base model (``model``: the checked ``--model``, None for the embedded one) with the
-    ``--adapter NAME=PATH`` adapters loaded, the first adapter's name (the rows' default), and the
-    base model's path for the tokenizer."""
+    ``--adapter`` adapters (``adapters``: name -> path, from ``parse_adapter_args``) loaded, the
+    first adapter's name (the rows' default), and the base model's path for the tokenizer."""
     from transformers import AutoModelForCausalLM
 
     from .default_model import default_model_path
-    from .frontends.adapters import load_adapters, parse_adapter_args
+    from .frontends.adapters import load_adapters
 
-    adapters = parse_adapter_args(args.adapter)
     path = model if model is not None else default_model_path()
     base = AutoModelForCausalLM.from_pretrained(path, dtype=args.dtype)
     return load_adapters(base, adapters), next(iter(adapters)), path
@@ -509,7 +526,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=None,
         metavar="NAME=PATH",
-        help='a PEFT LoRA adapter over --model (repeatable); a .jsonl prompt picks one with "adapter", '
+        help="a PEFT LoRA adapter over --model: NAME=PATH (a folder or Hub id), or the PATH of an adapter "
+        'folder, named by its last component (repeatable); a .jsonl prompt picks one with "adapter", '
         'else the first is used ("__base__": the base model) (default: none, the model as it is)',
     )
 
@@ -569,7 +587,9 @@ def main(argv=None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command's parser, whose --help lists its options
-        parser.command_parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+        command_parser = parser.command_parsers[args.command]
+        hint = option_suggestions(unknown, command_parser._option_string_actions)
+        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     try:
         return args.func(args)
     except (UsageError, ValueError, ImportError) as exc:  # the library's own checks; a missing extra

@@ -3,21 +3,38 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
+
+from .cli_checks import looks_local
 
 
 def parse_adapter_args(values: Sequence[str]) -> dict[str, str]:
     """``["sql=path/a", "chat=path/b"]`` as ``{"sql": "path/a", "chat": "path/b"}`` (insertion order).
+    A value without ``=`` that is an existing directory is named by its last component
+    (``path/to/sql`` -> ``sql``). Standard library only: ``generate`` checks these before torch loads.
 
     Raises:
-        ValueError: an entry without ``=``, an empty name or path, a repeated name, or the reserved
-            name "__base__".
+        ValueError: an entry without ``=`` that is not an existing directory (``--adapter sql``: a
+            name with no path), an empty name or path, a local path that does not exist or has no
+            ``adapter_config.json``, a repeated name, or the reserved name "__base__".
     """
     adapters: dict[str, str] = {}
     for value in values:
         name, sep, path = value.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--adapter must be NAME=PATH (a name, '=', a PEFT adapter folder), got {value!r}")
+        if not sep and value and Path(value).expanduser().is_dir():
+            name, path = Path(value).expanduser().resolve().name, value  # "peft/sql" -> "sql"
+        elif not sep or not name or not path:
+            raise ValueError(
+                f"--adapter {value}: must be NAME=PATH (a name, '=', a PEFT adapter folder or Hub id) or the "
+                "path of an existing adapter folder"
+            )
+        # A Hub id (name or namespace/name) is PEFT's to resolve; a local path must be an adapter folder.
+        folder = Path(path).expanduser()
+        if folder.exists() and not (folder / "adapter_config.json").is_file():
+            raise ValueError(f"--adapter {value}: {path} has no adapter_config.json (not a PEFT adapter folder)")
+        if not folder.exists() and looks_local(path):
+            raise ValueError(f"--adapter {value}: no such directory {path}")
         if name == "__base__":
             raise ValueError("--adapter: '__base__' names the base model; choose another adapter name")
         if name in adapters:

@@ -12,7 +12,7 @@ import argparse
 import difflib
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional, Sequence
 
 from ..config import CacheConfig, EngineConfig, SchedulerConfig
 
@@ -59,6 +59,32 @@ def non_empty_text(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("must be a non-empty text, got ''")
     return text
+
+
+def option_suggestions(unknown: Sequence[str], options: Iterable[str]) -> str:
+    """What to say after argparse's "unrecognized arguments" for the ``unknown`` command-line words:
+    for each unknown option (a word starting with ``--``, ``=value`` ignored), its dashed spelling
+    when that is one of ``options`` (``--max_new_tokens`` -> ``--max-new-tokens``), else the
+    nearest of ``options`` (difflib), if any is near. Returns ``""`` when there is nothing to
+    suggest, else ``"; did you mean --a?"`` or ``"; did you mean --a (for --x), --b (for --y)?"``."""
+    options = [o for o in options if o.startswith("--")]
+    pairs = []
+    for word in unknown:
+        if not word.startswith("--") or word == "--":
+            continue  # a value, or a lone "--"
+        name = word.split("=", 1)[0]
+        dashed = "--" + name[2:].replace("_", "-")
+        if dashed in options:
+            pairs.append((name, dashed))
+            continue
+        close = difflib.get_close_matches(dashed, options, n=1, cutoff=0.75)
+        if close:
+            pairs.append((name, close[0]))
+    if not pairs:
+        return ""
+    if len(pairs) == 1:
+        return f"; did you mean {pairs[0][1]}?"
+    return "; did you mean " + ", ".join(f"{right} (for {wrong})" for wrong, right in pairs) + "?"
 
 
 # --- the prompts file ---------------------------------------------------------------------------------
@@ -174,7 +200,7 @@ def check_output(path: str) -> None:
         raise UsageError(f"--output {path}: the directory {p.parent} does not exist")
 
 
-def _looks_local(name: str) -> bool:
+def looks_local(name: str) -> bool:
     """A path rather than a Hub id (``name`` or ``namespace/name``)."""
     return name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1 or name.endswith("/")
 
@@ -190,7 +216,7 @@ def check_model(name: str) -> str:
         return str(path)
     if path.exists():
         raise UsageError(f"--model {name}: is a file; give the model's directory (with config.json) or a Hub id")
-    if _looks_local(name):
+    if looks_local(name):
         raise UsageError(f"--model {name}: no such directory")
     _check_hub_model(name)
     return name

@@ -121,8 +121,40 @@ PRE_LOAD_ERRORS = {
     "unknown option": (
         "p.txt",
         "x\n",
+        ["--bogus", "3"],
+        "unrecognized arguments: --bogus 3 (see `hf-contbatch generate --help`)",
+    ),
+    "misspelt option": (
+        "p.txt",
+        "x\n",
         ["--max-tokens", "3"],
-        "unrecognized arguments: --max-tokens 3 (see `hf-contbatch generate --help`)",
+        "unrecognized arguments: --max-tokens 3; did you mean --max-new-tokens? (see `hf-contbatch generate --help`)",
+    ),
+    "underscore options": (
+        "p.txt",
+        "x\n",
+        ["--max_new_tokens", "8", "--top_k=3"],
+        "unrecognized arguments: --max_new_tokens 8 --top_k=3; did you mean --max-new-tokens (for --max_new_tokens), "
+        "--top-k (for --top_k)? (see `hf-contbatch generate --help`)",
+    ),
+    "adapter name without a path": (
+        "p.txt",
+        "x\n",
+        ["--adapter", "sql"],
+        "--adapter sql: must be NAME=PATH (a name, '=', a PEFT adapter folder or Hub id) or the path of an "
+        "existing adapter folder",
+    ),
+    "adapter path missing": (
+        "p.txt",
+        "x\n",
+        ["--adapter", "sql=./nope"],
+        "--adapter sql=./nope: no such directory ./nope",
+    ),
+    "adapter folder without a config": (
+        "p.txt",
+        "x\n",
+        ["--adapter", "sql=."],
+        "--adapter sql=.: . has no adapter_config.json (not a PEFT adapter folder)",
     ),
 }
 
@@ -277,6 +309,67 @@ def test_help_answers_without_importing_torch(tmp_path, args):
     assert "hf_contbatch" in imported and "argparse" in imported  # the log is read right
     assert not imported & {"torch", "transformers"}
     assert "``" not in proc.stdout  # plain text, not reStructuredText
+
+
+# Mistakes found from the arguments alone, refused before torch, transformers or PEFT are imported:
+# (the arguments, the files to write first, the start of the one line on stderr).
+REFUSED_BEFORE_IMPORTS = {
+    "adapter name": (["--adapter", "sql"], {}, "--adapter sql: must be NAME=PATH"),
+    "adapter folder": (["--adapter", "a=."], {}, "--adapter a=.: . has no adapter_config.json"),
+    "underscore option": (["--max_new_tokens", "8"], {}, "unrecognized arguments: --max_new_tokens 8; did you mean"),
+    "foreign output to resume": (
+        ["--input", "p.txt", "--output", "out.jsonl", "--resume"],
+        {"p.txt": "x\n", "out.jsonl": '{"index": 5, "id": null, "prompt": "y", "generated_text": "z"}\n'},
+        "--resume: out.jsonl holds a record that is not one of this input's rows",
+    ),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", list(REFUSED_BEFORE_IMPORTS))
+def test_a_mistake_in_the_arguments_is_refused_before_torch_is_imported(tmp_path, case):
+    args, files, start = REFUSED_BEFORE_IMPORTS[case]
+    for name, text in files.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    runner = [str(ENTRY_POINT)] if ENTRY_POINT.exists() else ["-m", "hf_contbatch.cli"]
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", *runner, "generate", *args],
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=250,  # a hang guard: the refusal itself takes well under a second
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    imported = _imported_top_level_packages(proc.stderr)
+    assert "hf_contbatch" in imported and "argparse" in imported  # the log is read right
+    assert not imported & {"torch", "transformers", "peft"}
+    (line,) = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert line.startswith(f"hf-contbatch: error: {start}"), line
+    assert proc.stdout == ""
+
+
+def test_every_underscore_spelling_of_a_generate_option_is_answered_with_its_dashed_spelling(capsys):
+    options = [o for a in _generate_parser()._actions for o in a.option_strings if "-" in o[2:]]
+    assert "--max-new-tokens" in options and "--no-enable-prefix-caching" in options
+    for option in options:
+        wrong = "--" + option[2:].replace("-", "_")
+        with pytest.raises(SystemExit) as exc:
+            main(["generate", wrong])
+        assert exc.value.code == 2
+        assert capsys.readouterr().err == (
+            f"hf-contbatch: error: unrecognized arguments: {wrong}; did you mean {option}? "
+            "(see `hf-contbatch generate --help`)\n"
+        )
+
+
+def test_an_adapter_folder_given_without_a_name_is_named_by_its_last_component(tmp_path):
+    from hf_contbatch.frontends.adapters import parse_adapter_args
+
+    folder = tmp_path / "sql"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text("{}", encoding="utf-8")
+    assert parse_adapter_args([str(folder), f"chat={folder}"]) == {"sql": str(folder), "chat": str(folder)}
 
 
 def _generate_parser():
