@@ -233,9 +233,8 @@ class PagedCacheStep(_CBCache):
         meta = self.metadata.to(k_pool.device)
         q = query[0].transpose(0, 1)  # [T, H, D]
         single = key.shape[0] == 1
-        if sinks is not None:
-            return self._attend_with_sinks(layer_idx, q, key, value, meta, scale, sliding_window, softcap, sinks)
-        out = cache.backend.attend(
+        attend, extra = (cache.backend.attend, {}) if sinks is None else (self._sinks_attention(), {"sinks": sinks})
+        out = attend(
             q,
             k_pool,
             v_pool,
@@ -245,36 +244,24 @@ class PagedCacheStep(_CBCache):
             softcap,
             key=key[0] if single else None,
             value=value[0] if single else None,
+            **extra,
             **cache.scales(layer_idx),
         )
         return out.unsqueeze(0)
 
-    def _attend_with_sinks(self, layer_idx, q, key, value, meta, scale, sliding_window, softcap, sinks):
-        """Attention sinks are served by the torch path alone (its kernels and Triton have none)."""
+    def _sinks_attention(self):
+        """The attention function of a layer with attention sinks: the torch path's, the only one
+        that has them (the C kernels and Triton do not)."""
         from .attention.backends import Int8TorchAttentionBackend, TorchAttentionBackend
         from .attention.torch_paged import torch_paged_attention
 
-        cache = self.cache
-        if not isinstance(cache.backend, (TorchAttentionBackend, Int8TorchAttentionBackend)):
+        backend = self.cache.backend
+        if not isinstance(backend, (TorchAttentionBackend, Int8TorchAttentionBackend)):
             raise ValueError(
-                f"attention sinks are served by the torch attention backend only, not {cache.backend.name!r}: "
+                f"attention sinks are served by the torch attention backend only, not {backend.name!r}: "
                 "EngineConfig(attention_backend='torch')"
             )
-        single = key.shape[0] == 1
-        out = torch_paged_attention(
-            q,
-            cache.key_cache[layer_idx],
-            cache.value_cache[layer_idx],
-            meta,
-            scale,
-            sliding_window,
-            softcap,
-            key=key[0] if single else None,
-            value=value[0] if single else None,
-            sinks=sinks,
-            **cache.scales(layer_idx),
-        )
-        return out.unsqueeze(0)
+        return torch_paged_attention
 
     @property
     def is_initialized(self) -> bool:
