@@ -21,6 +21,7 @@ held, and the pipeline serves the next call.
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sized
@@ -192,7 +193,11 @@ class StreamedCall:
         exhausted = False
         bad_input: Optional[Exception] = None  # raised once every input before it was yielded
         bar = None
-        t0 = time.monotonic()
+        # Bound here: a generator abandoned until interpreter exit runs its finally block after the
+        # modules' globals were cleared; then the engine's exit hook has closed the engine already,
+        # and there is nothing left to cancel or count.
+        clock, finalizing = time.monotonic, sys.is_finalizing
+        t0 = clock()
 
         def finished(_handle) -> None:
             counts["finished"] += 1
@@ -234,12 +239,13 @@ class StreamedCall:
                         bar.update(1)
                     yield records
         finally:
-            pending = [h for entry in inflight for h in entry.handles if not h.done()]
-            if pending and not engine.closed:
-                engine.driver.cancel_now(pending)
-            if bar is not None:
-                bar.close()
-            self._on_end(stats["requests"], stats["tokens"], time.monotonic() - t0, stats["preemptions"])
+            if not finalizing():
+                pending = [h for entry in inflight for h in entry.handles if not h.done()]
+                if pending and not engine.closed:
+                    engine.driver.cancel_now(pending)
+                if bar is not None:
+                    bar.close()
+                self._on_end(stats["requests"], stats["tokens"], clock() - t0, stats["preemptions"])
 
     def _check_per_input_lengths(self, num_inputs: int) -> None:
         for key in PER_INPUT_KWARGS:
