@@ -78,29 +78,26 @@ def test_the_same_request_is_still_refused_under_full_attention():
 
 
 @pytest.mark.timeout(600)
-def test_a_window_wider_than_the_pool_is_refused_as_full_attention_is():
-    # 6 blocks of 16 = 96 tokens cannot hold a 90-token window and a step's 16 tokens' blocks
-    # (ceil((90 - 2 + 1) / 16) + 1 = 7 blocks): the window frees nothing in this pool.
-    model = build_model("mistral", sliding_window=90)
-    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=6)))
+@pytest.mark.parametrize(
+    "window, block_size, num_blocks, prompt_len, new_tokens, pool_says, blocks_needed",
+    [
+        # 6 blocks of 16 = 96 tokens cannot hold a 90-token window and a step's 16 tokens' blocks
+        # (ceil((90 - 2 + 1) / 16) + 1 = 7 blocks): the window frees nothing in this pool.
+        (90, 16, 6, 24, 120, r"the whole pool holds 96 tokens .*window of 90", 7),
+        # 5 blocks of 2 hold 10 tokens, fewer than the window of 30: the window and a step need
+        # ceil((30 - 2 + 1) / 2) + 1 = 16 blocks (the message said the pool held "more than its window").
+        (30, 2, 5, 8, 22, r"the whole pool holds 10 tokens \(5 blocks of 2\)", 16),
+    ],
+)
+def test_a_window_wider_than_the_pool_is_refused_with_the_blocks_it_needs(
+    window, block_size, num_blocks, prompt_len, new_tokens, pool_says, blocks_needed
+):
+    model = build_model("mistral", sliding_window=window)
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=num_blocks)))
     try:
-        with pytest.raises(ValueError, match=r"the whole pool holds 96 tokens .*window of 90") as info:
-            eng.submit(random_prompts([24], seed=7)[0], SamplingParams(max_new_tokens=120))
-        assert "its window of 90 tokens and a step need 7 blocks" in str(info.value)
-    finally:
-        eng.close()
-
-
-@pytest.mark.timeout(120)
-def test_a_window_wider_than_a_small_pool_is_refused_with_the_blocks_it_needs():
-    # 5 blocks of 2 hold 10 tokens, fewer than the window of 30: the window and a step need
-    # ceil((30 - 2 + 1) / 2) + 1 = 16 blocks (the message said the pool held "more than its window").
-    model = build_model("mistral", sliding_window=30)
-    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=2, num_blocks=5)))
-    try:
-        with pytest.raises(ValueError, match=r"the whole pool holds 10 tokens \(5 blocks of 2\)") as info:
-            eng.submit(random_prompts([8], seed=7)[0], SamplingParams(max_new_tokens=22))
-        assert "its window of 30 tokens and a step need 16 blocks" in str(info.value)
+        with pytest.raises(ValueError, match=pool_says) as info:
+            eng.submit(random_prompts([prompt_len], seed=7)[0], SamplingParams(max_new_tokens=new_tokens))
+        assert f"its window of {window} tokens and a step need {blocks_needed} blocks" in str(info.value)
         assert "more than its window" not in str(info.value)
     finally:
         eng.close()
