@@ -77,7 +77,8 @@ class InputBatch:
                 del row.token_ids[end:]
 
     def add(self, new: NewRequestData) -> None:
-        """Add (or replace) the row of ``new``: its tokens, prompt length, sampling values, adapter."""
+        """Add (or replace) the row of ``new``: its tokens, prompt length, sampling values, adapter and
+        KV variant."""
         self.rows[new.request_id] = BatchRow(
             new.request_id, new.num_prompt_tokens, new.sampling, new.adapter_name, list(new.token_ids), new.kv_variant
         )
