@@ -128,3 +128,26 @@ def test_type_is_served_exactly_or_refused_in_one_line(model_type):
     assert any(m is lm_head for n, m in model.named_modules() if n in int8_linears), "LM head left float"
     dequantized = family_sweep.dequantized_copy(model, int8_linears)
     assert outs == [family_sweep.reference(dequantized, p) for p in prompts]
+
+
+def test_markdown_table_has_a_column_per_check_and_what_is_missing():
+    rows = [
+        {"type": "llama", "status": "exact", "detail": "", "greedy": "exact", "sampled": "exact", "int8": "exact"}
+        | {"preemptions": 3, "refusal_seconds": 0.01, "seconds": 0.6},
+        {"type": "mamba", "status": "refused", "detail": "model type 'mamba' is not served: layer kinds 'a|b'"}
+        | {"greedy": None, "sampled": None, "int8": None, "preemptions": None, "refusal_seconds": 0.0, "seconds": 0.2},
+    ]
+    lines = family_sweep.markdown_table(rows).splitlines()
+    header = next(line for line in lines if line.startswith("| model type"))
+    assert [c.strip() for c in header.strip("|").split("|")] == [
+        "model type",
+        "status",
+        "greedy",
+        "sampled",
+        "int8",
+        "preemptions",
+        "what is missing / detail",
+    ]
+    assert "| llama | exact | exact | exact | exact | 3 |  |" in lines
+    assert "| mamba | refused |  |  |  |  | model type 'mamba' is not served: layer kinds 'a\\|b' |" in lines
+    assert any("**1 served exactly**" in line and "1 refused in one line" in line for line in lines)
