@@ -237,8 +237,8 @@ def reference_sampled(model, prompt, seed: int):
 def dequantized_copy(model, names):
     """A deep copy of ``model`` whose ``nn.Linear`` modules named in ``names`` have their weight
     replaced by ``round(W / s) * s`` clamped to [-127, 127] steps, ``s = absmax / 127`` per output
-    channel (plain torch: the int8 weights README documents, dequantized). A tied LM head is untied
-    first, so the input embedding keeps its float values."""
+    channel (plain torch: the int8 weights README documents, dequantized). A new parameter unties a
+    tied LM head, so the input embedding keeps its float values, as in the engine."""
     import copy
 
     import torch
@@ -289,11 +289,13 @@ PREEMPT_POOLS = (10, 6)  # a pool of 6 where a sliding window let 10 hold everyt
 
 class FloatRun(NamedTuple):
     """What the float engine gave: per prompt its greedy and seeded-sampled tokens; how many times a
-    request was preempted (recompute); greedy tokens again with one request per step."""
+    request was preempted (recompute), and how many of those were seeded sampled requests; greedy
+    tokens again with one request per step."""
 
     greedy: list
     sampled: list
     num_preemptions: int
+    sampled_preemptions: int
     greedy_one_row: list
 
 
@@ -329,9 +331,11 @@ def _serve_preempted(model, prompts_, num_blocks: int):
         outs = {i: [h.result(timeout=120).output_token_ids for h in hs] for i, hs in handles.items()}
         _check_pool_whole(eng)
         n_pre = eng.stats().num_preemptions
+        n_sampled = sum(hs[1].request.num_preemptions for hs in handles.values())
     finally:
         eng.close()
-    return [outs[i][0] for i in range(len(prompts_))], [outs[i][1] for i in range(len(prompts_))], n_pre
+    n = range(len(prompts_))
+    return [outs[i][0] for i in n], [outs[i][1] for i in n], n_pre, n_sampled
 
 
 def serve_float(model, prompts_) -> FloatRun:
@@ -342,7 +346,7 @@ def serve_float(model, prompts_) -> FloatRun:
     from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 
     for num_blocks in PREEMPT_POOLS:
-        greedy, sampled, n_pre = _serve_preempted(model, prompts_, num_blocks)
+        greedy, sampled, n_pre, n_sampled = _serve_preempted(model, prompts_, num_blocks)
         if n_pre:
             break
     cfg = EngineConfig(cache=CacheConfig(block_size=16, num_blocks=32), scheduler=SchedulerConfig(max_num_seqs=1))
@@ -353,7 +357,7 @@ def serve_float(model, prompts_) -> FloatRun:
         _check_pool_whole(eng)
     finally:
         eng.close()
-    return FloatRun(greedy, sampled, n_pre, one_row)
+    return FloatRun(greedy, sampled, n_pre, n_sampled, one_row)
 
 
 def serve_int8(model, prompts_):

@@ -10,9 +10,10 @@ type, and one real float32 model is then checked against transformers' own ``gen
 - greedy tokens for two prompts (5 and 23 tokens), under forced recompute preemption and again one
   request per step;
 - seeded sampling: ``SamplingParams(seed=s)`` equal to ``torch.manual_seed(s)`` +
-  ``generate(do_sample=True)``, in the same engine as the greedy requests (the engine draws a seeded
-  request's tokens with a generator of its own, one ``multinomial`` over the full softmax per token:
-  the draw ``generate`` makes from the global generator);
+  ``generate(do_sample=True)``, in the same engine as the greedy requests, a seeded request among
+  the preempted ones (the engine draws a seeded request's tokens with a generator of its own, kept
+  across preemption, one ``multinomial`` over the full softmax per token: the draw ``generate``
+  makes from the global generator, so equality is exact whatever the batch);
 - ``quantization="int8"``: greedy tokens equal ``generate`` on a copy whose int8 linears hold the
   weights quantized and dequantized in plain torch (per output channel, absmax / 127), the closeness
   README documents; the linears the engine leaves float stay float in the copy.
@@ -120,6 +121,8 @@ def test_type_is_served_exactly_or_refused_in_one_line(model_type):
         assert "\n" not in str(cause)
         return
     assert run.num_preemptions > 0, "the pool was meant to force preemption"
+    # A seeded request recomputed after preemption draws on from where its generator was.
+    assert run.sampled_preemptions > 0, "the pool was meant to preempt a seeded request"
     assert run.greedy == greedy
     assert run.greedy_one_row == greedy
     assert run.sampled == sampled
