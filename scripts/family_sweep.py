@@ -2,19 +2,40 @@
 """Walk transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` and serve a tiny random model of every type.
 
 For each model type: a config built from the type's own config class with its sizes shrunk (hidden
-64, 2 layers, vocabulary 256, 4 experts...), a float32 random model with a fixed seed, two prompts
-(5 and 23 tokens) x 16 greedy tokens through the model's own ``generate`` and through ``LLMEngine``,
-batched and then one request at a time (every decode step one row).
+64, 2 layers, vocabulary 256, 4 experts...), a float32 random model with a fixed seed (0), and two
+prompts (5 and 23 tokens). The model is first built on the meta device and handed to ``LLMEngine``:
+a type the engine does not serve must be refused there, in one line, before any weight is touched.
+A type it serves is checked on one real model, each check against transformers' own ``generate``:
+
+- greedy: 16 tokens per prompt, in one engine whose KV pool (10 blocks of 4 tokens: the longer
+  request and no more; 6 where a sliding window let 10 hold everything) forces recompute
+  preemption, the short prompt's requests arriving at a higher priority after the long one's first
+  token; then again one request per step (``max_num_seqs=1``). Every run ends with its KV blocks
+  back in the free queue.
+- sampled: a seeded request per prompt (``SamplingParams(seed=s)``, temperature 1, no top-k/top-p)
+  in the same engine, against ``torch.manual_seed(s)`` + ``generate(do_sample=True)``: the engine
+  draws a seeded request's tokens with its own generator seeded with ``s``, one ``multinomial``
+  over the full softmax per token, the draw ``generate`` makes from the global generator.
+- int8: ``quantization="int8"`` greedy against ``generate`` of a copy whose int8-packed linears
+  have the weights quantized and dequantized in plain torch (per output channel, absmax / 127),
+  the closeness README documents (the linears left float, such as GPT-2's ``Conv1D`` and MoE
+  routers, stay float in the copy too).
+
 Each type ends in one status:
 
-- ``exact``: the engine's tokens equal ``generate``'s, both prompts.
+- ``exact``: greedy and sampled tokens equal ``generate``'s, both prompts (``int8`` is its own column).
 - ``refused``: the engine raised a one-line ``ValueError`` at construction, or its attention
   function did at the first step ("at the first step: ..."); the message is shown.
-- ``wrong``: the engine served different tokens.
+- ``wrong``: the engine served different greedy or sampled tokens.
 - ``error``: anything else the engine raised (or its time box ran out).
 - ``skip``: not a decoder-only text model (multimodal, an encoder run as a decoder, a seq2seq
   model's decoder half), or transformers itself cannot build or run it from the shrunken config
   (its ``generate`` failed): the reason is shown.
+
+``--json`` rows: ``type``, ``status``, ``detail`` (the refusal's message, or what went wrong),
+``greedy``/``sampled``/``int8`` ("exact", "wrong: prompt P from token K", "error: ...", or None
+where not run), ``preemptions`` (recompute preemptions in the float run), ``refusal_seconds`` (the
+meta-model construction), ``seconds``.
 
 Types run in chunks, each chunk in its own subprocess (memory from dozens of models is returned
 between chunks) and each type under a time box (``--time-box`` seconds, SIGALRM).
@@ -38,6 +59,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import NamedTuple
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 16
@@ -53,6 +75,9 @@ SHRINK = {
     "d_model": 64,
     "intermediate_size": 128,
     "n_inner": 128,
+    "dff": 128,  # CTRL
+    "ffn_dim": 128,  # OPT
+    "dense_intermediate_size": 128,  # MiniMax-M3
     "ffn_hidden_size": 128,
     "num_hidden_layers": 2,
     "n_layer": 2,
@@ -74,6 +99,7 @@ SHRINK = {
     "moe_intermediate_size": 32,
     "expert_intermediate_size": 32,
     "shared_expert_intermediate_size": 32,
+    "shared_intermediate_size": 32,
     "num_experts": 4,
     "num_local_experts": 4,
     "n_routed_experts": 4,
@@ -170,13 +196,15 @@ def build_tiny(model_type: str):
 
 
 def prompts():
+    """The two prompts every type is checked on: 5 and 23 token ids in [3, VOCAB) (seed 1; ids 0-2
+    are the tiny configs' pad, BOS and EOS)."""
     import torch
 
     g = torch.Generator().manual_seed(1)
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def reference(model, prompt):
+def _generate(model, prompt, **kwargs):
     import torch
 
     with torch.no_grad():
@@ -185,26 +213,188 @@ def reference(model, prompt):
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             max_new_tokens=NEW_TOKENS,
             min_new_tokens=0,
-            do_sample=False,
             pad_token_id=0,
             eos_token_id=None,
+            **kwargs,
         )
     return out[0, len(prompt) :].tolist()
 
 
-def served(model, prompts_, max_num_seqs: int = 256):
-    """The engine's greedy tokens for ``prompts_``; ``max_num_seqs=1`` decodes one row per step."""
+def reference(model, prompt):
+    """transformers' greedy ``generate`` of ``NEW_TOKENS`` tokens after ``prompt`` (ids), EOS ignored."""
+    return _generate(model, prompt, do_sample=False)
+
+
+def reference_sampled(model, prompt, seed: int):
+    """What ``generate`` samples after ``torch.manual_seed(seed)``: temperature 1, no top-k or top-p
+    (every token drawn from the full softmax), EOS ignored; ``NEW_TOKENS`` ids."""
+    import torch
+
+    torch.manual_seed(seed)
+    return _generate(model, prompt, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+
+
+def dequantized_copy(model, names):
+    """A deep copy of ``model`` whose ``nn.Linear`` modules named in ``names`` have their weight
+    replaced by ``round(W / s) * s`` clamped to [-127, 127] steps, ``s = absmax / 127`` per output
+    channel (plain torch: the int8 weights README documents, dequantized). A new parameter unties a
+    tied LM head, so the input embedding keeps its float values, as in the engine."""
+    import copy
+
+    import torch
+
+    ref = copy.deepcopy(model)
+    modules = dict(ref.named_modules())
+    with torch.no_grad():
+        for name in names:
+            m = modules[name]
+            w = m.weight.detach()
+            s = w.abs().amax(1, keepdim=True) / 127
+            q = torch.where(s > 0, w / s, 0.0)  # a zero row stays zero
+            m.weight = torch.nn.Parameter(q.round().clamp(-127, 127) * s)
+    return ref
+
+
+def refusal(model_type: str):
+    """``(message, seconds)`` when ``LLMEngine`` refuses a tiny ``model_type`` model whose weights
+    live on the meta device (reading one would fail, so a refusal there came before any weight was
+    touched); ``(None, seconds)`` when it does not refuse it (the type is served: build the real
+    model). Only the engine's own refusal counts ("not served by hf_contbatch"); any other error
+    of the meta model means the capability check passed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_contbatch import CacheConfig, EngineConfig, LLMEngine
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
+    t0 = time.perf_counter()
+    try:
+        LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=8))).close()
+    except ValueError as e:
+        if "not served by hf_contbatch" in str(e):
+            return str(e), time.perf_counter() - t0
+    except Exception:  # noqa: BLE001 - past the capability check, a meta model cannot be packed or run
+        pass
+    return None, time.perf_counter() - t0
+
+
+# Seeds of the two sampled requests (one per prompt).
+SEEDS = (11, 12)
+# KV pool of the float run: blocks of 4 tokens, 10 of them = 40 tokens, the longer request's 23 + 16
+# and no more: the four requests (two prompts, greedy and sampled) cannot all keep their KV.
+PREEMPT_BLOCK_SIZE = 4
+PREEMPT_POOLS = (10, 6)  # a pool of 6 where a sliding window let 10 hold everything
+
+
+class FloatRun(NamedTuple):
+    """What the float engine gave: per prompt its greedy and seeded-sampled tokens; how many times a
+    request was preempted (recompute), and how many of those were seeded sampled requests; greedy
+    tokens again with one request per step."""
+
+    greedy: list
+    sampled: list
+    num_preemptions: int
+    sampled_preemptions: int
+    greedy_one_row: list
+
+
+def _check_pool_whole(eng) -> None:
+    assert eng.wait_idle(10)
+    stats = eng.stats()
+    eng.block_manager.check_invariants()
+    assert stats.num_free_blocks == stats.num_blocks, f"{stats.num_blocks - stats.num_free_blocks} KV blocks leaked"
+
+
+def _serve_preempted(model, prompts_, num_blocks: int):
+    """Greedy and seeded requests for each prompt in one engine over a pool of ``num_blocks``: the
+    long prompt's two requests (priority 1) run first, the short one's (priority 0, served first)
+    arrive after their first token, so a pool that cannot hold them all preempts a long one."""
+    from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+
+    cfg = EngineConfig(cache=CacheConfig(block_size=PREEMPT_BLOCK_SIZE, num_blocks=num_blocks))
+    eng = LLMEngine(model, cfg)
+    try:
+
+        def params(i, sampled):
+            seed = SEEDS[i] if sampled else None
+            return SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, do_sample=sampled, seed=seed)
+
+        order = sorted(range(len(prompts_)), key=lambda i: -len(prompts_[i]))
+        handles = {}
+        for rank, i in enumerate(order):
+            reqs = [eng.build_request(prompts_[i], params(i, s), priority=len(order) - 1 - rank) for s in (False, True)]
+            first = eng.enqueue(reqs)
+            handles[i] = [h[0] for h in first]
+            if rank + 1 < len(order):
+                eng.driver.drive(lambda hs=handles[i]: all(h.done() or h.request.output_token_ids for h in hs))
+        outs = {i: [h.result(timeout=120).output_token_ids for h in hs] for i, hs in handles.items()}
+        _check_pool_whole(eng)
+        n_pre = eng.stats().num_preemptions
+        n_sampled = sum(hs[1].request.num_preemptions for hs in handles.values())
+    finally:
+        eng.close()
+    n = range(len(prompts_))
+    return [outs[i][0] for i in n], [outs[i][1] for i in n], n_pre, n_sampled
+
+
+def serve_float(model, prompts_) -> FloatRun:
+    """The engine's tokens for ``prompts_`` on ``model`` as it is (float32): greedy and seeded
+    sampled (``SEEDS``) in one engine whose pool forces preemption (``PREEMPT_POOLS``: the first
+    that preempts), then greedy again one request per step (``max_num_seqs=1``). Every run's KV
+    blocks are checked back in the free queue. Raises what the engine raises."""
     from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 
-    cfg = EngineConfig(
-        cache=CacheConfig(block_size=16, num_blocks=32), scheduler=SchedulerConfig(max_num_seqs=max_num_seqs)
-    )
+    for num_blocks in PREEMPT_POOLS:
+        greedy, sampled, n_pre, n_sampled = _serve_preempted(model, prompts_, num_blocks)
+        if n_pre:
+            break
+    cfg = EngineConfig(cache=CacheConfig(block_size=16, num_blocks=32), scheduler=SchedulerConfig(max_num_seqs=1))
     eng = LLMEngine(model, cfg)
     try:
         handles = [eng.submit(p, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)) for p in prompts_]
-        return [h.result(timeout=120).output_token_ids for h in handles]
+        one_row = [h.result(timeout=120).output_token_ids for h in handles]
+        _check_pool_whole(eng)
     finally:
         eng.close()
+    return FloatRun(greedy, sampled, n_pre, n_sampled, one_row)
+
+
+def serve_int8(model, prompts_):
+    """``(tokens per prompt, names of the linears run as int8)`` of a ``quantization="int8"``
+    engine, greedy. ``close()`` gives the model its float weights back."""
+    import warnings
+
+    from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+    from hf_contbatch.kernels.linears.unquantized import FloatWeightsWarning
+
+    with warnings.catch_warnings():
+        # Expected: MoE experts, routers and Conv1D weights stay float (README); their share is
+        # not what this check measures.
+        warnings.simplefilter("ignore", FloatWeightsWarning)
+        eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=32), quantization="int8"))
+    try:
+        packed = eng.packed_linears
+        ids = {id(m) for m in packed.modules} if packed is not None else set()
+        names = [n for n, m in model.named_modules() if id(m) in ids]
+        handles = [eng.submit(p, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)) for p in prompts_]
+        outs = [h.result(timeout=120).output_token_ids for h in handles]
+        _check_pool_whole(eng)
+    finally:
+        eng.close()
+    return outs, names
+
+
+def _diff(outs, refs) -> str:
+    """ "exact", or where the first difference is."""
+    if outs == refs:
+        return "exact"
+    first = next(i for i, (a, b) in enumerate(zip(outs, refs)) if a != b)
+    k = next(
+        (j for j, (a, b) in enumerate(zip(outs[first], refs[first])) if a != b),
+        min(map(len, (outs[first], refs[first]))),
+    )
+    return f"wrong: prompt {first} from token {k}"
 
 
 class TimeBox(Exception):
@@ -215,10 +405,22 @@ def _alarm(signum, frame):
     raise TimeBox()
 
 
+def _first_step_refusal(exc):
+    """The one-line message when ``exc`` is the attention function's refusal at the first step."""
+    cause = exc.__cause__ or exc
+    msg = str(cause)
+    if isinstance(cause, ValueError) and "not served by hf_contbatch" in msg:
+        return "at the first step: " + msg.splitlines()[0]
+    return None
+
+
 def check_type(model_type: str, time_box: int, verbose: bool = False) -> dict:
-    """Run one type; returns ``{"type", "status", "detail", "seconds"}``."""
+    """Run one type; returns the row ``{"type", "status", "detail", "seconds", "greedy", "sampled",
+    "int8", "preemptions", "refusal_seconds"}``. ``greedy``/``sampled``/``int8`` are "exact" or
+    "wrong: ..." (None where not run), ``preemptions`` the float run's count."""
     t0 = time.perf_counter()
     row = {"type": model_type, "status": "skip", "detail": ""}
+    row.update(greedy=None, sampled=None, int8=None, preemptions=None, refusal_seconds=None)
     signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(time_box)
     phase = "classify"
@@ -232,31 +434,44 @@ def check_type(model_type: str, time_box: int, verbose: bool = False) -> dict:
         ps = prompts()
         phase = "generate"
         refs = [reference(model, p) for p in ps]
-        phase = "engine"
-        try:
-            outs = served(model, ps)
-        except ValueError as e:
-            row.update(status="refused", detail=str(e).splitlines()[0][:200])
+        sampled_refs = [reference_sampled(model, p, s) for p, s in zip(ps, SEEDS)]
+        phase = "refusal"
+        message, seconds = refusal(model_type)
+        row["refusal_seconds"] = round(seconds, 3)
+        if message is not None:
+            row.update(status="refused", detail=message.splitlines()[0][:200])
             return row
-        if outs == refs:
-            outs = served(model, ps, max_num_seqs=1)  # batched, then one request at a time
-        if outs == refs:
-            row.update(status="exact")
-        else:
-            first = next(i for i, (a, b) in enumerate(zip(outs, refs)) if a != b)
-            k = next(j for j, (a, b) in enumerate(zip(outs[first], refs[first])) if a != b)
-            row.update(status="wrong", detail=f"prompt {first} differs from token {k}")
+        phase = "engine"
+        run = serve_float(model, ps)
+        row.update(
+            greedy=_diff(run.greedy, refs) if run.greedy_one_row == refs else _diff(run.greedy_one_row, refs),
+            sampled=_diff(run.sampled, sampled_refs),
+            preemptions=run.num_preemptions,
+        )
+        phase = "int8"
+        outs, names = serve_int8(model, ps)
+        row["int8"] = _diff(outs, [reference(dequantized_copy(model, names), p) for p in ps])
+        exact = row["greedy"] == row["sampled"] == "exact"
+        row.update(
+            status="exact" if exact else "wrong",
+            detail="" if exact else f"greedy {row['greedy']}, sampled {row['sampled']}",
+        )
     except TimeBox:
         row.update(
-            status="error" if phase == "engine" else "skip", detail=f"time box ({time_box} s) ran out in {phase}"
+            status="error" if phase in ("engine", "int8") else "skip",
+            detail=f"time box ({time_box} s) ran out in {phase}",
         )
     except Exception as e:  # noqa: BLE001 - every failure is a row of the table
         msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
         if verbose:
             traceback.print_exc()
-        if phase == "engine" and "not served by hf_contbatch" in msg:
-            row.update(status="refused", detail=f"at the first step: {msg.split(chr(40), 1)[-1]}"[:200])
-        elif phase == "engine":
+        if phase == "engine" and _first_step_refusal(e):
+            row.update(status="refused", detail=_first_step_refusal(e)[:200])
+        elif phase == "int8":
+            row["int8"] = f"error: {msg}"
+            exact = row["greedy"] == row["sampled"] == "exact"
+            row.update(status="exact" if exact else "wrong")
+        elif phase in ("engine", "refusal"):
             row.update(status="error", detail=msg)
         else:
             row.update(status="skip", detail=f"transformers cannot {phase} it tiny: {msg}")
@@ -332,6 +547,9 @@ def main(argv=None) -> int:
     text_types = sum(v for k, v in counts.items() if k != "skip")
     print(f"\n{len(rows)} types: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     print(f"decoder-only text types transformers runs tiny: {text_types}; served exactly: {counts.get('exact', 0)}")
+    for r in rows:
+        if r["status"] == "exact" and r.get("int8") != "exact":
+            print(f"  int8     {r['type']:28s} {r.get('int8')}")
     for status in ("wrong", "error", "refused", "skip"):
         for r in rows:
             if r["status"] == status:
@@ -344,7 +562,8 @@ def main(argv=None) -> int:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """The sweep as docs/model_families.md: counts, then one row per type (status, what decided it)."""
+    """The sweep as docs/model_families.md: counts, then one row per type: status, each check's result
+    (greedy, sampled, int8, preemptions forced) and, for a refused type, what is missing."""
     import torch
     import transformers
 
@@ -352,25 +571,35 @@ def markdown_table(rows: list[dict]) -> str:
     for r in rows:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     text = sum(v for k, v in counts.items() if k != "skip")
+    int8 = sum(r.get("int8") == "exact" for r in rows)
     lines = [
         "# Model families: served or refused",
         "",
         f"Generated by `scripts/family_sweep.py --markdown` (transformers {transformers.__version__}, torch "
         f"{torch.__version__}, CPU, float32): every type in `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` as a tiny "
-        f"random model of its own config class, two prompts x {NEW_TOKENS} greedy tokens against `generate`.",
+        f"random model of its own config class, two prompts (5 and 23 tokens) x {NEW_TOKENS} tokens against "
+        "`generate`: greedy under forced recompute preemption and one request per step, seeded sampling "
+        '(`torch.manual_seed(s)` + `generate(do_sample=True)`), and int8 weights (`quantization="int8"`) '
+        "against `generate` on the same weights quantized and dequantized in plain torch. "
+        "`tests/engine/test_model_walk.py` checks the same for every type.",
         "",
         f"Of {len(rows)} types, {text} are decoder-only text models that transformers runs on a tiny config: "
-        f"**{counts.get('exact', 0)} served exactly**, {counts.get('refused', 0)} refused in one line, "
-        f"{counts.get('wrong', 0)} wrong, {counts.get('error', 0)} errors. {counts.get('skip', 0)} are not counted "
+        f"**{counts.get('exact', 0)} served exactly** (greedy and sampled; int8 as documented: {int8}), "
+        f"{counts.get('refused', 0)} refused in one line, {counts.get('wrong', 0)} wrong, "
+        f"{counts.get('error', 0)} errors. {counts.get('skip', 0)} are not counted "
         "(multimodal, encoders run as decoders, seq2seq decoder halves, or not buildable tiny).",
         "",
-        "| model type | status | detail |",
-        "|---|---|---|",
+        "| model type | status | greedy | sampled | int8 | preemptions | what is missing / detail |",
+        "|---|---|---|---|---|---|---|",
     ]
     order = {"exact": 0, "refused": 1, "wrong": 2, "error": 3, "skip": 4}
+
+    def cell(value) -> str:
+        return "" if value is None else str(value).replace("|", "\\|")
+
     for r in sorted(rows, key=lambda r: (order.get(r["status"], 5), r["type"])):
-        detail = r["detail"].replace("|", "\\|")
-        lines.append(f"| {r['type']} | {r['status']} | {detail} |")
+        checks = [cell(r.get(k)) for k in ("greedy", "sampled", "int8", "preemptions")]
+        lines.append(f"| {r['type']} | {r['status']} | {' | '.join(checks)} | {cell(r['detail'])} |")
     return "\n".join(lines) + "\n"
 
 
