@@ -25,10 +25,27 @@ from .pool_sizing import KVGeometry, text_config
 # kernels do themselves (causal, plus a window passed as ``sliding_window``), and stateless blocks.
 SERVED_LAYER_KINDS = frozenset({"full_attention", "sliding_attention", "attention", "mlp", "moe"})
 
+# ``config.layer_types`` entries of recurrent layers: a fixed-size state per request (conv state and
+# SSM / linear-attention state) that transformers' layers read and write through the cache object
+# (``get_conv_state``, ``update_recurrent_state``...), served by ``kernels.recurrent_state`` and the
+# ``engine.recurrent_runner`` (whole prefills, no prefix caching, no drafts, preemption recomputes).
+RECURRENT_LAYER_KINDS = frozenset({"linear_attention", "conv", "mamba"})
+
 
 def _layer_kinds(cfg) -> list[str]:
     kinds = getattr(cfg, "layer_types", None)
     return [str(k) for k in kinds] if isinstance(kinds, (list, tuple)) else []
+
+
+def has_recurrent_layers(model) -> bool:
+    """Whether ``model``'s ``config.layer_types`` lists a recurrent layer kind (``RECURRENT_LAYER_KINDS``)."""
+    return any(k in RECURRENT_LAYER_KINDS for k in _layer_kinds(text_config(model)))
+
+
+def _only_recurrent_layers(cfg) -> bool:
+    """Whether every layer of ``cfg`` is recurrent or stateless (no attention layer: Mamba)."""
+    kinds = _layer_kinds(cfg)
+    return bool(kinds) and all(k in RECURRENT_LAYER_KINDS or k in ("mlp", "moe") for k in kinds)
 
 
 def _dispatches_through_interface(cls) -> bool:
@@ -57,9 +74,12 @@ def unserved_layer_kind(model):
     """The first thing about ``model`` the engine cannot serve yet, as a short phrase naming the
     layer kind ("layer kinds 'linear_attention'", "chunked local attention", ...), or None when every layer is served. Reads classes, the config and module attributes only."""
     cfg = text_config(model)
-    unserved = [k for k in dict.fromkeys(_layer_kinds(cfg)) if k not in SERVED_LAYER_KINDS]
+    served = SERVED_LAYER_KINDS | RECURRENT_LAYER_KINDS
+    unserved = [k for k in dict.fromkeys(_layer_kinds(cfg)) if k not in served]
     if unserved:
         return f"layer kinds {', '.join(repr(k) for k in unserved)}"
+    if _only_recurrent_layers(cfg):
+        return None  # no attention: nothing of the KV pool's shape to check
     if not _attention_through_interface(model):
         return "attention outside transformers' AttentionInterface (legacy or recurrent layers)"
     if getattr(cfg, "alibi", False):
