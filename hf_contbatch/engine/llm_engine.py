@@ -133,7 +133,14 @@ class LLMEngine:
         # them up; no Request reaches the runner or the sampler).
         self.processors = RequestProcessors()
         self.sampler = Sampler(seeded_generator(cfg.seed), self.grammars, self.processors)
-        runner_args = (model, self.cache, self.device, self.sampler, bm.block_size, cfg.scheduler.max_num_batched_tokens)
+        runner_args = (
+            model,
+            self.cache,
+            self.device,
+            self.sampler,
+            bm.block_size,
+            cfg.scheduler.max_num_batched_tokens,
+        )
         if recurrent:
             self.runner = RecurrentModelRunner(*runner_args, num_state_slots=cfg.scheduler.max_num_seqs)
         else:

@@ -29,7 +29,10 @@ SERVED_LAYER_KINDS = frozenset({"full_attention", "sliding_attention", "attentio
 # SSM / linear-attention state) that transformers' layers read and write through the cache object
 # (``get_conv_state``, ``update_recurrent_state``...), served by ``kernels.recurrent_state`` and the
 # ``engine.recurrent_runner`` (whole prefills, no prefix caching, no drafts, preemption recomputes).
-RECURRENT_LAYER_KINDS = frozenset({"linear_attention", "conv", "mamba"})
+# "hybrid" (Zamba 2): a Mamba layer that also runs a shared attention block (it keeps both a state
+# and K/V).
+RECURRENT_LAYER_KINDS = frozenset({"linear_attention", "conv", "mamba", "hybrid"})
+_STATE_ONLY_KINDS = frozenset({"linear_attention", "conv", "mamba"})  # no attention in the layer
 
 
 def _layer_kinds(cfg) -> list[str]:
@@ -45,7 +48,14 @@ def has_recurrent_layers(model) -> bool:
 def _only_recurrent_layers(cfg) -> bool:
     """Whether every layer of ``cfg`` is recurrent or stateless (no attention layer: Mamba)."""
     kinds = _layer_kinds(cfg)
-    return bool(kinds) and all(k in RECURRENT_LAYER_KINDS or k in ("mlp", "moe") for k in kinds)
+    return bool(kinds) and all(k in _STATE_ONLY_KINDS or k in ("mlp", "moe") for k in kinds)
+
+
+def _in_recurrent_layer(module, kinds: list[str]) -> bool:
+    """Whether ``module`` belongs to a recurrent layer (a linear attention such as Kimi's
+    ``KimiLinearDeltaAttention`` is named like an attention but keeps a state, not K/V)."""
+    idx = getattr(module, "layer_idx", None)
+    return isinstance(idx, int) and 0 <= idx < len(kinds) and kinds[idx] in _STATE_ONLY_KINDS
 
 
 def _dispatches_through_interface(cls) -> bool:
@@ -66,7 +76,12 @@ def _attention_through_interface(model) -> bool:
     compatible = getattr(type(model), "is_backend_compatible", None)
     if compatible() if callable(compatible) else getattr(model, "_supports_attention_backend", False):
         return True
-    attention = {type(m) for m in model.modules() if hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention")}
+    kinds = _layer_kinds(text_config(model))
+    attention = {
+        type(m)
+        for m in model.modules()
+        if hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention") and not _in_recurrent_layer(m, kinds)
+    }
     return bool(attention) and all(_dispatches_through_interface(cls) for cls in attention)
 
 
@@ -98,7 +113,10 @@ def unserved_layer_kind(model):
     # One pool shape for every layer: each layer's K and V projections must give KVH x D channels
     # (MiMo-V2-Flash's sliding layers have more KV heads; K and V heads may differ in size).
     width = g.num_kv_heads * g.head_dim
+    kinds = _layer_kinds(cfg)
     for module in model.modules():
+        if _in_recurrent_layer(module, kinds):
+            continue
         for proj in ("k_proj", "v_proj"):
             out = getattr(getattr(module, proj, None), "out_features", None)
             if hasattr(module, "layer_idx") and out is not None and out != width:

@@ -32,7 +32,7 @@ import torch
 
 from ..config import EngineConfig, resolve_compile_model
 from ..core.plan import RunnerOutput, ScheduledRequest, StepPlan
-from ..kernels.recurrent_state import RecurrentStatePool, RecurrentStateStep
+from ..kernels.recurrent_state import RecurrentStatePool, RecurrentStateStep, step_class_for
 from .runner import ModelRunner, StepInputs
 
 __all__ = ["RecurrentModelRunner", "recurrent_engine_config"]
@@ -94,6 +94,7 @@ class RecurrentModelRunner(ModelRunner):
     def __init__(self, *args, num_state_slots: int, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.states = RecurrentStatePool(num_state_slots)
+        self._step_class = step_class_for(self.model)  # RecurrentStateStep, or one MiniMax accepts
         # Tokens each request's state has consumed: a row must start there (checked, never assumed).
         self._consumed: dict[int, int] = {}
         self._views: dict[tuple[int, ...], RecurrentStateStep] = {}  # this step's, by their rows' requests
@@ -167,7 +168,7 @@ class RecurrentModelRunner(ModelRunner):
         step = self._views.get(ids)
         if step is None:
             slots = [self.states.slot(rid) for rid in ids]
-            step = self._views[ids] = RecurrentStateStep(self.cache, inputs.metadata, self.states, slots, self._previous)
+            step = self._views[ids] = self._step_class(self.cache, inputs.metadata, self.states, slots, self._previous)
         else:
             step.metadata = inputs.metadata
         batch = len(ids) > 1  # decodes: one row per request

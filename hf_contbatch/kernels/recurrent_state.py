@@ -29,7 +29,7 @@ import torch
 from .attention import note_stored
 from .paged_cache import PagedCacheStep, PagedKVCache
 
-__all__ = ["RecurrentStatePool", "RecurrentStateStep"]
+__all__ = ["RecurrentStatePool", "RecurrentStateStep", "step_class_for"]
 
 _CONV, _RECURRENT = "conv", "recurrent"
 
@@ -67,9 +67,7 @@ class RecurrentStatePool:
         if request_id in self._slot_of:
             return self._slot_of[request_id]
         if not self._free:
-            raise RuntimeError(
-                f"no free recurrent state slot for request {request_id}: all {self.num_slots} are held"
-            )
+            raise RuntimeError(f"no free recurrent state slot for request {request_id}: all {self.num_slots} are held")
         slot = self._free.pop()
         self._slot_of[request_id] = slot
         return slot
@@ -234,6 +232,15 @@ class RecurrentStateStep(PagedCacheStep):
         self._working[(layer_idx, _RECURRENT, state_idx)] = recurrent_states
         return recurrent_states
 
+    # MiniMax's lightning attention keeps its state through ``MiniMaxCache``'s own two methods.
+    def get_linear_cache(self, layer_idx: int) -> Optional[torch.Tensor]:
+        """The recurrent state of ``layer_idx`` (MiniMax's name for it), or None (a prefill)."""
+        return self.get_recurrent_state(layer_idx)
+
+    def set_linear_cache(self, layer_idx: int, linear_cache: torch.Tensor) -> None:
+        """Keep ``linear_cache`` as ``layer_idx``'s recurrent state (MiniMax's name for it)."""
+        self.update_recurrent_state(linear_cache, layer_idx)
+
     def commit(self) -> None:
         """Write every state this forward produced into its rows' slots (after the whole step ran)."""
         for key, state in self._working.items():
@@ -266,3 +273,40 @@ class RecurrentStateStep(PagedCacheStep):
             sinks,
         )  # [1, B, H, D]
         return out.transpose(0, 1)
+
+
+def step_class_for(model) -> type:
+    """The view class a forward of ``model`` gets: :class:`RecurrentStateStep`, or, for a model whose
+    forward accepts only a cache class of its own (MiniMax checks ``isinstance(cache,
+    MiniMaxCache)``), a subclass of both whose methods are :class:`RecurrentStateStep`'s (that class's
+    ``__init__`` never runs). The own class is the one ``transformers.Cache`` subclass that the model's
+    modeling module defines and names in an ``isinstance`` check."""
+    import inspect
+    import sys
+
+    from transformers.cache_utils import Cache
+
+    module = sys.modules.get(type(model).__module__)
+    if module is None:
+        return RecurrentStateStep
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError):
+        return RecurrentStateStep
+    own = [
+        cls
+        for cls in vars(module).values()
+        if isinstance(cls, type)
+        and issubclass(cls, Cache)
+        and cls.__module__ == module.__name__
+        and f"isinstance(cache, {cls.__name__})" in source
+    ]
+    if len(own) != 1:
+        return RecurrentStateStep
+    # ``Cache.is_sliding`` is a read-only property, which would win over the attribute the view's
+    # ``__init__`` sets: the view's own value instead (no sliding layer: the kernels get windows
+    # as attention arguments).
+    is_sliding = property(lambda self: [False] * self.cache.num_layers, lambda self, value: None)
+    return type(
+        f"{own[0].__name__}Step", (RecurrentStateStep, own[0]), {"__module__": __name__, "is_sliding": is_sliding}
+    )
