@@ -299,6 +299,8 @@ class LLMEngine:
         self.grammars.compilation.close()
         self._undo_patches()  # ModelPatches.undo, once (never again at garbage collection)
         self.cache.release()
+        if isinstance(self.runner, RecurrentModelRunner):
+            self.runner.states.release()
         with self._state_lock:
             # The pool's memory is gone: no free block holds a prefix any more (stats() after
             # close, e.g. a dashboard's last frame, said N free blocks still held cached prefixes).

@@ -58,6 +58,11 @@ FAMILIES = [
     "vaultgemma",  # Gemma-style soft-capping
     "gpt_oss",  # attention sinks (s_aux), sliding and full layers, MoE
     "granitemoe_swa",  # attention sinks with sliding windows
+    # Recurrent layers (a state slot per request; tests/engine/test_recurrent_state.py has more):
+    "falcon_mamba",  # Mamba mixers only, no attention layer at all
+    "qwen3_5_moe_text",  # gated delta-net linear attention, full attention, MoE
+    "olmo_hybrid",  # gated delta-net layers whose projections are not K/V of the pool
+    "minimax",  # lightning attention through a cache class of its own (MiniMaxCache)
 ]
 NEW = 16
 
@@ -128,8 +133,7 @@ def _meta_model(model_type):
 @pytest.mark.parametrize(
     "model_type, kind",
     [
-        ("mamba", "'linear_attention'"),  # recurrent layers: a per-request state
-        ("qwen3_next", "'linear_attention'"),  # a hybrid: linear-attention and full-attention layers
+        ("rwkv", "AttentionInterface"),  # recurrent layers with a state outside transformers' Cache
         ("mimo_v2_flash", "K/V shapes differ"),  # sliding layers with more KV heads than the config's
         ("deepseek_v3", "multi-head latent attention"),
         ("llama4_text", "'chunked_attention'"),
