@@ -7,9 +7,14 @@ touched, so a refusal comes before any packing or pool is built):
   itself reads, ``_supports_attention_backend``, that ``PreTrainedModel.is_backend_compatible``
   returns): our paged attention is plugged in there;
 - every layer's kind is one the paged KV cache serves: full attention, sliding-window attention
-  (the window reaches the kernels as the ``sliding_window`` attention argument), and layers without
-  attention (an MLP or MoE block listed in ``layer_types``). Kinds it cannot serve yet are named
-  in the refusal: recurrent and linear-attention layers (a per-request state), chunked local
+  (the window reaches the kernels as the ``sliding_window`` attention argument), layers without
+  attention (an MLP or MoE block listed in ``layer_types``), and recurrent layers
+  (``RECURRENT_LAYER_KINDS``: Mamba mixers, gated delta-net and other linear attention, short
+  convolutions, Zamba 2's hybrid layers), whose per-request state lives in a slot of
+  ``kernels.recurrent_state`` (served by ``engine.recurrent_runner``: whole prefills, no prefix
+  caching, no prompt-lookup drafts, preemption by recompute). A model of recurrent layers only
+  (Mamba) has no attention to check. Kinds it cannot serve yet are named in the refusal: recurrent
+  layers whose state is not in transformers' ``Cache`` (RWKV), chunked local
   attention, latent attention whose K and V heads differ in size, ALiBi biases. Attention sinks
   (gpt-oss's ``s_aux``) are served by the torch attention path; a Triton engine refuses them at
   the first step, in one line.

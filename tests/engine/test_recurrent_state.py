@@ -132,6 +132,28 @@ def test_a_request_resumed_with_more_tokens_than_a_step_holds_continues_one_toke
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("model_type", ["mamba", "qwen3_next"])
+def test_prompt_logprobs_equal_the_models_own_forward(model_type):
+    """Scoring a prompt (lm-eval's path) while other requests decode: each position's log-prob of
+    the next prompt token equals the log-softmax of the model's own forward over the prompt."""
+    model = family_sweep.build_tiny(model_type)
+    scored, other = _prompts((17, 9))
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([scored])).logits[0].float(), -1)
+    expected = [ref[p, scored[p + 1]].item() for p in range(len(scored) - 1)]
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=32)))
+    try:
+        busy = eng.submit(other, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+        h = eng.submit(scored[:-1], SamplingParams(max_new_tokens=1, prompt_logprobs=1, score_token_id=scored[-1]))
+        h.result(120)
+        busy.result(120)
+        got = [lp for lp, _ in h.request.prompt_logprobs[1:]]
+    finally:
+        eng.close()
+    assert got == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.timeout(300)
 def test_parallel_sequences_run_as_independent_requests():
     """``num_return_sequences=2`` cannot fork a recurrent state: the second sequence is its own
     request with seed + 1, so it samples what a request submitted alone with that seed samples."""
