@@ -63,6 +63,10 @@ FAMILIES = [
     "qwen3_5_moe_text",  # gated delta-net linear attention, full attention, MoE
     "olmo_hybrid",  # gated delta-net layers whose projections are not K/V of the pool
     "minimax",  # lightning attention through a cache class of its own (MiniMaxCache)
+    "mamba2",  # Mamba 2's chunked scan (family_sweep.HAND_TINY builds these four)
+    "jamba",  # Mamba and attention layers, MoE every other layer
+    "nemotron_h",  # Mamba 2, attention and MLP layers
+    "falcon_h1",  # 'hybrid' layers: Mamba 2 and attention side by side in one layer
 ]
 NEW = 16
 

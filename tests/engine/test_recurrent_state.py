@@ -3,7 +3,8 @@ request in a slot, served exactly.
 
 Greedy tokens equal transformers' own ``generate`` on each prompt alone (float32, CPU), for a pure
 recurrent model (Mamba) and hybrids (Qwen3-Next: gated delta-net and full attention; LFM2: short
-convolutions and attention; Zamba 2: Mamba layers with a shared attention block), several requests
+convolutions and attention; Zamba 2: Mamba layers with a shared attention block; Falcon-H1: Mamba 2
+and attention side by side in each layer), several requests
 of different lengths at once, one at a time, and under forced preemption (recompute, including a
 resumed request longer than one step's token budget). Slots are given back, blocks too; what the
 engine cannot serve for such a model is refused in one line.
@@ -39,7 +40,7 @@ def _prompts(lengths=LENGTHS):
     return [torch.randint(3, family_sweep.VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-@pytest.fixture(scope="module", params=["mamba", "qwen3_next", "lfm2", "zamba2"])
+@pytest.fixture(scope="module", params=["mamba", "qwen3_next", "lfm2", "zamba2", "falcon_h1"])
 def model_and_refs(request):
     model = family_sweep.build_tiny(request.param)
     prompts = _prompts()
