@@ -110,18 +110,21 @@ class RecurrentStatePool:
         return None if pool is None else pool.index_select(0, slots.to(pool.device))
 
     def write(self, key: tuple[int, str, int], slots: Sequence[int], states: torch.Tensor) -> None:
-        """Store ``states`` (``[B, ...]``) into ``slots``, allocating or growing the tensor of ``key``."""
+        """Store ``states`` (``[B, ...]``) into ``slots``, allocating or growing the tensor of ``key``
+        (its first write fixes the shape, dtype and device; later ones are cast to them).
+
+        Raises:
+            RuntimeError: ``states`` of another shape than the first write's.
+        """
         pool = self._tensors.get(key)
         need = max(slots) + 1
-        if pool is None or pool.shape[1:] != states.shape[1:] or pool.dtype != states.dtype:
-            if pool is not None and pool.shape[1:] != states.shape[1:]:
-                raise RuntimeError(
-                    f"layer {key[0]}'s {key[1]} state {key[2]} changed shape from {tuple(pool.shape[1:])} "
-                    f"to {tuple(states.shape[1:])}"
-                )
-            capacity = _grown(0, need, self.num_slots)
-            pool = states.new_zeros((capacity, *states.shape[1:]))
-            self._tensors[key] = pool
+        if pool is None:  # the first write fixes the state's shape, dtype and device
+            pool = self._tensors[key] = states.new_zeros((_grown(0, need, self.num_slots), *states.shape[1:]))
+        elif pool.shape[1:] != states.shape[1:]:
+            raise RuntimeError(
+                f"layer {key[0]}'s {key[1]} state {key[2]} changed shape from {tuple(pool.shape[1:])} "
+                f"to {tuple(states.shape[1:])}"
+            )
         elif need > pool.shape[0]:
             grown = pool.new_zeros((_grown(pool.shape[0], need, self.num_slots), *pool.shape[1:]))
             grown[: pool.shape[0]] = pool
