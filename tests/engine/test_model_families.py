@@ -176,7 +176,14 @@ def test_attention_call_the_kernels_cannot_serve_fails_at_the_first_step(model_t
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "model_type, targets",
-    [("gpt2", ["c_attn", "c_proj"]), ("gpt_neox", ["query_key_value", "dense"]), ("phi", ["q_proj", "v_proj", "fc1"])],
+    [
+        ("gpt2", ["c_attn", "c_proj"]),
+        ("gpt_neox", ["query_key_value", "dense"]),
+        ("phi", ["q_proj", "v_proj", "fc1"]),
+        # Recurrent layers: decodes reach the adapters as a [B, 1] batch (engine.recurrent_runner).
+        ("qwen3_next", ["q_proj", "in_proj_qkvz", "out_proj"]),
+        ("mamba", ["in_proj", "x_proj"]),
+    ],
 )
 def test_lora_adapter_over_a_family_equals_peft(model_type, targets):
     """Per-request LoRA serves each family's own linears, GPT-2's Conv1D ones included (PEFT's
