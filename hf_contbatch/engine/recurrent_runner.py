@@ -46,8 +46,10 @@ def recurrent_engine_config(config: EngineConfig, model_type) -> EngineConfig:
     (``SchedulerConfig.per_request_state``), preemption by recompute (a swapped-out request would
     come back without its state), no ``long_prefill_token_threshold``. Logs what it turned off.
 
+    ``HF_CONTBATCH_COMPILE=1`` (``compile_model=None``) is turned off too.
+
     Raises:
-        ValueError: ``prompt_lookup_num_tokens`` or ``compile_model`` set: a rejected draft would
+        ValueError: ``prompt_lookup_num_tokens`` or ``compile_model=True``: a rejected draft would
             need the state rolled back, and the compiled forward has no state ops (one line).
     """
     if config.prompt_lookup_num_tokens:
@@ -55,13 +57,14 @@ def recurrent_engine_config(config: EngineConfig, model_type) -> EngineConfig:
             f"model type {model_type!r} has recurrent layers: prompt-lookup drafts (prompt_lookup_num_tokens) are "
             "not served for it (a rejected draft would need its recurrent state rolled back)"
         )
-    if resolve_compile_model(config.compile_model):
+    if config.compile_model:
         raise ValueError(
-            f"model type {model_type!r} has recurrent layers: compile_model (HF_CONTBATCH_COMPILE=1) is not served "
-            "for it; turn it off"
+            f"model type {model_type!r} has recurrent layers: compile_model=True is not served for it; turn it off"
         )
     sched, cache = config.scheduler, config.cache
     off = []
+    if resolve_compile_model(config.compile_model):  # only from the environment: a default, not a request
+        off.append("HF_CONTBATCH_COMPILE=1 (eager forward)")
     if cache.enable_prefix_caching:
         off.append("prefix caching")
     if sched.preemption_mode != "recompute":
@@ -76,6 +79,7 @@ def recurrent_engine_config(config: EngineConfig, model_type) -> EngineConfig:
         )
     return dataclasses.replace(
         config,
+        compile_model=False,
         cache=dataclasses.replace(cache, enable_prefix_caching=False),
         scheduler=dataclasses.replace(
             sched, per_request_state=True, preemption_mode="recompute", long_prefill_token_threshold=None

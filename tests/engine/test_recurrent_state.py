@@ -194,11 +194,14 @@ def test_a_prompt_no_step_can_prefill_whole_is_rejected_in_one_line():
 
 
 @pytest.mark.timeout(120)
-def test_engine_settings_a_recurrent_model_cannot_serve_are_refused_or_turned_off():
+def test_engine_settings_a_recurrent_model_cannot_serve_are_refused_or_turned_off(monkeypatch):
     model = family_sweep.build_tiny("mamba")
     with pytest.raises(ValueError, match="recurrent layers: prompt-lookup drafts") as err:
         LLMEngine(model, EngineConfig(cache=CacheConfig(num_blocks=8), prompt_lookup_num_tokens=2))
     assert "model type 'mamba'" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="recurrent layers: compile_model=True"):
+        LLMEngine(model, EngineConfig(cache=CacheConfig(num_blocks=8), compile_model=True))
+    monkeypatch.setenv("HF_CONTBATCH_COMPILE", "1")  # a default from the environment is turned off
     cfg = EngineConfig(
         cache=CacheConfig(block_size=16, num_blocks=8, enable_prefix_caching=True),
         scheduler=SchedulerConfig(preemption_mode="swap", long_prefill_token_threshold=4),
@@ -209,6 +212,7 @@ def test_engine_settings_a_recurrent_model_cannot_serve_are_refused_or_turned_of
         assert eng.config.scheduler.preemption_mode == "recompute"
         assert eng.config.scheduler.long_prefill_token_threshold is None
         assert eng.config.scheduler.per_request_state
+        assert eng.config.compile_model is False and eng.compiled_forward is None
     finally:
         eng.close()
 
