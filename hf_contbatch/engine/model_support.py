@@ -14,7 +14,7 @@ touched, so a refusal comes before any packing or pool is built):
   ``kernels.recurrent_state`` (served by ``engine.recurrent_runner``: whole prefills, no prefix
   caching, no prompt-lookup drafts, preemption by recompute). A model of recurrent layers only
   (Mamba) has no attention to check. Kinds it cannot serve yet are named in the refusal: recurrent
-  layers whose state is not in transformers' ``Cache`` (RWKV), chunked local
+  layers whose state is not in transformers' ``Cache`` (RWKV, xLSTM, RecurrentGemma), chunked local
   attention, latent attention whose K and V heads differ in size, ALiBi biases. Attention sinks
   (gpt-oss's ``s_aux``) are served by the torch attention path; a Triton engine refuses them at
   the first step, in one line.
@@ -23,6 +23,7 @@ touched, so a refusal comes before any packing or pool is built):
 from __future__ import annotations
 
 import inspect
+import sys
 
 from .pool_sizing import KVGeometry, text_config
 
@@ -63,6 +64,22 @@ def _in_recurrent_layer(module, kinds: list[str]) -> bool:
     return isinstance(idx, int) and 0 <= idx < len(kinds) and kinds[idx] in _STATE_ONLY_KINDS
 
 
+# The Cache methods through which a recurrent layer hands its state to the cache it is given (the
+# view of a step maps them to the request's slot; MiniMax's lightning attention names its own).
+_STATE_WRITES = ("update_conv_state", "update_recurrent_state", "set_linear_cache")
+
+
+def _state_through_cache(model) -> bool:
+    """Whether ``model``'s modeling module writes recurrent state through the cache (RecurrentGemma
+    keeps it on its modules instead: a state the engine never sees, shared by every request)."""
+    module = sys.modules.get(type(model).__module__)
+    try:
+        source = inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):
+        return False
+    return any(name in source for name in _STATE_WRITES)
+
+
 def _dispatches_through_interface(cls) -> bool:
     """Whether ``cls.forward``'s source looks its attention function up in transformers'
     ``ALL_ATTENTION_FUNCTIONS`` (transformers decides ``_can_set_attn_implementation`` by reading
@@ -98,6 +115,8 @@ def unserved_layer_kind(model):
     unserved = [k for k in dict.fromkeys(_layer_kinds(cfg)) if k not in served]
     if unserved:
         return f"layer kinds {', '.join(repr(k) for k in unserved)}"
+    if any(k in RECURRENT_LAYER_KINDS for k in _layer_kinds(cfg)) and not _state_through_cache(model):
+        return "recurrent layers that keep their state on the modules, not in transformers' Cache"
     if _only_recurrent_layers(cfg):
         return None  # no attention: nothing of the KV pool's shape to check
     if not _attention_through_interface(model):

@@ -217,6 +217,22 @@ def test_engine_settings_a_recurrent_model_cannot_serve_are_refused_or_turned_of
         eng.close()
 
 
+@pytest.mark.timeout(60)
+def test_recurrent_layers_keeping_their_state_on_the_modules_are_refused_before_any_weight_is_touched():
+    """RecurrentGemma's RG-LRU keeps its state on the module, not in the cache it is given: a state
+    the engine would share between requests (wrong tokens), so the model is refused in one line."""
+    from transformers import AutoModelForCausalLM, CONFIG_MAPPING
+
+    cfg = CONFIG_MAPPING["recurrent_gemma"](
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=3, head_dim=16
+    )
+    with torch.device("meta"):  # reading a weight would fail
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+    with pytest.raises(ValueError, match="keep their state on the modules") as err:
+        LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=8)))
+    assert "model type 'recurrent_gemma'" in str(err.value) and "\n" not in str(err.value)
+
+
 # --- the state pool ------------------------------------------------------------------------------
 def test_state_pool_hands_out_the_lowest_free_slot_and_refuses_when_all_are_held():
     pool = RecurrentStatePool(3)
