@@ -221,7 +221,7 @@ def test_engine_settings_a_recurrent_model_cannot_serve_are_refused_or_turned_of
 def test_recurrent_layers_keeping_their_state_on_the_modules_are_refused_before_any_weight_is_touched():
     """RecurrentGemma's RG-LRU keeps its state on the module, not in the cache it is given: a state
     the engine would share between requests (wrong tokens), so the model is refused in one line."""
-    from transformers import AutoModelForCausalLM, CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     cfg = CONFIG_MAPPING["recurrent_gemma"](
         vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=3, head_dim=16
