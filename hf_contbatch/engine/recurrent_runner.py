@@ -192,6 +192,12 @@ class RecurrentModelRunner(ModelRunner):
         )
         with self._linears_step(), self._lora_step(inputs), rotary:
             logits = self.model(**kwargs).logits
+        if not step.previous and not step.holds_states:
+            # Its layers kept their state somewhere else (on the modules): shared by every request.
+            raise ValueError(
+                f"model type {getattr(self.model.config, 'model_type', None)!r}: a prefill wrote no recurrent state "
+                "through the cache: not served by hf_contbatch"
+            )
         if batch:
             return logits[:, -1].index_select(0, rows)
         logits = logits[0]

@@ -244,6 +244,11 @@ class RecurrentStateStep(PagedCacheStep):
         """Keep ``linear_cache`` as ``layer_idx``'s recurrent state (MiniMax's name for it)."""
         self.update_recurrent_state(linear_cache, layer_idx)
 
+    @property
+    def holds_states(self) -> bool:
+        """Whether this forward's layers handed it any state (a prefill's always do)."""
+        return bool(self._working)
+
     def commit(self) -> None:
         """Write every state this forward produced into its rows' slots (after the whole step ran)."""
         for key, state in self._working.items():

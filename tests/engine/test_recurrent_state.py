@@ -233,6 +233,31 @@ def test_recurrent_layers_keeping_their_state_on_the_modules_are_refused_before_
     assert "model type 'recurrent_gemma'" in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.timeout(120)
+def test_a_prefill_that_writes_no_state_fails_at_the_first_step_rather_than_a_wrong_token(monkeypatch):
+    """The runtime net under the static check: with that check fooled, RecurrentGemma's first
+    prefill hands the cache no state, and its request fails with one line instead of decoding."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from hf_contbatch.engine import model_support
+    from hf_contbatch.engine.llm_engine import EngineError
+
+    cfg = CONFIG_MAPPING["recurrent_gemma"](
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=3, head_dim=16
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    monkeypatch.setattr(model_support, "_state_through_cache", lambda model: True)
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=8)))
+    try:
+        handle = eng.submit([5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))
+        with pytest.raises(EngineError, match="wrote no recurrent state") as err:
+            handle.result(timeout=60)
+        assert isinstance(err.value.__cause__, ValueError) and "\n" not in str(err.value.__cause__)
+    finally:
+        eng.close()
+
+
 # --- the state pool ------------------------------------------------------------------------------
 def test_state_pool_hands_out_the_lowest_free_slot_and_refuses_when_all_are_held():
     pool = RecurrentStatePool(3)
