@@ -103,15 +103,29 @@ class RecurrentStatePool:
         """Bytes of every state tensor allocated so far."""
         return sum(t.numel() * t.element_size() for t in self._tensors.values())
 
+    def device_of(self, key: tuple[int, str, int]) -> Optional[torch.device]:
+        """The device of ``key``'s states, or None when nothing was ever written under it."""
+        pool = self._tensors.get(key)
+        return None if pool is None else pool.device
+
     def read(self, key: tuple[int, str, int], slots: torch.Tensor) -> Optional[torch.Tensor]:
-        """The states of ``slots`` (int64 ``[B]`` on the state's device) as a new ``[B, ...]`` tensor,
-        or None when nothing was ever written under ``key``."""
+        """The states of ``slots`` (int64 ``[B]``, best on the state's device: ``device_of``) as a new
+        ``[B, ...]`` tensor, or None when nothing was ever written under ``key``."""
         pool = self._tensors.get(key)
         return None if pool is None else pool.index_select(0, slots.to(pool.device))
 
-    def write(self, key: tuple[int, str, int], slots: Sequence[int], states: torch.Tensor) -> None:
+    def write(
+        self,
+        key: tuple[int, str, int],
+        slots: Sequence[int],
+        states: torch.Tensor,
+        index: Optional[torch.Tensor] = None,
+    ) -> None:
         """Store ``states`` (``[B, ...]``) into ``slots``, allocating or growing the tensor of ``key``
         (its first write fixes the shape, dtype and device; later ones are cast to them).
+
+        ``index``: ``slots`` as an int64 tensor already on the states' device (saves a copy per
+        layer), or None.
 
         Raises:
             RuntimeError: ``states`` of another shape than the first write's.
@@ -129,7 +143,8 @@ class RecurrentStatePool:
             grown = pool.new_zeros((_grown(pool.shape[0], need, self.num_slots), *pool.shape[1:]))
             grown[: pool.shape[0]] = pool
             pool = self._tensors[key] = grown
-        index = torch.tensor(list(slots), dtype=torch.long, device=pool.device)
+        if index is None or index.device != pool.device:
+            index = torch.tensor(list(slots), dtype=torch.long, device=pool.device)
         pool.index_copy_(0, index, states.to(pool.device, pool.dtype))
 
     def release(self) -> None:
@@ -175,7 +190,7 @@ class RecurrentStateStep(PagedCacheStep):
         self.pool = pool
         self.slots = list(slots)
         self.previous = has_previous_state
-        self._slot_index: Optional[torch.Tensor] = None
+        self._slot_index: dict[torch.device, torch.Tensor] = {}  # ``slots`` on each state device, built once
         self._working: dict[tuple[int, str, int], torch.Tensor] = {}
 
     # --- the recurrent part of transformers.Cache -------------------------------------------------
@@ -192,13 +207,21 @@ class RecurrentStateStep(PagedCacheStep):
         if not self.previous:
             return self._working.get(key)
         if key not in self._working:
-            if self._slot_index is None:
-                self._slot_index = torch.tensor(self.slots, dtype=torch.long)
-            state = self.pool.read(key, self._slot_index)
+            device = self.pool.device_of(key)
+            if device is None:
+                return None
+            state = self.pool.read(key, self._index_on(device))
             if state is None:
                 return None
             self._working[key] = state
         return self._working[key]
+
+    def _index_on(self, device: torch.device) -> torch.Tensor:
+        """``slots`` as an int64 tensor on ``device`` (one copy per device and forward)."""
+        index = self._slot_index.get(device)
+        if index is None:
+            index = self._slot_index[device] = torch.tensor(self.slots, dtype=torch.long, device=device)
+        return index
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> Optional[torch.Tensor]:
         """``[B, channels, kernel_size]`` of this forward's rows, or None (a prefill)."""
@@ -252,7 +275,7 @@ class RecurrentStateStep(PagedCacheStep):
     def commit(self) -> None:
         """Write every state this forward produced into its rows' slots (after the whole step ran)."""
         for key, state in self._working.items():
-            self.pool.write(key, self.slots, state)
+            self.pool.write(key, self.slots, state, self._index_on(state.device))
         self._working.clear()
 
     # --- attention layers of a hybrid model over a [B, 1] batch of decodes -----------------------
