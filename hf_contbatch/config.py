@@ -220,6 +220,11 @@ class SchedulerConfig:
         swap_cost_per_block: cost of moving one block to the host and back, in tokens of recompute,
             for ``preemption_mode="auto"``; None lets the engine estimate it from the model size,
             the block bytes and the device (see ``LLMEngine``).
+        per_request_state: the model keeps a recurrent state per request (Mamba, linear attention,
+            short convolutions; the engine sets it for such a model): a prefill that fits one
+            step's token budget runs whole (a chunk would need the state a chunk leaves, which some
+            families' layers do not start from), and parallel sampling's sequences run as
+            independent requests (a fork would need its parent's state at the fork point).
     """
 
     max_num_seqs: int = 128
@@ -230,6 +235,7 @@ class SchedulerConfig:
     max_preemptions: int = 8
     aging_seconds: Optional[float] = 30.0
     swap_cost_per_block: Optional[float] = None
+    per_request_state: bool = False
 
     def __post_init__(self) -> None:
         _check_positive_int("max_num_seqs", self.max_num_seqs)

@@ -131,6 +131,88 @@ SHRINK = {
 }
 
 
+# Hybrid recurrent types whose configs derive their layer kinds from fields SHRINK does not size (a
+# period and offset, an attention index list, a property), or check that the Mamba heads fill the
+# expanded width: their tiny configs spelled out (hidden 64, vocabulary 256, an attention layer
+# beside the recurrent ones, 8 Mamba heads of 16 channels with states of 8).
+_TINY_ATTENTION = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+_TINY_MAMBA = dict(
+    mamba_n_heads=8,
+    mamba_d_head=16,
+    mamba_d_state=8,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    mamba_chunk_size=8,
+    mamba_n_groups=1,
+)
+HAND_TINY = {
+    "mamba2": dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        state_size=8,
+        num_heads=8,
+        head_dim=16,
+        expand=2,
+        n_groups=1,
+        conv_kernel=4,
+        chunk_size=8,
+    ),
+    "jamba": dict(
+        _TINY_ATTENTION,
+        num_hidden_layers=4,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+    ),
+    "nemotron_h": dict(
+        _TINY_ATTENTION,
+        head_dim=16,
+        layers_block_type=["linear_attention", "full_attention", "mlp"],
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        ssm_state_size=8,
+        n_groups=1,
+        expand=2,
+        chunk_size=8,
+        conv_kernel=4,
+    ),
+    "bamba": dict(_TINY_ATTENTION, num_hidden_layers=3, attn_layer_indices=[1], **_TINY_MAMBA),
+    "falcon_h1": dict(_TINY_ATTENTION, num_hidden_layers=2, mamba_d_ssm=128, head_dim=16, **_TINY_MAMBA),
+    "granitemoehybrid": dict(
+        _TINY_ATTENTION,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "attention"],
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=64,
+        **_TINY_MAMBA,
+    ),
+    "lfm2_moe": dict(
+        _TINY_ATTENTION,
+        num_hidden_layers=3,
+        num_dense_layers=1,
+        layer_types=["conv", "full_attention", "conv"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    ),
+}
+
+
 def skip_reason(model_type: str):
     """Why ``model_type`` is not a decoder-only text model (a string), or None."""
     from transformers import CONFIG_MAPPING
@@ -150,10 +232,15 @@ def skip_reason(model_type: str):
 
 
 def tiny_config(model_type: str):
-    """The type's own config with ``SHRINK``'s sizes where the config has those fields."""
+    """The type's own config with ``SHRINK``'s sizes where the config has those fields (``HAND_TINY``'s
+    config for the types listed there)."""
     from transformers import CONFIG_MAPPING
 
     cfg_cls = CONFIG_MAPPING[model_type]
+    if model_type in HAND_TINY:
+        ids = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+        names = set(cfg_cls().to_dict())
+        return cfg_cls(**HAND_TINY[model_type], **{k: v for k, v in ids.items() if k in names})
     default = cfg_cls()
     names = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
     kw = {k: v for k, v in SHRINK.items() if k in names}

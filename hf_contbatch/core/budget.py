@@ -74,7 +74,8 @@ class StepBudget:
         """Tokens ``req`` may run this step: what it lacks after ``computed`` (default: its
         ``num_computed_tokens``) tokens, within the token budget, ``long_prefill_token_threshold``
         and, for a sliding-window pool, ``BlockManager.step_token_limit`` (so a request alone in the
-        pool always progresses). With ``stop_at_fork``, a request with pending forks stops one
+        pool always progresses); under ``per_request_state``, all it lacks or 0 when all of it fits
+        one step. With ``stop_at_fork``, a request with pending forks stops one
         token before the end of its prompt (the fork point)."""
         computed = req.num_computed_tokens if computed is None else computed
         todo = req.num_tokens - computed
@@ -86,6 +87,14 @@ class StepBudget:
         cap = self._block_manager.step_token_limit(computed)
         if cap is not None:
             n = min(n, cap)
+        if self._config.per_request_state and 0 < n < todo:
+            # Whole prefills for a recurrent model: wait for a step with room for all of it, unless
+            # no step ever has (a request recomputed after preemption with more tokens than that).
+            whole = min(self._config.max_num_batched_tokens, self._config.long_prefill_token_threshold or todo)
+            if cap is not None:
+                whole = min(whole, cap)
+            if todo <= whole:
+                return 0
         return max(n, 0)
 
     def reservation(self, rows: list[ScheduledRequest]) -> int:

@@ -48,11 +48,14 @@ class Forks:
         self._allocate_slots = allocate_slots
 
     @staticmethod
-    def take_unforkable(request: Request, max_num_seqs: int) -> list[Request]:
+    def take_unforkable(request: Request, max_num_seqs: int, per_request_state: bool = False) -> list[Request]:
         """Take ``request``'s pending forks off it when they can never be forked, to be queued as
-        independent requests: nothing to share before the first token (a one-token prompt), or
-        never room for all of them at once (more sequences than ``max_num_seqs``)."""
-        if request.pending_forks and (request.num_prompt_tokens < 2 or 1 + len(request.pending_forks) > max_num_seqs):
+        independent requests: nothing to share before the first token (a one-token prompt), never
+        room for all of them at once (more sequences than ``max_num_seqs``), or a model with a
+        recurrent state per request (``per_request_state``: the runner keeps no state to fork)."""
+        if request.pending_forks and (
+            per_request_state or request.num_prompt_tokens < 2 or 1 + len(request.pending_forks) > max_num_seqs
+        ):
             forks, request.pending_forks = request.pending_forks, []
             return forks
         return []

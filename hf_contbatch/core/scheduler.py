@@ -147,7 +147,7 @@ class Scheduler:
         """Queue ``request`` to wait, by rank (its pending forks apart when they can never fork)."""
         for r in (request, *request.pending_forks):
             self._requests[r.request_id] = r
-        for child in Forks.take_unforkable(request, self.config.max_num_seqs):
+        for child in Forks.take_unforkable(request, self.config.max_num_seqs, self.config.per_request_state):
             self.queues.add_waiting(child)
         self.queues.add_waiting(request)
 

@@ -44,9 +44,11 @@ from .handles import EngineError, HandleRegistry, RequestHandle, RequestOutput
 from .kv_pools import KVPools, move_blocks
 from .lora_adapters import LoraAdapters, is_peft_model
 from .model_patches import ModelPatches
-from .model_support import SERVED_LAYER_KINDS, check_supported_model, vocab_widths
+from .model_support import SERVED_LAYER_KINDS, check_supported_model, has_recurrent_layers, vocab_widths
 from .output_processor import OutputProcessor, log_failure
 from .per_request_processors import RequestProcessors
+from .pool_sizing import text_config
+from .recurrent_runner import RecurrentModelRunner, recurrent_engine_config
 from .reliability import execute_isolating_failures
 from .request_factory import RequestFactory
 from .runner import ModelRunner
@@ -108,6 +110,9 @@ class LLMEngine:
         self.adapters = LoraAdapters(model) if is_peft_model(model) else None
         model = model if self.adapters is None else self.adapters.model
         check_supported_model(model)
+        recurrent = has_recurrent_layers(model)
+        if recurrent:  # a state per request: whole prefills, no prefix caching, recompute
+            self.config = cfg = recurrent_engine_config(cfg, getattr(text_config(model), "model_type", None))
         pools = KVPools.for_model(model, cfg)
         g, sizes = pools.geometry, pools.sizes
         self.num_layers, self.num_kv_heads, self.head_dim = g.num_layers, g.num_kv_heads, g.head_dim
@@ -128,9 +133,18 @@ class LLMEngine:
         # them up; no Request reaches the runner or the sampler).
         self.processors = RequestProcessors()
         self.sampler = Sampler(seeded_generator(cfg.seed), self.grammars, self.processors)
-        self.runner = ModelRunner(
-            model, self.cache, self.device, self.sampler, bm.block_size, cfg.scheduler.max_num_batched_tokens
+        runner_args = (
+            model,
+            self.cache,
+            self.device,
+            self.sampler,
+            bm.block_size,
+            cfg.scheduler.max_num_batched_tokens,
         )
+        if recurrent:
+            self.runner = RecurrentModelRunner(*runner_args, num_state_slots=cfg.scheduler.max_num_seqs)
+        else:
+            self.runner = ModelRunner(*runner_args)
         self.patches = ModelPatches(model, cfg, self.cache, self.runner)  # linears, attention, compiled forward
         # Whatever ends the engine gives the model back: close() calls this, and so does garbage
         # collection of an engine nobody closed (its float weights would otherwise stay spilled
@@ -148,6 +162,7 @@ class LLMEngine:
             self.adapters,
             self.grammars.compilation,
             kv_variant=None if self.patches.rotary_variants is None else self.patches.rotary_variants.prefix_key,
+            whole_prefill_tokens=cfg.scheduler.max_num_batched_tokens if recurrent else None,
         )
         self._closed = False
         # Guards the scheduler's and block managers' state: held by the driving thread while it
@@ -284,6 +299,8 @@ class LLMEngine:
         self.grammars.compilation.close()
         self._undo_patches()  # ModelPatches.undo, once (never again at garbage collection)
         self.cache.release()
+        if isinstance(self.runner, RecurrentModelRunner):
+            self.runner.states.release()
         with self._state_lock:
             # The pool's memory is gone: no free block holds a prefix any more (stats() after
             # close, e.g. a dashboard's last frame, said N free blocks still held cached prefixes).

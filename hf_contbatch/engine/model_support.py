@@ -7,9 +7,14 @@ touched, so a refusal comes before any packing or pool is built):
   itself reads, ``_supports_attention_backend``, that ``PreTrainedModel.is_backend_compatible``
   returns): our paged attention is plugged in there;
 - every layer's kind is one the paged KV cache serves: full attention, sliding-window attention
-  (the window reaches the kernels as the ``sliding_window`` attention argument), and layers without
-  attention (an MLP or MoE block listed in ``layer_types``). Kinds it cannot serve yet are named
-  in the refusal: recurrent and linear-attention layers (a per-request state), chunked local
+  (the window reaches the kernels as the ``sliding_window`` attention argument), layers without
+  attention (an MLP or MoE block listed in ``layer_types``), and recurrent layers
+  (``RECURRENT_LAYER_KINDS``: Mamba mixers, gated delta-net and other linear attention, short
+  convolutions, Zamba 2's hybrid layers), whose per-request state lives in a slot of
+  ``kernels.recurrent_state`` (served by ``engine.recurrent_runner``: whole prefills, no prefix
+  caching, no prompt-lookup drafts, preemption by recompute). A model of recurrent layers only
+  (Mamba) has no attention to check. Kinds it cannot serve yet are named in the refusal: recurrent
+  layers whose state is not in transformers' ``Cache`` (RWKV, xLSTM, RecurrentGemma), chunked local
   attention, latent attention whose K and V heads differ in size, ALiBi biases. Attention sinks
   (gpt-oss's ``s_aux``) are served by the torch attention path; a Triton engine refuses them at
   the first step, in one line.
@@ -18,6 +23,7 @@ touched, so a refusal comes before any packing or pool is built):
 from __future__ import annotations
 
 import inspect
+import sys
 
 from .pool_sizing import KVGeometry, text_config
 
@@ -25,10 +31,53 @@ from .pool_sizing import KVGeometry, text_config
 # kernels do themselves (causal, plus a window passed as ``sliding_window``), and stateless blocks.
 SERVED_LAYER_KINDS = frozenset({"full_attention", "sliding_attention", "attention", "mlp", "moe"})
 
+# ``config.layer_types`` entries of recurrent layers: a fixed-size state per request (conv state and
+# SSM / linear-attention state) that transformers' layers read and write through the cache object
+# (``get_conv_state``, ``update_recurrent_state``...), served by ``kernels.recurrent_state`` and the
+# ``engine.recurrent_runner`` (whole prefills, no prefix caching, no drafts, preemption recomputes).
+# "hybrid" (Zamba 2): a Mamba layer that also runs a shared attention block (it keeps both a state
+# and K/V).
+RECURRENT_LAYER_KINDS = frozenset({"linear_attention", "conv", "mamba", "hybrid"})
+_STATE_ONLY_KINDS = frozenset({"linear_attention", "conv", "mamba"})  # no attention in the layer
+
 
 def _layer_kinds(cfg) -> list[str]:
     kinds = getattr(cfg, "layer_types", None)
     return [str(k) for k in kinds] if isinstance(kinds, (list, tuple)) else []
+
+
+def has_recurrent_layers(model) -> bool:
+    """Whether ``model``'s ``config.layer_types`` lists a recurrent layer kind (``RECURRENT_LAYER_KINDS``)."""
+    return any(k in RECURRENT_LAYER_KINDS for k in _layer_kinds(text_config(model)))
+
+
+def _only_recurrent_layers(cfg) -> bool:
+    """Whether every layer of ``cfg`` is recurrent or stateless (no attention layer: Mamba)."""
+    kinds = _layer_kinds(cfg)
+    return bool(kinds) and all(k in _STATE_ONLY_KINDS or k in ("mlp", "moe") for k in kinds)
+
+
+def _in_recurrent_layer(module, kinds: list[str]) -> bool:
+    """Whether ``module`` belongs to a recurrent layer (a linear attention such as Kimi's
+    ``KimiLinearDeltaAttention`` is named like an attention but keeps a state, not K/V)."""
+    idx = getattr(module, "layer_idx", None)
+    return isinstance(idx, int) and 0 <= idx < len(kinds) and kinds[idx] in _STATE_ONLY_KINDS
+
+
+# The Cache methods through which a recurrent layer hands its state to the cache it is given (the
+# view of a step maps them to the request's slot; MiniMax's lightning attention names its own).
+_STATE_WRITES = ("update_conv_state", "update_recurrent_state", "set_linear_cache")
+
+
+def _state_through_cache(model) -> bool:
+    """Whether ``model``'s modeling module writes recurrent state through the cache (RecurrentGemma
+    keeps it on its modules instead: a state the engine never sees, shared by every request)."""
+    module = sys.modules.get(type(model).__module__)
+    try:
+        source = inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):
+        return False
+    return any(name in source for name in _STATE_WRITES)
 
 
 def _dispatches_through_interface(cls) -> bool:
@@ -49,7 +98,12 @@ def _attention_through_interface(model) -> bool:
     compatible = getattr(type(model), "is_backend_compatible", None)
     if compatible() if callable(compatible) else getattr(model, "_supports_attention_backend", False):
         return True
-    attention = {type(m) for m in model.modules() if hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention")}
+    kinds = _layer_kinds(text_config(model))
+    attention = {
+        type(m)
+        for m in model.modules()
+        if hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention") and not _in_recurrent_layer(m, kinds)
+    }
     return bool(attention) and all(_dispatches_through_interface(cls) for cls in attention)
 
 
@@ -57,9 +111,14 @@ def unserved_layer_kind(model):
     """The first thing about ``model`` the engine cannot serve yet, as a short phrase naming the
     layer kind ("layer kinds 'linear_attention'", "chunked local attention", ...), or None when every layer is served. Reads classes, the config and module attributes only."""
     cfg = text_config(model)
-    unserved = [k for k in dict.fromkeys(_layer_kinds(cfg)) if k not in SERVED_LAYER_KINDS]
+    served = SERVED_LAYER_KINDS | RECURRENT_LAYER_KINDS
+    unserved = [k for k in dict.fromkeys(_layer_kinds(cfg)) if k not in served]
     if unserved:
         return f"layer kinds {', '.join(repr(k) for k in unserved)}"
+    if any(k in RECURRENT_LAYER_KINDS for k in _layer_kinds(cfg)) and not _state_through_cache(model):
+        return "recurrent layers that keep their state on the modules, not in transformers' Cache"
+    if _only_recurrent_layers(cfg):
+        return None  # no attention: nothing of the KV pool's shape to check
     if not _attention_through_interface(model):
         return "attention outside transformers' AttentionInterface (legacy or recurrent layers)"
     if getattr(cfg, "alibi", False):
@@ -78,7 +137,10 @@ def unserved_layer_kind(model):
     # One pool shape for every layer: each layer's K and V projections must give KVH x D channels
     # (MiMo-V2-Flash's sliding layers have more KV heads; K and V heads may differ in size).
     width = g.num_kv_heads * g.head_dim
+    kinds = _layer_kinds(cfg)
     for module in model.modules():
+        if _in_recurrent_layer(module, kinds):
+            continue
         for proj in ("k_proj", "v_proj"):
             out = getattr(getattr(module, proj, None), "out_features", None)
             if hasattr(module, "layer_idx") and out is not None and out != width:

@@ -86,6 +86,16 @@ class KVGeometry:
     def of(cls, model) -> "KVGeometry":
         """The geometry of ``model`` (a transformers causal LM; multimodal configs nest the text one)."""
         cfg = text_config(model)
+        if getattr(cfg, "num_attention_heads", None) is None:
+            # No attention at all (Mamba: recurrent layers only): the pool the block manager counts
+            # tokens in keeps one channel of one head per token; the state lives in the state pool.
+            return cls(
+                num_layers=cfg.num_hidden_layers,
+                num_heads=1,
+                num_kv_heads=1,
+                head_dim=1,
+                max_model_len=getattr(cfg, "max_position_embeddings", None),
+            )
         return cls(
             num_layers=cfg.num_hidden_layers,
             num_heads=cfg.num_attention_heads,

@@ -37,6 +37,9 @@ class RequestFactory:
         kv_variant: the sequence length (tokens) -> what besides the tokens changes its blocks' K
             (``Request.kv_variant``; a LongRoPE model's ``RotaryVariants.prefix_key``); None: nothing.
             A request whose variant changes while it generates cannot use prompt-lookup drafts.
+        whole_prefill_tokens: for a model with recurrent layers, the most prompt tokens one step
+            prefills (``max_num_batched_tokens``): a longer prompt, or prompt-lookup drafts, are
+            refused. None: any prompt (chunked prefill).
     """
 
     def __init__(
@@ -48,8 +51,10 @@ class RequestFactory:
         adapters: Optional[LoraAdapters] = None,
         grammars: Optional[GrammarCompilation] = None,
         kv_variant: Optional[Callable[[int], Optional[str]]] = None,
+        whole_prefill_tokens: Optional[int] = None,
     ) -> None:
         self.vocab_size = vocab_size
+        self.whole_prefill_tokens = whole_prefill_tokens
         self.max_model_len = max_model_len
         self.num_blocks = block_manager.num_blocks
         self.block_size = block_manager.block_size
@@ -124,6 +129,8 @@ class RequestFactory:
             self.grammars.check_ready_for(spec)
             sampling = dataclasses.replace(sampling, structured_outputs=spec)
         self._check_fits(len(ids), sampling)
+        if self.whole_prefill_tokens is not None:
+            self._check_whole_prefill(len(ids), sampling)
         variant = None if self.kv_variant is None else self.kv_variant(len(ids))
         if (
             self.kv_variant is not None
@@ -161,6 +168,20 @@ class RequestFactory:
                 )
             )
         return req
+
+    def _check_whole_prefill(self, n: int, sampling: SamplingParams) -> None:
+        """Raise ``ValueError`` for what a model with recurrent layers cannot serve: a prompt longer
+        than one step prefills (its state is built by one forward over the whole prompt), or drafts."""
+        if n > self.whole_prefill_tokens:
+            raise ValueError(
+                f"prompt of {n} tokens exceeds max_num_batched_tokens={self.whole_prefill_tokens}: a model with "
+                "recurrent layers prefills a prompt in one step (no chunked prefill); raise max_num_batched_tokens"
+            )
+        if sampling.prompt_lookup_num_tokens:
+            raise ValueError(
+                "prompt-lookup drafts (prompt_lookup_num_tokens) are not served for a model with recurrent layers "
+                "(a rejected draft would need its recurrent state rolled back)"
+            )
 
     def _check_fits(self, n: int, sampling: SamplingParams) -> None:
         """Raise ``ValueError`` for an ``n``-token prompt that can never run: prompt + 1 token

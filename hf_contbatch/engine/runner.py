@@ -211,17 +211,9 @@ class ModelRunner:
     def _lora_step(self, inputs: StepInputs):
         return contextlib.nullcontext() if inputs.adapter_rows is None else self.lora_layers.step(inputs.adapter_rows)
 
-    @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> RunnerOutput:
-        """Apply the plan's diffs to the batch and run the step's forward; returns the sampled token
-        of each sampling row (with its log-probs where ``SamplingValues.logprobs`` asks), the greedy
-        tokens of each request verifying drafts, and the scored prompt positions' log-probs. A plan
-        without rows only applies its diffs (rows of requests that left go)."""
-        output = RunnerOutput()
-        if plan.is_empty:
-            self.batch.apply(plan)  # rows that left still leave
-            return output
-        inputs = self.build_metadata(plan)
+    def _forward(self, plan: StepPlan, inputs: StepInputs) -> torch.Tensor:
+        """The step's forward over ``inputs``' flattened ``[1, T]`` rows: the logits
+        ``[len(inputs.logits_rows), vocab]`` of the rows the LM head reads, in that order."""
         step = self.cache.for_step(inputs.metadata)  # the step's metadata travels with the view, not on the cache
         kwargs = {
             "input_ids": inputs.input_ids.unsqueeze(0),
@@ -240,6 +232,20 @@ class ModelRunner:
             logits = self.model(**kwargs).logits[0]
         if not self._supports_logits_to_keep:
             logits = logits.index_select(0, rows)
+        return logits
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> RunnerOutput:
+        """Apply the plan's diffs to the batch and run the step's forward; returns the sampled token
+        of each sampling row (with its log-probs where ``SamplingValues.logprobs`` asks), the greedy
+        tokens of each request verifying drafts, and the scored prompt positions' log-probs. A plan
+        without rows only applies its diffs (rows of requests that left go)."""
+        output = RunnerOutput()
+        if plan.is_empty:
+            self.batch.apply(plan)  # rows that left still leave
+            return output
+        inputs = self.build_metadata(plan)
+        logits = self._forward(plan, inputs)
         num_sample_rows, num_score_rows = len(inputs.sample_rows), len(inputs.score_rows)
         if inputs.draft_rows:
             # Drafting requests are greedy (SamplingParams.can_draft): the argmax of every row, under

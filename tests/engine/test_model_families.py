@@ -58,6 +58,15 @@ FAMILIES = [
     "vaultgemma",  # Gemma-style soft-capping
     "gpt_oss",  # attention sinks (s_aux), sliding and full layers, MoE
     "granitemoe_swa",  # attention sinks with sliding windows
+    # Recurrent layers (a state slot per request; tests/engine/test_recurrent_state.py has more):
+    "falcon_mamba",  # Mamba mixers only, no attention layer at all
+    "qwen3_5_moe_text",  # gated delta-net linear attention, full attention, MoE
+    "olmo_hybrid",  # gated delta-net layers whose projections are not K/V of the pool
+    "minimax",  # lightning attention through a cache class of its own (MiniMaxCache)
+    "mamba2",  # Mamba 2's chunked scan (family_sweep.HAND_TINY builds these four)
+    "jamba",  # Mamba and attention layers, MoE every other layer
+    "nemotron_h",  # Mamba 2, attention and MLP layers
+    "falcon_h1",  # 'hybrid' layers: Mamba 2 and attention side by side in one layer
 ]
 NEW = 16
 
@@ -128,8 +137,7 @@ def _meta_model(model_type):
 @pytest.mark.parametrize(
     "model_type, kind",
     [
-        ("mamba", "'linear_attention'"),  # recurrent layers: a per-request state
-        ("qwen3_next", "'linear_attention'"),  # a hybrid: linear-attention and full-attention layers
+        ("rwkv", "AttentionInterface"),  # recurrent layers with a state outside transformers' Cache
         ("mimo_v2_flash", "K/V shapes differ"),  # sliding layers with more KV heads than the config's
         ("deepseek_v3", "multi-head latent attention"),
         ("llama4_text", "'chunked_attention'"),
@@ -168,7 +176,14 @@ def test_attention_call_the_kernels_cannot_serve_fails_at_the_first_step(model_t
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "model_type, targets",
-    [("gpt2", ["c_attn", "c_proj"]), ("gpt_neox", ["query_key_value", "dense"]), ("phi", ["q_proj", "v_proj", "fc1"])],
+    [
+        ("gpt2", ["c_attn", "c_proj"]),
+        ("gpt_neox", ["query_key_value", "dense"]),
+        ("phi", ["q_proj", "v_proj", "fc1"]),
+        # Recurrent layers: decodes reach the adapters as a [B, 1] batch (engine.recurrent_runner).
+        ("qwen3_next", ["q_proj", "in_proj_qkvz", "out_proj"]),
+        ("mamba", ["in_proj", "x_proj"]),
+    ],
 )
 def test_lora_adapter_over_a_family_equals_peft(model_type, targets):
     """Per-request LoRA serves each family's own linears, GPT-2's Conv1D ones included (PEFT's

@@ -101,7 +101,14 @@ def paged_attention_forward(
     if paged_cache is None:
         fn = _previous_attention(module, previous_implementation)
         return fn(module, query, key, value, attention_mask, **kwargs)
-    _check_served_call(module, key, value, attention_mask, stored, kwargs, isinstance(paged_cache, CompiledStep))
+    layer_idx = module.layer_idx
+    if not (isinstance(layer_idx, int) and layer_idx >= 0) and stored is not None:
+        # A module shared by several layers (Zamba 2's shared transformer block, layer_idx -1) is
+        # called with the layer as an argument: it attends as the layer it just stored K/V for.
+        layer_idx = stored[1]
+    _check_served_call(
+        module, key, value, attention_mask, stored, kwargs, isinstance(paged_cache, CompiledStep), layer_idx
+    )
     scaling, sliding_window, softcap = kwargs.get("scaling"), kwargs.get("sliding_window"), kwargs.get("softcap")
     if "sliding_window" not in kwargs:
         sliding_window = _mask_only_window(module)
@@ -122,7 +129,7 @@ def paged_attention_forward(
         )
         return out, None
     sinks = kwargs.get("s_aux")
-    return paged_cache.attend(module.layer_idx, query, key, value, scale, sliding_window, softcap, sinks), None
+    return paged_cache.attend(layer_idx, query, key, value, scale, sliding_window, softcap, sinks), None
 
 
 # --- what an engine step's attention call must look like ------------------------------------------
@@ -167,7 +174,7 @@ def _mask_only_window(module) -> Optional[int]:
     return window or None
 
 
-def _check_served_call(module, key, value, attention_mask, stored, kwargs, compiled: bool) -> None:
+def _check_served_call(module, key, value, attention_mask, stored, kwargs, compiled: bool, layer_idx=None) -> None:
     """Raise ``ValueError`` where the model asks attention for something the paged kernels would
     silently not do (they read the step's context from the pool and mask causally, with the
     ``sliding_window``/``softcap``/``s_aux`` arguments): a mask of its own (an ALiBi or learned
@@ -178,7 +185,9 @@ def _check_served_call(module, key, value, attention_mask, stored, kwargs, compi
         what = "adds its own attention mask or bias"
     elif compiled and kwargs.get("s_aux") is not None:
         what = "passes attention sinks (s_aux), which a compiled forward does not serve"
-    elif stored is not None and stored[1] != getattr(module, "layer_idx", None):
+    elif stored is not None and stored[1] != (
+        layer_idx if layer_idx is not None else getattr(module, "layer_idx", None)
+    ):
         what = f"attends as layer {getattr(module, 'layer_idx', None)} after storing K/V as layer {stored[1]}"
     elif stored is not None and (stored[2]() is not key or stored[3]() is not value):
         what = "changes K/V between cache.update and attention"
