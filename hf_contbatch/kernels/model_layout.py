@@ -11,6 +11,8 @@ it describes the model as it was when walked (a module added later is not in it)
 
 from __future__ import annotations
 
+import inspect
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -61,6 +63,32 @@ def _kind(module, index: int, layer_types, config_window) -> tuple[str, Optional
     return kind, window
 
 
+def _class_sources(cls: type) -> str:
+    """The source of ``cls`` and of its bases up to (not including) ``torch.nn.Module``; "" where
+    a class has none to read (built in, or defined in a REPL)."""
+    parts = []
+    for c in cls.__mro__:
+        if c is torch.nn.Module or c is object:
+            break
+        try:
+            parts.append(inspect.getsource(c))
+        except (OSError, TypeError):
+            pass
+    return "\n".join(parts)
+
+
+def _weight_read_directly(name: str, modules: dict[str, torch.nn.Module]) -> bool:
+    """Whether the module that owns the linear at ``name`` reads that linear's weight's values in
+    its own code (``self.<child>.weight`` other than its ``.dtype``, ``.device`` or ``.shape``, which
+    a spilled weight still answers) instead of only calling it."""
+    parent_name, _, child = name.rpartition(".")
+    parent = modules.get(parent_name)
+    if parent is None:
+        return False
+    pattern = rf"self\.{re.escape(child)}\.weight\b(?!\.(?:dtype|device|shape)\b)"
+    return re.search(pattern, _class_sources(type(parent))) is not None
+
+
 @dataclass(frozen=True)
 class ModelLayout:
     """A model's modules as one walk found them (see the module docstring).
@@ -70,7 +98,10 @@ class ModelLayout:
             once).
         attention: the attention layers, by ``layer_idx``.
         linears: every ``(name, module)`` that is an ``nn.Linear`` (subclasses included: PEFT's
-            and quantizers' wrappers; whoever packs filters them).
+            and quantizers' wrappers; whoever packs filters them), except a linear whose weight its
+            parent module's code reads directly (Mamba's ``dt_proj``: ``self.dt_proj.weight @ x``).
+            Packing, quantizing or spilling such a linear would not change what its parent computes
+            and would take away the values it reads, so it steps aside and stays float.
         norms: every ``(name, module)`` whose class is a norm (its name ends in "Norm": RMSNorm,
             LayerNorm, ...).
     """
@@ -85,6 +116,7 @@ class ModelLayout:
         """The layout of ``model`` (any ``nn.Module``; a transformers model's config gives the
         layers' kinds), from one ``named_modules()`` walk."""
         modules = tuple(model.named_modules())
+        names = dict(modules)
         config = getattr(model, "config", None)
         if config is not None and hasattr(config, "get_text_config"):
             config = config.get_text_config()
@@ -99,7 +131,9 @@ class ModelLayout:
         return cls(
             modules=modules,
             attention=tuple(sorted(attention, key=lambda a: a.index)),
-            linears=tuple((n, m) for n, m in modules if isinstance(m, torch.nn.Linear)),
+            linears=tuple(
+                (n, m) for n, m in modules if isinstance(m, torch.nn.Linear) and not _weight_read_directly(n, names)
+            ),
             norms=tuple((n, m) for n, m in modules if type(m).__name__.endswith("Norm")),
         )
 

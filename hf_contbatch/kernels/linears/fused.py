@@ -167,31 +167,46 @@ class FusedGroup:
         self._weights = []
 
     def __call__(self, member: PackedForward, x: torch.Tensor, verified: bool = False) -> torch.Tensor:
-        """``member``'s output for ``x``: the leader runs the fused GEMM, a sibling takes its
-        slice. ``verified``: inside ``PackedLinears.verified_step`` (the fused weight is current)."""
+        """``member``'s output for ``x``: the first member called with ``x`` runs the fused GEMM,
+        the others take their slices. ``verified``: inside ``PackedLinears.verified_step`` (the
+        fused weight is current)."""
         index = member.group_index
-        if index == 0:
-            if verified:
-                out = self.kernel.linear_verified(x, self.packed, self.bias, self.total)
-            else:
-                if not torch.compiler.is_compiling():  # compiled: see PackedLinears.refresh()
-                    self.repack_if_changed()
-                    if self.packed is None:  # freed: the repack failed (weights were put back)
-                        return torch.nn.functional.linear(x, member.module.weight, member.module.bias)
-                out = self.kernel.linear(x, self.packed, self.bias, self.total)
-            # Slices are taken when asked for (narrow is cheaper than split).
-            self._pending = (x, out, [False] + [True] * (len(self.sizes) - 1))
-            return out.narrow(-1, 0, self.sizes[0])
         pending = self._pending
-        if pending is not None and pending[0] is x and pending[2][index]:
+        # A slice serves when it was computed for this input and the member's weight is the one
+        # packed (written in place since, its slice is stale: compute again, which repacks).
+        if (
+            pending is not None
+            and pending[0] is x
+            and pending[2][index]
+            and (
+                verified
+                or self.keys is None
+                or torch.compiler.is_compiling()  # compiled: see PackedLinears.refresh()
+                or weight_key(member.module.weight) == self.keys[index]
+            )
+        ):
             untaken = pending[2]
             untaken[index] = False
             if not any(untaken) and self._pending is pending:
                 self._pending = None  # all taken: drop the references
             return pending[1].narrow(-1, self.offsets[index], self.sizes[index])
-        self.materialize()  # a call the fused output cannot serve needs the float weight
-        module = member.module
-        return torch.nn.functional.linear(x, module.weight, module.bias)
+        # No fused output for this input yet: whichever member is called first runs the fused GEMM
+        # (a model may call its up projection before its gate, as Falcon-H1 does), and the others
+        # take their slices. An input no member has seen computes again: correct, only slower,
+        # and it never needs the float weights (they may be spilled under int8).
+        if verified:
+            out = self.kernel.linear_verified(x, self.packed, self.bias, self.total)
+        else:
+            if not torch.compiler.is_compiling():  # compiled: see PackedLinears.refresh()
+                self.repack_if_changed()
+                if self.packed is None:  # freed: the repack failed (weights were put back)
+                    return torch.nn.functional.linear(x, member.module.weight, member.module.bias)
+            out = self.kernel.linear(x, self.packed, self.bias, self.total)
+        # Slices are taken when asked for (narrow is cheaper than split).
+        untaken = [True] * len(self.sizes)
+        untaken[index] = False
+        self._pending = (x, out, untaken)
+        return out.narrow(-1, self.offsets[index], self.sizes[index])
 
 
 def _concatenable(weight: torch.Tensor) -> bool:
