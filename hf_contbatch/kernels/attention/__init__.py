@@ -167,12 +167,21 @@ def _mask_only_window(module) -> Optional[int]:
     return window or None
 
 
+def paged_cache_is_latent(module) -> bool:
+    """Whether ``module`` is a multi-head latent attention module (transformers' MLA families cache
+    its latents: ``KVLayerShape.latent``)."""
+    rank = getattr(module, "kv_lora_rank", None)
+    return isinstance(rank, int) and rank > 0
+
+
 def _check_served_call(module, key, value, attention_mask, stored, kwargs, compiled: bool) -> None:
     """Raise ``ValueError`` where the model asks attention for something the paged kernels would
     silently not do (they read the step's context from the pool and mask causally, with the
     ``sliding_window``/``softcap``/``s_aux`` arguments): a mask of its own (an ALiBi or learned
     bias: an engine step builds none), attention sinks under a compiled forward (its op has none),
-    K/V changed after ``cache.update``, or a layer attending as another than the one it stored."""
+    K/V changed after ``cache.update`` (but for a latent layer, whose model expands the stored
+    contexts ``update`` returned), a latent layer under a compiled forward (whose op stores and
+    attends without returning the contexts), or a layer attending as another than the one it stored."""
     what = None
     if attention_mask is not None:
         what = "adds its own attention mask or bias"
@@ -180,6 +189,10 @@ def _check_served_call(module, key, value, attention_mask, stored, kwargs, compi
         what = "passes attention sinks (s_aux), which a compiled forward does not serve"
     elif stored is not None and stored[1] != getattr(module, "layer_idx", None):
         what = f"attends as layer {getattr(module, 'layer_idx', None)} after storing K/V as layer {stored[1]}"
+    elif compiled and paged_cache_is_latent(module):
+        what = "caches multi-head latent attention's latents, which a compiled forward does not serve"
+    elif stored is not None and stored[0].is_latent(stored[1]):
+        pass  # a latent layer's model expands the contexts its update returned: K/V are new tensors by design
     elif stored is not None and (stored[2]() is not key or stored[3]() is not value):
         what = "changes K/V between cache.update and attention"
     if what is not None:
