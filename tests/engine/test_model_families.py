@@ -6,7 +6,7 @@ families, each a tiny random model built from its type's own config class by
 way of building attention the engine must get right (Conv1D linears, MQA, parallel blocks, learned
 positions, partial rotary, QK norms, soft-capping, sliding windows mixed with global layers, MoE
 routers, attention sinks, decoder layers that drop the forward's kwargs, windows applied through
-the mask alone).
+the mask alone, multi-head latent attention, per-layer K/V shapes).
 Models the engine cannot serve get a one-line ``ValueError`` naming the layer kind, raised before
 any weight is touched (the refusal tests build their models on the meta device, where touching a
 weight would fail), or, where the model's attention call itself asks for something the paged
@@ -58,6 +58,16 @@ FAMILIES = [
     "vaultgemma",  # Gemma-style soft-capping
     "gpt_oss",  # attention sinks (s_aux), sliding and full layers, MoE
     "granitemoe_swa",  # attention sinks with sliding windows
+    "deepseek_v2",  # multi-head latent attention: the pool holds transformers' latents (K and V of other sizes)
+    "deepseek_v3",  # MLA, interleaved rotary, MoE with grouped routing
+    "glm4_moe_lite",  # MLA
+    "minicpm3",  # MLA with standard rotary
+    "sarvam_mla",  # MLA
+    "youtu",  # MLA
+    "axk1",  # MLA
+    "gemma4_text",  # per-layer head sizes and KV heads (global layers of 512-channel heads)
+    "gemma4_unified_text",  # per-layer head sizes and KV heads
+    "mimo_v2_flash",  # sliding layers with twice the KV heads and sinks; V heads of their own size
 ]
 NEW = 16
 
@@ -87,7 +97,9 @@ def test_family_greedy_equals_generate(model_type):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("model_type", ["gpt2", "gpt_bigcode", "cohere2", "phimoe", "gpt_oss"])
+@pytest.mark.parametrize(
+    "model_type", ["gpt2", "gpt_bigcode", "cohere2", "phimoe", "gpt_oss", "deepseek_v3", "gemma4_text", "mimo_v2_flash"]
+)
 def test_family_greedy_equals_generate_under_preemption_and_chunked_prefill(model_type):
     model = family_sweep.build_tiny(model_type)
     prompts = family_sweep.prompts() * 2
@@ -130,8 +142,7 @@ def _meta_model(model_type):
     [
         ("mamba", "'linear_attention'"),  # recurrent layers: a per-request state
         ("qwen3_next", "'linear_attention'"),  # a hybrid: linear-attention and full-attention layers
-        ("mimo_v2_flash", "K/V shapes differ"),  # sliding layers with more KV heads than the config's
-        ("deepseek_v3", "multi-head latent attention"),
+        ("deepseek_v32", "'indexed_attention'"),  # an indexer with its own key cache
         ("llama4_text", "'chunked_attention'"),
         ("bloom", "AttentionInterface"),  # legacy attention with ALiBi biases
     ],
