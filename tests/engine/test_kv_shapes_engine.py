@@ -139,3 +139,19 @@ def test_each_layer_gets_the_pool_its_config_gives_it():
     keys, values = _pool_shapes(model)
     assert keys == [(3, 4, h, cfg.head_dim) for h in heads]
     assert values == [(3, 4, h, cfg.v_head_dim) for h in heads]
+
+
+@pytest.mark.timeout(300)
+def test_compile_model_serves_latent_attention_eagerly_with_one_warning():
+    """The compiled attention op stores and attends without returning the stored contexts a latent
+    layer's model expands: such a model runs eagerly (one warning), its tokens unchanged."""
+    model = family_sweep.build_tiny("deepseek_v3")
+    prompts = family_sweep.prompts()
+    refs = [reference_greedy(model, p, NEW) for p in prompts]
+    with pytest.warns(RuntimeWarning, match="multi-head latent attention"):
+        eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=16), compile_model=True))
+    try:
+        handles = [eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
+        assert [h.result(timeout=300).output_token_ids for h in handles] == refs
+    finally:
+        eng.close()
