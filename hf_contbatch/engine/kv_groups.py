@@ -89,6 +89,22 @@ def _out_features(module, name: str) -> Optional[int]:
     return out if isinstance(out, int) else None
 
 
+def _kv_source(model, modules: dict, layer: int) -> int:
+    """The layer whose K/V a KV-sharing layer (Gemma 4's ``is_kv_shared_layer``) attends over: the
+    last earlier layer of its kind (``config.layer_types``) that stores its own, as transformers'
+    ``kv_sharing_modes`` picks it.
+
+    Raises:
+        ValueError: no such layer.
+    """
+    cfg = getattr(model.config, "get_text_config", lambda: model.config)()
+    kinds = getattr(cfg, "layer_types", None) or [None] * (layer + 1)
+    for j in range(layer - 1, -1, -1):
+        if kinds[j] == kinds[layer] and getattr(modules.get(j), "is_kv_shared_layer", False) is not True:
+            return j
+    raise ValueError(f"layer {layer} shares K/V but no earlier layer of its kind stores any")
+
+
 def layer_kv_shapes(model, num_layers: int, num_kv_heads: int, head_dim: Optional[int]) -> list[KVLayerShape]:
     """The K/V shape each decoder layer of ``model`` stores, one entry per layer.
 
@@ -102,15 +118,21 @@ def layer_kv_shapes(model, num_layers: int, num_kv_heads: int, head_dim: Optiona
       ``v_proj.out_features // KV heads`` (no ``v_proj``: Gemma 4's ``attention_k_eq_v`` layers,
       whose V is computed from the K projection: the K head size).
     - anything else (fused QKV projections, no module found): ``num_kv_heads`` heads of ``head_dim``.
+    - a KV-sharing layer (``is_kv_shared_layer``: Gemma 4's last layers): its source's shape with
+      ``shared_from`` set (see :func:`_kv_source`); it stores nothing and reads its source's pools.
 
     Raises:
         ValueError: a layer whose projections do not split into whole heads, or no head size at
             all (one line naming the layer).
     """
     modules = _attention_modules(model, num_layers)
-    shapes = []
+    shapes: list[KVLayerShape] = []
     for i in range(num_layers):
         module = modules.get(i)
+        if getattr(module, "is_kv_shared_layer", False) is True:
+            src = _kv_source(model, modules, i)
+            shapes.append(dataclasses.replace(shapes[src], shared_from=src))
+            continue
         rank = getattr(module, "kv_lora_rank", None)
         if isinstance(rank, int) and rank > 0:
             shapes.append(KVLayerShape(1, rank, int(module.qk_rope_head_dim), latent=True))

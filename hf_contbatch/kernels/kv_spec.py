@@ -49,20 +49,27 @@ class KVLayerShape:
             (``qk_rope_head_dim`` channels). Its ``cache.update`` returns each request's whole
             stored context, which the model expands into K/V heads itself before attention (see
             ``kernels.paged_cache.PagedCacheStep.update``).
+        shared_from: the earlier layer whose K/V this layer attends over without storing any (Gemma
+            4's KV sharing: its last layers reuse the K/V of the last layer of their kind before
+            them); None for a layer with pools of its own. A sharing layer's pools are its source's
+            tensors, so it costs no bytes; its shape fields repeat the source's.
 
     Raises:
-        ValueError: a non-positive size.
+        ValueError: a non-positive size or a negative ``shared_from``.
     """
 
     num_kv_heads: int
     head_size: int
     v_head_size: int
     latent: bool = False
+    shared_from: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("num_kv_heads", "head_size", "v_head_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"KVLayerShape.{name} must be positive, got {getattr(self, name)}")
+        if self.shared_from is not None and self.shared_from < 0:
+            raise ValueError(f"KVLayerShape.shared_from must be None or a layer index, got {self.shared_from}")
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,10 @@ class KVCacheSpec:
                     f"KVCacheSpec: layer 0's shape {first} disagrees with num_kv_heads={self.num_kv_heads}, "
                     f"head_size={self.head_size}"
                 )
+            for i, shape in enumerate(self.layer_shapes):
+                src = shape.shared_from
+                if src is not None and not (src < i and self.layer_shapes[src].shared_from is None):
+                    raise ValueError(f"KVCacheSpec: layer {i} shares the K/V of layer {src}, not an earlier owner")
 
     @classmethod
     def for_layers(cls, shapes: Sequence[KVLayerShape], **fields) -> "KVCacheSpec":
@@ -176,9 +187,17 @@ class KVCacheSpec:
             return None
         return (num_blocks, self.block_size, self.layer(layer).num_kv_heads, self.scales_per_token_head)
 
+    def owner(self, layer: int) -> int:
+        """The layer whose pools ``layer`` reads: itself, or the layer it shares K/V with."""
+        src = self.layer(layer).shared_from
+        return layer if src is None else src
+
     def layer_block_bytes(self, layer: int) -> int:
-        """Bytes of one block in layer ``layer``: K and V, scales included."""
+        """Bytes of one block in layer ``layer``: K and V, scales included (0 for a layer that
+        shares another's pools)."""
         shape = self.layer(layer)
+        if shape.shared_from is not None:
+            return 0
         tokens_heads = self.block_size * shape.num_kv_heads
         data = tokens_heads * (shape.head_size + shape.v_head_size) * _itemsize(self.dtype)
         scales = tokens_heads * self.scales_per_token_head * _itemsize(self.scale_dtype) if self.is_quantized else 0

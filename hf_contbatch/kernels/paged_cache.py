@@ -60,45 +60,49 @@ class PagedKVCache:
         self.dtype = spec.dtype
         # Layers whose update returns each request's stored context (multi-head latent attention).
         self.latent_layers = frozenset(i for i in range(spec.num_layers) if spec.layer(i).latent)
+        # Layers with pools of their own; a layer sharing another's K/V (Gemma 4) gets its tensors.
+        self.owning_layers = [i for i in range(spec.num_layers) if spec.owner(i) == i]
         n = num_blocks + spec.num_null_blocks
-        devices = list(enumerate(layer_devices))
-        self.key_cache = [torch.zeros(spec.layer_shape(n, i), dtype=spec.dtype, device=d) for i, d in devices]
-        self.value_cache = [torch.zeros(spec.value_shape(n, i), dtype=spec.dtype, device=d) for i, d in devices]
+        self.key_cache = _per_layer(
+            spec, lambda i: torch.zeros(spec.layer_shape(n, i), dtype=spec.dtype, device=layer_devices[i])
+        )
+        self.value_cache = _per_layer(
+            spec, lambda i: torch.zeros(spec.value_shape(n, i), dtype=spec.dtype, device=layer_devices[i])
+        )
         # A quantized layout's scales, beside the pools block for block (empty for a float cache).
         self.key_scales: list[torch.Tensor] = []
         self.value_scales: list[torch.Tensor] = []
         if spec.is_quantized:
-            self.key_scales = [
-                torch.zeros(spec.scale_shape(n, i), dtype=spec.scale_dtype, device=d) for i, d in devices
-            ]
-            self.value_scales = [
-                torch.zeros(spec.scale_shape(n, i), dtype=spec.scale_dtype, device=d) for i, d in devices
-            ]
+            self.key_scales = _per_layer(
+                spec, lambda i: torch.zeros(spec.scale_shape(n, i), dtype=spec.scale_dtype, device=layer_devices[i])
+            )
+            self.value_scales = _per_layer(
+                spec, lambda i: torch.zeros(spec.scale_shape(n, i), dtype=spec.scale_dtype, device=layer_devices[i])
+            )
         self.num_swap_blocks = num_swap_blocks
         self.swap_key_cache: list[torch.Tensor] = []
         self.swap_value_cache: list[torch.Tensor] = []
         self.swap_key_scales: list[torch.Tensor] = []
         self.swap_value_scales: list[torch.Tensor] = []
         if num_swap_blocks:
-            n = num_swap_blocks
-            layers = range(spec.num_layers)
+            m = num_swap_blocks
             # Pinned only where there is a device to DMA from (transformers' CPU offload pins
             # unconditionally and crashes on CPU-only torch). ``empty``: on CPU the pages are
             # committed only when a swap first writes them, so an unused pool costs no RAM.
             pin = torch.cuda.is_available() and any(torch.device(d).type == "cuda" for d in layer_devices)
-            self.swap_key_cache = [
-                torch.empty(spec.layer_shape(n, i), dtype=spec.dtype, pin_memory=pin) for i in layers
-            ]
-            self.swap_value_cache = [
-                torch.empty(spec.value_shape(n, i), dtype=spec.dtype, pin_memory=pin) for i in layers
-            ]
+            self.swap_key_cache = _per_layer(
+                spec, lambda i: torch.empty(spec.layer_shape(m, i), dtype=spec.dtype, pin_memory=pin)
+            )
+            self.swap_value_cache = _per_layer(
+                spec, lambda i: torch.empty(spec.value_shape(m, i), dtype=spec.dtype, pin_memory=pin)
+            )
             if spec.is_quantized:
-                self.swap_key_scales = [
-                    torch.empty(spec.scale_shape(n, i), dtype=spec.scale_dtype, pin_memory=pin) for i in layers
-                ]
-                self.swap_value_scales = [
-                    torch.empty(spec.scale_shape(n, i), dtype=spec.scale_dtype, pin_memory=pin) for i in layers
-                ]
+                self.swap_key_scales = _per_layer(
+                    spec, lambda i: torch.empty(spec.scale_shape(m, i), dtype=spec.scale_dtype, pin_memory=pin)
+                )
+                self.swap_value_scales = _per_layer(
+                    spec, lambda i: torch.empty(spec.scale_shape(m, i), dtype=spec.scale_dtype, pin_memory=pin)
+                )
 
     def for_step(self, metadata: Optional[AttentionMetadata]) -> "PagedCacheStep":
         """The view the model gets as its cache (and ``paged_cache``) for one step: ``update`` stores
@@ -147,7 +151,7 @@ class PagedKVCache:
             return
         src_cpu, dst_cpu = _block_ids(mapping)
         indices: dict = {}
-        for layer in range(self.num_layers):
+        for layer in self.owning_layers:  # a sharing layer's pools are its owner's: copied once
             dev = self.key_cache[layer].device
             if dev not in indices:
                 indices[dev] = (src_cpu.to(dev), dst_cpu.to(dev))
@@ -163,7 +167,7 @@ class PagedKVCache:
             raise RuntimeError("swap requested but the swap pool is empty (swap_space_gib=0)")
         src_cpu, dst_cpu = _block_ids(mapping)
         on_device: dict = {}
-        for layer in range(self.num_layers):
+        for layer in self.owning_layers:
             dev = self.key_cache[layer].device
             if dev not in on_device:
                 on_device[dev] = (src_cpu if to_host else dst_cpu).to(dev)
@@ -186,6 +190,17 @@ class PagedKVCache:
         self.swap_value_cache.clear()
         for scales in (self.key_scales, self.value_scales, self.swap_key_scales, self.swap_value_scales):
             scales.clear()
+
+
+def _per_layer(spec: KVCacheSpec, make) -> list[torch.Tensor]:
+    """One tensor per layer: ``make(i)`` for each layer with pools of its own, and for a layer that
+    shares another's K/V (``KVLayerShape.shared_from``) its owner's tensor, built once."""
+    made: dict = {}
+    for i in range(spec.num_layers):
+        owner = spec.owner(i)
+        if owner not in made:
+            made[owner] = make(owner)
+    return [made[spec.owner(i)] for i in range(spec.num_layers)]
 
 
 def _block_ids(mapping: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,6 +257,12 @@ class PagedCacheStep(_CBCache):
             value_states = gather_contexts(v_pool, slots, scales.get("v_scale"), value_states.dtype)
         note_stored(self, layer_idx, key_states, value_states)  # for the attention call that follows
         return key_states, value_states
+
+    def shares_kv(self, layer_idx) -> bool:
+        """Whether ``layer_idx`` attends over another layer's K/V without storing any (Gemma 4's KV
+        sharing, ``KVLayerShape.shared_from``)."""
+        spec = self.cache.spec
+        return isinstance(layer_idx, int) and 0 <= layer_idx < spec.num_layers and spec.owner(layer_idx) != layer_idx
 
     def is_latent(self, layer_idx: int) -> bool:
         """Whether ``layer_idx``'s update returns whole stored contexts (see :meth:`update`)."""

@@ -1,7 +1,8 @@
 """Models whose KV shape is not one (KV heads, head size) for K and V in every layer, end to end:
 multi-head latent attention (DeepSeek V3: the cache holds transformers' latents), per-layer head
 sizes and KV heads (Gemma 4's global layers), sliding layers with more KV heads and V heads of their
-own size (MiMo-V2-Flash). Greedy tokens equal transformers' ``generate`` under swap preemption and
+own size (MiMo-V2-Flash), layers that attend over an earlier layer's K/V (Gemma 4's KV sharing).
+Greedy tokens equal transformers' ``generate`` under swap preemption and
 chunked prefill, and with an int8 KV cache equal ``generate`` over a cache that quantizes what it
 stores by the scheme's definition (plain torch here); the pools' shapes are read off the configs
 by hand."""
@@ -153,5 +154,81 @@ def test_compile_model_serves_latent_attention_eagerly_with_one_warning():
     try:
         handles = [eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
         assert [h.result(timeout=300).output_token_ids for h in handles] == refs
+    finally:
+        eng.close()
+
+
+def _gemma4_sharing_kv():
+    """A tiny Gemma 4 whose last two layers reuse the K/V of the last earlier layer of their kind
+    (``num_kv_shared_layers``), with global layers of their own head size."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
+
+    cfg = Gemma4TextConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        max_position_embeddings=256,
+        sliding_window=8,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+@pytest.mark.timeout(600)
+def test_layers_sharing_kv_read_their_source_layers_pools():
+    model = _gemma4_sharing_kv()
+    assert model.config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
+    prompts = family_sweep.prompts() * 2
+    refs = [reference_greedy(model, p, NEW) for p in prompts]
+    cfg = EngineConfig(
+        cache=CacheConfig(block_size=4, num_blocks=14, swap_space_gib=0.01),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12, preemption_mode="swap"),
+    )
+    outs, stats = _serve(model, prompts, cfg)
+    assert outs == refs
+    assert stats.num_preemptions > 0
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=3)))
+    try:
+        cache = eng.cache
+        # Layers 2 and 3 read the pools of layers 0 (sliding) and 1 (full): no bytes of their own.
+        assert cache.key_cache[2] is cache.key_cache[0] and cache.value_cache[3] is cache.value_cache[1]
+        assert [tuple(k.shape) for k in cache.key_cache] == [(3, 4, 2, 16), (3, 4, 2, 32)] * 2
+        spec = cache.spec
+        assert spec.bytes_per_block == spec.layer_block_bytes(0) + spec.layer_block_bytes(1)
+        assert spec.layer_block_bytes(0) == 4 * 2 * (16 + 16) * 4
+    finally:
+        eng.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_layer_attending_without_storing_fails_at_the_first_step():
+    """A layer whose attention runs with no K/V stored right before would read stale slots of its
+    pool: the step fails in one line instead of serving a wrong token."""
+    from hf_contbatch.engine.llm_engine import EngineError
+
+    model = family_sweep.build_tiny("llama")
+    layer = model.model.layers[1].self_attn
+    forward = layer.forward
+
+    def forward_without_cache(*args, **kwargs):
+        kwargs.pop("cache", None)
+        kwargs.pop("past_key_values", None)
+        return forward(*args, **kwargs)
+
+    layer.forward = forward_without_cache
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=8)))
+    try:
+        handle = eng.submit([5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))
+        with pytest.raises(EngineError, match="attends without storing its K/V") as err:
+            handle.result(timeout=60)
+        assert isinstance(err.value.__cause__, ValueError) and "\n" not in str(err.value.__cause__)
     finally:
         eng.close()
