@@ -101,9 +101,10 @@ class KVGeometry:
             1 if getattr(cfg, "multi_query", False) else (_attr(cfg, "num_key_value_heads") or cfg.num_attention_heads)
         )
         # Gemma 4's config raises for a global head_dim (it is per layer): then each layer's module says.
-        config_head_dim = _attr(cfg, "head_dim")
-        if config_head_dim is None and _attr(cfg, "per_layer_config") is None:
-            config_head_dim = cfg.hidden_size // cfg.num_attention_heads
+        try:
+            config_head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+            config_head_dim = None
         shapes = tuple(layer_kv_shapes(model, cfg.num_hidden_layers, kvh, config_head_dim))
         return cls(
             num_layers=cfg.num_hidden_layers,
