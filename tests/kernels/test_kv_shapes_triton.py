@@ -83,3 +83,39 @@ def test_int8_triton_backend_steps_aside_for_v_heads_of_their_own_size():
     got = backend.attend(query.to(DEVICE), k_pool, v_pool, dev_meta, 0.25, k_scale=k_scale, v_scale=v_scale)
     want = reference_for(query, reference_dequantized(k_float), reference_dequantized(v_float), _layer(8, 5)[3], 0.25)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "gemma4_text", "mimo_v2_flash"])
+def test_triton_engine_serves_latent_per_layer_and_sink_layers_exactly(model_type):
+    """A Triton engine never refuses these models: latent layers store their latents (K and V of
+    other sizes) through the torch path and attend over the expanded contexts, Gemma 4's 512-channel
+    global layers and MiMo's sink layers step aside to the torch path; the rest run the kernels."""
+    import importlib.util
+
+    from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+
+    from conftest import reference_greedy
+
+    sweep_path = Path(__file__).resolve().parents[2] / "scripts" / "family_sweep.py"
+    spec = importlib.util.spec_from_file_location("family_sweep", sweep_path)
+    family_sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(family_sweep)
+    model = family_sweep.build_tiny(model_type)
+    prompts = family_sweep.prompts()
+    refs = [reference_greedy(model, p, 6) for p in prompts]
+    cfg = EngineConfig(
+        cache=CacheConfig(block_size=8, num_blocks=8),
+        scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=2),
+        attention_backend="triton",
+    )
+    eng = LLMEngine(model, cfg)
+    try:
+        assert eng.backend.name == "triton"
+        handles = [eng.submit(p, SamplingParams(max_new_tokens=6, ignore_eos=True)) for p in prompts]
+        outs = [h.result(1200).output_token_ids for h in handles]
+        assert eng.wait_idle(10)
+        assert eng.stats().num_free_blocks == 8
+    finally:
+        eng.close()
+    assert outs == refs
