@@ -25,6 +25,7 @@ window, sliding window W (its blocks are released as the window moves on, see
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -203,13 +204,13 @@ class KVCacheSpec:
         scales = tokens_heads * self.scales_per_token_head * _itemsize(self.scale_dtype) if self.is_quantized else 0
         return data + 2 * scales
 
-    @property
+    @functools.cached_property
     def layer_bytes_per_block(self) -> int:
         """Bytes of one block in the largest layer: K and V, scales included (every layer's where
         the layers share one shape; per layer: :meth:`layer_block_bytes`)."""
         return max(self.layer_block_bytes(i) for i in range(self.num_layers))
 
-    @property
+    @functools.cached_property  # a sum over the layers; stats read it per snapshot (frozen: computed once)
     def bytes_per_block(self) -> int:
         """Bytes of one block over all layers: K and V, scales included."""
         return sum(self.layer_block_bytes(i) for i in range(self.num_layers))
