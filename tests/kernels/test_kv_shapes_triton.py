@@ -119,3 +119,14 @@ def test_triton_engine_serves_latent_per_layer_and_sink_layers_exactly(model_typ
     finally:
         eng.close()
     assert outs == refs
+
+
+def test_triton_is_not_refused_for_a_model_whose_layers_are_all_latent():
+    """DeepSeek V3's real latents (512-channel K, 64-channel V: no Triton tile has 512) are stored
+    and read by the torch path in every layer, so asking for Triton checks no head size."""
+    from hf_contbatch.kernels.attention.backends import select_backend
+    from hf_contbatch.kernels.kv_spec import KVCacheSpec, KVLayerShape
+
+    spec = KVCacheSpec.for_layers([KVLayerShape(1, 512, 64, latent=True)] * 3, block_size=16, dtype=torch.float32)
+    backend = select_backend("triton", DEVICE, spec, num_heads=128)
+    assert backend.name == "triton"

@@ -455,13 +455,21 @@ def select_backend(
     Raises:
         ValueError: an unknown or unusable backend, or a layout the backend cannot store.
     """
+    # The shape the kernels are checked against: the first layer they could run (K and V heads of
+    # one size, not latent, pools of its own); the other layers step aside per layer where the
+    # kernels lack their shape. A model with no such layer (every layer latent) reads no pool
+    # through the kernels, so no shape is checked.
+    layers = (spec.layer(i) for i in range(spec.num_layers))
+    kernel_layer = next(
+        (s for s in layers if not s.latent and s.shared_from is None and s.head_size == s.v_head_size), None
+    )
     name = resolve_backend_name(
         requested,
         device,
         dtype=None if spec.is_quantized else spec.dtype,  # int8 tiles compute in the model's dtype
-        head_dim=spec.head_size,
-        num_heads=num_heads,
-        num_kv_heads=spec.num_kv_heads,
+        head_dim=kernel_layer.head_size if kernel_layer else None,
+        num_heads=num_heads if kernel_layer else None,
+        num_kv_heads=kernel_layer.num_kv_heads if kernel_layer else None,
         block_size=spec.block_size,
     )
     devices = [torch.device(d) for d in (layer_devices or [device])]
