@@ -5,12 +5,18 @@ reference (``tests/reference_attention.py``)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_int8_kv import reference_dequantized
 from test_torch_attention import _batch, reference_for
 
-from hf_contbatch.kernels.attention.backends import CPUKernelAttentionBackend, TorchAttentionBackend
+from hf_contbatch.kernels.attention.backends import (
+    CPUKernelAttentionBackend,
+    Int8TorchAttentionBackend,
+    TorchAttentionBackend,
+)
 from hf_contbatch.kernels.attention.kv_quant import store_quantized
 from hf_contbatch.kernels.attention.torch_paged import context_attention, context_slots, torch_paged_attention
 from hf_contbatch.kernels.kv_spec import KVCacheSpec, KVLayerShape
@@ -196,3 +202,47 @@ def test_context_attention_refuses_contexts_of_another_length():
     key, value = _dense_contexts(meta, 2, 8, 8)
     with pytest.raises(ValueError, match="key rows"):
         context_attention(query, key[:, 1:], value[:, 1:], meta, 1.0)
+
+
+def _latent_step(dtype, scales):
+    """A cache of one latent layer (16-channel K latent, 8-channel V rotary key) with two requests:
+    request 0 decodes its 6th token over 5 stored ones, request 1 prefills 3 tokens."""
+    spec = KVCacheSpec.for_layers([KVLayerShape(1, 16, 8, latent=True)], block_size=4, dtype=dtype, **scales)
+    backend = Int8TorchAttentionBackend() if dtype == torch.int8 else TorchAttentionBackend()
+    cache = PagedKVCache(spec, 6, [torch.device("cpu")], backend)
+    tables = torch.tensor([[4, 1], [2, 0]], dtype=torch.int32)
+    meta = backend.build_metadata(
+        slot_mapping=torch.tensor([1 * 4 + 1, 2 * 4 + 0, 2 * 4 + 1, 2 * 4 + 2]),
+        block_tables=tables,
+        query_start_loc=torch.tensor([0, 1, 4], dtype=torch.int32),
+        seq_lens=torch.tensor([6, 3], dtype=torch.int32),
+        query_start_loc_cpu=[0, 1, 4],
+        seq_lens_cpu=[6, 3],
+        num_decodes=1,
+        block_size=4,
+        num_kv_heads=1,
+        device=torch.device("cpu"),
+    )
+    return cache, meta
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_latent_layers_update_returns_each_requests_stored_context(quantized):
+    scales = dict(scale_dtype=torch.float32, scales_per_token_head=1) if quantized else {}
+    cache, meta = _latent_step(torch.int8 if quantized else torch.float32, scales)
+    g = torch.Generator().manual_seed(3)
+    past_k, past_v = torch.randn(5, 1, 16, generator=g), torch.randn(5, 1, 8, generator=g)
+    # Request 0's first 5 tokens, stored by an earlier step: block 4 then block 1.
+    earlier = [4 * 4 + 0, 4 * 4 + 1, 4 * 4 + 2, 4 * 4 + 3, 1 * 4 + 0]
+    meta_earlier = dataclasses.replace(meta, slot_mapping=torch.tensor(earlier), _derived={})
+    cache.backend.store_kv(past_k, past_v, cache.key_cache[0], cache.value_cache[0], meta_earlier, **cache.scales(0))
+    new_k, new_v = torch.randn(1, 1, 4, 16, generator=g), torch.randn(1, 1, 4, 8, generator=g)
+    key, value = cache.for_step(meta).update(new_k, new_v, 0)
+    # [request 0: 5 stored + its new token, request 1: its 3 new tokens], one latent "head".
+    want_k = torch.cat([past_k[:, 0], new_k[0, 0, :1], new_k[0, 0, 1:]])
+    want_v = torch.cat([past_v[:, 0], new_v[0, 0, :1], new_v[0, 0, 1:]])
+    if quantized:  # every row reads what the int8 cache holds
+        want_k, want_v = reference_dequantized(want_k), reference_dequantized(want_v)
+    assert key.shape == (1, 1, 9, 16) and value.shape == (1, 1, 9, 8)
+    torch.testing.assert_close(key[0, 0], want_k, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(value[0, 0], want_v, rtol=1e-6, atol=1e-6)
