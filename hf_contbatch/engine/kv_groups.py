@@ -59,7 +59,10 @@ def kv_cache_groups(spec: KVCacheSpec, windows: Sequence[Optional[int]]) -> list
     One group either way: sliding window W when every layer slides over the same W, else full
     attention. A mixed model (some full, some sliding layers) stores the whole context in every
     layer, as a full-attention model does: correct, not smaller; a group per kind with its own
-    block tables is the next step (see ``kernels.kv_spec``).
+    block tables is the next step (see ``kernels.kv_spec``). Layers of different K/V shapes
+    (``spec.layer_shapes``) stay in the one group: one block-id space indexes every layer's pool,
+    each pool shaped by its layer, so one block manager, one budget and one block table per request
+    serve them all, and pool sizing counts each layer's own bytes per block.
 
     Raises:
         ValueError: ``len(windows)`` differs from ``spec.num_layers``.

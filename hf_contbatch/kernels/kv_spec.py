@@ -218,7 +218,8 @@ class KVCacheSpec:
 
 @dataclass(frozen=True)
 class KVCacheGroup:
-    """Layers that share one KV layout and one block table per request.
+    """Layers that share one KV layout (each layer's shape in ``spec.layer_shapes`` where they
+    differ) and one block table per request.
 
     Attributes:
         group_id: the group's index in the model's groups (0-based).
