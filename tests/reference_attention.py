@@ -45,7 +45,8 @@ def reference_paged_attention(
 
     Args:
         query: ``[T, num_heads, head_dim]``.
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (``v_cache``'s last
+            dim, the V head size, may differ from the K head size).
         block_tables: ``[B, max_blocks_per_seq]``.
         seq_lens: ``[B]``, context length including this step's tokens.
         query_start_loc: ``[B + 1]``, cumulative query lengths (``arange(B + 1)`` for pure decode).
@@ -54,12 +55,12 @@ def reference_paged_attention(
         softcap: scores become ``softcap * tanh(scores / softcap)``.
 
     Returns:
-        ``[T, num_heads, head_dim]`` in the query dtype.
+        ``[T, num_heads, v_head_dim]`` in the query dtype.
     """
     num_heads = query.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.zeros(query.shape, dtype=torch.float32)
+    out = torch.zeros((query.shape[0], num_heads, v_cache.shape[-1]), dtype=torch.float32)
     starts = query_start_loc.tolist()
     for b, seq_len in enumerate(seq_lens.tolist()):
         q_begin, q_end = starts[b], starts[b + 1]

@@ -16,6 +16,11 @@ mask the same way). Families differ in where it comes from:
 
 ``tests/engine/test_sliding_window.py`` checks these rules against the windows each family's forward
 really passes.
+
+Each layer's K/V shape (:func:`layer_kv_shapes`) is read from its attention module, which is where
+transformers decides it: Gemma 4's global layers have their own head size and KV heads,
+MiMo-V2-Flash's sliding layers twice the KV heads and V heads of ``v_head_dim`` channels, and the
+multi-head latent attention families cache their latents (``KVLayerShape.latent``).
 """
 
 from __future__ import annotations
@@ -23,9 +28,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
-from ..kernels.kv_spec import KVCacheGroup, KVCacheSpec
+from ..kernels.kv_spec import KVCacheGroup, KVCacheSpec, KVLayerShape
 
-__all__ = ["kv_cache_groups", "layer_windows"]
+__all__ = ["kv_cache_groups", "layer_kv_shapes", "layer_windows"]
 
 _EVERY_LAYER = frozenset({"mistral", "mixtral", "phi3", "qwen3_moe"})
 _BY_LAYER_TYPE = frozenset({"qwen2", "qwen2_moe", "qwen3", "gemma2", "gemma3", "gemma3_text", "smollm3"})
@@ -54,7 +59,10 @@ def kv_cache_groups(spec: KVCacheSpec, windows: Sequence[Optional[int]]) -> list
     One group either way: sliding window W when every layer slides over the same W, else full
     attention. A mixed model (some full, some sliding layers) stores the whole context in every
     layer, as a full-attention model does: correct, not smaller; a group per kind with its own
-    block tables is the next step (see ``kernels.kv_spec``).
+    block tables is the next step (see ``kernels.kv_spec``). Layers of different K/V shapes
+    (``spec.layer_shapes``) stay in the one group: one block-id space indexes every layer's pool,
+    each pool shaped by its layer, so one block manager, one budget and one block table per request
+    serve them all, and pool sizing counts each layer's own bytes per block.
 
     Raises:
         ValueError: ``len(windows)`` differs from ``spec.num_layers``.
@@ -65,3 +73,110 @@ def kv_cache_groups(spec: KVCacheSpec, windows: Sequence[Optional[int]]) -> list
     window = kinds.pop() if len(kinds) == 1 else None
     group_spec = dataclasses.replace(spec, sliding_window=window)
     return [KVCacheGroup(group_id=0, layers=tuple(range(spec.num_layers)), spec=group_spec)]
+
+
+# ``config.layer_types`` entries of recurrent layers: a fixed-size state per request (conv state and
+# SSM / linear-attention state) that transformers' layers read and write through the cache object
+# (``get_conv_state``, ``update_recurrent_state``...), served by ``kernels.recurrent_state`` and the
+# ``engine.recurrent_runner`` (whole prefills, no prefix caching, no drafts, preemption recomputes).
+# "hybrid" (Zamba 2): a Mamba layer that also runs a shared attention block (it keeps both a state
+# and K/V).
+RECURRENT_LAYER_KINDS = frozenset({"linear_attention", "conv", "mamba", "hybrid"})
+STATE_ONLY_LAYER_KINDS = frozenset({"linear_attention", "conv", "mamba"})
+"""The recurrent kinds without attention in the layer: they store no K/V (their pools keep one
+channel of one head, see :func:`layer_kv_shapes`)."""
+
+
+def _attention_modules(model, num_layers: int) -> dict:
+    """Layer index -> the attention module of that decoder layer (the first module whose class
+    name ends in "Attention" and that carries the index as ``layer_idx``)."""
+    found: dict = {}
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and 0 <= idx < num_layers and idx not in found:
+            if type(module).__name__.endswith("Attention"):
+                found[idx] = module
+    return found
+
+
+def _out_features(module, name: str) -> Optional[int]:
+    out = getattr(getattr(module, name, None), "out_features", None)
+    return out if isinstance(out, int) else None
+
+
+def _kv_source(model, modules: dict, layer: int) -> int:
+    """The layer whose K/V a KV-sharing layer (Gemma 4's ``is_kv_shared_layer``) attends over: the
+    last earlier layer of its kind (``config.layer_types``) that stores its own, as transformers'
+    ``kv_sharing_modes`` picks it.
+
+    Raises:
+        ValueError: no such layer.
+    """
+    cfg = getattr(model.config, "get_text_config", lambda: model.config)()
+    kinds = getattr(cfg, "layer_types", None) or [None] * (layer + 1)
+    for j in range(layer - 1, -1, -1):
+        if kinds[j] == kinds[layer] and getattr(modules.get(j), "is_kv_shared_layer", False) is not True:
+            return j
+    raise ValueError(f"layer {layer} shares K/V but no earlier layer of its kind stores any")
+
+
+def layer_kv_shapes(model, num_layers: int, num_kv_heads: int, head_dim: Optional[int]) -> list[KVLayerShape]:
+    """The K/V shape each decoder layer of ``model`` stores, one entry per layer.
+
+    Read from each layer's attention module, as transformers builds it:
+
+    - multi-head latent attention (a module with ``kv_lora_rank``): one latent head, K of
+      ``kv_lora_rank`` channels (the normalized KV latent), V of ``qk_rope_head_dim`` (the shared
+      rotary key), ``latent=True``: what its ``cache.update`` receives.
+    - a module with ``k_proj`` (a linear with ``out_features``): head size ``module.head_dim`` (else
+      ``head_dim``), KV heads ``k_proj.out_features // head size``, V head size
+      ``v_proj.out_features // KV heads`` (no ``v_proj``: Gemma 4's ``attention_k_eq_v`` layers,
+      whose V is computed from the K projection: the K head size).
+    - anything else (fused QKV projections, no module found): ``num_kv_heads`` heads of ``head_dim``.
+    - a recurrent layer (``STATE_ONLY_LAYER_KINDS`` in ``config.layer_types``): one head of one
+      channel for K and V (it stores none).
+    - a KV-sharing layer (``is_kv_shared_layer``: Gemma 4's last layers): its source's shape with
+      ``shared_from`` set (see :func:`_kv_source`); it stores nothing and reads its source's pools.
+
+    Raises:
+        ValueError: a layer whose projections do not split into whole heads, or no head size at
+            all (one line naming the layer).
+    """
+    modules = _attention_modules(model, num_layers)
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    kinds = getattr(cfg, "layer_types", None)
+    kinds = list(kinds) if isinstance(kinds, (list, tuple)) else []
+    shapes: list[KVLayerShape] = []
+    for i in range(num_layers):
+        module = modules.get(i)
+        if i < len(kinds) and kinds[i] in STATE_ONLY_LAYER_KINDS:
+            # A recurrent layer stores no K/V (its state lives in ``kernels.recurrent_state``; a
+            # linear attention named like an attention, Kimi's or MiniMax's, has projections that
+            # are not K/V heads): one channel of one head, so the pool costs next to nothing.
+            shapes.append(KVLayerShape(1, 1, 1))
+            continue
+        if getattr(module, "is_kv_shared_layer", False) is True:
+            src = _kv_source(model, modules, i)
+            shapes.append(dataclasses.replace(shapes[src], shared_from=src))
+            continue
+        rank = getattr(module, "kv_lora_rank", None)
+        if isinstance(rank, int) and rank > 0:
+            shapes.append(KVLayerShape(1, rank, int(module.qk_rope_head_dim), latent=True))
+            continue
+        k_out = _out_features(module, "k_proj")
+        size = getattr(module, "head_dim", None) if module is not None else None
+        size = size if isinstance(size, int) and size > 0 else head_dim
+        if size is None:
+            raise ValueError(f"layer {i}: no head size in its attention module or the config")
+        if k_out is None:
+            shapes.append(KVLayerShape(num_kv_heads, size, size))
+            continue
+        v_out = _out_features(module, "v_proj") or k_out
+        heads = k_out // size
+        if heads < 1 or heads * size != k_out or v_out % heads:
+            raise ValueError(
+                f"layer {i}'s K/V projections ({k_out} and {v_out} channels) do not split into heads of {size} channels"
+            )
+        shapes.append(KVLayerShape(heads, size, v_out // heads))
+    return shapes

@@ -88,14 +88,13 @@ class KVPools:
 
 def cache_spec(cache_cfg, geometry: KVGeometry, model_dtype: torch.dtype) -> KVCacheSpec:
     """The pools' layout for ``cache_cfg.dtype``: the model's dtype (None), a float dtype, or "int8"
-    (int8 K/V with one float32 scale per token and KV head for K and for V each)."""
+    (int8 K/V with one float32 scale per token and KV head for K and for V each); each layer shaped
+    as ``geometry.layer(i)``."""
     kv = cache_cfg.kv_quant  # decoded once in the config: an int8 layout's element and scale dtypes
     dtype = getattr(torch, kv.dtype if kv else cache_cfg.dtype) if cache_cfg.dtype else model_dtype
-    return KVCacheSpec(
-        num_layers=geometry.num_layers,
+    return KVCacheSpec.for_layers(
+        [geometry.layer(i) for i in range(geometry.num_layers)],
         block_size=cache_cfg.block_size,
-        num_kv_heads=geometry.num_kv_heads,
-        head_size=geometry.head_dim,
         dtype=dtype,
         scale_dtype=getattr(torch, kv.scale_dtype) if kv else None,
         scales_per_token_head=kv.scales_per_token_head if kv else 0,

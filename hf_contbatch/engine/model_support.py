@@ -13,11 +13,13 @@ touched, so a refusal comes before any packing or pool is built):
   convolutions, Zamba 2's hybrid layers), whose per-request state lives in a slot of
   ``kernels.recurrent_state`` (served by ``engine.recurrent_runner``: whole prefills, no prefix
   caching, no prompt-lookup drafts, preemption by recompute). A model of recurrent layers only
-  (Mamba) has no attention to check. Kinds it cannot serve yet are named in the refusal: recurrent
-  layers whose state is not in transformers' ``Cache`` (RWKV, xLSTM, RecurrentGemma), chunked local
-  attention, latent attention whose K and V heads differ in size, ALiBi biases. Attention sinks
-  (gpt-oss's ``s_aux``) are served by the torch attention path; a Triton engine refuses them at
-  the first step, in one line.
+  (Mamba) has no attention to check. Each attention layer's K/V shape is its own
+  (``engine.kv_groups.layer_kv_shapes``: per-layer head sizes and KV heads, V heads narrower than K
+  heads, multi-head latent attention's cached latents). Kinds it cannot serve yet are named in the
+  refusal: recurrent layers whose state is not in transformers' ``Cache`` (RWKV, xLSTM,
+  RecurrentGemma), ALiBi biases. Attention sinks (gpt-oss's ``s_aux``) and K/V heads of different
+  sizes are served by the torch attention path; the C and Triton kernels step aside to it for such
+  layers.
 """
 
 from __future__ import annotations
@@ -25,20 +27,13 @@ from __future__ import annotations
 import inspect
 import sys
 
+from .kv_groups import RECURRENT_LAYER_KINDS
+from .kv_groups import STATE_ONLY_LAYER_KINDS as _STATE_ONLY_KINDS
 from .pool_sizing import KVGeometry, text_config
 
 # ``config.layer_types`` entries the paged KV cache serves: attention layers whose masking the
 # kernels do themselves (causal, plus a window passed as ``sliding_window``), and stateless blocks.
 SERVED_LAYER_KINDS = frozenset({"full_attention", "sliding_attention", "attention", "mlp", "moe"})
-
-# ``config.layer_types`` entries of recurrent layers: a fixed-size state per request (conv state and
-# SSM / linear-attention state) that transformers' layers read and write through the cache object
-# (``get_conv_state``, ``update_recurrent_state``...), served by ``kernels.recurrent_state`` and the
-# ``engine.recurrent_runner`` (whole prefills, no prefix caching, no drafts, preemption recomputes).
-# "hybrid" (Zamba 2): a Mamba layer that also runs a shared attention block (it keeps both a state
-# and K/V).
-RECURRENT_LAYER_KINDS = frozenset({"linear_attention", "conv", "mamba", "hybrid"})
-_STATE_ONLY_KINDS = frozenset({"linear_attention", "conv", "mamba"})  # no attention in the layer
 
 
 def _layer_kinds(cfg) -> list[str]:
@@ -125,29 +120,13 @@ def unserved_layer_kind(model):
         return "ALiBi position biases (passed in the attention mask)"
     if getattr(cfg, "attention_chunk_size", None):
         return "chunked local attention"
-    if getattr(cfg, "kv_lora_rank", None):
-        k_dim = (getattr(cfg, "qk_nope_head_dim", 0) or 0) + (getattr(cfg, "qk_rope_head_dim", 0) or 0)
-        return (
-            f"multi-head latent attention (K heads of {k_dim} channels, V heads of {getattr(cfg, 'v_head_dim', '?')})"
-        )
     try:
-        g = KVGeometry.of(model)
-    except (AttributeError, RuntimeError, TypeError) as exc:  # Gemma 4: head_dim is a per-layer attribute
-        return f"attention shapes that vary per layer ({str(exc).splitlines()[0][:100]})"
-    # One pool shape for every layer: each layer's K and V projections must give KVH x D channels
-    # (MiMo-V2-Flash's sliding layers have more KV heads; K and V heads may differ in size).
-    width = g.num_kv_heads * g.head_dim
-    kinds = _layer_kinds(cfg)
-    for module in model.modules():
-        if _in_recurrent_layer(module, kinds):
-            continue
-        for proj in ("k_proj", "v_proj"):
-            out = getattr(getattr(module, proj, None), "out_features", None)
-            if hasattr(module, "layer_idx") and out is not None and out != width:
-                return (
-                    f"layers whose K/V shapes differ from the config's (layer {module.layer_idx}'s {proj} "
-                    f"gives {out} channels, the KV pool holds {g.num_kv_heads} x {g.head_dim})"
-                )
+        # Each layer's K/V shape from its attention module: per-layer head sizes and KV heads (Gemma 4,
+        # MiMo-V2-Flash), V heads of their own size, and the latents of multi-head latent attention
+        # are all served; what is refused is a layer whose projections do not split into heads.
+        KVGeometry.of(model)
+    except (ValueError, AttributeError, RuntimeError, TypeError) as exc:
+        return f"attention shapes the KV pool cannot hold ({str(exc).splitlines()[0][:120]})"
     return None
 
 

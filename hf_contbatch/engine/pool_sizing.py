@@ -19,10 +19,11 @@ from ..config import EngineConfig
 from ..core.block_manager import BlockManager
 from ..core.plan import NewRequestData, ScheduledRequest, StepPlan
 from ..core.pool_size import Window, default_host_kv_blocks, default_swap_blocks
-from ..kernels.kv_spec import KVCacheSpec
+from ..kernels.kv_spec import KVCacheSpec, KVLayerShape
 from ..kernels.paged_cache import PagedKVCache
 from ..request import Request, SamplingParams
 from .attention_switch import restore_attention, switch_to_paged_attention
+from .kv_groups import layer_kv_shapes
 from .runner import ModelRunner
 from .sampler import Sampler
 
@@ -71,9 +72,12 @@ class KVGeometry:
     Attributes:
         num_layers: decoder layers (each has its slice of every block).
         num_heads: query heads.
-        num_kv_heads: key/value heads (fewer than ``num_heads`` under grouped-query attention).
-        head_dim: channels per head.
+        num_kv_heads: key/value heads (fewer than ``num_heads`` under grouped-query attention); layer
+            0's where ``layer_shapes`` differ.
+        head_dim: channels per head (layer 0's K heads where ``layer_shapes`` differ).
         max_model_len: the model's context in tokens (``max_position_embeddings``); None if unset.
+        layer_shapes: each layer's K/V shape (``engine.kv_groups.layer_kv_shapes``); empty when the
+            geometry was built by hand (every layer ``num_kv_heads`` x ``head_dim`` for K and V).
     """
 
     num_layers: int
@@ -81,10 +85,16 @@ class KVGeometry:
     num_kv_heads: int
     head_dim: int
     max_model_len: Optional[int]
+    layer_shapes: tuple[KVLayerShape, ...] = ()
 
     @classmethod
     def of(cls, model) -> "KVGeometry":
-        """The geometry of ``model`` (a transformers causal LM; multimodal configs nest the text one)."""
+        """The geometry of ``model`` (a transformers causal LM; multimodal configs nest the text one).
+
+        Raises:
+            ValueError: a layer whose K/V projections do not split into heads (see
+                ``layer_kv_shapes``).
+        """
         cfg = text_config(model)
         if getattr(cfg, "num_attention_heads", None) is None:
             # No attention at all (Mamba: recurrent layers only): the pool the block manager counts
@@ -96,16 +106,39 @@ class KVGeometry:
                 head_dim=1,
                 max_model_len=getattr(cfg, "max_position_embeddings", None),
             )
+        # GPT-BigCode's multi-query attention has one KV head and no num_key_value_heads.
+        kvh = (
+            1 if getattr(cfg, "multi_query", False) else (_attr(cfg, "num_key_value_heads") or cfg.num_attention_heads)
+        )
+        # Gemma 4's config raises for a global head_dim (it is per layer): then each layer's module says.
+        try:
+            config_head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+            config_head_dim = None
+        shapes = tuple(layer_kv_shapes(model, cfg.num_hidden_layers, kvh, config_head_dim))
         return cls(
             num_layers=cfg.num_hidden_layers,
             num_heads=cfg.num_attention_heads,
-            # GPT-BigCode's multi-query attention has one KV head and no num_key_value_heads.
-            num_kv_heads=1
-            if getattr(cfg, "multi_query", False)
-            else (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads),
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            num_kv_heads=shapes[0].num_kv_heads,
+            head_dim=shapes[0].head_size,
             max_model_len=getattr(cfg, "max_position_embeddings", None),
+            layer_shapes=shapes,
         )
+
+    def layer(self, index: int) -> KVLayerShape:
+        """Layer ``index``'s K/V shape (the uniform one where ``layer_shapes`` is empty)."""
+        if self.layer_shapes:
+            return self.layer_shapes[index]
+        return KVLayerShape(self.num_kv_heads, self.head_dim, self.head_dim)
+
+
+def _attr(cfg, name: str):
+    """``cfg.name`` or None; also None where transformers raises for an attribute that is per layer
+    in this config (Gemma 4's ``head_dim``: ``AmbiguousGlobalPerLayerAttributeError``, a RuntimeError)."""
+    try:
+        return getattr(cfg, name, None)
+    except RuntimeError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -230,13 +263,16 @@ class KVPoolSizer:
             free, total = torch.cuda.mem_get_info(d)
             before[d] = (total, total - free, torch.cuda.memory_allocated(d))
         probe_bytes = self.profile_forward(layer_devices, spec)
-        per_layer_block = spec.layer_bytes_per_block
+        block_bytes_on: dict = collections.Counter()  # each layer's own bytes per block (shapes may differ)
+        for i, d in enumerate(layer_devices):
+            if d.type == "cuda":
+                block_bytes_on[d] += spec.layer_block_bytes(i)
         counts = []
-        for d, num_layers in layers_on.items():
+        for d in layers_on:
             total, used, allocated = before[d]
             activation = max(0, torch.cuda.max_memory_allocated(d) - allocated - probe_bytes.get(d, 0))
             budget = total * util - used - activation
-            blocks = int(budget // (per_layer_block * num_layers))
+            blocks = int(budget // block_bytes_on[d])
             if blocks < 1:
                 raise ValueError(
                     f"no device memory left for the KV cache on {d}: gpu_memory_utilization={util} of "
@@ -277,8 +313,8 @@ class KVPoolSizer:
         finally:
             restore_attention(self.model, previous)
         sizes: dict = collections.Counter()
-        for k in probe.key_cache:
-            sizes[k.device] += (num_blocks + spec.num_null_blocks) * spec.layer_bytes_per_block
+        for i, k in enumerate(probe.key_cache):
+            sizes[k.device] += (num_blocks + spec.num_null_blocks) * spec.layer_block_bytes(i)
         probe.release()
         return dict(sizes)
 

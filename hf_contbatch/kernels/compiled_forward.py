@@ -63,7 +63,17 @@ class CompiledForward:
         with torch.inference_mode(False):
             self._one_row = torch.zeros(1, dtype=torch.int64)
         self.failed: Exception | None = None
-        if not COMPILED_STEP_SUPPORTED:
+        if cache.latent_layers:
+            # Multi-head latent attention: the model expands the contexts that update returns, but
+            # under the compiled graph the op stores and attends without returning them.
+            self.failed = RuntimeError("multi-head latent attention layers")
+            warnings.warn(
+                "compile_model: layers of multi-head latent attention expand the stored contexts the cache "
+                "returns, which the compiled attention op does not return; running the model eagerly instead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        elif not COMPILED_STEP_SUPPORTED:
             # The attention op takes the step's view as an opaque object: without them, eager.
             self.failed = RuntimeError("this torch has no opaque objects for custom ops")
             warnings.warn(

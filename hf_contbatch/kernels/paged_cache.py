@@ -1,7 +1,8 @@
 """The paged KV pool (tensors), the host swap pool, and the per-step view the model gets as its cache.
 
-The pool of each layer is ``KVCacheSpec.layer_shape``: ``[num_blocks, block_size, num_kv_heads,
-head_dim]`` (vLLM's layout, one token's heads contiguous), on that layer's device. A step passes
+The pools of layer ``i`` are ``KVCacheSpec.layer_shape(n, i)`` and ``value_shape(n, i)``: ``[num_blocks,
+block_size, num_kv_heads, head_dim]`` (vLLM's layout, one token's heads contiguous; each layer its own
+heads and K and V head sizes, every layer indexed by the same block ids), on that layer's device. A step passes
 ``PagedKVCache.for_step(metadata)`` to the model: the part of ``transformers.Cache`` that decoder
 layers call, whose ``update()`` stores this step's K/V through the engine's attention backend.
 """
@@ -57,37 +58,51 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = spec.block_size
         self.dtype = spec.dtype
-        shape = spec.layer_shape(num_blocks + spec.num_null_blocks)
-        self.key_cache = [torch.zeros(shape, dtype=spec.dtype, device=d) for d in layer_devices]
-        self.value_cache = [torch.zeros(shape, dtype=spec.dtype, device=d) for d in layer_devices]
+        # Layers whose update returns each request's stored context (multi-head latent attention).
+        self.latent_layers = frozenset(i for i in range(spec.num_layers) if spec.layer(i).latent)
+        # Layers with pools of their own; a layer sharing another's K/V (Gemma 4) gets its tensors.
+        self.owning_layers = [i for i in range(spec.num_layers) if spec.owner(i) == i]
+        n = num_blocks + spec.num_null_blocks
+        self.key_cache = _per_layer(
+            spec, lambda i: torch.zeros(spec.layer_shape(n, i), dtype=spec.dtype, device=layer_devices[i])
+        )
+        self.value_cache = _per_layer(
+            spec, lambda i: torch.zeros(spec.value_shape(n, i), dtype=spec.dtype, device=layer_devices[i])
+        )
         # A quantized layout's scales, beside the pools block for block (empty for a float cache).
-        scale_shape = spec.scale_shape(num_blocks + spec.num_null_blocks)
         self.key_scales: list[torch.Tensor] = []
         self.value_scales: list[torch.Tensor] = []
-        if scale_shape is not None:
-            self.key_scales = [torch.zeros(scale_shape, dtype=spec.scale_dtype, device=d) for d in layer_devices]
-            self.value_scales = [torch.zeros(scale_shape, dtype=spec.scale_dtype, device=d) for d in layer_devices]
+        if spec.is_quantized:
+            self.key_scales = _per_layer(
+                spec, lambda i: torch.zeros(spec.scale_shape(n, i), dtype=spec.scale_dtype, device=layer_devices[i])
+            )
+            self.value_scales = _per_layer(
+                spec, lambda i: torch.zeros(spec.scale_shape(n, i), dtype=spec.scale_dtype, device=layer_devices[i])
+            )
         self.num_swap_blocks = num_swap_blocks
         self.swap_key_cache: list[torch.Tensor] = []
         self.swap_value_cache: list[torch.Tensor] = []
         self.swap_key_scales: list[torch.Tensor] = []
         self.swap_value_scales: list[torch.Tensor] = []
         if num_swap_blocks:
-            swap_shape = spec.layer_shape(num_swap_blocks)
+            m = num_swap_blocks
             # Pinned only where there is a device to DMA from (transformers' CPU offload pins
             # unconditionally and crashes on CPU-only torch). ``empty``: on CPU the pages are
             # committed only when a swap first writes them, so an unused pool costs no RAM.
             pin = torch.cuda.is_available() and any(torch.device(d).type == "cuda" for d in layer_devices)
-            self.swap_key_cache = [torch.empty(swap_shape, dtype=spec.dtype, pin_memory=pin) for _ in layer_devices]
-            self.swap_value_cache = [torch.empty(swap_shape, dtype=spec.dtype, pin_memory=pin) for _ in layer_devices]
-            swap_scales = spec.scale_shape(num_swap_blocks)
-            if swap_scales is not None:
-                self.swap_key_scales = [
-                    torch.empty(swap_scales, dtype=spec.scale_dtype, pin_memory=pin) for _ in layer_devices
-                ]
-                self.swap_value_scales = [
-                    torch.empty(swap_scales, dtype=spec.scale_dtype, pin_memory=pin) for _ in layer_devices
-                ]
+            self.swap_key_cache = _per_layer(
+                spec, lambda i: torch.empty(spec.layer_shape(m, i), dtype=spec.dtype, pin_memory=pin)
+            )
+            self.swap_value_cache = _per_layer(
+                spec, lambda i: torch.empty(spec.value_shape(m, i), dtype=spec.dtype, pin_memory=pin)
+            )
+            if spec.is_quantized:
+                self.swap_key_scales = _per_layer(
+                    spec, lambda i: torch.empty(spec.scale_shape(m, i), dtype=spec.scale_dtype, pin_memory=pin)
+                )
+                self.swap_value_scales = _per_layer(
+                    spec, lambda i: torch.empty(spec.scale_shape(m, i), dtype=spec.scale_dtype, pin_memory=pin)
+                )
 
     def for_step(self, metadata: Optional[AttentionMetadata]) -> "PagedCacheStep":
         """The view the model gets as its cache (and ``paged_cache``) for one step: ``update`` stores
@@ -136,7 +151,7 @@ class PagedKVCache:
             return
         src_cpu, dst_cpu = _block_ids(mapping)
         indices: dict = {}
-        for layer in range(self.num_layers):
+        for layer in self.owning_layers:  # a sharing layer's pools are its owner's: copied once
             dev = self.key_cache[layer].device
             if dev not in indices:
                 indices[dev] = (src_cpu.to(dev), dst_cpu.to(dev))
@@ -152,7 +167,7 @@ class PagedKVCache:
             raise RuntimeError("swap requested but the swap pool is empty (swap_space_gib=0)")
         src_cpu, dst_cpu = _block_ids(mapping)
         on_device: dict = {}
-        for layer in range(self.num_layers):
+        for layer in self.owning_layers:
             dev = self.key_cache[layer].device
             if dev not in on_device:
                 on_device[dev] = (src_cpu if to_host else dst_cpu).to(dev)
@@ -175,6 +190,17 @@ class PagedKVCache:
         self.swap_value_cache.clear()
         for scales in (self.key_scales, self.value_scales, self.swap_key_scales, self.swap_value_scales):
             scales.clear()
+
+
+def _per_layer(spec: KVCacheSpec, make) -> list[torch.Tensor]:
+    """One tensor per layer: ``make(i)`` for each layer with pools of its own, and for a layer that
+    shares another's K/V (``KVLayerShape.shared_from``) its owner's tensor, built once."""
+    made: dict = {}
+    for i in range(spec.num_layers):
+        owner = spec.owner(i)
+        if owner not in made:
+            made[owner] = make(owner)
+    return [made[spec.owner(i)] for i in range(spec.num_layers)]
 
 
 def _block_ids(mapping: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,26 +231,53 @@ class PagedCacheStep(_CBCache):
         take_stored()  # a record a failed step left on this thread is not this step's
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Store this step's K/V (``[1, num_kv_heads, T, head_dim]``) into their slots; returns the inputs."""
+        """Store this step's K/V (``[1, num_kv_heads, T, Dk]`` and ``[1, num_kv_heads, T, Dv]``)
+        into their slots.
+
+        Returns the inputs, except for a latent layer (``KVLayerShape.latent``: multi-head latent
+        attention, whose K/V here are the compressed latents): there every request's whole stored
+        context, ``[1, 1, S, Dk]`` and ``[1, 1, S, Dv]`` with ``S = sum(seq_lens)``, requests in the
+        step's order (``torch_paged.context_slots``), as transformers' own cache returns a
+        request's past and present latents for the model to expand into K/V heads."""
         if self.metadata is None:
             return key_states, value_states
         cache = self.cache
         k_pool, v_pool = cache.key_cache[layer_idx], cache.value_cache[layer_idx]
+        meta = self.metadata.to(k_pool.device)
         # [1, KVH, T, D] -> [T, KVH, D]
         key = key_states[0].transpose(0, 1)
         value = value_states[0].transpose(0, 1)
-        cache.backend.store_kv(key, value, k_pool, v_pool, self.metadata.to(k_pool.device), **cache.scales(layer_idx))
+        scales = cache.scales(layer_idx)
+        cache.backend.store_kv(key, value, k_pool, v_pool, meta, **scales)
+        if layer_idx in cache.latent_layers:
+            from .attention.torch_paged import context_slots, gather_contexts
+
+            slots = meta.derived(("contexts",), lambda: context_slots(meta))
+            key_states = gather_contexts(k_pool, slots, scales.get("k_scale"), key_states.dtype)
+            value_states = gather_contexts(v_pool, slots, scales.get("v_scale"), value_states.dtype)
         note_stored(self, layer_idx, key_states, value_states)  # for the attention call that follows
         return key_states, value_states
 
+    def shares_kv(self, layer_idx) -> bool:
+        """Whether ``layer_idx`` attends over another layer's K/V without storing any (Gemma 4's KV
+        sharing, ``KVLayerShape.shared_from``)."""
+        spec = self.cache.spec
+        return isinstance(layer_idx, int) and 0 <= layer_idx < spec.num_layers and spec.owner(layer_idx) != layer_idx
+
+    def is_latent(self, layer_idx: int) -> bool:
+        """Whether ``layer_idx``'s update returns whole stored contexts (see :meth:`update`)."""
+        return layer_idx in self.cache.latent_layers
+
     def attend(self, layer_idx: int, query, key, value, scale: float, sliding_window=None, softcap=None, sinks=None):
-        """``query`` ``[1, H, T, D]`` over the pool of ``layer_idx`` -> ``[1, T, H, D]``; ``key``/``value``
-        ``[1, KVH, T, D]`` this step's rows (already stored); ``sinks`` ``[H]`` attention-sink logits
-        (gpt-oss) or None.
+        """``query`` ``[1, H, T, Dk]`` over the pool of ``layer_idx`` -> ``[1, T, H, Dv]``;
+        ``key``/``value`` ``[1, KVH, T, Dk]`` and ``[1, KVH, T, Dv]`` this step's rows (already
+        stored); ``sinks`` ``[H]`` attention-sink logits (gpt-oss) or None. For a latent layer
+        ``key``/``value`` are the model's expansion of what :meth:`update` returned, ``[1, H, S,
+        Dk]`` and ``[1, H, S, Dv]``, and attention reads them (``torch_paged.context_attention``)
+        rather than the pool.
 
         Raises:
             RuntimeError: a view without metadata (no step to attend for).
-            ValueError: ``sinks`` on a backend without them (Triton): one line naming it.
         """
         if self.metadata is None:
             raise RuntimeError("PagedCacheStep.attend called on a view without step metadata")
@@ -232,6 +285,11 @@ class PagedCacheStep(_CBCache):
         k_pool, v_pool = cache.key_cache[layer_idx], cache.value_cache[layer_idx]
         meta = self.metadata.to(k_pool.device)
         q = query[0].transpose(0, 1)  # [T, H, D]
+        if layer_idx in cache.latent_layers:
+            from .attention.torch_paged import context_attention
+
+            out = context_attention(q, key[0], value[0], meta, scale, sliding_window, softcap, sinks)
+            return out.unsqueeze(0)
         single = key.shape[0] == 1
         attend, extra = (cache.backend.attend, {}) if sinks is None else (self._sinks_attention(), {"sinks": sinks})
         out = attend(
@@ -251,16 +309,10 @@ class PagedCacheStep(_CBCache):
 
     def _sinks_attention(self):
         """The attention function of a layer with attention sinks: the torch path's, the only one
-        that has them (the C kernels and Triton do not)."""
-        from .attention.backends import Int8TorchAttentionBackend, TorchAttentionBackend
+        that has them (the C kernels and Triton do not). Every backend's pools have the torch path's
+        layout, so a Triton engine's sink layers step aside to it (on the GPU, reading the same pools)."""
         from .attention.torch_paged import torch_paged_attention
 
-        backend = self.cache.backend
-        if not isinstance(backend, (TorchAttentionBackend, Int8TorchAttentionBackend)):
-            raise ValueError(
-                f"attention sinks are served by the torch attention backend only, not {backend.name!r}: "
-                "EngineConfig(attention_backend='torch')"
-            )
         return torch_paged_attention
 
     @property

@@ -6,7 +6,7 @@ families, each a tiny random model built from its type's own config class by
 way of building attention the engine must get right (Conv1D linears, MQA, parallel blocks, learned
 positions, partial rotary, QK norms, soft-capping, sliding windows mixed with global layers, MoE
 routers, attention sinks, decoder layers that drop the forward's kwargs, windows applied through
-the mask alone).
+the mask alone, multi-head latent attention, per-layer K/V shapes).
 Models the engine cannot serve get a one-line ``ValueError`` naming the layer kind, raised before
 any weight is touched (the refusal tests build their models on the meta device, where touching a
 weight would fail), or, where the model's attention call itself asks for something the paged
@@ -67,6 +67,16 @@ FAMILIES = [
     "jamba",  # Mamba and attention layers, MoE every other layer
     "nemotron_h",  # Mamba 2, attention and MLP layers
     "falcon_h1",  # 'hybrid' layers: Mamba 2 and attention side by side in one layer
+    "deepseek_v2",  # multi-head latent attention: the pool holds transformers' latents (K and V of other sizes)
+    "deepseek_v3",  # MLA, interleaved rotary, MoE with grouped routing
+    "glm4_moe_lite",  # MLA
+    "minicpm3",  # MLA with standard rotary
+    "sarvam_mla",  # MLA
+    "youtu",  # MLA
+    "axk1",  # MLA
+    "gemma4_text",  # per-layer head sizes and KV heads (global layers of 512-channel heads)
+    "gemma4_unified_text",  # per-layer head sizes and KV heads
+    "mimo_v2_flash",  # sliding layers with twice the KV heads and sinks; V heads of their own size
 ]
 NEW = 16
 
@@ -96,7 +106,9 @@ def test_family_greedy_equals_generate(model_type):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("model_type", ["gpt2", "gpt_bigcode", "cohere2", "phimoe", "gpt_oss"])
+@pytest.mark.parametrize(
+    "model_type", ["gpt2", "gpt_bigcode", "cohere2", "phimoe", "gpt_oss", "deepseek_v3", "gemma4_text", "mimo_v2_flash"]
+)
 def test_family_greedy_equals_generate_under_preemption_and_chunked_prefill(model_type):
     model = family_sweep.build_tiny(model_type)
     prompts = family_sweep.prompts() * 2
@@ -138,8 +150,7 @@ def _meta_model(model_type):
     "model_type, kind",
     [
         ("rwkv", "AttentionInterface"),  # recurrent layers with a state outside transformers' Cache
-        ("mimo_v2_flash", "K/V shapes differ"),  # sliding layers with more KV heads than the config's
-        ("deepseek_v3", "multi-head latent attention"),
+        ("deepseek_v32", "'indexed_attention'"),  # an indexer with its own key cache
         ("llama4_text", "'chunked_attention'"),
         ("bloom", "AttentionInterface"),  # legacy attention with ALiBi biases
     ],

@@ -106,9 +106,8 @@ def paged_attention_forward(
         # A module shared by several layers (Zamba 2's shared transformer block, layer_idx -1) is
         # called with the layer as an argument: it attends as the layer it just stored K/V for.
         layer_idx = stored[1]
-    _check_served_call(
-        module, key, value, attention_mask, stored, kwargs, isinstance(paged_cache, CompiledStep), layer_idx
-    )
+    compiled = isinstance(paged_cache, CompiledStep)
+    _check_served_call(module, key, value, attention_mask, stored, kwargs, paged_cache, compiled, layer_idx)
     scaling, sliding_window, softcap = kwargs.get("scaling"), kwargs.get("sliding_window"), kwargs.get("softcap")
     if "sliding_window" not in kwargs:
         sliding_window = _mask_only_window(module)
@@ -174,12 +173,24 @@ def _mask_only_window(module) -> Optional[int]:
     return window or None
 
 
-def _check_served_call(module, key, value, attention_mask, stored, kwargs, compiled: bool, layer_idx=None) -> None:
+def paged_cache_is_latent(module) -> bool:
+    """Whether ``module`` is a multi-head latent attention module (transformers' MLA families cache
+    its latents: ``KVLayerShape.latent``)."""
+    rank = getattr(module, "kv_lora_rank", None)
+    return isinstance(rank, int) and rank > 0
+
+
+def _check_served_call(
+    module, key, value, attention_mask, stored, kwargs, paged_cache, compiled: bool, layer_idx=None
+) -> None:
     """Raise ``ValueError`` where the model asks attention for something the paged kernels would
     silently not do (they read the step's context from the pool and mask causally, with the
     ``sliding_window``/``softcap``/``s_aux`` arguments): a mask of its own (an ALiBi or learned
     bias: an engine step builds none), attention sinks under a compiled forward (its op has none),
-    K/V changed after ``cache.update``, or a layer attending as another than the one it stored."""
+    K/V changed after ``cache.update`` (but for a latent layer, whose model expands the stored
+    contexts ``update`` returned), a latent layer under a compiled forward (whose op stores and
+    attends without returning the contexts), a layer attending as another than the one it stored,
+    or one attending with no K/V stored right before (but for a layer sharing another's K/V)."""
     what = None
     if attention_mask is not None:
         what = "adds its own attention mask or bias"
@@ -189,6 +200,18 @@ def _check_served_call(module, key, value, attention_mask, stored, kwargs, compi
         layer_idx if layer_idx is not None else getattr(module, "layer_idx", None)
     ):
         what = f"attends as layer {getattr(module, 'layer_idx', None)} after storing K/V as layer {stored[1]}"
+    elif compiled and paged_cache_is_latent(module):
+        what = "caches multi-head latent attention's latents, which a compiled forward does not serve"
+    elif (
+        stored is None
+        and not compiled
+        and not paged_cache.shares_kv(layer_idx if layer_idx is not None else getattr(module, "layer_idx", None))
+    ):
+        # The kernels read the layer's pool: without this step's K/V stored there they would read
+        # stale or empty slots (a wrong token, never an error), so refuse instead.
+        what = "attends without storing its K/V through cache.update right before"
+    elif stored is not None and stored[0].is_latent(stored[1]):
+        pass  # a latent layer's model expands the contexts its update returned: K/V are new tensors by design
     elif stored is not None and (stored[2]() is not key or stored[3]() is not value):
         what = "changes K/V between cache.update and attention"
     if what is not None:

@@ -125,9 +125,9 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def store_kv(self, key, value, k_pool, v_pool, meta):
-        kvh, d = k_pool.shape[2], k_pool.shape[3]
-        k_pool.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, key.to(k_pool.dtype))
-        v_pool.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, value.to(v_pool.dtype))
+        kvh = k_pool.shape[2]
+        k_pool.view(-1, kvh, k_pool.shape[3]).index_copy_(0, meta.slot_mapping, key.to(k_pool.dtype))
+        v_pool.view(-1, kvh, v_pool.shape[3]).index_copy_(0, meta.slot_mapping, value.to(v_pool.dtype))
 
     def attend(self, query, k_pool, v_pool, meta, scale, sliding_window=None, softcap=None, key=None, value=None):
         from .torch_paged import torch_paged_attention
@@ -183,8 +183,37 @@ class CPUKernelAttentionBackend(TorchAttentionBackend):
         )
 
 
-class TritonAttentionBackend(AttentionBackend):
-    """The Triton kernels: ``triton_kernels.store_kv`` and ``triton_kernels.paged_attention``."""
+class _StepsAsideForLayers:
+    """What the Triton backends share: per layer, whether the kernels serve that layer's pools.
+
+    The engine checks its spec's layer 0 once (``resolve_backend_name``); a model whose layers
+    differ (Gemma 4's global layers of 512-channel heads, MiMo-V2-Flash's V heads narrower than its
+    K heads) has layers the kernels may lack: those step aside to the torch path, which reads the
+    same pools, so the model is served and no token changes."""
+
+    def serves_layer(self, query_dim: int, k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads=None) -> bool:
+        """Whether the kernels serve a layer with these pools (``[blocks, block_size, KVH, D]``) and
+        ``query_dim`` channels per query head (``num_heads`` query heads; None: not checked, as for
+        storing): K and V heads of one size, equal to the query's, and a shape the kernels have
+        (``triton_kernels.unsupported_reason``; memoised per shape)."""
+        kvh, dk, dv = k_pool.shape[2], k_pool.shape[3], v_pool.shape[3]
+        if dk != dv or query_dim != dk:
+            return False
+        memo = self.__dict__.setdefault("_served_shapes", {})
+        key = (k_pool.device, kvh, dk, k_pool.shape[1], num_heads)
+        if key not in memo:
+            from .triton_kernels import unsupported_reason
+
+            reason = unsupported_reason(
+                k_pool.device, head_dim=dk, num_heads=num_heads, num_kv_heads=kvh, block_size=k_pool.shape[1]
+            )
+            memo[key] = reason is None
+        return memo[key]
+
+
+class TritonAttentionBackend(_StepsAsideForLayers, AttentionBackend):
+    """The Triton kernels: ``triton_kernels.store_kv`` and ``triton_kernels.paged_attention``; a
+    layer whose shape they lack takes :class:`TorchAttentionBackend`'s path (``serves_layer``)."""
 
     name = "triton"
 
@@ -197,11 +226,17 @@ class TritonAttentionBackend(AttentionBackend):
     def store_kv(self, key, value, k_pool, v_pool, meta):
         from .triton_kernels import store_kv
 
+        if not self.serves_layer(key.shape[-1], k_pool, v_pool):
+            return TorchAttentionBackend.store_kv(self, key, value, k_pool, v_pool, meta)
         store_kv(key, value, k_pool, v_pool, meta.slot_mapping)
 
     def attend(self, query, k_pool, v_pool, meta, scale, sliding_window=None, softcap=None, key=None, value=None):
         from .triton_kernels import paged_attention
 
+        if not self.serves_layer(query.shape[-1], k_pool, v_pool, query.shape[1]):
+            return TorchAttentionBackend.attend(
+                self, query, k_pool, v_pool, meta, scale, sliding_window, softcap, key=key, value=value
+            )
         return paged_attention(
             query.contiguous(),
             k_pool,
@@ -302,9 +337,10 @@ class Int8CPUKernelAttentionBackend(Int8TorchAttentionBackend):
             super().store_kv(key, value, k_pool, v_pool, meta, k_scale=k_scale, v_scale=v_scale)
 
 
-class Int8TritonAttentionBackend(AttentionBackend):
+class Int8TritonAttentionBackend(_StepsAsideForLayers, AttentionBackend):
     """The Triton kernels over an int8 cache: ``triton_kernels.store_kv`` quantizing on write and
-    ``triton_kernels.paged_attention`` dequantizing each K/V tile with its tokens' scales."""
+    ``triton_kernels.paged_attention`` dequantizing each K/V tile with its tokens' scales; a layer
+    whose shape they lack takes :class:`Int8TorchAttentionBackend`'s path (``serves_layer``)."""
 
     name = "triton"
 
@@ -319,6 +355,8 @@ class Int8TritonAttentionBackend(AttentionBackend):
     def store_kv(self, key, value, k_pool, v_pool, meta, k_scale=None, v_scale=None):
         from .triton_kernels import store_kv
 
+        if not self.serves_layer(key.shape[-1], k_pool, v_pool):
+            return Int8TorchAttentionBackend.store_kv(self, key, value, k_pool, v_pool, meta, k_scale, v_scale)
         store_kv(key, value, k_pool, v_pool, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
     def attend(
@@ -337,6 +375,10 @@ class Int8TritonAttentionBackend(AttentionBackend):
     ):
         from .triton_kernels import paged_attention
 
+        if not self.serves_layer(query.shape[-1], k_pool, v_pool, query.shape[1]):
+            return Int8TorchAttentionBackend.attend(
+                self, query, k_pool, v_pool, meta, scale, sliding_window, softcap, k_scale=k_scale, v_scale=v_scale
+            )
         return paged_attention(
             query.contiguous(),
             k_pool,
@@ -413,13 +455,21 @@ def select_backend(
     Raises:
         ValueError: an unknown or unusable backend, or a layout the backend cannot store.
     """
+    # The shape the kernels are checked against: the first layer they could run (K and V heads of
+    # one size, not latent, pools of its own); the other layers step aside per layer where the
+    # kernels lack their shape. A model with no such layer (every layer latent) reads no pool
+    # through the kernels, so no shape is checked.
+    layers = (spec.layer(i) for i in range(spec.num_layers))
+    kernel_layer = next(
+        (s for s in layers if not s.latent and s.shared_from is None and s.head_size == s.v_head_size), None
+    )
     name = resolve_backend_name(
         requested,
         device,
         dtype=None if spec.is_quantized else spec.dtype,  # int8 tiles compute in the model's dtype
-        head_dim=spec.head_size,
-        num_heads=num_heads,
-        num_kv_heads=spec.num_kv_heads,
+        head_dim=kernel_layer.head_size if kernel_layer else None,
+        num_heads=num_heads if kernel_layer else None,
+        num_kv_heads=kernel_layer.num_kv_heads if kernel_layer else None,
         block_size=spec.block_size,
     )
     devices = [torch.device(d) for d in (layer_devices or [device])]

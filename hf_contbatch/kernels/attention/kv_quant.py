@@ -35,11 +35,11 @@ def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = tor
 
 
 def store_quantized(key, value, k_pool, v_pool, k_scale, v_scale, slot_mapping) -> None:
-    """Quantize ``key``/``value`` ``[T, KVH, D]`` and write them and their scales into their slots:
-    pools int8 ``[num_blocks, block_size, KVH, D]``, scales float32 ``[num_blocks, block_size, KVH,
-    1]``, ``slot_mapping`` int64 ``[T]`` on the pools' device."""
-    kvh, d = k_pool.shape[2], k_pool.shape[3]
+    """Quantize ``key``/``value`` ``[T, KVH, Dk]`` and ``[T, KVH, Dv]`` and write them and their
+    scales into their slots: pools int8 ``[num_blocks, block_size, KVH, Dk]`` and ``[..., Dv]``,
+    scales float32 ``[num_blocks, block_size, KVH, 1]``, ``slot_mapping`` int64 ``[T]`` on the pools' device."""
+    kvh = k_pool.shape[2]
     for x, pool, scales in ((key, k_pool, k_scale), (value, v_pool, v_scale)):
         q, s = quantize_kv(x)
-        pool.view(-1, kvh, d).index_copy_(0, slot_mapping, q)
+        pool.view(-1, kvh, pool.shape[3]).index_copy_(0, slot_mapping, q)
         scales.view(-1, kvh, 1).index_copy_(0, slot_mapping, s)

@@ -6,6 +6,11 @@ matmul over their gathered keys, the weighted sum of values by ``F.embedding_bag
 pages in place; prefill chunks (variable length, with a cached prefix) are served one
 request at a time with a bottom-right-aligned causal mask. Masks and gather indices are built once
 per step and shared by all layers through ``AttentionMetadata.derived``.
+
+K and V heads may differ in size (``Dk`` channels per K head, ``Dv`` per V head: MiMo-V2-Flash):
+scores read ``Dk``, the output has ``Dv`` channels. :func:`context_attention` serves layers whose
+model expands each request's whole context itself (multi-head latent attention as transformers
+computes it: ``kernels.paged_cache.PagedCacheStep.update`` returns the stored latents).
 """
 
 from __future__ import annotations
@@ -86,7 +91,7 @@ def _gather_rows(rows: torch.Tensor, row_scales: torch.Tensor | None, index: tor
     return picked.to(dtype)
 
 
-def _decode_buckets(meta: AttentionMetadata, sliding_window: int | None, groups: int):
+def _decode_buckets(meta: AttentionMetadata, sliding_window: int | None, groups: int, kvh: int):
     """Gather plans for the decode requests, grouped by context length to bound padding.
 
     Returns a list of ``(rows, head_index, bag_index, bag_offsets, mask, length)``: ``rows`` the
@@ -110,7 +115,6 @@ def _decode_buckets(meta: AttentionMetadata, sliding_window: int | None, groups:
             buckets.append([i])
     if len(buckets) == 1:
         buckets = [list(range(nd))]  # keep batch order so the caller can skip the scatter
-    kvh = meta.num_kv_heads
     plans = []
     device = meta.block_tables.device
     offsets = torch.arange(meta.block_size, device=device)
@@ -175,13 +179,14 @@ def torch_paged_attention(
     """Attention of every query token over its request's paged context.
 
     Args:
-        query: ``[T, H, D]``, this step's query rows (decodes first, then prefill chunks).
-        k_pool, v_pool: ``[num_blocks, block_size, KVH, D]`` (already holding this step's K/V).
+        query: ``[T, H, Dk]``, this step's query rows (decodes first, then prefill chunks).
+        k_pool, v_pool: ``[num_blocks, block_size, KVH, Dk]`` and ``[num_blocks, block_size, KVH,
+            Dv]`` (already holding this step's K/V); ``Dv`` may differ from ``Dk``.
         meta: the step's metadata.
         scale: softmax scale (usually ``D ** -0.5``).
         sliding_window: keys further than this many positions back are masked (Mistral, Gemma 2).
         softcap: logit soft-capping ``softcap * tanh(s / softcap)`` (Gemma 2).
-        key, value: optional ``[KVH, T, D]``, this step's K/V rows (as stored); a prefill chunk
+        key, value: optional ``[KVH, T, Dk]`` and ``[KVH, T, Dv]``, this step's K/V rows (as stored); a prefill chunk
             that is its request's whole context reads them instead of gathering from the pool.
         decode_kernel: a ``cpu_kernel.CPUDecodeKernel``; where it can serve (float32 or bf16 pools, built), the
             decode rows read the pool in place through it instead of the gather path below.
@@ -199,10 +204,10 @@ def torch_paged_attention(
             every row takes the torch path.
 
     Returns:
-        ``[T, H, D]`` in the query dtype.
+        ``[T, H, Dv]`` in the query dtype.
     """
     num_tokens, num_heads, head_dim = query.shape
-    kvh = k_pool.shape[2]
+    kvh, v_dim = k_pool.shape[2], v_pool.shape[3]
     nd = meta.num_decodes
     quantized = k_scale is not None
     scales = {"k_scale": k_scale, "v_scale": v_scale} if quantized else {}
@@ -224,16 +229,16 @@ def torch_paged_attention(
         decoded = decode_kernel(query[:nd], k_pool, v_pool, tables, lens, scale, softcap, sliding_window, **scales)
         if nd == num_tokens:  # a decode-only step (most steps): the kernel's output is the result
             return decoded
-        out = torch.empty_like(query)
+        out = query.new_empty((num_tokens, num_heads, v_dim))
         out[:nd] = decoded
     else:
-        out = torch.empty_like(query)
+        out = query.new_empty((num_tokens, num_heads, v_dim))
     if nd and not in_kernel:
         groups = num_heads // kvh
         plans = meta.derived(
-            ("decode", sliding_window, kvh, groups), lambda: _decode_buckets(meta, sliding_window, groups)
+            ("decode", sliding_window, kvh, groups), lambda: _decode_buckets(meta, sliding_window, groups, kvh)
         )
-        rows_k, rows_v = k_pool.view(-1, head_dim), v_pool.view(-1, head_dim)
+        rows_k, rows_v = k_pool.view(-1, head_dim), v_pool.view(-1, v_dim)
         rows_ks, rows_vs = (k_scale.view(-1, 1), v_scale.view(-1, 1)) if quantized else (None, None)
         # int8 keys and values are dequantized to float32 and the math stays there.
         compute = torch.float32 if quantized else query.dtype
@@ -244,7 +249,7 @@ def torch_paged_attention(
             q = query[:nd] if single else query.index_select(0, rows)  # [b, H, D]
             probs = _decode_probs(q, k, bias, scale, softcap, sinks)
             if quantized:
-                v = _gather_rows(rows_v, rows_vs, head_index, compute).view(b, kvh, max_len, head_dim)
+                v = _gather_rows(rows_v, rows_vs, head_index, compute).view(b, kvh, max_len, v_dim)
                 o = torch.matmul(probs, v)  # [b, KVH, G, D]
             else:
                 # The probability-weighted sum of values as ``F.embedding_bag`` (mode "sum" with
@@ -252,14 +257,14 @@ def torch_paged_attention(
                 # the pool, so values are never copied out of their pages (faster than gather + matmul).
                 weights = probs.reshape(-1).to(rows_v.dtype)
                 o = F.embedding_bag(bag_index, rows_v, bag_offsets, mode="sum", per_sample_weights=weights)
-            o = o.reshape(b, num_heads, head_dim).to(query.dtype)
+            o = o.reshape(b, num_heads, v_dim).to(query.dtype)
             if single:
                 out[:nd] = o
             else:
                 out.index_copy_(0, rows, o)
     if meta.num_requests > nd and serves(prefill_kernel):
         return prefill_kernel(query, k_pool, v_pool, meta, scale, softcap, sliding_window, out=out, **scales)
-    flat_k, flat_v = k_pool.view(-1, kvh, head_dim), v_pool.view(-1, kvh, head_dim)
+    flat_k, flat_v = k_pool.view(-1, kvh, head_dim), v_pool.view(-1, kvh, v_dim)
     flat_ks, flat_vs = (k_scale.view(-1, kvh, 1), v_scale.view(-1, kvh, 1)) if quantized else (None, None)
     for i in range(nd, meta.num_requests):
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
@@ -275,4 +280,89 @@ def torch_paged_attention(
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
         o = _attend(q, k, v, mask, scale, softcap, is_causal=mask is None, sinks=sinks)
         out[start:end] = o[0].transpose(0, 1)
+    return out
+
+
+def context_slots(meta: AttentionMetadata) -> torch.Tensor:
+    """int64 ``[sum(seq_lens)]``: the pool slots of every request's context, requests in the step's
+    order, each request's positions ascending (what :func:`gather_contexts` reads)."""
+    bs = meta.block_size
+    offsets = torch.arange(bs, device=meta.block_tables.device)
+    parts = []
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        table = meta.block_tables[i, : -(-seq_len // bs)].to(torch.long)
+        parts.append((table.unsqueeze(-1) * bs + offsets).reshape(-1)[:seq_len])
+    return torch.cat(parts)
+
+
+def gather_contexts(pool: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype):
+    """Rows ``slots`` of ``pool`` ``[num_blocks, block_size, KVH, D]`` as ``[1, KVH, S, D]`` in
+    ``dtype`` (an int8 pool's rows dequantized with ``scales`` ``[num_blocks, block_size, KVH, 1]``):
+    the stored context a latent layer's ``cache.update`` returns."""
+    kvh, d = pool.shape[2], pool.shape[3]
+    flat_scales = scales.view(-1, kvh, 1) if scales is not None else None
+    rows = _gather_rows(pool.view(-1, kvh, d), flat_scales, slots, dtype)  # [S, KVH, D]
+    return rows.transpose(0, 1).unsqueeze(0)
+
+
+def context_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of every query row over its request's context given densely: the layers whose
+    model expands the stored context itself (multi-head latent attention, ``KVLayerShape.latent``).
+
+    Args:
+        query: ``[T, H, Dk]``, this step's query rows (decodes first, then prefill chunks).
+        key: ``[KVH, S, Dk]`` and value ``[KVH, S, Dv]`` with ``S = sum(meta.seq_lens_cpu)``: every
+            request's whole context (this step's tokens last), requests in the step's order (as
+            :func:`context_slots` lays them out); ``Dv`` may differ from ``Dk``.
+        meta: the step's metadata (its host-side lists are read).
+        scale, sliding_window, softcap, sinks: as :func:`torch_paged_attention`.
+
+    Returns:
+        ``[T, H, Dv]`` in the query dtype; a query at position ``p`` sees its request's keys
+        ``0..p`` (the last ``sliding_window`` of them under a window).
+
+    Raises:
+        ValueError: ``key``'s length is not the sum of the context lengths.
+    """
+    total = sum(meta.seq_lens_cpu)
+    if key.shape[1] != total or value.shape[1] != total:
+        raise ValueError(f"context_attention: {key.shape[1]} key rows for contexts of {total} tokens")
+    num_tokens, num_heads, _ = query.shape
+    out = query.new_empty((num_tokens, num_heads, value.shape[-1]))
+    ctx = 0
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        k = key[:, ctx : ctx + seq_len].unsqueeze(0).to(query.dtype)
+        v = value[:, ctx : ctx + seq_len].unsqueeze(0).to(query.dtype)
+        ctx += seq_len
+        q_len = end - start
+        if q_len == 1:
+            # A decode row: plain matmuls over the context's strided views (as the paged decode
+            # path; scaled_dot_product_attention took about twice as long on them at one query).
+            bias = None
+            if sliding_window is not None and seq_len > sliding_window:
+                bias = torch.zeros(seq_len, device=query.device)
+                bias[: seq_len - sliding_window] = float("-inf")
+                bias = bias.view(1, 1, 1, -1)
+            probs = _decode_probs(query[start:end], k, bias, scale, softcap, sinks)  # [1, KVH, G, L]
+            out[start] = torch.matmul(probs.to(v.dtype), v).reshape(num_heads, -1).to(query.dtype)
+            continue
+        mask = None
+        if sliding_window is not None or q_len != seq_len:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
+            k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, Dk]
+        out[start:end] = _attend(q, k, v, mask, scale, softcap, is_causal=mask is None, sinks=sinks)[0].transpose(0, 1)
     return out
