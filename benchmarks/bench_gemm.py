@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from hf_contbatch.kernels.linears import NativeGEMM, OneDNNGEMM, onednn_available
+from hf_contbatch.kernels.linears.native_gemm import HALF_ISAS
 
 from workload import MODEL_SIZES
 
@@ -122,8 +123,14 @@ def decode_candidates() -> list[tuple[str, object, torch.dtype]]:
 
 
 def half_variants(ours, dtype: torch.dtype) -> list[tuple[str, object]]:
-    """Our kernel's variants for ``dtype`` weights: ("", ours) where it packs them."""
-    return [("", ours)] if dtype in ours.dtypes else []
+    """Our kernel's variants for ``dtype`` weights: bfloat16 both ways where the CPU has
+    AVX512-BF16 ("-avx512_bf16", "-widen"), else the one it has; float32 and float16 one each."""
+    if dtype not in ours.dtypes:
+        return []
+    if dtype != torch.bfloat16:
+        return [("", ours)]
+    isas = HALF_ISAS if ours.half_isa == "avx512_bf16" else ("widen",)
+    return [(f"-{isa}", NativeGEMM(half_isa=isa)) for isa in isas]
 
 
 def decode_table(args) -> None:
@@ -145,7 +152,7 @@ def decode_table(args) -> None:
         copies = layers if n < 8 * k else max(2, layers // 8)  # the LM head: a few copies are enough
         ws = [torch.randn(n, k, generator=g) * 0.02 for _ in range(copies)]
         packs = {}
-        for i, (label, kern, dt) in enumerate(cands):
+        for i, (_label, kern, dt) in enumerate(cands):
             w0 = ws[0].to(dt)
             if kern.supports(w0):
                 packs[i] = [kern.pack(w.to(dt)) for w in ws]
@@ -165,7 +172,7 @@ def decode_table(args) -> None:
                 for i, ps in packs.items():
                     label, kern, dt = cands[i]
                     x = torch.randn(m, k, generator=g).to(dt)
-                    runs[i] = lambda kern=kern, x=x, ps=ps: [kern.linear_verified(x, p, None, n) for p in ps]
+                    runs[i] = lambda kern=kern, x=x, ps=ps, n=n: [kern.linear_verified(x, p, None, n) for p in ps]
                 for b, (src, dst) in bufs.items():
                     runs[("copy", b)] = lambda src=src, dst=dst: dst.copy_(src)
                 times = {key: [] for key in runs}
