@@ -134,8 +134,8 @@ def half_variants(ours, dtype: torch.dtype) -> list[tuple[str, object]]:
 
 
 def decode_table(args) -> None:
-    """The ``--decode`` table: per shape of one layer (each of ``num_hidden_layers`` copies, so the
-    weights stream from memory as in a step) and row count, every candidate's weight GB/s and its
+    """The ``--decode`` table: per shape of one layer (copies of it adding up to ``--stream-mb`` of
+    float32 weights per candidate, so the weights stream from memory as in a step) and row count, every candidate's weight GB/s and its
     share of a copy of the same bytes (read + written), all interleaved in one process."""
     cands = decode_candidates()
     c = MODEL_SIZES[args.model]
@@ -145,11 +145,13 @@ def decode_table(args) -> None:
     layers = c["num_hidden_layers"]
     g = torch.Generator().manual_seed(0)
     print(
-        f"{args.model}: {layers} copies per shape, {torch.get_num_threads()} threads, median of {args.repeats} "
+        f"{args.model}: ~{args.stream_mb} MB of float32 weight copies per shape and candidate, {torch.get_num_threads()} threads, median of {args.repeats} "
         "interleaved rounds; GB/s of weights read, % of a copy of as many bytes (GB/s counting read + written)"
     )
     for k, n in shapes:
-        copies = layers if n < 8 * k else max(2, layers // 8)  # the LM head: a few copies are enough
+        # Copies of float32 weights adding up to --stream-mb (each candidate its own: all of them
+        # together outgrow the last-level cache, so weights stream from memory as in a model's step).
+        copies = max(2, min(layers, -(-args.stream_mb * 2**20 // (4 * n * k))))
         ws = [torch.randn(n, k, generator=g) * 0.02 for _ in range(copies)]
         packs = {}
         for i, (_label, kern, dt) in enumerate(cands):
@@ -202,6 +204,7 @@ def main() -> None:
     ap.add_argument("--int8", action="store_true", help="the int8 kernels against the float ones, per shape")
     ap.add_argument("--decode", action="store_true", help="every candidate per shape at decode rows, %% of copy GB/s")
     ap.add_argument("--head", action="store_true", help="with --decode: the LM head's shape too")
+    ap.add_argument("--stream-mb", type=int, default=96, help="with --decode: MB of float32 copies per shape")
     ap.add_argument("--threads", type=int, default=None, help="torch (and our kernels') threads; default torch's")
     ap.add_argument("--best", action="store_true", help="report the fastest round, not the median (a shared machine)")
     args = ap.parse_args()

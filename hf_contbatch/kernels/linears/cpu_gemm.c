@@ -179,7 +179,9 @@ static inline void store_row(void *y, int kind, int64_t off, const float *acc, c
  * PREFETCH: a thread's panels lie one after another in memory and it walks their slices in order,
  * so the line one slice (KC x NR weights) ahead is the same position in the next slice, of this
  * panel or of its next one. Fetching it while the current slice is multiplied hides the memory latency of the
- * first pass over each slice (better than 1 KB ahead at 16-32 rows, no worse at 64). */
+ * first pass over each slice (better than 1 KB ahead at 16-32 rows, no worse at 64). Every line of
+ * it: fetching only the first of a float32 row's two lines left 4-16 rows at 41-67% of the copy
+ * bandwidth, both lines 52-87% (one thread, SmolLM2-360M's shapes, A/B in one process). */
 #define TILE(T, WT, ROWS)                                                                           \
     static inline void tile_##T##_##ROWS(const float *x, int64_t ldx, const WT *w, int64_t kc, float *acc) { \
         v8 a[ROWS][2];                                                                              \
@@ -191,6 +193,8 @@ static inline void store_row(void *y, int kind, int64_t off, const float *acc, c
             const v8 w0 = load_w_##T(w + kk * NR), w1 = load_w_##T(w + kk * NR + VW);               \
             /* the next slice (PREFETCH); integer arithmetic: it may lie past the buffer's end */ \
             __builtin_prefetch((const void *)((uintptr_t)w + (uintptr_t)((kk + KC) * NR * sizeof(WT)))); \
+            if (NR * sizeof(WT) > 64) /* a float32 AVX-512 row of the panel is two lines: both */ \
+                __builtin_prefetch((const void *)((uintptr_t)w + (uintptr_t)((kk + KC) * NR * sizeof(WT) + 64))); \
             for (int r = 0; r < ROWS; r++) {                                                        \
                 const float xv = x[r * ldx + kk];                                                   \
                 a[r][0] += xv * w0;                                                                 \
@@ -237,7 +241,12 @@ static inline void store_row(void *y, int kind, int64_t off, const float *acc, c
             }                                                                                         \
     }
 
-/* m <= 3 rows: threads take groups of G panels (G = 4 for one row, else 2); a last group of
+/* Rows the narrow path takes. Wider tiles for 4-6 rows (2 panels, 24 accumulators with AVX-512)
+ * measured no different from the one-panel tiles once those prefetch every line (bench A/B, 1
+ * thread, medium shapes), so they are left out. */
+#define NARROW_MAX 3
+
+/* m <= NARROW_MAX rows: threads take groups of G panels (G = 4 for one row, else 2); a last group of
  * fewer panels goes one panel at a time. out: acc [m][G][NR] per group, stored to y with bias. */
 #define GEMM_NARROW(T, WT)                                                                             \
     static void gemm_narrow_##T(const float *x, int64_t m, int64_t k, const WT *packed, int64_t n,      \
@@ -246,19 +255,24 @@ static inline void store_row(void *y, int kind, int64_t off, const float *acc, c
         const int64_t groups = (panels + G - 1) / G;                                                   \
         _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                          \
         for (int64_t gi = 0; gi < groups; gi++) {                                                      \
-            float acc[3 * 4 * NR] __attribute__((aligned(64)));                                        \
+            float acc[NARROW_MAX * 2 * NR] __attribute__((aligned(64))); /* >= 1 row x 4 panels */     \
             const int64_t p0 = gi * G, np = panels - p0 < G ? panels - p0 : G;                         \
             const WT *w = packed + p0 * k * NR;                                                        \
             if (np == G) {                                                                             \
-                if (m == 1) narrow_##T##_1_4(x, k, w, acc);                                            \
-                else if (m == 2) narrow_##T##_2_2(x, k, w, acc);                                       \
-                else narrow_##T##_3_2(x, k, w, acc);                                                   \
+                switch (m) {                                                                           \
+                    case 1: narrow_##T##_1_4(x, k, w, acc); break;                                     \
+                    case 2: narrow_##T##_2_2(x, k, w, acc); break;                                     \
+                    default: narrow_##T##_3_2(x, k, w, acc); break;                                    \
+                }                                                                                      \
             } else {                                                                                   \
                 for (int64_t g = 0; g < np; g++) {                                                     \
-                    float one[3 * NR] __attribute__((aligned(64)));                                    \
-                    if (m == 1) narrow_##T##_1_1(x, k, w + g * k * NR, one);                           \
-                    else if (m == 2) narrow_##T##_2_1(x, k, w + g * k * NR, one);                      \
-                    else narrow_##T##_3_1(x, k, w + g * k * NR, one);                                  \
+                    float one[NARROW_MAX * NR] __attribute__((aligned(64)));                           \
+                    const WT *wg = w + g * k * NR;                                                     \
+                    switch (m) {                                                                       \
+                        case 1: narrow_##T##_1_1(x, k, wg, one); break;                                \
+                        case 2: narrow_##T##_2_1(x, k, wg, one); break;                                \
+                        default: narrow_##T##_3_1(x, k, wg, one); break;                               \
+                    }                                                                                  \
                     for (int64_t r = 0; r < m; r++)                                                    \
                         memcpy(acc + (r * G + g) * NR, one + r * NR, sizeof(float) * NR);              \
                 }                                                                                      \
@@ -298,7 +312,7 @@ static inline void store_row(void *y, int kind, int64_t off, const float *acc, c
     GEMM_NARROW(T, WT)                                                                                 \
     static void gemm_core_##T(const float *x, int64_t m, int64_t k, const WT *packed, int64_t n,        \
                               const float *bias, void *y, int out_kind, int64_t num_threads) {         \
-        if (m <= 3) {                                                                                  \
+        if (m <= NARROW_MAX) {                                                                         \
             gemm_narrow_##T(x, m, k, packed, n, bias, y, out_kind, num_threads);                       \
             return;                                                                                    \
         }                                                                                              \
@@ -440,7 +454,9 @@ void hf_contbatch_gemm_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16
         for (int64_t kk = 0; kk < k2; kk++) {                                                        \
             const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + kk * NRB * 2);                      \
             const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + kk * NRB * 2 + 32);                 \
+            /* the next slice, both lines of its 128-byte row (as the float32 tiles) */              \
             __builtin_prefetch((const void *)((uintptr_t)w + (uintptr_t)((kk + KC / 2) * NRB * 4)));\
+            __builtin_prefetch((const void *)((uintptr_t)w + (uintptr_t)((kk + KC / 2) * NRB * 4 + 64)));\
             for (int r = 0; r < ROWS; r++) {                                                         \
                 int32_t pair;                                                                        \
                 memcpy(&pair, x + r * ldx + 2 * kk, 4);                                              \
