@@ -95,16 +95,15 @@ def test_bf16_linears_pack_where_the_kernel_has_a_bf16_path_and_agree_with_f_lin
 
 
 @pytest.mark.timeout(600)
-def test_a_bf16_engine_has_the_compiled_decode_kernel_as_a_candidate_and_generates():
-    model = build_model("llama").to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_engine_has_the_compiled_decode_kernel_as_a_candidate_and_generates(dtype):
+    model = build_model("llama").to(dtype)
     engine = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=64)))
     try:
-        # bf16 pools on CPU: the compiled decode kernel is a candidate (kept where it is faster here;
-        # its bf16 results are checked against the reference in test_cpu_kernel.py).
-        assert (
-            isinstance(engine.cache.backend, CPUKernelAttentionBackend)
-            and engine.cache.key_cache[0].dtype == torch.bfloat16
-        )
+        # bf16/fp16 pools on CPU: the compiled decode kernel is a candidate (kept where it is faster
+        # here; its bf16/fp16 results are checked against the reference in test_cpu_kernel.py).
+        assert isinstance(engine.cache.backend, CPUKernelAttentionBackend)
+        assert engine.cache.key_cache[0].dtype == dtype
         out = engine.submit([1, 2, 3, 4, 5], SamplingParams(max_new_tokens=6, ignore_eos=True)).result(300)
         assert len(out.output_token_ids) == 6
     finally:

@@ -302,6 +302,8 @@ def choose_prefill_path(
     beside the C kernels). Returns a line for the engine's log."""
     if not kernel.available:
         return f"prefill attention: torch path ({kernel.error or 'kernel disabled'})"
+    if dtype != torch.int8 and dtype not in POOL_DTYPES:  # float16 pools: decode only, for now
+        return f"prefill attention: torch path (no {dtype} kernel)"
     # Measured on one thread (measure_prefill_paths): the thread count is no part of the key.
     tuner = attention_tuner(PREFILL_SOURCE, 1, "prefill attention")
     winner, times = tuner.fastest(
