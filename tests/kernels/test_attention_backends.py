@@ -35,7 +35,7 @@ def _no_env_override(monkeypatch):
 @pytest.mark.parametrize("requested", ["auto", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_float32_bf16_and_fp16_pools_get_the_c_kernel_backend(requested, dtype):
-    # float16: the decode kernel reads it (where the compiler has _Float16); prefill takes the torch path
+    # float16: the kernels read it where the compiler has _Float16 (else they leave it to the torch path)
     backend = select_backend(requested, CPU, _spec(dtype), num_heads=4)
     assert type(backend) is CPUKernelAttentionBackend and backend.name == "torch"
 
