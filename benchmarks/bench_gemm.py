@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from hf_contbatch.kernels.linears import NativeGEMM, OneDNNGEMM, onednn_available
+from hf_contbatch.kernels.linears.native_gemm import HALF_ISAS
 
 from workload import MODEL_SIZES
 
@@ -101,12 +102,109 @@ def int8_table(args) -> None:
             print(f"  rows {m:>4}: " + " | ".join(parts))
 
 
+def decode_candidates() -> list[tuple[str, object, torch.dtype]]:
+    """(label, kernel, weight dtype) of every GEMM that runs here, for the ``--decode`` table: our
+    kernel per weight dtype and half-precision variant, oneDNN, ``F.linear`` and the int8 kernels."""
+    from hf_contbatch.kernels.linears.int8_gemm import W8A8GEMM, NativeInt8GEMM
+    from hf_contbatch.kernels.linears.torch_linear import TorchLinear
+
+    out = []
+    ours = NativeGEMM()
+    onednn = OneDNNGEMM() if onednn_available() else None
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        for variant, kern in half_variants(ours, dt):
+            out.append((f"ours{variant}", kern, dt))
+        if onednn is not None and dt in onednn.dtypes:
+            out.append(("oneDNN", onednn, dt))
+        out.append(("F.linear", TorchLinear(), dt))
+    out.append(("native-int8", NativeInt8GEMM(), torch.float32))
+    out.append(("w8a8", W8A8GEMM(), torch.float32))
+    return out
+
+
+def half_variants(ours, dtype: torch.dtype) -> list[tuple[str, object]]:
+    """Our kernel's variants for ``dtype`` weights: bfloat16 both ways where the CPU has
+    AVX512-BF16 ("-avx512_bf16", "-widen"), else the one it has; float32 and float16 one each."""
+    if dtype not in ours.dtypes:
+        return []
+    if dtype != torch.bfloat16:
+        return [("", ours)]
+    isas = HALF_ISAS if ours.half_isa == "avx512_bf16" else ("widen",)
+    return [(f"-{isa}", NativeGEMM(half_isa=isa)) for isa in isas]
+
+
+def decode_table(args) -> None:
+    """The ``--decode`` table: per shape of one layer (copies of it adding up to ``--stream-mb`` of
+    float32 weights per candidate, so the weights stream from memory as in a step) and row count, every candidate's weight GB/s and its
+    share of a copy of the same bytes (read + written), all interleaved in one process."""
+    cands = decode_candidates()
+    c = MODEL_SIZES[args.model]
+    shapes = layer_shapes(args.model)
+    if args.head:
+        shapes.append((c["hidden_size"], c["vocab_size"]))
+    layers = c["num_hidden_layers"]
+    g = torch.Generator().manual_seed(0)
+    print(
+        f"{args.model}: ~{args.stream_mb} MB of float32 weight copies per shape and candidate, {torch.get_num_threads()} threads, median of {args.repeats} "
+        "interleaved rounds; GB/s of weights read, % of a copy of as many bytes (GB/s counting read + written)"
+    )
+    for k, n in shapes:
+        # Copies of float32 weights adding up to --stream-mb (each candidate its own: all of them
+        # together outgrow the last-level cache, so weights stream from memory as in a model's step).
+        copies = max(2, min(layers, -(-args.stream_mb * 2**20 // (4 * n * k))))
+        ws = [torch.randn(n, k, generator=g) * 0.02 for _ in range(copies)]
+        packs = {}
+        for i, (_label, kern, dt) in enumerate(cands):
+            w0 = ws[0].to(dt)
+            if kern.supports(w0):
+                packs[i] = [kern.pack(w.to(dt)) for w in ws]
+        nbytes = {i: sum(p.nbytes for p in ps) for i, ps in packs.items()}
+        nbytes.update(
+            {
+                i: copies * n * k * torch.empty((), dtype=cands[i][2]).element_size()
+                for i in packs
+                if cands[i][0] == "F.linear"
+            }
+        )
+        sizes = sorted(set(nbytes.values()))
+        bufs = {b: (torch.ones(b, dtype=torch.uint8), torch.empty(b, dtype=torch.uint8)) for b in sizes}
+        for m in [int(r) for r in args.rows.split(",")]:
+            runs = {}
+            with torch.inference_mode():
+                for i, ps in packs.items():
+                    label, kern, dt = cands[i]
+                    x = torch.randn(m, k, generator=g).to(dt)
+                    runs[i] = lambda kern=kern, x=x, ps=ps, n=n: [kern.linear_verified(x, p, None, n) for p in ps]
+                for b, (src, dst) in bufs.items():
+                    runs[("copy", b)] = lambda src=src, dst=dst: dst.copy_(src)
+                times = {key: [] for key in runs}
+                for f in runs.values():
+                    f()
+                for _ in range(args.repeats):
+                    for key, f in runs.items():
+                        t0 = time.perf_counter()
+                        f()
+                        times[key].append(time.perf_counter() - t0)
+            med = {key: statistics.median(t) for key, t in times.items()}
+            for i in packs:
+                label, kern, dt = cands[i]
+                gbs = nbytes[i] / med[i] / 1e9
+                copy_gbs = 2 * nbytes[i] / med[("copy", nbytes[i])] / 1e9
+                print(
+                    f"{k}x{n} rows {m:>3} {str(dt).removeprefix('torch.'):>8} {label:<14} {med[i] * 1e3:8.3f} ms "
+                    f"{gbs:6.1f} GB/s {100 * gbs / copy_gbs:5.0f}% of copy ({copy_gbs:.1f} GB/s)"
+                )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="small", choices=sorted(MODEL_SIZES))
     ap.add_argument("--rows", default="1,4,8,16,32,64,128,256,1024")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--int8", action="store_true", help="the int8 kernels against the float ones, per shape")
+    ap.add_argument("--decode", action="store_true", help="every candidate per shape at decode rows, %% of copy GB/s")
+    ap.add_argument("--head", action="store_true", help="with --decode: the LM head's shape too")
+    ap.add_argument("--stream-mb", type=int, default=96, help="with --decode: MB of float32 copies per shape")
     ap.add_argument("--threads", type=int, default=None, help="torch (and our kernels') threads; default torch's")
     ap.add_argument("--best", action="store_true", help="report the fastest round, not the median (a shared machine)")
     args = ap.parse_args()
@@ -114,6 +212,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.int8:
         int8_table(args)
+        return
+    if args.decode:
+        decode_table(args)
         return
     shapes = layer_shapes(args.model)
     layers = MODEL_SIZES[args.model]["num_hidden_layers"]

@@ -62,6 +62,26 @@ static inline uint16_t f32_to_bf16(float f) {
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+/* float16 through the compiler's _Float16 (F16C's VCVTPH2PS/VCVTPS2PH where the CPU has them, NEON's
+ * conversions on arm64): exact widening, round to nearest even as c10::Half. */
+#if defined(__FLT16_MAX__)
+#define HAS_F16 1
+static inline float f16_to_f32(uint16_t h) {
+    _Float16 v;
+    memcpy(&v, &h, 2);
+    return (float)v;
+}
+static inline uint16_t f32_to_f16(float f) {
+    const _Float16 v = (_Float16)f;
+    uint16_t h;
+    memcpy(&h, &v, 2);
+    return h;
+}
+static inline float round_f16(float f) { return (float)(_Float16)f; }
+#else
+#define HAS_F16 0
+#endif
+
 /* exp(x) for float32: Cephes expf (S. L. Moshier), branch-free so loops vectorize. */
 
 static inline __attribute__((always_inline)) float exp_f32(float x) {
@@ -116,22 +136,29 @@ void hf_contbatch_rms_norm_f32(const float *x, int64_t rows, int64_t n, int64_t 
     }
 }
 
-void hf_contbatch_rms_norm_bf16(const uint16_t *x, int64_t rows, int64_t n, int64_t x_stride,
-                                const float *scale, float eps, int32_t round_first, uint16_t *y, int64_t y_stride,
-                                int32_t threads) {
-#pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN && threads > 1) schedule(static)
-    for (int64_t i = 0; i < rows; ++i) {
-        const uint16_t *xi = x + i * x_stride;
-        uint16_t *yi = y + i * y_stride;
-        float buf[n > 0 ? n : 1];
-        for (int64_t k = 0; k < n; ++k) buf[k] = bf16_to_f32(xi[k]);
-        float r = inv_rms(buf, n, eps);
-        if (round_first)
-            for (int64_t k = 0; k < n; ++k) yi[k] = f32_to_bf16(scale[k] * round_bf16(buf[k] * r));
-        else
-            for (int64_t k = 0; k < n; ++k) yi[k] = f32_to_bf16(scale[k] * (buf[k] * r));
+/* The half-precision rows: widened to float32 (exact), normalized in float32, rounded once at the
+ * end (or, round_first, also before the scale, Llama's order), as torch's ops on the dtype do. */
+#define RMS_NORM_HALF(NAME, TO_F32, FROM_F32, ROUND)                                                    \
+    void hf_contbatch_rms_norm_##NAME(const uint16_t *x, int64_t rows, int64_t n, int64_t x_stride,     \
+                                      const float *scale, float eps, int32_t round_first, uint16_t *y,   \
+                                      int64_t y_stride, int32_t threads) {                               \
+        _Pragma("omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN && threads > 1) schedule(static)") \
+        for (int64_t i = 0; i < rows; ++i) {                                                             \
+            const uint16_t *xi = x + i * x_stride;                                                       \
+            uint16_t *yi = y + i * y_stride;                                                             \
+            float buf[n > 0 ? n : 1];                                                                    \
+            for (int64_t k = 0; k < n; ++k) buf[k] = TO_F32(xi[k]);                                      \
+            float r = inv_rms(buf, n, eps);                                                              \
+            if (round_first)                                                                             \
+                for (int64_t k = 0; k < n; ++k) yi[k] = FROM_F32(scale[k] * ROUND(buf[k] * r));          \
+            else                                                                                         \
+                for (int64_t k = 0; k < n; ++k) yi[k] = FROM_F32(scale[k] * (buf[k] * r));              \
+        }                                                                                                \
     }
-}
+RMS_NORM_HALF(bf16, bf16_to_f32, f32_to_bf16, round_bf16)
+#if HAS_F16
+RMS_NORM_HALF(f16, f16_to_f32, f32_to_f16, round_f16)
+#endif
 
 /* gate and up [rows][n] with their own row strides (they may be two halves of one fused GEMM
  * output), y [rows][n] contiguous. */
@@ -146,16 +173,23 @@ void hf_contbatch_silu_mul_f32(const float *gate, const float *up, int64_t rows,
     }
 }
 
-void hf_contbatch_silu_mul_bf16(const uint16_t *gate, const uint16_t *up, int64_t rows, int64_t n,
-                                int64_t g_stride, int64_t u_stride, uint16_t *y, int32_t threads) {
-#pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN && threads > 1) schedule(static)
-    for (int64_t i = 0; i < rows; ++i) {
-        const uint16_t *restrict g = gate + i * g_stride, *restrict u = up + i * u_stride;
-        uint16_t *restrict yi = y + i * n;
-#pragma omp simd
-        for (int64_t k = 0; k < n; ++k) {
-            float s = round_bf16(silu_f32(bf16_to_f32(g[k])));
-            yi[k] = f32_to_bf16(s * bf16_to_f32(u[k]));
-        }
+#define SILU_MUL_HALF(NAME, TO_F32, FROM_F32, ROUND)                                                  \
+    void hf_contbatch_silu_mul_##NAME(const uint16_t *gate, const uint16_t *up, int64_t rows, int64_t n, \
+                                      int64_t g_stride, int64_t u_stride, uint16_t *y, int32_t threads) { \
+        _Pragma("omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN && threads > 1) schedule(static)") \
+        for (int64_t i = 0; i < rows; ++i) {                                                             \
+            const uint16_t *restrict g = gate + i * g_stride, *restrict u = up + i * u_stride;           \
+            uint16_t *restrict yi = y + i * n;                                                           \
+            _Pragma("omp simd")                                                                          \
+            for (int64_t k = 0; k < n; ++k) {                                                            \
+                float s = ROUND(silu_f32(TO_F32(g[k])));                                                 \
+                yi[k] = FROM_F32(s * TO_F32(u[k]));                                                      \
+            }                                                                                            \
+        }                                                                                                \
     }
-}
+SILU_MUL_HALF(bf16, bf16_to_f32, f32_to_bf16, round_bf16)
+#if HAS_F16
+SILU_MUL_HALF(f16, f16_to_f32, f32_to_f16, round_f16)
+#endif
+
+int hf_contbatch_fused_has_f16(void) { return HAS_F16; }

@@ -2,7 +2,7 @@
 through ctypes; see the C file for the arithmetic and its sources.
 
 :func:`rms_norm` and :func:`silu_mul` take what transformers' modules take and return what they
-return (float32 or bfloat16 CPU tensors); anything else (another dtype or device, autograd) is the
+return (float32, bfloat16, or float16 where the compiler has ``_Float16``: CPU tensors); anything else (another dtype or device, autograd) is the
 caller's to route to the module's own forward (:func:`fits`). The library is built once per process
 (``native_build`` caches it on disk per CPU); where it cannot be built, :func:`fused_library`
 returns None and the modules keep their forwards.
@@ -28,12 +28,14 @@ _SOURCE = Path(__file__).with_name("fused_ops.c")
 # -ffp-contract=off: a square is rounded before it is summed and a product before it is added, as
 # torch's separate ops do (and so every ISA's build gives the same bits).
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
-DTYPES = (torch.float32, torch.bfloat16)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The dtypes of the kernels (float16 where the build has it: :attr:`FusedLibrary.dtypes`)."""
 
 
 @dataclass(frozen=True)
 class FusedLibrary:
-    """The compiled kernels (ctypes functions) and the instruction set the build targets."""
+    """The compiled kernels (ctypes functions; the float16 ones None where the compiler has no
+    ``_Float16``) and the instruction set the build targets."""
 
     path: str
     isa: str
@@ -41,6 +43,13 @@ class FusedLibrary:
     rms_norm_bf16: Callable
     silu_mul_f32: Callable
     silu_mul_bf16: Callable
+    rms_norm_f16: Optional[Callable] = None
+    silu_mul_f16: Optional[Callable] = None
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        """The dtypes this build's kernels take."""
+        return DTYPES if self.rms_norm_f16 is not None else DTYPES[:2]
 
 
 @functools.cache
@@ -55,8 +64,13 @@ def _load() -> tuple[Optional[FusedLibrary], Optional[str]]:
     lib.hf_contbatch_rms_norm_bf16.argtypes = [ptr, i64, i64, i64, ptr, f32, i32, ptr, i64, i32]
     lib.hf_contbatch_silu_mul_f32.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, i32]
     lib.hf_contbatch_silu_mul_bf16.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, i32]
-    for name in ("rms_norm_f32", "rms_norm_bf16", "silu_mul_f32", "silu_mul_bf16"):
-        getattr(lib, f"hf_contbatch_{name}").restype = None
+    has_f16 = bool(lib.hf_contbatch_fused_has_f16())
+    if has_f16:
+        lib.hf_contbatch_rms_norm_f16.argtypes = lib.hf_contbatch_rms_norm_bf16.argtypes
+        lib.hf_contbatch_silu_mul_f16.argtypes = lib.hf_contbatch_silu_mul_bf16.argtypes
+    for name in ("rms_norm_f32", "rms_norm_bf16", "silu_mul_f32", "silu_mul_bf16", "rms_norm_f16", "silu_mul_f16"):
+        if has_f16 or not name.endswith("f16"):
+            getattr(lib, f"hf_contbatch_{name}").restype = None
     lib.hf_contbatch_fused_isa.restype = ctypes.c_char_p
     return (
         FusedLibrary(
@@ -66,6 +80,8 @@ def _load() -> tuple[Optional[FusedLibrary], Optional[str]]:
             rms_norm_bf16=lib.hf_contbatch_rms_norm_bf16,
             silu_mul_f32=lib.hf_contbatch_silu_mul_f32,
             silu_mul_bf16=lib.hf_contbatch_silu_mul_bf16,
+            rms_norm_f16=lib.hf_contbatch_rms_norm_f16 if has_f16 else None,
+            silu_mul_f16=lib.hf_contbatch_silu_mul_f16 if has_f16 else None,
         ),
         None,
     )
@@ -74,6 +90,16 @@ def _load() -> tuple[Optional[FusedLibrary], Optional[str]]:
 def fused_library() -> Optional[FusedLibrary]:
     """The compiled kernels, or None where they cannot be built here (no C compiler, compile error)."""
     return _load()[0]
+
+
+def _library_for(dtype: torch.dtype) -> FusedLibrary:
+    """The library, checked to have kernels for ``dtype``; RuntimeError saying why not."""
+    lib = fused_library()
+    if lib is None:
+        raise RuntimeError(f"fused ops unavailable: {fused_library_error()}")
+    if dtype not in lib.dtypes:
+        raise RuntimeError(f"fused ops: no {dtype} kernels in this build (it has {lib.dtypes})")
+    return lib
 
 
 def fused_library_error() -> Optional[str]:
@@ -106,10 +132,13 @@ def _rows_view(x: torch.Tensor) -> Optional[tuple[int, int]]:
 
 
 def fits(x: torch.Tensor) -> bool:
-    """Whether the kernels take ``x``: a float32/bfloat16 CPU tensor, no autograd graph wanted."""
+    """Whether the kernels take ``x``: a CPU tensor of a dtype the build has (float32, bfloat16,
+    float16), no autograd graph wanted."""
+    lib = fused_library() if x.dtype == torch.float16 else None
     return (
         x.device.type == "cpu"
         and x.dtype in DTYPES
+        and (x.dtype != torch.float16 or (lib is not None and lib.rms_norm_f16 is not None))
         and x.dim() >= 1
         and not (x.requires_grad and torch.is_grad_enabled())
         and not torch.compiler.is_compiling()
@@ -117,17 +146,16 @@ def fits(x: torch.Tensor) -> bool:
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float, round_first: bool) -> torch.Tensor:
-    """RMSNorm of the last dimension of ``x`` ``[..., n]`` (float32 or bfloat16, CPU) with a float32
+    """RMSNorm of the last dimension of ``x`` ``[..., n]`` (float32, bfloat16 or float16, CPU) with a float32
     ``scale`` ``[n]`` (the weight, or ``1 + weight`` for Gemma); returns ``[..., n]`` in ``x``'s dtype.
     ``round_first``: the normalized value is rounded to ``x``'s dtype before the scale multiplies
     it (Llama's order); else one rounding at the end (Gemma's, OLMo2's). Same in float32.
 
     Raises:
-        RuntimeError: the kernels cannot be built here, or ``scale`` does not fit.
+        RuntimeError: the kernels cannot be built here, ``x``'s dtype is not one of the build's
+            (:attr:`FusedLibrary.dtypes`), or ``scale`` does not fit.
     """
-    lib = fused_library()
-    if lib is None:
-        raise RuntimeError(f"fused ops unavailable: {fused_library_error()}")
+    lib = _library_for(x.dtype)
     n = x.shape[-1]
     if scale.dtype != torch.float32 or scale.shape != (n,) or not scale.is_contiguous():
         raise RuntimeError(f"rms_norm: scale {tuple(scale.shape)} {scale.dtype} does not fit {n} float32 features")
@@ -142,23 +170,21 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float, round_first: bool
         if x.dtype == torch.float32:
             lib.rms_norm_f32(x.data_ptr(), rows, n, stride, scale.data_ptr(), eps, y.data_ptr(), n, threads)
         else:
-            lib.rms_norm_bf16(
-                x.data_ptr(), rows, n, stride, scale.data_ptr(), eps, int(round_first), y.data_ptr(), n, threads
-            )
+            fn = lib.rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.rms_norm_f16
+            fn(x.data_ptr(), rows, n, stride, scale.data_ptr(), eps, int(round_first), y.data_ptr(), n, threads)
     return y
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate`` and ``up`` ``[..., n]`` of one shape and dtype (float32 or
-    bfloat16, CPU; each contiguous or a column slice of a contiguous tensor, as a fused gate/up GEMM
+    """``silu(gate) * up`` for ``gate`` and ``up`` ``[..., n]`` of one shape and dtype (float32,
+    bfloat16 or float16, CPU; each contiguous or a column slice of a contiguous tensor, as a fused gate/up GEMM
     gives them); returns a new contiguous ``[..., n]`` tensor.
 
     Raises:
-        RuntimeError: the kernels cannot be built here, or shapes/dtypes differ.
+        RuntimeError: the kernels cannot be built here, the dtype is not one of the build's, or
+            shapes/dtypes differ.
     """
-    lib = fused_library()
-    if lib is None:
-        raise RuntimeError(f"fused ops unavailable: {fused_library_error()}")
+    lib = _library_for(gate.dtype)
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise RuntimeError(
             f"silu_mul: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} differ"
@@ -174,7 +200,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     n = gate.shape[-1]
     y = torch.empty(gate.shape, dtype=gate.dtype)
     if rows and n:
-        fn = lib.silu_mul_f32 if gate.dtype == torch.float32 else lib.silu_mul_bf16
+        fn = {torch.float32: lib.silu_mul_f32, torch.bfloat16: lib.silu_mul_bf16}.get(gate.dtype, lib.silu_mul_f16)
         fn(gate.data_ptr(), up.data_ptr(), rows, n, g_stride, u_stride, y.data_ptr(), torch.get_num_threads())
     return y
 
@@ -332,6 +358,7 @@ class FusedModelOps:
         self.error = None if fused_library() is not None else fused_library_error()
         if self.error is not None:
             return
+        lib_dtypes = fused_library().dtypes
         groups: dict[tuple, list] = {}
         for _, module in (layout or ModelLayout.of(model)).modules:
             if "forward" in module.__dict__:  # an instance forward someone else installed: leave it
@@ -354,7 +381,7 @@ class FusedModelOps:
         # module instances (a figure from another process's modules would not be about these).
         tuner = Tuner(("fused", "module"), None, recheck=False, what="model ops")
         for (op, width, dtype), members in groups.items():
-            if dtype not in DTYPES:
+            if dtype not in lib_dtypes:
                 continue
             run = functools.partial(measure or self._measure, op, width, dtype, members[0][1])
             table = tuner.timings(

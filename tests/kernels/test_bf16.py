@@ -95,17 +95,50 @@ def test_bf16_linears_pack_where_the_kernel_has_a_bf16_path_and_agree_with_f_lin
 
 
 @pytest.mark.timeout(600)
-def test_a_bf16_engine_has_the_compiled_decode_kernel_as_a_candidate_and_generates():
-    model = build_model("llama").to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_engine_has_the_compiled_decode_kernel_as_a_candidate_and_generates(dtype):
+    model = build_model("llama").to(dtype)
     engine = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=64)))
     try:
-        # bf16 pools on CPU: the compiled decode kernel is a candidate (kept where it is faster here;
-        # its bf16 results are checked against the reference in test_cpu_kernel.py).
-        assert (
-            isinstance(engine.cache.backend, CPUKernelAttentionBackend)
-            and engine.cache.key_cache[0].dtype == torch.bfloat16
-        )
+        # bf16/fp16 pools on CPU: the compiled decode kernel is a candidate (kept where it is faster
+        # here; its bf16/fp16 results are checked against the reference in test_cpu_kernel.py).
+        assert isinstance(engine.cache.backend, CPUKernelAttentionBackend)
+        assert engine.cache.key_cache[0].dtype == dtype
         out = engine.submit([1, 2, 3, 4, 5], SamplingParams(max_new_tokens=6, ignore_eos=True)).result(300)
         assert len(out.output_token_ids) == 6
     finally:
         engine.close()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_linears_widened_by_our_gemm_agree_with_f_linear_on_their_float32_values(dtype, monkeypatch):
+    # The widening path (each weight widened to float32 in registers: what a CPU without
+    # AVX512-BF16 runs, forced here with half_isa="widen"): float32 accumulation of the same
+    # half-precision values, rounded once to the dtype.
+    from hf_contbatch.kernels.linears import NativeGEMM, pack_linears, registry
+
+    if "native" not in registry.available_kernels():
+        pytest.skip("no C compiler: our GEMM cannot be built")
+    monkeypatch.setitem(registry.KERNELS, "native", functools.partial(NativeGEMM, half_isa="widen"))
+    kernel = registry.make_kernel("native")
+    if dtype not in kernel.dtypes:  # float16 needs the CPU's vector conversion (F16C)
+        assert dtype == torch.float16
+        pytest.skip("no vector float16 conversion on this CPU")
+    model = build_model("llama").to(dtype)
+    packed = pack_linears(model, "native", fuse=True)
+    try:
+        assert packed is not None and len(packed) == sum(type(m) is torch.nn.Linear for m in model.modules())
+        assert model.model.layers[0].mlp.down_proj.forward.kernel.half_isa == "widen"
+        g = torch.Generator().manual_seed(0)
+        for name in ("self_attn.q_proj", "mlp.down_proj"):
+            lin = model.model.layers[0].get_submodule(name)
+            x = torch.randn(3, lin.in_features, generator=g).to(dtype)
+            with torch.no_grad():
+                got = lin(x)
+                want = torch.nn.functional.linear(x.float(), lin.weight.float())
+            assert got.dtype == dtype
+            unit = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11  # half an ulp, relative
+            torch.testing.assert_close(got.float(), want, rtol=2 * unit, atol=1e-4)
+    finally:
+        packed.restore()

@@ -1,9 +1,11 @@
 """Our GEMM (``hf_contbatch.kernels.linears.NativeGEMM``, ``cpu_gemm.c``) against arithmetic:
 float64 products within the standard dot-product error bound, rows independent of the batch they
 are in, columns independent of the panels packed beside them, any thread count and any vector width
-the same bits; the instruction set the build reports is the one this CPU offers; the bfloat16 kernel
-(AVX512-BF16 CPUs) within the bound of float32 accumulation and one bf16 rounding, and the fallback
-of CPUs without it (built here with ``bf16=False`` on any CPU): bf16 weights refused, float32 kept."""
+the same bits; the instruction set the build reports is the one this CPU offers; the bfloat16 kernels
+(VDPBF16PS on AVX512-BF16 CPUs, and widening to float32 in registers, also as a CPU without
+AVX512-BF16 builds it: ``bf16=False`` on any CPU) within the bound of float32 accumulation and one
+bf16 rounding; bfloat16 and float16 weights widened give the float32 kernel's bits on their widened
+copy, rounded once, and agree with ``F.linear`` in float32 within the dot-product bound."""
 
 from __future__ import annotations
 
@@ -145,7 +147,11 @@ def test_the_build_uses_the_widest_vectors_this_cpu_has_and_says_so(gemm):
         pytest.skip(f"no expectation for {machine}")
     assert gemm.library.isa == want
     assert gemm.library.nr == (32 if want == "avx512f" else 16)  # two vectors of 16 or 8 floats
-    assert (torch.bfloat16 in gemm.library.dtypes) == ("avx512_bf16" in flags and want == "avx512f")
+    # bfloat16 always (widened where VDPBF16PS is missing); float16 where vectors convert it (F16C)
+    assert (gemm.library.gemm_bf16 is not None) == ("avx512_bf16" in flags and want == "avx512f")
+    assert torch.bfloat16 in gemm.library.dtypes
+    if want in ("avx512f", "avx2"):
+        assert (torch.float16 in gemm.library.dtypes) == ("f16c" in flags)
 
 
 def test_the_512_bit_build_gives_the_bits_of_the_256_bit_build(gemm):
@@ -172,26 +178,23 @@ def test_the_512_bit_build_gives_the_bits_of_the_256_bit_build(gemm):
         assert torch.equal(gemm.linear(x, wide, None, 200), y), m
 
 
-@pytest.fixture(scope="module", params=["native", "without-avx512bf16"])
+@pytest.fixture(scope="module", params=["detected", "widen", "without-avx512bf16"])
 def bf16_gemm(request, gemm):
-    """Our GEMM as this CPU builds it, and as a CPU without AVX512-BF16 builds it (forced here):
-    the bf16 tests check the bf16 kernel where the build has one and the fallback where not."""
-    build = gemm if request.param == "native" else NativeGEMM(bf16=False)
+    """Our GEMM for bfloat16 weights as this CPU picks it (VDPBF16PS where it has AVX512-BF16, else
+    widened), widened by request, and as a CPU without AVX512-BF16 builds it (forced here): every
+    bf16 path runs on every CPU that has it."""
     flags = _cpu_flags()
-    has_bf16 = request.param == "native" and {"avx512f", "avx512_bf16"} <= flags
-    has_bf16 = has_bf16 and platform.machine() in ("x86_64", "AMD64")
-    assert (torch.bfloat16 in build.dtypes) == has_bf16, (request.param, build.dtypes)
+    native_bf16 = {"avx512f", "avx512_bf16"} <= flags and platform.machine() in ("x86_64", "AMD64")
+    if request.param == "detected":
+        build = gemm
+        assert build.half_isa == ("avx512_bf16" if native_bf16 else "widen")
+    elif request.param == "widen":
+        build = NativeGEMM(half_isa="widen")
+    else:
+        build = NativeGEMM(bf16=False)
+        assert build.half_isa == "widen" and build.library.gemm_bf16 is None
+    assert torch.bfloat16 in build.dtypes
     return build
-
-
-def _check_bf16_fallback(build, w, x):
-    """Without AVX512-BF16 our GEMM packs float32 only: a bf16 weight is refused (the packer then
-    leaves it to oneDNN or ``F.linear``), and the float32 kernel of the same build still serves."""
-    assert build.dtypes == (torch.float32,) and not build.supports(w)
-    with pytest.raises(RuntimeError, match="cannot pack"):
-        build.pack(w)
-    w32, x32 = w.float(), x.float()
-    _check_against_float64(build.linear(x32, build.pack(w32), None, w.shape[0]), x32, w32, None)
 
 
 def _check_bf16_against_float64(y, x, w, b):
@@ -205,16 +208,22 @@ def _check_bf16_against_float64(y, x, w, b):
     assert (err <= 2.0**-8 * exact.abs() * (1 + 1e-6) + 1.01 * k * EPS * bound * (1 + 2.0**-8) + 1e-30).all()
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 97])
+def _panel_shape(build, dtype, n, k):
+    """The packed layout: VDPBF16PS pairs [P, k/2, 32, 2], else the float32 panels [P, k, nr]."""
+    if dtype == torch.bfloat16 and build.half_isa == "avx512_bf16":
+        return (-(-n // 32), k // 2, 32, 2)
+    return (-(-n // build.library.nr), k, build.library.nr)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 13, 97])
 @pytest.mark.parametrize(("k", "n"), [(2, 1), (64, 33), (258, 130)])
 def test_bf16_products_match_float64_within_the_bound(bf16_gemm, m, k, n):
     g = torch.Generator().manual_seed(m * 1000 + k + n)
     x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16()
-    if torch.bfloat16 not in bf16_gemm.dtypes:
-        return _check_bf16_fallback(bf16_gemm, w, x)
     packed = bf16_gemm.pack(w)
-    assert packed.data.dtype == torch.bfloat16 and packed.data.shape == (-(-n // 32), k // 2, 32, 2)
+    assert packed.data.dtype == torch.bfloat16 and packed.data.shape == _panel_shape(bf16_gemm, w.dtype, n, k)
+    assert torch.equal(bf16_gemm.unpack(packed), w)
     for bias in (None, b):
         _check_bf16_against_float64(bf16_gemm.linear(x, packed, bias, n), x, w, bias)
     alone = torch.cat([bf16_gemm.linear(x[i : i + 1], packed, None, n) for i in range(m)])
@@ -225,8 +234,6 @@ def test_bf16_rows_past_one_row_block_give_the_bits_they_give_alone_at_any_threa
     # As for float32: more rows than one block, long inputs (fewer rows a block), threads sharing panels.
     g = torch.Generator().manual_seed(5)
     w, x = torch.randn(70, 4000, generator=g).bfloat16(), torch.randn(150, 4000, generator=g).bfloat16()
-    if torch.bfloat16 not in bf16_gemm.dtypes:
-        return _check_bf16_fallback(bf16_gemm, w, x)
     packed = bf16_gemm.pack(w)
     alone = torch.cat([bf16_gemm.linear(x[i : i + 1], packed, None, 70) for i in range(150)])
     before = torch.get_num_threads()
@@ -240,13 +247,80 @@ def test_bf16_rows_past_one_row_block_give_the_bits_they_give_alone_at_any_threa
     _check_bf16_against_float64(alone, x, w, None)
 
 
-def test_bf16_needs_an_even_number_of_input_features(bf16_gemm):
+def test_bf16_pairs_need_an_even_number_of_input_features_widening_does_not(bf16_gemm):
     w = torch.randn(8, 7).bfloat16()
-    assert not bf16_gemm.supports(w)
-    with pytest.raises(RuntimeError, match="cannot pack"):
-        bf16_gemm.pack(w)
-    if torch.bfloat16 not in bf16_gemm.dtypes:  # no bf16 kernel: even widths are refused too
-        return _check_bf16_fallback(bf16_gemm, torch.randn(8, 6).bfloat16(), torch.randn(2, 6).bfloat16())
+    if bf16_gemm.half_isa == "widen":  # one weight at a time: any width
+        x = torch.randn(3, 7).bfloat16()
+        _check_bf16_against_float64(bf16_gemm.linear(x, bf16_gemm.pack(w), None, 8), x, w, None)
+    else:
+        assert not bf16_gemm.supports(w)
+        with pytest.raises(RuntimeError, match="cannot pack"):
+            bf16_gemm.pack(w)
     packed = bf16_gemm.pack(torch.randn(8, 6).bfloat16())
     with pytest.raises(RuntimeError, match="does not fit"):
         bf16_gemm.linear(torch.randn(2, 6), packed, None, 8)  # float32 input for a bf16 weight
+
+
+def test_a_half_isa_the_build_lacks_or_that_does_not_exist_is_refused(gemm):
+    with pytest.raises(ValueError, match="half_isa"):
+        NativeGEMM(half_isa="amx")
+    with pytest.raises(RuntimeError, match="AVX512-BF16"):
+        NativeGEMM(bf16=False, half_isa="avx512_bf16")
+
+
+HALF = [torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module", params=["this-build", "without-avx512bf16"])
+def widening(request, gemm):
+    """The widening kernel of this CPU's build and of the build a CPU without AVX512-BF16 gets."""
+    return NativeGEMM(half_isa="widen") if request.param == "this-build" else NativeGEMM(bf16=False)
+
+
+def _half_or_skip(build, dtype):
+    if dtype not in build.dtypes:
+        assert dtype == torch.float16 and "f16c" not in _cpu_flags()  # float16 needs F16C (x86)
+        pytest.skip("no vector float16 conversion on this CPU")
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 10, 11, 97])  # 1-3: the narrow path; 10-11: one and two tiles
+@pytest.mark.parametrize(("k", "n"), [(1, 1), (7, 3), (130, 65), (960, 100)])
+def test_widened_half_weights_give_the_float32_kernels_bits_on_their_widened_copy(widening, dtype, m, k, n):
+    # Widening (bf16: a 16-bit shift, fp16: VCVTPH2PS) is exact, so the widening kernel computes the
+    # float32 kernel's in-order FMA chains on the float32 values of x and W; only the output is
+    # rounded, once, to the weight's dtype (round to nearest even, as Tensor.to does).
+    _half_or_skip(widening, dtype)
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    w, x = (torch.randn(n, k, generator=g) * 0.1).to(dtype), torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g)
+    packed = widening.pack(w)
+    assert packed.data.dtype == dtype and packed.data.shape == _panel_shape(widening, dtype, n, k)
+    assert torch.equal(widening.unpack(packed), w)
+    f32 = widening.pack(w.float())
+    for bias in (None, b):
+        y = widening.linear(x, packed, bias, n)
+        assert y.dtype == dtype and y.shape == (m, n)
+        assert torch.equal(y, widening.linear(x.float(), f32, bias, n).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("m", [1, 3, 16, 200])
+def test_widened_half_weights_agree_with_f_linear_in_float32_on_the_widened_values(widening, dtype, m):
+    # F.linear (MKL/oneDNN: its own summation order) on the float32 values: the two differ by the
+    # float32 dot-product bound (both within it of the exact sum) plus one rounding to the dtype.
+    _half_or_skip(widening, dtype)
+    g = torch.Generator().manual_seed(m)
+    w, x = (torch.randn(1000, 768, generator=g) * 0.05).to(dtype), torch.randn(m, 768, generator=g).to(dtype)
+    y = widening.linear(x, widening.pack(w), None, 1000).double()
+    want = torch.nn.functional.linear(x.float(), w.float()).double()
+    bound = x.double().abs() @ w.double().abs().T
+    unit = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11  # half an ulp, relative
+    assert ((y - want).abs() <= unit * want.abs() * (1 + 1e-6) + 2 * 1.01 * 769 * EPS * bound * (1 + unit)).all()
+
+
+def test_half_precision_inputs_of_another_dtype_are_refused(widening):
+    packed = widening.pack(torch.randn(8, 6).bfloat16())
+    for x in (torch.randn(2, 6), torch.randn(2, 6).half()):
+        with pytest.raises(RuntimeError, match="does not fit"):
+            widening.linear(x, packed, None, 8)

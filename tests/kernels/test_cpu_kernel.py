@@ -74,12 +74,14 @@ def test_both_work_splits_match_the_reference(kernel, split_heads, decode_lens, 
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_serves_dense_float32_or_bfloat16_cpu_pools_only(kernel):
+def test_kernel_serves_dense_float32_bfloat16_or_float16_cpu_pools_only(kernel):
     q = torch.zeros(2, 4, 8)
     pool = torch.zeros(3, 4, 2, 8)
     assert kernel.can_serve(q, pool, pool.clone())
     assert kernel.can_serve(q.bfloat16(), pool.bfloat16(), pool.bfloat16())
-    assert not kernel.can_serve(q.half(), pool.half(), pool.half())
+    # float16 where the compiler has _Float16 (GCC 12+, Clang on x86-64 and arm64)
+    assert kernel.can_serve(q.half(), pool.half(), pool.half()) == kernel.reads(torch.float16)
+    assert not kernel.can_serve(q.double(), pool.double(), pool.double())
     # The kernel reads both pools as dense arrays of one dtype: anything else goes to the torch path.
     assert not kernel.can_serve(q, pool, pool.bfloat16())
     assert not kernel.can_serve(q, pool, torch.zeros(3, 4, 2, 16)[..., :8])
@@ -96,6 +98,21 @@ def test_bfloat16_pools_give_the_float32_result_of_their_values(kernel, heads, k
     assert got.dtype == torch.bfloat16
     want = reference_for(q16.float(), k16.float(), v16.float(), meta, 0.3)
     torch.testing.assert_close(got.float(), want, rtol=2.0**-8, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("heads,kvh,dim", [(12, 4, 64), (6, 2, 20)], ids=["d64", "d20"])
+def test_float16_pools_give_the_float32_result_of_their_values(kernel, heads, kvh, dim):
+    # As bf16: float16 keys and values widened exactly (VCVTPH2PS), float32 arithmetic, the output
+    # rounded once to float16 (half an ulp: 2**-11 relative).
+    if not kernel.reads(torch.float16):
+        pytest.skip("this compiler has no _Float16: float16 pools take the torch path")
+    query, k_pool, v_pool, meta = _batch(DECODE_LENS, [], block_size=16, kvh=kvh, heads=heads, dim=dim, seed=8)
+    q16, k16, v16 = query.half(), k_pool.half(), v_pool.half()
+    got = torch_paged_attention(q16, k16, v16, meta, 0.3, decode_kernel=kernel)
+    assert got.dtype == torch.float16
+    want = reference_for(q16.float(), k16.float(), v16.float(), meta, 0.3)
+    torch.testing.assert_close(got.float(), want, rtol=2.0**-10, atol=1e-5)
 
 
 @pytest.mark.timeout(300)
@@ -135,7 +152,7 @@ def test_without_a_compiler_the_torch_path_serves_with_one_warning(llama_model, 
         eng.close()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_kv_store_writes_exactly_what_index_copy_writes(kernel, dtype):
     g = torch.Generator().manual_seed(11)
     blocks, bs, kvh, d, t = 6, 4, 3, 20, 9
@@ -150,4 +167,4 @@ def test_the_kv_store_writes_exactly_what_index_copy_writes(kernel, dtype):
     assert kernel.store(key, value, pools[0], pools[1], slots)
     assert torch.equal(pools[0], want[0]) and torch.equal(pools[1], want[1])
     # Not its case: nothing written, the caller stores them.
-    assert not kernel.store(key.float() if dtype == torch.bfloat16 else key.double(), value, *pools, slots)
+    assert not kernel.store(key.double() if dtype == torch.float32 else key.float(), value, *pools, slots)

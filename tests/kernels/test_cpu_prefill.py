@@ -111,12 +111,27 @@ def test_bfloat16_pools_give_the_float32_result_of_their_values(kernel, query_dt
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=1e-5)
 
 
-def test_can_serve_dense_float32_or_bfloat16_cpu_pools_only(kernel):
+@pytest.mark.timeout(600)
+def test_float16_pools_give_the_float32_result_of_their_values(kernel):
+    # As bf16: float16 keys and values widened exactly, float32 arithmetic, one rounding at the end.
+    if not kernel.reads(torch.float16):
+        pytest.skip("this compiler has no _Float16: float16 pools take the torch path")
+    query, k_pool, v_pool, meta = _batch([], CHUNKS, block_size=16, kvh=4, heads=12, dim=64, seed=9)
+    q, k16, v16 = query.half(), k_pool.half(), v_pool.half()
+    got = torch_paged_attention(q, k16, v16, meta, 0.125, sliding_window=40, prefill_kernel=kernel)
+    assert got.dtype == torch.float16
+    want = reference_for(q.float(), k16.float(), v16.float(), meta, 0.125, sliding_window=40)
+    torch.testing.assert_close(got.float(), want, rtol=2.0**-10, atol=1e-5)
+
+
+def test_can_serve_dense_float32_bfloat16_or_float16_cpu_pools_only(kernel):
     q = torch.zeros(2, 4, 8)
     pool = torch.zeros(3, 4, 2, 8)
     assert kernel.can_serve(q, pool, pool.clone())
     assert kernel.can_serve(q.bfloat16(), pool.bfloat16(), pool.bfloat16())
-    assert not kernel.can_serve(q.half(), pool.half(), pool.half())
+    # float16 where the compiler has _Float16 (GCC 12+, Clang on x86-64 and arm64)
+    assert kernel.can_serve(q.half(), pool.half(), pool.half()) == kernel.reads(torch.float16)
+    assert not kernel.can_serve(q.double(), pool.double(), pool.double())
     assert not kernel.can_serve(q, pool, pool.bfloat16())
     assert not kernel.can_serve(q, pool, torch.zeros(3, 4, 2, 16)[..., :8])
     assert not kernel.can_serve(torch.zeros(2, 4, 16)[..., ::2], pool, pool.clone())
@@ -181,8 +196,8 @@ def test_greedy_equals_generate_with_the_kernel_under_chunked_prefill_and_prefix
         prefill = eng.cache.backend.prefill_kernel
         prefill.enabled = True  # whatever the timing chose on this machine
         assert prefill.available
-        (fn, fn_q8), calls = prefill._kernel.get(), []
-        prefill._kernel._value = (lambda *args: calls.append(1) or fn(*args), fn_q8)  # count the kernel's calls
+        (fn, fn_q8, has_f16), calls = prefill._kernel.get(), []
+        prefill._kernel._value = (lambda *args: calls.append(1) or fn(*args), fn_q8, has_f16)  # count its calls
         handles = [eng.submit(p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in prompts]
         assert [h.result(timeout=600).output_token_ids for h in handles] == refs
         assert eng.wait_idle(10)

@@ -24,17 +24,23 @@ def _torch_rms(x, w, eps, gemma=False):
     return (h * (1.0 + w.float())).to(x.dtype) if gemma else w * h.to(x.dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def _dtype_or_skip(dtype):
+    if dtype not in fused_library().dtypes:
+        assert dtype == torch.float16  # float32 and bfloat16 always; float16 needs the compiler's _Float16
+        pytest.skip("this compiler has no _Float16: float16 stays with the modules' forwards")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rms_norm_matches_torch_within_an_ulp_and_takes_strided_rows(dtype):
+    _dtype_or_skip(dtype)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(9, 2, 300, generator=g).to(dtype)[:, 1]  # rows at a stride of 600
     w = torch.randn(300, generator=g).to(dtype)
     for gemma in (False, True):
         scale = (1.0 + w.float()) if gemma else w.float()
         got = rms_norm(x, scale, 1e-6, round_first=not gemma)
-        torch.testing.assert_close(
-            got, _torch_rms(x, w, 1e-6, gemma), rtol=2e-7 if dtype == torch.float32 else 1e-2, atol=1e-6
-        )
+        rtol = {torch.float32: 2e-7, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]  # an ulp of the dtype
+        torch.testing.assert_close(got, _torch_rms(x, w, 1e-6, gemma), rtol=rtol, atol=1e-6)
         assert got.dtype == dtype and got.shape == x.shape
 
 
@@ -48,8 +54,9 @@ def test_rms_norm_takes_a_qk_norm_decode_view_whose_size_one_dim_has_any_stride(
     torch.testing.assert_close(rms_norm(x, w, 1e-6, round_first=True), _torch_rms(x, w, 1e-6), rtol=2e-7, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_silu_mul_matches_torch_on_the_halves_of_a_fused_output(dtype):
+    _dtype_or_skip(dtype)
     g = torch.Generator().manual_seed(1)
     both = (torch.randn(5, 3, 2 * 70, generator=g) * 6).to(dtype)
     gate, up = both[..., :70], both[..., 70:]
@@ -57,6 +64,9 @@ def test_silu_mul_matches_torch_on_the_halves_of_a_fused_output(dtype):
     got = silu_mul(gate, up)
     if dtype == torch.bfloat16:  # float32 exp within 2 ulp, then rounded to bf16 as torch does
         torch.testing.assert_close(got, ref, rtol=8e-3, atol=1e-6)
+    elif dtype == torch.float16:  # the same, rounded to float16 (an ulp is 2**-10 relative)
+        assert got.dtype == torch.float16
+        torch.testing.assert_close(got, ref, rtol=2e-3, atol=1e-6)
     else:
         torch.testing.assert_close(got, ref, rtol=3e-7, atol=1e-7)
     edges = torch.tensor([-200.0, -90.0, -1.0, 0.0, 1.0, 90.0, 200.0, float("inf")])

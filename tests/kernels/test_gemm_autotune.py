@@ -112,6 +112,26 @@ def test_a_second_kernel_serves_the_buckets_it_wins_by_fifteen_percent_when_memo
     assert once.choose(64, 64, torch.float32, max_rows=1024).kernels == ("a",)  # one bucket could be noise
 
 
+def test_a_kernel_winning_one_row_serves_one_row_decode_even_when_it_loses_every_other_bucket():
+    # "a" is fastest from 2 rows on; "c" (third by geometric mean) streams one row 40% faster: one
+    # sequence's decode is the commonest call, and the one-row bucket is re-timed before trusting it.
+    table = {
+        "a": 1.0,
+        "b": {b: (1.2 if b > 1 else 0.9) for b in ROW_BUCKETS},  # 10% faster at one row: not worth a copy
+        "c": {b: (3.0 if b > 1 else 0.6) for b in ROW_BUCKETS},
+        "torch": 9.0,
+    }
+    tuner = _tuner(table, a=_Recording("a"), b=_Recording("b"), c=_Recording("c"))
+    choice = tuner.choose(64, 64, torch.float32, max_rows=1024)
+    assert choice.kernels == ("a", "c") and choice.per_bucket == ("c",) + ("a",) * 10
+    assert tuner.choose(64, 64, torch.float32, max_rows=1024, allow_dual=False).kernels == ("a",)
+    # Of two kernels that may serve, the one winning more buckets: "d" wins rows 1-4, "c" only 1.
+    table["d"] = {b: (0.7 if b <= 4 else 2.0) for b in ROW_BUCKETS}
+    tuner = _tuner(table, a=_Recording("a"), b=_Recording("b"), c=_Recording("c"), d=_Recording("d"))
+    choice = tuner.choose(64, 64, torch.float32, max_rows=1024)
+    assert choice.kernels == ("a", "d") and choice.per_bucket == ("d",) * 3 + ("a",) * 8
+
+
 def test_a_dispatching_gemm_runs_the_kernel_of_each_calls_row_bucket():
     a, b = _Recording("a"), _Recording("b")
     table = [0] * 8 + [1] * 3  # b from 129 rows on
@@ -185,13 +205,21 @@ def test_auto_packs_each_shape_with_its_kernel_and_outputs_follow_f_linear():
 @pytest.mark.timeout(600)
 def test_the_real_measurement_times_every_available_kernel_at_every_bucket(tmp_path):
     tuner = KernelTuner(available_kernels(), cache_path=str(tmp_path / "t.json"))
-    choice = tuner.choose(96, 80, torch.float32, max_rows=16)
-    assert set(choice.seconds) == set(tuner.candidates)
-    for name, by_bucket in choice.seconds.items():
-        assert list(by_bucket) == [1, 2, 4, 8, 16]
-        # Seconds per call: positive, and finite where the kernel was timed (all of them at 1 row).
-        assert all(s > 0 for s in by_bucket.values()) and math.isfinite(by_bucket[1]), (name, by_bucket)
-    assert set(choice.kernels) <= set(tuner.candidates)
+    for dtype in (torch.float32, torch.bfloat16):
+        choice = tuner.choose(96, 80, dtype, max_rows=16)
+        assert set(choice.seconds) == set(tuner.candidates)
+        for name, by_bucket in choice.seconds.items():
+            assert list(by_bucket) == [1, 2, 4, 8, 16]
+            if not tuner.candidates[name].supports(torch.zeros(80, 96, dtype=dtype)):
+                assert all(math.isinf(s) for s in by_bucket.values()), (name, by_bucket)  # not a candidate
+                continue
+            # Seconds per call: positive, and finite where the kernel was timed (all of them at 1 row).
+            assert all(s > 0 for s in by_bucket.values()) and math.isfinite(by_bucket[1]), (name, by_bucket)
+        assert set(choice.kernels) <= set(tuner.candidates)
+    # bfloat16 weights: our kernel as this CPU picks it, and widened where that is VDPBF16PS
+    native = tuner.candidates["native"]
+    assert native.supports(torch.zeros(80, 96, dtype=torch.bfloat16))
+    assert ("native-widen" in tuner.candidates) == (native.half_isa == "avx512_bf16")
     assert tuner.measured_seconds > 0
 
 
@@ -209,9 +237,11 @@ def test_the_registry_names_every_linear_backend_but_auto_and_each_kernel_keeps_
             forced_quantized_kernel(scheme, "onednn")
     for name, kernel in available_kernels().items():
         assert kernel.name == name and isinstance(kernel, GemmKernel)
-        w = torch.randn(40, 24)
+        dtype = kernel.dtypes[0]  # float32, or bfloat16 for "native-widen" (bf16 only)
+        w = torch.randn(40, 24).to(dtype)
         packed = kernel.pack(w)
-        assert packed.shape == (40, 24) and packed.dtype == torch.float32 and packed.nbytes >= w.numel() * 4
+        size = dtype.itemsize
+        assert packed.shape == (40, 24) and packed.dtype == dtype and packed.nbytes >= w.numel() * size
         if kernel.exact_unpack:
             assert torch.equal(kernel.unpack(packed), w)  # bit for bit: the float weight may be released
 

@@ -144,7 +144,7 @@ class CPUKernelAttentionBackend(TorchAttentionBackend):
     kernel cannot serve takes the torch path."""
 
     name = "torch"
-    POOL_DTYPES = (torch.float32, torch.bfloat16)
+    POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
     def __init__(self) -> None:
         from .cpu_kernel import CPUDecodeKernel

@@ -59,6 +59,17 @@ typedef int32_t vi __attribute__((vector_size(VW * 4)));
 #define DT_F32 0
 #define DT_BF16 1
 #define DT_I8 2
+#define DT_F16 3 /* where the compiler has _Float16 (HAS_F16) */
+#define DT_SIZE(dt) ((dt) == DT_I8 ? 1 : (dt) == DT_F32 ? 4 : 2)
+#if defined(__FLT16_MAX__)
+#define HAS_F16 1
+#if defined(__AVX512F__) || (defined(__F16C__) && defined(__AVX2__))
+#include <immintrin.h>
+#endif
+#else
+#define HAS_F16 0
+#endif
+int hf_contbatch_decode_has_f16(void) { return HAS_F16; }
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -90,6 +101,18 @@ INLINE vf load_i8(const void *p) {
 INLINE vf load(const void *p, const int dt) {
     if (dt == DT_I8) return load_i8(p);
     if (dt == DT_F32) return *(const vf *)p;
+#if HAS_F16
+    if (dt == DT_F16) { /* exact too: VCVTPH2PS where the CPU has it */
+#if VW == 16
+        return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__) && defined(__AVX2__)
+        return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+        typedef _Float16 vf16 __attribute__((vector_size(VW * 2), aligned(2)));
+        return __builtin_convertvector(*(const vf16 *)p, vf);
+#endif
+    }
+#endif
     const vu wide = __builtin_convertvector(*(const vh *)p, vu) << 16;
     vf out;
     memcpy(&out, &wide, sizeof out);
@@ -99,6 +122,9 @@ INLINE vf load(const void *p, const int dt) {
 INLINE float load_one(const void *p, const int dt) {
     if (dt == DT_I8) return (float)*(const int8_t *)p;
     if (dt == DT_F32) return *(const float *)p;
+#if HAS_F16
+    if (dt == DT_F16) return (float)*(const _Float16 *)p;
+#endif
     const uint32_t u = (uint32_t) * (const uint16_t *)p << 16;
     float f;
     memcpy(&f, &u, 4);
@@ -107,7 +133,7 @@ INLINE float load_one(const void *p, const int dt) {
 
 /* p + i elements of the pool's dtype */
 INLINE const void *at(const void *p, int64_t i, const int dt) {
-    return (const char *)p + i * (dt == DT_I8 ? 1 : dt == DT_BF16 ? 2 : 4);
+    return (const char *)p + i * DT_SIZE(dt);
 }
 
 INLINE float dot(const float *a, const void *b, const int64_t D, const int dt) {
@@ -172,7 +198,7 @@ INLINE void attend(const float *qs, const void *k_pool, const void *v_pool, cons
     enum { MAXV = 128 / VW };
     const int in_regs = D % VW == 0 && D <= 128; /* a constant wherever D is */
     const int64_t NV = D / VW, nkv = nh / groups, page = block_size * row, n = len - start;
-    const int64_t span = nkv * D * (dt == DT_I8 ? 1 : dt == DT_BF16 ? 2 : 4);
+    const int64_t span = nkv * D * DT_SIZE(dt);
     int64_t i = 0;
     for (int64_t pos = start; pos < len; pos++, i++) {
         const int64_t blk = pos / block_size, off = (pos % block_size) * row;
@@ -238,6 +264,10 @@ static void attend_task(const float *qs, const void *kp, const void *vp, const f
         ATTEND_DIMS(DT_I8)
     } else if (dt == DT_BF16) {
         ATTEND_DIMS(DT_BF16)
+#if HAS_F16
+    } else if (dt == DT_F16) {
+        ATTEND_DIMS(DT_F16)
+#endif
     } else {
         ATTEND_DIMS(DT_F32)
     }
@@ -281,14 +311,16 @@ static int64_t paged_decode(const float *q, const void *k_pool, const void *v_po
     return failed;
 }
 
-/* pool_bf16: 0 for float32 pools, 1 for bfloat16 ones. Returns 0, or 1 when scratch memory could
- * not be allocated (the caller raises MemoryError). */
-int64_t hf_contbatch_paged_decode(const float *q, const void *k_pool, const void *v_pool, int64_t pool_bf16,
+/* pool_kind: 0 for float32 pools, 1 for bfloat16 ones, 3 for float16 ones (DT_F16: builds with
+ * hf_contbatch_decode_has_f16()). Returns 0, or 1 when scratch memory could not be allocated (the
+ * caller raises MemoryError). */
+int64_t hf_contbatch_paged_decode(const float *q, const void *k_pool, const void *v_pool, int64_t pool_kind,
                                   const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs,
                                   int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                   int64_t block_size, float scale, float softcap, int64_t sliding_window,
                                   int64_t split_heads, float *out) {
-    return paged_decode(q, k_pool, v_pool, NULL, NULL, pool_bf16 ? DT_BF16 : DT_F32, block_tables, seq_lens,
+    const int dt = pool_kind == DT_BF16 ? DT_BF16 : (HAS_F16 && pool_kind == DT_F16) ? DT_F16 : DT_F32;
+    return paged_decode(q, k_pool, v_pool, NULL, NULL, dt, block_tables, seq_lens,
                         num_seqs, max_blocks, num_heads, num_kv_heads, head_dim, block_size, scale, softcap,
                         sliding_window, split_heads, out);
 }

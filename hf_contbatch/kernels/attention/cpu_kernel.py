@@ -34,7 +34,8 @@ def build_decode_library() -> Path:
 
 
 def _load(path: Path):
-    """(decode attention, KV store, int8 decode attention, int8 KV store) functions of the built library."""
+    """(decode attention, KV store, int8 decode attention, int8 KV store) functions of the built
+    library, and whether it reads float16 pools."""
     lib = ctypes.CDLL(str(path))
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     fn = lib.hf_contbatch_paged_decode
@@ -49,7 +50,7 @@ def _load(path: Path):
     store_q8 = lib.hf_contbatch_store_kv_q8
     store_q8.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
     store_q8.restype = None
-    return fn, store, fn_q8, store_q8
+    return fn, store, fn_q8, store_q8, bool(lib.hf_contbatch_decode_has_f16())
 
 
 def allowed_by_env() -> bool:
@@ -57,8 +58,11 @@ def allowed_by_env() -> bool:
     return os.environ.get("HF_CONTBATCH_CPU_KERNEL", "1") != "0"
 
 
-POOL_DTYPES = (torch.float32, torch.bfloat16)
-"""KV pool dtypes the kernel reads (bfloat16 widened to float32 as it reads: exact)."""
+POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""KV pool dtypes the kernel reads (bfloat16 and float16 widened to float32 as it reads: exact;
+float16 where the build has it, :meth:`CPUDecodeKernel.reads`)."""
+_POOL_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 3}  # cpu_decode.c's DT_* codes
+_Q8_INPUTS = (torch.float32, torch.bfloat16)  # what the int8 store quantizes from
 
 
 class CPUDecodeKernel:
@@ -86,12 +90,18 @@ class CPUDecodeKernel:
     def error(self) -> Optional[str]:
         return self._kernel.error
 
+    def reads(self, dtype: torch.dtype) -> bool:
+        """Whether the built kernel reads pools of ``dtype`` (float32 and bfloat16; float16 where
+        the compiler has ``_Float16``); False where it is not built."""
+        lib = self._kernel.get()
+        return lib is not None and dtype in POOL_DTYPES and (dtype != torch.float16 or lib[4])
+
     def can_serve(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
-        """CPU tensors, the query float32 or of the pools' dtype, pools of float32 or bfloat16, both
-        contiguous and of one shape (the kernel reads them as dense ``[blocks, block_size, KVH, D]``
-        arrays), and the kernel built."""
+        """CPU tensors, the query float32 or of the pools' dtype, pools of a dtype the kernel
+        :meth:`reads` (float32, bfloat16, float16), both contiguous and of one shape (the kernel
+        reads them as dense ``[blocks, block_size, KVH, D]`` arrays), and the kernel built."""
         return (
-            k_pool.dtype in POOL_DTYPES
+            self.reads(k_pool.dtype)
             and v_pool.dtype == k_pool.dtype
             and query.dtype in (torch.float32, k_pool.dtype)
             and query.is_cpu
@@ -129,7 +139,7 @@ class CPUDecodeKernel:
         pools = (k_pool, v_pool, k_scale, v_scale)
         if (
             lib is None
-            or key.dtype not in POOL_DTYPES
+            or key.dtype not in _Q8_INPUTS
             or value.dtype != key.dtype
             or k_pool.dtype != torch.int8
             or v_pool.dtype != torch.int8
@@ -177,7 +187,7 @@ class CPUDecodeKernel:
     ) -> bool:
         """Write this step's K and V rows into their slots in one call, if this kernel can: ``key``
         and ``value`` ``[T, KVH, D]`` (views with unit stride in D), of the dense pools' dtype
-        (float32 or bfloat16), CPU, ``slot_mapping`` int64 ``[T]``. Returns False (nothing
+        (float32, bfloat16 or float16: a copy), CPU, ``slot_mapping`` int64 ``[T]``. Returns False (nothing
         written) where it cannot: the caller stores them itself. Works whether or not the decode
         path chose the kernel (storing is a copy: same bits either way)."""
         lib = self._kernel.get() if self.built_ok else None
@@ -234,7 +244,7 @@ class CPUDecodeKernel:
         ``[b]``; ``scale`` multiplies q.k, ``softcap``/``sliding_window`` as in the torch path.
         ``split_heads``: one task per (sequence, KV head) instead of per sequence; default: when
         there are fewer than four sequences per thread (the decode tail), so all threads work.
-        Pools float32 or bfloat16; or int8 with float32 ``k_scale``/``v_scale`` ``[blocks,
+        Pools float32, bfloat16 or float16; or int8 with float32 ``k_scale``/``v_scale`` ``[blocks,
         block_size, KVH, 1]`` (contiguous; each key's dot product and each value's weight times
         its token-head scale). The query is computed with in float32 and the result returned
         in the query's dtype, ``[b, H, D]``. Call only when :meth:`can_serve` is True (otherwise
@@ -257,7 +267,7 @@ class CPUDecodeKernel:
             k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()  # held until the call returns
             pools = (k_pool.data_ptr(), v_pool.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr())
         else:
-            pools = (k_pool.data_ptr(), v_pool.data_ptr(), int(k_pool.dtype == torch.bfloat16))
+            pools = (k_pool.data_ptr(), v_pool.data_ptr(), _POOL_KIND[k_pool.dtype])
         failed = fn(
             q.data_ptr(),
             *pools,

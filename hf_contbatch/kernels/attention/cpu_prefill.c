@@ -115,13 +115,26 @@ INLINE vf vexp(vf x) {
 #define DT_F32 0
 #define DT_BF16 1
 #define DT_I8 2
+#define DT_F16 3 /* where the compiler has _Float16 (HAS_F16) */
+#if defined(__FLT16_MAX__)
+#define HAS_F16 1
+#else
+#define HAS_F16 0
+#endif
+int hf_contbatch_prefill_has_f16(void) { return HAS_F16; }
 
 /* Row of D pool elements into dst as float32, zeros up to Dp: float32 copied; bfloat16 (the upper
- * half of a float32) widened, exact; int8 times the row's scale s (one rounding, as the reference). */
+ * half of a float32) and float16 widened, exact; int8 times the row's scale s (one rounding, as the
+ * reference). */
 INLINE void widen_row(float *dst, const void *src, int64_t D, int64_t Dp, const int bf16, float s) {
     if (bf16 == DT_I8) {
         const int8_t *b = (const int8_t *)src;
         for (int64_t d = 0; d < D; d++) dst[d] = (float)b[d] * s;
+#if HAS_F16
+    } else if (bf16 == DT_F16) {
+        const _Float16 *h = (const _Float16 *)src;
+        for (int64_t d = 0; d < D; d++) dst[d] = (float)h[d];
+#endif
     } else if (bf16) {
         const uint16_t *s = (const uint16_t *)src;
         uint32_t *o = (uint32_t *)dst;
@@ -401,6 +414,15 @@ static void run_tile(const Args *a, const int32_t *table, int64_t t0, int64_t nq
             case 128: TILE(128, DT_I8); break;
             default: TILE(D, DT_I8); break;
         }
+#if HAS_F16
+    } else if (bf16 == DT_F16) {
+        switch (D) {
+            case 32: TILE(32, DT_F16); break;
+            case 64: TILE(64, DT_F16); break;
+            case 128: TILE(128, DT_F16); break;
+            default: TILE(D, DT_F16); break;
+        }
+#endif
     } else if (bf16) {
         switch (D) {
             case 32: TILE(32, 1); break;
@@ -507,15 +529,17 @@ static int64_t paged_prefill(const float *q, int64_t q_st, int64_t q_sh, const v
     return failed;
 }
 
-/* pool_bf16: 0 for float32 pools, 1 for bfloat16 ones (see paged_prefill). */
+/* pool_kind: 0 for float32 pools, 1 for bfloat16 ones, 3 for float16 ones (DT_F16, builds with
+ * hf_contbatch_prefill_has_f16()) (see paged_prefill). */
 int64_t hf_contbatch_paged_prefill(const float *q, int64_t q_st, int64_t q_sh, const void *k_pool, const void *v_pool,
-                                   int64_t pool_bf16, const int32_t *block_tables, int64_t bt_stride,
+                                   int64_t pool_kind, const int32_t *block_tables, int64_t bt_stride,
                                    const int32_t *query_start_loc, const int32_t *seq_lens, int64_t first_req,
                                    int64_t num_reqs, int64_t row_base, int64_t num_heads, int64_t num_kv_heads,
                                    int64_t head_dim, int64_t block_size, float scale, float softcap,
                                    int64_t sliding_window, int64_t num_threads, float *out, int64_t o_st,
                                    int64_t o_sh) {
-    return paged_prefill(q, q_st, q_sh, k_pool, v_pool, pool_bf16 ? DT_BF16 : DT_F32, NULL, NULL, block_tables,
+    const int dt = pool_kind == DT_BF16 ? DT_BF16 : (HAS_F16 && pool_kind == DT_F16) ? DT_F16 : DT_F32;
+    return paged_prefill(q, q_st, q_sh, k_pool, v_pool, dt, NULL, NULL, block_tables,
                          bt_stride, query_start_loc, seq_lens, first_req, num_reqs, row_base, num_heads, num_kv_heads,
                          head_dim, block_size, scale, softcap, sliding_window, num_threads, out, o_st, o_sh, 0);
 }

@@ -34,8 +34,10 @@ from .metadata import AttentionMetadata
 
 PREFILL_SOURCE = Path(__file__).with_name("cpu_prefill.c")
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-strict-aliasing", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-POOL_DTYPES = (torch.float32, torch.bfloat16)
-"""KV pool dtypes the kernel reads (bfloat16 widened to float32 as it reads: exact)."""
+POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""KV pool dtypes the kernel reads (bfloat16 and float16 widened to float32 as it reads: exact;
+float16 where the build has it, :meth:`CPUPrefillKernel.reads`)."""
+_POOL_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 3}  # cpu_prefill.c's DT_* codes
 
 
 def build_prefill_library() -> Path:
@@ -45,7 +47,8 @@ def build_prefill_library() -> Path:
 
 
 def _load(path: Path):
-    """(float prefill attention, int8 prefill attention) functions of the built library."""
+    """(float prefill attention, int8 prefill attention) functions of the built library, and whether
+    it reads float16 pools."""
     lib = ctypes.CDLL(str(path))
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     tail = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32, f32, i64, i64, ptr, i64, i64]
@@ -55,7 +58,7 @@ def _load(path: Path):
     fn_q8 = lib.hf_contbatch_paged_prefill_q8
     fn_q8.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, *tail, i64]
     fn_q8.restype = i64
-    return fn, fn_q8
+    return fn, fn_q8, bool(lib.hf_contbatch_prefill_has_f16())
 
 
 def allowed_by_env() -> bool:
@@ -84,10 +87,17 @@ class CPUPrefillKernel:
     def error(self) -> Optional[str]:
         return self._kernel.error
 
+    def reads(self, dtype: torch.dtype) -> bool:
+        """Whether the built kernel reads pools of ``dtype`` (float32 and bfloat16; float16 where
+        the compiler has ``_Float16``); False where it is not built."""
+        lib = self._kernel.get()
+        return lib is not None and dtype in POOL_DTYPES and (dtype != torch.float16 or lib[2])
+
     def can_serve(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
-        """CPU tensors, a floating-point query with unit stride in the head dimension, pools of
-        float32 or bfloat16, contiguous and of one shape, and the kernel built and enabled."""
-        return k_pool.dtype in POOL_DTYPES and v_pool.dtype == k_pool.dtype and self._layout_ok(query, k_pool, v_pool)
+        """CPU tensors, a floating-point query with unit stride in the head dimension, pools of a
+        dtype the kernel :meth:`reads` (float32, bfloat16, float16), contiguous and of one shape, and
+        the kernel built and enabled."""
+        return self.reads(k_pool.dtype) and v_pool.dtype == k_pool.dtype and self._layout_ok(query, k_pool, v_pool)
 
     def can_serve_int8(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
         """As :meth:`can_serve` for int8 pools (their float32 scales are contiguous ``[blocks,
@@ -135,7 +145,7 @@ class CPUPrefillKernel:
         Raises:
             MemoryError: the kernel's task list or per-thread scratch could not be allocated.
         """
-        fn, fn_q8 = self._kernel.get()
+        fn, fn_q8, _ = self._kernel.get()
         nd = meta.num_decodes
         if out is None:
             out = torch.empty_like(query)
@@ -165,7 +175,7 @@ class CPUPrefillKernel:
             # form int8-key scores with bfloat16 dot products (exact products, float32 sums).
             extra = (int(query.dtype == torch.bfloat16),)
         else:
-            pools = (k_pool.data_ptr(), v_pool.data_ptr(), int(k_pool.dtype == torch.bfloat16))
+            pools = (k_pool.data_ptr(), v_pool.data_ptr(), _POOL_KIND[k_pool.dtype])
         failed = fn(
             q.data_ptr(),
             q.stride(0),
@@ -302,6 +312,9 @@ def choose_prefill_path(
     beside the C kernels). Returns a line for the engine's log."""
     if not kernel.available:
         return f"prefill attention: torch path ({kernel.error or 'kernel disabled'})"
+    if dtype != torch.int8 and not kernel.reads(dtype):
+        kernel.enabled = False
+        return f"prefill attention: torch path (no {dtype} kernel in this build)"
     # Measured on one thread (measure_prefill_paths): the thread count is no part of the key.
     tuner = attention_tuner(PREFILL_SOURCE, 1, "prefill attention")
     winner, times = tuner.fastest(

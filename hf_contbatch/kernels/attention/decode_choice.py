@@ -89,6 +89,9 @@ def choose_decode_path(
     C kernels). Returns a line saying what was chosen and the times, for the engine's log."""
     if not kernel.available:
         return f"decode attention: torch path ({kernel.error or 'kernel disabled'})"
+    if dtype != torch.int8 and not kernel.reads(dtype):
+        kernel.enabled = False
+        return f"decode attention: torch path (no {dtype} kernel in this build)"
     tuner: Tuner = attention_tuner(DECODE_SOURCE, torch.get_num_threads(), "decode attention")
     winner, times = tuner.fastest(
         attention_choice_key("decode", num_heads, num_kv_heads, head_dim, block_size, dtype),

@@ -10,8 +10,8 @@ stream from memory as a model's layers do, and keeps per shape:
 
 - the candidate with the lowest geometric mean of its time relative to the fastest one over the
   buckets (``F.linear`` included: a shape it wins is not packed), and
-- where another packed backend is at least :data:`DUAL_MARGIN` faster at two or more buckets and
-  memory allows a second packed copy, both, each serving the buckets it wins
+- where another packed backend is at least :data:`DUAL_MARGIN` faster at two or more buckets, or at
+  one row, and memory allows a second packed copy, both, each serving the buckets it wins
   (:class:`~hf_contbatch.kernels.linears.dispatch_gemm.DispatchGEMM`).
 
 Each choice is a :class:`KernelChoice` (kernel names per bucket, never a joined string to split).
@@ -53,8 +53,9 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 """Row counts timed per shape; a call with ``m`` rows takes the choice of the smallest bucket >= m."""
 DUAL_MARGIN = 0.15
 """A second packed backend serves the buckets where its time is at most ``1 - DUAL_MARGIN`` of the
-first's, if there are at least two such buckets (one could be noise) and memory allows it a packed
-copy of its own."""
+first's, if there are at least two such buckets (one could be noise) or one is the one-row bucket
+(a single sequence's decode, the commonest call in a notebook; re-timed before a cached choice is
+trusted: ``tuning.deciding_buckets``), and memory allows it a packed copy of its own."""
 _STREAM_BYTES = 96 * 2**20  # weight bytes per timing pass: more than a last-level cache holds
 _MAX_COPIES = 16  # small weights: call overhead dominates, cache misses matter less
 _ROUNDS = 5  # interleaved timing rounds per bucket; the fastest is kept (robust_seconds)
@@ -301,10 +302,17 @@ class KernelTuner:
         per_bucket, kernels = [first] * len(buckets), (first,)
         others = [n for n in ranked[1:] if n != UNPACKED and not math.isinf(score(n))]
         if first != UNPACKED and allow_dual and others:
-            other = others[0]
-            wins = [i for i, b in enumerate(buckets) if times[other][b] <= (1 - DUAL_MARGIN) * times[first][b]]
-            if len(wins) >= 2:
-                for i in wins:
+            # The second kernel: of those winning two buckets or the one-row bucket, the one winning
+            # most (ranked order breaks ties), so a kernel chosen for its many-row times does not
+            # serve decode where another one streams the weights faster.
+            wins = {
+                n: [i for i, b in enumerate(buckets) if times[n][b] <= (1 - DUAL_MARGIN) * times[first][b]]
+                for n in others
+            }
+            serving = [n for n in others if len(wins[n]) >= 2 or (wins[n] and wins[n][0] == 0)]
+            if serving:
+                other = max(serving, key=lambda n: len(wins[n]))  # max keeps the first of equals
+                for i in wins[other]:
                     per_bucket[i] = other
                 kernels = (first, other)
         choice = KernelChoice(kernels, tuple(per_bucket), times)

@@ -30,8 +30,9 @@
  * they give apart, and the AVX-512 build gives the bits of the 256-bit one.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
 
@@ -87,22 +88,113 @@ void hf_contbatch_gemm_pack_f32(const float *w, int64_t n, int64_t k, float *out
             }
 }
 
-/* acc[r][0..NR-1] += sum over kk < kc of x[r][kk] * w[kk][0..NR-1], for r < ROWS.
+/* Rows per block for an m-row call with k input features: the block's x rows (rows x k floats) stay in
+ * L2 while the thread's panels stream past them, so x is read from memory once, and the weights once
+ * per block. One block up to MB rows; beyond, blocks of MB rows, fewer where MB rows of x would not fit X_L2_BYTES (a budget
+ * that leaves room in a 1 MB L2 for the weight slices streaming through), but at least MB_MIN rows:
+ * below that the weights, read again for every block, would cost more than x did. */
+#define X_L2_BYTES (384 * 1024)
+#define MB_MIN 40
+static int64_t row_block(int64_t m, int64_t row_bytes, int64_t mr) {
+    if (m <= MB) return m; /* one block: each weight read once */
+    int64_t mb = X_L2_BYTES / (row_bytes > 0 ? row_bytes : 1);
+    mb = mb / mr * mr;
+    return mb > MB ? MB : mb < MB_MIN ? MB_MIN : mb;
+}
+
+/* ---- weight loads: VW float32 weights from VW stored ones ------------------------------------------
+ *
+ * The same tiles serve float32 weights and half-precision ones widened to float32 in registers:
+ * bfloat16 is the top half of a float32, so widening is a zero extension and a 16-bit shift
+ * (exact, any CPU with vectors); float16 goes through F16C / AVX-512's VCVTPH2PS (exact too). The
+ * products and sums are float32 FMAs in the same order as for float32 weights, so a half-precision
+ * weight gives the bits the float32 kernel gives on its widened copy, with half the bytes to
+ * stream (decode reads every weight once a step: half the bytes is up to twice the speed). */
+typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+static inline v8 load_w_f32(const float *p) { return *(const v8 *)p; }
+/* explicit on x86: GCC's tuning for 256-bit vectors splits the generic form into halves */
+static inline v8 load_w_wbf16(const uint16_t *p) {
+#if VW == 16
+    return (v8)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#elif defined(__AVX2__)
+    return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
+    return (v8)(__builtin_convertvector(*(const vh *)p, vu) << 16);
+#endif
+}
+#if defined(__F16C__) && (VW == 16 || (VW == 8 && defined(__AVX2__)))
+#define HAS_F16 1
+static inline v8 load_w_wf16(const uint16_t *p) {
+#if VW == 16
+    return (v8)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#else
+    return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#endif
+}
+#else
+#define HAS_F16 0
+#endif
+
+/* float32 <-> the 16-bit formats, one value (x rows in, y rows out): round to nearest even */
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline uint16_t to_bf16(float f) { /* NaN kept a NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+enum { OUT_F32, OUT_BF16, OUT_F16 };
+
+/* y row segment (cols outputs from column col0) = acc (+ bias), in the output's format */
+static inline void store_row(void *y, int kind, int64_t off, const float *acc, const float *bias, int64_t col0,
+                             int64_t cols) {
+    if (kind == OUT_F32) {
+        float *yr = (float *)y + off;
+        if (bias)
+            for (int64_t j = 0; j < cols; j++) yr[j] = acc[j] + bias[col0 + j];
+        else
+            memcpy(yr, acc, sizeof(float) * (size_t)cols);
+        return;
+    }
+    uint16_t *yr = (uint16_t *)y + off;
+    for (int64_t j = 0; j < cols; j++) {
+        const float v = bias ? acc[j] + bias[col0 + j] : acc[j];
+#if HAS_F16
+        yr[j] = kind == OUT_BF16 ? to_bf16(v) : _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+#else
+        yr[j] = to_bf16(v);
+#endif
+    }
+}
+
+/* acc[r][0..NR-1] += sum over kk < kc of x[r][kk] * w[kk][0..NR-1], for r < ROWS; the weights of
+ * type WT, widened by load_w_T (f32: as stored; wbf16, wf16: widened).
  * PREFETCH: a thread's panels lie one after another in memory and it walks their slices in order,
- * so the line one slice (KC x NR floats) ahead is the same position in the next slice, of this
+ * so the line one slice (KC x NR weights) ahead is the same position in the next slice, of this
  * panel or of its next one. Fetching it while the current slice is multiplied hides the memory latency of the
- * first pass over each slice (better than 1 KB ahead at 16-32 rows, no worse at 64). */
-#define TILE(ROWS)                                                                                  \
-    static inline void tile_##ROWS(const float *x, int64_t ldx, const float *w, int64_t kc, float *acc) { \
+ * first pass over each slice (better than 1 KB ahead at 16-32 rows, no worse at 64). Every line of
+ * it: fetching only the first of a float32 row's two lines left 4-16 rows at 41-67% of the copy
+ * bandwidth, both lines 52-87% (one thread, SmolLM2-360M's shapes, A/B in one process). */
+#define TILE(T, WT, ROWS)                                                                           \
+    static inline void tile_##T##_##ROWS(const float *x, int64_t ldx, const WT *w, int64_t kc, float *acc) { \
         v8 a[ROWS][2];                                                                              \
         for (int r = 0; r < ROWS; r++) {                                                            \
             a[r][0] = *(const v8 *)(acc + r * NR);                                                  \
             a[r][1] = *(const v8 *)(acc + r * NR + VW);                                              \
         }                                                                                           \
         for (int64_t kk = 0; kk < kc; kk++) {                                                       \
-            const v8 w0 = *(const v8 *)(w + kk * NR), w1 = *(const v8 *)(w + kk * NR + VW);          \
+            const v8 w0 = load_w_##T(w + kk * NR), w1 = load_w_##T(w + kk * NR + VW);               \
             /* the next slice (PREFETCH); integer arithmetic: it may lie past the buffer's end */ \
-            __builtin_prefetch((const void *)((uintptr_t)w + (uintptr_t)((kk + KC) * NR * 4)));      \
+            __builtin_prefetch((const void *)((uintptr_t)w + (uintptr_t)((kk + KC) * NR * sizeof(WT)))); \
+            if (NR * sizeof(WT) > 64) /* a float32 AVX-512 row of the panel is two lines: both */ \
+                __builtin_prefetch((const void *)((uintptr_t)w + (uintptr_t)((kk + KC) * NR * sizeof(WT) + 64))); \
             for (int r = 0; r < ROWS; r++) {                                                        \
                 const float xv = x[r * ldx + kk];                                                   \
                 a[r][0] += xv * w0;                                                                 \
@@ -114,16 +206,6 @@ void hf_contbatch_gemm_pack_f32(const float *w, int64_t n, int64_t k, float *out
             *(v8 *)(acc + r * NR + VW) = a[r][1];                                                    \
         }                                                                                           \
     }
-TILE(1)
-TILE(2)
-TILE(3)
-TILE(4)
-TILE(5)
-TILE(6)
-TILE(7)
-TILE(8)
-TILE(9)
-TILE(10)
 
 /* 1-3 rows: a tile of ROWS rows gives only 2 * ROWS multiply-add chains, and each chain waits
  * for its previous FMA (several cycles of latency), so a one-panel tile runs at a fraction of the
@@ -131,18 +213,18 @@ TILE(10)
  * Each output is still one in-order FMA chain over k, so the bits equal those of the general path.
  * Prefetch: each panel's stream one slice (KC features) ahead, as there. With them 1-3 rows read
  * the weights about as fast as the memory gives them (benchmarks/bench_gemm.py). */
-#define NARROW(ROWS, G)                                                                               \
-    static inline void narrow_##ROWS##_##G(const float *x, int64_t k, const float *w, float *out) {   \
+#define NARROW(T, WT, ROWS, G)                                                                        \
+    static inline void narrow_##T##_##ROWS##_##G(const float *x, int64_t k, const WT *w, float *out) { \
         v8 a[ROWS][G][2];                                                                             \
         for (int r = 0; r < ROWS; r++)                                                                \
             for (int g = 0; g < G; g++) a[r][g][0] = a[r][g][1] = (v8){0};                             \
         for (int64_t kk = 0; kk < k; kk++) {                                                          \
             v8 w0[G], w1[G];                                                                          \
             for (int g = 0; g < G; g++) {                                                             \
-                const float *wg = w + (g * k + kk) * NR;                                              \
-                w0[g] = *(const v8 *)wg;                                                              \
-                w1[g] = *(const v8 *)(wg + VW);                                                        \
-                __builtin_prefetch((const void *)((uintptr_t)wg + (uintptr_t)(KC * NR * 4)));          \
+                const WT *wg = w + (g * k + kk) * NR;                                                 \
+                w0[g] = load_w_##T(wg);                                                               \
+                w1[g] = load_w_##T(wg + VW);                                                          \
+                __builtin_prefetch((const void *)((uintptr_t)wg + (uintptr_t)(KC * NR * sizeof(WT)))); \
             }                                                                                         \
             for (int r = 0; r < ROWS; r++) {                                                          \
                 const float xv = x[r * k + kk];                                                       \
@@ -158,134 +240,181 @@ TILE(10)
                 *(v8 *)(out + (r * G + g) * NR + VW) = a[r][g][1];                                     \
             }                                                                                         \
     }
-NARROW(1, 4)
-NARROW(2, 2)
-NARROW(3, 2)
-NARROW(1, 1)
-NARROW(2, 1)
-NARROW(3, 1)
 
-/* m <= 3 rows: threads take groups of G panels (G = 4 for one row, else 2); a last group of
- * fewer panels goes one panel at a time. out: acc [m][G][16] per group, copied to y with bias. */
-static void gemm_narrow(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
-                        float *y, int64_t num_threads) {
-    const int64_t panels = (n + NR - 1) / NR, G = m == 1 ? 4 : 2;
-    const int64_t groups = (panels + G - 1) / G;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t gi = 0; gi < groups; gi++) {
-        float acc[3 * 4 * NR] __attribute__((aligned(64)));
-        const int64_t p0 = gi * G, np = panels - p0 < G ? panels - p0 : G;
-        const float *w = packed + p0 * k * NR;
-        if (np == G) {
-            if (m == 1) narrow_1_4(x, k, w, acc);
-            else if (m == 2) narrow_2_2(x, k, w, acc);
-            else narrow_3_2(x, k, w, acc);
-        } else {
-            for (int64_t g = 0; g < np; g++) {
-                float one[3 * NR] __attribute__((aligned(64)));
-                if (m == 1) narrow_1_1(x, k, w + g * k * NR, one);
-                else if (m == 2) narrow_2_1(x, k, w + g * k * NR, one);
-                else narrow_3_1(x, k, w + g * k * NR, one);
-                for (int64_t r = 0; r < m; r++) memcpy(acc + (r * G + g) * NR, one + r * NR, sizeof(float) * NR);
-            }
-        }
-        for (int64_t r = 0; r < m; r++)
-            for (int64_t g = 0; g < np; g++) {
-                const int64_t col0 = (p0 + g) * NR, cols = n - col0 < NR ? n - col0 : NR;
-                float *yr = y + r * n + col0;
-                const float *ar = acc + (r * G + g) * NR;
-                if (bias)
-                    for (int64_t j = 0; j < cols; j++) yr[j] = ar[j] + bias[col0 + j];
-                else
-                    memcpy(yr, ar, sizeof(float) * (size_t)cols);
-            }
+/* Rows the narrow path takes. Wider tiles for 4-6 rows (2 panels, 24 accumulators with AVX-512)
+ * measured no different from the one-panel tiles once those prefetch every line (bench A/B, 1
+ * thread, medium shapes), so they are left out. */
+#define NARROW_MAX 3
+
+/* m <= NARROW_MAX rows: threads take groups of G panels (G = 4 for one row, else 2); a last group of
+ * fewer panels goes one panel at a time. out: acc [m][G][NR] per group, stored to y with bias. */
+#define GEMM_NARROW(T, WT)                                                                             \
+    static void gemm_narrow_##T(const float *x, int64_t m, int64_t k, const WT *packed, int64_t n,      \
+                                const float *bias, void *y, int out_kind, int64_t num_threads) {       \
+        const int64_t panels = (n + NR - 1) / NR, G = m == 1 ? 4 : 2;                                  \
+        const int64_t groups = (panels + G - 1) / G;                                                   \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                          \
+        for (int64_t gi = 0; gi < groups; gi++) {                                                      \
+            float acc[NARROW_MAX * 2 * NR] __attribute__((aligned(64))); /* >= 1 row x 4 panels */     \
+            const int64_t p0 = gi * G, np = panels - p0 < G ? panels - p0 : G;                         \
+            const WT *w = packed + p0 * k * NR;                                                        \
+            if (np == G) {                                                                             \
+                switch (m) {                                                                           \
+                    case 1: narrow_##T##_1_4(x, k, w, acc); break;                                     \
+                    case 2: narrow_##T##_2_2(x, k, w, acc); break;                                     \
+                    default: narrow_##T##_3_2(x, k, w, acc); break;                                    \
+                }                                                                                      \
+            } else {                                                                                   \
+                for (int64_t g = 0; g < np; g++) {                                                     \
+                    float one[NARROW_MAX * NR] __attribute__((aligned(64)));                           \
+                    const WT *wg = w + g * k * NR;                                                     \
+                    switch (m) {                                                                       \
+                        case 1: narrow_##T##_1_1(x, k, wg, one); break;                                \
+                        case 2: narrow_##T##_2_1(x, k, wg, one); break;                                \
+                        default: narrow_##T##_3_1(x, k, wg, one); break;                               \
+                    }                                                                                  \
+                    for (int64_t r = 0; r < m; r++)                                                    \
+                        memcpy(acc + (r * G + g) * NR, one + r * NR, sizeof(float) * NR);              \
+                }                                                                                      \
+            }                                                                                          \
+            for (int64_t r = 0; r < m; r++)                                                            \
+                for (int64_t g = 0; g < np; g++) {                                                     \
+                    const int64_t col0 = (p0 + g) * NR, cols = n - col0 < NR ? n - col0 : NR;          \
+                    store_row(y, out_kind, r * n + col0, acc + (r * G + g) * NR, bias, col0, cols);    \
+                }                                                                                      \
+        }                                                                                              \
     }
-}
 
-/* Rows per block for an m-row call with k input features: the block's x rows (rows x k floats) stay in
- * L2 while the thread's panels stream past them, so x is read from memory once, and the weights once
- * per block. One block up to MB rows; beyond, blocks of MB rows, fewer where MB rows of x would not fit X_L2_BYTES (a budget
- * that leaves room in a 1 MB L2 for the weight slices streaming through), but at least MB_MIN rows:
- * below that the weights, read again for every block, would cost more than x did. */
-#define X_L2_BYTES (384 * 1024)
-#define MB_MIN 40
-static int64_t row_block(int64_t m, int64_t row_bytes, int64_t mr) {
-    if (m <= MB) return m; /* one block: each weight read once */
-    int64_t mb = X_L2_BYTES / (row_bytes > 0 ? row_bytes : 1);
-    mb = mb / mr * mr;
-    return mb > MB ? MB : mb < MB_MIN ? MB_MIN : mb;
-}
-
-/* x [m][k] row-major, packed from hf_contbatch_gemm_pack_f32, bias [n] or NULL, y [m][n] row-major.
+/* x [m][k] row-major float32, packed panels of WT weights ([ceil(n/NR)][k][NR]), bias [n] or NULL,
+ * y [m][n] row-major in the out_kind format.
  * Loop order (4+ rows): row blocks outermost, each thread's panels inside (the same panels for every
  * block: a static schedule over the same count), so a block of x is reused from L2 by every panel of
  * the thread; a panel's k-slices inside that, each in L1 while every row tile passes over it. With
  * panels outermost (each thread's panel against all of x), x was read from memory or L3 once per
- * panel as soon as it outgrew L2 (1,024 prefill rows of 960 features are 3.9 MB): 15-25% slower. */
+ * panel as soon as it outgrew L2 (1,024 prefill rows of 960 features are 3.9 MB): 15-25% slower.
+ * Tiles of near-equal height (32 rows with MR 6: 6+6+5+5+5+5, not 6x5+2). With 256-bit vectors,
+ * tiles of up to 7 rows (14 accumulators; the weights become FMA memory operands) where that saves a
+ * pass over each slice and there are at most 14 rows: 7 rows in one tile instead of 4+3, 13-14 in
+ * two instead of three. At more rows the 7-row tile's loads of the weights cost more than the saved
+ * passes. */
+#if VW == 16
+#define TILE_COUNT(rows) (((rows) + MR - 1) / MR)
+#else
+#define TILE_COUNT(rows)                                                                                \
+    ((rows) <= 2 * (MR + 1) && ((rows) + MR) / (MR + 1) < ((rows) + MR - 1) / MR ? ((rows) + MR) / (MR + 1) \
+                                                                                 : ((rows) + MR - 1) / MR)
+#endif
+#define GEMM_CORE(T, WT)                                                                               \
+    TILE(T, WT, 1) TILE(T, WT, 2) TILE(T, WT, 3) TILE(T, WT, 4) TILE(T, WT, 5) TILE(T, WT, 6)          \
+    TILE(T, WT, 7) TILE(T, WT, 8) TILE(T, WT, 9) TILE(T, WT, 10)                                       \
+    NARROW(T, WT, 1, 4) NARROW(T, WT, 2, 2) NARROW(T, WT, 3, 2)                                        \
+    NARROW(T, WT, 1, 1) NARROW(T, WT, 2, 1) NARROW(T, WT, 3, 1)                                        \
+    GEMM_NARROW(T, WT)                                                                                 \
+    static void gemm_core_##T(const float *x, int64_t m, int64_t k, const WT *packed, int64_t n,        \
+                              const float *bias, void *y, int out_kind, int64_t num_threads) {         \
+        if (m <= NARROW_MAX) {                                                                         \
+            gemm_narrow_##T(x, m, k, packed, n, bias, y, out_kind, num_threads);                       \
+            return;                                                                                    \
+        }                                                                                              \
+        const int64_t panels = (n + NR - 1) / NR, mb = row_block(m, 4 * k, MR);                        \
+        _Pragma("omp parallel num_threads(num_threads)") {                                             \
+            float acc[MB * NR] __attribute__((aligned(64)));                                           \
+            for (int64_t row0 = 0; row0 < m; row0 += mb) {                                             \
+                const int64_t rows = m - row0 < mb ? m - row0 : mb, tiles = TILE_COUNT(rows);          \
+                /* nowait: every block gives each thread the same panels; blocks write disjoint rows */ \
+                _Pragma("omp for schedule(static) nowait")                                             \
+                for (int64_t p = 0; p < panels; p++) {                                                 \
+                    const int64_t col0 = p * NR, cols = n - col0 < NR ? n - col0 : NR;                 \
+                    memset(acc, 0, sizeof(float) * (size_t)(rows * NR));                               \
+                    for (int64_t k0 = 0; k0 < k; k0 += KC) {                                           \
+                        const int64_t kc = k - k0 < KC ? k - k0 : KC;                                  \
+                        const WT *w = packed + (p * k + k0) * NR;                                      \
+                        int64_t r0 = 0;                                                                \
+                        for (int64_t t = 0; t < tiles; t++) {                                          \
+                            const int64_t left = rows - r0, h = (left + (tiles - t) - 1) / (tiles - t); \
+                            const float *xt = x + (row0 + r0) * k + k0;                                \
+                            float *at = acc + r0 * NR;                                                 \
+                            switch (h) {                                                               \
+                                case 1: tile_##T##_1(xt, k, w, kc, at); break;                         \
+                                case 2: tile_##T##_2(xt, k, w, kc, at); break;                         \
+                                case 3: tile_##T##_3(xt, k, w, kc, at); break;                         \
+                                case 4: tile_##T##_4(xt, k, w, kc, at); break;                         \
+                                case 5: tile_##T##_5(xt, k, w, kc, at); break;                         \
+                                case 6: tile_##T##_6(xt, k, w, kc, at); break;                         \
+                                case 7: tile_##T##_7(xt, k, w, kc, at); break;                         \
+                                case 8: tile_##T##_8(xt, k, w, kc, at); break;                         \
+                                case 9: tile_##T##_9(xt, k, w, kc, at); break;                         \
+                                default: tile_##T##_10(xt, k, w, kc, at); break;                       \
+                            }                                                                          \
+                            r0 += h;                                                                   \
+                        }                                                                              \
+                    }                                                                                  \
+                    for (int64_t r = 0; r < rows; r++)                                                 \
+                        store_row(y, out_kind, (row0 + r) * n + col0, acc + r * NR, bias, col0, cols); \
+                }                                                                                      \
+            }                                                                                          \
+        }                                                                                              \
+    }
+GEMM_CORE(f32, float)
+GEMM_CORE(wbf16, uint16_t)
+#if HAS_F16
+GEMM_CORE(wf16, uint16_t)
+#endif
+
 void hf_contbatch_gemm_f32(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
                            const float *bias, float *y, int64_t num_threads) {
-    if (m <= 3) {
-        gemm_narrow(x, m, k, packed, n, bias, y, num_threads);
-        return;
-    }
-    const int64_t panels = (n + NR - 1) / NR, mb = row_block(m, 4 * k, MR);
-#pragma omp parallel num_threads(num_threads)
-    {
-        float acc[MB * NR] __attribute__((aligned(64)));
-        for (int64_t row0 = 0; row0 < m; row0 += mb) {
-            const int64_t rows = m - row0 < mb ? m - row0 : mb;
-            /* Tiles of near-equal height (32 rows with MR 6: 6+6+5+5+5+5, not 6x5+2). With 256-bit
-             * vectors, tiles of up to 7 rows (14 accumulators; the weights become FMA memory
-             * operands) where that saves a pass over each slice and there are at most 14 rows: 7
-             * rows in one tile instead of 4+3, 13-14 in two instead of three. At more rows the
-             * 7-row tile's loads of the weights cost more than the saved passes. */
-#if VW == 16
-            const int64_t tiles = (rows + MR - 1) / MR;
-#else
-            const int64_t tiles = rows <= 2 * (MR + 1) && (rows + MR) / (MR + 1) < (rows + MR - 1) / MR
-                                      ? (rows + MR) / (MR + 1)
-                                      : (rows + MR - 1) / MR;
-#endif
-            /* nowait: every block gives each thread the same panels, and blocks write disjoint rows */
-#pragma omp for schedule(static) nowait
-            for (int64_t p = 0; p < panels; p++) {
-                const int64_t col0 = p * NR, cols = n - col0 < NR ? n - col0 : NR;
-                memset(acc, 0, sizeof(float) * (size_t)(rows * NR));
-                for (int64_t k0 = 0; k0 < k; k0 += KC) {
-                    const int64_t kc = k - k0 < KC ? k - k0 : KC;
-                    const float *w = packed + (p * k + k0) * NR;
-                    int64_t r0 = 0;
-                    for (int64_t t = 0; t < tiles; t++) {
-                        const int64_t left = rows - r0, h = (left + (tiles - t) - 1) / (tiles - t);
-                        const float *xt = x + (row0 + r0) * k + k0;
-                        float *at = acc + r0 * NR;
-                        switch (h) {
-                            case 1: tile_1(xt, k, w, kc, at); break;
-                            case 2: tile_2(xt, k, w, kc, at); break;
-                            case 3: tile_3(xt, k, w, kc, at); break;
-                            case 4: tile_4(xt, k, w, kc, at); break;
-                            case 5: tile_5(xt, k, w, kc, at); break;
-                            case 6: tile_6(xt, k, w, kc, at); break;
-                            case 7: tile_7(xt, k, w, kc, at); break;
-                            case 8: tile_8(xt, k, w, kc, at); break;
-                            case 9: tile_9(xt, k, w, kc, at); break;
-                            default: tile_10(xt, k, w, kc, at); break;
-                        }
-                        r0 += h;
-                    }
-                }
-                for (int64_t r = 0; r < rows; r++) {
-                    float *yr = y + (row0 + r) * n + col0;
-                    const float *ar = acc + r * NR;
-                    if (bias)
-                        for (int64_t j = 0; j < cols; j++) yr[j] = ar[j] + bias[col0 + j];
-                    else
-                        memcpy(yr, ar, sizeof(float) * (size_t)cols);
-                }
-            }
-        }
-    }
+    gemm_core_f32(x, m, k, packed, n, bias, y, OUT_F32, num_threads);
 }
+
+/* Half-precision weights widened in registers (any CPU with vectors; float16 where F16C is):
+ * packed by hf_contbatch_gemm_pack_h16 into the float32 layout with 16-bit values, [ceil(n/NR)][k][NR].
+ * x [m][k] and y [m][n] in the weights' format, bias [n] float32 or NULL. x is widened to float32
+ * once (exact), the products accumulated in float32 as hf_contbatch_gemm_f32 does, and each output
+ * rounded once to nearest even. Returns 0, or -1 when the float32 copy of x cannot be allocated. */
+void hf_contbatch_gemm_pack_h16(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
+    const int64_t panels = (n + NR - 1) / NR;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int64_t j = 0; j < NR; j++) {
+                const int64_t col = p * NR + j;
+                out[(p * k + kk) * NR + j] = col < n ? w[col * k + kk] : 0;
+            }
+}
+
+int hf_contbatch_gemm_has_f16(void) { return HAS_F16; }
+
+/* x widened into a float32 buffer of m * k (x is a small share of the bytes: the weights dominate) */
+static float *widen_x(const uint16_t *x, int64_t m, int64_t k, int is_f16, float *stack, int64_t stack_len) {
+    const int64_t len = m * k;
+    float *xf = len <= stack_len ? stack : (float *)malloc(sizeof(float) * (size_t)len);
+    if (!xf) return NULL;
+#pragma omp parallel for schedule(static) if (len >= (1 << 16))
+    for (int64_t i = 0; i < len; i++) {
+#if HAS_F16
+        xf[i] = is_f16 ? _cvtsh_ss(x[i]) : bf16_to_f32(x[i]);
+#else
+        (void)is_f16;
+        xf[i] = bf16_to_f32(x[i]);
+#endif
+    }
+    return xf;
+}
+
+#define HALF_ENTRY(T, IS_F16, OUT)                                                                     \
+    int hf_contbatch_gemm_##T(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n, \
+                               const float *bias, uint16_t *y, int64_t num_threads) {                  \
+        float stack[8 * 4096] __attribute__((aligned(64))); /* decode's few rows: no allocation */      \
+        float *xf = widen_x(x, m, k, IS_F16, stack, 8 * 4096);                                         \
+        if (!xf) return -1;                                                                            \
+        gemm_core_##T(xf, m, k, packed, n, bias, y, OUT, num_threads);                                 \
+        if (xf != stack) free(xf);                                                                     \
+        return 0;                                                                                      \
+    }
+HALF_ENTRY(wbf16, 0, OUT_BF16)
+#if HAS_F16
+HALF_ENTRY(wf16, 1, OUT_F16)
+#endif
 
 /* ---- bfloat16 with float32 accumulation (AVX512-BF16: VDPBF16PS) ----------------------------------
  *
@@ -325,7 +454,9 @@ void hf_contbatch_gemm_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16
         for (int64_t kk = 0; kk < k2; kk++) {                                                        \
             const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + kk * NRB * 2);                      \
             const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + kk * NRB * 2 + 32);                 \
+            /* the next slice, both lines of its 128-byte row (as the float32 tiles) */              \
             __builtin_prefetch((const void *)((uintptr_t)w + (uintptr_t)((kk + KC / 2) * NRB * 4)));\
+            __builtin_prefetch((const void *)((uintptr_t)w + (uintptr_t)((kk + KC / 2) * NRB * 4 + 64)));\
             for (int r = 0; r < ROWS; r++) {                                                         \
                 int32_t pair;                                                                        \
                 memcpy(&pair, x + r * ldx + 2 * kk, 4);                                              \
@@ -348,13 +479,6 @@ TILE_BF16(6)
 TILE_BF16(7)
 TILE_BF16(8)
 
-/* float32 -> bf16, round to nearest even (NaN kept a NaN) */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* x [m][k] bf16 row-major (k even), packed from hf_contbatch_gemm_pack_bf16, bias [n] float32 or
  * NULL, y [m][n] bf16 row-major. Loop order as in hf_contbatch_gemm_f32: row blocks outermost, so a

@@ -12,8 +12,8 @@ from ..model_layout import ModelLayout
 from .fused import sibling_groups
 from .int8_weights import is_plain_tensor, is_torchao_int8_weight_only
 
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
-"""Weight dtypes whose linears are packed (bfloat16 where a kernel has a bf16 path)."""
+PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Weight dtypes whose linears are packed (where a kernel packs the dtype: ``GemmKernel.supports``)."""
 
 Unit = list[torch.nn.Linear]
 

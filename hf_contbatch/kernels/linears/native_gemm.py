@@ -3,8 +3,12 @@
 Weights are packed once into panels of ``GemmLibrary.nr`` output columns (32 with AVX-512, 16 with
 256-bit vectors); the kernel streams them, which is what a decode step's few rows need (see
 ``cpu_gemm.c`` for the design and why each float32 output is one in-order multiply-add chain, so a
-row's result does not depend on the batch it is in). On CPUs with AVX512-BF16 the same library has a
-bfloat16 kernel (float32 accumulation, one rounding at the end). The library is built once per
+row's result does not depend on the batch it is in). Half-precision weights (bfloat16, float16) take
+the same kernel with each weight widened to float32 in registers as it is loaded (a 16-bit shift for
+bfloat16, F16C's conversion for float16): half the bytes to stream, float32 arithmetic, on any CPU
+with vectors. On CPUs with AVX512-BF16 the library also has a bfloat16 kernel multiplying pairs of
+bf16 values with VDPBF16PS (float32 accumulation, one rounding at the end); which of the two a
+:class:`NativeGEMM` packs for is its ``half_isa``. The library is built once per
 process (``hf_contbatch.kernels.native_build`` caches it on disk) and shared like any loaded library.
 """
 
@@ -27,13 +31,18 @@ _GEMM_SOURCE = Path(__file__).with_name("cpu_gemm.c")
 # No -ffast-math: each float32 output must stay one in-order FMA chain (see cpu_gemm.c, "Exactness").
 _GEMM_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _BF16_PANEL = 32  # output columns per bf16 panel (NRB in cpu_gemm.c), in pairs of input features
+HALF_ISAS = ("avx512_bf16", "widen")
+"""How :class:`NativeGEMM` multiplies bfloat16 weights: "avx512_bf16", pairs of bf16 values by
+VDPBF16PS (CPUs with AVX512-BF16); "widen", each weight widened to float32 in registers (any CPU)."""
 
 
 @dataclass(frozen=True)
 class GemmLibrary:
     """The compiled GEMM: its functions, the float32 panel width ``nr`` (output columns), the
-    instruction set its vectors compile to (``isa``: "avx512f", "avx2", "neon" or "generic"), and
-    the bfloat16 functions where the CPU has AVX512-BF16 (else None)."""
+    instruction set its vectors compile to (``isa``: "avx512f", "avx2", "neon" or "generic"), the
+    widening half-precision functions (``pack_h16``, ``gemm_wbf16``; ``gemm_wf16`` where the CPU
+    converts float16 in vectors, F16C, else None), and the VDPBF16PS bfloat16 functions where the
+    CPU has AVX512-BF16 (else None)."""
 
     path: str
     pack_f32: Callable
@@ -42,11 +51,14 @@ class GemmLibrary:
     isa: str
     pack_bf16: Optional[Callable]
     gemm_bf16: Optional[Callable]
+    pack_h16: Callable
+    gemm_wbf16: Callable
+    gemm_wf16: Optional[Callable]
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:
-        """The weight dtypes this build multiplies."""
-        return (torch.float32, torch.bfloat16) if self.gemm_bf16 is not None else (torch.float32,)
+        """The weight dtypes this build multiplies (bfloat16 always: widened where not native)."""
+        return (torch.float32, torch.bfloat16) + ((torch.float16,) if self.gemm_wf16 is not None else ())
 
 
 @functools.cache
@@ -68,6 +80,11 @@ def _load_native_library(bf16: bool = True):
         if pack is not None:
             pack.argtypes, pack.restype = [ptr, i64, i64, ptr], None
             gemm.argtypes, gemm.restype = [ptr, i64, i64, ptr, i64, ptr, ptr, i64], None
+    lib.hf_contbatch_gemm_pack_h16.argtypes, lib.hf_contbatch_gemm_pack_h16.restype = [ptr, i64, i64, ptr], None
+    has_f16 = bool(lib.hf_contbatch_gemm_has_f16())
+    for name in ("wbf16", "wf16") if has_f16 else ("wbf16",):
+        fn = getattr(lib, f"hf_contbatch_gemm_{name}")
+        fn.argtypes, fn.restype = [ptr, i64, i64, ptr, i64, ptr, ptr, i64], ctypes.c_int  # -1: out of memory
     lib.hf_contbatch_gemm_nr.restype = i64
     lib.hf_contbatch_gemm_isa.restype = ctypes.c_char_p
     has_bf16 = bool(lib.hf_contbatch_gemm_has_bf16())
@@ -79,6 +96,9 @@ def _load_native_library(bf16: bool = True):
         isa=lib.hf_contbatch_gemm_isa().decode(),
         pack_bf16=lib.hf_contbatch_gemm_pack_bf16 if has_bf16 else None,
         gemm_bf16=lib.hf_contbatch_gemm_bf16 if has_bf16 else None,
+        pack_h16=lib.hf_contbatch_gemm_pack_h16,
+        gemm_wbf16=lib.hf_contbatch_gemm_wbf16,
+        gemm_wf16=lib.hf_contbatch_gemm_wf16 if has_f16 else None,
     )
     return library, None
 
@@ -97,11 +117,11 @@ def native_library(bf16: bool = True) -> GemmLibrary:
 
 
 def _fits(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> bool:
-    """Whether ``x`` ``[..., in]`` matches the packed weight's dtype and sizes (float32 panels
-    ``[P, in, nr]``, bf16 panels ``[P, in / 2, 32, 2]``)."""
+    """Whether ``x`` ``[..., in]`` matches the packed weight's dtype and sizes (float32 and widened
+    half-precision panels ``[P, in, nr]``, VDPBF16PS bf16 panels ``[P, in / 2, 32, 2]``)."""
     if x.device.type != "cpu" or x.dtype != packed.dtype or not x.dim():
         return False
-    if packed.dtype == torch.bfloat16:
+    if packed.dim() == 4:
         width, k = _BF16_PANEL, 2 * packed.shape[1]
     else:
         width, k = packed.shape[2], packed.shape[1]
@@ -113,7 +133,7 @@ def native_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int
 ) -> torch.Tensor:
     """``x @ W.T + b`` with our GEMM: ``x`` ``[..., in]`` CPU, of the packed weight's dtype
-    (float32, or bfloat16 where the build has it), ``packed`` the ``data`` of :meth:`NativeGEMM.pack`,
+    (float32, bfloat16, or float16 where the build has it), ``packed`` the ``data`` of :meth:`NativeGEMM.pack`,
     ``bias`` ``[out]`` (any float dtype, added in float32) or None; returns ``[..., out]`` in
     ``x``'s dtype.
 
@@ -154,9 +174,14 @@ def _native_gemm(
     m = x.numel() // k
     if m:
         lib = native_library()
-        gemm = lib.gemm_bf16 if x.dtype == torch.bfloat16 else lib.gemm_f32
+        if x.dtype == torch.float32:
+            gemm = lib.gemm_f32
+        elif packed.dim() == 4:  # the VDPBF16PS layout
+            gemm = lib.gemm_bf16
+        else:
+            gemm = lib.gemm_wbf16 if x.dtype == torch.bfloat16 else lib.gemm_wf16
         # ctypes releases the GIL for the call: engines in other threads keep running.
-        gemm(
+        status = gemm(
             x.data_ptr(),
             m,
             k,
@@ -166,33 +191,49 @@ def _native_gemm(
             y.data_ptr(),
             torch.get_num_threads(),
         )
+        if status == -1:  # the widening kernels' float32 copy of x could not be allocated
+            raise MemoryError(f"native linear: no memory for a float32 copy of {m} x {k} inputs")
     return y
 
 
 class NativeGEMM:
     """Our GEMM (``cpu_gemm.c``): float32 weights packed into panels of ``nr`` output columns,
-    ``[ceil(out/nr), in, nr]``, and (where the CPU has AVX512-BF16) bfloat16 weights in panels of 32
-    columns by pairs of input features, ``[ceil(out/32), in/2, 32, 2]``; plain zero-padded tensors,
-    multiplied by any number of rows with torch's thread count. Each float32 output is one in-order
-    multiply-add chain over the input features, so a row's result does not depend on the batch it
-    is in; bf16 outputs are accumulated in float32 and rounded once.
+    ``[ceil(out/nr), in, nr]``; float16 weights (where the CPU converts them in vectors: F16C) and,
+    with ``half_isa="widen"``, bfloat16 ones in the same layout with 16-bit values, widened to
+    float32 in registers; with ``half_isa="avx512_bf16"``, bfloat16 weights in panels of 32 columns
+    by pairs of input features, ``[ceil(out/32), in/2, 32, 2]``, multiplied by VDPBF16PS. Plain
+    zero-padded tensors, multiplied by any number of rows with torch's thread count. Each float32
+    output is one in-order multiply-add chain over the input features, so a row's result does not
+    depend on the batch it is in; a widened half-precision weight gives the float32 kernel's result
+    on its widened copy (inputs widened too), rounded once to the weight's dtype; VDPBF16PS outputs
+    are accumulated in float32 (two products a step) and rounded once.
 
     Args:
-        bf16: False builds without AVX512-BF16 whatever the CPU has: the float32-only fallback of
-            CPUs without it (bf16 weights are then left to another kernel or ``F.linear``), so
-            that fallback can be tested on any CPU.
+        bf16: False builds without AVX512-BF16 whatever the CPU has (the build of CPUs without it,
+            so its paths can be run on any CPU); bfloat16 weights are then widened.
+        half_isa: how bfloat16 weights are multiplied (:data:`HALF_ISAS`); None: detected,
+            "avx512_bf16" where the build has it, else "widen". Tests and benchmarks name one to
+            run a path on a CPU that would not pick it.
 
     Raises:
         RuntimeError: on construction, when the kernel cannot be built (no C compiler, or the
-            compile failed).
+            compile failed), or ``half_isa="avx512_bf16"`` and the build has no AVX512-BF16.
+        ValueError: a ``half_isa`` not in :data:`HALF_ISAS`.
     """
 
     name = "native"
     exact_unpack = True  # plain zero-padded panels: unpack gives the weight back bit for bit
 
-    def __init__(self, bf16: bool = True) -> None:
+    def __init__(self, bf16: bool = True, half_isa: Optional[str] = None) -> None:
         self._bf16 = bool(bf16)
-        native_library(self._bf16)  # raises here when the kernel cannot be built
+        library = native_library(self._bf16)  # raises here when the kernel cannot be built
+        if half_isa is None:
+            half_isa = "avx512_bf16" if library.gemm_bf16 is not None else "widen"
+        if half_isa not in HALF_ISAS:
+            raise ValueError(f"half_isa must be one of {HALF_ISAS}, not {half_isa!r}")
+        if half_isa == "avx512_bf16" and library.gemm_bf16 is None:
+            raise RuntimeError("our GEMM's build here has no AVX512-BF16 kernel (half_isa='avx512_bf16')")
+        self.half_isa = half_isa
 
     @property
     def library(self) -> GemmLibrary:
@@ -207,7 +248,7 @@ class NativeGEMM:
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:
-        """float32, and bfloat16 where the CPU has AVX512-BF16."""
+        """float32, bfloat16, and float16 where the CPU converts it in vectors (F16C)."""
         return self.library.dtypes
 
     @property
@@ -216,11 +257,11 @@ class NativeGEMM:
         return self.library.isa
 
     def supports(self, weight: torch.Tensor) -> bool:
-        """Whether this build packs ``weight``: float32, or bfloat16 with an even number of input
-        features where the CPU has AVX512-BF16; on the CPU."""
+        """Whether this build packs ``weight``: a 2-D CPU weight of :attr:`dtypes`; bfloat16 with an
+        even number of input features for ``half_isa="avx512_bf16"`` (its pairs)."""
         if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in self.library.dtypes:
             return False
-        return weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0
+        return weight.dtype != torch.bfloat16 or self.half_isa == "widen" or weight.shape[1] % 2 == 0
 
     def pack(self, weight: torch.Tensor) -> PackedWeight:
         """``[out, in]`` weight → the packed panels (a new tensor; the weight is only read).
@@ -230,9 +271,12 @@ class NativeGEMM:
         n, k = weight.shape
         w = weight.contiguous()
         lib = self.library
-        if weight.dtype == torch.bfloat16:
+        if weight.dtype == torch.bfloat16 and self.half_isa == "avx512_bf16":
             out = torch.empty((-(-n // _BF16_PANEL), k // 2, _BF16_PANEL, 2), dtype=torch.bfloat16)
             lib.pack_bf16(w.data_ptr(), n, k, out.data_ptr())
+        elif weight.dtype != torch.float32:  # widened at load: the float32 layout, 16-bit values
+            out = torch.empty((-(-n // lib.nr), k, lib.nr), dtype=weight.dtype)
+            lib.pack_h16(w.data_ptr(), n, k, out.data_ptr())
         else:
             out = torch.empty((-(-n // lib.nr), k, lib.nr), dtype=torch.float32)
             lib.pack_f32(w.data_ptr(), n, k, out.data_ptr())
@@ -240,7 +284,7 @@ class NativeGEMM:
 
     def unpack(self, packed: PackedWeight) -> torch.Tensor:
         """The ``[out, in]`` weight bit for bit: the panels hold every value once, zero-padded
-        (float32 ``[P, in, nr]``: ``W[p*nr + j, k] = panel[p, k, j]``; bf16 ``[P, in/2, 32, 2]``:
+        (float32 and widened ``[P, in, nr]``: ``W[p*nr + j, k] = panel[p, k, j]``; VDPBF16PS bf16 ``[P, in/2, 32, 2]``:
         ``W[p*32 + j, 2k + t] = panel[p, k, j, t]``)."""
         n, k = packed.shape
         data = packed.data
@@ -271,6 +315,28 @@ class NativeGEMM:
 
 def _native_op(x, packed, scales, zero_points, bias, out_features: int) -> torch.Tensor:
     return native_linear(x, packed, bias, out_features)  # a float layout: no scales
+
+
+class NativeWidenGEMM(NativeGEMM):
+    """:class:`NativeGEMM` with ``half_isa="widen"`` for bfloat16 weights only: on a CPU with
+    AVX512-BF16, "auto"'s second candidate for bfloat16 shapes beside the VDPBF16PS one, so timing
+    decides per shape and row count which of the two serves (decode's few rows are bound by the
+    bytes streamed, where widening costs nothing; many rows by the multiplies, where VDPBF16PS does
+    two per lane)."""
+
+    name = "native-widen"
+
+    def __init__(self) -> None:
+        super().__init__(half_isa="widen")
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        """bfloat16 only (float32 and float16 weights take :class:`NativeGEMM`'s same code)."""
+        return (torch.bfloat16,)
+
+    def supports(self, weight: torch.Tensor) -> bool:
+        """Whether ``weight`` is a 2-D bfloat16 CPU weight."""
+        return weight.dtype == torch.bfloat16 and super().supports(weight)
 
 
 register_linear_op("native_linear", _native_op)

@@ -14,7 +14,7 @@ import logging
 from ...config import LINEAR_BACKENDS, QUANT_SCHEMES, TORCHAO_INT8, QuantScheme
 from .gemm_kernel import GemmKernel
 from .int8_gemm import W8A8GEMM, DequantFloatGEMM, NativeInt8GEMM, TorchInt8GEMM
-from .native_gemm import NativeGEMM
+from .native_gemm import NativeGEMM, NativeWidenGEMM
 from .onednn_gemm import OneDNNGEMM
 from .torch_linear import TorchLinear
 from .w8a8_torch import TorchW8A8GEMM
@@ -90,7 +90,8 @@ def make_kernel(name: str) -> GemmKernel:
 
 
 def available_kernels() -> dict[str, GemmKernel]:
-    """The packed kernels that work here by name (every registered one but ``F.linear``): the
+    """The packed kernels that work here by name (every registered one but ``F.linear``, and
+    ``"native-widen"`` where the CPU has AVX512-BF16: :class:`~.native_gemm.NativeWidenGEMM`): the
     candidates of ``linear_backend="auto"`` besides ``F.linear``."""
     kernels = {}
     for name in KERNELS:
@@ -100,6 +101,11 @@ def available_kernels() -> dict[str, GemmKernel]:
             kernels[name] = make_kernel(name)
         except RuntimeError as exc:
             logger.info("packed linears: %s unavailable (%s)", name, exc)
+    native = kernels.get(NativeGEMM.name)
+    if native is not None and native.half_isa != "widen":
+        # A CPU with AVX512-BF16: bfloat16 weights widened to float32 are a candidate beside
+        # VDPBF16PS (timing decides per shape and row count; without AVX512-BF16 "native" widens).
+        kernels[NativeWidenGEMM.name] = NativeWidenGEMM()
     return kernels
 
 
