@@ -7,10 +7,12 @@ touched, so a refusal comes before any packing or pool is built):
   itself reads, ``_supports_attention_backend``, that ``PreTrainedModel.is_backend_compatible``
   returns): our paged attention is plugged in there;
 - every layer's kind is one the paged KV cache serves: full attention, sliding-window attention
-  (the window reaches the kernels as the ``sliding_window`` attention argument), and layers without
-  attention (an MLP or MoE block listed in ``layer_types``). Kinds it cannot serve yet are named
-  in the refusal: recurrent and linear-attention layers (a per-request state), chunked local
-  attention, latent attention whose K and V heads differ in size, ALiBi biases. Attention sinks
+  (the window reaches the kernels as the ``sliding_window`` attention argument), chunked local
+  attention (Llama 4's ``"chunked_attention"`` layers: the attention function reads the chunk from
+  the config, the torch path masks it), and layers without attention (an MLP or MoE block listed
+  in ``layer_types``). Kinds it cannot serve yet are named in the refusal: recurrent and
+  linear-attention layers (a per-request state), latent attention whose K and V heads differ in
+  size, ALiBi biases. Attention sinks
   (gpt-oss's ``s_aux``) are served by the torch attention path; a Triton engine refuses them at
   the first step, in one line.
 """
@@ -22,8 +24,9 @@ import inspect
 from .pool_sizing import KVGeometry, text_config
 
 # ``config.layer_types`` entries the paged KV cache serves: attention layers whose masking the
-# kernels do themselves (causal, plus a window passed as ``sliding_window``), and stateless blocks.
-SERVED_LAYER_KINDS = frozenset({"full_attention", "sliding_attention", "attention", "mlp", "moe"})
+# kernels do themselves (causal, plus a window passed as ``sliding_window`` or a chunk read from the
+# config), and stateless blocks.
+SERVED_LAYER_KINDS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention", "mlp", "moe"})
 
 
 def _layer_kinds(cfg) -> list[str]:
@@ -55,7 +58,7 @@ def _attention_through_interface(model) -> bool:
 
 def unserved_layer_kind(model):
     """The first thing about ``model`` the engine cannot serve yet, as a short phrase naming the
-    layer kind ("layer kinds 'linear_attention'", "chunked local attention", ...), or None when every layer is served. Reads classes, the config and module attributes only."""
+    layer kind ("layer kinds 'linear_attention'", "multi-head latent attention ...", ...), or None when every layer is served. Reads classes, the config and module attributes only."""
     cfg = text_config(model)
     unserved = [k for k in dict.fromkeys(_layer_kinds(cfg)) if k not in SERVED_LAYER_KINDS]
     if unserved:
@@ -64,8 +67,6 @@ def unserved_layer_kind(model):
         return "attention outside transformers' AttentionInterface (legacy or recurrent layers)"
     if getattr(cfg, "alibi", False):
         return "ALiBi position biases (passed in the attention mask)"
-    if getattr(cfg, "attention_chunk_size", None):
-        return "chunked local attention"
     if getattr(cfg, "kv_lora_rank", None):
         k_dim = (getattr(cfg, "qk_nope_head_dim", 0) or 0) + (getattr(cfg, "qk_rope_head_dim", 0) or 0)
         return (

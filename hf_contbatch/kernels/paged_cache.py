@@ -217,10 +217,24 @@ class PagedCacheStep(_CBCache):
         note_stored(self, layer_idx, key_states, value_states)  # for the attention call that follows
         return key_states, value_states
 
-    def attend(self, layer_idx: int, query, key, value, scale: float, sliding_window=None, softcap=None, sinks=None):
+    def attend(
+        self,
+        layer_idx: int,
+        query,
+        key,
+        value,
+        scale: float,
+        sliding_window=None,
+        softcap=None,
+        sinks=None,
+        chunk_size=None,
+    ):
         """``query`` ``[1, H, T, D]`` over the pool of ``layer_idx`` -> ``[1, T, H, D]``; ``key``/``value``
         ``[1, KVH, T, D]`` this step's rows (already stored); ``sinks`` ``[H]`` attention-sink logits
-        (gpt-oss) or None.
+        (gpt-oss) or None; ``chunk_size`` (tokens) for a chunked local attention layer (Llama 4: a
+        query sees the earlier keys of its own chunk only) or None. A layer with a chunk takes the
+        torch path (``torch_paged``, plain torch on any device): the C and Triton kernels have no
+        chunk mask.
 
         Raises:
             RuntimeError: a view without metadata (no step to attend for).
@@ -233,7 +247,14 @@ class PagedCacheStep(_CBCache):
         meta = self.metadata.to(k_pool.device)
         q = query[0].transpose(0, 1)  # [T, H, D]
         single = key.shape[0] == 1
-        attend, extra = (cache.backend.attend, {}) if sinks is None else (self._sinks_attention(), {"sinks": sinks})
+        if sinks is not None:
+            attend, extra = self._sinks_attention(), {"sinks": sinks, "chunk_size": chunk_size}
+        elif chunk_size is not None:
+            from .attention.torch_paged import torch_paged_attention
+
+            attend, extra = torch_paged_attention, {"chunk_size": chunk_size}
+        else:
+            attend, extra = cache.backend.attend, {}
         out = attend(
             q,
             k_pool,

@@ -116,6 +116,44 @@ def test_qk_norm_families_one_request_at_a_time(model_type):
     assert outs == refs
 
 
+def _tiny_llama4_text():
+    """Llama 4's text model with a chunk of 8 tokens (the prompts and their 16 new tokens span up to
+    5 chunks) in its RoPE layer 0, and a NoPE full-attention layer 1 whose attention temperature
+    tuning starts at position 1 (``floor_scale`` 2; the default 8192 never changes a tiny run)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = family_sweep.tiny_config("llama4_text")
+    cfg.attention_chunk_size, cfg.no_rope_layers, cfg.floor_scale, cfg.attn_scale = 8, [1, 0], 2, 4.0
+    assert cfg.layer_types == ["chunked_attention", "full_attention"]
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        EngineConfig(cache=CacheConfig(block_size=16, num_blocks=32)),
+        EngineConfig(cache=CacheConfig(block_size=4, num_blocks=32), scheduler=SchedulerConfig(max_num_seqs=1)),
+        # 14 blocks of 4 tokens for 4 requests of 21-39 tokens and a 12-token budget: preemption, chunks.
+        EngineConfig(
+            cache=CacheConfig(block_size=4, num_blocks=14),
+            scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12),
+        ),
+    ],
+    ids=["batched", "one-row-steps", "preempted-chunked"],
+)
+def test_chunked_local_attention_llama4_text_equals_generate(cfg):
+    model = _tiny_llama4_text()
+    prompts = family_sweep.prompts() * (2 if cfg.scheduler.max_num_batched_tokens == 12 else 1)
+    refs = [reference_greedy(model, p, NEW) for p in prompts]
+    outs, stats = _serve(model, prompts, cfg)
+    assert outs == refs
+    assert stats.num_free_blocks == stats.num_blocks, "blocks leaked"
+    if cfg.scheduler.max_num_batched_tokens == 12:
+        assert stats.num_preemptions > 0, "the pool was meant to force preemption"
+
+
 def _meta_model(model_type):
     """A tiny model of ``model_type`` whose weights live on the meta device: reading one fails."""
     from transformers import AutoModelForCausalLM
@@ -132,7 +170,6 @@ def _meta_model(model_type):
         ("qwen3_next", "'linear_attention'"),  # a hybrid: linear-attention and full-attention layers
         ("mimo_v2_flash", "K/V shapes differ"),  # sliding layers with more KV heads than the config's
         ("deepseek_v3", "multi-head latent attention"),
-        ("llama4_text", "'chunked_attention'"),
         ("bloom", "AttentionInterface"),  # legacy attention with ALiBi biases
     ],
 )

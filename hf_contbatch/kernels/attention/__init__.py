@@ -105,6 +105,7 @@ def paged_attention_forward(
     scaling, sliding_window, softcap = kwargs.get("scaling"), kwargs.get("sliding_window"), kwargs.get("softcap")
     if "sliding_window" not in kwargs:
         sliding_window = _mask_only_window(module)
+    chunk_size = _layer_chunk_size(module)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if isinstance(paged_cache, CompiledStep):
         # Compiled forward: the model was called without a real cache, so store and attend in one
@@ -119,10 +120,15 @@ def paged_attention_forward(
             float(scale),
             -1 if sliding_window is None else int(sliding_window),
             0.0 if softcap is None else float(softcap),
+            chunk_size or 0,
         )
         return out, None
+    tuning = _temperature_tuning(module)
+    if tuning is not None:
+        query = _retuned_query(query, paged_cache.metadata.to(query.device), *tuning)
     sinks = kwargs.get("s_aux")
-    return paged_cache.attend(module.layer_idx, query, key, value, scale, sliding_window, softcap, sinks), None
+    out = paged_cache.attend(module.layer_idx, query, key, value, scale, sliding_window, softcap, sinks, chunk_size)
+    return out, None
 
 
 # --- what an engine step's attention call must look like ------------------------------------------
@@ -167,6 +173,55 @@ def _mask_only_window(module) -> Optional[int]:
     return window or None
 
 
+def _layer_chunk_size(module) -> Optional[int]:
+    """The chunk of a chunked local attention layer (Llama 4: ``config.layer_types[i]`` is
+    ``"chunked_attention"``, and transformers masks such a layer with ``config.attention_chunk_size``
+    through its mask alone, passing attention no argument for it), None for any other layer. Read
+    once per module and kept in its ``__dict__``, as :func:`_mask_only_window` does."""
+    chunk = module.__dict__.get("_hf_contbatch_chunk_size")
+    if chunk is None:
+        cfg = getattr(module, "config", None)
+        kinds = getattr(cfg, "layer_types", None)
+        chunk = 0
+        if isinstance(kinds, (list, tuple)) and kinds[module.layer_idx] == "chunked_attention":
+            chunk = int(getattr(cfg, "attention_chunk_size", None) or 0)
+        if not torch.compiler.is_compiling():
+            module.__dict__["_hf_contbatch_chunk_size"] = chunk
+    return chunk or None
+
+
+def _temperature_tuning(module) -> Optional[tuple]:
+    """``(floor_scale, attn_scale)`` of a layer that scales its queries by position before
+    attention (Llama 4's NoPE layers with ``attn_temperature_tuning``), None for any other layer.
+    Kept in the module's ``__dict__`` (a missing attribute costs a module ``__getattr__`` per call)."""
+    tuning = module.__dict__.get("_hf_contbatch_tuning", False)
+    if tuning is False:
+        tuning = None
+        if module.__dict__.get("attn_temperature_tuning") and not module.__dict__.get("use_rope", True):
+            tuning = (module.floor_scale, module.attn_scale)
+        if not torch.compiler.is_compiling():
+            module.__dict__["_hf_contbatch_tuning"] = tuning
+    return tuning
+
+
+def _tuned_scale(positions: torch.Tensor, floor_scale, attn_scale) -> torch.Tensor:
+    # Llama4TextAttention's formula, term for term (so a scale of 1 stays exactly 1).
+    return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+
+
+def _retuned_query(query: torch.Tensor, meta, floor_scale, attn_scale) -> torch.Tensor:
+    """``query`` ``[1, H, T, D]`` as Llama 4's attention temperature tuning scales it at the rows'
+    true positions. The model scales by positions ``past + arange(T)`` with ``past`` the cache's
+    ``get_seq_length()``, 0 for a step's cache view, so over a flattened batch it used each row's
+    index in the step: undo that scale and apply the true one. Exact (the scale the model applied
+    is exactly 1) while the step has under ``floor_scale - 1`` rows (8191 by default); beyond,
+    the undoing rounds once."""
+    num_rows = query.shape[2]
+    applied = _tuned_scale(torch.arange(num_rows, device=query.device), floor_scale, attn_scale)
+    wanted = _tuned_scale(meta.query_positions(), floor_scale, attn_scale)
+    return (query * (wanted / applied).view(1, 1, num_rows, 1)).to(query.dtype)
+
+
 def _check_served_call(module, key, value, attention_mask, stored, kwargs, compiled: bool) -> None:
     """Raise ``ValueError`` where the model asks attention for something the paged kernels would
     silently not do (they read the step's context from the pool and mask causally, with the
@@ -178,6 +233,8 @@ def _check_served_call(module, key, value, attention_mask, stored, kwargs, compi
         what = "adds its own attention mask or bias"
     elif compiled and kwargs.get("s_aux") is not None:
         what = "passes attention sinks (s_aux), which a compiled forward does not serve"
+    elif compiled and _temperature_tuning(module) is not None:
+        what = "scales its queries by position (attention temperature tuning), which a compiled forward does not serve"
     elif stored is not None and stored[1] != getattr(module, "layer_idx", None):
         what = f"attends as layer {getattr(module, 'layer_idx', None)} after storing K/V as layer {stored[1]}"
     elif stored is not None and (stored[2]() is not key or stored[3]() is not value):
@@ -226,10 +283,12 @@ if register_opaque_type is not None:
 _OPS = torch.library.Library("hf_contbatch", "FRAGMENT")
 
 
-def _paged_attention_op(query, key, value, compiled_step, layer_idx: int, scale: float, sliding_window: int, softcap):
+def _paged_attention_op(
+    query, key, value, compiled_step, layer_idx: int, scale: float, sliding_window: int, softcap, chunk_size: int
+):
     """Store ``key``/``value`` ``[1, KVH, T, D]`` into the pool of ``compiled_step``'s view and
-    attend: ``query`` ``[1, H, T, D]`` -> ``[1, T, H, D]``. ``sliding_window`` -1 and ``softcap``
-    0.0 mean none. The pool is written although it is not a tensor argument: nothing else in the
+    attend: ``query`` ``[1, H, T, D]`` -> ``[1, T, H, D]``. ``sliding_window`` -1, ``softcap``
+    0.0 and ``chunk_size`` 0 mean none. The pool is written although it is not a tensor argument: nothing else in the
     compiled graph reads it, and declaring it would make the compiler copy it (functionalization)."""
     step = compiled_step.step
     step.update(key, value, layer_idx)
@@ -242,20 +301,21 @@ def _paged_attention_op(query, key, value, compiled_step, layer_idx: int, scale:
         scale,
         None if sliding_window < 0 else sliding_window,
         None if softcap == 0.0 else softcap,
+        chunk_size=chunk_size or None,
     )
     # The compiler reads the output with the fake's (contiguous) strides; the torch path's output
     # follows the query's memory layout, which a compiled graph may have permuted.
     return out.contiguous()
 
 
-def _paged_attention_fake(query, key, value, compiled_step, layer_idx, scale, sliding_window, softcap):
+def _paged_attention_fake(query, key, value, compiled_step, layer_idx, scale, sliding_window, softcap, chunk_size):
     return query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
 
 
 if COMPILED_STEP_SUPPORTED:
     _OPS.define(
         f"paged_attention(Tensor query, Tensor key, Tensor value, {get_opaque_type_name(CompiledStep)} compiled_step, "
-        "int layer_idx, float scale, int sliding_window, float softcap) -> Tensor"
+        "int layer_idx, float scale, int sliding_window, float softcap, int chunk_size) -> Tensor"
     )
     _OPS.impl("paged_attention", _paged_attention_op, "CompositeExplicitAutograd")
     torch.library.register_fake("hf_contbatch::paged_attention", _paged_attention_fake, lib=_OPS)

@@ -86,8 +86,9 @@ def _gather_rows(rows: torch.Tensor, row_scales: torch.Tensor | None, index: tor
     return picked.to(dtype)
 
 
-def _decode_buckets(meta: AttentionMetadata, sliding_window: int | None, groups: int):
-    """Gather plans for the decode requests, grouped by context length to bound padding.
+def _decode_buckets(meta: AttentionMetadata, sliding_window: int | None, groups: int, chunk_size: int | None = None):
+    """Gather plans for the decode requests, grouped by context length to bound padding; keys before
+    the query's chunk (``chunk_size``, see :func:`torch_paged_attention`) or window are masked.
 
     Returns a list of ``(rows, head_index, bag_index, bag_offsets, mask, length)``: ``rows`` the
     decode rows of the bucket, ``head_index`` ``[b * KVH * L]`` indices into the pool viewed as
@@ -130,6 +131,8 @@ def _decode_buckets(meta: AttentionMetadata, sliding_window: int | None, groups:
         mask = pos < seq
         if sliding_window is not None:
             mask &= pos > seq - 1 - sliding_window
+        if chunk_size is not None:  # the query sits at position seq - 1
+            mask &= pos >= (seq - 1) // chunk_size * chunk_size
         # Additive float mask, broadcast over [b, KVH, G, L] scores.
         bias = None if bool(mask.all()) else torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
         plans.append(
@@ -138,7 +141,7 @@ def _decode_buckets(meta: AttentionMetadata, sliding_window: int | None, groups:
     return plans
 
 
-def _prefill_gather(meta: AttentionMetadata, i: int, sliding_window: int | None):
+def _prefill_gather(meta: AttentionMetadata, i: int, sliding_window: int | None, chunk_size: int | None = None):
     """Slot indices ``[S]`` of request ``i``'s context and its mask ``[Lq, S]`` (None = plain causal)."""
     seq_len = meta.seq_lens_cpu[i]
     q_len = meta.query_start_loc_cpu[i + 1] - meta.query_start_loc_cpu[i]
@@ -146,13 +149,15 @@ def _prefill_gather(meta: AttentionMetadata, i: int, sliding_window: int | None)
     table = meta.block_tables[i, :num_blocks].to(torch.long)
     offsets = torch.arange(meta.block_size, device=table.device)
     slots = (table.unsqueeze(-1) * meta.block_size + offsets).reshape(-1)[:seq_len]
-    if sliding_window is None and q_len == seq_len:
+    if sliding_window is None and chunk_size is None and q_len == seq_len:
         return slots, None
     q_pos = torch.arange(seq_len - q_len, seq_len, device=table.device).unsqueeze(1)
     k_pos = torch.arange(seq_len, device=table.device).unsqueeze(0)
     mask = k_pos <= q_pos
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
+    if chunk_size is not None:
+        mask &= k_pos >= torch.div(q_pos, chunk_size, rounding_mode="floor") * chunk_size
     return slots, mask
 
 
@@ -171,6 +176,7 @@ def torch_paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged context.
 
@@ -197,6 +203,10 @@ def torch_paged_attention(
         sinks: ``[H]`` attention-sink logits (gpt-oss's ``s_aux``): one more softmax logit per head
             that takes probability mass and adds no value. The CPU kernels have none: with sinks
             every row takes the torch path.
+        chunk_size: chunked local attention (Llama 4's ``attention_chunk_size``): a query at
+            position ``p`` sees only the keys of its own chunk, positions ``p // chunk_size *
+            chunk_size .. p``. The CPU kernels have no such mask: with a chunk every row takes the
+            torch path.
 
     Returns:
         ``[T, H, D]`` in the query dtype.
@@ -211,6 +221,7 @@ def torch_paged_attention(
         return (
             kernel is not None
             and sinks is None
+            and chunk_size is None
             and (kernel.can_serve_int8 if quantized else kernel.can_serve)(query, k_pool, v_pool)
         )
 
@@ -231,7 +242,8 @@ def torch_paged_attention(
     if nd and not in_kernel:
         groups = num_heads // kvh
         plans = meta.derived(
-            ("decode", sliding_window, kvh, groups), lambda: _decode_buckets(meta, sliding_window, groups)
+            ("decode", sliding_window, kvh, groups, chunk_size),
+            lambda: _decode_buckets(meta, sliding_window, groups, chunk_size),
         )
         rows_k, rows_v = k_pool.view(-1, head_dim), v_pool.view(-1, head_dim)
         rows_ks, rows_vs = (k_scale.view(-1, 1), v_scale.view(-1, 1)) if quantized else (None, None)
@@ -263,7 +275,9 @@ def torch_paged_attention(
     flat_ks, flat_vs = (k_scale.view(-1, kvh, 1), v_scale.view(-1, kvh, 1)) if quantized else (None, None)
     for i in range(nd, meta.num_requests):
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
-        slots, mask = meta.derived(("prefill", i, sliding_window), lambda i=i: _prefill_gather(meta, i, sliding_window))
+        slots, mask = meta.derived(
+            ("prefill", i, sliding_window, chunk_size), lambda i=i: _prefill_gather(meta, i, sliding_window, chunk_size)
+        )
         if key is not None and not quantized and end - start == meta.seq_lens_cpu[i]:
             # The whole context is this step's chunk: attend to the step's own K/V, no gather (an int8
             # cache never does: every row reads what the cache holds).
