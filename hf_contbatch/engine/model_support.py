@@ -29,6 +29,16 @@ from .pool_sizing import KVGeometry, text_config
 SERVED_LAYER_KINDS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention", "mlp", "moe"})
 
 
+# What an unserved ``layer_types`` kind needs that the paged KV cache lacks, where the kind's name
+# alone does not say (the refusal names both).
+_KIND_NEEDS = {
+    # Inkling: K and V pass through short causal convolutions whose state is per request, and
+    # attention adds a learned relative-position bias (``position_bias``) the kernels do not take.
+    "hybrid": "short convolutions over K/V (a per-request state) and a relative position bias",
+    "hybrid_sliding": "short convolutions over K/V (a per-request state) and a relative position bias",
+}
+
+
 def _layer_kinds(cfg) -> list[str]:
     kinds = getattr(cfg, "layer_types", None)
     return [str(k) for k in kinds] if isinstance(kinds, (list, tuple)) else []
@@ -62,11 +72,16 @@ def unserved_layer_kind(model):
     cfg = text_config(model)
     unserved = [k for k in dict.fromkeys(_layer_kinds(cfg)) if k not in SERVED_LAYER_KINDS]
     if unserved:
-        return f"layer kinds {', '.join(repr(k) for k in unserved)}"
+        needs = list(dict.fromkeys(_KIND_NEEDS[k] for k in unserved if k in _KIND_NEEDS))
+        return f"layer kinds {', '.join(repr(k) for k in unserved)}" + (f" ({'; '.join(needs)})" if needs else "")
     if not _attention_through_interface(model):
         return "attention outside transformers' AttentionInterface (legacy or recurrent layers)"
     if getattr(cfg, "alibi", False):
         return "ALiBi position biases (passed in the attention mask)"
+    if any(callable(getattr(type(m), "prepare_dynamic_mask", None)) for m in model.modules()):
+        # Doge's dynamic mask attention: a bias per key computed from the cached values, and a top-k
+        # over the keys past ``keep_window_size``: the pool stores K/V, not that bias.
+        return "a dynamic attention mask computed from the cached values (a per-key bias the KV cache does not store)"
     if getattr(cfg, "kv_lora_rank", None):
         k_dim = (getattr(cfg, "qk_nope_head_dim", 0) or 0) + (getattr(cfg, "qk_rope_head_dim", 0) or 0)
         return (

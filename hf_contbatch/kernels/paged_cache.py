@@ -202,6 +202,7 @@ class PagedCacheStep(_CBCache):
         self.cache = cache
         self.metadata = metadata
         self.is_sliding = [False] * cache.num_layers
+        self.layers_stored: set[int] = set()  # the layers a compiled forward's op stored this step
         take_stored()  # a record a failed step left on this thread is not this step's
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -228,13 +229,16 @@ class PagedCacheStep(_CBCache):
         softcap=None,
         sinks=None,
         chunk_size=None,
+        head_maps=None,
     ):
         """``query`` ``[1, H, T, D]`` over the pool of ``layer_idx`` -> ``[1, T, H, D]``; ``key``/``value``
         ``[1, KVH, T, D]`` this step's rows (already stored); ``sinks`` ``[H]`` attention-sink logits
         (gpt-oss) or None; ``chunk_size`` (tokens) for a chunked local attention layer (Llama 4: a
-        query sees the earlier keys of its own chunk only) or None. A layer with a chunk takes the
-        torch path (``torch_paged``, plain torch on any device): the C and Triton kernels have no
-        chunk mask.
+        query sees the earlier keys of its own chunk only) or None; ``head_maps`` ``(key_heads,
+        value_heads)``, the pool heads each of ``key``'s and ``value``'s heads are (DiffLlama,
+        JetMoE: see ``torch_paged.torch_paged_attention``), or None. A call with a chunk or head
+        maps takes the torch path (``torch_paged``, plain torch on any device): the C and Triton
+        kernels have neither.
 
         Raises:
             RuntimeError: a view without metadata (no step to attend for).
@@ -248,11 +252,11 @@ class PagedCacheStep(_CBCache):
         q = query[0].transpose(0, 1)  # [T, H, D]
         single = key.shape[0] == 1
         if sinks is not None:
-            attend, extra = self._sinks_attention(), {"sinks": sinks, "chunk_size": chunk_size}
-        elif chunk_size is not None:
+            attend, extra = self._sinks_attention(), {"sinks": sinks, "chunk_size": chunk_size, "head_maps": head_maps}
+        elif chunk_size is not None or head_maps is not None:
             from .attention.torch_paged import torch_paged_attention
 
-            attend, extra = torch_paged_attention, {"chunk_size": chunk_size}
+            attend, extra = torch_paged_attention, {"chunk_size": chunk_size, "head_maps": head_maps}
         else:
             attend, extra = cache.backend.attend, {}
         out = attend(

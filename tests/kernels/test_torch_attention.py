@@ -103,3 +103,23 @@ def test_only_prefill_and_only_decode_batches_match_reference():
         got = torch_paged_attention(query, k_pool, v_pool, meta, 0.5)
         want = reference_for(query, k_pool, v_pool, meta, 0.5)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "head_maps",
+    [((0, 1), (1, 0)), ((0, 1, 0, 1), (0, 1, 0, 1)), ((0, 1), (0, 0))],
+    ids=["values-swapped", "repeated-per-expert", "one-value-head"],
+)
+def test_head_maps_read_the_picked_pool_heads(head_maps):
+    """Attention over heads picked from the pool (DiffLlama's tiled halves of V, JetMoE's per-expert
+    repeat) equals the reference over pools holding those heads, in decode and prefill rows."""
+    decode_lens = [1, 5, 12, 17, 40, 3]
+    prefill = [(5, 5), (3, 20), (1, 9)]
+    heads = 2 * len(head_maps[0])  # two query heads per picked KV head
+    query, k_pool, v_pool, meta = _batch(decode_lens, prefill, heads=heads, seed=5)
+    scale = 0.3
+    got = torch_paged_attention(query, k_pool, v_pool, meta, scale, head_maps=head_maps)
+    picked_k, picked_v = k_pool[:, :, list(head_maps[0])], v_pool[:, :, list(head_maps[1])]
+    want = reference_for(query, picked_k, picked_v, meta, scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

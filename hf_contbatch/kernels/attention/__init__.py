@@ -21,7 +21,6 @@ import functools
 import hashlib
 import sys
 import threading
-import weakref
 from typing import Optional
 
 import torch
@@ -90,18 +89,21 @@ def paged_attention_forward(
     """
     paged_cache = kwargs.pop("paged_cache", None)
     # Under a compiled forward nothing calls ``update`` (the op stores), and the record is not traced.
-    stored = None if isinstance(paged_cache, CompiledStep) else take_stored()
+    # Peeked, not taken: a layer may attend more than once over what it stored (DiffLlama: once per half of V).
+    stored = None if isinstance(paged_cache, CompiledStep) else getattr(_STORED, "record", None)
     if (
         paged_cache is None
         and stored is not None
         and stored[1] == getattr(module, "layer_idx", None)
-        and stored[2]() is key
+        and stored[2] is key
     ):
         paged_cache = stored[0]  # a decoder layer that does not pass the forward's kwargs on (Nemotron)
     if paged_cache is None:
         fn = _previous_attention(module, previous_implementation)
         return fn(module, query, key, value, attention_mask, **kwargs)
-    _check_served_call(module, key, value, attention_mask, stored, kwargs, isinstance(paged_cache, CompiledStep))
+    layer, head_maps = _check_served_call(
+        module, key, value, attention_mask, stored, kwargs, isinstance(paged_cache, CompiledStep)
+    )
     scaling, sliding_window, softcap = kwargs.get("scaling"), kwargs.get("sliding_window"), kwargs.get("softcap")
     if "sliding_window" not in kwargs:
         sliding_window = _mask_only_window(module)
@@ -127,22 +129,26 @@ def paged_attention_forward(
     if tuning is not None:
         query = _retuned_query(query, paged_cache.metadata.to(query.device), *tuning)
     sinks = kwargs.get("s_aux")
-    out = paged_cache.attend(module.layer_idx, query, key, value, scale, sliding_window, softcap, sinks, chunk_size)
+    out = paged_cache.attend(layer, query, key, value, scale, sliding_window, softcap, sinks, chunk_size, head_maps)
     return out, None
 
 
 # --- what an engine step's attention call must look like ------------------------------------------
-# The last K/V a step's ``update`` stored on this thread: (step, layer_idx, weak refs to the key and
-# value it returned). Thread-local, so a user's own ``generate`` on another thread never sees it.
-# Read by the attention call that follows, for two things: the step, where a decoder layer drops the
-# forward's keyword arguments (``paged_cache``) instead of passing them to its attention module; and
-# whether the K/V reaching attention are the ones stored (the kernels read the pool, not the arguments).
+# The last K/V a step's ``update`` stored on this thread: (step, layer_idx, the key and value it
+# returned). Held, not weakly referenced: a model may drop the tensors ``update`` returned once it
+# has picked heads from them (JetMoE), and the check needs them; they are one layer's rows of one
+# step, let go at the next ``update`` or step. Thread-local, so a user's own ``generate`` on another thread never sees it.
+# Read by the attention calls that follow, for three things: the step, where a decoder layer drops the
+# forward's keyword arguments (``paged_cache``) instead of passing them to its attention module;
+# whether the K/V reaching attention are the ones stored (the kernels read the pool, not the
+# arguments) or heads picked from them; and which layer's pool holds them (HRM's recurrent cycles
+# run one module as several cache layers).
 _STORED = threading.local()
 
 
 def note_stored(step, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
     """Record that ``step`` stored ``key``/``value`` for ``layer_idx`` on this thread (``PagedCacheStep.update``)."""
-    _STORED.record = (step, layer_idx, weakref.ref(key), weakref.ref(value))
+    _STORED.record = (step, layer_idx, key, value)
 
 
 def take_stored():
@@ -222,26 +228,66 @@ def _retuned_query(query: torch.Tensor, meta, floor_scale, attn_scale) -> torch.
     return (query * (wanted / applied).view(1, 1, num_rows, 1)).to(query.dtype)
 
 
-def _check_served_call(module, key, value, attention_mask, stored, kwargs, compiled: bool) -> None:
-    """Raise ``ValueError`` where the model asks attention for something the paged kernels would
+def _head_maps(stored_key, stored_value, key, value) -> Optional[tuple]:
+    """``(key_heads, value_heads)``: for each head of ``key``/``value`` ``[1, n, T, D]``, the one
+    head of the stored ``[1, KVH, T, D]`` it equals (``torch.equal`` on this step's rows), or None
+    where some head equals none of them, or more than one (then which pool head holds its past is
+    not known). A model that picks heads from what it stored after ``cache.update`` (DiffLlama
+    tiles each half of V; JetMoE repeats K and V per expert) is served by reading those heads of
+    the pool; any other change of K/V is refused."""
+    if key.shape[1] != value.shape[1]:
+        return None
+    maps = []
+    for given, stored in ((key, stored_key), (value, stored_value)):
+        if given is stored:
+            maps.append(tuple(range(stored.shape[1])))
+            continue
+        if given.shape[0] != stored.shape[0] or given.shape[2:] != stored.shape[2:]:
+            return None
+        heads = []
+        for j in range(given.shape[1]):
+            found = [i for i in range(stored.shape[1]) if torch.equal(given[:, j], stored[:, i])]
+            if len(found) != 1:
+                return None
+            heads.append(found[0])
+        maps.append(tuple(heads))
+    return maps[0], maps[1]
+
+
+def _check_served_call(module, key, value, attention_mask, stored, kwargs, compiled: bool):
+    """The layer whose pool the call reads and the head maps it reads them through (None: the
+    stored heads as they are), from the K/V the step's last ``update`` stored (``stored``):
+    usually ``module.layer_idx``; the layer they were stored as where a module attends over K/V
+    stored under another index (HRM's recurrent cycles: one module, one cache layer per cycle).
+
+    Raises ``ValueError`` where the model asks attention for something the paged kernels would
     silently not do (they read the step's context from the pool and mask causally, with the
     ``sliding_window``/``softcap``/``s_aux`` arguments): a mask of its own (an ALiBi or learned
-    bias: an engine step builds none), attention sinks under a compiled forward (its op has none),
-    K/V changed after ``cache.update``, or a layer attending as another than the one it stored."""
-    what = None
+    bias: an engine step builds none), attention sinks or position-scaled queries under a compiled
+    forward (its op has neither), K/V changed after ``cache.update`` other than by picking stored
+    heads (:func:`_head_maps`), or a layer attending over K/V it did not store."""
+    layer, head_maps, what = getattr(module, "layer_idx", None), None, None
     if attention_mask is not None:
         what = "adds its own attention mask or bias"
     elif compiled and kwargs.get("s_aux") is not None:
         what = "passes attention sinks (s_aux), which a compiled forward does not serve"
     elif compiled and _temperature_tuning(module) is not None:
         what = "scales its queries by position (attention temperature tuning), which a compiled forward does not serve"
-    elif stored is not None and stored[1] != getattr(module, "layer_idx", None):
-        what = f"attends as layer {getattr(module, 'layer_idx', None)} after storing K/V as layer {stored[1]}"
-    elif stored is not None and (stored[2]() is not key or stored[3]() is not value):
-        what = "changes K/V between cache.update and attention"
+    elif stored is not None:
+        stored_key, stored_value = stored[2], stored[3]
+        if stored_key is not key or stored_value is not value:
+            head_maps = _head_maps(stored_key, stored_value, key, value)
+            if head_maps is None:
+                what = (
+                    "changes K/V between cache.update and attention"
+                    if stored[1] == layer
+                    else f"attends as layer {layer} after storing K/V as layer {stored[1]}"
+                )
+        layer = stored[1]
     if what is not None:
         model_type = getattr(getattr(module, "config", None), "model_type", None)
         raise ValueError(f"{type(module).__name__} (model type {model_type!r}) {what}: not served by hf_contbatch")
+    return layer, head_maps
 
 
 # --- the compiled forward's op ---------------------------------------------------------------------
@@ -291,6 +337,18 @@ def _paged_attention_op(
     0.0 and ``chunk_size`` 0 mean none. The pool is written although it is not a tensor argument: nothing else in the
     compiled graph reads it, and declaring it would make the compiler copy it (functionalization)."""
     step = compiled_step.step
+    # What the eager path serves by reading the K/V the model stored (``_check_served_call``) the
+    # op cannot tell apart: a module storing twice in a step (DiffLlama's two calls over halves of
+    # V, HRM's recurrent cycles) or more K/V heads than the pool holds (JetMoE's per-expert repeat).
+    kv_heads = step.cache.key_cache[layer_idx].shape[2]
+    what = None
+    if layer_idx in step.layers_stored:
+        what = f"stores K/V for layer {layer_idx} more than once in a step"
+    elif key.shape[1] != kv_heads or value.shape[1] != kv_heads:
+        what = f"attends over {key.shape[1]} K/V heads, the KV pool holds {kv_heads}"
+    if what is not None:
+        raise ValueError(f"under compile_model the model {what}: not served by a compiled forward; serve it eagerly")
+    step.layers_stored.add(layer_idx)
     step.update(key, value, layer_idx)
     take_stored()  # this op attends to what it just stored
     out = step.attend(
