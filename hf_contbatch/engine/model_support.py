@@ -75,7 +75,11 @@ def unserved_layer_kind(model):
         needs = list(dict.fromkeys(_KIND_NEEDS[k] for k in unserved if k in _KIND_NEEDS))
         return f"layer kinds {', '.join(repr(k) for k in unserved)}" + (f" ({'; '.join(needs)})" if needs else "")
     if not _attention_through_interface(model):
-        return "attention outside transformers' AttentionInterface (legacy or recurrent layers)"
+        # Bloom, Falcon, GPT-Neo, MPT, XGLM, XLNet, RWKV... (transformers 5.24): their attention
+        # modules compute attention in their own code, so there is nothing to plug the paged one into.
+        names = sorted({type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__})
+        why = f"{names[0]} computes its own" if names else "legacy or recurrent layers"
+        return f"attention outside transformers' AttentionInterface ({why})"
     if getattr(cfg, "alibi", False):
         return "ALiBi position biases (passed in the attention mask)"
     if any(callable(getattr(type(m), "prepare_dynamic_mask", None)) for m in model.modules()):

@@ -218,6 +218,13 @@ class PagedCacheStep(_CBCache):
         note_stored(self, layer_idx, key_states, value_states)  # for the attention call that follows
         return key_states, value_states
 
+    def end(self) -> None:
+        """Forget this thread's record of the K/V the step stored last (``attention.note_stored``):
+        the attention calls of every layer read it, so it lives until the step's forward is done,
+        and it holds this view and with it the pools (an engine closed after a step driven on the
+        caller's thread would otherwise keep them)."""
+        take_stored()
+
     def attend(
         self,
         layer_idx: int,

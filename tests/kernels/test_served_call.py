@@ -68,3 +68,36 @@ def test_calls_the_kernels_cannot_serve_are_refused_in_one_line(case, what):
     with pytest.raises(ValueError) as err:
         _check_served_call(module, given_key, value, mask, stored, {}, False)
     assert what in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.timeout(120)
+def test_no_record_of_stored_kv_outlives_a_step():
+    """The attention calls of a step read the record of the K/V stored last (every call of a layer:
+    DiffLlama attends twice); once the step's forward is done the record is gone, since it holds
+    the step's view and so the pools (an engine driven on this thread and then closed would
+    otherwise keep its pools alive)."""
+    import gc
+    import importlib.util
+    import weakref
+    from pathlib import Path
+
+    from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+    from hf_contbatch.kernels import attention
+
+    sweep = Path(__file__).resolve().parents[2] / "scripts" / "family_sweep.py"
+    spec = importlib.util.spec_from_file_location("family_sweep", sweep)
+    family_sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(family_sweep)
+    model = family_sweep.build_tiny("diffllama")
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=8)))
+    pool = weakref.ref(eng.cache.key_cache[0])
+    try:
+        handle = eng.submit([5, 6, 7], SamplingParams(max_new_tokens=3, ignore_eos=True))
+        eng.driver.drive(handle.done)  # iterations on this thread
+        assert len(handle.result(timeout=10).output_token_ids) == 3
+        assert getattr(attention._STORED, "record", None) is None
+    finally:
+        eng.close()
+    del eng, handle
+    gc.collect()
+    assert pool() is None
