@@ -286,11 +286,19 @@ def _check_served_call(module, key, value, attention_mask, stored, kwargs, compi
         layer = stored[1]
     if what is not None:
         model_type = getattr(getattr(module, "config", None), "model_type", None)
-        raise ValueError(f"{type(module).__name__} (model type {model_type!r}) {what}: not served by hf_contbatch")
+        # Position-scaled queries are served eagerly: a compiled forward falls back (``CompiledForward``).
+        error = CompiledAttentionUnserved if compiled and "temperature" in what else ValueError
+        raise error(f"{type(module).__name__} (model type {model_type!r}) {what}: not served by hf_contbatch")
     return layer, head_maps
 
 
 # --- the compiled forward's op ---------------------------------------------------------------------
+class CompiledAttentionUnserved(ValueError):
+    """Raised by the compiled forward's attention op for a model whose attention it cannot serve
+    (it cannot see what the model did to the K/V it stored): ``CompiledForward`` then runs the
+    model eagerly, where the attention function reads what was stored."""
+
+
 try:  # opaque objects as custom-op arguments (recent torch); older torch serves compile_model eagerly
     from torch._library.opaque_object import get_opaque_type_name, register_opaque_type
     from torch._opaque_base import OpaqueBase
@@ -347,7 +355,7 @@ def _paged_attention_op(
     elif key.shape[1] != kv_heads or value.shape[1] != kv_heads:
         what = f"attends over {key.shape[1]} K/V heads, the KV pool holds {kv_heads}"
     if what is not None:
-        raise ValueError(f"under compile_model the model {what}: not served by a compiled forward; serve it eagerly")
+        raise CompiledAttentionUnserved(f"the model {what}: not served by a compiled forward")
     step.layers_stored.add(layer_idx)
     step.update(key, value, layer_idx)
     take_stored()  # this op attends to what it just stored
