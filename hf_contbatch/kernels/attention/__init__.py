@@ -189,7 +189,13 @@ def _layer_chunk_size(module) -> Optional[int]:
         cfg = getattr(module, "config", None)
         kinds = getattr(cfg, "layer_types", None)
         chunk = 0
-        if isinstance(kinds, (list, tuple)) and kinds[module.layer_idx] == "chunked_attention":
+        idx = getattr(module, "layer_idx", None)
+        if (
+            isinstance(kinds, (list, tuple))
+            and isinstance(idx, int)
+            and idx < len(kinds)
+            and kinds[idx] == "chunked_attention"
+        ):
             chunk = int(getattr(cfg, "attention_chunk_size", None) or 0)
         if not torch.compiler.is_compiling():
             module.__dict__["_hf_contbatch_chunk_size"] = chunk
