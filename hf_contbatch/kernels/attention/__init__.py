@@ -137,7 +137,8 @@ def paged_attention_forward(
 # The last K/V a step's ``update`` stored on this thread: (step, layer_idx, the key and value it
 # returned). Held, not weakly referenced: a model may drop the tensors ``update`` returned once it
 # has picked heads from them (JetMoE), and the check needs them; they are one layer's rows of one
-# step, let go at the next ``update`` or step. Thread-local, so a user's own ``generate`` on another thread never sees it.
+# step, let go at the next ``update`` and when the step's forward ends (``PagedCacheStep.end``).
+# Thread-local, so a user's own ``generate`` on another thread never sees it.
 # Read by the attention calls that follow, for three things: the step, where a decoder layer drops the
 # forward's keyword arguments (``paged_cache``) instead of passing them to its attention module;
 # whether the K/V reaching attention are the ones stored (the kernels read the pool, not the
@@ -273,12 +274,14 @@ def _check_served_call(module, key, value, attention_mask, stored, kwargs, compi
     forward (its op has neither), K/V changed after ``cache.update`` other than by picking stored
     heads (:func:`_head_maps`), or a layer attending over K/V it did not store."""
     layer, head_maps, what = getattr(module, "layer_idx", None), None, None
+    error = ValueError
     if attention_mask is not None:
         what = "adds its own attention mask or bias"
     elif compiled and kwargs.get("s_aux") is not None:
         what = "passes attention sinks (s_aux), which a compiled forward does not serve"
     elif compiled and _temperature_tuning(module) is not None:
         what = "scales its queries by position (attention temperature tuning), which a compiled forward does not serve"
+        error = CompiledAttentionUnserved  # served eagerly: ``CompiledForward`` falls back
     elif stored is not None:
         stored_key, stored_value = stored[2], stored[3]
         if stored_key is not key or stored_value is not value:
@@ -292,8 +295,6 @@ def _check_served_call(module, key, value, attention_mask, stored, kwargs, compi
         layer = stored[1]
     if what is not None:
         model_type = getattr(getattr(module, "config", None), "model_type", None)
-        # Position-scaled queries are served eagerly: a compiled forward falls back (``CompiledForward``).
-        error = CompiledAttentionUnserved if compiled and "temperature" in what else ValueError
         raise error(f"{type(module).__name__} (model type {model_type!r}) {what}: not served by hf_contbatch")
     return layer, head_maps
 
