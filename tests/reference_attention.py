@@ -40,6 +40,7 @@ def reference_paged_attention(
     scale: float,
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
+    chunk_size: Optional[int] = None,
 ) -> torch.Tensor:
     """Attention of a flattened, unpadded batch over the paged KV cache.
 
@@ -53,6 +54,8 @@ def reference_paged_attention(
         scale: multiplies ``q . k``.
         sliding_window: a query at position ``pos`` sees keys ``max(0, pos - sliding_window + 1) .. pos``.
         softcap: scores become ``softcap * tanh(scores / softcap)``.
+        chunk_size: chunked local attention: a query at position ``pos`` sees keys
+            ``(pos // chunk_size) * chunk_size .. pos`` only.
 
     Returns:
         ``[T, num_heads, v_head_dim]`` in the query dtype.
@@ -74,6 +77,8 @@ def reference_paged_attention(
         for i in range(q_len):
             pos = seq_len - q_len + i
             first = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            if chunk_size is not None:
+                first = max(first, pos - pos % chunk_size)
             keys, values = keys_all[first : pos + 1], values_all[first : pos + 1]  # [n, num_heads, head_dim]
             q = query[q_begin + i].float()  # [num_heads, head_dim]
             scores = (keys * q).sum(-1) * scale  # [n, num_heads]

@@ -7,8 +7,10 @@ touched, so a refusal comes before any packing or pool is built):
   itself reads, ``_supports_attention_backend``, that ``PreTrainedModel.is_backend_compatible``
   returns): our paged attention is plugged in there;
 - every layer's kind is one the paged KV cache serves: full attention, sliding-window attention
-  (the window reaches the kernels as the ``sliding_window`` attention argument), layers without
-  attention (an MLP or MoE block listed in ``layer_types``), and recurrent layers
+  (the window reaches the kernels as the ``sliding_window`` attention argument), chunked local
+  attention (Llama 4's ``"chunked_attention"`` layers: the attention function reads the chunk from
+  the config, the torch path masks it), layers without attention (an MLP or MoE block listed in
+  ``layer_types``), and recurrent layers
   (``RECURRENT_LAYER_KINDS``: Mamba mixers, gated delta-net and other linear attention, short
   convolutions, Zamba 2's hybrid layers), whose per-request state lives in a slot of
   ``kernels.recurrent_state`` (served by ``engine.recurrent_runner``: whole prefills, no prefix
@@ -17,9 +19,9 @@ touched, so a refusal comes before any packing or pool is built):
   (``engine.kv_groups.layer_kv_shapes``: per-layer head sizes and KV heads, V heads narrower than K
   heads, multi-head latent attention's cached latents). Kinds it cannot serve yet are named in the
   refusal: recurrent layers whose state is not in transformers' ``Cache`` (RWKV, xLSTM,
-  RecurrentGemma), ALiBi biases. Attention sinks (gpt-oss's ``s_aux``) and K/V heads of different
-  sizes are served by the torch attention path; the C and Triton kernels step aside to it for such
-  layers.
+  RecurrentGemma), indexed attention, ALiBi biases, Doge's dynamic masks. Attention sinks
+  (gpt-oss's ``s_aux``) and K/V heads of different sizes are served by the torch attention path;
+  the C and Triton kernels step aside to it for such layers.
 """
 
 from __future__ import annotations
@@ -32,8 +34,20 @@ from .kv_groups import STATE_ONLY_LAYER_KINDS as _STATE_ONLY_KINDS
 from .pool_sizing import KVGeometry, text_config
 
 # ``config.layer_types`` entries the paged KV cache serves: attention layers whose masking the
-# kernels do themselves (causal, plus a window passed as ``sliding_window``), and stateless blocks.
-SERVED_LAYER_KINDS = frozenset({"full_attention", "sliding_attention", "attention", "mlp", "moe"})
+# kernels do themselves (causal, plus a window passed as ``sliding_window`` or a chunk read from the
+# config), and stateless blocks.
+SERVED_LAYER_KINDS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention", "mlp", "moe"})
+
+
+# What an unserved ``layer_types`` kind needs that the paged KV cache lacks, where the kind's name
+# alone does not say (the refusal names both).
+_KIND_NEEDS = {
+    # Inkling: K and V pass through short causal convolutions whose state is per request, and
+    # attention adds a learned relative-position bias (``position_bias``) the kernels do not take.
+    # (Its "hybrid" layers share the name of Zamba 2's served Mamba-plus-attention kind; the
+    # "hybrid_sliding" ones are what refuses it.)
+    "hybrid_sliding": "short convolutions over K/V (a per-request state) and a relative position bias",
+}
 
 
 def _layer_kinds(cfg) -> list[str]:
@@ -104,22 +118,29 @@ def _attention_through_interface(model) -> bool:
 
 def unserved_layer_kind(model):
     """The first thing about ``model`` the engine cannot serve yet, as a short phrase naming the
-    layer kind ("layer kinds 'linear_attention'", "chunked local attention", ...), or None when every layer is served. Reads classes, the config and module attributes only."""
+    layer kind ("layer kinds 'indexed_attention'", "ALiBi position biases ...", ...), or None when every layer is served. Reads classes, the config and module attributes only."""
     cfg = text_config(model)
     served = SERVED_LAYER_KINDS | RECURRENT_LAYER_KINDS
     unserved = [k for k in dict.fromkeys(_layer_kinds(cfg)) if k not in served]
     if unserved:
-        return f"layer kinds {', '.join(repr(k) for k in unserved)}"
+        needs = list(dict.fromkeys(_KIND_NEEDS[k] for k in unserved if k in _KIND_NEEDS))
+        return f"layer kinds {', '.join(repr(k) for k in unserved)}" + (f" ({'; '.join(needs)})" if needs else "")
     if any(k in RECURRENT_LAYER_KINDS for k in _layer_kinds(cfg)) and not _state_through_cache(model):
         return "recurrent layers that keep their state on the modules, not in transformers' Cache"
     if _only_recurrent_layers(cfg):
         return None  # no attention: nothing of the KV pool's shape to check
     if not _attention_through_interface(model):
-        return "attention outside transformers' AttentionInterface (legacy or recurrent layers)"
+        # Bloom, Falcon, GPT-Neo, MPT, XGLM, XLNet, RWKV... (transformers 5.24): their attention
+        # modules compute attention in their own code, so there is nothing to plug the paged one into.
+        names = sorted({type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__})
+        why = f"{names[0]} computes its own" if names else "legacy or recurrent layers"
+        return f"attention outside transformers' AttentionInterface ({why})"
     if getattr(cfg, "alibi", False):
         return "ALiBi position biases (passed in the attention mask)"
-    if getattr(cfg, "attention_chunk_size", None):
-        return "chunked local attention"
+    if any(callable(getattr(type(m), "prepare_dynamic_mask", None)) for m in model.modules()):
+        # Doge's dynamic mask attention: a bias per key computed from the cached values, and a top-k
+        # over the keys past ``keep_window_size``: the pool stores K/V, not that bias.
+        return "a dynamic attention mask computed from the cached values (a per-key bias the KV cache does not store)"
     try:
         # Each layer's K/V shape from its attention module: per-layer head sizes and KV heads (Gemma 4,
         # MiMo-V2-Flash), V heads of their own size, and the latents of multi-head latent attention

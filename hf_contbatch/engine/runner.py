@@ -228,8 +228,11 @@ class ModelRunner:
         rotary = (
             contextlib.nullcontext() if self.rotary_variants is None else self.rotary_variants.step(plan, self.batch)
         )
-        with self._linears_step(), self._lora_step(inputs), rotary:
-            logits = self.model(**kwargs).logits[0]
+        try:
+            with self._linears_step(), self._lora_step(inputs), rotary:
+                logits = self.model(**kwargs).logits[0]
+        finally:
+            step.end()  # the thread's record of the last stored K/V holds the view, and so the pools
         if not self._supports_logits_to_keep:
             logits = logits.index_select(0, rows)
         return logits

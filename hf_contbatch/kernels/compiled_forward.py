@@ -12,8 +12,10 @@ logits rows are marked dynamic, so a handful of graphs serve every batch (one-to
 own). Inductor's on-disk caches (under ``TORCHINDUCTOR_CACHE_DIR``, default a ``torchinductor_$USER``
 folder in the temp directory) make later processes compile much faster.
 
-Where compiling fails (no C++ compiler, an unsupported model), the forward runs eagerly from then
-on, with one warning; outputs are the same either way.
+Where compiling fails (no C++ compiler, an unsupported model), or the attention op meets a model
+whose K/V it cannot store itself (``CompiledAttentionUnserved``: heads picked after the cache
+update, one module storing as several layers), the forward runs eagerly from then on, with one
+warning; outputs are the same either way.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import warnings
 
 import torch
 
-from .attention import COMPILED_STEP_SUPPORTED, CompiledStep
+from .attention import COMPILED_STEP_SUPPORTED, CompiledAttentionUnserved, CompiledStep
 
 logger = logging.getLogger(__name__)
 
@@ -118,9 +120,11 @@ class CompiledForward:
             # would hit its default limit of 8 and silently run eagerly.
             with _COMPILED_CALLS, torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
                 out = self.compiled(**kwargs)
-        except torch._dynamo.exc.TorchDynamoException as exc:
-            # Compiling failed (not the model's computation): serve eagerly from now on. The op
-            # may have stored some layers' K/V already; the eager rerun stores the same values.
+        except (torch._dynamo.exc.TorchDynamoException, CompiledAttentionUnserved) as exc:
+            # Compiling failed (not the model's computation), or the attention op met a model it
+            # cannot serve (DiffLlama, JetMoE, HRM: K/V changed or stored twice): serve eagerly from
+            # now on. The op may have stored some layers' K/V already; the eager rerun stores
+            # every layer's again, as the model computes them.
             self.failed = exc
             kwargs = eager_kwargs
             warnings.warn(

@@ -228,6 +228,7 @@ class PagedCacheStep(_CBCache):
         self.cache = cache
         self.metadata = metadata
         self.is_sliding = [False] * cache.num_layers
+        self.layers_stored: set[int] = set()  # the layers a compiled forward's op stored this step
         take_stored()  # a record a failed step left on this thread is not this step's
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -268,13 +269,37 @@ class PagedCacheStep(_CBCache):
         """Whether ``layer_idx``'s update returns whole stored contexts (see :meth:`update`)."""
         return layer_idx in self.cache.latent_layers
 
-    def attend(self, layer_idx: int, query, key, value, scale: float, sliding_window=None, softcap=None, sinks=None):
+    def end(self) -> None:
+        """Forget this thread's record of the K/V the step stored last (``attention.note_stored``):
+        the attention calls of every layer read it, so it lives until the step's forward is done,
+        and it holds this view and with it the pools (an engine closed after a step driven on the
+        caller's thread would otherwise keep them)."""
+        take_stored()
+
+    def attend(
+        self,
+        layer_idx: int,
+        query,
+        key,
+        value,
+        scale: float,
+        sliding_window=None,
+        softcap=None,
+        sinks=None,
+        chunk_size=None,
+        head_maps=None,
+    ):
         """``query`` ``[1, H, T, Dk]`` over the pool of ``layer_idx`` -> ``[1, T, H, Dv]``;
         ``key``/``value`` ``[1, KVH, T, Dk]`` and ``[1, KVH, T, Dv]`` this step's rows (already
-        stored); ``sinks`` ``[H]`` attention-sink logits (gpt-oss) or None. For a latent layer
-        ``key``/``value`` are the model's expansion of what :meth:`update` returned, ``[1, H, S,
-        Dk]`` and ``[1, H, S, Dv]``, and attention reads them (``torch_paged.context_attention``)
-        rather than the pool.
+        stored); ``sinks`` ``[H]`` attention-sink logits (gpt-oss) or None; ``chunk_size`` (tokens)
+        for a chunked local attention layer (Llama 4: a query sees the earlier keys of its own
+        chunk only) or None; ``head_maps`` ``(key_heads, value_heads)``, the pool heads each of
+        ``key``'s and ``value``'s heads are (DiffLlama, JetMoE: see
+        ``torch_paged.torch_paged_attention``), or None. A call with a chunk or head maps takes the
+        torch path (``torch_paged``, plain torch on any device): the C and Triton kernels have
+        neither. For a latent layer ``key``/``value`` are the model's expansion of what
+        :meth:`update` returned, ``[1, H, S, Dk]`` and ``[1, H, S, Dv]``, and attention reads them
+        (``torch_paged.context_attention``) rather than the pool.
 
         Raises:
             RuntimeError: a view without metadata (no step to attend for).
@@ -291,7 +316,14 @@ class PagedCacheStep(_CBCache):
             out = context_attention(q, key[0], value[0], meta, scale, sliding_window, softcap, sinks)
             return out.unsqueeze(0)
         single = key.shape[0] == 1
-        attend, extra = (cache.backend.attend, {}) if sinks is None else (self._sinks_attention(), {"sinks": sinks})
+        if sinks is not None:
+            attend, extra = self._sinks_attention(), {"sinks": sinks, "chunk_size": chunk_size, "head_maps": head_maps}
+        elif chunk_size is not None or head_maps is not None:
+            from .attention.torch_paged import torch_paged_attention
+
+            attend, extra = torch_paged_attention, {"chunk_size": chunk_size, "head_maps": head_maps}
+        else:
+            attend, extra = cache.backend.attend, {}
         out = attend(
             q,
             k_pool,

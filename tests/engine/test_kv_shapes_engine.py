@@ -227,7 +227,7 @@ def test_a_layer_attending_without_storing_fails_at_the_first_step():
     eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=8)))
     try:
         handle = eng.submit([5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))
-        with pytest.raises(EngineError, match="attends without storing its K/V") as err:
+        with pytest.raises(EngineError, match="attends as layer 1 without storing its K/V") as err:
             handle.result(timeout=60)
         assert isinstance(err.value.__cause__, ValueError) and "\n" not in str(err.value.__cause__)
     finally:

@@ -6,11 +6,12 @@ families, each a tiny random model built from its type's own config class by
 way of building attention the engine must get right (Conv1D linears, MQA, parallel blocks, learned
 positions, partial rotary, QK norms, soft-capping, sliding windows mixed with global layers, MoE
 routers, attention sinks, decoder layers that drop the forward's kwargs, windows applied through
-the mask alone, multi-head latent attention, per-layer K/V shapes).
+the mask alone, multi-head latent attention, per-layer K/V shapes, heads picked from the stored
+K/V after ``cache.update``, one module attending as several cache layers, chunked local attention).
 Models the engine cannot serve get a one-line ``ValueError`` naming the layer kind, raised before
 any weight is touched (the refusal tests build their models on the meta device, where touching a
-weight would fail), or, where the model's attention call itself asks for something the paged
-kernels do not do, at the first step instead of a wrong token.
+weight would fail); an attention call asking for something the paged kernels do not do fails at
+the first step instead of giving a wrong token (``tests/kernels/test_served_call.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import pytest
 import torch
 
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
-from hf_contbatch.engine.llm_engine import EngineError
 
 from conftest import reference_greedy
 
@@ -77,6 +77,10 @@ FAMILIES = [
     "gemma4_text",  # per-layer head sizes and KV heads (global layers of 512-channel heads)
     "gemma4_unified_text",  # per-layer head sizes and KV heads
     "mimo_v2_flash",  # sliding layers with twice the KV heads and sinks; V heads of their own size
+    "diffllama",  # two attention calls over the halves of V, tiled after cache.update (head maps)
+    "jetmoe",  # K/V repeated per attention expert after cache.update (head maps)
+    "hrm_text",  # one module attends as several cache layers (recurrent cycles)
+    "llama4_text",  # chunked and NoPE layers at the default chunk (the chunk itself: below)
 ]
 NEW = 16
 
@@ -137,6 +141,44 @@ def test_qk_norm_families_one_request_at_a_time(model_type):
     assert outs == refs
 
 
+def _tiny_llama4_text():
+    """Llama 4's text model with a chunk of 8 tokens (the prompts and their 16 new tokens span up to
+    5 chunks) in its RoPE layer 0, and a NoPE full-attention layer 1 whose attention temperature
+    tuning starts at position 1 (``floor_scale`` 2; the default 8192 never changes a tiny run)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = family_sweep.tiny_config("llama4_text")
+    cfg.attention_chunk_size, cfg.no_rope_layers, cfg.floor_scale, cfg.attn_scale = 8, [1, 0], 2, 4.0
+    assert cfg.layer_types == ["chunked_attention", "full_attention"]
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        EngineConfig(cache=CacheConfig(block_size=16, num_blocks=32)),
+        EngineConfig(cache=CacheConfig(block_size=4, num_blocks=32), scheduler=SchedulerConfig(max_num_seqs=1)),
+        # 14 blocks of 4 tokens for 4 requests of 21-39 tokens and a 12-token budget: preemption, chunks.
+        EngineConfig(
+            cache=CacheConfig(block_size=4, num_blocks=14),
+            scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12),
+        ),
+    ],
+    ids=["batched", "one-row-steps", "preempted-chunked"],
+)
+def test_chunked_local_attention_llama4_text_equals_generate(cfg):
+    model = _tiny_llama4_text()
+    prompts = family_sweep.prompts() * (2 if cfg.scheduler.max_num_batched_tokens == 12 else 1)
+    refs = [reference_greedy(model, p, NEW) for p in prompts]
+    outs, stats = _serve(model, prompts, cfg)
+    assert outs == refs
+    assert stats.num_free_blocks == stats.num_blocks, "blocks leaked"
+    if cfg.scheduler.max_num_batched_tokens == 12:
+        assert stats.num_preemptions > 0, "the pool was meant to force preemption"
+
+
 def _meta_model(model_type):
     """A tiny model of ``model_type`` whose weights live on the meta device: reading one fails."""
     from transformers import AutoModelForCausalLM
@@ -151,8 +193,9 @@ def _meta_model(model_type):
     [
         ("rwkv", "AttentionInterface"),  # recurrent layers with a state outside transformers' Cache
         ("deepseek_v32", "'indexed_attention'"),  # an indexer with its own key cache
-        ("llama4_text", "'chunked_attention'"),
         ("bloom", "AttentionInterface"),  # legacy attention with ALiBi biases
+        ("doge", "dynamic attention mask"),  # a learned per-key bias from the cached values
+        ("inkling_text", "'hybrid_sliding' (short convolutions over K/V"),
     ],
 )
 def test_unserved_layer_kind_is_refused_in_one_line_before_any_weight_is_touched(model_type, kind):
@@ -162,26 +205,6 @@ def test_unserved_layer_kind_is_refused_in_one_line_before_any_weight_is_touched
     message = str(err.value)
     assert "\n" not in message
     assert f"model type {model_type!r}" in message and kind in message
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    "model_type, what",
-    [
-        ("doge", "adds its own attention mask or bias"),  # a learned dynamic mask reaches attention
-        ("diffllama", "changes K/V between cache.update and attention"),  # V split after the update
-    ],
-)
-def test_attention_call_the_kernels_cannot_serve_fails_at_the_first_step(model_type, what):
-    model = family_sweep.build_tiny(model_type)
-    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=8)))
-    try:
-        handle = eng.submit([5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))
-        with pytest.raises(EngineError, match=what) as err:
-            handle.result(timeout=60)
-        assert isinstance(err.value.__cause__, ValueError) and "\n" not in str(err.value.__cause__)
-    finally:
-        eng.close()
 
 
 @pytest.mark.timeout(120)

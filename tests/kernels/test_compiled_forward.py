@@ -147,3 +147,32 @@ def test_compile_model_bad_values_are_named(monkeypatch):
     assert resolve_compile_model(False) is False
     monkeypatch.delenv("HF_CONTBATCH_COMPILE")
     assert resolve_compile_model(None) is False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+def test_model_the_attention_op_cannot_store_for_falls_back_to_eager():
+    """DiffLlama attends twice per layer over halves of V picked after ``cache.update``: the
+    compiled op, which stores K/V itself, would store a half of V over the pool; it refuses the
+    second store of a layer in a step and the forward runs eagerly from then on (one warning),
+    where the attention function reads the heads the model picked: greedy equals generate."""
+    import importlib.util
+    from pathlib import Path
+
+    sweep = Path(__file__).resolve().parents[2] / "scripts" / "family_sweep.py"
+    spec = importlib.util.spec_from_file_location("family_sweep", sweep)
+    family_sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(family_sweep)
+    model = family_sweep.build_tiny("diffllama")
+    prompts = family_sweep.prompts()
+    refs = [reference_greedy(model, p, NEW) for p in prompts]
+    engine = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=32), compile_model=True))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outs = [h.result(timeout=1200).output_token_ids for h in _submit(engine, prompts)]
+        assert outs == refs
+        msgs = [str(w.message) for w in caught if "compile_model" in str(w.message)]
+        assert len(msgs) == 1 and "more than once in a step" in msgs[0], msgs
+    finally:
+        engine.close()

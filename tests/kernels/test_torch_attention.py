@@ -73,9 +73,53 @@ def test_mixed_decode_buckets_and_prefill_chunks_match_reference(sliding_window,
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("chunk_size", [1, 4, 6, 16])
+def test_chunked_local_attention_matches_reference(chunk_size):
+    """Llama 4's chunked layers: each query sees its own chunk's earlier keys only, in decode rows
+    (several length buckets, queries on and just past chunk starts) and in prefill chunks that start
+    mid-chunk after a cached prefix; one whole-context chunk (read from the step's own K/V)."""
+    decode_lens = [1, 4, 5, 6, 7, 12, 13, 16, 17, 33, 40, 64, 65, 97, 2]
+    prefill = [(5, 5), (3, 20), (16, 16), (1, 9), (11, 29)]
+    query, k_pool, v_pool, meta = _batch(decode_lens, prefill, seed=3)
+    scale = 0.3
+    got = torch_paged_attention(query, k_pool, v_pool, meta, scale, chunk_size=chunk_size)
+    want = reference_for(query, k_pool, v_pool, meta, scale, chunk_size=chunk_size)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # The whole-context prefill reading the step's own K/V (no gather) masks the chunk too.
+    query, k_pool, v_pool, meta = _batch([], [(13, 13)], seed=4)
+    flat_k, flat_v = k_pool.view(-1, 2, 8), v_pool.view(-1, 2, 8)
+    table = meta.block_tables[0].long()
+    slots = (table.unsqueeze(-1) * 4 + torch.arange(4)).reshape(-1)[:13]
+    key, value = flat_k[slots].transpose(0, 1), flat_v[slots].transpose(0, 1)
+    got = torch_paged_attention(query, k_pool, v_pool, meta, scale, key=key, value=value, chunk_size=chunk_size)
+    want = reference_for(query, k_pool, v_pool, meta, scale, chunk_size=chunk_size)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
 def test_only_prefill_and_only_decode_batches_match_reference():
     for decode_lens, prefill in [([], [(7, 7), (2, 11)]), ([3, 50, 9], [])]:
         query, k_pool, v_pool, meta = _batch(decode_lens, prefill, seed=4)
         got = torch_paged_attention(query, k_pool, v_pool, meta, 0.5)
         want = reference_for(query, k_pool, v_pool, meta, 0.5)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "head_maps",
+    [((0, 1), (1, 0)), ((0, 1, 0, 1), (0, 1, 0, 1)), ((0, 1), (0, 0))],
+    ids=["values-swapped", "repeated-per-expert", "one-value-head"],
+)
+def test_head_maps_read_the_picked_pool_heads(head_maps):
+    """Attention over heads picked from the pool (DiffLlama's tiled halves of V, JetMoE's per-expert
+    repeat) equals the reference over pools holding those heads, in decode and prefill rows."""
+    decode_lens = [1, 5, 12, 17, 40, 3]
+    prefill = [(5, 5), (3, 20), (1, 9)]
+    heads = 2 * len(head_maps[0])  # two query heads per picked KV head
+    query, k_pool, v_pool, meta = _batch(decode_lens, prefill, heads=heads, seed=5)
+    scale = 0.3
+    got = torch_paged_attention(query, k_pool, v_pool, meta, scale, head_maps=head_maps)
+    picked_k, picked_v = k_pool[:, :, list(head_maps[0])], v_pool[:, :, list(head_maps[1])]
+    want = reference_for(query, picked_k, picked_v, meta, scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

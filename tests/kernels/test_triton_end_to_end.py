@@ -35,3 +35,45 @@ def test_triton_backend_greedy_equals_generate(family):
     finally:
         eng.close()
     assert outs == refs
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("model_type", ["llama4_text", "jetmoe"])
+def test_triton_engine_steps_aside_for_chunks_and_head_maps(model_type):
+    """A Triton engine serves the layers its kernels have no mask or head map for through the torch
+    path (plain torch on the kernels' device): Llama 4's chunked layers (a chunk of 8 tokens here)
+    and JetMoE's K/V repeated per expert, greedy equal to generate."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sweep = Path(__file__).resolve().parents[2] / "scripts" / "family_sweep.py"
+    spec = importlib.util.spec_from_file_location("family_sweep", sweep)
+    family_sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(family_sweep)
+    cfg = family_sweep.tiny_config(model_type)
+    if model_type == "llama4_text":
+        cfg.attention_chunk_size = 8
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    prompts = random_prompts([3, 13, 21], seed=11, vocab=family_sweep.VOCAB)
+    refs = [reference_greedy(model, p, 6) for p in prompts]
+    eng = LLMEngine(
+        model,
+        EngineConfig(
+            cache=CacheConfig(block_size=8, num_blocks=12),
+            scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=3),
+            attention_backend="triton",
+        ),
+    )
+    try:
+        assert eng.backend.name == "triton"
+        handles = [eng.submit(p, SamplingParams(max_new_tokens=6)) for p in prompts]
+        outs = [h.result(1200).output_token_ids for h in handles]
+        assert eng.wait_idle(10)
+        assert eng.stats().num_free_blocks == 12
+    finally:
+        eng.close()
+    assert outs == refs

@@ -21,7 +21,6 @@ import functools
 import hashlib
 import sys
 import threading
-import weakref
 from typing import Optional
 
 import torch
@@ -90,27 +89,24 @@ def paged_attention_forward(
     """
     paged_cache = kwargs.pop("paged_cache", None)
     # Under a compiled forward nothing calls ``update`` (the op stores), and the record is not traced.
-    stored = None if isinstance(paged_cache, CompiledStep) else take_stored()
+    # Peeked, not taken: a layer may attend more than once over what it stored (DiffLlama: once per half of V).
+    stored = None if isinstance(paged_cache, CompiledStep) else getattr(_STORED, "record", None)
     if (
         paged_cache is None
         and stored is not None
         and stored[1] == getattr(module, "layer_idx", None)
-        and stored[2]() is key
+        and stored[2] is key
     ):
         paged_cache = stored[0]  # a decoder layer that does not pass the forward's kwargs on (Nemotron)
     if paged_cache is None:
         fn = _previous_attention(module, previous_implementation)
         return fn(module, query, key, value, attention_mask, **kwargs)
-    layer_idx = module.layer_idx
-    if not (isinstance(layer_idx, int) and layer_idx >= 0) and stored is not None:
-        # A module shared by several layers (Zamba 2's shared transformer block, layer_idx -1) is
-        # called with the layer as an argument: it attends as the layer it just stored K/V for.
-        layer_idx = stored[1]
     compiled = isinstance(paged_cache, CompiledStep)
-    _check_served_call(module, key, value, attention_mask, stored, kwargs, paged_cache, compiled, layer_idx)
+    layer, head_maps = _check_served_call(module, key, value, attention_mask, stored, kwargs, paged_cache, compiled)
     scaling, sliding_window, softcap = kwargs.get("scaling"), kwargs.get("sliding_window"), kwargs.get("softcap")
     if "sliding_window" not in kwargs:
         sliding_window = _mask_only_window(module)
+    chunk_size = _layer_chunk_size(module)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if isinstance(paged_cache, CompiledStep):
         # Compiled forward: the model was called without a real cache, so store and attend in one
@@ -125,24 +121,34 @@ def paged_attention_forward(
             float(scale),
             -1 if sliding_window is None else int(sliding_window),
             0.0 if softcap is None else float(softcap),
+            chunk_size or 0,
         )
         return out, None
+    tuning = _temperature_tuning(module)
+    if tuning is not None:
+        query = _retuned_query(query, paged_cache.metadata.to(query.device), *tuning)
     sinks = kwargs.get("s_aux")
-    return paged_cache.attend(layer_idx, query, key, value, scale, sliding_window, softcap, sinks), None
+    out = paged_cache.attend(layer, query, key, value, scale, sliding_window, softcap, sinks, chunk_size, head_maps)
+    return out, None
 
 
 # --- what an engine step's attention call must look like ------------------------------------------
-# The last K/V a step's ``update`` stored on this thread: (step, layer_idx, weak refs to the key and
-# value it returned). Thread-local, so a user's own ``generate`` on another thread never sees it.
-# Read by the attention call that follows, for two things: the step, where a decoder layer drops the
-# forward's keyword arguments (``paged_cache``) instead of passing them to its attention module; and
-# whether the K/V reaching attention are the ones stored (the kernels read the pool, not the arguments).
+# The last K/V a step's ``update`` stored on this thread: (step, layer_idx, the key and value it
+# returned). Held, not weakly referenced: a model may drop the tensors ``update`` returned once it
+# has picked heads from them (JetMoE), and the check needs them; they are one layer's rows of one
+# step, let go at the next ``update`` and when the step's forward ends (``PagedCacheStep.end``).
+# Thread-local, so a user's own ``generate`` on another thread never sees it.
+# Read by the attention calls that follow, for three things: the step, where a decoder layer drops the
+# forward's keyword arguments (``paged_cache``) instead of passing them to its attention module;
+# whether the K/V reaching attention are the ones stored (the kernels read the pool, not the
+# arguments) or heads picked from them; and which layer's pool holds them (HRM's recurrent cycles
+# run one module as several cache layers).
 _STORED = threading.local()
 
 
 def note_stored(step, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
     """Record that ``step`` stored ``key``/``value`` for ``layer_idx`` on this thread (``PagedCacheStep.update``)."""
-    _STORED.record = (step, layer_idx, weakref.ref(key), weakref.ref(value))
+    _STORED.record = (step, layer_idx, key, value)
 
 
 def take_stored():
@@ -173,6 +179,87 @@ def _mask_only_window(module) -> Optional[int]:
     return window or None
 
 
+def _layer_chunk_size(module) -> Optional[int]:
+    """The chunk of a chunked local attention layer (Llama 4: ``config.layer_types[i]`` is
+    ``"chunked_attention"``, and transformers masks such a layer with ``config.attention_chunk_size``
+    through its mask alone, passing attention no argument for it), None for any other layer. Read
+    once per module and kept in its ``__dict__``, as :func:`_mask_only_window` does."""
+    chunk = module.__dict__.get("_hf_contbatch_chunk_size")
+    if chunk is None:
+        cfg = getattr(module, "config", None)
+        kinds = getattr(cfg, "layer_types", None)
+        chunk = 0
+        idx = getattr(module, "layer_idx", None)
+        if (
+            isinstance(kinds, (list, tuple))
+            and isinstance(idx, int)
+            and idx < len(kinds)
+            and kinds[idx] == "chunked_attention"
+        ):
+            chunk = int(getattr(cfg, "attention_chunk_size", None) or 0)
+        if not torch.compiler.is_compiling():
+            module.__dict__["_hf_contbatch_chunk_size"] = chunk
+    return chunk or None
+
+
+def _temperature_tuning(module) -> Optional[tuple]:
+    """``(floor_scale, attn_scale)`` of a layer that scales its queries by position before
+    attention (Llama 4's NoPE layers with ``attn_temperature_tuning``), None for any other layer.
+    Kept in the module's ``__dict__`` (a missing attribute costs a module ``__getattr__`` per call)."""
+    tuning = module.__dict__.get("_hf_contbatch_tuning", False)
+    if tuning is False:
+        tuning = None
+        if module.__dict__.get("attn_temperature_tuning") and not module.__dict__.get("use_rope", True):
+            tuning = (module.floor_scale, module.attn_scale)
+        if not torch.compiler.is_compiling():
+            module.__dict__["_hf_contbatch_tuning"] = tuning
+    return tuning
+
+
+def _tuned_scale(positions: torch.Tensor, floor_scale, attn_scale) -> torch.Tensor:
+    # Llama4TextAttention's formula, term for term (so a scale of 1 stays exactly 1).
+    return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+
+
+def _retuned_query(query: torch.Tensor, meta, floor_scale, attn_scale) -> torch.Tensor:
+    """``query`` ``[1, H, T, D]`` as Llama 4's attention temperature tuning scales it at the rows'
+    true positions. The model scales by positions ``past + arange(T)`` with ``past`` the cache's
+    ``get_seq_length()``, 0 for a step's cache view, so over a flattened batch it used each row's
+    index in the step: undo that scale and apply the true one. Exact (the scale the model applied
+    is exactly 1) while the step has under ``floor_scale - 1`` rows (8191 by default); beyond,
+    the undoing rounds once."""
+    num_rows = query.shape[2]
+    applied = _tuned_scale(torch.arange(num_rows, device=query.device), floor_scale, attn_scale)
+    wanted = _tuned_scale(meta.query_positions(), floor_scale, attn_scale)
+    return (query * (wanted / applied).view(1, 1, num_rows, 1)).to(query.dtype)
+
+
+def _head_maps(stored_key, stored_value, key, value) -> Optional[tuple]:
+    """``(key_heads, value_heads)``: for each head of ``key``/``value`` ``[1, n, T, D]``, the one
+    head of the stored ``[1, KVH, T, D]`` it equals (``torch.equal`` on this step's rows), or None
+    where some head equals none of them, or more than one (then which pool head holds its past is
+    not known). A model that picks heads from what it stored after ``cache.update`` (DiffLlama
+    tiles each half of V; JetMoE repeats K and V per expert) is served by reading those heads of
+    the pool; any other change of K/V is refused."""
+    if key.shape[1] != value.shape[1]:
+        return None
+    maps = []
+    for given, stored in ((key, stored_key), (value, stored_value)):
+        if given is stored:
+            maps.append(tuple(range(stored.shape[1])))
+            continue
+        if given.shape[0] != stored.shape[0] or given.shape[2:] != stored.shape[2:]:
+            return None
+        heads = []
+        for j in range(given.shape[1]):
+            found = [i for i in range(stored.shape[1]) if torch.equal(given[:, j], stored[:, i])]
+            if len(found) != 1:
+                return None
+            heads.append(found[0])
+        maps.append(tuple(heads))
+    return maps[0], maps[1]
+
+
 def paged_cache_is_latent(module) -> bool:
     """Whether ``module`` is a multi-head latent attention module (transformers' MLA families cache
     its latents: ``KVLayerShape.latent``)."""
@@ -180,46 +267,67 @@ def paged_cache_is_latent(module) -> bool:
     return isinstance(rank, int) and rank > 0
 
 
-def _check_served_call(
-    module, key, value, attention_mask, stored, kwargs, paged_cache, compiled: bool, layer_idx=None
-) -> None:
-    """Raise ``ValueError`` where the model asks attention for something the paged kernels would
+def _check_served_call(module, key, value, attention_mask, stored, kwargs, paged_cache, compiled: bool):
+    """The layer whose pool the call reads and the head maps it reads them through (None: the
+    stored heads as they are), from the K/V the step's last ``update`` stored (``stored``):
+    usually ``module.layer_idx``; the layer they were stored as where a module attends over K/V
+    stored under another index (HRM's recurrent cycles: one module, one cache layer per cycle;
+    Zamba 2's shared block, ``layer_idx`` -1, called as each of several layers).
+
+    Raises ``ValueError`` where the model asks attention for something the paged kernels would
     silently not do (they read the step's context from the pool and mask causally, with the
     ``sliding_window``/``softcap``/``s_aux`` arguments): a mask of its own (an ALiBi or learned
-    bias: an engine step builds none), attention sinks under a compiled forward (its op has none),
-    K/V changed after ``cache.update`` (but for a latent layer, whose model expands the stored
-    contexts ``update`` returned), a latent layer under a compiled forward (whose op stores and
-    attends without returning the contexts), a layer attending as another than the one it stored,
-    or one attending with no K/V stored right before (but for a layer sharing another's K/V)."""
-    what = None
+    bias: an engine step builds none), attention sinks or position-scaled queries under a compiled
+    forward (its op has neither), a latent layer under a compiled forward (whose op stores and
+    attends without returning the contexts), K/V changed after ``cache.update`` other than by
+    picking stored heads (:func:`_head_maps`; a latent layer's model expands the contexts its
+    ``update`` returned, new tensors by design), or a layer attending over K/V it did not store
+    (but for a layer sharing another's K/V: Gemma 4)."""
+    layer, head_maps, what = getattr(module, "layer_idx", None), None, None
+    error = ValueError
     if attention_mask is not None:
         what = "adds its own attention mask or bias"
     elif compiled and kwargs.get("s_aux") is not None:
         what = "passes attention sinks (s_aux), which a compiled forward does not serve"
-    elif stored is not None and stored[1] != (
-        layer_idx if layer_idx is not None else getattr(module, "layer_idx", None)
-    ):
-        what = f"attends as layer {getattr(module, 'layer_idx', None)} after storing K/V as layer {stored[1]}"
+    elif compiled and _temperature_tuning(module) is not None:
+        what = "scales its queries by position (attention temperature tuning), which a compiled forward does not serve"
+        error = CompiledAttentionUnserved  # served eagerly: ``CompiledForward`` falls back
     elif compiled and paged_cache_is_latent(module):
         what = "caches multi-head latent attention's latents, which a compiled forward does not serve"
-    elif (
-        stored is None
-        and not compiled
-        and not paged_cache.shares_kv(layer_idx if layer_idx is not None else getattr(module, "layer_idx", None))
-    ):
-        # The kernels read the layer's pool: without this step's K/V stored there they would read
-        # stale or empty slots (a wrong token, never an error), so refuse instead.
-        what = "attends without storing its K/V through cache.update right before"
-    elif stored is not None and stored[0].is_latent(stored[1]):
-        pass  # a latent layer's model expands the contexts its update returned: K/V are new tensors by design
-    elif stored is not None and (stored[2]() is not key or stored[3]() is not value):
-        what = "changes K/V between cache.update and attention"
+    elif not compiled and paged_cache.shares_kv(layer):
+        pass  # Gemma 4's KV sharing: it reads its source layer's pools and stores nothing
+    elif stored is None:
+        if not compiled:
+            # The kernels read the layer's pool: without this step's K/V stored there they would
+            # read stale or empty slots (a wrong token, never an error), so refuse instead.
+            what = "attends without storing its K/V through cache.update right before"
+    elif stored[0].is_latent(stored[1]):
+        layer = stored[1]  # its model expanded the contexts update returned: K/V are new tensors
+    else:
+        stored_key, stored_value = stored[2], stored[3]
+        if stored_key is not key or stored_value is not value:
+            head_maps = _head_maps(stored_key, stored_value, key, value)
+            if head_maps is None:
+                what = (
+                    "changes K/V between cache.update and attention"
+                    if stored[1] == layer
+                    else f"attends as layer {layer} without storing its K/V through cache.update right before "
+                    f"(the last K/V stored were layer {stored[1]}'s)"
+                )
+        layer = stored[1]
     if what is not None:
         model_type = getattr(getattr(module, "config", None), "model_type", None)
-        raise ValueError(f"{type(module).__name__} (model type {model_type!r}) {what}: not served by hf_contbatch")
+        raise error(f"{type(module).__name__} (model type {model_type!r}) {what}: not served by hf_contbatch")
+    return layer, head_maps
 
 
 # --- the compiled forward's op ---------------------------------------------------------------------
+class CompiledAttentionUnserved(ValueError):
+    """Raised by the compiled forward's attention op for a model whose attention it cannot serve
+    (it cannot see what the model did to the K/V it stored): ``CompiledForward`` then runs the
+    model eagerly, where the attention function reads what was stored."""
+
+
 try:  # opaque objects as custom-op arguments (recent torch); older torch serves compile_model eagerly
     from torch._library.opaque_object import get_opaque_type_name, register_opaque_type
     from torch._opaque_base import OpaqueBase
@@ -258,12 +366,26 @@ if register_opaque_type is not None:
 _OPS = torch.library.Library("hf_contbatch", "FRAGMENT")
 
 
-def _paged_attention_op(query, key, value, compiled_step, layer_idx: int, scale: float, sliding_window: int, softcap):
+def _paged_attention_op(
+    query, key, value, compiled_step, layer_idx: int, scale: float, sliding_window: int, softcap, chunk_size: int
+):
     """Store ``key``/``value`` ``[1, KVH, T, D]`` into the pool of ``compiled_step``'s view and
-    attend: ``query`` ``[1, H, T, D]`` -> ``[1, T, H, D]``. ``sliding_window`` -1 and ``softcap``
-    0.0 mean none. The pool is written although it is not a tensor argument: nothing else in the
+    attend: ``query`` ``[1, H, T, D]`` -> ``[1, T, H, D]``. ``sliding_window`` -1, ``softcap``
+    0.0 and ``chunk_size`` 0 mean none. The pool is written although it is not a tensor argument: nothing else in the
     compiled graph reads it, and declaring it would make the compiler copy it (functionalization)."""
     step = compiled_step.step
+    # What the eager path serves by reading the K/V the model stored (``_check_served_call``) the
+    # op cannot tell apart: a module storing twice in a step (DiffLlama's two calls over halves of
+    # V, HRM's recurrent cycles) or more K/V heads than the pool holds (JetMoE's per-expert repeat).
+    kv_heads = step.cache.key_cache[layer_idx].shape[2]
+    what = None
+    if layer_idx in step.layers_stored:
+        what = f"stores K/V for layer {layer_idx} more than once in a step"
+    elif key.shape[1] != kv_heads or value.shape[1] != kv_heads:
+        what = f"attends over {key.shape[1]} K/V heads, the KV pool holds {kv_heads}"
+    if what is not None:
+        raise CompiledAttentionUnserved(f"the model {what}: not served by a compiled forward")
+    step.layers_stored.add(layer_idx)
     step.update(key, value, layer_idx)
     take_stored()  # this op attends to what it just stored
     out = step.attend(
@@ -274,20 +396,21 @@ def _paged_attention_op(query, key, value, compiled_step, layer_idx: int, scale:
         scale,
         None if sliding_window < 0 else sliding_window,
         None if softcap == 0.0 else softcap,
+        chunk_size=chunk_size or None,
     )
     # The compiler reads the output with the fake's (contiguous) strides; the torch path's output
     # follows the query's memory layout, which a compiled graph may have permuted.
     return out.contiguous()
 
 
-def _paged_attention_fake(query, key, value, compiled_step, layer_idx, scale, sliding_window, softcap):
+def _paged_attention_fake(query, key, value, compiled_step, layer_idx, scale, sliding_window, softcap, chunk_size):
     return query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
 
 
 if COMPILED_STEP_SUPPORTED:
     _OPS.define(
         f"paged_attention(Tensor query, Tensor key, Tensor value, {get_opaque_type_name(CompiledStep)} compiled_step, "
-        "int layer_idx, float scale, int sliding_window, float softcap) -> Tensor"
+        "int layer_idx, float scale, int sliding_window, float softcap, int chunk_size) -> Tensor"
     )
     _OPS.impl("paged_attention", _paged_attention_op, "CompositeExplicitAutograd")
     torch.library.register_fake("hf_contbatch::paged_attention", _paged_attention_fake, lib=_OPS)

@@ -51,6 +51,17 @@ class AttentionMetadata:
             self._derived[key] = value
         return value
 
+    def query_positions(self) -> torch.Tensor:
+        """int64 ``[T]``: the position of each query row in its request (a request's rows are the
+        last ``q_len`` positions of its ``seq_len``), on the metadata's device; built once a step."""
+
+        def build() -> torch.Tensor:
+            qsl, lens = self.query_start_loc_cpu, self.seq_lens_cpu
+            parts = [torch.arange(n - (b - a), n) for a, b, n in zip(qsl, qsl[1:], lens)]
+            return torch.cat(parts).to(self.slot_mapping.device)
+
+        return self.derived(("query_positions",), build)
+
     def to(self, device: torch.device) -> "AttentionMetadata":
         """This metadata with its tensors on ``device`` (memoised; for models spread by device_map)."""
         if self.slot_mapping.device == device:

@@ -91,16 +91,26 @@ def _gather_rows(rows: torch.Tensor, row_scales: torch.Tensor | None, index: tor
     return picked.to(dtype)
 
 
-def _decode_buckets(meta: AttentionMetadata, sliding_window: int | None, groups: int, kvh: int):
-    """Gather plans for the decode requests, grouped by context length to bound padding.
+def _decode_buckets(
+    meta: AttentionMetadata,
+    sliding_window: int | None,
+    groups: int,
+    kvh: int,
+    chunk_size: int | None = None,
+    head_maps: tuple | None = None,
+):
+    """Gather plans for the decode requests, grouped by context length to bound padding; keys before
+    the query's chunk (``chunk_size``, see :func:`torch_paged_attention`) or window are masked.
 
-    Returns a list of ``(rows, head_index, bag_index, bag_offsets, mask, length)``: ``rows`` the
-    decode rows of the bucket, ``head_index`` ``[b * KVH * L]`` indices into the pool viewed as
-    ``[slots * KVH, D]`` in ``[b, KVH, L]`` order (so one ``index_select`` yields the contiguous
-    ``[b, KVH, L, D]`` keys), ``bag_index`` the same repeated for the ``groups`` query heads of each
-    KV head (``[b * KVH * groups * L]``, the value rows of each (request, query head) bag),
-    ``bag_offsets`` the start of each bag, ``mask`` ``[b, 1, 1, L]`` additive (None when no key is
-    masked).
+    Returns a list of ``(rows, head_index, value_index, bag_index, bag_offsets, mask, length)``:
+    ``rows`` the decode rows of the bucket, ``head_index`` ``[b * KVH * L]`` indices into the pool
+    viewed as ``[slots * KVH, D]`` in ``[b, KVH, L]`` order (so one ``index_select`` yields the
+    contiguous ``[b, KVH, L, D]`` keys), ``value_index`` the same for the values (``head_index``
+    itself unless ``head_maps`` differ), ``bag_index`` the value rows repeated for the ``groups``
+    query heads of each KV head (``[b * KVH * groups * L]``, the value rows of each (request, query
+    head) bag), ``bag_offsets`` the start of each bag, ``mask`` ``[b, 1, 1, L]`` additive (None
+    when no key is masked). With ``head_maps`` (see :func:`torch_paged_attention`) KVH is the
+    number of heads the maps list.
     """
     nd = meta.num_decodes
     lens = meta.seq_lens_cpu[:nd]
@@ -118,31 +128,46 @@ def _decode_buckets(meta: AttentionMetadata, sliding_window: int | None, groups:
     plans = []
     device = meta.block_tables.device
     offsets = torch.arange(meta.block_size, device=device)
-    heads = torch.arange(kvh, device=device).view(1, kvh, 1)
+    if head_maps is None:
+        key_heads = value_heads = torch.arange(kvh, device=device).view(1, kvh, 1)
+    else:
+        key_heads, value_heads = (torch.tensor(m, device=device).view(1, len(m), 1) for m in head_maps)
+    num_heads = key_heads.shape[1]
     for rows in buckets:
         max_len = max(lens[i] for i in rows)
         num_blocks = -(-max_len // meta.block_size)
         rows_t = torch.tensor(rows, device=device)
         tables = meta.block_tables.index_select(0, rows_t)[:, :num_blocks].to(torch.long)
         slots = (tables.unsqueeze(-1) * meta.block_size + offsets).reshape(len(rows), -1)[:, :max_len]
-        head_index = slots.unsqueeze(1) * kvh + heads  # [b, KVH, L]
-        bag_index = head_index.unsqueeze(2).expand(len(rows), kvh, groups, max_len).reshape(-1)
+        head_index = slots.unsqueeze(1) * kvh + key_heads  # [b, KVH, L]
+        value_index = head_index if head_maps is None else slots.unsqueeze(1) * kvh + value_heads
+        bag_index = value_index.unsqueeze(2).expand(len(rows), num_heads, groups, max_len).reshape(-1)
         bag_offsets = torch.arange(0, bag_index.numel(), max_len, device=device)
-        head_index = head_index.reshape(-1)
+        head_index, value_index = head_index.reshape(-1), value_index.reshape(-1)
         seq = torch.tensor([lens[i] for i in rows], device=device).unsqueeze(1)
         pos = torch.arange(max_len, device=device).unsqueeze(0)
         mask = pos < seq
         if sliding_window is not None:
             mask &= pos > seq - 1 - sliding_window
+        if chunk_size is not None:  # the query sits at position seq - 1
+            mask &= pos >= (seq - 1) // chunk_size * chunk_size
         # Additive float mask, broadcast over [b, KVH, G, L] scores.
         bias = None if bool(mask.all()) else torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
         plans.append(
-            (rows_t, head_index, bag_index, bag_offsets, None if bias is None else bias[:, None, None, :], max_len)
+            (
+                rows_t,
+                head_index,
+                value_index,
+                bag_index,
+                bag_offsets,
+                None if bias is None else bias[:, None, None, :],
+                max_len,
+            )
         )
     return plans
 
 
-def _prefill_gather(meta: AttentionMetadata, i: int, sliding_window: int | None):
+def _prefill_gather(meta: AttentionMetadata, i: int, sliding_window: int | None, chunk_size: int | None = None):
     """Slot indices ``[S]`` of request ``i``'s context and its mask ``[Lq, S]`` (None = plain causal)."""
     seq_len = meta.seq_lens_cpu[i]
     q_len = meta.query_start_loc_cpu[i + 1] - meta.query_start_loc_cpu[i]
@@ -150,13 +175,15 @@ def _prefill_gather(meta: AttentionMetadata, i: int, sliding_window: int | None)
     table = meta.block_tables[i, :num_blocks].to(torch.long)
     offsets = torch.arange(meta.block_size, device=table.device)
     slots = (table.unsqueeze(-1) * meta.block_size + offsets).reshape(-1)[:seq_len]
-    if sliding_window is None and q_len == seq_len:
+    if sliding_window is None and chunk_size is None and q_len == seq_len:
         return slots, None
     q_pos = torch.arange(seq_len - q_len, seq_len, device=table.device).unsqueeze(1)
     k_pos = torch.arange(seq_len, device=table.device).unsqueeze(0)
     mask = k_pos <= q_pos
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
+    if chunk_size is not None:
+        mask &= k_pos >= torch.div(q_pos, chunk_size, rounding_mode="floor") * chunk_size
     return slots, mask
 
 
@@ -175,6 +202,8 @@ def torch_paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+    head_maps: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged context.
 
@@ -186,8 +215,9 @@ def torch_paged_attention(
         scale: softmax scale (usually ``D ** -0.5``).
         sliding_window: keys further than this many positions back are masked (Mistral, Gemma 2).
         softcap: logit soft-capping ``softcap * tanh(s / softcap)`` (Gemma 2).
-        key, value: optional ``[KVH, T, Dk]`` and ``[KVH, T, Dv]``, this step's K/V rows (as stored); a prefill chunk
-            that is its request's whole context reads them instead of gathering from the pool.
+        key, value: optional ``[KVH, T, Dk]`` and ``[KVH, T, Dv]``, this step's K/V rows (as stored;
+            with ``head_maps``, the heads the maps pick); a prefill chunk that is its request's
+            whole context reads them instead of gathering from the pool.
         decode_kernel: a ``cpu_kernel.CPUDecodeKernel``; where it can serve (float32 or bf16 pools, built), the
             decode rows read the pool in place through it instead of the gather path below.
         prefill_kernel: a ``cpu_prefill.CPUPrefillKernel``; where it can serve, it computes the
@@ -202,12 +232,24 @@ def torch_paged_attention(
         sinks: ``[H]`` attention-sink logits (gpt-oss's ``s_aux``): one more softmax logit per head
             that takes probability mass and adds no value. The CPU kernels have none: with sinks
             every row takes the torch path.
+        chunk_size: chunked local attention (Llama 4's ``attention_chunk_size``): a query at
+            position ``p`` sees only the keys of its own chunk, positions ``p // chunk_size *
+            chunk_size .. p``. The CPU kernels have no such mask: with a chunk every row takes the
+            torch path.
+        head_maps: ``(key_heads, value_heads)``, two equally long tuples of pool KV head indices,
+            for a model that attends over heads picked from the ones it stored (DiffLlama's halves
+            of V tiled, JetMoE's K/V repeated per expert): attention then runs over
+            ``len(key_heads)`` KV heads, the ``j``-th reading pool head ``key_heads[j]`` for its
+            keys and ``value_heads[j]`` for its values. The CPU kernels have no maps: with them
+            every row takes the torch path.
 
     Returns:
         ``[T, H, Dv]`` in the query dtype.
     """
     num_tokens, num_heads, head_dim = query.shape
     kvh, v_dim = k_pool.shape[2], v_pool.shape[3]
+    # The KV heads attention runs over: the pool's, or those the head maps pick from it.
+    heads = kvh if head_maps is None else len(head_maps[0])
     nd = meta.num_decodes
     quantized = k_scale is not None
     scales = {"k_scale": k_scale, "v_scale": v_scale} if quantized else {}
@@ -216,6 +258,8 @@ def torch_paged_attention(
         return (
             kernel is not None
             and sinks is None
+            and chunk_size is None
+            and head_maps is None
             and (kernel.can_serve_int8 if quantized else kernel.can_serve)(query, k_pool, v_pool)
         )
 
@@ -234,22 +278,23 @@ def torch_paged_attention(
     else:
         out = query.new_empty((num_tokens, num_heads, v_dim))
     if nd and not in_kernel:
-        groups = num_heads // kvh
+        groups = num_heads // heads
         plans = meta.derived(
-            ("decode", sliding_window, kvh, groups), lambda: _decode_buckets(meta, sliding_window, groups, kvh)
+            ("decode", sliding_window, kvh, groups, chunk_size, head_maps),
+            lambda: _decode_buckets(meta, sliding_window, groups, kvh, chunk_size, head_maps),
         )
         rows_k, rows_v = k_pool.view(-1, head_dim), v_pool.view(-1, v_dim)
         rows_ks, rows_vs = (k_scale.view(-1, 1), v_scale.view(-1, 1)) if quantized else (None, None)
         # int8 keys and values are dequantized to float32 and the math stays there.
         compute = torch.float32 if quantized else query.dtype
         single = len(plans) == 1
-        for rows, head_index, bag_index, bag_offsets, bias, max_len in plans:
+        for rows, head_index, value_index, bag_index, bag_offsets, bias, max_len in plans:
             b = rows.numel()
-            k = _gather_rows(rows_k, rows_ks, head_index, compute).view(b, kvh, max_len, head_dim)
+            k = _gather_rows(rows_k, rows_ks, head_index, compute).view(b, heads, max_len, head_dim)
             q = query[:nd] if single else query.index_select(0, rows)  # [b, H, D]
             probs = _decode_probs(q, k, bias, scale, softcap, sinks)
             if quantized:
-                v = _gather_rows(rows_v, rows_vs, head_index, compute).view(b, kvh, max_len, v_dim)
+                v = _gather_rows(rows_v, rows_vs, value_index, compute).view(b, heads, max_len, v_dim)
                 o = torch.matmul(probs, v)  # [b, KVH, G, D]
             else:
                 # The probability-weighted sum of values as ``F.embedding_bag`` (mode "sum" with
@@ -268,15 +313,20 @@ def torch_paged_attention(
     flat_ks, flat_vs = (k_scale.view(-1, kvh, 1), v_scale.view(-1, kvh, 1)) if quantized else (None, None)
     for i in range(nd, meta.num_requests):
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
-        slots, mask = meta.derived(("prefill", i, sliding_window), lambda i=i: _prefill_gather(meta, i, sliding_window))
+        slots, mask = meta.derived(
+            ("prefill", i, sliding_window, chunk_size), lambda i=i: _prefill_gather(meta, i, sliding_window, chunk_size)
+        )
         if key is not None and not quantized and end - start == meta.seq_lens_cpu[i]:
             # The whole context is this step's chunk: attend to the step's own K/V, no gather (an int8
             # cache never does: every row reads what the cache holds).
             k = key[:, start:end].unsqueeze(0).to(query.dtype)
             v = value[:, start:end].unsqueeze(0).to(query.dtype)
         else:
-            k = _gather_rows(flat_k, flat_ks, slots, query.dtype).transpose(0, 1).unsqueeze(0)
-            v = _gather_rows(flat_v, flat_vs, slots, query.dtype).transpose(0, 1).unsqueeze(0)
+            k = _gather_rows(flat_k, flat_ks, slots, query.dtype)  # [S, KVH, D]
+            v = _gather_rows(flat_v, flat_vs, slots, query.dtype)
+            if head_maps is not None:
+                k, v = (x.index_select(1, torch.tensor(m, device=x.device)) for x, m in zip((k, v), head_maps))
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
         o = _attend(q, k, v, mask, scale, softcap, is_causal=mask is None, sinks=sinks)
         out[start:end] = o[0].transpose(0, 1)

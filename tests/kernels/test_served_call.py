@@ -1,0 +1,116 @@
+"""What the registered attention function accepts from a model inside an engine step, and what it
+refuses in one line rather than attend wrongly: checked on the call itself (a stand-in module and
+the K/V a step's ``update`` stored), no model needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_contbatch.kernels.attention import _check_served_call, _head_maps
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+
+
+class _Step:
+    """The step view's two questions the check asks: no layer shares another's K/V, none is latent."""
+
+    def shares_kv(self, layer_idx) -> bool:
+        return False
+
+    def is_latent(self, layer_idx) -> bool:
+        return False
+
+
+STEP = _Step()
+
+
+def _kv(heads=4, tokens=3, dim=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, heads, tokens, dim, generator=g), torch.randn(1, heads, tokens, dim, generator=g)
+
+
+def test_stored_kv_attend_as_stored_layer_without_maps():
+    key, value = _kv()
+    assert _check_served_call(_Attention(2), key, value, None, (STEP, 2, key, value), {}, STEP, False) == (2, None)
+    # One module attending as another cache layer over what it stored there (HRM's recurrent cycles).
+    assert _check_served_call(_Attention(0), key, value, None, (STEP, 6, key, value), {}, STEP, False) == (6, None)
+
+
+def test_heads_picked_from_the_stored_kv_become_head_maps():
+    key, value = _kv()
+    # DiffLlama: K as stored, each half of V tiled back to 4 heads.
+    first, second = (v.repeat(1, 2, 1, 1) for v in torch.chunk(value, 2, dim=1))
+    assert _head_maps(key, value, key, first) == ((0, 1, 2, 3), (0, 1, 0, 1))
+    assert _head_maps(key, value, key, second) == ((0, 1, 2, 3), (2, 3, 2, 3))
+    # JetMoE: K and V repeated for 2 experts.
+    maps = _head_maps(key, value, key.repeat(1, 2, 1, 1), value.repeat(1, 2, 1, 1))
+    assert maps == ((0, 1, 2, 3, 0, 1, 2, 3),) * 2
+    assert _check_served_call(_Attention(1), key, first, None, (STEP, 1, key, value), {}, STEP, False) == (
+        1,
+        ((0, 1, 2, 3), (0, 1, 0, 1)),
+    )
+
+
+@pytest.mark.parametrize(
+    "case, what",
+    [
+        ("mask", "adds its own attention mask or bias"),
+        ("scaled_key", "changes K/V between cache.update and attention"),
+        ("twin_heads", "changes K/V between cache.update and attention"),
+        ("other_layer", "attends as layer 3 without storing its K/V through cache.update right before"),
+    ],
+)
+def test_calls_the_kernels_cannot_serve_are_refused_in_one_line(case, what):
+    key, value = _kv()
+    module, mask, given_key, stored = _Attention(1), None, key, (STEP, 1, key, value)
+    if case == "mask":
+        mask = torch.zeros(1, 1, 3, 3)
+    elif case == "scaled_key":
+        given_key = key * 2  # K/V changed after the update, not picked from it
+    elif case == "twin_heads":
+        # Two stored heads equal on this step's rows: which one holds a picked head's past is unknown.
+        key[:, 1] = key[:, 0]
+        given_key = key[:, [1, 1, 2, 3]]
+    else:
+        module, given_key = _Attention(3), key * 2
+    with pytest.raises(ValueError) as err:
+        _check_served_call(module, given_key, value, mask, stored, {}, STEP, False)
+    assert what in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.timeout(120)
+def test_no_record_of_stored_kv_outlives_a_step():
+    """The attention calls of a step read the record of the K/V stored last (every call of a layer:
+    DiffLlama attends twice); once the step's forward is done the record is gone, since it holds
+    the step's view and so the pools (an engine driven on this thread and then closed would
+    otherwise keep its pools alive)."""
+    import gc
+    import importlib.util
+    import weakref
+    from pathlib import Path
+
+    from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+    from hf_contbatch.kernels import attention
+
+    sweep = Path(__file__).resolve().parents[2] / "scripts" / "family_sweep.py"
+    spec = importlib.util.spec_from_file_location("family_sweep", sweep)
+    family_sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(family_sweep)
+    model = family_sweep.build_tiny("diffllama")
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=8)))
+    pool = weakref.ref(eng.cache.key_cache[0])
+    try:
+        handle = eng.submit([5, 6, 7], SamplingParams(max_new_tokens=3, ignore_eos=True))
+        eng.driver.drive(handle.done)  # iterations on this thread
+        assert len(handle.result(timeout=10).output_token_ids) == 3
+        assert getattr(attention._STORED, "record", None) is None
+    finally:
+        eng.close()
+    del eng, handle
+    gc.collect()
+    assert pool() is None
