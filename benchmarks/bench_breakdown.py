@@ -146,8 +146,14 @@ def _instrument(engine, timers: _Timers) -> None:
         lookup = native_gemm.native_library
 
         def timed_library():
-            pack, gemm = lookup()
-            return pack, timers.wrap(gemm, "linears")
+            lib = lookup()
+            if isinstance(lib, tuple):  # older checkouts (``tree=``): (pack, gemm)
+                return lib[0], timers.wrap(lib[1], "linears")
+            # A GemmLibrary: its float32 and bfloat16 GEMMs timed, the rest as it is.
+            import dataclasses
+
+            timed = {n: timers.wrap(getattr(lib, n), "linears") for n in ("gemm_f32", "gemm_bf16") if getattr(lib, n)}
+            return dataclasses.replace(lib, **timed)
 
         native_gemm.native_library = timed_library
         return

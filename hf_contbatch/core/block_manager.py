@@ -334,6 +334,11 @@ class BlockManager:
         """
         if prefix_blocks and request_id in self.block_tables:
             raise RuntimeError(f"prefix blocks given for request {request_id}, which already has a block table")
+        table = self.block_tables.get(request_id)
+        if table is not None and not prefix_blocks and len(table) >= -(-total_tokens // self.block_size):
+            # The table holds the tokens already (a decode inside its last block: most rows of most
+            # steps): nothing to add, and the general path below would add nothing either.
+            return []
         computed = len(prefix_blocks) * self.block_size if num_computed_tokens is None else num_computed_tokens
         need = (
             self.num_blocks_needed_with_prefix(prefix_blocks, total_tokens, computed)

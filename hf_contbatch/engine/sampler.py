@@ -38,11 +38,30 @@ from .input_batch import BatchRow
 from .logits_processors import TokenHistory, split_fast_suffix, warp_batched
 from .per_request_processors import RequestProcessors, build_logits_processors
 
-__all__ = ["Logprobs", "Sampler", "build_logits_processors"]
+__all__ = ["Logprobs", "Sampler", "build_logits_processors", "greedy_tokens"]
 from .structured import GrammarMatchers, GrammarViolation, split_at_mask_slot
 
 #: ``{request id: (log-prob of the chosen token, top [(token, log-prob), ...] or None)}``
 Logprobs = dict[int, tuple[float, Optional[list[tuple[int, float]]]]]
+
+
+def greedy_tokens(scores: torch.Tensor) -> list[int]:
+    """The index of each row's largest score (the first one where several tie, as ``argmax`` and
+    ``generate``'s greedy search pick), as Python ints.
+
+    Args:
+        scores: ``[N, vocab]`` float scores, on any device.
+    Returns:
+        N token ids.
+
+    Why ``max(dim).indices`` on a CPU: torch's CPU ``argmax`` kernel is about three times slower
+    than its ``max`` reduction over the same rows (one thread, thread time: 188 us against 65 us at
+    64 x 2,048; 2.6 ms against 0.85 ms at 32 x 49,152), and both return the first index of a row's
+    maximum (a NaN counts as the maximum in both). Elsewhere ``argmax`` stays.
+    """
+    if scores.device.type == "cpu":
+        return scores.max(dim=-1).indices.tolist()
+    return scores.argmax(dim=-1).tolist()
 
 
 @dataclass
@@ -143,7 +162,7 @@ class Sampler:
 
         plain = [i for i, st in enumerate(states) if st.plain]
         if len(plain) == n:  # the common all-greedy step: one argmax, nothing else
-            tokens = scores.argmax(dim=-1).tolist()
+            tokens = greedy_tokens(scores)
             return tokens, self._after(scores, requests, states, tokens)
         constrained = [i for i, st in enumerate(states) if st.grammar]
         if all(st.plain or (st.grammar and st.argmax_after_mask) for st in states):
@@ -153,7 +172,7 @@ class Sampler:
                 i for i in constrained if requests[i].sampling.logprobs is None and not states[i].needs_scores
             ]
             self.grammar.mask_rows(scores, constrained, _grammar_rows(requests, constrained), argmax_only=argmax_only)
-            tokens = scores.argmax(dim=-1).tolist()
+            tokens = greedy_tokens(scores)
             return tokens, self._after(scores, requests, states, tokens)
         # Per request first (its own history), then the grammars' one bitmask, then the trailing
         # warpers of every row batched.
@@ -178,7 +197,7 @@ class Sampler:
         greedy = [i for i, r in enumerate(requests) if not r.sampling.do_sample]
         if greedy:
             idx = torch.tensor(greedy, device=dev)
-            for i, t in zip(greedy, scores.index_select(0, idx).argmax(dim=-1).tolist()):
+            for i, t in zip(greedy, greedy_tokens(scores.index_select(0, idx))):
                 tokens[i] = t
         unseeded = [i for i, r in enumerate(requests) if r.sampling.do_sample and r.sampling.seed is None]
         if unseeded:
@@ -231,7 +250,7 @@ class Sampler:
             at += s.num_new_tokens
         if masked:
             self.grammar.mask_draft_rows(scores, masked)
-        return scores.argmax(dim=-1).tolist()
+        return greedy_tokens(scores)
 
     def _draw_unseeded(self, scores, rows, fast, candidates, tokens) -> None:
         """One ``torch.multinomial`` with the engine's generator for all unseeded sampled rows.

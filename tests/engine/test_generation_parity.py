@@ -357,6 +357,31 @@ def test_unseeded_draws_over_top_k_candidates_follow_the_distribution():
     assert torch.all((freq - probs).abs() < 5 * torch.sqrt(probs * (1 - probs) / 20000))
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 17, 2048, 49152])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_greedy_tokens_pick_the_first_of_tied_maxima(vocab, threads):
+    # greedy_tokens runs torch's max reduction, not argmax (faster on a CPU): on ties it must still
+    # pick the first index, as generate's argmax does. Expected values: a pure-Python scan.
+    from hf_contbatch.engine.sampler import greedy_tokens
+
+    g = torch.Generator().manual_seed(vocab)
+    scores = torch.randint(-2, 2, (64, vocab), generator=g).float()  # many ties per row
+    scores[1] = float("-inf")  # a fully masked row: index 0
+    if vocab > 3:
+        scores[2, 3] = float("nan")  # a NaN wins, as in argmax
+        scores[3, vocab - 1] = scores[3, vocab // 2] = 5.0  # two tied maxima far apart
+    expected = []
+    for row in scores.tolist():
+        nans = [j for j, v in enumerate(row) if v != v]
+        expected.append(nans[0] if nans else row.index(max(row)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert greedy_tokens(scores) == expected
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_token_history_grows_without_losing_tokens():
     h = TokenHistory(capacity=4, device=torch.device("cpu"))
     prompt, out = [5, 6, 7], []
