@@ -170,7 +170,7 @@ def _ms(seconds) -> str:
     return "—" if seconds is None else f"{seconds * 1e3:,.1f}"
 
 
-def print_table(results: list[dict], args) -> None:
+def print_header(args) -> None:
     print(
         f"\none request: {args.prompt_tokens} prompt tokens + {args.new_tokens} new tokens, greedy, EOS ignored, "
         f"model {args.model}, {torch.get_num_threads()} threads, median of {args.repeats}"
@@ -179,21 +179,25 @@ def print_table(results: list[dict], args) -> None:
         f"{'precision':<10}{'engine':<10}{'TTFT ms':>10}{'ITL ms':>10}{'tok/s':>9}{'wall s':>9}   ours/generate tok/s"
     )
     print(head)
-    print("-" * len(head))
-    for res in results:
-        ratio = ""
-        if "generate" in res and res["ours"]["tok_per_s"] and res["generate"]["tok_per_s"]:
-            ratio = f"{res['ours']['tok_per_s'] / res['generate']['tok_per_s']:.2f}x"
-        for name in ("ours", "generate"):
-            if name not in res:
-                continue
-            m = res[name]
-            print(
-                f"{res['precision']:<10}{name:<10}{_ms(m['ttft_s']):>10}{_ms(m['itl_s']):>10}"
-                f"{m['tok_per_s']:>9.1f}{m['wall_s']:>9.2f}   {ratio if name == 'ours' else ''}"
-            )
-        if res["same_tokens"]:
-            print(f"{'':<10}same tokens on {sum(res['same_tokens'])}/{len(res['same_tokens'])} prompts")
+    print("-" * len(head), flush=True)
+
+
+def print_rows(res: dict) -> None:
+    """One precision's rows (printed as soon as it is measured: a medium run takes minutes)."""
+    ratio = ""
+    if "generate" in res and res["ours"]["tok_per_s"] and res["generate"]["tok_per_s"]:
+        ratio = f"{res['ours']['tok_per_s'] / res['generate']['tok_per_s']:.2f}x"
+    for name in ("ours", "generate"):
+        if name not in res:
+            continue
+        m = res[name]
+        print(
+            f"{res['precision']:<10}{name:<10}{_ms(m['ttft_s']):>10}{_ms(m['itl_s']):>10}"
+            f"{m['tok_per_s']:>9.1f}{m['wall_s']:>9.2f}   {ratio if name == 'ours' else ''}"
+        )
+    if res["same_tokens"]:
+        print(f"{'':<10}same tokens on {sum(res['same_tokens'])}/{len(res['same_tokens'])} prompts")
+    sys.stdout.flush()
 
 
 def main(argv=None) -> int:
@@ -218,8 +222,11 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     rng = random.Random(args.prompt_seed if args.prompt_seed is not None else time.time_ns())
-    results = [bench_precision(args, p, rng) for p in precisions]
-    print_table(results, args)
+    print_header(args)
+    results = []
+    for precision in precisions:
+        results.append(bench_precision(args, precision, rng))
+        print_rows(results[-1])
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     if load is not None:
         print(f"load average (1 min) at the end: {load:.2f} on {os.cpu_count()} cores")
