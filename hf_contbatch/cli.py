@@ -142,7 +142,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Run the job (``frontends.batch_job``); returns 0 when every row has a generated record,
     ``EXIT_ROWS_FAILED`` (3) when some rows have error records."""
     from .frontends.adapters import parse_adapter_args
-    from .frontends.batch_job import EXIT_ROWS_FAILED, JobOutput, run_job
+    from .frontends.batch_job import EXIT_ROWS_FAILED, JobOutput, latency_line, run_job
     from .frontends.job_inputs import ListInput, open_input
 
     # Everything that can be wrong with the arguments is found before torch or the model loads.
@@ -224,6 +224,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     load_text, busy = load_note()  # tok/s depends on the machine's load
     if busy:
         print(busy, file=sys.stderr)  # before the summary, which stays the last line
+    latency = latency_line(job.latency)
+    if latency is not None:
+        print(latency, file=sys.stderr)
     print(
         f"{summary['ran']:,} request{'s' if summary['ran'] != 1 else ''} done, {summary['failed']:,} failed"
         f"{skipped}; {summary['generated_tokens']:,} generated tokens in {summary['seconds']} s: "

@@ -7,11 +7,13 @@ in the cache). Prefill, chunked prefill, prefix-cache hits and resumption after 
 
 from __future__ import annotations
 
+import array
 import enum
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from .config import is_int
 
@@ -234,6 +236,9 @@ class Request:
     num_preemptions: int = 0
     cancel_requested: bool = False
     error: Optional[BaseException] = None
+    # Event times on time.monotonic()'s clock, read by engine.stats.RequestMetrics: the first plan
+    # that gave it a row (admitted, or forked), its first and latest token, leaving the engine.
+    first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None  # for inter-token latency
     finish_time: Optional[float] = None
@@ -285,6 +290,134 @@ class Request:
     @property
     def finish_reason(self) -> Optional[str]:
         return FINISH_REASONS.get(self.status)
+
+
+def percentile(values: Sequence[float], q: float) -> Optional[float]:
+    """The ``q``-th percentile (0 <= q <= 100) of ``values``, interpolated linearly between the two
+    nearest ranks (numpy's default ``method="linear"``); None for no values.
+
+    Raises:
+        ValueError: ``q`` outside [0, 100].
+    """
+    if not 0 <= q <= 100:
+        raise ValueError(f"`q` must be in [0, 100], got {q!r}")
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """When one request's events happened, and the latencies a user feels from them.
+
+    Times are seconds on ``time.monotonic()``'s clock (compare them with each other, or with
+    ``time.monotonic()`` read in the same process), None until the event happened. The names follow
+    vLLM's ``RequestOutput.metrics``. For a request that ran its course,
+    ``arrival_time <= first_scheduled_time <= first_token_time <= last_token_time <= finished_time``.
+
+    Attributes:
+        arrival_time: when it was queued (``LLMEngine.enqueue``, the pipeline's call, ``submit``).
+        first_scheduled_time: when a step's plan first gave it a row (its prefill, or its first
+            chunk); a request preempted and resumed keeps its first time.
+        first_token_time: when its first generated token was ready (after the step's forward and
+            sampling).
+        last_token_time: when its latest generated token was ready.
+        finished_time: when it left the engine (the reap step after its last token, a cancellation
+            or a failure) and its handle completed.
+        num_generated_tokens: output tokens so far.
+    """
+
+    arrival_time: float
+    first_scheduled_time: Optional[float]
+    first_token_time: Optional[float]
+    last_token_time: Optional[float]
+    finished_time: Optional[float]
+    num_generated_tokens: int
+
+    @classmethod
+    def of(cls, request) -> "RequestMetrics":
+        """The metrics of ``request`` (a ``Request``) now."""
+        return cls(
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+            last_token_time=request.last_token_time,
+            finished_time=request.finish_time,
+            num_generated_tokens=len(request.output_token_ids),
+        )
+
+    @property
+    def time_in_queue(self) -> Optional[float]:
+        """Seconds from arrival to the first plan that scheduled it; None before that."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> Optional[float]:
+        """Time to first token: seconds from arrival to the first generated token (queueing and
+        prefill included); None before it."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def itl(self) -> Optional[float]:
+        """Inter-token latency, the mean seconds per output token after the first (time per output
+        token, TPOT): ``(last_token_time - first_token_time) / (num_generated_tokens - 1)``; None
+        before a second token. ``ttft + (num_generated_tokens - 1) * itl`` is the time from
+        arrival to the last token."""
+        if self.first_token_time is None or self.last_token_time is None or self.num_generated_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_generated_tokens - 1)
+
+    @property
+    def tokens_per_s(self) -> Optional[float]:
+        """Generated tokens per second of the whole request, arrival to last token (what one
+        request's user sees, prefill included); None before the first token."""
+        if self.last_token_time is None or self.last_token_time <= self.arrival_time:
+            return None
+        return self.num_generated_tokens / (self.last_token_time - self.arrival_time)
+
+    @property
+    def latency(self) -> Optional[float]:
+        """Seconds from arrival to leaving the engine; None while it runs."""
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+class LatencySamples:
+    """Per-request TTFT and ITL of a call or a job, for their medians and 90th percentiles.
+
+    Values are kept exactly (float32, 8 bytes per request for both: a million requests take 8 MB),
+    so a one-request call reports that request's own figures.
+    """
+
+    def __init__(self) -> None:
+        self.ttfts = array.array("f")
+        self.itls = array.array("f")
+
+    def add(self, metrics: RequestMetrics) -> None:
+        """Count one request's ``ttft`` and ``itl`` (each when it has one: a request cut before
+        its second token has no ITL)."""
+        if metrics.ttft is not None:
+            self.ttfts.append(metrics.ttft)
+        if metrics.itl is not None:
+            self.itls.append(metrics.itl)
+
+    def extend(self, metrics: Iterable[RequestMetrics]) -> None:
+        """``add`` each of ``metrics``."""
+        for m in metrics:
+            self.add(m)
+
+    def summary(self) -> dict:
+        """``{"ttft_s": median, "ttft_p90_s": ..., "itl_s": median, "itl_p90_s": ...}`` in seconds
+        over the requests counted (None where there is no value)."""
+        return {
+            "ttft_s": percentile(self.ttfts, 50),
+            "ttft_p90_s": percentile(self.ttfts, 90),
+            "itl_s": percentile(self.itls, 50),
+            "itl_p90_s": percentile(self.itls, 90),
+        }
 
 
 class RequestIdCounter:

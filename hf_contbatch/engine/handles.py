@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Protocol, Sequence
 
-from ..request import Request
+from ..request import Request, RequestMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +42,14 @@ class RequestOutput:
         output_token_ids: generated tokens (partial if cancelled).
         finish_reason: "stop", "length", "cancelled" or "error".
         num_preemptions: times it was preempted.
-        ttft: seconds from arrival to first token (None if it produced none).
-        latency: seconds from arrival to finish.
+        ttft: seconds from arrival to first token (None if it produced none); ``metrics.ttft``.
+        latency: seconds from arrival to finish (None while it runs); ``metrics.latency``.
         logprobs: with ``SamplingParams.logprobs``, the log-prob of each output token under the
             processed scores (``generate(output_scores=True)``'s scores, log-softmaxed); else None.
         top_logprobs: with ``logprobs=N >= 1``, per output token the top N ``(token id, log-prob)``.
+        metrics: a ``RequestMetrics``: arrival, first scheduled, first and last token and finish
+            times, and from them ``ttft``, ``itl`` (seconds per output token after the first),
+            ``tokens_per_s`` and ``time_in_queue``.
     """
 
     request_id: int
@@ -58,6 +61,7 @@ class RequestOutput:
     latency: Optional[float]
     logprobs: Optional[list] = None
     top_logprobs: Optional[list] = None
+    metrics: Optional[RequestMetrics] = None
 
 
 class HandleOwner(Protocol):
@@ -161,16 +165,18 @@ class RequestHandle:
         """The request's state now, without waiting or raising: the tokens so far and
         ``finish_reason`` (None while it runs; "error" when the engine failed it)."""
         r = self.request
+        metrics = RequestMetrics.of(r)
         return RequestOutput(
             request_id=r.request_id,
             prompt_token_ids=list(r.prompt_token_ids),
             output_token_ids=list(r.output_token_ids),
             finish_reason=r.finish_reason,
             num_preemptions=r.num_preemptions,
-            ttft=None if r.first_token_time is None else r.first_token_time - r.arrival_time,
-            latency=None if r.finish_time is None else r.finish_time - r.arrival_time,
+            ttft=metrics.ttft,
+            latency=metrics.latency,
             logprobs=list(r.output_logprobs) if r.sampling.logprobs is not None else None,
             top_logprobs=list(r.output_top_logprobs) if r.sampling.logprobs else None,
+            metrics=metrics,
         )
 
     def cancel(self) -> None:

@@ -334,6 +334,7 @@ class LLMEngine:
                 log_failure(req, exc)
                 sched.fail(req, exc)
             sched.plan(result, timer)  # budget, admit, preempt
+            self.counters.record_scheduled(result.report, time.monotonic())  # RequestMetrics' first_scheduled_time
             # The step's blocks are all held now; its update may release some before the end.
             self.counters.record_used_blocks(self.block_manager.num_used_blocks)
         plan = result.plan

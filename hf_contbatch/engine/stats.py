@@ -9,7 +9,7 @@ from typing import Optional
 
 from ..core.phases import PHASES
 from ..core.plan import StepResult
-from ..request import BASE_ADAPTER
+from ..request import BASE_ADAPTER, RequestMetrics, percentile
 
 # The fields a snapshot's repr shows, in this order: what a notebook cell ending in ``pipe.stats()``
 # should tell at a glance. The per-block tuples (one entry per KV block) would run to pages.
@@ -60,8 +60,8 @@ class EngineStats:
     num_generated_tokens: int
     num_iterations: int
     throughput_tokens_per_s: float
-    mean_ttft_s: Optional[float]
-    mean_itl_s: Optional[float]
+    mean_ttft_s: Optional[float]  # over the last 1,024 requests' first tokens
+    mean_itl_s: Optional[float]  # over the last 4,096 gaps between two tokens of a request
     recent_phases: tuple = ()  # ((phase, seconds), ...) for recent iterations
     block_owner: tuple = ()  # request id (or -1) per block
     # Memory management. Counters are cumulative since the engine started.
@@ -109,6 +109,15 @@ class EngineStats:
     unquantized_weights: tuple = ()
     unquantized_weight_bytes: int = 0
     unquantized_weight_fraction: float = 0.0
+    # Latency percentiles over the same samples as the means (None before any), and the latest
+    # request to get a token (running or finished): what a one-request view shows, its own figures
+    # rather than a mean over earlier requests.
+    median_ttft_s: Optional[float] = None
+    p90_ttft_s: Optional[float] = None
+    median_itl_s: Optional[float] = None
+    p90_itl_s: Optional[float] = None
+    latest_request_id: Optional[int] = None
+    latest_request: Optional[RequestMetrics] = None
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{name}={_short(getattr(self, name))}" for name in _REPR_FIELDS)
@@ -188,6 +197,14 @@ class EngineCounters:
         self.phase_totals = dict.fromkeys(PHASES, 0.0)
         self.swap_seconds = 0.0
         self.last_budget = (0, 0)  # (budget_blocks, reserved_blocks) of the latest iteration
+        self.latest_request = None  # the Request that got a token last (one kept alive, no more)
+
+    def record_scheduled(self, report, now: float) -> None:
+        """The step's plan (its ``StepReport``: admitted and forked requests) was made at ``now``
+        (seconds, monotonic): those scheduled for the first time get their ``first_scheduled_time``."""
+        for req in (*report.admitted, *report.forked):
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
 
     def record_token(self, req, now: float) -> None:
         """A new token of ``req`` arrived at ``now`` (seconds, monotonic): TTFT or ITL sample."""
@@ -198,6 +215,7 @@ class EngineCounters:
             self.itls.append(now - req.last_token_time)
         req.last_token_time = now
         self.num_generated += 1
+        self.latest_request = req
 
     def record_used_blocks(self, used_blocks: int) -> None:
         """The pool's used blocks at a point of an iteration, for ``peak_used_blocks``: sampled once
@@ -254,6 +272,12 @@ class EngineCounters:
             throughput_tokens_per_s=self.num_generated / self.busy_seconds if self.busy_seconds else 0.0,
             mean_ttft_s=sum(ttft) / len(ttft) if ttft else None,
             mean_itl_s=sum(itl) / len(itl) if itl else None,
+            median_ttft_s=percentile(ttft, 50),
+            p90_ttft_s=percentile(ttft, 90),
+            median_itl_s=percentile(itl, 50),
+            p90_itl_s=percentile(itl, 90),
+            latest_request_id=self.latest_request.request_id if self.latest_request is not None else None,
+            latest_request=RequestMetrics.of(self.latest_request) if self.latest_request is not None else None,
             recent_phases=recent,
             block_owner=tuple(owners),
             watermark_blocks=sched.watermark_blocks,

@@ -30,6 +30,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
+from ..request import LatencySamples, RequestMetrics
 from .cli_checks import UsageError, as_response_format
 from .job_inputs import Row
 
@@ -39,7 +40,8 @@ EXIT_ROWS_FAILED = 3  # some rows have error records; the others ran (0: all ran
 @dataclass
 class JobResult:
     """What a job did: rows run now, rows skipped (already in the output), rows with an error record
-    in the final output (this run's and a resumed file's), generated tokens, seconds."""
+    in the final output (this run's and a resumed file's), generated tokens, seconds, and the
+    TTFT and ITL of every sequence run now (``latency``)."""
 
     ran: int = 0
     skipped: int = 0
@@ -47,6 +49,30 @@ class JobResult:
     tokens: int = 0
     seconds: float = 0.0
     errors: list = field(default_factory=list)  # the first few error messages, for the summary
+    latency: LatencySamples = field(default_factory=LatencySamples)
+
+
+def latency_line(latency: LatencySamples) -> Optional[str]:
+    """The end-of-job line of what a user waits for: time to first token (TTFT) and inter-token
+    latency (ITL, milliseconds per output token after the first), medians and 90th percentiles
+    over the sequences; a job of one sequence gets its own figures (and its decode rate). None
+    when no sequence produced a token."""
+    figures = latency.summary()
+    if figures["ttft_s"] is None:
+        return None
+
+    def ms(seconds: Optional[float]) -> str:
+        return "—" if seconds is None else f"{seconds * 1e3:,.1f} ms"
+
+    if len(latency.ttfts) == 1:
+        itl = figures["itl_s"]
+        rate = f" ({1 / itl:,.1f} tok/s after the first)" if itl else ""
+        return f"latency: TTFT {ms(figures['ttft_s'])}; ITL {ms(itl)} per output token{rate}"
+    return (
+        f"latency over {len(latency.ttfts):,} sequences: TTFT median {ms(figures['ttft_s'])}, "
+        f"p90 {ms(figures['ttft_p90_s'])}; ITL median {ms(figures['itl_s'])}, p90 {ms(figures['itl_p90_s'])} "
+        "per output token"
+    )
 
 
 class JobOutput:
@@ -247,6 +273,7 @@ def run_job(
             return
         records = records_so_far(pipe.tokenizer, p.row.prompt, p.handles, p.output)
         result.tokens += sum(len(h.request.output_token_ids) for h in p.handles)
+        result.latency.extend(RequestMetrics.of(h.request) for h in p.handles)
         emit(
             p.row,
             output_record(p.row, p.handles, records, base_kwargs, model_name, created),

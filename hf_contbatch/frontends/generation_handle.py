@@ -10,6 +10,7 @@ import weakref
 from typing import Iterator, Optional, Sequence
 
 from ..engine.handles import EngineError, RequestHandle
+from ..request import RequestMetrics
 from .streaming import text_deltas
 from .text_io import OutputOptions, TextInput, output_record, skip_special_tokens
 
@@ -81,6 +82,11 @@ class GenerationHandle:
             exc.partial_results = records_so_far(self._pipe.tokenizer, self.prompt, self.handles, self._options)
             raise
         return [output_record(self._pipe.tokenizer, self.prompt, o, self._options) for o in outs]
+
+    def metrics(self) -> list[RequestMetrics]:
+        """Per sequence, its ``RequestMetrics`` now (times so far; ``ttft``, ``itl`` in seconds);
+        never blocks."""
+        return [RequestMetrics.of(h.request) for h in self.handles]
 
     def finish_reasons(self) -> list[Optional[str]]:
         """Per sequence: "stop", "length", "cancelled", "error", or None while it runs."""

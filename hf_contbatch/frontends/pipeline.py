@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from ..config import CacheConfig, EngineConfig, SchedulerConfig, is_int, quant_scheme
 from ..engine.handles import EngineError
 from ..engine.llm_engine import LLMEngine
+from ..request import LatencySamples, RequestMetrics
 from .call_requests import CallRequestBuilder
 from .generation_args import (  # noqa: F401  (re-exported: their former home)
     ENGINE_KWARGS,
@@ -73,8 +74,11 @@ class CallStats(dict):
 
     Keys: ``num_requests`` (sequences the call ran), ``generated_tokens``, ``seconds`` (wall time of
     the call, tokenizing to the last token), ``tokens_per_s`` (generated tokens / seconds),
-    ``preemptions`` (times its requests were preempted). Only the repr (what ``print`` and a
-    notebook cell show) rounds: seconds to milliseconds, rates to one decimal.
+    ``preemptions`` (times its requests were preempted), ``ttft_s`` (time to first token) and
+    ``itl_s`` (inter-token latency: seconds per output token after the first), the medians over the
+    call's sequences (for one prompt, its own figures; None without a value: ITL needs two tokens;
+    each sequence's are in ``RequestOutput.metrics``). Only the repr (what ``print`` and a notebook
+    cell show) rounds: seconds to milliseconds, rates to one decimal.
     """
 
     def __repr__(self) -> str:
@@ -399,13 +403,18 @@ class ContinuousBatchingPipeline:
         )
         return iter(call)
 
-    def _set_call_stats(self, num_requests: int, tokens: int, seconds: float, preemptions: int) -> None:
+    def _set_call_stats(
+        self, num_requests: int, tokens: int, seconds: float, preemptions: int, latency: LatencySamples
+    ) -> None:
+        figures = latency.summary()
         self.last_call_stats = CallStats(
             num_requests=num_requests,
             generated_tokens=tokens,
             seconds=seconds,
             tokens_per_s=tokens / seconds if seconds else 0.0,
             preemptions=preemptions,
+            ttft_s=figures["ttft_s"],
+            itl_s=figures["itl_s"],
         )
 
     def _run(self, prompts: list, kwargs: dict) -> list[list[dict]]:
@@ -416,7 +425,11 @@ class ContinuousBatchingPipeline:
         flat = [h for hs in submitted for h in hs]
         show = call.progress_bar if call.progress_bar is not None else len(prompts) > 1
         tokens = wait_for(self.engine, flat, desc="hf_contbatch", show=bool(show))
-        self._set_call_stats(len(flat), tokens, time.monotonic() - t0, sum(h.request.num_preemptions for h in flat))
+        latency = LatencySamples()
+        latency.extend(RequestMetrics.of(h.request) for h in flat)
+        self._set_call_stats(
+            len(flat), tokens, time.monotonic() - t0, sum(h.request.num_preemptions for h in flat), latency
+        )
         results = [
             records_so_far(self.tokenizer, prompt, hs, call.output) for prompt, hs in zip(call.prompts, submitted)
         ]

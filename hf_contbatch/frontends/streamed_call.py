@@ -30,6 +30,7 @@ from typing import Callable, Optional
 
 from ..config import is_int
 from ..engine.handles import EngineError, RequestHandle
+from ..request import LatencySamples, RequestMetrics
 from .generation_handle import records_so_far
 from .text_io import OutputOptions, is_chat
 
@@ -153,7 +154,8 @@ class StreamedCall:
         in_flight: the most prompts pulled and not yet yielded (``in_flight_limit``).
         show: draw a progress bar (``tqdm.auto``; its total is ``len(inputs)`` where known).
         on_end: called once when the iteration ends (finished, left early or failed) with the call's
-            figures: ``(num_requests, generated_tokens, seconds, preemptions)``.
+            figures: ``(num_requests, generated_tokens, seconds, preemptions, latency)``, ``latency``
+            the ``LatencySamples`` of the sequences yielded.
 
     Each item is what ``pipe(prompt)`` returns for one prompt: a list of ``{"generated_text": ...}``,
     one per returned sequence.
@@ -170,7 +172,14 @@ class StreamedCall:
     """
 
     def __init__(
-        self, pipe, inputs, kwargs: dict, *, in_flight: int, show: bool, on_end: Callable[[int, int, float, int], None]
+        self,
+        pipe,
+        inputs,
+        kwargs: dict,
+        *,
+        in_flight: int,
+        show: bool,
+        on_end: Callable[[int, int, float, int, LatencySamples], None],
     ) -> None:
         self._pipe = pipe
         self._on_end = on_end
@@ -189,7 +198,7 @@ class StreamedCall:
         max_num_seqs = engine.config.scheduler.max_num_seqs
         inflight: deque[_Entry] = deque()
         counts = {"submitted": 0, "finished": 0}  # handles; the callback runs in the iterating thread
-        stats = {"requests": 0, "tokens": 0, "preemptions": 0}
+        stats = {"requests": 0, "tokens": 0, "preemptions": 0, "latency": LatencySamples()}
         exhausted = False
         bad_input: Optional[Exception] = None  # raised once every input before it was yielded
         bar = None
@@ -245,7 +254,7 @@ class StreamedCall:
                     engine.driver.cancel_now(pending)
                 if bar is not None:
                     bar.close()
-                self._on_end(stats["requests"], stats["tokens"], clock() - t0, stats["preemptions"])
+                self._on_end(stats["requests"], stats["tokens"], clock() - t0, stats["preemptions"], stats["latency"])
 
     def _check_per_input_lengths(self, num_inputs: int) -> None:
         for key in PER_INPUT_KWARGS:
@@ -314,6 +323,7 @@ class StreamedCall:
         stats["requests"] += len(entry.handles)
         stats["tokens"] += sum(len(h.request.output_token_ids) for h in entry.handles)
         stats["preemptions"] += sum(h.request.num_preemptions for h in entry.handles)
+        stats["latency"].extend(RequestMetrics.of(h.request) for h in entry.handles)
         records = records_so_far(self._pipe.tokenizer, entry.prompt, entry.handles, entry.output)
         for h in entry.handles:
             if h.request.error is not None:

@@ -54,6 +54,51 @@ def test_generate_writes_records_equal_to_transformers_greedy(tmp_path, capsys):
     assert "3 requests done, 0 failed" in summary and "tok/s" in summary and "peak blocks" in summary
     # the formats served, then the machine's load (the tok/s depends on it; issue 48)
     assert re.search(r"weights float32; KV cache float32; load \d+\.\d\d on \d+ cores?(, busy)?\n", summary), summary
+    # What a user waited for, over the job's sequences: medians and 90th percentiles.
+    latency = re.search(
+        r"^latency over 3 sequences: TTFT median (.+) ms, p90 (.+) ms; ITL median (.+) ms, p90 (.+) ms per output token$",
+        summary,
+        re.M,
+    )
+    assert latency is not None, summary
+    ttft_median, ttft_p90, itl_median, itl_p90 = (float(v.replace(",", "")) for v in latency.groups())
+    assert 0 < ttft_median <= ttft_p90 and 0 < itl_median <= itl_p90
+
+
+@pytest.mark.timeout(900)
+def test_a_one_prompt_job_ends_with_that_requests_ttft_and_itl_before_the_summary(tmp_path, capsys):
+    inp = tmp_path / "one.txt"
+    inp.write_text("The for statement\n", encoding="utf-8")
+    args = ["generate", "--model", default_model_path(), "--input", str(inp), "--quiet", "--max-new-tokens", "8"]
+    assert main(args) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-1].startswith("1 request done, 0 failed; 8 generated tokens in ")
+    latency = re.fullmatch(
+        r"latency: TTFT (.+) ms; ITL (.+) ms per output token \((.+) tok/s after the first\)", lines[-2]
+    )
+    assert latency is not None, lines
+    ttft_ms, itl_ms, rate = (float(v.replace(",", "")) for v in latency.groups())
+    assert ttft_ms > 0 and itl_ms > 0 and rate == pytest.approx(1e3 / itl_ms, rel=0.01)  # both rounded to 0.1
+
+
+def test_latency_line_of_one_sequence_and_of_many():
+    from hf_contbatch.frontends.batch_job import latency_line
+    from hf_contbatch.request import LatencySamples, RequestMetrics
+
+    def request(ttft: float, itl: float, n: int) -> RequestMetrics:
+        last = ttft + (n - 1) * itl
+        return RequestMetrics(0.0, 0.0, ttft, last, last, n)
+
+    samples = LatencySamples()
+    assert latency_line(samples) is None  # no token: no line
+    samples.add(request(0.5, 0.025, 9))
+    assert latency_line(samples) == "latency: TTFT 500.0 ms; ITL 25.0 ms per output token (40.0 tok/s after the first)"
+    samples.extend([request(1.5, 0.05, 5), request(2.5, 0.075, 3), request(3.5, 0.1, 1)])
+    # TTFTs 0.5, 1.5, 2.5, 3.5 s: median 2.0, p90 3.2 (linear between ranks); ITLs 25, 50, 75 ms: 50, 70.
+    assert latency_line(samples) == (
+        "latency over 4 sequences: TTFT median 2,000.0 ms, p90 3,200.0 ms; ITL median 50.0 ms, p90 70.0 ms "
+        "per output token"
+    )
 
 
 # (input file name, its content, extra arguments, the one line on stderr). Relative paths: the

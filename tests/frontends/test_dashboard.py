@@ -21,6 +21,8 @@ from hf_contbatch.frontends.dashboard import (
     render_pools,
 )
 from hf_contbatch.frontends.dashboard.render import render_phases, render_tiles
+from hf_contbatch.frontends.dashboard.text import format_ms
+from hf_contbatch.request import RequestMetrics
 
 from conftest import random_prompts
 
@@ -414,3 +416,52 @@ def test_frame_after_close_shows_nothing_in_flight(llama_model):
     assert "closed" in dash.header.value
     assert _tile_value(dash.tiles.value, "running") == "0" and _tile_value(dash.tiles.value, "tokens/s now") == "—"
     assert dash.tokens_label.value.startswith("0/")
+
+
+# A request that arrived at 100 s: first token 0.5 s later, then 12 tokens 0.1 s apart.
+ONE_REQUEST = RequestMetrics(
+    arrival_time=100.0,
+    first_scheduled_time=100.01,
+    first_token_time=100.5,
+    last_token_time=101.7,
+    finished_time=101.8,
+    num_generated_tokens=13,
+)
+
+
+@pytest.mark.timeout(120)
+def test_one_request_view_shows_that_requests_ttft_and_itl_beside_medians_and_p90():
+    stats = with_fields(
+        make_stats(),
+        median_ttft_s=0.04,
+        p90_ttft_s=0.09,
+        median_itl_s=0.01,
+        p90_itl_s=0.02,
+        latest_request_id=7,
+        latest_request=ONE_REQUEST,
+    )
+    text = format_stats(stats)
+    assert (
+        "latency    TTFT median 40.0 ms, p90 90.0 ms · ITL median 10.0 ms, p90 20.0 ms · "
+        "latest request 7: TTFT 500.0 ms · ITL 100.0 ms per token · 13 tokens"
+    ) in text
+    html = render_tiles(stats, tokens_per_s_now=None)
+    assert "<small>TTFT · request 7</small><b>500.0 ms</b>" in html
+    assert "<small>ITL · request 7</small><b>100.0 ms</b>" in html and "13 tokens" in html
+    assert "median 40.0 ms · p90 90.0 ms" in html and "median 10.0 ms · p90 20.0 ms" in html
+    # A snapshot without them (an older engine's, or before any token) shows no latency line or tile.
+    bare = make_stats()
+    assert "latency" not in format_stats(bare) and "request 7" not in render_tiles(bare, None)
+
+
+@pytest.mark.timeout(300)
+def test_the_text_view_of_a_real_engine_shows_its_only_requests_own_figures(llama_model):
+    engine = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(num_blocks=16, block_size=4), num_threads=1))
+    try:
+        out = engine.submit(random_prompts([9])[0], SamplingParams(max_new_tokens=5)).result(120)
+        text = format_stats(engine.stats())
+    finally:
+        engine.close()
+    m = out.metrics
+    want = f"latest request {out.request_id}: TTFT {format_ms(m.ttft)} · ITL {format_ms(m.itl)} per token · 5 tokens"
+    assert want in text, text

@@ -109,7 +109,7 @@ def test_every_pipe_dashboard_and_handle_attribute_in_the_docs_exists(pipe):
             checked.add(root + chain)
     assert len(checked) > 5
     # What README.md documents for the newcomer: a call's figures and one sequence's request.
-    assert {"pipe.last_call_stats", "handle.handles[0].result", 'pipe.last_call_stats["tokens_per_s"]'} <= checked
+    assert {"pipe.last_call_stats", "handle.handles[0].result", 'pipe.last_call_stats["ttft_s"]'} <= checked
     assert not missing, "\n".join(missing)
 
 

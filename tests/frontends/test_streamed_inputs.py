@@ -180,6 +180,9 @@ def test_breaking_out_while_requests_run_cancels_them(pipe):
     del out  # collected: the generator's cleanup cancels the call's requests in flight
     assert_all_free(pipe)
     assert pipe.last_call_stats["num_requests"] == 1
+    # The latency of the one sequence yielded, from its metrics (TTFT within the call's time).
+    yielded = pipe.last_call_stats
+    assert 0 < yielded["ttft_s"] <= yielded["seconds"] and yielded["itl_s"] > 0
 
 
 @pytest.mark.timeout(120)

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -185,7 +186,15 @@ def test_last_call_stats_reads_rounded_and_holds_exact_figures(pipe, capsys):
     pipe(PROMPTS, max_new_tokens=[3, 9, 5], do_sample=False, progress_bar=False)
     call = pipe.last_call_stats
     assert isinstance(call, dict)
-    assert set(call) == {"num_requests", "generated_tokens", "seconds", "tokens_per_s", "preemptions"}
+    assert set(call) == {
+        "num_requests",
+        "generated_tokens",
+        "seconds",
+        "tokens_per_s",
+        "preemptions",
+        "ttft_s",
+        "itl_s",
+    }
     assert call["num_requests"] == 3 and call["generated_tokens"] == 3 + 9 + 5
     assert call["tokens_per_s"] == call["generated_tokens"] / call["seconds"]  # exact, not the rounded figures
     print(call)
@@ -196,3 +205,23 @@ def test_last_call_stats_reads_rounded_and_holds_exact_figures(pipe, capsys):
     assert _decimals(str(shown["seconds"])) <= 3 and _decimals(str(shown["tokens_per_s"])) <= 1
     assert shown["seconds"] == pytest.approx(call["seconds"], abs=5e-4)
     assert shown["tokens_per_s"] == pytest.approx(call["tokens_per_s"], abs=0.05)
+
+
+@pytest.mark.timeout(600)
+def test_a_one_prompt_call_reports_its_own_ttft_and_itl_inside_the_call_clock(pipe):
+    # The test's clock around the call bounds the call's figures: a first token inside the call,
+    # and TTFT plus the n - 1 gaps after it no longer than the call.
+    t0 = time.monotonic()
+    (record,) = pipe(PROMPTS[0], max_new_tokens=10, do_sample=False, ignore_eos=True, progress_bar=False)
+    wall = time.monotonic() - t0
+    call = pipe.last_call_stats
+    assert call["num_requests"] == 1 and call["generated_tokens"] == 10
+    assert 0 < call["ttft_s"] <= call["seconds"] <= wall
+    assert 0 < call["itl_s"] and call["ttft_s"] + 9 * call["itl_s"] <= call["seconds"]
+    # pipe.submit: each sequence's own metrics, the same as its RequestOutput's once finished.
+    handle = pipe.submit(PROMPTS[1], max_new_tokens=6, do_sample=False, ignore_eos=True)
+    handle.result()
+    (metrics,) = handle.metrics()
+    assert metrics == handle.handles[0].result().metrics
+    assert metrics.num_generated_tokens == 6 and metrics.ttft > 0 and metrics.itl > 0
+    assert metrics.arrival_time <= metrics.first_scheduled_time <= metrics.first_token_time <= metrics.last_token_time

@@ -223,6 +223,12 @@ def _tile(label: str, value: str, note: str = "") -> str:
     return f'<div class="hfcb-tile"><small>{label}</small><b>{value}</b>{note}</div>'
 
 
+def _median_p90(stats, name: str) -> str:
+    """ "median X · p90 Y" of ``median_{name}_s``/``p90_{name}_s``; "" when the snapshot has none."""
+    median = stat_field(stats, f"median_{name}_s")
+    return "" if median is None else f"median {format_ms(median)} · p90 {format_ms(stat_field(stats, f'p90_{name}_s'))}"
+
+
 def _sparkline(values: Sequence[float], colour: str, width: int = 160, height: int = 30) -> str:
     if len(values) < 2:
         return f'<svg width="{width}" height="{height}"></svg>'
@@ -250,10 +256,21 @@ def render_tiles(stats, tokens_per_s_now: Optional[float], history: Sequence[tup
             "—" if tokens_per_s_now is None else f"{tokens_per_s_now:,.1f}",
             f"avg {stats.throughput_tokens_per_s:,.1f}",
         ),
-        _tile("TTFT (mean)", format_ms(stats.mean_ttft_s)),
-        _tile("ITL (mean)", format_ms(stats.mean_itl_s)),
+        _tile("TTFT (mean)", format_ms(stats.mean_ttft_s), _median_p90(stats, "ttft")),
+        _tile("ITL (mean)", format_ms(stats.mean_itl_s), _median_p90(stats, "itl")),
         _tile("generated", f"{stats.num_generated_tokens:,}", f"{stats.num_iterations:,} iterations"),
     ]
+    latest = stat_field(stats, "latest_request")
+    if latest is not None:  # one request's own figures: what a one-prompt cell's user waited for
+        which = f"request {stat_field(stats, 'latest_request_id')}"
+        tiles.append(_tile(f"TTFT · {which}", format_ms(latest.ttft), "latest request to get a token"))
+        tiles.append(
+            _tile(
+                f"ITL · {which}",
+                format_ms(latest.itl),
+                f"per token after the first · {latest.num_generated_tokens:,} tokens",
+            )
+        )
     if hit is not None:
         tiles.append(
             _tile("prefix hits", f"{100 * hit:.0f}%", "prompt tokens found cached / looked up (whole blocks only)")

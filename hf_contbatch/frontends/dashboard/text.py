@@ -15,6 +15,32 @@ def format_ms(seconds: Optional[float]) -> str:
     return "—" if seconds is None else f"{seconds * 1e3:,.1f} ms"
 
 
+def latest_request_text(stats) -> str:
+    """The latest request to get a token (``EngineStats.latest_request``), its own figures:
+    "request 3: TTFT 512.0 ms · ITL 61.2 ms per token · 128 tokens"; "" when the snapshot has none."""
+    metrics, request_id = stat_field(stats, "latest_request"), stat_field(stats, "latest_request_id")
+    if metrics is None:
+        return ""
+    return (
+        f"request {request_id}: TTFT {format_ms(metrics.ttft)} · ITL {format_ms(metrics.itl)} per token"
+        f" · {metrics.num_generated_tokens:,} tokens"
+    )
+
+
+def latency_text(stats) -> str:
+    """Medians and 90th percentiles of TTFT and ITL over the engine's recent samples, then the
+    latest request's own (``latest_request_text``); "" when the snapshot has no latency yet."""
+    parts = []
+    for name, field in (("TTFT", "ttft"), ("ITL", "itl")):
+        median, p90 = stat_field(stats, f"median_{field}_s"), stat_field(stats, f"p90_{field}_s")
+        if median is not None:
+            parts.append(f"{name} median {format_ms(median)}, p90 {format_ms(p90)}")
+    latest = latest_request_text(stats)
+    if latest:
+        parts.append(f"latest {latest}")
+    return " · ".join(parts)
+
+
 def preemption_kinds(stats, template: str = "{}") -> str:
     """Preemptions by kind ("swap N, recompute M") put into ``template``; "" when the snapshot has
     no counts by kind."""
@@ -84,6 +110,9 @@ def format_stats(
     )
     if busy:
         lines.append(f"           {busy}")
+    latency = latency_text(stats)
+    if latency:
+        lines.append(f"latency    {latency}")
     rows = phase_rows(stats.recent_phases)
     if rows:
         means = {p: sum(r.get(p, 0.0) for r in rows) / len(rows) for p in PHASES}
