@@ -180,8 +180,10 @@ class FusedGroup:
             and pending[2][index]
             and (
                 verified
+                # Compiled: see PackedLinears.refresh() (and reading the keys here would guard the
+                # graph on weight versions: a weight change would compile it again).
+                or torch.compiler.is_compiling()
                 or self.keys is None
-                or torch.compiler.is_compiling()  # compiled: see PackedLinears.refresh()
                 or weight_key(member.module.weight) == self.keys[index]
             )
         ):
