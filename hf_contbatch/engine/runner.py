@@ -222,6 +222,11 @@ class ModelRunner:
             "use_cache": True,
             "paged_cache": step,
         }
+        if self.cache.indexer_layers and inputs.metadata is not None:
+            # A sparse-attention indexer (DeepSeek V3.2's DSA) adds a causal mask to its scores
+            # before its top-k: the step's own over its flattened contexts (transformers builds
+            # none for a paged cache), under the layer kind's key in the model's mask mapping.
+            kwargs["attention_mask"] = {"indexed_attention": step.index_mask()}
         rows = inputs.logits_index
         if self._supports_logits_to_keep:
             kwargs["logits_to_keep"] = rows

@@ -128,7 +128,11 @@ def paged_attention_forward(
     if tuning is not None:
         query = _retuned_query(query, paged_cache.metadata.to(query.device), *tuning)
     sinks = kwargs.get("s_aux")
-    out = paged_cache.attend(layer, query, key, value, scale, sliding_window, softcap, sinks, chunk_size, head_maps)
+    # A sparse-attention indexer's top-k (DeepSeek V3.2's DSA), passed by its model as ``indices``.
+    selected = kwargs.get("indices") if attention_mask is not None else None
+    out = paged_cache.attend(
+        layer, query, key, value, scale, sliding_window, softcap, sinks, chunk_size, head_maps, selected=selected
+    )
     return out, None
 
 
@@ -277,7 +281,9 @@ def _check_served_call(module, key, value, attention_mask, stored, kwargs, paged
     Raises ``ValueError`` where the model asks attention for something the paged kernels would
     silently not do (they read the step's context from the pool and mask causally, with the
     ``sliding_window``/``softcap``/``s_aux`` arguments): a mask of its own (an ALiBi or learned
-    bias: an engine step builds none), attention sinks or position-scaled queries under a compiled
+    bias: an engine step builds none; the one mask served is the step's own causal mask over its
+    contexts, ``PagedCacheStep.index_mask``, which a model with a sparse-attention indexer passes on
+    beside the indexer's top-k), attention sinks or position-scaled queries under a compiled
     forward (its op has neither), a latent layer under a compiled forward (whose op stores and
     attends without returning the contexts), K/V changed after ``cache.update`` other than by
     picking stored heads (:func:`_head_maps`; a latent layer's model expands the contexts its
@@ -285,7 +291,7 @@ def _check_served_call(module, key, value, attention_mask, stored, kwargs, paged
     (but for a layer sharing another's K/V: Gemma 4)."""
     layer, head_maps, what = getattr(module, "layer_idx", None), None, None
     error = ValueError
-    if attention_mask is not None:
+    if attention_mask is not None and not (not compiled and paged_cache.is_index_mask(attention_mask)):
         what = "adds its own attention mask or bias"
     elif compiled and kwargs.get("s_aux") is not None:
         what = "passes attention sinks (s_aux), which a compiled forward does not serve"
