@@ -251,6 +251,9 @@ class PagedCacheStep(_CBCache):
         self.is_sliding = [False] * cache.num_layers
         self.layers_stored: set[int] = set()  # the layers a compiled forward's op stored this step
         self._index_mask: Optional[torch.Tensor] = None  # built on first use (``index_mask``)
+        # Each metadata entry's prompt length (tokens), set by the runner for a model with a
+        # sparse-attention indexer: ``engine.sparse_indexer`` builds the rows generate would from it.
+        self.prompt_lens: Optional[list[int]] = None
         take_stored()  # a record a failed step left on this thread is not this step's
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -304,6 +307,34 @@ class PagedCacheStep(_CBCache):
 
         slots = meta.derived(("contexts",), lambda: context_slots(meta))
         return flat.index_select(0, slots).to(key_states.dtype).unsqueeze(0)
+
+    def request_indexer_keys(
+        self, key_states: torch.Tensor, layer_idx: int, request: int, rows: torch.Tensor, stored: int, length: int
+    ) -> torch.Tensor:
+        """Store the indexer keys ``key_states`` ``[1, len(rows), D]`` of the step's query rows
+        ``rows`` (int64, indices into the step's tokens) into their slots, and return the first
+        ``stored`` indexer keys of the step's ``request``-th metadata entry (positions ``0..stored-1``
+        of its context, through its block table) zero-padded to ``length`` rows: ``[1, length, D]`` in
+        ``key_states``' dtype. What one request's indexer call reads (``engine.sparse_indexer``).
+
+        Raises:
+            ValueError: a layer without an indexer pool, or ``stored`` past ``length``.
+        """
+        cache = self.cache
+        if layer_idx not in cache.indexer_layers:
+            raise ValueError(f"layer {layer_idx} has no indexer key pool (KVLayerShape.indexer_head_size is 0)")
+        if stored > length:
+            raise ValueError(f"request_indexer_keys: {stored} stored keys do not fit a row of {length}")
+        pool = cache.indexer_keys[layer_idx]
+        meta = self.metadata.to(pool.device)
+        flat = pool.view(-1, pool.shape[-1])
+        flat.index_copy_(0, meta.slot_mapping[rows.to(pool.device)], key_states[0].to(pool.dtype))
+        bs = meta.block_size
+        positions = torch.arange(stored, device=pool.device)
+        slots = meta.block_tables[request].to(torch.long)[positions // bs] * bs + positions % bs
+        out = flat.new_zeros((length, pool.shape[-1]))
+        out[:stored] = flat.index_select(0, slots)
+        return out.to(key_states.dtype).unsqueeze(0)
 
     def index_mask(self) -> torch.Tensor:
         """bool ``[1, 1, T, S]``: the causal mask over the step's flattened contexts

@@ -150,13 +150,16 @@ def test_indexer_layers_get_an_indexer_key_pool():
     model = family_sweep.build_tiny("glm_moe_dsa")
     cfg = model.config
     assert list(cfg.indexer_types) == ["full", "shared"]
+    indexer = model.model.layers[0].self_attn.indexer
     eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=3)))
     try:
         pools = eng.cache.indexer_keys
         assert [None if p is None else tuple(p.shape) for p in pools] == [(3, 4, cfg.index_head_dim), None]
         assert pools[0].dtype == torch.float32
+        assert "forward" in indexer.__dict__  # its top-k picked per request (engine.sparse_indexer)
     finally:
         eng.close()
+    assert "forward" not in indexer.__dict__, "closing the engine gives the indexer its own forward back"
 
 
 @pytest.mark.timeout(300)

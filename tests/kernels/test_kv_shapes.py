@@ -298,6 +298,21 @@ def test_update_indexer_returns_each_requests_stored_indexer_keys():
     assert torch.equal(keys[0], want)
 
 
+def test_request_indexer_keys_store_the_rows_and_pad_the_requests_keys_to_the_row_length():
+    cache, meta = _indexed_step()
+    g = torch.Generator().manual_seed(7)
+    step = cache.for_step(meta)
+    new = torch.randn(1, 4, 6, generator=g)
+    # Request 1 prefills its 3 tokens (step rows 1..3) over a prompt-long row of 5 (generate's row).
+    keys = step.request_indexer_keys(new[:, 1:], 0, 1, torch.tensor([1, 2, 3]), 3, 5)
+    assert keys.shape == (1, 5, 6)
+    assert torch.equal(keys[0, :3], new[0, 1:]) and torch.equal(keys[0, 3:], torch.zeros(2, 6))
+    # Their slots (block 2, offsets 0..2) hold them.
+    assert torch.equal(cache.indexer_keys[0][2, :3], new[0, 1:])
+    with pytest.raises(ValueError, match="do not fit"):
+        step.request_indexer_keys(new[:, 1:], 0, 1, torch.tensor([1, 2, 3]), 3, 2)
+
+
 def test_indexer_keys_move_with_their_blocks():
     cache, _ = _indexed_step()
     pool = cache.indexer_keys[0]

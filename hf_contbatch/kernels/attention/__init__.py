@@ -100,6 +100,11 @@ def paged_attention_forward(
         paged_cache = stored[0]  # a decoder layer that does not pass the forward's kwargs on (Nemotron)
     if paged_cache is None:
         fn = _previous_attention(module, previous_implementation)
+        if kwargs.get("indices") is not None and attention_mask is not None:
+            # A sparse-attention indexer's top-k (DeepSeek V3.2's DSA): the model folds it into the
+            # mask only for "eager"/"sdpa", and the model's implementation is this one while an
+            # engine serves it, so fold it here as the model would have.
+            attention_mask = _fold_selection(attention_mask, kwargs["indices"], query.dtype)
         return fn(module, query, key, value, attention_mask, **kwargs)
     compiled = isinstance(paged_cache, CompiledStep)
     layer, head_maps = _check_served_call(module, key, value, attention_mask, stored, kwargs, paged_cache, compiled)
@@ -134,6 +139,18 @@ def paged_attention_forward(
         layer, query, key, value, scale, sliding_window, softcap, sinks, chunk_size, head_maps, selected=selected
     )
     return out, None
+
+
+def _fold_selection(attention_mask: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``attention_mask`` ``[B, 1, S, T]`` (bool: True attends; float: added) restricted to the keys
+    ``indices`` ``[B, S, k]`` picks for each query, as transformers' DSA attention modules fold their
+    indexer's top-k into the mask for the eager and SDPA paths."""
+    b, _, s, t = attention_mask.shape
+    unpicked = torch.ones((b, s, t), dtype=torch.bool, device=attention_mask.device)
+    unpicked = unpicked.scatter(-1, indices.to(attention_mask.device, torch.long), False).unsqueeze(1)
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & ~unpicked
+    return attention_mask.masked_fill(unpicked, torch.finfo(dtype).min)
 
 
 # --- what an engine step's attention call must look like ------------------------------------------
