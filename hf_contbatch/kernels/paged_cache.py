@@ -418,12 +418,8 @@ class PagedCacheStep(_CBCache):
         if layer_idx in cache.latent_layers:
             from .attention.torch_paged import context_attention
 
-            allowed = None
-            if selected is not None:
-                causal = self.index_mask()[0, 0]
-                picked = torch.zeros_like(causal).scatter_(-1, selected[0].to(causal.device, torch.long), True)
-                allowed = picked & causal
-            out = context_attention(q, key[0], value[0], meta, scale, sliding_window, softcap, sinks, allowed)
+            picks = None if selected is None else selected[0].to(q.device)
+            out = context_attention(q, key[0], value[0], meta, scale, sliding_window, softcap, sinks, picks)
             return out.unsqueeze(0)
         single = key.shape[0] == 1
         if sinks is not None:

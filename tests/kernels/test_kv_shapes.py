@@ -352,7 +352,15 @@ def test_context_attention_over_an_indexers_selection_matches_a_naive_reference(
     g = torch.Generator().manual_seed(9)
     allowed = causal & (torch.rand(causal.shape, generator=g) < 0.4)
     allowed |= causal & ~causal.cumsum(-1).gt(1)  # each row keeps its first visible key at least
-    got = context_attention(query, key, value, meta, 0.2, allowed=allowed)
+    # As top-k positions: each row's picks, then keys it may not see (another request's, or past its
+    # position: what a top-k takes for want of visible keys), to be ignored; rows padded with repeats.
+    width = int(allowed.sum(-1).max()) + 2
+    selected = torch.empty(allowed.shape[0], width, dtype=torch.int32)
+    for t in range(allowed.shape[0]):
+        hidden = (~causal[t]).nonzero()[:, 0][:2].tolist()
+        row = allowed[t].nonzero()[:, 0].tolist() + hidden
+        selected[t] = torch.tensor(row + [row[0]] * (width - len(row)))
+    got = context_attention(query, key, value, meta, 0.2, selected=selected)
     want = torch.empty_like(got)
     for t in range(query.shape[0]):
         picked = allowed[t].nonzero()[:, 0]
@@ -363,4 +371,4 @@ def test_context_attention_over_an_indexers_selection_matches_a_naive_reference(
             want[t, h] = (probs[:, None] * v).sum(0) / probs.sum()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="sliding window"):
-        context_attention(query, key, value, meta, 0.2, sliding_window=4, allowed=allowed)
+        context_attention(query, key, value, meta, 0.2, sliding_window=4, selected=selected)

@@ -384,7 +384,7 @@ def context_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
-    allowed: torch.Tensor | None = None,
+    selected: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every query row over its request's context given densely: the layers whose
     model expands the stored context itself (multi-head latent attention, ``KVLayerShape.latent``).
@@ -396,22 +396,23 @@ def context_attention(
             :func:`context_slots` lays them out); ``Dv`` may differ from ``Dk``.
         meta: the step's metadata (its host-side lists are read).
         scale, sliding_window, softcap, sinks: as :func:`torch_paged_attention`.
-        allowed: bool ``[T, S]``, the keys each query row may see (a sparse-attention indexer's
-            top-k within :func:`context_mask`), or None for every causally visible key. A row must
-            allow at least one key of its own request (the indexer's selection always does).
+        selected: int ``[T, k]``, the keys each query row may see as positions in the ``S``
+            context rows (a sparse-attention indexer's top-k; repeats allowed), or None for every
+            causally visible key. A pick outside the row's own request, or past its position, is
+            ignored; each row must keep at least one (the indexer's best pick always is one).
 
     Returns:
         ``[T, H, Dv]`` in the query dtype; a query at position ``p`` sees its request's keys
-        ``0..p`` (the last ``sliding_window`` of them under a window; those of them ``allowed``).
+        ``0..p`` (the last ``sliding_window`` of them under a window; those of them ``selected``).
 
     Raises:
-        ValueError: ``key``'s length is not the sum of the context lengths, or ``allowed`` given
+        ValueError: ``key``'s length is not the sum of the context lengths, or ``selected`` given
             with a ``sliding_window``.
     """
     total = sum(meta.seq_lens_cpu)
     if key.shape[1] != total or value.shape[1] != total:
         raise ValueError(f"context_attention: {key.shape[1]} key rows for contexts of {total} tokens")
-    if allowed is not None and sliding_window is not None:
+    if selected is not None and sliding_window is not None:
         raise ValueError("context_attention: an indexer's selection under a sliding window is not served")
     num_tokens, num_heads, _ = query.shape
     out = query.new_empty((num_tokens, num_heads, value.shape[-1]))
@@ -422,10 +423,15 @@ def context_attention(
         v = value[:, ctx : ctx + seq_len].unsqueeze(0).to(query.dtype)
         ctx += seq_len
         q_len = end - start
-        if allowed is not None:
-            # The indexer's selection, already causal (``context_mask`` went into its top-k and is
-            # applied again here): the rows of this request over its own keys.
-            mask = allowed[start:end, ctx - seq_len : ctx]
+        if selected is not None:
+            # This request's rows over its own keys: the picks in its context (the others land in
+            # a spare last column, dropped), and only up to each row's position.
+            picks = selected[start:end].to(torch.long) - (ctx - seq_len)
+            picks = torch.where((picks >= 0) & (picks < seq_len), picks, seq_len)
+            mask = torch.zeros((q_len, seq_len + 1), dtype=torch.bool, device=query.device)
+            mask = mask.scatter_(1, picks, True)[:, :seq_len]
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
+            mask &= torch.arange(seq_len, device=query.device).unsqueeze(0) <= q_pos
             q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, Dk]
             out[start:end] = _attend(q, k, v, mask, scale, softcap, sinks=sinks)[0].transpose(0, 1)
             continue
