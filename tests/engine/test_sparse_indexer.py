@@ -85,3 +85,22 @@ def test_the_models_own_generate_keeps_its_sparse_attention_while_an_engine_serv
         assert reference_greedy(model, prompt, NEW) == before
     finally:
         eng.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_prefix_cache_hit_reads_the_indexer_keys_its_blocks_hold():
+    """A second prompt sharing the first's 16-token prefix reuses its blocks, indexer keys included
+    (computed from the same tokens): its tokens still equal ``generate``'s."""
+    model = family_sweep.build_tiny("deepseek_v32")
+    first = family_sweep.prompts()[1]
+    second = first[:16] + [7, 11, 13, 17, 19]
+    refs = [reference_greedy(model, p, NEW) for p in (first, second)]
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=32)))
+    try:
+        outs = [eng.submit(first, SamplingParams(max_new_tokens=NEW, ignore_eos=True)).result(timeout=120)]
+        outs.append(eng.submit(second, SamplingParams(max_new_tokens=NEW, ignore_eos=True)).result(timeout=120))
+        stats = eng.stats()
+    finally:
+        eng.close()
+    assert [o.output_token_ids for o in outs] == refs
+    assert stats.prefix_cache_hit_tokens >= 16, "the second prompt was meant to hit the prefix cache"
