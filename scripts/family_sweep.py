@@ -116,6 +116,14 @@ SHRINK = {
     "qk_rope_head_dim": 8,
     "qk_nope_head_dim": 16,
     "v_head_dim": 16,
+    # Sparse attention's indexer (DeepSeek V3.2's DSA and kin): a top-k shorter than both prompts, so
+    # it selects; a second layer reusing the first's top-k where the config has per-layer modes. 4
+    # heads: a key every head scores below zero scores exactly 0 (ReLU), so keys tie at the top-k's
+    # cut, where only rows laid out as generate's pick what it picks (engine.sparse_indexer).
+    "index_topk": 4,
+    "index_n_heads": 4,
+    "index_head_dim": 16,
+    "indexer_types": ["full", "shared"],
     # Sliding windows shorter than the longest prompt, so they mask something.
     "sliding_window": 8,
     # Recurrent / hybrid layers: small states.

@@ -127,7 +127,10 @@ def layer_kv_shapes(model, num_layers: int, num_kv_heads: int, head_dim: Optiona
 
     - multi-head latent attention (a module with ``kv_lora_rank``): one latent head, K of
       ``kv_lora_rank`` channels (the normalized KV latent), V of ``qk_rope_head_dim`` (the shared
-      rotary key), ``latent=True``: what its ``cache.update`` receives.
+      rotary key), ``latent=True``: what its ``cache.update`` receives; with a sparse-attention
+      indexer (``module.indexer``, DeepSeek V3.2's DSA), ``indexer_head_size`` its ``head_dim``: the
+      one key per token its ``cache.update_indexer`` receives (a layer reusing an earlier layer's
+      top-k has ``indexer`` None and caches none).
     - a module with ``k_proj`` (a linear with ``out_features``): head size ``module.head_dim`` (else
       ``head_dim``), KV heads ``k_proj.out_features // head size``, V head size
       ``v_proj.out_features // KV heads`` (no ``v_proj``: Gemma 4's ``attention_k_eq_v`` layers,
@@ -162,7 +165,11 @@ def layer_kv_shapes(model, num_layers: int, num_kv_heads: int, head_dim: Optiona
             continue
         rank = getattr(module, "kv_lora_rank", None)
         if isinstance(rank, int) and rank > 0:
-            shapes.append(KVLayerShape(1, rank, int(module.qk_rope_head_dim), latent=True))
+            indexer = getattr(module, "indexer", None)
+            indexer_size = int(getattr(indexer, "head_dim", 0) or 0) if indexer is not None else 0
+            shapes.append(
+                KVLayerShape(1, rank, int(module.qk_rope_head_dim), latent=True, indexer_head_size=indexer_size)
+            )
             continue
         k_out = _out_features(module, "k_proj")
         size = getattr(module, "head_dim", None) if module is not None else None

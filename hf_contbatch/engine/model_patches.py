@@ -24,6 +24,7 @@ from .attention_switch import restore_attention, switch_to_paged_attention
 from .lora_adapters import acquire_lora_layers, release_lora_layers
 from .pool_sizing import available_host_memory
 from .rotary_variants import acquire_rotary_variants, release_rotary_variants
+from .sparse_indexer import acquire_sparse_indexers, release_sparse_indexers
 
 _FUSED_OPS_USERS = "_hf_contbatch_fused_ops"  # on the model: [FusedModelOps, open engines using it]
 _WEIGHT_FORMAT_USERS = "_hf_contbatch_weight_format"  # on the model: WeightFormatUsers
@@ -91,6 +92,7 @@ class ModelPatches:
         self.packed_linears = None
         self.weight_spill = None
         self.rotary_variants = None
+        self.sparse_indexers = None
         try:
             # Before anything else changes the model: a rotary we cannot serve per request raises.
             self.rotary_variants = acquire_rotary_variants(model)
@@ -99,6 +101,8 @@ class ModelPatches:
                     "compile_model (HF_CONTBATCH_COMPILE=1) cannot serve rope_type 'longrope', whose factors are "
                     "chosen per request; turn it off for this model"
                 )
+            # Sparse attention's indexers pick their top-k per request, as generate's rows do.
+            self.sparse_indexers = acquire_sparse_indexers(model)
             # LoRA's A and B stay unpacked (kernels.lora reads them); the base weights pack as usual.
             lora_ab = [
                 ab for m in getattr(self.lora_layers, "modules", ()) for ab in (*m.lora_A.values(), *m.lora_B.values())
@@ -127,6 +131,8 @@ class ModelPatches:
         except BaseException:
             if self.rotary_variants is not None:
                 release_rotary_variants(model)
+            if self.sparse_indexers is not None:
+                release_sparse_indexers(model)
             restore_linears(self.packed_linears, self.weight_spill)
             self.weight_spill = None
             self._format_users.open -= 1
@@ -201,6 +207,9 @@ class ModelPatches:
         if self.rotary_variants is not None:
             release_rotary_variants(self.model)
             self.rotary_variants = None
+        if self.sparse_indexers is not None:
+            release_sparse_indexers(self.model)
+            self.sparse_indexers = None
         if self.fused_ops is not None:
             release_fused_ops(self.model)
             self.fused_ops = None

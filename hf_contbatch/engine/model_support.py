@@ -19,7 +19,8 @@ touched, so a refusal comes before any packing or pool is built):
   (``engine.kv_groups.layer_kv_shapes``: per-layer head sizes and KV heads, V heads narrower than K
   heads, multi-head latent attention's cached latents). Kinds it cannot serve yet are named in the
   refusal: recurrent layers whose state is not in transformers' ``Cache`` (RWKV, xLSTM,
-  RecurrentGemma), indexed attention, ALiBi biases, Doge's dynamic masks. Attention sinks
+  RecurrentGemma), ALiBi biases, Doge's dynamic masks. Indexed (sparse) attention is served: its
+  indexer's keys in a pool per layer, its top-k read by the torch attention path. Attention sinks
   (gpt-oss's ``s_aux``) and K/V heads of different sizes are served by the torch attention path;
   the C and Triton kernels step aside to it for such layers.
 """
@@ -35,8 +36,12 @@ from .pool_sizing import KVGeometry, text_config
 
 # ``config.layer_types`` entries the paged KV cache serves: attention layers whose masking the
 # kernels do themselves (causal, plus a window passed as ``sliding_window`` or a chunk read from the
-# config), and stateless blocks.
-SERVED_LAYER_KINDS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention", "mlp", "moe"})
+# config), stateless blocks, and multi-head latent attention with a sparse-attention indexer
+# ("indexed_attention": DeepSeek V3.2, GLM-MoE-DSA, A.X K2, HY V4), whose indexer keys get a pool of
+# their own and whose top-k is picked under the step's causal mask over its contexts.
+SERVED_LAYER_KINDS = frozenset(
+    {"full_attention", "sliding_attention", "chunked_attention", "attention", "mlp", "moe", "indexed_attention"}
+)
 
 
 # What an unserved ``layer_types`` kind needs that the paged KV cache lacks, where the kind's name
@@ -118,7 +123,7 @@ def _attention_through_interface(model) -> bool:
 
 def unserved_layer_kind(model):
     """The first thing about ``model`` the engine cannot serve yet, as a short phrase naming the
-    layer kind ("layer kinds 'indexed_attention'", "ALiBi position biases ...", ...), or None when every layer is served. Reads classes, the config and module attributes only."""
+    layer kind ("layer kinds 'hybrid_sliding'", "ALiBi position biases ...", ...), or None when every layer is served. Reads classes, the config and module attributes only."""
     cfg = text_config(model)
     served = SERVED_LAYER_KINDS | RECURRENT_LAYER_KINDS
     unserved = [k for k in dict.fromkeys(_layer_kinds(cfg)) if k not in served]

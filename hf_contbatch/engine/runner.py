@@ -222,6 +222,19 @@ class ModelRunner:
             "use_cache": True,
             "paged_cache": step,
         }
+        if self.cache.indexer_layers and inputs.metadata is not None:
+            # A sparse-attention indexer (DeepSeek V3.2's DSA) adds a causal mask to its scores
+            # before its top-k: the step's own over its flattened contexts (transformers builds
+            # none for a paged cache), under the layer kind's key in the model's mask mapping.
+            kwargs["attention_mask"] = {"indexed_attention": step.index_mask()}
+            # Its top-k runs per request over the rows generate builds (engine.sparse_indexer): each
+            # metadata entry's prompt length, entries laid out as build_metadata lays them.
+            batch = self.batch
+            step.prompt_lens = [
+                batch.get(s.request_id).num_prompt_tokens
+                for s in plan.scheduled
+                for _ in range(s.num_new_tokens if s.draft_token_ids else 1)
+            ]
         rows = inputs.logits_index
         if self._supports_logits_to_keep:
             kwargs["logits_to_keep"] = rows

@@ -54,9 +54,14 @@ class KVLayerShape:
             4's KV sharing: its last layers reuse the K/V of the last layer of their kind before
             them); None for a layer with pools of its own. A sharing layer's pools are its source's
             tensors, so it costs no bytes; its shape fields repeat the source's.
+        indexer_head_size: channels of the one key the layer's sparse-attention indexer caches per
+            token (DeepSeek V3.2's DSA and its kin: transformers' ``DynamicIndexedLayer.indexer_keys``),
+            0 for a layer without an indexer (or one reusing another layer's top-k). Stored in a third
+            pool of the layer, ``[num_blocks, block_size, indexer_head_size]``, indexed by the same
+            block ids (``kernels.paged_cache.PagedCacheStep.update_indexer``).
 
     Raises:
-        ValueError: a non-positive size or a negative ``shared_from``.
+        ValueError: a non-positive size, a negative ``indexer_head_size`` or a negative ``shared_from``.
     """
 
     num_kv_heads: int
@@ -64,11 +69,14 @@ class KVLayerShape:
     v_head_size: int
     latent: bool = False
     shared_from: Optional[int] = None
+    indexer_head_size: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_kv_heads", "head_size", "v_head_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"KVLayerShape.{name} must be positive, got {getattr(self, name)}")
+        if self.indexer_head_size < 0:
+            raise ValueError(f"KVLayerShape.indexer_head_size must be 0 or positive, got {self.indexer_head_size}")
         if self.shared_from is not None and self.shared_from < 0:
             raise ValueError(f"KVLayerShape.shared_from must be None or a layer index, got {self.shared_from}")
 
@@ -188,21 +196,34 @@ class KVCacheSpec:
             return None
         return (num_blocks, self.block_size, self.layer(layer).num_kv_heads, self.scales_per_token_head)
 
+    @property
+    def indexer_dtype(self) -> torch.dtype:
+        """dtype of the indexer key pools: the K/V dtype for a float cache; float32 under a quantized
+        layout (the indexer scores in float32, and its top-k must pick what ``generate``'s would)."""
+        return torch.float32 if self.is_quantized else self.dtype
+
+    def indexer_shape(self, num_blocks: int, layer: int = 0) -> Optional[tuple[int, int, int]]:
+        """Shape of layer ``layer``'s indexer key pool, ``[num_blocks, block_size,
+        indexer_head_size]``; None for a layer without an indexer."""
+        size = self.layer(layer).indexer_head_size
+        return (num_blocks, self.block_size, size) if size else None
+
     def owner(self, layer: int) -> int:
         """The layer whose pools ``layer`` reads: itself, or the layer it shares K/V with."""
         src = self.layer(layer).shared_from
         return layer if src is None else src
 
     def layer_block_bytes(self, layer: int) -> int:
-        """Bytes of one block in layer ``layer``: K and V, scales included (0 for a layer that
-        shares another's pools)."""
+        """Bytes of one block in layer ``layer``: K and V, scales and indexer keys included (0 for a
+        layer that shares another's pools)."""
         shape = self.layer(layer)
         if shape.shared_from is not None:
             return 0
         tokens_heads = self.block_size * shape.num_kv_heads
         data = tokens_heads * (shape.head_size + shape.v_head_size) * _itemsize(self.dtype)
         scales = tokens_heads * self.scales_per_token_head * _itemsize(self.scale_dtype) if self.is_quantized else 0
-        return data + 2 * scales
+        indexer = self.block_size * shape.indexer_head_size * _itemsize(self.indexer_dtype)
+        return data + 2 * scales + indexer
 
     @functools.cached_property
     def layer_bytes_per_block(self) -> int:

@@ -69,6 +69,15 @@ class PagedKVCache:
         self.value_cache = _per_layer(
             spec, lambda i: torch.zeros(spec.value_shape(n, i), dtype=spec.dtype, device=layer_devices[i])
         )
+        # Layers whose sparse-attention indexer caches a key per token (``KVLayerShape.indexer_head_size``):
+        # a third pool each, None for the other layers (``update_indexer``).
+        self.indexer_layers = frozenset(i for i in self.owning_layers if spec.layer(i).indexer_head_size)
+        self.indexer_keys: list[Optional[torch.Tensor]] = [
+            torch.zeros(spec.indexer_shape(n, i), dtype=spec.indexer_dtype, device=layer_devices[i])
+            if i in self.indexer_layers
+            else None
+            for i in range(spec.num_layers)
+        ]
         # A quantized layout's scales, beside the pools block for block (empty for a float cache).
         self.key_scales: list[torch.Tensor] = []
         self.value_scales: list[torch.Tensor] = []
@@ -84,6 +93,7 @@ class PagedKVCache:
         self.swap_value_cache: list[torch.Tensor] = []
         self.swap_key_scales: list[torch.Tensor] = []
         self.swap_value_scales: list[torch.Tensor] = []
+        self.swap_indexer_keys: list[Optional[torch.Tensor]] = []
         if num_swap_blocks:
             m = num_swap_blocks
             # Pinned only where there is a device to DMA from (transformers' CPU offload pins
@@ -96,6 +106,12 @@ class PagedKVCache:
             self.swap_value_cache = _per_layer(
                 spec, lambda i: torch.empty(spec.value_shape(m, i), dtype=spec.dtype, pin_memory=pin)
             )
+            self.swap_indexer_keys = [
+                torch.empty(spec.indexer_shape(m, i), dtype=spec.indexer_dtype, pin_memory=pin)
+                if i in self.indexer_layers
+                else None
+                for i in range(spec.num_layers)
+            ]
             if spec.is_quantized:
                 self.swap_key_scales = _per_layer(
                     spec, lambda i: torch.empty(spec.scale_shape(m, i), dtype=spec.scale_dtype, pin_memory=pin)
@@ -111,14 +127,17 @@ class PagedKVCache:
         return PagedCacheStep(self, metadata)
 
     def device_tensors(self, layer: int) -> list[torch.Tensor]:
-        """The tensors of ``layer`` indexed by device block: K and V pools, then their scales if any."""
+        """The tensors of ``layer`` indexed by device block: K and V pools, their scales if any, then
+        its indexer key pool if it has one (swaps and copy-on-write move them all together)."""
         scales = [self.key_scales[layer], self.value_scales[layer]] if self.key_scales else []
-        return [self.key_cache[layer], self.value_cache[layer], *scales]
+        indexer = [self.indexer_keys[layer]] if layer in self.indexer_layers else []
+        return [self.key_cache[layer], self.value_cache[layer], *scales, *indexer]
 
     def host_tensors(self, layer: int) -> list[torch.Tensor]:
         """The swap pool's counterparts of :meth:`device_tensors`, in the same order."""
         scales = [self.swap_key_scales[layer], self.swap_value_scales[layer]] if self.swap_key_scales else []
-        return [self.swap_key_cache[layer], self.swap_value_cache[layer], *scales]
+        indexer = [self.swap_indexer_keys[layer]] if layer in self.indexer_layers else []
+        return [self.swap_key_cache[layer], self.swap_value_cache[layer], *scales, *indexer]
 
     def scales(self, layer: int) -> dict:
         """``{"k_scale": ..., "v_scale": ...}`` of ``layer`` for a quantized layout, else ``{}``: the
@@ -188,6 +207,8 @@ class PagedKVCache:
         self.value_cache.clear()
         self.swap_key_cache.clear()
         self.swap_value_cache.clear()
+        self.indexer_keys.clear()
+        self.swap_indexer_keys.clear()
         for scales in (self.key_scales, self.value_scales, self.swap_key_scales, self.swap_value_scales):
             scales.clear()
 
@@ -229,6 +250,10 @@ class PagedCacheStep(_CBCache):
         self.metadata = metadata
         self.is_sliding = [False] * cache.num_layers
         self.layers_stored: set[int] = set()  # the layers a compiled forward's op stored this step
+        self._index_mask: Optional[torch.Tensor] = None  # built on first use (``index_mask``)
+        # Each metadata entry's prompt length (tokens), set by the runner for a model with a
+        # sparse-attention indexer: ``engine.sparse_indexer`` builds the rows generate would from it.
+        self.prompt_lens: Optional[list[int]] = None
         take_stored()  # a record a failed step left on this thread is not this step's
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -259,6 +284,81 @@ class PagedCacheStep(_CBCache):
         note_stored(self, layer_idx, key_states, value_states)  # for the attention call that follows
         return key_states, value_states
 
+    def update_indexer(self, key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """Store this step's sparse-attention indexer keys (``[1, T, D]``, one per token, D the
+        layer's ``KVLayerShape.indexer_head_size``) into their slots of the layer's indexer pool, and
+        return every request's whole stored indexer keys, ``[1, S, D]`` in ``key_states``' dtype,
+        laid out as :meth:`update`'s latent contexts (``S = sum(seq_lens)``, requests in the step's
+        order): transformers' ``DynamicIndexedLayer.update_indexer`` for the flattened step.
+
+        Raises:
+            ValueError: a layer without an indexer pool.
+        """
+        if self.metadata is None:
+            return key_states
+        cache = self.cache
+        if layer_idx not in cache.indexer_layers:
+            raise ValueError(f"layer {layer_idx} has no indexer key pool (KVLayerShape.indexer_head_size is 0)")
+        pool = cache.indexer_keys[layer_idx]
+        meta = self.metadata.to(pool.device)
+        flat = pool.view(-1, pool.shape[-1])
+        flat.index_copy_(0, meta.slot_mapping, key_states[0].to(pool.dtype))
+        from .attention.torch_paged import context_slots
+
+        slots = meta.derived(("contexts",), lambda: context_slots(meta))
+        return flat.index_select(0, slots).to(key_states.dtype).unsqueeze(0)
+
+    def request_indexer_keys(
+        self, key_states: torch.Tensor, layer_idx: int, request: int, rows: torch.Tensor, stored: int, length: int
+    ) -> torch.Tensor:
+        """Store the indexer keys ``key_states`` ``[1, len(rows), D]`` of the step's query rows
+        ``rows`` (int64, indices into the step's tokens) into their slots, and return the first
+        ``stored`` indexer keys of the step's ``request``-th metadata entry (positions ``0..stored-1``
+        of its context, through its block table) zero-padded to ``length`` rows: ``[1, length, D]`` in
+        ``key_states``' dtype. What one request's indexer call reads (``engine.sparse_indexer``).
+
+        Raises:
+            ValueError: a layer without an indexer pool, or ``stored`` past ``length``.
+        """
+        cache = self.cache
+        if layer_idx not in cache.indexer_layers:
+            raise ValueError(f"layer {layer_idx} has no indexer key pool (KVLayerShape.indexer_head_size is 0)")
+        if stored > length:
+            raise ValueError(f"request_indexer_keys: {stored} stored keys do not fit a row of {length}")
+        pool = cache.indexer_keys[layer_idx]
+        meta = self.metadata.to(pool.device)
+        flat = pool.view(-1, pool.shape[-1])
+        flat.index_copy_(0, meta.slot_mapping[rows.to(pool.device)], key_states[0].to(pool.dtype))
+        bs = meta.block_size
+        positions = torch.arange(stored, device=pool.device)
+        slots = meta.block_tables[request].to(torch.long)[positions // bs] * bs + positions % bs
+        out = flat.new_zeros((length, pool.shape[-1]))
+        out[:stored] = flat.index_select(0, slots)
+        return out.to(key_states.dtype).unsqueeze(0)
+
+    def index_mask(self) -> torch.Tensor:
+        """bool ``[1, 1, T, S]``: the causal mask over the step's flattened contexts
+        (``torch_paged.context_mask``) that a sparse-attention indexer adds to its scores, passed
+        to the model as its ``attention_mask`` (the runner: ``{"indexed_attention": ...}``). Built
+        once per step; the attention call recognizes it (:meth:`is_index_mask`).
+
+        Raises:
+            RuntimeError: a view without metadata.
+        """
+        if self.metadata is None:
+            raise RuntimeError("PagedCacheStep.index_mask called on a view without step metadata")
+        if self._index_mask is None:
+            from .attention.torch_paged import context_mask
+
+            device = self.metadata.slot_mapping.device
+            self._index_mask = context_mask(self.metadata, device)[None, None]
+        return self._index_mask
+
+    def is_index_mask(self, mask) -> bool:
+        """Whether ``mask`` is this step's :meth:`index_mask`: the one mask an attention call may
+        bring (a model with an indexer passes its attention mask on to attention unchanged)."""
+        return self._index_mask is not None and mask is self._index_mask
+
     def shares_kv(self, layer_idx) -> bool:
         """Whether ``layer_idx`` attends over another layer's K/V without storing any (Gemma 4's KV
         sharing, ``KVLayerShape.shared_from``)."""
@@ -288,6 +388,7 @@ class PagedCacheStep(_CBCache):
         sinks=None,
         chunk_size=None,
         head_maps=None,
+        selected=None,
     ):
         """``query`` ``[1, H, T, Dk]`` over the pool of ``layer_idx`` -> ``[1, T, H, Dv]``;
         ``key``/``value`` ``[1, KVH, T, Dk]`` and ``[1, KVH, T, Dv]`` this step's rows (already
@@ -299,7 +400,11 @@ class PagedCacheStep(_CBCache):
         torch path (``torch_paged``, plain torch on any device): the C and Triton kernels have
         neither. For a latent layer ``key``/``value`` are the model's expansion of what
         :meth:`update` returned, ``[1, H, S, Dk]`` and ``[1, H, S, Dv]``, and attention reads them
-        (``torch_paged.context_attention``) rather than the pool.
+        (``torch_paged.context_attention``) rather than the pool. ``selected``: for a latent layer
+        with a sparse-attention indexer, its top-k, int ``[1, T, k]`` positions in those ``S``
+        context rows (picked under :meth:`index_mask`; a pick outside the query's own causal
+        context is a masked key the top-k took for want of enough visible ones, and stays masked),
+        or None for dense attention.
 
         Raises:
             RuntimeError: a view without metadata (no step to attend for).
@@ -313,7 +418,8 @@ class PagedCacheStep(_CBCache):
         if layer_idx in cache.latent_layers:
             from .attention.torch_paged import context_attention
 
-            out = context_attention(q, key[0], value[0], meta, scale, sliding_window, softcap, sinks)
+            picks = None if selected is None else selected[0].to(q.device)
+            out = context_attention(q, key[0], value[0], meta, scale, sliding_window, softcap, sinks, picks)
             return out.unsqueeze(0)
         single = key.shape[0] == 1
         if sinks is not None:

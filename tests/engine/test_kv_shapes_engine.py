@@ -1,7 +1,8 @@
 """Models whose KV shape is not one (KV heads, head size) for K and V in every layer, end to end:
 multi-head latent attention (DeepSeek V3: the cache holds transformers' latents), per-layer head
 sizes and KV heads (Gemma 4's global layers), sliding layers with more KV heads and V heads of their
-own size (MiMo-V2-Flash), layers that attend over an earlier layer's K/V (Gemma 4's KV sharing).
+own size (MiMo-V2-Flash), layers that attend over an earlier layer's K/V (Gemma 4's KV sharing),
+latent layers with a sparse-attention indexer caching keys of its own (DeepSeek V3.2, GLM-MoE-DSA).
 Greedy tokens equal transformers' ``generate`` under swap preemption and
 chunked prefill, and with an int8 KV cache equal ``generate`` over a cache that quantizes what it
 stores by the scheme's definition (plain torch here); the pools' shapes are read off the configs
@@ -44,7 +45,7 @@ def _serve(model, prompts, cfg):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "gemma4_text", "mimo_v2_flash"])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "gemma4_text", "mimo_v2_flash", "glm_moe_dsa"])
 def test_greedy_equals_generate_under_swap_preemption_and_chunked_prefill(model_type):
     model = family_sweep.build_tiny(model_type)
     prompts = family_sweep.prompts() * 2
@@ -94,7 +95,7 @@ def _quantized_reference(model, prompt):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "mimo_v2_flash"])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "mimo_v2_flash", "deepseek_v32"])
 def test_int8_kv_cache_equals_generate_over_a_quantizing_cache(model_type):
     model = family_sweep.build_tiny(model_type)
     prompts = family_sweep.prompts()
@@ -140,6 +141,25 @@ def test_each_layer_gets_the_pool_its_config_gives_it():
     keys, values = _pool_shapes(model)
     assert keys == [(3, 4, h, cfg.head_dim) for h in heads]
     assert values == [(3, 4, h, cfg.v_head_dim) for h in heads]
+
+
+@pytest.mark.timeout(300)
+def test_indexer_layers_get_an_indexer_key_pool():
+    # GLM-MoE-DSA (the sweep's tiny config: indexer_types ["full", "shared"]): layer 0's indexer
+    # caches one index_head_dim key per token; layer 1 reuses layer 0's top-k and caches none.
+    model = family_sweep.build_tiny("glm_moe_dsa")
+    cfg = model.config
+    assert list(cfg.indexer_types) == ["full", "shared"]
+    indexer = model.model.layers[0].self_attn.indexer
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=3)))
+    try:
+        pools = eng.cache.indexer_keys
+        assert [None if p is None else tuple(p.shape) for p in pools] == [(3, 4, cfg.index_head_dim), None]
+        assert pools[0].dtype == torch.float32
+        assert "forward" in indexer.__dict__  # its top-k picked per request (engine.sparse_indexer)
+    finally:
+        eng.close()
+    assert "forward" not in indexer.__dict__, "closing the engine gives the indexer its own forward back"
 
 
 @pytest.mark.timeout(300)

@@ -7,7 +7,8 @@ way of building attention the engine must get right (Conv1D linears, MQA, parall
 positions, partial rotary, QK norms, soft-capping, sliding windows mixed with global layers, MoE
 routers, attention sinks, decoder layers that drop the forward's kwargs, windows applied through
 the mask alone, multi-head latent attention, per-layer K/V shapes, heads picked from the stored
-K/V after ``cache.update``, one module attending as several cache layers, chunked local attention).
+K/V after ``cache.update``, one module attending as several cache layers, chunked local attention,
+sparse attention's indexer selecting keys).
 Models the engine cannot serve get a one-line ``ValueError`` naming the layer kind, raised before
 any weight is touched (the refusal tests build their models on the meta device, where touching a
 weight would fail); an attention call asking for something the paged kernels do not do fails at
@@ -81,6 +82,11 @@ FAMILIES = [
     "jetmoe",  # K/V repeated per attention expert after cache.update (head maps)
     "hrm_text",  # one module attends as several cache layers (recurrent cycles)
     "llama4_text",  # chunked and NoPE layers at the default chunk (the chunk itself: below)
+    # Sparse attention (an indexer's top-k of index_topk=4 keys, fewer than either prompt):
+    "deepseek_v32",  # MLA with an indexer caching keys of its own
+    "glm_moe_dsa",  # a second layer reusing the first's top-k (indexer_types "shared")
+    "axk2",  # DSA indexer, MoE
+    "hy_v4",  # DSA indexer, a shared-top-k layer
 ]
 NEW = 16
 
@@ -111,7 +117,18 @@ def test_family_greedy_equals_generate(model_type):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    "model_type", ["gpt2", "gpt_bigcode", "cohere2", "phimoe", "gpt_oss", "deepseek_v3", "gemma4_text", "mimo_v2_flash"]
+    "model_type",
+    [
+        "gpt2",
+        "gpt_bigcode",
+        "cohere2",
+        "phimoe",
+        "gpt_oss",
+        "deepseek_v3",
+        "gemma4_text",
+        "mimo_v2_flash",
+        "deepseek_v32",
+    ],
 )
 def test_family_greedy_equals_generate_under_preemption_and_chunked_prefill(model_type):
     model = family_sweep.build_tiny(model_type)
@@ -192,7 +209,7 @@ def _meta_model(model_type):
     "model_type, kind",
     [
         ("rwkv", "AttentionInterface"),  # recurrent layers with a state outside transformers' Cache
-        ("deepseek_v32", "'indexed_attention'"),  # an indexer with its own key cache
+        ("deepseek_v4", "'compressed_sparse_attention'"),  # compressed K/V with sparse selection
         ("bloom", "AttentionInterface"),  # legacy attention with ALiBi biases
         ("doge", "dynamic attention mask"),  # a learned per-key bias from the cached values
         ("inkling_text", "'hybrid_sliding' (short convolutions over K/V"),

@@ -18,7 +18,12 @@ from hf_contbatch.kernels.attention.backends import (
     TorchAttentionBackend,
 )
 from hf_contbatch.kernels.attention.kv_quant import store_quantized
-from hf_contbatch.kernels.attention.torch_paged import context_attention, context_slots, torch_paged_attention
+from hf_contbatch.kernels.attention.torch_paged import (
+    context_attention,
+    context_mask,
+    context_slots,
+    torch_paged_attention,
+)
 from hf_contbatch.kernels.kv_spec import KVCacheSpec, KVLayerShape
 from hf_contbatch.kernels.paged_cache import PagedKVCache
 
@@ -246,3 +251,124 @@ def test_a_latent_layers_update_returns_each_requests_stored_context(quantized):
     assert key.shape == (1, 1, 9, 16) and value.shape == (1, 1, 9, 8)
     torch.testing.assert_close(key[0, 0], want_k, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(value[0, 0], want_v, rtol=1e-6, atol=1e-6)
+
+
+# --- sparse attention's indexer (DeepSeek V3.2's DSA and kin) --------------------------------------
+def test_indexer_keys_count_in_their_layers_bytes():
+    shapes = [KVLayerShape(1, 16, 8, latent=True, indexer_head_size=12), KVLayerShape(1, 16, 8, latent=True)]
+    spec = KVCacheSpec.for_layers(shapes, block_size=4, dtype=torch.float32)
+    # layer 0: 4 tokens x 4 bytes x (16 + 8) latents + 4 tokens x 12 indexer channels x 4 bytes
+    assert [spec.layer_block_bytes(i) for i in range(2)] == [4 * 4 * 24 + 4 * 12 * 4, 4 * 4 * 24]
+    assert spec.indexer_shape(7, 0) == (7, 4, 12) and spec.indexer_shape(7, 1) is None
+    # An int8 layout keeps the indexer keys in float32 (4 bytes), beside int8 latents and their scales.
+    int8 = KVCacheSpec.for_layers(
+        shapes, block_size=2, dtype=torch.int8, scale_dtype=torch.float32, scales_per_token_head=1
+    )
+    assert int8.indexer_dtype == torch.float32
+    assert int8.layer_block_bytes(0) == 2 * 24 + 2 * 2 * 4 + 2 * 12 * 4
+    with pytest.raises(ValueError):
+        KVLayerShape(1, 16, 8, latent=True, indexer_head_size=-1)
+
+
+def _indexed_step():
+    """``_latent_step``'s two requests (request 0 decodes its 6th token over 5 stored ones, request 1
+    prefills 3) over a latent layer whose indexer caches 6 channels per token, with a swap pool."""
+    spec = KVCacheSpec.for_layers(
+        [KVLayerShape(1, 16, 8, latent=True, indexer_head_size=6)], block_size=4, dtype=torch.float32
+    )
+    cache = PagedKVCache(spec, 6, [torch.device("cpu")], TorchAttentionBackend(), num_swap_blocks=2)
+    _, meta = _latent_step(torch.float32, {})
+    return cache, meta
+
+
+def test_update_indexer_returns_each_requests_stored_indexer_keys():
+    cache, meta = _indexed_step()
+    assert cache.indexer_layers == {0} and cache.indexer_keys[0].shape == (6, 4, 6)
+    assert cache.nbytes == 6 * (4 * 4 * 24 + 4 * 6 * 4)
+    g = torch.Generator().manual_seed(5)
+    past = torch.randn(1, 5, 6, generator=g)
+    earlier = [4 * 4 + 0, 4 * 4 + 1, 4 * 4 + 2, 4 * 4 + 3, 1 * 4 + 0]  # request 0's first 5: block 4, then 1
+    meta_earlier = dataclasses.replace(meta, slot_mapping=torch.tensor(earlier), _derived={})
+    cache.for_step(meta_earlier).update_indexer(past, 0)
+    new = torch.randn(1, 4, 6, generator=g)
+    keys = cache.for_step(meta).update_indexer(new, 0)
+    # [request 0: 5 stored + its new key, request 1: its 3 new keys], as DynamicIndexedLayer concatenates.
+    want = torch.cat([past[0], new[0, :1], new[0, 1:]])
+    assert keys.shape == (1, 9, 6)
+    assert torch.equal(keys[0], want)
+
+
+def test_request_indexer_keys_store_the_rows_and_pad_the_requests_keys_to_the_row_length():
+    cache, meta = _indexed_step()
+    g = torch.Generator().manual_seed(7)
+    step = cache.for_step(meta)
+    new = torch.randn(1, 4, 6, generator=g)
+    # Request 1 prefills its 3 tokens (step rows 1..3) over a prompt-long row of 5 (generate's row).
+    keys = step.request_indexer_keys(new[:, 1:], 0, 1, torch.tensor([1, 2, 3]), 3, 5)
+    assert keys.shape == (1, 5, 6)
+    assert torch.equal(keys[0, :3], new[0, 1:]) and torch.equal(keys[0, 3:], torch.zeros(2, 6))
+    # Their slots (block 2, offsets 0..2) hold them.
+    assert torch.equal(cache.indexer_keys[0][2, :3], new[0, 1:])
+    with pytest.raises(ValueError, match="do not fit"):
+        step.request_indexer_keys(new[:, 1:], 0, 1, torch.tensor([1, 2, 3]), 3, 2)
+
+
+def test_indexer_keys_move_with_their_blocks():
+    cache, _ = _indexed_step()
+    pool = cache.indexer_keys[0]
+    pool.copy_(torch.randn(pool.shape, generator=torch.Generator().manual_seed(6)))
+    before = pool[[1, 3]].clone()
+    cache.swap_out([(1, 0), (3, 1)])
+    pool.zero_()
+    cache.swap_in([(0, 5), (1, 2)])
+    assert torch.equal(pool[[5, 2]], before)
+    cache.copy_blocks([(5, 0)])  # copy-on-write of a forked block
+    assert torch.equal(pool[0], before[0])
+
+
+def test_context_mask_is_each_requests_causal_block():
+    _, _, _, meta = _batch(DECODES, PREFILLS)
+    got = context_mask(meta, torch.device("cpu"))
+    total, rows = sum(meta.seq_lens_cpu), meta.query_start_loc_cpu[-1]
+    want = torch.zeros(rows, total, dtype=torch.bool)
+    ctx = 0
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        for r in range(start, end):
+            position = seq_len - (end - start) + (r - start)  # this step's tokens are the context's last
+            for p in range(position + 1):
+                want[r, ctx + p] = True
+        ctx += seq_len
+    assert torch.equal(got, want)
+
+
+@pytest.mark.timeout(300)
+def test_context_attention_over_an_indexers_selection_matches_a_naive_reference():
+    """Each query attends over the keys an indexer picked (a random subset of its causal keys,
+    never empty): softmax over those keys only, computed naively per query row."""
+    query, _, _, meta = _batch(DECODES, PREFILLS, kvh=2, heads=4, dim=24)
+    key, value = _dense_contexts(meta, 2, 24, 16)
+    causal = context_mask(meta, torch.device("cpu"))
+    g = torch.Generator().manual_seed(9)
+    allowed = causal & (torch.rand(causal.shape, generator=g) < 0.4)
+    allowed |= causal & ~causal.cumsum(-1).gt(1)  # each row keeps its first visible key at least
+    # As top-k positions: each row's picks, then keys it may not see (another request's, or past its
+    # position: what a top-k takes for want of visible keys), to be ignored; rows padded with repeats.
+    width = int(allowed.sum(-1).max()) + 2
+    selected = torch.empty(allowed.shape[0], width, dtype=torch.int32)
+    for t in range(allowed.shape[0]):
+        hidden = (~causal[t]).nonzero()[:, 0][:2].tolist()
+        row = allowed[t].nonzero()[:, 0].tolist() + hidden
+        selected[t] = torch.tensor(row + [row[0]] * (width - len(row)))
+    got = context_attention(query, key, value, meta, 0.2, selected=selected)
+    want = torch.empty_like(got)
+    for t in range(query.shape[0]):
+        picked = allowed[t].nonzero()[:, 0]
+        for h in range(query.shape[1]):
+            k, v = key[h // 2, picked], value[h // 2, picked]  # 2 query heads per KV head
+            scores = (query[t, h] * k).sum(-1) * 0.2
+            probs = torch.exp(scores - scores.max())
+            want[t, h] = (probs[:, None] * v).sum(0) / probs.sum()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="sliding window"):
+        context_attention(query, key, value, meta, 0.2, sliding_window=4, selected=selected)

@@ -17,13 +17,21 @@ class _Attention(torch.nn.Module):
 
 
 class _Step:
-    """The step view's two questions the check asks: no layer shares another's K/V, none is latent."""
+    """The step view's questions the check asks: no layer shares another's K/V, none is latent, and
+    the one mask it serves is its own ``index_mask`` (the causal mask over its contexts a model with
+    a sparse-attention indexer passes on)."""
+
+    def __init__(self) -> None:
+        self.index_mask = torch.ones(1, 1, 3, 3, dtype=torch.bool)
 
     def shares_kv(self, layer_idx) -> bool:
         return False
 
     def is_latent(self, layer_idx) -> bool:
         return False
+
+    def is_index_mask(self, mask) -> bool:
+        return mask is self.index_mask
 
 
 STEP = _Step()
@@ -54,6 +62,18 @@ def test_heads_picked_from_the_stored_kv_become_head_maps():
         1,
         ((0, 1, 2, 3), (0, 1, 0, 1)),
     )
+
+
+def test_the_steps_own_index_mask_is_served_and_an_equal_mask_is_not():
+    key, value = _kv()
+    stored = (STEP, 1, key, value)
+    assert _check_served_call(_Attention(1), key, value, STEP.index_mask, stored, {}, STEP, False) == (1, None)
+    # Equal values are not enough: only the mask the step built says which keys are each request's.
+    with pytest.raises(ValueError, match="adds its own attention mask"):
+        _check_served_call(_Attention(1), key, value, STEP.index_mask.clone(), stored, {}, STEP, False)
+    # A compiled forward's op takes no mask at all.
+    with pytest.raises(ValueError, match="adds its own attention mask"):
+        _check_served_call(_Attention(1), key, value, STEP.index_mask, stored, {}, STEP, True)
 
 
 @pytest.mark.parametrize(

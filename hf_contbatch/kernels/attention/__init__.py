@@ -100,6 +100,11 @@ def paged_attention_forward(
         paged_cache = stored[0]  # a decoder layer that does not pass the forward's kwargs on (Nemotron)
     if paged_cache is None:
         fn = _previous_attention(module, previous_implementation)
+        if kwargs.get("indices") is not None and attention_mask is not None:
+            # A sparse-attention indexer's top-k (DeepSeek V3.2's DSA): the model folds it into the
+            # mask only for "eager"/"sdpa", and the model's implementation is this one while an
+            # engine serves it, so fold it here as the model would have.
+            attention_mask = _fold_selection(attention_mask, kwargs["indices"], query.dtype)
         return fn(module, query, key, value, attention_mask, **kwargs)
     compiled = isinstance(paged_cache, CompiledStep)
     layer, head_maps = _check_served_call(module, key, value, attention_mask, stored, kwargs, paged_cache, compiled)
@@ -128,8 +133,26 @@ def paged_attention_forward(
     if tuning is not None:
         query = _retuned_query(query, paged_cache.metadata.to(query.device), *tuning)
     sinks = kwargs.get("s_aux")
-    out = paged_cache.attend(layer, query, key, value, scale, sliding_window, softcap, sinks, chunk_size, head_maps)
+    # A sparse-attention indexer's top-k (DeepSeek V3.2's DSA), passed by its model as ``indices``.
+    # Passed only when there is one: the recurrent state's step views attend without it.
+    selected = kwargs.get("indices") if attention_mask is not None else None
+    extra = {} if selected is None else {"selected": selected}
+    out = paged_cache.attend(
+        layer, query, key, value, scale, sliding_window, softcap, sinks, chunk_size, head_maps, **extra
+    )
     return out, None
+
+
+def _fold_selection(attention_mask: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``attention_mask`` ``[B, 1, S, T]`` (bool: True attends; float: added) restricted to the keys
+    ``indices`` ``[B, S, k]`` picks for each query, as transformers' DSA attention modules fold their
+    indexer's top-k into the mask for the eager and SDPA paths."""
+    b, _, s, t = attention_mask.shape
+    unpicked = torch.ones((b, s, t), dtype=torch.bool, device=attention_mask.device)
+    unpicked = unpicked.scatter(-1, indices.to(attention_mask.device, torch.long), False).unsqueeze(1)
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & ~unpicked
+    return attention_mask.masked_fill(unpicked, torch.finfo(dtype).min)
 
 
 # --- what an engine step's attention call must look like ------------------------------------------
@@ -277,7 +300,9 @@ def _check_served_call(module, key, value, attention_mask, stored, kwargs, paged
     Raises ``ValueError`` where the model asks attention for something the paged kernels would
     silently not do (they read the step's context from the pool and mask causally, with the
     ``sliding_window``/``softcap``/``s_aux`` arguments): a mask of its own (an ALiBi or learned
-    bias: an engine step builds none), attention sinks or position-scaled queries under a compiled
+    bias: an engine step builds none; the one mask served is the step's own causal mask over its
+    contexts, ``PagedCacheStep.index_mask``, which a model with a sparse-attention indexer passes on
+    beside the indexer's top-k), attention sinks or position-scaled queries under a compiled
     forward (its op has neither), a latent layer under a compiled forward (whose op stores and
     attends without returning the contexts), K/V changed after ``cache.update`` other than by
     picking stored heads (:func:`_head_maps`; a latent layer's model expands the contexts its
@@ -285,7 +310,7 @@ def _check_served_call(module, key, value, attention_mask, stored, kwargs, paged
     (but for a layer sharing another's K/V: Gemma 4)."""
     layer, head_maps, what = getattr(module, "layer_idx", None), None, None
     error = ValueError
-    if attention_mask is not None:
+    if attention_mask is not None and not (not compiled and paged_cache.is_index_mask(attention_mask)):
         what = "adds its own attention mask or bias"
     elif compiled and kwargs.get("s_aux") is not None:
         what = "passes attention sinks (s_aux), which a compiled forward does not serve"

@@ -355,6 +355,26 @@ def gather_contexts(pool: torch.Tensor, slots: torch.Tensor, scales: torch.Tenso
     return rows.transpose(0, 1).unsqueeze(0)
 
 
+def context_mask(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
+    """bool ``[T, S]`` (``S = sum(meta.seq_lens_cpu)``, contexts laid out as :func:`context_slots`):
+    True where query row ``t`` may see context key ``s``: a key of its own request at a position up
+    to the query's. The causal mask transformers gives a sparse-attention indexer, for the step's
+    flattened requests at once (each request's block of it is ``generate``'s mask for that request)."""
+    total = sum(meta.seq_lens_cpu)
+    starts = meta.query_start_loc_cpu
+    num_tokens = starts[len(meta.seq_lens_cpu)]
+    mask = torch.zeros((num_tokens, total), dtype=torch.bool, device=device)
+    ctx = 0
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        start, end = starts[i], starts[i + 1]
+        q_len = end - start
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=device).unsqueeze(0)
+        mask[start:end, ctx : ctx + seq_len] = k_pos <= q_pos
+        ctx += seq_len
+    return mask
+
+
 def context_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -364,6 +384,7 @@ def context_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    selected: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every query row over its request's context given densely: the layers whose
     model expands the stored context itself (multi-head latent attention, ``KVLayerShape.latent``).
@@ -375,17 +396,24 @@ def context_attention(
             :func:`context_slots` lays them out); ``Dv`` may differ from ``Dk``.
         meta: the step's metadata (its host-side lists are read).
         scale, sliding_window, softcap, sinks: as :func:`torch_paged_attention`.
+        selected: int ``[T, k]``, the keys each query row may see as positions in the ``S``
+            context rows (a sparse-attention indexer's top-k; repeats allowed), or None for every
+            causally visible key. A pick outside the row's own request, or past its position, is
+            ignored; each row must keep at least one (the indexer's best pick always is one).
 
     Returns:
         ``[T, H, Dv]`` in the query dtype; a query at position ``p`` sees its request's keys
-        ``0..p`` (the last ``sliding_window`` of them under a window).
+        ``0..p`` (the last ``sliding_window`` of them under a window; those of them ``selected``).
 
     Raises:
-        ValueError: ``key``'s length is not the sum of the context lengths.
+        ValueError: ``key``'s length is not the sum of the context lengths, or ``selected`` given
+            with a ``sliding_window``.
     """
     total = sum(meta.seq_lens_cpu)
     if key.shape[1] != total or value.shape[1] != total:
         raise ValueError(f"context_attention: {key.shape[1]} key rows for contexts of {total} tokens")
+    if selected is not None and sliding_window is not None:
+        raise ValueError("context_attention: an indexer's selection under a sliding window is not served")
     num_tokens, num_heads, _ = query.shape
     out = query.new_empty((num_tokens, num_heads, value.shape[-1]))
     ctx = 0
@@ -395,6 +423,18 @@ def context_attention(
         v = value[:, ctx : ctx + seq_len].unsqueeze(0).to(query.dtype)
         ctx += seq_len
         q_len = end - start
+        if selected is not None:
+            # This request's rows over its own keys: the picks in its context (the others land in
+            # a spare last column, dropped), and only up to each row's position.
+            picks = selected[start:end].to(torch.long) - (ctx - seq_len)
+            picks = torch.where((picks >= 0) & (picks < seq_len), picks, seq_len)
+            mask = torch.zeros((q_len, seq_len + 1), dtype=torch.bool, device=query.device)
+            mask = mask.scatter_(1, picks, True)[:, :seq_len]
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
+            mask &= torch.arange(seq_len, device=query.device).unsqueeze(0) <= q_pos
+            q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, Dk]
+            out[start:end] = _attend(q, k, v, mask, scale, softcap, sinks=sinks)[0].transpose(0, 1)
+            continue
         if q_len == 1:
             # A decode row: plain matmuls over the context's strided views (as the paged decode
             # path; scaled_dot_product_attention took about twice as long on them at one query).
