@@ -39,6 +39,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from . import model_users
+
 _USERS = "_hf_contbatch_rotary_variants"  # on the model: [RotaryVariants, open engines using it]
 
 
@@ -171,23 +173,11 @@ class RotaryVariants:
 def acquire_rotary_variants(model) -> Optional[RotaryVariants]:
     """The model's ``RotaryVariants``, installed by the first engine on it and shared by the later
     ones; None for a model without a longrope rotary. Raises ``ValueError`` as ``_longrope_modules``."""
-    entry = model.__dict__.get(_USERS)
-    if entry is None:
-        modules = _longrope_modules(model)
-        if not modules:
-            return None
-        entry = [RotaryVariants(modules), 0]
-        model.__dict__[_USERS] = entry
-    entry[1] += 1
-    return entry[0]
+    return model_users.acquire(
+        model, _USERS, lambda: RotaryVariants(modules) if (modules := _longrope_modules(model)) else None
+    )
 
 
 def release_rotary_variants(model) -> None:
     """One engine fewer on ``model``; the last one gives the rotaries their own forward back."""
-    entry = model.__dict__.get(_USERS)
-    if entry is None:
-        return
-    entry[1] -= 1
-    if entry[1] <= 0:
-        entry[0].remove()
-        del model.__dict__[_USERS]
+    model_users.release(model, _USERS)

@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from ..kernels.paged_cache import PagedCacheStep
+from . import model_users
 
 _USERS = "_hf_contbatch_sparse_indexers"  # model.__dict__ key: [SparseIndexers, engines using them]
 
@@ -131,23 +132,11 @@ class SparseIndexers:
 def acquire_sparse_indexers(model) -> Optional[SparseIndexers]:
     """The model's ``SparseIndexers``, installed by the first engine on it and shared by the later
     ones; None for a model without a sparse-attention indexer."""
-    entry = model.__dict__.get(_USERS)
-    if entry is None:
-        modules = _indexer_modules(model)
-        if not modules:
-            return None
-        entry = [SparseIndexers(modules), 0]
-        model.__dict__[_USERS] = entry
-    entry[1] += 1
-    return entry[0]
+    return model_users.acquire(
+        model, _USERS, lambda: SparseIndexers(modules) if (modules := _indexer_modules(model)) else None
+    )
 
 
 def release_sparse_indexers(model) -> None:
     """One engine fewer on ``model``; the last one gives the indexers their own forward back."""
-    entry = model.__dict__.get(_USERS)
-    if entry is None:
-        return
-    entry[1] -= 1
-    if entry[1] <= 0:
-        entry[0].remove()
-        del model.__dict__[_USERS]
+    model_users.release(model, _USERS)
