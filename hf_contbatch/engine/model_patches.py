@@ -20,6 +20,7 @@ from ..kernels.linears.registry import AUTO, UNPACKED
 from ..kernels.linears.unquantized import FloatWeightsWarning, unquantized_weights
 from ..kernels.linears.weight_spill import WeightSpill
 from ..kernels.model_layout import ModelLayout
+from . import model_users
 from .attention_switch import restore_attention, switch_to_paged_attention
 from .lora_adapters import acquire_lora_layers, release_lora_layers
 from .pool_sizing import available_host_memory
@@ -298,28 +299,21 @@ def acquire_fused_ops(model, layout=None):
     """The model's ``FusedModelOps`` (kernels.fused_ops), installed by the first engine on it (its
     per-shape choice timed then) and shared by the later ones; None where the model is not on CPU.
     ``layout``: the engine's walk of the model (``kernels.model_layout``; default: walked there)."""
-    entry = model.__dict__.get(_FUSED_OPS_USERS)
-    if entry is None:
+
+    def build():
         param = next(model.parameters(), None)
         if param is None or param.device.type != "cpu":
             return None
         from ..kernels.fused_ops import FusedModelOps
 
-        entry = [FusedModelOps(model, layout=layout), 0]
-        model.__dict__[_FUSED_OPS_USERS] = entry
-    entry[1] += 1
-    return entry[0]
+        return FusedModelOps(model, layout=layout)
+
+    return model_users.acquire(model, _FUSED_OPS_USERS, build)
 
 
 def release_fused_ops(model) -> None:
     """One engine fewer on ``model``; the last one removes the fused forwards."""
-    entry = model.__dict__.get(_FUSED_OPS_USERS)
-    if entry is None:
-        return
-    entry[1] -= 1
-    if entry[1] <= 0:
-        entry[0].restore()
-        del model.__dict__[_FUSED_OPS_USERS]
+    model_users.release(model, _FUSED_OPS_USERS, undo=lambda ops: ops.restore())
 
 
 def model_device(model) -> str:

@@ -1,7 +1,7 @@
 """One helper object per model, shared by the engines open on it (:func:`acquire`, :func:`release`).
 
 Why: a model patch that lives on the model's modules (per-request rotary factors, a per-request
-indexer forward) must be installed once however many engines serve the model, and taken off only
+indexer forward, the fused RMSNorm and SiLU-and-mul forwards) must be installed once however many engines serve the model, and taken off only
 when the last of them closes. The object and its count of engines sit in the model's ``__dict__``
 under a key of the caller's, so two models never share one and nothing is process-wide.
 """
@@ -28,13 +28,13 @@ def acquire(model, key: str, build: Callable[[], Optional[T]]) -> Optional[T]:
     return entry[0]
 
 
-def release(model, key: str) -> None:
-    """One engine fewer on ``model``'s object under ``key``; the last one calls its ``remove()``
-    and drops it. Nothing stored under ``key``: nothing to do."""
+def release(model, key: str, undo: Callable[[T], None] = lambda obj: obj.remove()) -> None:
+    """One engine fewer on ``model``'s object under ``key``; the last one calls ``undo(obj)`` (by
+    default its ``remove()``) and drops it. Nothing stored under ``key``: nothing to do."""
     entry = model.__dict__.get(key)
     if entry is None:
         return
     entry[1] -= 1
     if entry[1] <= 0:
-        entry[0].remove()
+        undo(entry[0])
         del model.__dict__[key]
