@@ -288,31 +288,13 @@ class RecurrentStateStep(PagedCacheStep):
         note_stored(self, layer_idx, key_states, value_states)  # what the attention call will get
         return key_states, value_states
 
-    def attend(
-        self,
-        layer_idx: int,
-        query,
-        key,
-        value,
-        scale: float,
-        sliding_window=None,
-        softcap=None,
-        sinks=None,
-        chunk_size=None,
-        head_maps=None,
-    ):
-        """As :meth:`PagedCacheStep.attend`; a ``[B, H, 1, D]`` query of decode rows comes back as
-        ``[B, 1, H, D]``."""
-        extra = (sliding_window, softcap, sinks, chunk_size, head_maps)
+    def attend(self, layer_idx: int, query, key, value, *args, **kwargs):
+        """As :meth:`PagedCacheStep.attend` (the other arguments pass through unchanged); a
+        ``[B, H, 1, D]`` query of decode rows comes back as ``[B, 1, H, D]``."""
         if query.shape[0] == 1:
-            return super().attend(layer_idx, query, key, value, scale, *extra)
+            return super().attend(layer_idx, query, key, value, *args, **kwargs)
         out = super().attend(
-            layer_idx,
-            query.transpose(0, 2),
-            key.transpose(0, 2),
-            value.transpose(0, 2),
-            scale,
-            *extra,
+            layer_idx, query.transpose(0, 2), key.transpose(0, 2), value.transpose(0, 2), *args, **kwargs
         )  # [1, B, H, D]
         return out.transpose(0, 1)
 
