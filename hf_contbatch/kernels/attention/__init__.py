@@ -134,11 +134,9 @@ def paged_attention_forward(
         query = _retuned_query(query, paged_cache.metadata.to(query.device), *tuning)
     sinks = kwargs.get("s_aux")
     # A sparse-attention indexer's top-k (DeepSeek V3.2's DSA), passed by its model as ``indices``.
-    # Passed only when there is one: the recurrent state's step views attend without it.
     selected = kwargs.get("indices") if attention_mask is not None else None
-    extra = {} if selected is None else {"selected": selected}
     out = paged_cache.attend(
-        layer, query, key, value, scale, sliding_window, softcap, sinks, chunk_size, head_maps, **extra
+        layer, query, key, value, scale, sliding_window, softcap, sinks, chunk_size, head_maps, selected=selected
     )
     return out, None
 
