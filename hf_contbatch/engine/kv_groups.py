@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 from ..kernels.kv_spec import KVCacheGroup, KVCacheSpec, KVLayerShape
 
-__all__ = ["kv_cache_groups", "layer_kv_shapes", "layer_windows"]
+__all__ = ["kv_cache_groups", "layer_kv_shapes", "layer_windows", "own_cache_kinds"]
 
 _EVERY_LAYER = frozenset({"mistral", "mixtral", "phi3", "qwen3_moe"})
 _BY_LAYER_TYPE = frozenset({"qwen2", "qwen2_moe", "qwen3", "gemma2", "gemma3", "gemma3_text", "smollm3"})
@@ -87,6 +87,34 @@ STATE_ONLY_LAYER_KINDS = frozenset({"linear_attention", "conv", "mamba"})
 channel of one head, see :func:`layer_kv_shapes`)."""
 
 
+def own_cache_kinds(model) -> list[str]:
+    """The ``config.layer_types`` kinds of ``model`` whose cache layer class its own modeling module
+    defines (registered in transformers' ``DYNAMIC_LAYER_TYPE_MAPPING`` through ``_layer_type``),
+    in order of first appearance; empty for most models.
+
+    Such a kind keeps state that only that class knows how to hold: DeepSeek V4's compressed
+    attention keeps, besides a sliding window of raw K=V rows, a compressor state (a partial window
+    of projections, the previous window's overlap half, the growing list of compressed entries that
+    attention appends to the keys after ``cache.update``, and for the sparse kind its indexer's
+    compressed keys), read and written through methods of its own on ``cache.layers[i]``. Served by
+    ``engine.own_cache_runner``: each request keeps transformers' own cache, its forwards run one
+    request at a time, attention by the model's own function over what that cache returns.
+    """
+    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
+
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    kinds = getattr(cfg, "layer_types", None)
+    if not isinstance(kinds, (list, tuple)):
+        return []
+    home = type(model).__module__
+    return [
+        k
+        for k in dict.fromkeys(str(k) for k in kinds)
+        if getattr(DYNAMIC_LAYER_TYPE_MAPPING.get(k), "__module__", None) == home
+    ]
+
+
 def _attention_modules(model, num_layers: int) -> dict:
     """Layer index -> the attention module of that decoder layer (the first module whose class
     name ends in "Attention" and that carries the index as ``layer_idx``)."""
@@ -138,6 +166,8 @@ def layer_kv_shapes(model, num_layers: int, num_kv_heads: int, head_dim: Optiona
     - anything else (fused QKV projections, no module found): ``num_kv_heads`` heads of ``head_dim``.
     - a recurrent layer (``STATE_ONLY_LAYER_KINDS`` in ``config.layer_types``): one head of one
       channel for K and V (it stores none).
+    - every layer of a model with a kind of its own cache (:func:`own_cache_kinds`): one
+      head of one channel (its K/V live in that cache, per request; the blocks only count tokens).
     - a KV-sharing layer (``is_kv_shared_layer``: Gemma 4's last layers): its source's shape with
       ``shared_from`` set (see :func:`_kv_source`); it stores nothing and reads its source's pools.
 
@@ -150,6 +180,8 @@ def layer_kv_shapes(model, num_layers: int, num_kv_heads: int, head_dim: Optiona
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     kinds = getattr(cfg, "layer_types", None)
     kinds = list(kinds) if isinstance(kinds, (list, tuple)) else []
+    if own_cache_kinds(model):
+        return [KVLayerShape(1, 1, 1)] * num_layers
     shapes: list[KVLayerShape] = []
     for i in range(num_layers):
         module = modules.get(i)

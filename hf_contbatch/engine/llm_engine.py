@@ -44,8 +44,15 @@ from .handles import EngineError, HandleRegistry, RequestHandle, RequestOutput
 from .kv_pools import KVPools, move_blocks
 from .lora_adapters import LoraAdapters, is_peft_model
 from .model_patches import ModelPatches
-from .model_support import SERVED_LAYER_KINDS, check_supported_model, has_recurrent_layers, vocab_widths
+from .model_support import (
+    SERVED_LAYER_KINDS,
+    check_supported_model,
+    has_recurrent_layers,
+    keeps_own_cache,
+    vocab_widths,
+)
 from .output_processor import OutputProcessor, log_failure
+from .own_cache_runner import OwnCacheModelRunner
 from .per_request_processors import RequestProcessors
 from .pool_sizing import text_config
 from .recurrent_runner import RecurrentModelRunner, recurrent_engine_config
@@ -110,9 +117,14 @@ class LLMEngine:
         self.adapters = LoraAdapters(model) if is_peft_model(model) else None
         model = model if self.adapters is None else self.adapters.model
         check_supported_model(model)
-        recurrent = has_recurrent_layers(model)
+        own_cache = keeps_own_cache(model)  # DeepSeek V4: each request keeps transformers' own cache
+        recurrent = own_cache or has_recurrent_layers(model)
         if recurrent:  # a state per request: whole prefills, no prefix caching, recompute
-            self.config = cfg = recurrent_engine_config(cfg, getattr(text_config(model), "model_type", None))
+            self.config = cfg = recurrent_engine_config(
+                cfg,
+                getattr(text_config(model), "model_type", None),
+                what="layers keeping their own cache" if own_cache else "recurrent layers",
+            )
         pools = KVPools.for_model(model, cfg)
         g, sizes = pools.geometry, pools.sizes
         self.num_layers, self.num_kv_heads, self.head_dim = g.num_layers, g.num_kv_heads, g.head_dim
@@ -141,7 +153,9 @@ class LLMEngine:
             bm.block_size,
             cfg.scheduler.max_num_batched_tokens,
         )
-        if recurrent:
+        if own_cache:
+            self.runner = OwnCacheModelRunner(*runner_args, num_state_slots=cfg.scheduler.max_num_seqs)
+        elif recurrent:
             self.runner = RecurrentModelRunner(*runner_args, num_state_slots=cfg.scheduler.max_num_seqs)
         else:
             self.runner = ModelRunner(*runner_args)
@@ -299,7 +313,9 @@ class LLMEngine:
         self.grammars.compilation.close()
         self._undo_patches()  # ModelPatches.undo, once (never again at garbage collection)
         self.cache.release()
-        if isinstance(self.runner, RecurrentModelRunner):
+        if isinstance(self.runner, OwnCacheModelRunner):
+            self.runner.release()
+        elif isinstance(self.runner, RecurrentModelRunner):
             self.runner.states.release()
         with self._state_lock:
             # The pool's memory is gone: no free block holds a prefix any more (stats() after

@@ -14,7 +14,11 @@ touched, so a refusal comes before any packing or pool is built):
   (``RECURRENT_LAYER_KINDS``: Mamba mixers, gated delta-net and other linear attention, short
   convolutions, Zamba 2's hybrid layers), whose per-request state lives in a slot of
   ``kernels.recurrent_state`` (served by ``engine.recurrent_runner``: whole prefills, no prefix
-  caching, no prompt-lookup drafts, preemption by recompute). A model of recurrent layers only
+  caching, no prompt-lookup drafts, preemption by recompute), and layer kinds whose cache layer
+  class the model's own modeling module defines (DeepSeek V4's compressed attention, which pools
+  every few tokens into one K=V entry and, in its sparse kind, picks its top-k of those per query):
+  each request keeps transformers' own cache and runs alone (``engine.own_cache_runner``, the
+  recurrent rules again; attention by the model's own function). A model of recurrent layers only
   (Mamba) has no attention to check. Each attention layer's K/V shape is its own
   (``engine.kv_groups.layer_kv_shapes``: per-layer head sizes and KV heads, V heads narrower than K
   heads, multi-head latent attention's cached latents). Kinds it cannot serve yet are named in the
@@ -30,7 +34,7 @@ from __future__ import annotations
 import inspect
 import sys
 
-from .kv_groups import RECURRENT_LAYER_KINDS
+from .kv_groups import RECURRENT_LAYER_KINDS, own_cache_kinds
 from .kv_groups import STATE_ONLY_LAYER_KINDS as _STATE_ONLY_KINDS
 from .pool_sizing import KVGeometry, text_config
 
@@ -58,6 +62,13 @@ _KIND_NEEDS = {
 def _layer_kinds(cfg) -> list[str]:
     kinds = getattr(cfg, "layer_types", None)
     return [str(k) for k in kinds] if isinstance(kinds, (list, tuple)) else []
+
+
+def keeps_own_cache(model) -> bool:
+    """Whether ``model`` has a ``config.layer_types`` kind whose cache layer class its own modeling
+    module defines (``engine.kv_groups.own_cache_kinds``: DeepSeek V4's compressed attention), so
+    that each request keeps transformers' own cache (``engine.own_cache_runner``)."""
+    return bool(own_cache_kinds(model))
 
 
 def has_recurrent_layers(model) -> bool:
@@ -125,7 +136,9 @@ def unserved_layer_kind(model):
     """The first thing about ``model`` the engine cannot serve yet, as a short phrase naming the
     layer kind ("layer kinds 'hybrid_sliding'", "ALiBi position biases ...", ...), or None when every layer is served. Reads classes, the config and module attributes only."""
     cfg = text_config(model)
-    served = SERVED_LAYER_KINDS | RECURRENT_LAYER_KINDS
+    # Kinds whose cache layer class the model's own modeling module defines (DeepSeek V4's
+    # compressed attention) run on that class, per request (``engine.own_cache_runner``).
+    served = SERVED_LAYER_KINDS | RECURRENT_LAYER_KINDS | set(own_cache_kinds(model))
     unserved = [k for k in dict.fromkeys(_layer_kinds(cfg)) if k not in served]
     if unserved:
         needs = list(dict.fromkeys(_KIND_NEEDS[k] for k in unserved if k in _KIND_NEEDS))

@@ -40,13 +40,14 @@ __all__ = ["RecurrentModelRunner", "recurrent_engine_config"]
 logger = logging.getLogger(__name__)
 
 
-def recurrent_engine_config(config: EngineConfig, model_type) -> EngineConfig:
+def recurrent_engine_config(config: EngineConfig, model_type, what: str = "recurrent layers") -> EngineConfig:
     """``config`` as an engine serving a model with recurrent layers runs it: no prefix caching (a
     cached prefix's KV comes without the state after it), whole prefills and no forking
     (``SchedulerConfig.per_request_state``), preemption by recompute (a swapped-out request would
     come back without its state), no ``long_prefill_token_threshold``. Logs what it turned off.
 
-    ``HF_CONTBATCH_COMPILE=1`` (``compile_model=None``) is turned off too.
+    ``HF_CONTBATCH_COMPILE=1`` (``compile_model=None``) is turned off too. ``what`` names what
+    keeps the state in the messages ("recurrent layers", or a model's layers keeping their own cache).
 
     Raises:
         ValueError: ``prompt_lookup_num_tokens`` or ``compile_model=True``: a rejected draft would
@@ -54,13 +55,11 @@ def recurrent_engine_config(config: EngineConfig, model_type) -> EngineConfig:
     """
     if config.prompt_lookup_num_tokens:
         raise ValueError(
-            f"model type {model_type!r} has recurrent layers: prompt-lookup drafts (prompt_lookup_num_tokens) are "
+            f"model type {model_type!r} has {what}: prompt-lookup drafts (prompt_lookup_num_tokens) are "
             "not served for it (a rejected draft would need its recurrent state rolled back)"
         )
     if config.compile_model:
-        raise ValueError(
-            f"model type {model_type!r} has recurrent layers: compile_model=True is not served for it; turn it off"
-        )
+        raise ValueError(f"model type {model_type!r} has {what}: compile_model=True is not served for it; turn it off")
     sched, cache = config.scheduler, config.cache
     off = []
     if resolve_compile_model(config.compile_model):  # only from the environment: a default, not a request
@@ -73,8 +72,9 @@ def recurrent_engine_config(config: EngineConfig, model_type) -> EngineConfig:
         off.append("long_prefill_token_threshold")
     if off:
         logger.info(
-            "model type %r has recurrent layers (a state per request): %s off; prompts are prefilled whole",
+            "model type %r has %s (a state per request): %s off; prompts are prefilled whole",
             model_type,
+            what,
             ", ".join(off),
         )
     return dataclasses.replace(

@@ -87,6 +87,8 @@ FAMILIES = [
     "glm_moe_dsa",  # a second layer reusing the first's top-k (indexer_types "shared")
     "axk2",  # DSA indexer, MoE
     "hy_v4",  # DSA indexer, a shared-top-k layer
+    # Layers keeping state in a cache class of their own (engine.own_cache_runner):
+    "deepseek_v4",  # compressed K=V entries (rates 4 and 8), an indexer's top-k of them, sliding window
 ]
 NEW = 16
 
@@ -209,7 +211,6 @@ def _meta_model(model_type):
     "model_type, kind",
     [
         ("rwkv", "AttentionInterface"),  # recurrent layers with a state outside transformers' Cache
-        ("deepseek_v4", "'compressed_sparse_attention'"),  # compressed K/V with sparse selection
         ("bloom", "AttentionInterface"),  # legacy attention with ALiBi biases
         ("doge", "dynamic attention mask"),  # a learned per-key bias from the cached values
         ("inkling_text", "'hybrid_sliding' (short convolutions over K/V"),
