@@ -23,7 +23,7 @@ from ..kernels.kv_spec import KVCacheSpec, KVLayerShape
 from ..kernels.paged_cache import PagedKVCache
 from ..request import Request, SamplingParams
 from .attention_switch import restore_attention, switch_to_paged_attention
-from .kv_groups import layer_kv_shapes
+from .kv_groups import layer_kv_shapes, own_cache_kinds
 from .runner import ModelRunner
 from .sampler import Sampler
 
@@ -208,7 +208,8 @@ class KVPoolSizer:
     ) -> tuple[int, str]:
         """Pool size when ``num_blocks`` is None: ``gpu_memory_utilization`` on CUDA (after a
         profiling forward); on CPU ``cpu_cache_gib`` (checked against the available RAM) or, when
-        that is None, what the model can use (``core.pool_size.default_host_kv_blocks``).
+        that is None, what the model can use (``core.pool_size.default_host_kv_blocks``), which is
+        also the size for a model whose requests keep their own caches (``kv_groups.own_cache_kinds``).
 
         Raises:
             ValueError: the memory left cannot hold one block, or ``cpu_cache_gib`` exceeds the
@@ -216,6 +217,20 @@ class KVPoolSizer:
         """
         cache_cfg = self.config.cache
         nulls = spec.num_null_blocks  # a sliding group's null block comes out of the same memory
+        if own_cache_kinds(self.model):
+            # Each request keeps transformers' own cache (engine.own_cache_runner): the pool, one
+            # channel per layer, only counts tokens, and a profiling forward through a paged step
+            # would hand the model a cache without its layers' methods. As many blocks as the model
+            # can use, whatever the device.
+            size = default_host_kv_blocks(
+                block_bytes,
+                cache_cfg.block_size,
+                self.config.scheduler.max_num_seqs,
+                self.geometry.max_model_len,
+                None,
+                self._window(spec),
+            )
+            return size.num_blocks, f"requests keep their own caches; {size.reason}"
         if any(d.type == "cuda" for d in layer_devices):
             reason = f"gpu_memory_utilization={cache_cfg.gpu_memory_utilization:g}"
             return max(1, self.blocks_from_device_memory(layer_devices, spec) - nulls), reason
