@@ -52,7 +52,7 @@ from .model_support import (
     vocab_widths,
 )
 from .output_processor import OutputProcessor, log_failure
-from .own_cache_runner import OwnCacheModelRunner
+from .own_cache_runner import OwnCacheModelRunner, own_cache_engine_config
 from .per_request_processors import RequestProcessors
 from .pool_sizing import text_config
 from .recurrent_runner import RecurrentModelRunner, recurrent_engine_config
@@ -119,12 +119,11 @@ class LLMEngine:
         check_supported_model(model)
         own_cache = keeps_own_cache(model)  # DeepSeek V4: each request keeps transformers' own cache
         recurrent = own_cache or has_recurrent_layers(model)
-        if recurrent:  # a state per request: whole prefills, no prefix caching, recompute
-            self.config = cfg = recurrent_engine_config(
-                cfg,
-                getattr(text_config(model), "model_type", None),
-                what="layers keeping their own cache" if own_cache else "recurrent layers",
-            )
+        model_type = getattr(text_config(model), "model_type", None)
+        if own_cache:  # a cache per request: whole prefills, no prefix caching, recompute
+            self.config = cfg = own_cache_engine_config(cfg, model_type)
+        elif recurrent:  # a state per request: whole prefills, no prefix caching, recompute
+            self.config = cfg = recurrent_engine_config(cfg, model_type)
         pools = KVPools.for_model(model, cfg)
         g, sizes = pools.geometry, pools.sizes
         self.num_layers, self.num_kv_heads, self.head_dim = g.num_layers, g.num_kv_heads, g.head_dim

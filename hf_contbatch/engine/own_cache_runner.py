@@ -36,11 +36,31 @@ import copy
 
 import torch
 
+from ..config import EngineConfig
 from ..core.plan import RunnerOutput, ScheduledRequest, StepPlan
-from .recurrent_runner import RecurrentModelRunner
+from .recurrent_runner import RecurrentModelRunner, recurrent_engine_config
 from .runner import StepInputs
 
-__all__ = ["OwnCacheModelRunner"]
+__all__ = ["OwnCacheModelRunner", "own_cache_engine_config"]
+
+
+def own_cache_engine_config(config: EngineConfig, model_type) -> EngineConfig:
+    """``config`` as an engine serving a model whose requests keep their own caches runs it: the
+    recurrent models' rules (``recurrent_engine_config``: no prefix caching, whole prefills, no
+    forks, recompute).
+
+    Raises:
+        ValueError: ``CacheConfig.dtype`` set (an int8 or other KV cache dtype would change nothing:
+            the K/V live in transformers' cache, in the model's dtype), prompt-lookup drafts or
+            ``compile_model=True`` (one line).
+    """
+    if config.cache.dtype is not None:
+        raise ValueError(
+            f"model type {model_type!r} has layers keeping their own cache: a KV cache dtype "
+            f"(CacheConfig.dtype={config.cache.dtype!r}) is not served for it (its K/V stay in transformers' cache, "
+            "in the model's dtype); leave it None"
+        )
+    return recurrent_engine_config(config, model_type, what="layers keeping their own cache")
 
 
 class OwnCacheModelRunner(RecurrentModelRunner):

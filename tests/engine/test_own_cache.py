@@ -192,3 +192,9 @@ def test_engine_settings_it_cannot_serve_are_refused_in_one_line_before_any_weig
     with pytest.raises(ValueError, match="layers keeping their own cache: prompt-lookup drafts") as err:
         LLMEngine(model, EngineConfig(cache=CacheConfig(num_blocks=8), prompt_lookup_num_tokens=2))
     assert "model type 'deepseek_v4'" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="layers keeping their own cache: compile_model=True"):
+        LLMEngine(model, EngineConfig(cache=CacheConfig(num_blocks=8), compile_model=True))
+    # An int8 KV cache would quantize nothing: the K/V stay in transformers' cache.
+    with pytest.raises(ValueError, match=r"KV cache dtype \(CacheConfig.dtype='int8'\) is not served") as err:
+        LLMEngine(model, EngineConfig(cache=CacheConfig(num_blocks=8, dtype="int8")))
+    assert "\n" not in str(err.value)
