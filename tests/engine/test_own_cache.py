@@ -23,7 +23,7 @@ from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, S
 from hf_contbatch.engine.kv_groups import own_cache_kinds
 from hf_contbatch.engine.own_cache_runner import _copied
 
-from conftest import reference_greedy
+from conftest import enqueue_at_once, reference_greedy
 
 _SWEEP = Path(__file__).resolve().parents[2] / "scripts" / "family_sweep.py"
 _spec = importlib.util.spec_from_file_location("family_sweep", _SWEEP)
@@ -154,6 +154,34 @@ def test_the_default_pool_counts_what_the_model_can_use_and_serves_exactly(model
     finally:
         eng.close()
     assert outs == refs[:2]
+
+
+@pytest.mark.timeout(300)
+def test_a_step_failing_after_some_requests_ran_leaves_their_caches_as_they_were(model_and_refs):
+    """The first forward at position 30 raises once (the 26-token prompt's fifth decode), after the
+    forwards of the requests before it in that step ran: the engine runs the step again in halves,
+    and those requests decode again from the caches the previous step left (their advanced copies
+    dropped), so every request's tokens still equal ``generate``'s."""
+    model, prompts, refs = model_and_refs
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=64)))
+    fired = []
+
+    def fault(module, args, kwargs):
+        if not fired and kwargs["position_ids"].shape[1] == 1 and int(kwargs["position_ids"][0, 0]) == 30:
+            fired.append(True)
+            raise RuntimeError("injected transient fault")
+
+    hook = model.register_forward_pre_hook(fault, with_kwargs=True)
+    try:
+        handles = enqueue_at_once(eng, prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+        outs = [h.result(timeout=120).output_token_ids for h in handles]
+        assert eng.wait_idle(10)
+        assert eng.runner._caches == {}
+    finally:
+        hook.remove()
+        eng.close()
+    assert fired, "the fault never fired"
+    assert outs == refs
 
 
 @torch.no_grad()
