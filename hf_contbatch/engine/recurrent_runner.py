@@ -56,7 +56,7 @@ def recurrent_engine_config(config: EngineConfig, model_type, what: str = "recur
     if config.prompt_lookup_num_tokens:
         raise ValueError(
             f"model type {model_type!r} has {what}: prompt-lookup drafts (prompt_lookup_num_tokens) are "
-            "not served for it (a rejected draft would need its recurrent state rolled back)"
+            "not served for it (a rejected draft would need its per-request state rolled back)"
         )
     if config.compile_model:
         raise ValueError(f"model type {model_type!r} has {what}: compile_model=True is not served for it; turn it off")

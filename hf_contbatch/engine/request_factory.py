@@ -170,17 +170,18 @@ class RequestFactory:
         return req
 
     def _check_whole_prefill(self, n: int, sampling: SamplingParams) -> None:
-        """Raise ``ValueError`` for what a model with recurrent layers cannot serve: a prompt longer
+        """Raise ``ValueError`` for what a model with a state per request cannot serve: a prompt longer
         than one step prefills (its state is built by one forward over the whole prompt), or drafts."""
         if n > self.whole_prefill_tokens:
             raise ValueError(
                 f"prompt of {n} tokens exceeds max_num_batched_tokens={self.whole_prefill_tokens}: a model with "
-                "recurrent layers prefills a prompt in one step (no chunked prefill); raise max_num_batched_tokens"
+                "a state per request (recurrent layers, or layers keeping their own cache) prefills a prompt in one "
+                "step (no chunked prefill); raise max_num_batched_tokens"
             )
         if sampling.prompt_lookup_num_tokens:
             raise ValueError(
-                "prompt-lookup drafts (prompt_lookup_num_tokens) are not served for a model with recurrent layers "
-                "(a rejected draft would need its recurrent state rolled back)"
+                "prompt-lookup drafts (prompt_lookup_num_tokens) are not served for a model with a state per request "
+                "(recurrent layers, or layers keeping their own cache: a rejected draft would need it rolled back)"
             )
 
     def _check_fits(self, n: int, sampling: SamplingParams) -> None:
