@@ -22,6 +22,7 @@ from ..kernels.linears.weight_spill import WeightSpill
 from ..kernels.model_layout import ModelLayout
 from . import model_users
 from .attention_switch import restore_attention, switch_to_paged_attention
+from .dynamic_mask import acquire_dynamic_masks, release_dynamic_masks
 from .lora_adapters import acquire_lora_layers, release_lora_layers
 from .pool_sizing import available_host_memory
 from .rotary_variants import acquire_rotary_variants, release_rotary_variants
@@ -94,6 +95,7 @@ class ModelPatches:
         self.weight_spill = None
         self.rotary_variants = None
         self.sparse_indexers = None
+        self.dynamic_masks = None
         try:
             # Before anything else changes the model: a rotary we cannot serve per request raises.
             self.rotary_variants = acquire_rotary_variants(model)
@@ -104,6 +106,8 @@ class ModelPatches:
                 )
             # Sparse attention's indexers pick their top-k per request, as generate's rows do.
             self.sparse_indexers = acquire_sparse_indexers(model)
+            # Dynamic mask attention (Doge) stores its per-key biases beside the keys.
+            self.dynamic_masks = acquire_dynamic_masks(model)
             # LoRA's A and B stay unpacked (kernels.lora reads them); the base weights pack as usual.
             lora_ab = [
                 ab for m in getattr(self.lora_layers, "modules", ()) for ab in (*m.lora_A.values(), *m.lora_B.values())
@@ -134,6 +138,8 @@ class ModelPatches:
                 release_rotary_variants(model)
             if self.sparse_indexers is not None:
                 release_sparse_indexers(model)
+            if self.dynamic_masks is not None:
+                release_dynamic_masks(model)
             restore_linears(self.packed_linears, self.weight_spill)
             self.weight_spill = None
             self._format_users.open -= 1
@@ -211,6 +217,9 @@ class ModelPatches:
         if self.sparse_indexers is not None:
             release_sparse_indexers(self.model)
             self.sparse_indexers = None
+        if self.dynamic_masks is not None:
+            release_dynamic_masks(self.model)
+            self.dynamic_masks = None
         if self.fused_ops is not None:
             release_fused_ops(self.model)
             self.fused_ops = None

@@ -227,7 +227,9 @@ class ModelRunner:
             # before its top-k: the step's own over its flattened contexts (transformers builds
             # none for a paged cache), under the layer kind's key in the model's mask mapping.
             kwargs["attention_mask"] = {"indexed_attention": step.index_mask()}
-            # Its top-k runs per request over the rows generate builds (engine.sparse_indexer): each
+        if (self.cache.indexer_layers or self.cache.key_bias_layers) and inputs.metadata is not None:
+            # A top-k (a sparse-attention indexer's, engine.sparse_indexer; a per-key bias's,
+            # torch_paged.key_biased_attention) runs per request over the rows generate builds: each
             # metadata entry's prompt length, entries laid out as build_metadata lays them.
             batch = self.batch
             step.prompt_lens = [
