@@ -160,3 +160,85 @@ def test_a_dynamic_mask_without_a_projection_to_size_its_pool_is_refused_in_one_
     with pytest.raises(ValueError) as err:
         LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=8)))
     assert "\n" not in str(err.value) and "'doge'" in str(err.value) and "dynamic attention mask" in str(err.value)
+
+
+def _doge_moe():
+    """The tiny Doge with its CDMoE (16 product-key experts, 4 per token), ``A`` drawn, window 8, keep 4."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = family_sweep.tiny_config("doge")
+    cfg.is_moe, cfg.num_experts, cfg.num_experts_per_tok = True, 16, 4
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.A.copy_(torch.randn(layer.self_attn.A.shape, generator=g))
+    return model
+
+
+def test_the_cdmoe_routes_a_token_by_the_forward_it_is_in():
+    """The reference itself: transformers' CDMoE pairs router-logit halves of different tokens of one
+    forward, so a prompt's tokens route otherwise in one forward than one at a time (what the
+    engine's per-request forwards must keep apart)."""
+    model = _doge_moe()
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(1, 6, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        together = mlp(x)[0]
+        alone = torch.cat([mlp(x[:, i : i + 1])[0] for i in range(6)], dim=1)
+    assert not torch.allclose(together, alone)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_cdmoe_is_served_as_generate_routes_it(mode):
+    """Doge's CDMoE routes a prompt's tokens together and each generated token alone: prompts
+    prefilled whole (no prefix cache), decodes batched with other requests' rows, requests
+    preempted (recomputed: prompt and generated tokens in one step; or swapped) give ``generate``'s
+    tokens, and so do prompt-lookup drafts (each draft row routed alone)."""
+    model = _doge_moe()
+    prompts = _prompts()
+    refs = [reference_greedy(model, p, NEW) for p in prompts]
+    extra = {"swap_space_gib": 0.01} if mode == "swap" else {}
+    outs, stats = _serve(model, prompts, block_size=4, num_blocks=16, scheduler={"preemption_mode": mode}, **extra)
+    assert outs == refs
+    assert stats.num_preemptions > 0, "the pool was meant to force preemption"
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=64), prompt_lookup_num_tokens=3))
+    try:
+        assert not eng.config.cache.enable_prefix_caching
+        looked_up = [
+            eng.submit(p + p[:6], SamplingParams(max_new_tokens=NEW, ignore_eos=True)).result(timeout=120)
+            for p in prompts[:2]
+        ]
+        drafted = eng.stats().num_draft_tokens
+    finally:
+        eng.close()
+    assert drafted > 0, "the repeated prompts were meant to draft"
+    assert [r.output_token_ids for r in looked_up] == [reference_greedy(model, p + p[:6], NEW) for p in prompts[:2]]
+
+
+@pytest.mark.timeout(300)
+def test_cdmoe_int8_equals_its_plain_torch_quantized_reference():
+    """``quantization="int8"``: the CDMoE's router and shared expert linears are int8 (its expert
+    embeddings stay float), tokens equal ``generate`` on the same weights dequantized in plain torch."""
+    model = _doge_moe()
+    prompts = family_sweep.prompts()
+    outs, names = family_sweep.serve_int8(model, prompts)
+    assert any(n.endswith("mlp.router_gate") for n in names) and any(n.endswith("mlp.up_proj") for n in names)
+    reference = family_sweep.dequantized_copy(model, names)
+    assert outs == [reference_greedy(reference, p, family_sweep.NEW_TOKENS) for p in prompts]
+
+
+def test_a_cdmoe_prompt_longer_than_one_step_is_refused_at_build():
+    model = _doge_moe()
+    cfg = EngineConfig(
+        cache=CacheConfig(block_size=4, num_blocks=64), scheduler=SchedulerConfig(max_num_batched_tokens=16)
+    )
+    eng = LLMEngine(model, cfg)
+    try:
+        with pytest.raises(ValueError, match="router mixes tokens") as err:
+            eng.build_request(list(range(3, 23)), SamplingParams(max_new_tokens=2))
+        assert "\n" not in str(err.value)
+    finally:
+        eng.close()
