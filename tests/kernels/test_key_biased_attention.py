@@ -127,3 +127,17 @@ def test_bad_arguments_are_refused():
         key_biased_attention(query, k_pool, v_pool, bias_pool, meta, 1.0, 0, prompt_lens, torch.float32)
     with pytest.raises(ValueError, match="prompt lengths"):
         key_biased_attention(query, k_pool, v_pool, bias_pool, meta, 1.0, 2, [3, 3], torch.float32)
+
+
+def test_an_int8_pool_reads_as_its_dequantized_values():
+    """An int8 KV cache (``kv_quant``: a float32 scale per token and KV head) reads its keys and values
+    dequantized: the same output as a float pool holding those dequantized values."""
+    from hf_contbatch.kernels.attention.kv_quant import dequantize_kv, quantize_kv
+
+    entries = [(1, 9, 5), (5, 12, 12), (3, 10, 7)]
+    query, k_pool, v_pool, bias_pool, meta, prompt_lens, _ = _step(entries, seed=1)
+    (kq, ks), (vq, vs) = quantize_kv(k_pool), quantize_kv(v_pool)
+    args = (bias_pool, meta, DIM**-0.5, 3, prompt_lens, torch.float32)
+    got = key_biased_attention(query, kq, vq, *args, k_scale=ks, v_scale=vs)
+    want = key_biased_attention(query, dequantize_kv(kq, ks), dequantize_kv(vq, vs), *args)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
