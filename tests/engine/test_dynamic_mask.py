@@ -242,3 +242,18 @@ def test_a_cdmoe_prompt_longer_than_one_step_is_refused_at_build():
         assert "\n" not in str(err.value)
     finally:
         eng.close()
+
+
+@pytest.mark.timeout(300)
+def test_compile_model_serves_a_dynamic_mask_eagerly_with_one_warning():
+    """The compiled forward's attention op stores K/V itself, so the model's ``prepare_dynamic_mask``
+    never sees a stored step: such a model runs eagerly, said once, tokens still ``generate``'s."""
+    model = _doge(random_a=True)
+    prompt = family_sweep.prompts()[1]
+    with pytest.warns(RuntimeWarning, match="dynamic attention mask"):
+        eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=32), compile_model=True))
+    try:
+        served = eng.submit(prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True)).result(timeout=120)
+    finally:
+        eng.close()
+    assert served.output_token_ids == reference_greedy(model, prompt, NEW)
