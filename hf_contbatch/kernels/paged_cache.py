@@ -273,7 +273,9 @@ class PagedCacheStep(_CBCache):
         self.layers_stored: set[int] = set()  # the layers a compiled forward's op stored this step
         self._index_mask: Optional[torch.Tensor] = None  # built on first use (``index_mask``)
         # Each metadata entry's prompt length (tokens), set by the runner for a model with a
-        # sparse-attention indexer: ``engine.sparse_indexer`` builds the rows generate would from it.
+        # sparse-attention indexer, a per-key bias or a router mixing a forward's tokens: the
+        # rows generate would build come from it (``engine.sparse_indexer``,
+        # ``torch_paged.key_biased_attention``, ``engine.cross_token_routers``).
         self.prompt_lens: Optional[list[int]] = None
         # Layers whose per-key bias this step stored (``store_key_bias``): layer -> (top-k width,
         # the dtype the model computed the bias in).
@@ -474,6 +476,7 @@ class PagedCacheStep(_CBCache):
         Raises:
             RuntimeError: a view without metadata (no step to attend for), or ``key_bias`` without
                 the step's ``prompt_lens``.
+            ValueError: ``key_bias`` with sinks, a chunk or head maps (the path has none of them).
         """
         if self.metadata is None:
             raise RuntimeError("PagedCacheStep.attend called on a view without step metadata")
@@ -493,6 +496,8 @@ class PagedCacheStep(_CBCache):
 
             if self.prompt_lens is None:
                 raise RuntimeError("PagedCacheStep.attend: a per-key bias needs the step's prompt_lens")
+            if sinks is not None or chunk_size is not None or head_maps is not None:
+                raise ValueError("PagedCacheStep.attend: a per-key bias with sinks, a chunk or head maps is not served")
             keep, bias_dtype = key_bias
             out = key_biased_attention(
                 q,
