@@ -126,6 +126,10 @@ SHRINK = {
     "indexer_types": ["full", "shared"],
     # Sliding windows shorter than the longest prompt, so they mask something.
     "sliding_window": 8,
+    # Doge's dynamic mask keeps the keys of largest bias per row past this many: fewer than the
+    # window and both prompts, so its top-k selects (its random model's biases all tie at exp(0) = 1,
+    # so only rows laid out as generate's pick what it picks: torch_paged.key_biased_attention).
+    "keep_window_size": 4,
     # Recurrent / hybrid layers: small states.
     "state_size": 8,
     "mamba_d_state": 8,

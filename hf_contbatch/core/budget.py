@@ -75,7 +75,7 @@ class StepBudget:
         ``num_computed_tokens``) tokens, within the token budget, ``long_prefill_token_threshold``
         and, for a sliding-window pool, ``BlockManager.step_token_limit`` (so a request alone in the
         pool always progresses); under ``per_request_state``, all it lacks or 0 when all of it fits
-        one step. With ``stop_at_fork``, a request with pending forks stops one
+        one step (where it never does, at least its prompt's rest, or 0 when that fits one step). With ``stop_at_fork``, a request with pending forks stops one
         token before the end of its prompt (the fork point)."""
         computed = req.num_computed_tokens if computed is None else computed
         todo = req.num_tokens - computed
@@ -94,6 +94,11 @@ class StepBudget:
             if cap is not None:
                 whole = min(whole, cap)
             if todo <= whole:
+                return 0
+            # Never whole (resumed with its generated tokens): its prompt part still is, in the
+            # chunk that starts it, when one step holds it (a router mixing a prompt's tokens,
+            # engine.cross_token_routers, routes them in one forward).
+            if 0 < n < req.num_prompt_tokens - computed <= whole:
                 return 0
         return max(n, 0)
 

@@ -29,6 +29,7 @@ import dataclasses
 from typing import Optional, Sequence
 
 from ..kernels.kv_spec import KVCacheGroup, KVCacheSpec, KVLayerShape
+from .dynamic_mask import key_bias_heads
 
 __all__ = ["kv_cache_groups", "layer_kv_shapes", "layer_windows", "own_cache_kinds"]
 
@@ -168,6 +169,8 @@ def layer_kv_shapes(model, num_layers: int, num_kv_heads: int, head_dim: Optiona
       channel for K and V (it stores none).
     - every layer of a model with a kind of its own cache (:func:`own_cache_kinds`): one
       head of one channel (its K/V live in that cache, per request; the blocks only count tokens).
+    - a module with dynamic mask attention (a ``prepare_dynamic_mask`` method: Doge): also
+      ``key_bias_heads``, its ``dt_proj``'s outputs (``engine.dynamic_mask``).
     - a KV-sharing layer (``is_kv_shared_layer``: Gemma 4's last layers): its source's shape with
       ``shared_from`` set (see :func:`_kv_source`); it stores nothing and reads its source's pools.
 
@@ -217,5 +220,7 @@ def layer_kv_shapes(model, num_layers: int, num_kv_heads: int, head_dim: Optiona
             raise ValueError(
                 f"layer {i}'s K/V projections ({k_out} and {v_out} channels) do not split into heads of {size} channels"
             )
-        shapes.append(KVLayerShape(heads, size, v_out // heads))
+        # Dynamic mask attention (Doge): the bias it computes per key is cached beside the key.
+        bias = key_bias_heads(module) if callable(getattr(type(module), "prepare_dynamic_mask", None)) else 0
+        shapes.append(KVLayerShape(heads, size, v_out // heads, key_bias_heads=bias))
     return shapes

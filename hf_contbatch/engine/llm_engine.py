@@ -39,6 +39,7 @@ from ..core.phases import PhaseTimer
 from ..core.plan import StepResult
 from ..core.scheduler import Scheduler
 from ..request import Request, RequestStatus, SamplingParams
+from .cross_token_routers import cross_token_router_modules, whole_prompt_engine_config
 from .driver import Cancel, EngineDriver, InboxItem
 from .handles import EngineError, HandleRegistry, RequestHandle, RequestOutput
 from .kv_pools import KVPools, move_blocks
@@ -124,6 +125,10 @@ class LLMEngine:
             self.config = cfg = own_cache_engine_config(cfg, model_type)
         elif recurrent:  # a state per request: whole prefills, no prefix caching, recompute
             self.config = cfg = recurrent_engine_config(cfg, model_type)
+        # A router mixing a forward's tokens (Doge's CDMoE): whole prefills, no prefix caching.
+        cross_token = bool(cross_token_router_modules(model))
+        if cross_token:
+            self.config = cfg = whole_prompt_engine_config(cfg, model_type)
         pools = KVPools.for_model(model, cfg)
         g, sizes = pools.geometry, pools.sizes
         self.num_layers, self.num_kv_heads, self.head_dim = g.num_layers, g.num_kv_heads, g.head_dim
@@ -175,7 +180,13 @@ class LLMEngine:
             self.adapters,
             self.grammars.compilation,
             kv_variant=None if self.patches.rotary_variants is None else self.patches.rotary_variants.prefix_key,
-            whole_prefill_tokens=cfg.scheduler.max_num_batched_tokens if recurrent else None,
+            whole_prefill_tokens=cfg.scheduler.max_num_batched_tokens if recurrent or cross_token else None,
+            whole_prefill_why=(
+                "a model with a state per request (recurrent layers, or layers keeping their own cache)"
+                if recurrent
+                else "a model whose router mixes tokens"
+            ),
+            drafts_served=not recurrent,
         )
         self._closed = False
         # Guards the scheduler's and block managers' state: held by the driving thread while it

@@ -23,8 +23,10 @@ touched, so a refusal comes before any packing or pool is built):
   (``engine.kv_groups.layer_kv_shapes``: per-layer head sizes and KV heads, V heads narrower than K
   heads, multi-head latent attention's cached latents). Kinds it cannot serve yet are named in the
   refusal: recurrent layers whose state is not in transformers' ``Cache`` (RWKV, xLSTM,
-  RecurrentGemma), ALiBi biases, Doge's dynamic masks. Indexed (sparse) attention is served: its
-  indexer's keys in a pool per layer, its top-k read by the torch attention path. Attention sinks
+  RecurrentGemma), ALiBi biases, a dynamic mask whose per-key bias the pool cannot size. Indexed
+  (sparse) attention is served: its indexer's keys in a pool per layer, its top-k read by the torch
+  attention path; so is Doge's dynamic mask attention: the bias it computes per key from the key's
+  value in a pool per layer, applied with its top-k by the torch attention path (``engine.dynamic_mask``). Attention sinks
   (gpt-oss's ``s_aux``) and K/V heads of different sizes are served by the torch attention path;
   the C and Triton kernels step aside to it for such layers.
 """
@@ -34,6 +36,7 @@ from __future__ import annotations
 import inspect
 import sys
 
+from .dynamic_mask import dynamic_mask_modules, key_bias_heads
 from .kv_groups import RECURRENT_LAYER_KINDS, own_cache_kinds
 from .kv_groups import STATE_ONLY_LAYER_KINDS as _STATE_ONLY_KINDS
 from .pool_sizing import KVGeometry, text_config
@@ -155,10 +158,10 @@ def unserved_layer_kind(model):
         return f"attention outside transformers' AttentionInterface ({why})"
     if getattr(cfg, "alibi", False):
         return "ALiBi position biases (passed in the attention mask)"
-    if any(callable(getattr(type(m), "prepare_dynamic_mask", None)) for m in model.modules()):
-        # Doge's dynamic mask attention: a bias per key computed from the cached values, and a top-k
-        # over the keys past ``keep_window_size``: the pool stores K/V, not that bias.
-        return "a dynamic attention mask computed from the cached values (a per-key bias the KV cache does not store)"
+    if any(not key_bias_heads(m) for m in dynamic_mask_modules(model)):
+        # Doge's dynamic mask attention is served by caching its per-key bias beside the keys, one
+        # channel per output of its ``dt_proj``; without that projection the pool cannot be sized.
+        return "a dynamic attention mask whose per-key bias has no dt_proj to size its pool"
     try:
         # Each layer's K/V shape from its attention module: per-layer head sizes and KV heads (Gemma 4,
         # MiMo-V2-Flash), V heads of their own size, and the latents of multi-head latent attention

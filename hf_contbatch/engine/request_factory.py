@@ -40,6 +40,10 @@ class RequestFactory:
         whole_prefill_tokens: for a model with recurrent layers, the most prompt tokens one step
             prefills (``max_num_batched_tokens``): a longer prompt, or prompt-lookup drafts, are
             refused. None: any prompt (chunked prefill).
+        whole_prefill_why: what prefills prompts whole, for the refusal's message (a model with
+            cross-token routers, ``engine.cross_token_routers``, also needs whole prompts but serves
+            drafts: ``drafts_served``).
+        drafts_served: whether prompt-lookup drafts are served under ``whole_prefill_tokens``.
     """
 
     def __init__(
@@ -52,9 +56,13 @@ class RequestFactory:
         grammars: Optional[GrammarCompilation] = None,
         kv_variant: Optional[Callable[[int], Optional[str]]] = None,
         whole_prefill_tokens: Optional[int] = None,
+        whole_prefill_why: str = "a model with a state per request (recurrent layers, or layers keeping their own cache)",
+        drafts_served: bool = False,
     ) -> None:
         self.vocab_size = vocab_size
         self.whole_prefill_tokens = whole_prefill_tokens
+        self.whole_prefill_why = whole_prefill_why
+        self.drafts_served = drafts_served
         self.max_model_len = max_model_len
         self.num_blocks = block_manager.num_blocks
         self.block_size = block_manager.block_size
@@ -170,15 +178,16 @@ class RequestFactory:
         return req
 
     def _check_whole_prefill(self, n: int, sampling: SamplingParams) -> None:
-        """Raise ``ValueError`` for what a model with a state per request cannot serve: a prompt longer
-        than one step prefills (its state is built by one forward over the whole prompt), or drafts."""
+        """Raise ``ValueError`` for what a model with recurrent layers cannot serve: a prompt longer
+        than one step prefills (its state is built by one forward over the whole prompt), or drafts
+        (unless ``drafts_served``: a model with cross-token routers)."""
         if n > self.whole_prefill_tokens:
             raise ValueError(
-                f"prompt of {n} tokens exceeds max_num_batched_tokens={self.whole_prefill_tokens}: a model with "
-                "a state per request (recurrent layers, or layers keeping their own cache) prefills a prompt in one "
-                "step (no chunked prefill); raise max_num_batched_tokens"
+                f"prompt of {n} tokens exceeds max_num_batched_tokens={self.whole_prefill_tokens}: "
+                f"{self.whole_prefill_why} prefills a prompt in one step (no chunked prefill); raise "
+                "max_num_batched_tokens"
             )
-        if sampling.prompt_lookup_num_tokens:
+        if sampling.prompt_lookup_num_tokens and not self.drafts_served:
             raise ValueError(
                 "prompt-lookup drafts (prompt_lookup_num_tokens) are not served for a model with a state per request "
                 "(recurrent layers, or layers keeping their own cache: a rejected draft would need it rolled back)"

@@ -105,6 +105,9 @@ class ModelRunner:
         self.lora_layers = None
         # Per-request rotary factors (engine.rotary_variants.RotaryVariants), set by the engine.
         self.rotary_variants = None
+        # Whether the step's cache view needs each entry's prompt length (set by the engine for a
+        # router mixing a forward's tokens; pools with indexer keys or per-key biases always do).
+        self.needs_prompt_lens = False
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._supports_logits_to_keep = "logits_to_keep" in params
@@ -227,7 +230,12 @@ class ModelRunner:
             # before its top-k: the step's own over its flattened contexts (transformers builds
             # none for a paged cache), under the layer kind's key in the model's mask mapping.
             kwargs["attention_mask"] = {"indexed_attention": step.index_mask()}
-            # Its top-k runs per request over the rows generate builds (engine.sparse_indexer): each
+        if (
+            self.cache.indexer_layers or self.cache.key_bias_layers or self.needs_prompt_lens
+        ) and inputs.metadata is not None:
+            # A top-k (a sparse-attention indexer's, engine.sparse_indexer; a per-key bias's,
+            # torch_paged.key_biased_attention) or a router mixing a forward's tokens
+            # (engine.cross_token_routers) runs per request over the rows generate builds: each
             # metadata entry's prompt length, entries laid out as build_metadata lays them.
             batch = self.batch
             step.prompt_lens = [

@@ -75,6 +75,16 @@ class CompiledForward:
                 RuntimeWarning,
                 stacklevel=3,
             )
+        elif cache.key_bias_layers:
+            # Dynamic mask attention (Doge): its per-key biases are stored by the model's own
+            # prepare_dynamic_mask right after update, which the compiled op's store never runs.
+            self.failed = RuntimeError("layers with a cached per-key attention bias")
+            warnings.warn(
+                "compile_model: layers with a dynamic attention mask store a bias per key beside the K/V, which "
+                "the compiled attention op does not; running the model eagerly instead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         elif not COMPILED_STEP_SUPPORTED:
             # The attention op takes the step's view as an opaque object: without them, eager.
             self.failed = RuntimeError("this torch has no opaque objects for custom ops")

@@ -59,9 +59,15 @@ class KVLayerShape:
             0 for a layer without an indexer (or one reusing another layer's top-k). Stored in a third
             pool of the layer, ``[num_blocks, block_size, indexer_head_size]``, indexed by the same
             block ids (``kernels.paged_cache.PagedCacheStep.update_indexer``).
+        key_bias_heads: channels of the additive attention bias the layer computes per key from
+            that key's own projections and caches beside it (Doge's dynamic mask: ``dt_states``,
+            one value per KV head, computed from the key's V), 0 for a layer without one. Stored in
+            a pool of the layer, ``[num_blocks, block_size, key_bias_heads]`` float32, indexed by the
+            same block ids (``kernels.paged_cache.PagedCacheStep.store_key_bias``).
 
     Raises:
-        ValueError: a non-positive size, a negative ``indexer_head_size`` or a negative ``shared_from``.
+        ValueError: a non-positive size, a negative ``indexer_head_size``, ``key_bias_heads`` or
+            ``shared_from``.
     """
 
     num_kv_heads: int
@@ -70,13 +76,15 @@ class KVLayerShape:
     latent: bool = False
     shared_from: Optional[int] = None
     indexer_head_size: int = 0
+    key_bias_heads: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_kv_heads", "head_size", "v_head_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"KVLayerShape.{name} must be positive, got {getattr(self, name)}")
-        if self.indexer_head_size < 0:
-            raise ValueError(f"KVLayerShape.indexer_head_size must be 0 or positive, got {self.indexer_head_size}")
+        for name in ("indexer_head_size", "key_bias_heads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"KVLayerShape.{name} must be 0 or positive, got {getattr(self, name)}")
         if self.shared_from is not None and self.shared_from < 0:
             raise ValueError(f"KVLayerShape.shared_from must be None or a layer index, got {self.shared_from}")
 
@@ -208,14 +216,24 @@ class KVCacheSpec:
         size = self.layer(layer).indexer_head_size
         return (num_blocks, self.block_size, size) if size else None
 
+    # float32 whatever the K/V dtype: a bias computed in bf16 or float16 is held exactly, and the
+    # top-k over it is taken in the model's dtype again (``torch_paged.key_biased_attention``).
+    key_bias_dtype = torch.float32
+
+    def key_bias_shape(self, num_blocks: int, layer: int = 0) -> Optional[tuple[int, int, int]]:
+        """Shape of layer ``layer``'s per-key bias pool, ``[num_blocks, block_size, key_bias_heads]``
+        (``key_bias_dtype``); None for a layer without a per-key bias."""
+        heads = self.layer(layer).key_bias_heads
+        return (num_blocks, self.block_size, heads) if heads else None
+
     def owner(self, layer: int) -> int:
         """The layer whose pools ``layer`` reads: itself, or the layer it shares K/V with."""
         src = self.layer(layer).shared_from
         return layer if src is None else src
 
     def layer_block_bytes(self, layer: int) -> int:
-        """Bytes of one block in layer ``layer``: K and V, scales and indexer keys included (0 for a
-        layer that shares another's pools)."""
+        """Bytes of one block in layer ``layer``: K and V, scales, indexer keys and per-key biases
+        included (0 for a layer that shares another's pools)."""
         shape = self.layer(layer)
         if shape.shared_from is not None:
             return 0
@@ -223,7 +241,8 @@ class KVCacheSpec:
         data = tokens_heads * (shape.head_size + shape.v_head_size) * _itemsize(self.dtype)
         scales = tokens_heads * self.scales_per_token_head * _itemsize(self.scale_dtype) if self.is_quantized else 0
         indexer = self.block_size * shape.indexer_head_size * _itemsize(self.indexer_dtype)
-        return data + 2 * scales + indexer
+        key_bias = self.block_size * shape.key_bias_heads * _itemsize(self.key_bias_dtype)
+        return data + 2 * scales + indexer + key_bias
 
     @functools.cached_property
     def layer_bytes_per_block(self) -> int:

@@ -78,6 +78,15 @@ class PagedKVCache:
             else None
             for i in range(spec.num_layers)
         ]
+        # Layers that cache an additive attention bias per key (``KVLayerShape.key_bias_heads``: Doge's
+        # dynamic mask): one more pool each, None for the other layers (``PagedCacheStep.store_key_bias``).
+        self.key_bias_layers = frozenset(i for i in self.owning_layers if spec.layer(i).key_bias_heads)
+        self.key_biases: list[Optional[torch.Tensor]] = [
+            torch.zeros(spec.key_bias_shape(n, i), dtype=spec.key_bias_dtype, device=layer_devices[i])
+            if i in self.key_bias_layers
+            else None
+            for i in range(spec.num_layers)
+        ]
         # A quantized layout's scales, beside the pools block for block (empty for a float cache).
         self.key_scales: list[torch.Tensor] = []
         self.value_scales: list[torch.Tensor] = []
@@ -94,6 +103,7 @@ class PagedKVCache:
         self.swap_key_scales: list[torch.Tensor] = []
         self.swap_value_scales: list[torch.Tensor] = []
         self.swap_indexer_keys: list[Optional[torch.Tensor]] = []
+        self.swap_key_biases: list[Optional[torch.Tensor]] = []
         if num_swap_blocks:
             m = num_swap_blocks
             # Pinned only where there is a device to DMA from (transformers' CPU offload pins
@@ -109,6 +119,12 @@ class PagedKVCache:
             self.swap_indexer_keys = [
                 torch.empty(spec.indexer_shape(m, i), dtype=spec.indexer_dtype, pin_memory=pin)
                 if i in self.indexer_layers
+                else None
+                for i in range(spec.num_layers)
+            ]
+            self.swap_key_biases = [
+                torch.empty(spec.key_bias_shape(m, i), dtype=spec.key_bias_dtype, pin_memory=pin)
+                if i in self.key_bias_layers
                 else None
                 for i in range(spec.num_layers)
             ]
@@ -128,16 +144,19 @@ class PagedKVCache:
 
     def device_tensors(self, layer: int) -> list[torch.Tensor]:
         """The tensors of ``layer`` indexed by device block: K and V pools, their scales if any, then
-        its indexer key pool if it has one (swaps and copy-on-write move them all together)."""
+        its indexer key pool and its per-key bias pool where it has them (swaps and copy-on-write
+        move them all together)."""
         scales = [self.key_scales[layer], self.value_scales[layer]] if self.key_scales else []
         indexer = [self.indexer_keys[layer]] if layer in self.indexer_layers else []
-        return [self.key_cache[layer], self.value_cache[layer], *scales, *indexer]
+        bias = [self.key_biases[layer]] if layer in self.key_bias_layers else []
+        return [self.key_cache[layer], self.value_cache[layer], *scales, *indexer, *bias]
 
     def host_tensors(self, layer: int) -> list[torch.Tensor]:
         """The swap pool's counterparts of :meth:`device_tensors`, in the same order."""
         scales = [self.swap_key_scales[layer], self.swap_value_scales[layer]] if self.swap_key_scales else []
         indexer = [self.swap_indexer_keys[layer]] if layer in self.indexer_layers else []
-        return [self.swap_key_cache[layer], self.swap_value_cache[layer], *scales, *indexer]
+        bias = [self.swap_key_biases[layer]] if layer in self.key_bias_layers else []
+        return [self.swap_key_cache[layer], self.swap_value_cache[layer], *scales, *indexer, *bias]
 
     def scales(self, layer: int) -> dict:
         """``{"k_scale": ..., "v_scale": ...}`` of ``layer`` for a quantized layout, else ``{}``: the
@@ -209,6 +228,8 @@ class PagedKVCache:
         self.swap_value_cache.clear()
         self.indexer_keys.clear()
         self.swap_indexer_keys.clear()
+        self.key_biases.clear()
+        self.swap_key_biases.clear()
         for scales in (self.key_scales, self.value_scales, self.swap_key_scales, self.swap_value_scales):
             scales.clear()
 
@@ -252,8 +273,13 @@ class PagedCacheStep(_CBCache):
         self.layers_stored: set[int] = set()  # the layers a compiled forward's op stored this step
         self._index_mask: Optional[torch.Tensor] = None  # built on first use (``index_mask``)
         # Each metadata entry's prompt length (tokens), set by the runner for a model with a
-        # sparse-attention indexer: ``engine.sparse_indexer`` builds the rows generate would from it.
+        # sparse-attention indexer, a per-key bias or a router mixing a forward's tokens: the
+        # rows generate would build come from it (``engine.sparse_indexer``,
+        # ``torch_paged.key_biased_attention``, ``engine.cross_token_routers``).
         self.prompt_lens: Optional[list[int]] = None
+        # Layers whose per-key bias this step stored (``store_key_bias``): layer -> (top-k width,
+        # the dtype the model computed the bias in).
+        self._key_bias_calls: dict[int, tuple[int, torch.dtype]] = {}
         take_stored()  # a record a failed step left on this thread is not this step's
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -336,6 +362,44 @@ class PagedCacheStep(_CBCache):
         out[:stored] = flat.index_select(0, slots)
         return out.to(key_states.dtype).unsqueeze(0)
 
+    def store_key_bias(self, layer_idx: int, bias: torch.Tensor, keep: int) -> torch.Tensor:
+        """Store this step's per-key attention biases ``bias`` ``[1, C, T]`` (C the layer's
+        ``KVLayerShape.key_bias_heads``, one value per KV head and token: Doge's ``dt_states``) into
+        their slots of the layer's bias pool, for the attention call that follows: it adds each
+        key's bias to every query's score of that key and keeps, per query row, only the ``keep``
+        keys of largest bias (Doge's ``keep_window_size``; see ``torch_paged.key_biased_attention``).
+
+        Returns the stand-in for the dense mask the model would build, ``[1, C, T, 0]`` (empty, so
+        no mask of the model's own can be taken for it): the model hands it on to attention (Doge
+        repeats it per query head), where :meth:`key_bias_call` recognizes it.
+
+        Raises:
+            ValueError: a layer without a bias pool, a view without metadata, or ``bias`` not one row
+                per token of the step.
+        """
+        cache = self.cache
+        if layer_idx not in cache.key_bias_layers:
+            raise ValueError(f"layer {layer_idx} has no per-key bias pool (KVLayerShape.key_bias_heads is 0)")
+        if self.metadata is None:
+            raise ValueError("store_key_bias: a view without step metadata stores nothing")
+        pool = cache.key_biases[layer_idx]
+        meta = self.metadata.to(pool.device)
+        if bias.dim() != 3 or bias.shape[1] != pool.shape[-1] or bias.shape[2] != meta.slot_mapping.shape[0]:
+            raise ValueError(
+                f"store_key_bias: bias {tuple(bias.shape)} is not [1, {pool.shape[-1]}, {meta.slot_mapping.shape[0]}]"
+            )
+        flat = pool.view(-1, pool.shape[-1])
+        flat.index_copy_(0, meta.slot_mapping, bias[0].transpose(0, 1).to(pool.dtype))
+        self._key_bias_calls[layer_idx] = (int(keep), bias.dtype)
+        return bias.new_empty((1, bias.shape[1], bias.shape[2], 0))
+
+    def key_bias_call(self, layer_idx, mask) -> Optional[tuple[int, torch.dtype]]:
+        """``(keep, dtype)`` when ``mask`` is the stand-in :meth:`store_key_bias` returned for
+        ``layer_idx`` this step (an empty last dimension; repeated per query head or not), else None."""
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-1] != 0:
+            return None
+        return self._key_bias_calls.get(layer_idx)
+
     def index_mask(self) -> torch.Tensor:
         """bool ``[1, 1, T, S]``: the causal mask over the step's flattened contexts
         (``torch_paged.context_mask``) that a sparse-attention indexer adds to its scores, passed
@@ -389,6 +453,7 @@ class PagedCacheStep(_CBCache):
         chunk_size=None,
         head_maps=None,
         selected=None,
+        key_bias=None,
     ):
         """``query`` ``[1, H, T, Dk]`` over the pool of ``layer_idx`` -> ``[1, T, H, Dv]``;
         ``key``/``value`` ``[1, KVH, T, Dk]`` and ``[1, KVH, T, Dv]`` this step's rows (already
@@ -404,10 +469,14 @@ class PagedCacheStep(_CBCache):
         with a sparse-attention indexer, its top-k, int ``[1, T, k]`` positions in those ``S``
         context rows (picked under :meth:`index_mask`; a pick outside the query's own causal
         context is a masked key the top-k took for want of enough visible ones, and stays masked),
-        or None for dense attention.
+        or None for dense attention. ``key_bias``: ``(keep, dtype)`` from :meth:`key_bias_call`
+        for a layer whose per-key biases this step stored (``store_key_bias``), read by the torch
+        path (``torch_paged.key_biased_attention``, with the step's ``prompt_lens``), or None.
 
         Raises:
-            RuntimeError: a view without metadata (no step to attend for).
+            RuntimeError: a view without metadata (no step to attend for), or ``key_bias`` without
+                the step's ``prompt_lens``.
+            ValueError: ``key_bias`` with sinks, a chunk or head maps (the path has none of them).
         """
         if self.metadata is None:
             raise RuntimeError("PagedCacheStep.attend called on a view without step metadata")
@@ -422,6 +491,29 @@ class PagedCacheStep(_CBCache):
             out = context_attention(q, key[0], value[0], meta, scale, sliding_window, softcap, sinks, picks)
             return out.unsqueeze(0)
         single = key.shape[0] == 1
+        if key_bias is not None:
+            from .attention.torch_paged import key_biased_attention
+
+            if self.prompt_lens is None:
+                raise RuntimeError("PagedCacheStep.attend: a per-key bias needs the step's prompt_lens")
+            if sinks is not None or chunk_size is not None or head_maps is not None:
+                raise ValueError("PagedCacheStep.attend: a per-key bias with sinks, a chunk or head maps is not served")
+            keep, bias_dtype = key_bias
+            out = key_biased_attention(
+                q,
+                k_pool,
+                v_pool,
+                cache.key_biases[layer_idx],
+                meta,
+                scale,
+                keep,
+                self.prompt_lens,
+                bias_dtype,
+                sliding_window=sliding_window,
+                softcap=softcap,
+                **cache.scales(layer_idx),
+            )
+            return out.unsqueeze(0)
         if sinks is not None:
             attend, extra = self._sinks_attention(), {"sinks": sinks, "chunk_size": chunk_size, "head_maps": head_maps}
         elif chunk_size is not None or head_maps is not None:

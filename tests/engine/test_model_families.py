@@ -212,7 +212,6 @@ def _meta_model(model_type):
     [
         ("rwkv", "AttentionInterface"),  # recurrent layers with a state outside transformers' Cache
         ("bloom", "AttentionInterface"),  # legacy attention with ALiBi biases
-        ("doge", "dynamic attention mask"),  # a learned per-key bias from the cached values
         ("inkling_text", "'hybrid_sliding' (short convolutions over K/V"),
     ],
 )

@@ -302,3 +302,13 @@ def test_per_request_state_prefills_whole_or_waits_for_a_step_with_room():
     long = Scheduler(SchedulerConfig(max_num_batched_tokens=10, watermark=0.0, per_request_state=True), bm)
     long.add_request(Request(2, list(range(3, 28)), SamplingParams(max_new_tokens=4)))  # 25 > 10: chunks
     assert [s.num_new_tokens for s in long.schedule().plan.scheduled] == [10]
+    # Resumed with its generated tokens (more than a step holds), a request still starts with its
+    # whole prompt: while another's rows leave less room than the prompt, it waits.
+    resumed = Scheduler(SchedulerConfig(max_num_batched_tokens=10, watermark=0.0, per_request_state=True), bm)
+    resumed.add_request(Request(3, list(range(3, 7)), SamplingParams(max_new_tokens=4)))  # 4 tokens
+    again = Request(4, list(range(3, 11)), SamplingParams(max_new_tokens=20))  # an 8-token prompt
+    again.output_token_ids.extend(range(11, 17))  # 6 generated before a preemption: 14 to recompute
+    resumed.add_request(again)
+    assert again.num_tokens == 14 and again.num_prompt_tokens == 8
+    # 6 tokens left after the first request's 4: less than the 8-token prompt, so it waits.
+    assert [(s.request_id, s.num_new_tokens) for s in resumed.schedule().plan.scheduled] == [(3, 4)]

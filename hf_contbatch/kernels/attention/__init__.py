@@ -135,8 +135,21 @@ def paged_attention_forward(
     sinks = kwargs.get("s_aux")
     # A sparse-attention indexer's top-k (DeepSeek V3.2's DSA), passed by its model as ``indices``.
     selected = kwargs.get("indices") if attention_mask is not None else None
+    # A per-key bias the layer stored this step (Doge's dynamic mask), its stand-in as the mask.
+    key_bias = paged_cache.key_bias_call(layer, attention_mask)
     out = paged_cache.attend(
-        layer, query, key, value, scale, sliding_window, softcap, sinks, chunk_size, head_maps, selected=selected
+        layer,
+        query,
+        key,
+        value,
+        scale,
+        sliding_window,
+        softcap,
+        sinks,
+        chunk_size,
+        head_maps,
+        selected=selected,
+        key_bias=key_bias,
     )
     return out, None
 
@@ -170,6 +183,12 @@ _STORED = threading.local()
 def note_stored(step, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
     """Record that ``step`` stored ``key``/``value`` for ``layer_idx`` on this thread (``PagedCacheStep.update``)."""
     _STORED.record = (step, layer_idx, key, value)
+
+
+def peek_stored():
+    """The record :func:`note_stored` left on this thread, kept: ``(step, layer_idx, key, value)``
+    or None."""
+    return getattr(_STORED, "record", None)
 
 
 def take_stored():
@@ -298,9 +317,10 @@ def _check_served_call(module, key, value, attention_mask, stored, kwargs, paged
     Raises ``ValueError`` where the model asks attention for something the paged kernels would
     silently not do (they read the step's context from the pool and mask causally, with the
     ``sliding_window``/``softcap``/``s_aux`` arguments): a mask of its own (an ALiBi or learned
-    bias: an engine step builds none; the one mask served is the step's own causal mask over its
+    bias: an engine step builds none; the masks served are the step's own causal mask over its
     contexts, ``PagedCacheStep.index_mask``, which a model with a sparse-attention indexer passes on
-    beside the indexer's top-k), attention sinks or position-scaled queries under a compiled
+    beside the indexer's top-k, and the stand-in ``PagedCacheStep.store_key_bias`` returns for a
+    per-key bias the layer stored in its pool), attention sinks or position-scaled queries under a compiled
     forward (its op has neither), a latent layer under a compiled forward (whose op stores and
     attends without returning the contexts), K/V changed after ``cache.update`` other than by
     picking stored heads (:func:`_head_maps`; a latent layer's model expands the contexts its
@@ -308,7 +328,13 @@ def _check_served_call(module, key, value, attention_mask, stored, kwargs, paged
     (but for a layer sharing another's K/V: Gemma 4)."""
     layer, head_maps, what = getattr(module, "layer_idx", None), None, None
     error = ValueError
-    if attention_mask is not None and not (not compiled and paged_cache.is_index_mask(attention_mask)):
+    if attention_mask is not None and not (
+        not compiled
+        and (
+            paged_cache.is_index_mask(attention_mask)
+            or paged_cache.key_bias_call(stored[1] if stored is not None else layer, attention_mask) is not None
+        )
+    ):
         what = "adds its own attention mask or bias"
     elif compiled and kwargs.get("s_aux") is not None:
         what = "passes attention sinks (s_aux), which a compiled forward does not serve"

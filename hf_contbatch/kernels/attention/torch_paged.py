@@ -456,3 +456,139 @@ def context_attention(
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, Dk]
         out[start:end] = _attend(q, k, v, mask, scale, softcap, is_causal=mask is None, sinks=sinks)[0].transpose(0, 1)
     return out
+
+
+def _kept_keys(
+    bias: torch.Tensor, q_pos: torch.Tensor, prompt_len: int, keep: int, sliding_window: int | None, low: float
+) -> torch.Tensor:
+    """bool ``[C, Lq, S]``: the keys each query row of one request attends to under a per-key bias
+    ``bias`` ``[C, S]`` (its context's biases, in the model's dtype) that keeps the ``keep`` keys of
+    largest bias, as transformers' Doge builds the mask in ``generate`` (``prepare_dynamic_mask``):
+    the causal (and sliding-window) mask first, masked entries set to ``low`` (the dtype's
+    minimum), then ``torch.topk`` over the row when it is longer than ``keep``.
+
+    Where biases tie at the cut, which key ``topk`` keeps depends on the row it is given, so each
+    row is laid out as ``generate``'s: a prompt token's (``q_pos < prompt_len``) is the prompt long,
+    the keys past the query (or before its window) masked; a generated token's is the keys its
+    cache returns, positions ``max(0, p - sliding_window + 1) .. p``, none masked. A row with no
+    more visible keys than ``keep`` keeps them all (``topk`` ranks every visible key above the
+    masked ones), so only rows past ``keep`` visible keys call it."""
+    c, seq_len = bias.shape
+    device = bias.device
+    k_pos = torch.arange(seq_len, device=device).unsqueeze(0)
+    q_col = q_pos.unsqueeze(1)
+    visible = k_pos <= q_col
+    if sliding_window is not None:
+        visible &= k_pos > q_col - sliding_window
+    kept = visible.unsqueeze(0).expand(c, -1, -1).clone()
+    counts = visible.sum(1).tolist()
+    positions = q_pos.tolist()
+    prompt_rows = [r for r, p in enumerate(positions) if p < prompt_len and counts[r] > keep]
+    if prompt_rows and prompt_len > keep:
+        # A prompt row's visible keys all lie in the prompt; the context may be shorter (a chunk
+        # of it) or longer (a request recomputed after preemption, its generated tokens after it).
+        m = min(seq_len, prompt_len)
+        rows = torch.tensor(prompt_rows, device=device)
+        row_visible = torch.zeros((len(prompt_rows), prompt_len), dtype=torch.bool, device=device)
+        row_visible[:, :m] = visible.index_select(0, rows)[:, :m]
+        values = torch.full((c, len(prompt_rows), prompt_len), low, dtype=bias.dtype, device=device)
+        values[:, :, :m] = bias[:, None, :m]
+        values = values.masked_fill(~row_visible, low)
+        picks = torch.topk(values, keep, dim=-1, largest=True, sorted=False).indices
+        picked = torch.zeros_like(values, dtype=torch.bool).scatter_(-1, picks, True)
+        # A pick among the masked entries (the top-k took it for want of visible ones) stays masked.
+        kept[:, rows, :m] = picked[:, :, :m] & row_visible[:, :m]
+    for r, p in enumerate(positions):
+        if p < prompt_len or counts[r] <= keep:
+            continue
+        lo = 0 if sliding_window is None else max(0, p - sliding_window + 1)
+        picks = torch.topk(bias[:, lo : p + 1], keep, dim=-1, largest=True, sorted=False).indices
+        kept[:, r] = False
+        kept[:, r].scatter_(-1, picks + lo, True)
+    return kept
+
+
+def key_biased_attention(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    bias_pool: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    keep: int,
+    prompt_lens: list[int],
+    bias_dtype: torch.dtype,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention with a cached additive bias per key and a top-k over it (Doge's dynamic mask
+    attention), one request at a time over its paged context.
+
+    A query row at position ``p`` sees its request's keys ``0..p`` (the last ``sliding_window`` of
+    them under a window); of those it keeps, per KV head, the ``keep`` of largest bias (all of them
+    where there are no more than ``keep``; ties cut as ``generate``'s ``torch.topk`` cuts them, see
+    :func:`_kept_keys`) and adds each kept key's bias to its score. Query head ``h`` reads bias
+    channel ``h // (H // C)`` (the model repeats the bias per query head as it repeats K/V).
+
+    Args:
+        query: ``[T, H, Dk]``, this step's query rows.
+        k_pool, v_pool: the layer's pools (this step's K/V stored), as :func:`torch_paged_attention`.
+        bias_pool: float ``[num_blocks, block_size, C]``, each stored key's bias per channel (C
+            divides H), this step's stored.
+        meta: the step's metadata.
+        scale: softmax scale.
+        keep: keys kept per row (Doge's ``keep_window_size``), at least 1.
+        prompt_lens: each metadata entry's prompt length (tokens): the rows ``generate`` built.
+        bias_dtype: the dtype the model computed the bias in: the top-k runs over it in that dtype,
+            masked entries at its minimum, as the model's does.
+        sliding_window, softcap, k_scale, v_scale: as :func:`torch_paged_attention`.
+
+    Returns:
+        ``[T, H, Dv]`` in the query dtype.
+
+    Raises:
+        ValueError: ``keep`` below 1, a bias whose channels do not divide the query heads, or
+            ``prompt_lens`` not one per metadata entry.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    kvh, v_dim = k_pool.shape[2], v_pool.shape[3]
+    channels = bias_pool.shape[-1]
+    if keep < 1 or num_heads % channels:
+        raise ValueError(f"key_biased_attention: keep={keep}, {channels} bias channels for {num_heads} heads")
+    if len(prompt_lens) != meta.num_requests:
+        raise ValueError(f"key_biased_attention: {len(prompt_lens)} prompt lengths for {meta.num_requests} entries")
+    quantized = k_scale is not None
+    flat_k, flat_v = k_pool.view(-1, kvh, head_dim), v_pool.view(-1, kvh, v_dim)
+    flat_ks, flat_vs = (k_scale.view(-1, kvh, 1), v_scale.view(-1, kvh, 1)) if quantized else (None, None)
+    flat_b = bias_pool.view(-1, channels)
+    low = torch.finfo(bias_dtype).min
+    out = query.new_empty((num_tokens, num_heads, v_dim))
+    bs = meta.block_size
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+
+        def slots_of(i=i, seq_len=seq_len):
+            table = meta.block_tables[i, : -(-seq_len // bs)].to(torch.long)
+            return (table.unsqueeze(-1) * bs + torch.arange(bs, device=table.device)).reshape(-1)[:seq_len]
+
+        slots = meta.derived(("key_bias_slots", i), slots_of)
+        k = _gather_rows(flat_k, flat_ks, slots, query.dtype).transpose(0, 1).unsqueeze(0)  # [1, KVH, S, Dk]
+        v = _gather_rows(flat_v, flat_vs, slots, query.dtype).transpose(0, 1).unsqueeze(0)
+        bias = flat_b.index_select(0, slots).to(bias_dtype).transpose(0, 1)  # [C, S]
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
+        kept = _kept_keys(bias, q_pos, prompt_lens[i], keep, sliding_window, low)  # [C, Lq, S]
+        add = bias.unsqueeze(1).masked_fill(~kept, float("-inf")).to(query.dtype)
+        add = add.repeat_interleave(num_heads // channels, dim=0).unsqueeze(0)  # [1, H, Lq, S]
+        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, Dk]
+        if softcap is None:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=add, scale=scale, enable_gqa=num_heads != kvh)
+        else:
+            groups = num_heads // kvh
+            kk, vv = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            scores = torch.matmul(q, kk.transpose(-1, -2)).float() * scale
+            scores = softcap * torch.tanh(scores / softcap) + add
+            o = torch.matmul(torch.softmax(scores, dim=-1).to(vv.dtype), vv)
+        out[start:end] = o[0].transpose(0, 1)
+    return out
