@@ -39,12 +39,19 @@ from ..core.phases import PhaseTimer
 from ..core.plan import StepResult
 from ..core.scheduler import Scheduler
 from ..request import Request, RequestStatus, SamplingParams
+from .dense_runner import DenseContextRunner, dense_context_engine_config
 from .driver import Cancel, EngineDriver, InboxItem
 from .handles import EngineError, HandleRegistry, RequestHandle, RequestOutput
 from .kv_pools import KVPools, move_blocks
 from .lora_adapters import LoraAdapters, is_peft_model
 from .model_patches import ModelPatches
-from .model_support import SERVED_LAYER_KINDS, check_supported_model, has_recurrent_layers, vocab_widths
+from .model_support import (
+    SERVED_LAYER_KINDS,
+    attends_through_cache_update,
+    check_supported_model,
+    has_recurrent_layers,
+    vocab_widths,
+)
 from .output_processor import OutputProcessor, log_failure
 from .per_request_processors import RequestProcessors
 from .pool_sizing import text_config
@@ -113,7 +120,19 @@ class LLMEngine:
         recurrent = has_recurrent_layers(model)
         if recurrent:  # a state per request: whole prefills, no prefix caching, recompute
             self.config = cfg = recurrent_engine_config(cfg, getattr(text_config(model), "model_type", None))
-        pools = KVPools.for_model(model, cfg)
+        # Attention computed by the model's own code over what cache.update returns (Bloom, Falcon,
+        # GPT-Neo, MPT, XGLM...): served through the cache object, by forwards of equal-shape rows.
+        dense = not recurrent and attends_through_cache_update(model)
+        if dense:
+            model_type = getattr(text_config(model), "model_type", None)
+            if self.adapters is not None:
+                raise ValueError(
+                    f"model type {model_type!r} computes attention in its own code: per-request LoRA adapters "
+                    "are not served for it"
+                )
+            self.config = cfg = dense_context_engine_config(cfg, model_type)
+        runner_class = RecurrentModelRunner if recurrent else DenseContextRunner if dense else ModelRunner
+        pools = KVPools.for_model(model, cfg, runner_class=ModelRunner if recurrent else runner_class)
         g, sizes = pools.geometry, pools.sizes
         self.num_layers, self.num_kv_heads, self.head_dim = g.num_layers, g.num_kv_heads, g.head_dim
         self.max_model_len, self.device, self.backend = g.max_model_len, pools.device, pools.backend
@@ -143,6 +162,8 @@ class LLMEngine:
         )
         if recurrent:
             self.runner = RecurrentModelRunner(*runner_args, num_state_slots=cfg.scheduler.max_num_seqs)
+        elif dense:
+            self.runner = DenseContextRunner(*runner_args)
         else:
             self.runner = ModelRunner(*runner_args)
         self.patches = ModelPatches(model, cfg, self.cache, self.runner)  # linears, attention, compiled forward

@@ -121,6 +121,61 @@ def _attention_through_interface(model) -> bool:
     return bool(attention) and all(_dispatches_through_interface(cls) for cls in attention)
 
 
+def _forward_params(model) -> set:
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _source(obj) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+def cache_update_refusal(model):
+    """Why ``model``, whose attention is outside the interface, cannot be served through the cache
+    object it calls either (a phrase that follows "attention outside transformers'
+    AttentionInterface (...)"), or None when it can: its forward takes a cache, an attention module
+    of its stores K/V through ``cache.update`` (and attends, in its own code, over what that returns:
+    ``kernels.dense_context``), and its modeling code neither reads the cache's per-layer tensors
+    behind ``update``'s back nor stores K/V for tokens it was not given. Reads classes, source and
+    the config only.
+
+    What it refuses (transformers 5.24): OpenAI GPT (no cache: every step recomputes the whole
+    sequence), RWKV (a recurrent state of its own), XLNet (its own memory of past hidden states),
+    XLM (reads the cache's ``key_cache`` lists, and recomputes from the whole sequence), CPM-Ant
+    (learned prompt tokens prepended to every sequence: K/V at positions no block was allocated
+    for). A model that passes this check but stores no K/V at run time, or K/V of another shape than
+    the pool's, is refused at its first step (``DenseContextStep``)."""
+    params = _forward_params(model)
+    if "state" in params:
+        return "with a recurrent state of its own (the forward's `state`), not a KV cache"
+    if "mems" in params:
+        return "with its own memory of past hidden states (the forward's `mems`), not a KV cache"
+    if not params & {"cache", "past_key_values"}:
+        return "with no KV cache (every step recomputes the whole sequence)"
+    classes = {type(m) for m in model.modules() if "Attention" in type(m).__name__}
+    if not any(".update(" in _source(cls.forward) for cls in classes):
+        return "storing no K/V through cache.update"
+    module = sys.modules.get(type(model).__module__)
+    text = _source(module) if module is not None else ""
+    if ".key_cache[" in text or ".value_cache[" in text:
+        return "reading the cache's key_cache lists directly, not through cache.update"
+    if getattr(text_config(model), "prompt_length", 0):
+        return "over learned prompt tokens it prepends to every sequence (K/V at positions no block holds)"
+    return None
+
+
+def attends_through_cache_update(model) -> bool:
+    """Whether the engine serves ``model`` (which ``check_supported_model`` accepted) through the cache
+    object alone: its attention is outside the interface, computed over what ``cache.update``
+    returns (``engine.dense_runner``), rather than by the registered paged attention."""
+    return not _only_recurrent_layers(text_config(model)) and not _attention_through_interface(model)
+
+
 def unserved_layer_kind(model):
     """The first thing about ``model`` the engine cannot serve yet, as a short phrase naming the
     layer kind ("layer kinds 'hybrid_sliding'", "ALiBi position biases ...", ...), or None when every layer is served. Reads classes, the config and module attributes only."""
@@ -135,11 +190,19 @@ def unserved_layer_kind(model):
     if _only_recurrent_layers(cfg):
         return None  # no attention: nothing of the KV pool's shape to check
     if not _attention_through_interface(model):
-        # Bloom, Falcon, GPT-Neo, MPT, XGLM, XLNet, RWKV... (transformers 5.24): their attention
-        # modules compute attention in their own code, so there is nothing to plug the paged one into.
+        # Bloom, Falcon, GPT-Neo, MPT, XGLM... (transformers 5.24) compute attention in their own
+        # code, so there is nothing to plug the paged one into; those that attend over what
+        # ``cache.update`` returns are served through the cache (``engine.dense_runner``).
         names = sorted({type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__})
         why = f"{names[0]} computes its own" if names else "legacy or recurrent layers"
-        return f"attention outside transformers' AttentionInterface ({why})"
+        missing = cache_update_refusal(model)
+        if missing is not None:
+            return f"attention outside transformers' AttentionInterface ({why}) {missing}"
+        try:
+            KVGeometry.of(model)
+        except (ValueError, AttributeError, RuntimeError, TypeError) as exc:
+            return f"attention shapes the KV pool cannot hold ({str(exc).splitlines()[0][:120]})"
+        return None  # its ALiBi, windows and masks are the model's own, computed over the returned K/V
     if getattr(cfg, "alibi", False):
         return "ALiBi position biases (passed in the attention mask)"
     if any(callable(getattr(type(m), "prepare_dynamic_mask", None)) for m in model.modules()):

@@ -1,0 +1,158 @@
+"""The cache view of a model that computes attention in its own code over what ``cache.update`` returns.
+
+Bloom, Falcon, GPT-Neo, MPT, XGLM and a few other families (transformers 5.x) do not look their
+attention function up in ``AttentionInterface``: each attention module calls
+``cache.update(key, value, layer_idx)`` and attends, in its own code, over the K/V that call returns,
+under the mask and position biases its model built (causal masks from ``create_causal_mask``,
+GPT-Neo's local-window buffer, ALiBi from the 2-D attention mask, MPT's ALiBi counted from the last
+key). There is no attention function to plug the paged one into, but there is the cache object:
+:class:`DenseContextStep` is a ``DynamicCache`` as the model sees it, backed by the paged pools.
+Its ``update`` stores the new K/V into their slots and returns each row's whole context, ``[B, KVH,
+past + n, D]``, gathered from the pool; ``get_seq_length``/``get_mask_sizes``/``get_query_offset``
+answer as a ``DynamicCache`` holding ``past`` tokens per row would, so transformers' mask code builds
+the masks ``generate`` gets.
+
+One forward through this view serves rows of equal shape only: every row has stored ``past``
+positions and brings ``n`` new tokens (``engine.dense_runner`` groups a step's rows so). Then the
+model runs exactly as ``generate`` runs a batch of unpadded sequences of one length: no padding, no
+mask of ours, positions, ALiBi and windows as the model computes them (some of these families derive
+positions from the cache length, which only equal lengths keep right).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .attention.metadata import AttentionMetadata
+from .attention.torch_paged import gather_contexts
+from .paged_cache import PagedKVCache
+
+__all__ = ["DenseContextStep"]
+
+
+class DenseContextStep:
+    """One forward's cache for rows of equal shape (see the module docstring): ``B`` requests, each
+    with ``past`` positions stored and ``num_new`` new tokens at positions ``past .. past+num_new-1``.
+
+    Duck-typed as a ``transformers.Cache`` (what these models call), deliberately not a
+    ``PagedAttentionCache``: transformers' mask code builds no mask for the latter, and these models'
+    own attention needs the masks ``generate`` gets.
+
+    Args:
+        cache: the engine's paged pools.
+        metadata: the forward's attention metadata: its ``slot_mapping`` holds the new tokens' slots,
+            row by row (``[B * num_new]`` int64).
+        block_tables: each row's block table (device block ids), ``B`` of them.
+        past: positions every row has stored before this forward (tokens).
+        num_new: new tokens per row.
+    """
+
+    is_compileable = False
+
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        metadata: AttentionMetadata,
+        block_tables: Sequence[Sequence[int]],
+        past: int,
+        num_new: int,
+    ) -> None:
+        self.cache = cache
+        self.metadata = metadata
+        self.block_tables = [tuple(t) for t in block_tables]
+        self.past = past
+        self.num_new = num_new
+        self.layers_stored: set[int] = set()
+        self.is_sliding = [False] * cache.num_layers
+        self._past_slots: dict = {}  # device -> int64 [B * past]: each row's stored positions' slots
+
+    @property
+    def batch_size(self) -> int:
+        """Rows of the forward (requests)."""
+        return len(self.block_tables)
+
+    def _slots_of_past(self, device: torch.device) -> torch.Tensor:
+        """int64 ``[B * past]``: the pool slots of positions ``0 .. past-1`` of each row, row by row."""
+        slots = self._past_slots.get(device)
+        if slots is None:
+            bs = self.cache.block_size
+            flat = [t[p // bs] * bs + p % bs for t in self.block_tables for p in range(self.past)]
+            slots = self._past_slots[device] = torch.tensor(flat, dtype=torch.long, device=device)
+        return slots
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Store this forward's K/V (``[B, KVH, num_new, Dk]`` and ``[B, KVH, num_new, Dv]``) into their
+        slots of layer ``layer_idx``'s pools, and return each row's whole context: the stored past
+        (read back from the pool, dequantized for an int8 cache) followed by the new K/V as given,
+        ``[B, KVH, past + num_new, Dk]`` and ``[B, KVH, past + num_new, Dv]`` in their dtypes.
+
+        Raises:
+            ValueError: a layer index outside the pool, a layer storing twice in one forward, or K/V
+                whose shape is not the layer pool's (one line: not served by hf_contbatch).
+        """
+        cache = self.cache
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < cache.num_layers:
+            raise ValueError(f"cache.update for layer {layer_idx!r} outside the KV pool: not served by hf_contbatch")
+        if layer_idx in self.layers_stored:
+            raise ValueError(
+                f"the model stores K/V for layer {layer_idx} twice in a forward: not served by hf_contbatch"
+            )
+        k_pool, v_pool = cache.key_cache[layer_idx], cache.value_cache[layer_idx]
+        b, n = self.batch_size, self.num_new
+        want_k = (b, k_pool.shape[2], n, k_pool.shape[3])
+        want_v = (b, v_pool.shape[2], n, v_pool.shape[3])
+        if tuple(key_states.shape) != want_k or tuple(value_states.shape) != want_v:
+            raise ValueError(
+                f"layer {layer_idx} stores K/V of shapes {tuple(key_states.shape)} and {tuple(value_states.shape)}, "
+                f"the KV pool holds {want_k} and {want_v}: not served by hf_contbatch"
+            )
+        self.layers_stored.add(layer_idx)
+        meta = self.metadata.to(k_pool.device)
+        scales = cache.scales(layer_idx)
+        # [B, KVH, n, D] -> [B * n, KVH, D], rows in the metadata's slot order (row by row).
+        key = key_states.transpose(1, 2).reshape(b * n, key_states.shape[1], key_states.shape[3])
+        value = value_states.transpose(1, 2).reshape(b * n, value_states.shape[1], value_states.shape[3])
+        cache.backend.store_kv(key, value, k_pool, v_pool, meta, **scales)  # cast (or quantized) to the pool's
+        if not self.past:
+            return key_states, value_states
+        slots = self._slots_of_past(k_pool.device)
+        past_k = _rows(gather_contexts(k_pool, slots, scales.get("k_scale"), key_states.dtype), b, self.past)
+        past_v = _rows(gather_contexts(v_pool, slots, scales.get("v_scale"), value_states.dtype), b, self.past)
+        return (
+            torch.cat([past_k.to(key_states.device), key_states], dim=2),
+            torch.cat([past_v.to(value_states.device), value_states], dim=2),
+        )
+
+    def check_stored(self) -> None:
+        """Raise ``ValueError`` (one line) unless every layer with pools of its own stored its K/V in
+        the forward just run: a model that kept its K/V elsewhere would attend over nothing next step."""
+        missing = [i for i in self.cache.owning_layers if i not in self.layers_stored]
+        if missing:
+            raise ValueError(
+                f"the model stored no K/V through cache.update for layers {missing[:8]}: not served by hf_contbatch"
+            )
+
+    # --- what transformers asks a cache (as a DynamicCache holding ``past`` tokens per row) ---------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.past
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.past + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.past
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1  # grows as a DynamicCache does
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.past > 0
+
+
+def _rows(contexts: torch.Tensor, batch: int, past: int) -> torch.Tensor:
+    """``[1, KVH, B * past, D]`` (``gather_contexts`` over the rows' slots, row by row) as ``[B, KVH, past, D]``."""
+    kvh, d = contexts.shape[1], contexts.shape[3]
+    return contexts[0].view(kvh, batch, past, d).transpose(0, 1)
