@@ -105,6 +105,6 @@ class DenseContextRunner(ModelRunner):
             logits = self.model(**kwargs).logits
         step.check_stored()
         if last_only:
-            picks = torch.tensor([r // n for r in inputs.logits_rows], device=logits.device)
+            picks = torch.tensor([r // n for r in inputs.logits_rows], dtype=torch.long, device=logits.device)
             return logits[:, -1].index_select(0, picks)
         return logits.reshape(b * n, -1).index_select(0, inputs.logits_index.to(logits.device))

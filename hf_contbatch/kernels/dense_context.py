@@ -100,12 +100,14 @@ class DenseContextStep:
                 f"the model stores K/V for layer {layer_idx} twice in a forward: not served by hf_contbatch"
             )
         k_pool, v_pool = cache.key_cache[layer_idx], cache.value_cache[layer_idx]
+        given_k, given_v = key_states, value_states
+        key_states, value_states, repeat = _stored_heads(key_states, value_states, k_pool.shape[2])
         b, n = self.batch_size, self.num_new
         want_k = (b, k_pool.shape[2], n, k_pool.shape[3])
         want_v = (b, v_pool.shape[2], n, v_pool.shape[3])
         if tuple(key_states.shape) != want_k or tuple(value_states.shape) != want_v:
             raise ValueError(
-                f"layer {layer_idx} stores K/V of shapes {tuple(key_states.shape)} and {tuple(value_states.shape)}, "
+                f"layer {layer_idx} stores K/V of shapes {tuple(given_k.shape)} and {tuple(given_v.shape)}, "
                 f"the KV pool holds {want_k} and {want_v}: not served by hf_contbatch"
             )
         self.layers_stored.add(layer_idx)
@@ -116,13 +118,15 @@ class DenseContextStep:
         value = value_states.transpose(1, 2).reshape(b * n, value_states.shape[1], value_states.shape[3])
         cache.backend.store_kv(key, value, k_pool, v_pool, meta, **scales)  # cast (or quantized) to the pool's
         if not self.past:
-            return key_states, value_states
+            return given_k, given_v
         slots = self._slots_of_past(k_pool.device)
         past_k = _rows(gather_contexts(k_pool, slots, scales.get("k_scale"), key_states.dtype), b, self.past)
         past_v = _rows(gather_contexts(v_pool, slots, scales.get("v_scale"), value_states.dtype), b, self.past)
+        if repeat > 1:  # the heads the model broadcast, as it broadcast them
+            past_k, past_v = past_k.repeat_interleave(repeat, dim=1), past_v.repeat_interleave(repeat, dim=1)
         return (
-            torch.cat([past_k.to(key_states.device), key_states], dim=2),
-            torch.cat([past_v.to(value_states.device), value_states], dim=2),
+            torch.cat([past_k.to(given_k.device), given_k], dim=2),
+            torch.cat([past_v.to(given_v.device), given_v], dim=2),
         )
 
     def check_stored(self) -> None:
@@ -150,6 +154,22 @@ class DenseContextStep:
     @property
     def is_initialized(self) -> bool:
         return self.past > 0
+
+
+def _stored_heads(key: torch.Tensor, value: torch.Tensor, kv_heads: int) -> tuple:
+    """``(key, value, repeat)``: the heads of ``key``/``value`` ``[B, H, n, D]`` to store when the model
+    broadcast each of ``kv_heads`` heads to ``repeat`` adjacent ones before ``cache.update`` (Falcon's
+    new decoder architecture: its grouped K/V reach the cache expanded to the query heads), with
+    ``repeat`` 1 and the tensors unchanged otherwise. Checked, not assumed: heads that are not such
+    copies come back whole (and the caller refuses their shape)."""
+    heads = key.shape[1]
+    if heads == kv_heads or value.shape[1] != heads or heads % kv_heads:
+        return key, value, 1
+    repeat = heads // kv_heads
+    k, v = key[:, ::repeat], value[:, ::repeat]
+    if torch.equal(k.repeat_interleave(repeat, dim=1), key) and torch.equal(v.repeat_interleave(repeat, dim=1), value):
+        return k, v, repeat
+    return key, value, 1
 
 
 def _rows(contexts: torch.Tensor, batch: int, past: int) -> torch.Tensor:
