@@ -210,7 +210,7 @@ def _meta_model(model_type):
     [
         ("rwkv", "AttentionInterface"),  # recurrent layers with a state outside transformers' Cache
         ("deepseek_v4", "'compressed_sparse_attention'"),  # compressed K/V with sparse selection
-        ("bloom", "AttentionInterface"),  # legacy attention with ALiBi biases
+        ("xlnet", "AttentionInterface"),  # legacy attention over a memory of its own (mems), no KV cache
         ("doge", "dynamic attention mask"),  # a learned per-key bias from the cached values
         ("inkling_text", "'hybrid_sliding' (short convolutions over K/V"),
     ],
