@@ -94,7 +94,6 @@ class ModelPatches:
         self.weight_spill = None
         self.rotary_variants = None
         self.sparse_indexers = None
-        self.previous_attention = None
         try:
             # Before anything else changes the model: a rotary we cannot serve per request raises.
             self.rotary_variants = acquire_rotary_variants(model)
@@ -129,8 +128,8 @@ class ModelPatches:
                 # The int8 copies serve: the float weights wait on disk for undo() (weight_spill).
                 self.weight_spill = WeightSpill(model, self.packed_linears.modules, layout)
                 self.weight_spill.rekey(self.packed_linears.forwards)
-            if runner.uses_attention_interface:  # else the model attends in its own code (dense_runner)
-                self.previous_attention = switch_to_paged_attention(model)
+            # A model attending in its own code (dense_runner) is counted as served, not switched.
+            self.previous_attention = switch_to_paged_attention(model, switch=runner.uses_attention_interface)
         except BaseException:
             if self.rotary_variants is not None:
                 release_rotary_variants(model)

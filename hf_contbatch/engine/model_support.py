@@ -152,9 +152,9 @@ def cache_update_refusal(model):
     the pool's, is refused at its first step (``DenseContextStep``)."""
     params = _forward_params(model)
     if "state" in params:
-        return "with a recurrent state of its own (the forward's `state`), not a KV cache"
+        return "with a recurrent state of its own, not a KV cache"
     if "mems" in params:
-        return "with its own memory of past hidden states (the forward's `mems`), not a KV cache"
+        return "with a memory of past hidden states (mems), not a KV cache"
     if not params & {"cache", "past_key_values"}:
         return "with no KV cache (every step recomputes the whole sequence)"
     classes = {type(m) for m in model.modules() if "Attention" in type(m).__name__}
@@ -163,9 +163,9 @@ def cache_update_refusal(model):
     module = sys.modules.get(type(model).__module__)
     text = _source(module) if module is not None else ""
     if ".key_cache[" in text or ".value_cache[" in text:
-        return "reading the cache's key_cache lists directly, not through cache.update"
+        return "reading the cache's key_cache lists"
     if getattr(text_config(model), "prompt_length", 0):
-        return "over learned prompt tokens it prepends to every sequence (K/V at positions no block holds)"
+        return "over prompt tokens it prepends to every sequence"
     return None
 
 

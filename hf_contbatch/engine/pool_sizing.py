@@ -316,15 +316,14 @@ class KVPoolSizer:
             plan.scheduled.append(row.with_blocks(probe_bm.get_block_table(req.request_id)))
             plan.new_requests.append(NewRequestData.of(req))  # the runner's batch gets its values once
             sampler.processors.track(req)
-        switch = self.runner_class.uses_attention_interface  # else the model attends in its own code
-        previous = switch_to_paged_attention(self.model) if switch else None
+        # A model attending in its own code (dense_runner) keeps its implementation.
+        previous = switch_to_paged_attention(self.model, switch=self.runner_class.uses_attention_interface)
         try:
             self.runner_class(self.model, probe, self.device, sampler, bs, budget).execute(plan)
             for d in {d for d in layer_devices if d.type == "cuda"}:
                 torch.cuda.synchronize(d)
         finally:
-            if switch:
-                restore_attention(self.model, previous)
+            restore_attention(self.model, previous)
         sizes: dict = collections.Counter()
         for i, k in enumerate(probe.key_cache):
             sizes[k.device] += (num_blocks + spec.num_null_blocks) * spec.layer_block_bytes(i)

@@ -261,3 +261,20 @@ def test_compile_model_is_refused_for_such_a_model():
     model = _tiny("gpt_neo")
     with pytest.raises(ValueError, match="compile_model=True is not served"):
         LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=8), compile_model=True))
+
+
+@pytest.mark.timeout(60)
+def test_an_open_engine_counts_as_serving_the_model_without_switching_its_attention():
+    """Nothing to switch, but the model is served: ``quality_report`` and a second weight format see it."""
+    from hf_contbatch.engine.attention_switch import num_open_engines
+
+    model = _tiny("mpt")
+    before = model.config._attn_implementation
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=8)))
+    try:
+        assert num_open_engines(model) == 1
+        assert model.config._attn_implementation == before
+    finally:
+        eng.close()
+    assert num_open_engines(model) == 0
+    assert model.config._attn_implementation == before
