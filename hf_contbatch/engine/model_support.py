@@ -5,7 +5,12 @@ touched, so a refusal comes before any packing or pool is built):
 
 - its attention goes through transformers' ``AttentionInterface`` (the class flag transformers
   itself reads, ``_supports_attention_backend``, that ``PreTrainedModel.is_backend_compatible``
-  returns): our paged attention is plugged in there;
+  returns): our paged attention is plugged in there; or, for the families whose attention modules
+  compute attention in their own code (Bloom, Falcon, GPT-Neo, GPT-NeoX-Japanese, MPT, TrOCR,
+  XGLM in transformers 5.24), it stores K/V through ``cache.update`` and attends over what that
+  returns (:func:`cache_update_refusal` finds none of what would keep it from it): those are served
+  through the cache object alone, their masks, windows and ALiBi their own
+  (``engine.dense_runner``, :func:`attends_through_cache_update`);
 - every layer's kind is one the paged KV cache serves: full attention, sliding-window attention
   (the window reaches the kernels as the ``sliding_window`` attention argument), chunked local
   attention (Llama 4's ``"chunked_attention"`` layers: the attention function reads the chunk from
@@ -19,7 +24,9 @@ touched, so a refusal comes before any packing or pool is built):
   (``engine.kv_groups.layer_kv_shapes``: per-layer head sizes and KV heads, V heads narrower than K
   heads, multi-head latent attention's cached latents). Kinds it cannot serve yet are named in the
   refusal: recurrent layers whose state is not in transformers' ``Cache`` (RWKV, xLSTM,
-  RecurrentGemma), ALiBi biases, Doge's dynamic masks. Indexed (sparse) attention is served: its
+  RecurrentGemma), ALiBi biases passed to the interface as a mask, Doge's dynamic masks, and
+  attention outside the interface without a KV cache served through ``cache.update`` (OpenAI GPT,
+  XLNet, XLM, CPM-Ant: :func:`cache_update_refusal` says why). Indexed (sparse) attention is served: its
   indexer's keys in a pool per layer, its top-k read by the torch attention path. Attention sinks
   (gpt-oss's ``s_aux``) and K/V heads of different sizes are served by the torch attention path;
   the C and Triton kernels step aside to it for such layers.
