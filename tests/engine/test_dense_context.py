@@ -278,3 +278,49 @@ def test_an_open_engine_counts_as_serving_the_model_without_switching_its_attent
         eng.close()
     assert num_open_engines(model) == 0
     assert model.config._attn_implementation == before
+
+
+@pytest.mark.timeout(300)
+def test_prompt_lookup_drafts_and_parallel_sequences_equal_generate():
+    """Draft verification rows (``1 + m`` tokens over a stored past) and forked sequences sharing a
+    prompt's blocks (copy-on-write of the partial one) run through the same cache view."""
+    model = _tiny("gpt_neo", window_size=4)
+    g = torch.Generator().manual_seed(11)
+    motif = torch.randint(3, family_sweep.VOCAB, (5,), generator=g).tolist()
+    prompts = [motif * 4 + motif[:2], _prompts()[1]]  # a repetitive prompt gets drafts
+    refs = [reference_greedy(model, p, NEW) for p in prompts]
+    cfg = EngineConfig(cache=CacheConfig(block_size=4, num_blocks=64), prompt_lookup_num_tokens=3)
+    eng = LLMEngine(model, cfg)
+    try:
+        handles = [eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
+        assert [h.result(timeout=120).output_token_ids for h in handles] == refs
+        assert eng.stats().num_draft_tokens > 0, "the repetitive prompt was meant to get drafts"
+        forks = eng.submit(prompts[1], SamplingParams(max_new_tokens=NEW, ignore_eos=True), num_return_sequences=3)
+        assert [h.result(timeout=120).output_token_ids for h in forks] == [refs[1]] * 3
+        assert eng.wait_idle(10)
+        stats = eng.stats()
+        assert stats.num_forks > 0 and stats.num_free_blocks == stats.num_blocks
+    finally:
+        eng.close()
+
+
+@pytest.mark.timeout(120)
+def test_prompt_log_probs_equal_the_models_own_forward():
+    """Scored prompt rows come from the rows of the forward that computed them: each equals
+    ``log_softmax`` of the model's own forward over the whole prompt."""
+    model = _tiny("bloom")
+    prompt = _prompts()[1]
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    want = [want[p - 1, prompt[p]].item() for p in range(1, len(prompt))]
+    cfg = EngineConfig(
+        cache=CacheConfig(block_size=4, num_blocks=32), scheduler=SchedulerConfig(max_num_batched_tokens=8)
+    )
+    eng = LLMEngine(model, cfg)
+    try:
+        h = eng.submit(prompt, SamplingParams(max_new_tokens=1, prompt_logprobs=1))
+        h.result(timeout=120)
+        got = [lp for lp, _ in h.request.prompt_logprobs[1 : len(prompt)]]
+    finally:
+        eng.close()
+    assert got == pytest.approx(want, abs=1e-4)
