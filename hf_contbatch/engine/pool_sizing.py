@@ -316,8 +316,10 @@ class KVPoolSizer:
             plan.scheduled.append(row.with_blocks(probe_bm.get_block_table(req.request_id)))
             plan.new_requests.append(NewRequestData.of(req))  # the runner's batch gets its values once
             sampler.processors.track(req)
-        # A model attending in its own code (dense_runner) keeps its implementation.
-        previous = switch_to_paged_attention(self.model, switch=self.runner_class.uses_attention_interface)
+        if self.runner_class.uses_attention_interface:
+            previous = switch_to_paged_attention(self.model)
+        else:  # a model attending in its own code (dense_runner) keeps its implementation
+            previous = switch_to_paged_attention(self.model, switch=False)
         try:
             self.runner_class(self.model, probe, self.device, sampler, bs, budget).execute(plan)
             for d in {d for d in layer_devices if d.type == "cuda"}:
