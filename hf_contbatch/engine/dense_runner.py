@@ -61,13 +61,21 @@ class DenseContextRunner(ModelRunner):
         params = inspect.signature(self.model.forward).parameters
         self._takes_position_ids = "position_ids" in params
         self._takes_attention_mask = "attention_mask" in params
+        # Decodes of different context lengths in one left-padded [B, 1] batch, as generate batches
+        # prompts: only for a model that takes each row's positions as position_ids (transformers'
+        # own contract for left-padded batches) and the padding as its 2-D attention mask. A model
+        # without position_ids may count positions from the cache's length (TrOCR): its decodes
+        # group by length.
+        self.pads_decodes = self._takes_position_ids and self._takes_attention_mask
 
     @staticmethod
-    def _parts(plan: StepPlan) -> list[list[ScheduledRequest]]:
-        """The step's rows grouped by shape: ``(start_position, num_new_tokens)``, in plan order."""
+    def _parts(plan: StepPlan, pad_decodes: bool = False) -> list[list[ScheduledRequest]]:
+        """The step's rows grouped by shape, ``(start_position, num_new_tokens)``, in plan order;
+        with ``pad_decodes`` every one-token row (decodes) in one group whatever its position."""
         groups: dict[tuple[int, int], list[ScheduledRequest]] = {}
         for s in plan.scheduled:
-            groups.setdefault((s.start_position, s.num_new_tokens), []).append(s)
+            key = (-1, 1) if pad_decodes and s.num_new_tokens == 1 else (s.start_position, s.num_new_tokens)
+            groups.setdefault(key, []).append(s)
         return list(groups.values())
 
     @torch.inference_mode()
@@ -77,7 +85,7 @@ class DenseContextRunner(ModelRunner):
         output = RunnerOutput()
         if plan.is_empty:
             return output
-        for rows in self._parts(plan):
+        for rows in self._parts(plan, self.pads_decodes):
             part = dataclasses.replace(plan, scheduled=rows, new_requests=[], finished_ids=[], preempted_ids=[])
             output.merge(super().execute(part))
         return output
@@ -86,14 +94,18 @@ class DenseContextRunner(ModelRunner):
         """One ``[B, n]`` forward of ``plan``'s equal-shape rows: the logits
         ``[len(inputs.logits_rows), vocab]`` of the rows the LM head reads, in that order."""
         rows = plan.scheduled
-        b, n, past = len(rows), rows[0].num_new_tokens, rows[0].start_position
-        step = DenseContextStep(self.cache, inputs.metadata, [s.block_ids for s in rows], past, n)
+        b, n = len(rows), rows[0].num_new_tokens
+        pasts = [s.start_position for s in rows]
+        step = DenseContextStep(self.cache, inputs.metadata, [s.block_ids for s in rows], pasts, n)
         kwargs = {"input_ids": inputs.input_ids.view(b, n), self._cache_arg: step, "use_cache": True}
         if self._takes_position_ids:
             kwargs["position_ids"] = inputs.positions.view(b, n)
         if self._takes_attention_mask:
-            # What generate passes: every position of every row attends (no padding).
-            kwargs["attention_mask"] = torch.ones((b, past + n), dtype=torch.long, device=self.device)
+            # What generate passes: every position of every row attends, but a left-padded row's padding.
+            mask = torch.ones((b, step.past + n), dtype=torch.long, device=self.device)
+            for i, pad in enumerate(step.padding()):
+                mask[i, :pad] = 0
+            kwargs["attention_mask"] = mask
         # Only each row's last token read (decodes, prefill chunks that sample): the LM head needs no more.
         last_only = all(r % n == n - 1 for r in inputs.logits_rows)
         if self._supports_logits_to_keep:

@@ -21,7 +21,7 @@ positions from the cache length, which only equal lengths keep right).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, Union
 
 import torch
 
@@ -33,8 +33,14 @@ __all__ = ["DenseContextStep"]
 
 
 class DenseContextStep:
-    """One forward's cache for rows of equal shape (see the module docstring): ``B`` requests, each
-    with ``past`` positions stored and ``num_new`` new tokens at positions ``past .. past+num_new-1``.
+    """One forward's cache for ``B`` requests bringing ``num_new`` new tokens each, row ``b`` with
+    ``pasts[b]`` positions stored before (see the module docstring).
+
+    Rows of unequal stored lengths are laid out as ``generate`` lays out a left-padded batch: every
+    row's context ends at the same key index, ``past = max(pasts)`` stored positions then the new
+    tokens, row ``b``'s first ``past - pasts[b]`` keys zeros that the caller's 2-D attention mask
+    hides (``padding``). Only a model whose positions come from ``position_ids`` or from that mask
+    may be given such rows (``engine.dense_runner`` decides).
 
     Duck-typed as a ``transformers.Cache`` (what these models call), deliberately not a
     ``PagedAttentionCache``: transformers' mask code builds no mask for the latter, and these models'
@@ -45,7 +51,8 @@ class DenseContextStep:
         metadata: the forward's attention metadata: its ``slot_mapping`` holds the new tokens' slots,
             row by row (``[B * num_new]`` int64).
         block_tables: each row's block table (device block ids), ``B`` of them.
-        past: positions every row has stored before this forward (tokens).
+        pasts: positions each row has stored before this forward (tokens): one int for every row,
+            or one per row.
         num_new: new tokens per row.
     """
 
@@ -56,36 +63,51 @@ class DenseContextStep:
         cache: PagedKVCache,
         metadata: AttentionMetadata,
         block_tables: Sequence[Sequence[int]],
-        past: int,
+        pasts: Union[int, Sequence[int]],
         num_new: int,
     ) -> None:
         self.cache = cache
         self.metadata = metadata
         self.block_tables = [tuple(t) for t in block_tables]
-        self.past = past
+        self.pasts = [pasts] * len(self.block_tables) if isinstance(pasts, int) else [int(p) for p in pasts]
+        self.past = max(self.pasts, default=0)
         self.num_new = num_new
         self.layers_stored: set[int] = set()
         self.is_sliding = [False] * cache.num_layers
-        self._past_slots: dict = {}  # device -> int64 [B * past]: each row's stored positions' slots
+        self._past_index: dict = {}  # device -> (slots, destinations): see _past_layout
 
     @property
     def batch_size(self) -> int:
         """Rows of the forward (requests)."""
         return len(self.block_tables)
 
-    def _slots_of_past(self, device: torch.device) -> torch.Tensor:
-        """int64 ``[B * past]``: the pool slots of positions ``0 .. past-1`` of each row, row by row."""
-        slots = self._past_slots.get(device)
-        if slots is None:
-            bs = self.cache.block_size
-            flat = [t[p // bs] * bs + p % bs for t in self.block_tables for p in range(self.past)]
-            slots = self._past_slots[device] = torch.tensor(flat, dtype=torch.long, device=device)
-        return slots
+    def padding(self) -> list[int]:
+        """Per row, the zero keys before its context (``past - pasts[b]``): 0 everywhere for equal rows."""
+        return [self.past - p for p in self.pasts]
+
+    def _past_layout(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """int64 ``(slots, destinations)``, ``[sum(pasts)]`` each: the pool slot of every stored
+        position of every row (row by row, positions ascending), and where it goes in the
+        ``[B * past]`` left-padded rows (row ``b``'s position ``j`` at ``b * past + past - pasts[b] + j``)."""
+        layout = self._past_index.get(device)
+        if layout is None:
+            bs, past = self.cache.block_size, self.past
+            slots: list[int] = []
+            dest: list[int] = []
+            for b, (t, n) in enumerate(zip(self.block_tables, self.pasts)):
+                slots.extend(t[p // bs] * bs + p % bs for p in range(n))
+                dest.extend(range(b * past + past - n, (b + 1) * past))
+            layout = self._past_index[device] = (
+                torch.tensor(slots, dtype=torch.long, device=device),
+                torch.tensor(dest, dtype=torch.long, device=device),
+            )
+        return layout
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store this forward's K/V (``[B, KVH, num_new, Dk]`` and ``[B, KVH, num_new, Dv]``) into their
         slots of layer ``layer_idx``'s pools, and return each row's whole context: the stored past
-        (read back from the pool, dequantized for an int8 cache) followed by the new K/V as given,
+        (read back from the pool, dequantized for an int8 cache; left-padded with zeros to ``past``
+        positions where rows differ, see :meth:`padding`) followed by the new K/V as given,
         ``[B, KVH, past + num_new, Dk]`` and ``[B, KVH, past + num_new, Dv]`` in their dtypes.
 
         Raises:
@@ -119,15 +141,26 @@ class DenseContextStep:
         cache.backend.store_kv(key, value, k_pool, v_pool, meta, **scales)  # cast (or quantized) to the pool's
         if not self.past:
             return given_k, given_v
-        slots = self._slots_of_past(k_pool.device)
-        past_k = _rows(gather_contexts(k_pool, slots, scales.get("k_scale"), key_states.dtype), b, self.past)
-        past_v = _rows(gather_contexts(v_pool, slots, scales.get("v_scale"), value_states.dtype), b, self.past)
+        past_k = self._read_past(k_pool, scales.get("k_scale"), key_states.dtype)
+        past_v = self._read_past(v_pool, scales.get("v_scale"), value_states.dtype)
         if repeat > 1:  # the heads the model broadcast, as it broadcast them
             past_k, past_v = past_k.repeat_interleave(repeat, dim=1), past_v.repeat_interleave(repeat, dim=1)
         return (
             torch.cat([past_k.to(given_k.device), given_k], dim=2),
             torch.cat([past_v.to(given_v.device), given_v], dim=2),
         )
+
+    def _read_past(self, pool: torch.Tensor, scales, dtype: torch.dtype) -> torch.Tensor:
+        """Every row's stored positions from ``pool`` (dequantized with ``scales`` for an int8 pool)
+        as ``[B, KVH, past, D]`` in ``dtype``, left-padded with zeros (see :meth:`padding`)."""
+        slots, dest = self._past_layout(pool.device)
+        rows = gather_contexts(pool, slots, scales, dtype)[0].transpose(0, 1)  # [sum(pasts), KVH, D]
+        b, past = self.batch_size, self.past
+        if dest.numel() == b * past:  # no padding: the rows are already in place
+            out = rows
+        else:
+            out = rows.new_zeros((b * past, *rows.shape[1:])).index_copy_(0, dest, rows)
+        return out.view(b, past, *rows.shape[1:]).transpose(1, 2)
 
     def check_stored(self) -> None:
         """Raise ``ValueError`` (one line) unless every layer with pools of its own stored its K/V in
@@ -170,9 +203,3 @@ def _stored_heads(key: torch.Tensor, value: torch.Tensor, kv_heads: int) -> tupl
     if torch.equal(k.repeat_interleave(repeat, dim=1), key) and torch.equal(v.repeat_interleave(repeat, dim=1), value):
         return k, v, repeat
     return key, value, 1
-
-
-def _rows(contexts: torch.Tensor, batch: int, past: int) -> torch.Tensor:
-    """``[1, KVH, B * past, D]`` (``gather_contexts`` over the rows' slots, row by row) as ``[B, KVH, past, D]``."""
-    kvh, d = contexts.shape[1], contexts.shape[3]
-    return contexts[0].view(kvh, batch, past, d).transpose(0, 1)

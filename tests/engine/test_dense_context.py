@@ -226,8 +226,62 @@ def test_a_step_runs_one_forward_per_shape_of_rows():
         ScheduledRequest(num_new_tokens=1, samples=True, request_id=3, start_position=9, is_decode=True),
         ScheduledRequest(num_new_tokens=6, samples=False, request_id=4, start_position=0),
     ]
-    parts = DenseContextRunner._parts(StepPlan(iteration=0, scheduled=rows))
+    plan = StepPlan(iteration=0, scheduled=rows)
+    parts = DenseContextRunner._parts(plan)
     assert [[s.request_id for s in part] for part in parts] == [[1, 3], [2], [4]]
+    # A model taking position_ids gets its decodes as one left-padded batch, as generate batches.
+    parts = DenseContextRunner._parts(plan, pad_decodes=True)
+    assert [[s.request_id for s in part] for part in parts] == [[1, 2, 3], [4]]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model_type, pads", [("gpt_neo", True), ("falcon", True), ("trocr", False), ("bloom", False)])
+def test_decodes_of_different_lengths_share_a_forward_only_where_positions_are_given(model_type, pads):
+    """TrOCR counts positions from the cache's length and Bloom takes no position_ids: their decodes
+    group by length; GPT-Neo and Falcon take each row's positions and get one left-padded batch."""
+    eng = LLMEngine(_tiny(model_type), EngineConfig(cache=CacheConfig(block_size=16, num_blocks=8)))
+    try:
+        assert eng.runner.pads_decodes is pads
+    finally:
+        eng.close()
+
+
+def test_rows_of_different_stored_lengths_come_back_left_padded():
+    """Two decode rows with 5 and 2 positions stored: each gets its own stored K/V, right-aligned
+    before its new token, zeros in front; the sizes are those of the left-padded batch."""
+    cache = _pools(num_layers=1)
+    tables = [(2, 8), (6,)]
+    g = torch.Generator().manual_seed(2)
+    stored = [torch.randn(1, 2, n, 8, generator=g) for n in (5, 2)]
+    for t, kv in zip(tables, stored):  # each row's past, stored by a forward of its own
+        n = kv.shape[2]
+        DenseContextStep(cache, _metadata([t], 0, n), [t], 0, n).update(kv, kv.clone(), 0)
+    step = DenseContextStep(cache, _one_token_metadata(tables, [5, 2]), tables, [5, 2], 1)
+    assert (step.past, step.padding(), step.get_seq_length(), step.get_mask_sizes(1, 0)) == (5, [0, 3], 5, (6, 0))
+    new = torch.randn(2, 2, 1, 8, generator=g)
+    got, _ = step.update(new, new.clone(), 0)
+    assert got.shape == (2, 2, 6, 8)
+    assert torch.equal(got[0], torch.cat([stored[0][0], new[0]], dim=1))
+    assert torch.equal(got[1, :, :3], torch.zeros(2, 3, 8))
+    assert torch.equal(got[1, :, 3:], torch.cat([stored[1][0], new[1]], dim=1))
+
+
+def _one_token_metadata(tables, pasts, block_size=4):
+    slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, pasts)]
+    b, width = len(tables), max(len(t) for t in tables)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        query_start_loc=torch.arange(0, b + 1, dtype=torch.int32),
+        seq_lens=torch.tensor([p + 1 for p in pasts], dtype=torch.int32),
+        block_tables=torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        num_decodes=b,
+        max_query_len=1,
+        max_seq_len=max(pasts) + 1,
+        query_start_loc_cpu=list(range(b + 1)),
+        seq_lens_cpu=[p + 1 for p in pasts],
+        block_size=block_size,
+        num_kv_heads=2,
+    )
 
 
 def _meta_model(model_type):
