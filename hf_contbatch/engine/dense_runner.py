@@ -5,13 +5,16 @@ Each forward gives the model a ``kernels.dense_context.DenseContextStep`` as its
 stores the new K/V in the paged pools and returns the rows' whole contexts, and the model computes
 attention, masks and position biases itself, as under ``generate``. A step's rows are run as
 separate forwards, one per shape: the rows with the same stored length and the same number of new
-tokens together, as a ``[B, n]`` batch (the step's decodes at one context length; each prefill
-chunk usually alone). Such a batch has no padding, so every model of this kind sees what
-``generate`` gives it for a batch of equal-length sequences, including those that count positions
-from the cache's length or key index (GPT-Neo's local-window buffer, MPT's ALiBi, TrOCR's
-positions): that is what keeps the tokens exact. It is slower than the flattened step (a forward
-per context length, attention dense over each row's context), the price of serving families
-transformers left outside the interface.
+tokens together, as a ``[B, n]`` batch (each prefill chunk usually alone). Such a batch has no
+padding, so every model of this kind sees what ``generate`` gives it for a batch of equal-length
+sequences, including those that count positions from the cache's length or key index (GPT-Neo's
+local-window buffer, MPT's ALiBi, TrOCR's positions): that is what keeps the tokens exact. A model
+whose forward takes ``position_ids`` and an attention mask (GPT-Neo, Falcon, XGLM,
+GPT-NeoX-Japanese) gets the step's decodes as one ``[B, 1]`` batch whatever their lengths, each
+row's past left-padded as ``generate`` pads a batch of prompts, its positions given, its padding
+masked (``pads_decodes``). It is slower than the flattened step (a forward per prefill chunk and,
+for the others, per decode length; attention dense over each row's context), the price of serving
+families transformers left outside the interface.
 
 Each forward's logits rows are the ordinary runner's (``StepInputs`` of that part of the plan), so
 sampling, prompt log-probs, drafts and the output are unchanged.

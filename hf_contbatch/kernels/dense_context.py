@@ -12,11 +12,13 @@ past + n, D]``, gathered from the pool; ``get_seq_length``/``get_mask_sizes``/``
 answer as a ``DynamicCache`` holding ``past`` tokens per row would, so transformers' mask code builds
 the masks ``generate`` gets.
 
-One forward through this view serves rows of equal shape only: every row has stored ``past``
-positions and brings ``n`` new tokens (``engine.dense_runner`` groups a step's rows so). Then the
-model runs exactly as ``generate`` runs a batch of unpadded sequences of one length: no padding, no
-mask of ours, positions, ALiBi and windows as the model computes them (some of these families derive
-positions from the cache length, which only equal lengths keep right).
+Every row of one forward brings ``n`` new tokens. Rows of equal stored length run exactly as
+``generate`` runs a batch of unpadded sequences of one length: no padding, no mask of ours,
+positions, ALiBi and windows as the model computes them (some of these families derive positions
+from the cache length, which only equal lengths keep right). Rows of different stored lengths are
+laid out as ``generate`` lays out a left-padded batch (each row's past right-aligned, zeros in
+front, hidden by the 2-D attention mask the caller passes): ``engine.dense_runner`` does that for
+decodes of models that take their positions as ``position_ids``.
 """
 
 from __future__ import annotations
