@@ -121,7 +121,7 @@ class LLMEngine:
         if recurrent:  # a state per request: whole prefills, no prefix caching, recompute
             self.config = cfg = recurrent_engine_config(cfg, getattr(text_config(model), "model_type", None))
         # Attention computed by the model's own code over what cache.update returns (Bloom, Falcon,
-        # GPT-Neo, MPT, XGLM...): served through the cache object, by forwards of equal-shape rows.
+        # GPT-Neo, MPT, XGLM...): served through the cache object (engine.dense_runner).
         dense = not recurrent and attends_through_cache_update(model)
         if dense:
             model_type = getattr(text_config(model), "model_type", None)
