@@ -23,9 +23,11 @@ logger = logging.getLogger(__name__)
 _ATTN_USERS = "_hf_contbatch_attention_users"  # on the model: its own implementation, open engines
 
 
-def switch_to_paged_attention(model) -> Optional[str]:
+def switch_to_paged_attention(model, switch: bool = True) -> Optional[str]:
     """Register our attention over the model's own implementation with transformers and switch
-    ``model`` to it; count one more user.
+    ``model`` to it; count one more user. ``switch=False``: only count the user, for an engine
+    that serves a model attending in its own code (``engine.dense_runner``): nothing to switch,
+    but the model is served all the same (``num_open_engines``).
 
     Returns the model's own attention implementation (to pass to ``restore_attention``).
     Raises whatever ``set_attn_implementation`` raises, with the count unchanged.
@@ -34,7 +36,8 @@ def switch_to_paged_attention(model) -> Optional[str]:
         _ATTN_USERS, {"previous": getattr(model.config, "_attn_implementation", None), "open": 0}
     )
     try:
-        model.set_attn_implementation(register_attention(users["previous"]))
+        if switch:
+            model.set_attn_implementation(register_attention(users["previous"]))
     except BaseException:
         if not users["open"]:
             model.__dict__.pop(_ATTN_USERS, None)

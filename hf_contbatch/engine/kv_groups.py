@@ -164,7 +164,8 @@ def layer_kv_shapes(model, num_layers: int, num_kv_heads: int, head_dim: Optiona
       ``head_dim``), KV heads ``k_proj.out_features // head size``, V head size
       ``v_proj.out_features // KV heads`` (no ``v_proj``: Gemma 4's ``attention_k_eq_v`` layers,
       whose V is computed from the K projection: the K head size).
-    - anything else (fused QKV projections, no module found): ``num_kv_heads`` heads of ``head_dim``.
+    - anything else (fused QKV projections, no module found): the module's ``num_kv_heads`` where it
+      has one (Falcon's), else ``num_kv_heads``, heads of ``head_dim``.
     - a recurrent layer (``STATE_ONLY_LAYER_KINDS`` in ``config.layer_types``): one head of one
       channel for K and V (it stores none).
     - every layer of a model with a kind of its own cache (:func:`own_cache_kinds`): one
@@ -212,7 +213,11 @@ def layer_kv_shapes(model, num_layers: int, num_kv_heads: int, head_dim: Optiona
         if size is None:
             raise ValueError(f"layer {i}: no head size in its attention module or the config")
         if k_out is None:
-            shapes.append(KVLayerShape(num_kv_heads, size, size))
+            # Fused QKV projections: the module's own KV head count where it keeps one (Falcon's
+            # ``num_kv_heads`` follows new_decoder_architecture, which the config's multi_query does not).
+            own = getattr(module, "num_kv_heads", None) if module is not None else None
+            heads = own if isinstance(own, int) and own > 0 else num_kv_heads
+            shapes.append(KVLayerShape(heads, size, size))
             continue
         v_out = _out_features(module, "v_proj") or k_out
         heads = k_out // size

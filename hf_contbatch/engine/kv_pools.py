@@ -17,6 +17,7 @@ from ..kernels.kv_spec import KVCacheGroup, KVCacheSpec
 from ..kernels.paged_cache import PagedKVCache
 from .kv_groups import kv_cache_groups, layer_windows
 from .pool_sizing import KVGeometry, KVPoolSizer, PoolSizes, layer_devices, text_config
+from .runner import ModelRunner
 
 logger = logging.getLogger("hf_contbatch.engine")
 
@@ -49,9 +50,10 @@ class KVPools:
     host_block_manager: BlockManager
 
     @classmethod
-    def for_model(cls, model, config: EngineConfig) -> "KVPools":
+    def for_model(cls, model, config: EngineConfig, runner_class=ModelRunner) -> "KVPools":
         """Size and allocate the pools for ``model`` under ``config`` (KV dtype: ``config.cache.dtype``,
-        else the model's; each layer's slice on that layer's device).
+        else the model's; each layer's slice on that layer's device). ``runner_class``: the
+        ``ModelRunner`` class the engine runs the model with (a memory probe runs it too).
 
         Raises:
             ValueError: an unknown or unusable ``attention_backend``, or pools that do not fit in
@@ -65,7 +67,9 @@ class KVPools:
         spec = groups[0].spec
         devices = layer_devices(model, geometry.num_layers)
         backend = select_backend(config.attention_backend, device, spec, geometry.num_heads, devices)
-        sizes = KVPoolSizer(model, config, geometry, device=device, backend=backend).size(devices, spec)
+        sizes = KVPoolSizer(model, config, geometry, device=device, backend=backend, runner_class=runner_class).size(
+            devices, spec
+        )
         cache = PagedKVCache(spec, sizes.num_blocks, devices, backend, num_swap_blocks=sizes.num_swap_blocks)
         line = backend.setup(spec, geometry.num_heads)  # e.g. the compiled decode kernel where it is faster here
         if line:

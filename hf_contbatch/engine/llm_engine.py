@@ -40,6 +40,7 @@ from ..core.plan import StepResult
 from ..core.scheduler import Scheduler
 from ..request import Request, RequestStatus, SamplingParams
 from .cross_token_routers import cross_token_router_modules, whole_prompt_engine_config
+from .dense_runner import DenseContextRunner, dense_context_engine_config
 from .driver import Cancel, EngineDriver, InboxItem
 from .handles import EngineError, HandleRegistry, RequestHandle, RequestOutput
 from .kv_pools import KVPools, move_blocks
@@ -47,6 +48,7 @@ from .lora_adapters import LoraAdapters, is_peft_model
 from .model_patches import ModelPatches
 from .model_support import (
     SERVED_LAYER_KINDS,
+    attends_through_cache_update,
     check_supported_model,
     has_recurrent_layers,
     keeps_own_cache,
@@ -129,7 +131,17 @@ class LLMEngine:
         cross_token = bool(cross_token_router_modules(model))
         if cross_token:
             self.config = cfg = whole_prompt_engine_config(cfg, model_type)
-        pools = KVPools.for_model(model, cfg)
+        # Attention computed by the model's own code over what cache.update returns (Bloom, Falcon,
+        # GPT-Neo, MPT, XGLM...): served through the cache object (engine.dense_runner).
+        dense = not recurrent and attends_through_cache_update(model)
+        if dense:
+            if self.adapters is not None:
+                raise ValueError(
+                    f"model type {model_type!r} computes attention in its own code: per-request LoRA adapters "
+                    "are not served for it"
+                )
+            self.config = cfg = dense_context_engine_config(cfg, model_type)
+        pools = KVPools.for_model(model, cfg, runner_class=DenseContextRunner if dense else ModelRunner)
         g, sizes = pools.geometry, pools.sizes
         self.num_layers, self.num_kv_heads, self.head_dim = g.num_layers, g.num_kv_heads, g.head_dim
         self.max_model_len, self.device, self.backend = g.max_model_len, pools.device, pools.backend
@@ -161,6 +173,8 @@ class LLMEngine:
             self.runner = OwnCacheModelRunner(*runner_args, num_state_slots=cfg.scheduler.max_num_seqs)
         elif recurrent:
             self.runner = RecurrentModelRunner(*runner_args, num_state_slots=cfg.scheduler.max_num_seqs)
+        elif dense:
+            self.runner = DenseContextRunner(*runner_args)
         else:
             self.runner = ModelRunner(*runner_args)
         self.patches = ModelPatches(model, cfg, self.cache, self.runner)  # linears, attention, compiled forward

@@ -136,7 +136,10 @@ class ModelPatches:
                 # The int8 copies serve: the float weights wait on disk for undo() (weight_spill).
                 self.weight_spill = WeightSpill(model, self.packed_linears.modules, layout)
                 self.weight_spill.rekey(self.packed_linears.forwards)
-            self.previous_attention = switch_to_paged_attention(model)
+            if runner.uses_attention_interface:
+                self.previous_attention = switch_to_paged_attention(model)
+            else:  # a model attending in its own code (dense_runner): counted as served, not switched
+                self.previous_attention = switch_to_paged_attention(model, switch=False)
         except BaseException:
             if self.rotary_variants is not None:
                 release_rotary_variants(model)

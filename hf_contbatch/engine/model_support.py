@@ -5,7 +5,12 @@ touched, so a refusal comes before any packing or pool is built):
 
 - its attention goes through transformers' ``AttentionInterface`` (the class flag transformers
   itself reads, ``_supports_attention_backend``, that ``PreTrainedModel.is_backend_compatible``
-  returns): our paged attention is plugged in there;
+  returns): our paged attention is plugged in there; or, for the families whose attention modules
+  compute attention in their own code (Bloom, Falcon, GPT-Neo, GPT-NeoX-Japanese, MPT, TrOCR,
+  XGLM in transformers 5.24), it stores K/V through ``cache.update`` and attends over what that
+  returns (:func:`cache_update_refusal` finds none of what would keep it from it): those are served
+  through the cache object alone, their masks, windows and ALiBi their own
+  (``engine.dense_runner``, :func:`attends_through_cache_update`);
 - every layer's kind is one the paged KV cache serves: full attention, sliding-window attention
   (the window reaches the kernels as the ``sliding_window`` attention argument), chunked local
   attention (Llama 4's ``"chunked_attention"`` layers: the attention function reads the chunk from
@@ -23,7 +28,9 @@ touched, so a refusal comes before any packing or pool is built):
   (``engine.kv_groups.layer_kv_shapes``: per-layer head sizes and KV heads, V heads narrower than K
   heads, multi-head latent attention's cached latents). Kinds it cannot serve yet are named in the
   refusal: recurrent layers whose state is not in transformers' ``Cache`` (RWKV, xLSTM,
-  RecurrentGemma), ALiBi biases, a dynamic mask whose per-key bias the pool cannot size. Indexed
+  RecurrentGemma), ALiBi biases passed to the interface as a mask, a dynamic mask whose per-key bias
+  the pool cannot size, and attention outside the interface without a KV cache served through
+  ``cache.update`` (OpenAI GPT, XLNet, XLM, CPM-Ant: :func:`cache_update_refusal` says why). Indexed
   (sparse) attention is served: its indexer's keys in a pool per layer, its top-k read by the torch
   attention path; so is Doge's dynamic mask attention: the bias it computes per key from the key's
   value in a pool per layer, applied with its top-k by the torch attention path (``engine.dynamic_mask``). Attention sinks
@@ -135,6 +142,61 @@ def _attention_through_interface(model) -> bool:
     return bool(attention) and all(_dispatches_through_interface(cls) for cls in attention)
 
 
+def _forward_params(model) -> set:
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _source(obj) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+def cache_update_refusal(model):
+    """Why ``model``, whose attention is outside the interface, cannot be served through the cache
+    object it calls either (a phrase that follows "attention outside transformers'
+    AttentionInterface (...)"), or None when it can: its forward takes a cache, an attention module
+    of its stores K/V through ``cache.update`` (and attends, in its own code, over what that returns:
+    ``kernels.dense_context``), and its modeling code neither reads the cache's per-layer tensors
+    behind ``update``'s back nor stores K/V for tokens it was not given. Reads classes, source and
+    the config only.
+
+    What it refuses (transformers 5.24): OpenAI GPT (no cache: every step recomputes the whole
+    sequence), RWKV (a recurrent state of its own), XLNet (its own memory of past hidden states),
+    XLM (reads the cache's ``key_cache`` lists, and recomputes from the whole sequence), CPM-Ant
+    (learned prompt tokens prepended to every sequence: K/V at positions no block was allocated
+    for). A model that passes this check but stores no K/V at run time, or K/V of another shape than
+    the pool's, is refused at its first step (``DenseContextStep``)."""
+    params = _forward_params(model)
+    if "state" in params:
+        return "with a recurrent state of its own, not a KV cache"
+    if "mems" in params:
+        return "with a memory of past hidden states (mems), not a KV cache"
+    if not params & {"cache", "past_key_values"}:
+        return "with no KV cache (every step recomputes the whole sequence)"
+    classes = {type(m) for m in model.modules() if "Attention" in type(m).__name__}
+    if not any(".update(" in _source(cls.forward) for cls in classes):
+        return "storing no K/V through cache.update"
+    module = sys.modules.get(type(model).__module__)
+    text = _source(module) if module is not None else ""
+    if ".key_cache[" in text or ".value_cache[" in text:
+        return "reading the cache's key_cache lists"
+    if getattr(text_config(model), "prompt_length", 0):
+        return "over prompt tokens it prepends to every sequence"
+    return None
+
+
+def attends_through_cache_update(model) -> bool:
+    """Whether the engine serves ``model`` (which ``check_supported_model`` accepted) through the cache
+    object alone: its attention is outside the interface, computed over what ``cache.update``
+    returns (``engine.dense_runner``), rather than by the registered paged attention."""
+    return not _only_recurrent_layers(text_config(model)) and not _attention_through_interface(model)
+
+
 def unserved_layer_kind(model):
     """The first thing about ``model`` the engine cannot serve yet, as a short phrase naming the
     layer kind ("layer kinds 'hybrid_sliding'", "ALiBi position biases ...", ...), or None when every layer is served. Reads classes, the config and module attributes only."""
@@ -151,11 +213,19 @@ def unserved_layer_kind(model):
     if _only_recurrent_layers(cfg):
         return None  # no attention: nothing of the KV pool's shape to check
     if not _attention_through_interface(model):
-        # Bloom, Falcon, GPT-Neo, MPT, XGLM, XLNet, RWKV... (transformers 5.24): their attention
-        # modules compute attention in their own code, so there is nothing to plug the paged one into.
+        # Bloom, Falcon, GPT-Neo, MPT, XGLM... (transformers 5.24) compute attention in their own
+        # code, so there is nothing to plug the paged one into; those that attend over what
+        # ``cache.update`` returns are served through the cache (``engine.dense_runner``).
         names = sorted({type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__})
         why = f"{names[0]} computes its own" if names else "legacy or recurrent layers"
-        return f"attention outside transformers' AttentionInterface ({why})"
+        missing = cache_update_refusal(model)
+        if missing is not None:
+            return f"attention outside transformers' AttentionInterface ({why}) {missing}"
+        try:
+            KVGeometry.of(model)
+        except (ValueError, AttributeError, RuntimeError, TypeError) as exc:
+            return f"attention shapes the KV pool cannot hold ({str(exc).splitlines()[0][:120]})"
+        return None  # its ALiBi, windows and masks are the model's own, computed over the returned K/V
     if getattr(cfg, "alibi", False):
         return "ALiBi position biases (passed in the attention mask)"
     if any(not key_bias_heads(m) for m in dynamic_mask_modules(model)):

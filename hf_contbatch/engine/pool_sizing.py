@@ -171,10 +171,21 @@ class KVPoolSizer:
         geometry: the model's KV geometry.
         device: the device of the model's input embedding.
         backend: the attention backend the profiling forward uses.
+        runner_class: the ``ModelRunner`` class the engine runs the model with (the profiling forward's).
     """
 
-    def __init__(self, model, config: EngineConfig, geometry: KVGeometry, *, device: torch.device, backend) -> None:
+    def __init__(
+        self,
+        model,
+        config: EngineConfig,
+        geometry: KVGeometry,
+        *,
+        device: torch.device,
+        backend,
+        runner_class=ModelRunner,
+    ) -> None:
         self.model = model
+        self.runner_class = runner_class
         self.config = config
         self.geometry = geometry
         self.device = device
@@ -320,9 +331,12 @@ class KVPoolSizer:
             plan.scheduled.append(row.with_blocks(probe_bm.get_block_table(req.request_id)))
             plan.new_requests.append(NewRequestData.of(req))  # the runner's batch gets its values once
             sampler.processors.track(req)
-        previous = switch_to_paged_attention(self.model)
+        if self.runner_class.uses_attention_interface:
+            previous = switch_to_paged_attention(self.model)
+        else:  # a model attending in its own code (dense_runner) keeps its implementation
+            previous = switch_to_paged_attention(self.model, switch=False)
         try:
-            ModelRunner(self.model, probe, self.device, sampler, bs, budget).execute(plan)
+            self.runner_class(self.model, probe, self.device, sampler, bs, budget).execute(plan)
             for d in {d for d in layer_devices if d.type == "cuda"}:
                 torch.cuda.synchronize(d)
         finally:

@@ -84,6 +84,10 @@ class ModelRunner:
             (``max_num_batched_tokens``; they grow if a step needs more).
     """
 
+    # Whether the model attends through the registered paged attention (the engine switches its
+    # implementation to it); ``DenseContextRunner``'s models attend in their own code.
+    uses_attention_interface = True
+
     def __init__(
         self,
         model,

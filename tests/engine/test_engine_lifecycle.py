@@ -144,9 +144,9 @@ def test_two_engines_on_one_model_keep_serving_until_the_last_closes(first_close
 def test_unsupported_model_family_gets_a_clear_error():
     import transformers as tf
 
-    # Bloom's attention (ALiBi biases) does not go through transformers' AttentionInterface.
-    model = tf.BloomForCausalLM(tf.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2)).eval()
-    with pytest.raises(ValueError, match="model type 'bloom' is not served by hf_contbatch: attention outside"):
+    # OpenAI GPT computes attention in its own code and keeps no KV cache at all.
+    model = tf.OpenAIGPTLMHeadModel(tf.OpenAIGPTConfig(vocab_size=64, n_embd=32, n_layer=1, n_head=2)).eval()
+    with pytest.raises(ValueError, match="model type 'openai-gpt' is not served by hf_contbatch: attention outside"):
         LLMEngine(model)
 
 

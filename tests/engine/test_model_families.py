@@ -211,7 +211,7 @@ def _meta_model(model_type):
     "model_type, kind",
     [
         ("rwkv", "AttentionInterface"),  # recurrent layers with a state outside transformers' Cache
-        ("bloom", "AttentionInterface"),  # legacy attention with ALiBi biases
+        ("xlnet", "AttentionInterface"),  # legacy attention over a memory of its own (mems), no KV cache
         ("inkling_text", "'hybrid_sliding' (short convolutions over K/V"),
     ],
 )
