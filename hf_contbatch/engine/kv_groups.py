@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 from ..kernels.kv_spec import KVCacheGroup, KVCacheSpec, KVLayerShape
 
-__all__ = ["kv_cache_groups", "layer_kv_shapes", "layer_windows"]
+__all__ = ["kv_cache_groups", "layer_kv_shapes", "layer_query_heads", "layer_windows"]
 
 _EVERY_LAYER = frozenset({"mistral", "mixtral", "phi3", "qwen3_moe"})
 _BY_LAYER_TYPE = frozenset({"qwen2", "qwen2_moe", "qwen3", "gemma2", "gemma3", "gemma3_text", "smollm3"})
@@ -80,8 +80,10 @@ def kv_cache_groups(spec: KVCacheSpec, windows: Sequence[Optional[int]]) -> list
 # (``get_conv_state``, ``update_recurrent_state``...), served by ``kernels.recurrent_state`` and the
 # ``engine.recurrent_runner`` (whole prefills, no prefix caching, no drafts, preemption recomputes).
 # "hybrid" (Zamba 2): a Mamba layer that also runs a shared attention block (it keeps both a state
-# and K/V).
-RECURRENT_LAYER_KINDS = frozenset({"linear_attention", "conv", "mamba", "hybrid"})
+# and K/V). Inkling names its layers "hybrid" (full attention) and "hybrid_sliding" (sliding-window
+# attention): attention whose K and V, output and MLP output pass through short causal convolutions
+# (four conv states per layer, transformers' ``update_conv_state``), so they keep both too.
+RECURRENT_LAYER_KINDS = frozenset({"linear_attention", "conv", "mamba", "hybrid", "hybrid_sliding"})
 STATE_ONLY_LAYER_KINDS = frozenset({"linear_attention", "conv", "mamba"})
 """The recurrent kinds without attention in the layer: they store no K/V (their pools keep one
 channel of one head, see :func:`layer_kv_shapes`)."""
@@ -97,6 +99,13 @@ def _attention_modules(model, num_layers: int) -> dict:
             if type(module).__name__.endswith("Attention"):
                 found[idx] = module
     return found
+
+
+def layer_query_heads(model, num_layers: int, layer: int) -> Optional[int]:
+    """The query heads of decoder layer ``layer``'s attention module as it states them
+    (``num_heads``), or None where it states none (most families: the config's count then)."""
+    heads = getattr(_attention_modules(model, num_layers).get(layer), "num_heads", None)
+    return heads if isinstance(heads, int) and heads > 0 else None
 
 
 def _out_features(module, name: str) -> Optional[int]:

@@ -365,6 +365,18 @@ class PagedCacheStep(_CBCache):
         spec = self.cache.spec
         return isinstance(layer_idx, int) and 0 <= layer_idx < spec.num_layers and spec.owner(layer_idx) != layer_idx
 
+    def serves_position_bias(self, position_bias: torch.Tensor) -> bool:
+        """Whether :meth:`attend` can add ``position_bias`` (a model's own additive bias,
+        ``[1, H, T, S]``: Inkling's relative position bias) to its scores: only where the step is one
+        request whose ``T`` query rows attend over its whole context of ``S`` tokens, positions
+        ``0..S-1`` (what the model computed it over when the cache's ``get_query_offset`` and
+        ``get_mask_sizes`` told it that request's positions: ``RecurrentStateStep``)."""
+        meta = self.metadata
+        if meta is None or meta.num_requests != 1 or position_bias.dim() != 4 or position_bias.shape[0] != 1:
+            return False
+        num_tokens = meta.query_start_loc_cpu[1] - meta.query_start_loc_cpu[0]
+        return tuple(position_bias.shape[2:]) == (num_tokens, meta.seq_lens_cpu[0])
+
     def is_latent(self, layer_idx: int) -> bool:
         """Whether ``layer_idx``'s update returns whole stored contexts (see :meth:`update`)."""
         return layer_idx in self.cache.latent_layers
@@ -389,6 +401,7 @@ class PagedCacheStep(_CBCache):
         chunk_size=None,
         head_maps=None,
         selected=None,
+        position_bias=None,
     ):
         """``query`` ``[1, H, T, Dk]`` over the pool of ``layer_idx`` -> ``[1, T, H, Dv]``;
         ``key``/``value`` ``[1, KVH, T, Dk]`` and ``[1, KVH, T, Dv]`` this step's rows (already
@@ -404,10 +417,15 @@ class PagedCacheStep(_CBCache):
         with a sparse-attention indexer, its top-k, int ``[1, T, k]`` positions in those ``S``
         context rows (picked under :meth:`index_mask`; a pick outside the query's own causal
         context is a masked key the top-k took for want of enough visible ones, and stays masked),
-        or None for dense attention.
+        or None for dense attention. ``position_bias``: float ``[1, H, T, S]`` added to the scaled
+        scores of the step's one request over its whole context (see
+        :meth:`serves_position_bias`; Inkling's relative position bias), or None; a call with one
+        takes the torch path.
 
         Raises:
             RuntimeError: a view without metadata (no step to attend for).
+            ValueError: a ``position_bias`` that :meth:`serves_position_bias` refuses, or one on a
+                latent layer.
         """
         if self.metadata is None:
             raise RuntimeError("PagedCacheStep.attend called on a view without step metadata")
@@ -415,6 +433,13 @@ class PagedCacheStep(_CBCache):
         k_pool, v_pool = cache.key_cache[layer_idx], cache.value_cache[layer_idx]
         meta = self.metadata.to(k_pool.device)
         q = query[0].transpose(0, 1)  # [T, H, D]
+        if position_bias is not None and (
+            layer_idx in cache.latent_layers or not self.serves_position_bias(position_bias)
+        ):
+            raise ValueError(
+                f"layer {layer_idx}: a position bias of shape {tuple(position_bias.shape)} is not over one request's "
+                "whole context (or the layer is latent)"
+            )
         if layer_idx in cache.latent_layers:
             from .attention.torch_paged import context_attention
 
@@ -422,8 +447,11 @@ class PagedCacheStep(_CBCache):
             out = context_attention(q, key[0], value[0], meta, scale, sliding_window, softcap, sinks, picks)
             return out.unsqueeze(0)
         single = key.shape[0] == 1
-        if sinks is not None:
-            attend, extra = self._sinks_attention(), {"sinks": sinks, "chunk_size": chunk_size, "head_maps": head_maps}
+        if sinks is not None or position_bias is not None:
+            # The torch path alone adds sinks and position biases (the C and Triton kernels have neither).
+            attend, extra = self._torch_attention(), {"sinks": sinks, "chunk_size": chunk_size, "head_maps": head_maps}
+            if position_bias is not None:
+                extra["position_bias"] = position_bias[0].to(q.device)
         elif chunk_size is not None or head_maps is not None:
             from .attention.torch_paged import torch_paged_attention
 
@@ -445,10 +473,11 @@ class PagedCacheStep(_CBCache):
         )
         return out.unsqueeze(0)
 
-    def _sinks_attention(self):
-        """The attention function of a layer with attention sinks: the torch path's, the only one
-        that has them (the C kernels and Triton do not). Every backend's pools have the torch path's
-        layout, so a Triton engine's sink layers step aside to it (on the GPU, reading the same pools)."""
+    def _torch_attention(self):
+        """The attention function of a layer with attention sinks or a position bias: the torch
+        path's, the only one that has them (the C kernels and Triton do not). Every backend's pools
+        have the torch path's layout, so a Triton engine's such layers step aside to it (on the GPU,
+        reading the same pools)."""
         from .attention.torch_paged import torch_paged_attention
 
         return torch_paged_attention

@@ -278,6 +278,30 @@ class RecurrentStateStep(PagedCacheStep):
             self.pool.write(key, self.slots, state, self._index_on(state.device))
         self._working.clear()
 
+    # --- positions, for a model that reads them from the cache (Inkling) -------------------------
+    def _one_request(self) -> Optional[tuple[int, int]]:
+        """``(context length, query rows)`` of this forward's one request, or None when it has
+        several (a ``[B, 1]`` batch of decodes) or no metadata."""
+        meta = self.metadata
+        if meta is None or meta.num_requests != 1:
+            return None
+        return meta.seq_lens_cpu[0], meta.query_start_loc_cpu[1] - meta.query_start_loc_cpu[0]
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        """The position of this forward's first query row, for a forward of one request (its
+        tokens before this forward); 0 otherwise, as :class:`PagedCacheStep`. Inkling computes its
+        relative position bias and its log-scaled queries from it."""
+        one = self._one_request()
+        return 0 if one is None else one[0] - one[1]
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """``(kv_length, kv_offset)``: for a forward of one request its whole context from
+        position 0, this forward's rows included (the paged kernels attend over it, masking a
+        sliding window themselves, so a sliding layer gets it whole too); ``(query_length, 0)``
+        otherwise, as :class:`PagedCacheStep`."""
+        one = self._one_request()
+        return (query_length, 0) if one is None else (one[0], 0)
+
     # --- attention layers of a hybrid model over a [B, 1] batch of decodes -----------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """As :meth:`PagedCacheStep.update`; ``[B, KVH, 1, D]`` decode rows are stored as the ``B``

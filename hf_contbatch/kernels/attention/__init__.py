@@ -136,7 +136,18 @@ def paged_attention_forward(
     # A sparse-attention indexer's top-k (DeepSeek V3.2's DSA), passed by its model as ``indices``.
     selected = kwargs.get("indices") if attention_mask is not None else None
     out = paged_cache.attend(
-        layer, query, key, value, scale, sliding_window, softcap, sinks, chunk_size, head_maps, selected=selected
+        layer,
+        query,
+        key,
+        value,
+        scale,
+        sliding_window,
+        softcap,
+        sinks,
+        chunk_size,
+        head_maps,
+        selected=selected,
+        position_bias=kwargs.get("position_bias"),
     )
     return out, None
 
@@ -297,21 +308,30 @@ def _check_served_call(module, key, value, attention_mask, stored, kwargs, paged
 
     Raises ``ValueError`` where the model asks attention for something the paged kernels would
     silently not do (they read the step's context from the pool and mask causally, with the
-    ``sliding_window``/``softcap``/``s_aux`` arguments): a mask of its own (an ALiBi or learned
-    bias: an engine step builds none; the one mask served is the step's own causal mask over its
-    contexts, ``PagedCacheStep.index_mask``, which a model with a sparse-attention indexer passes on
-    beside the indexer's top-k), attention sinks or position-scaled queries under a compiled
-    forward (its op has neither), a latent layer under a compiled forward (whose op stores and
-    attends without returning the contexts), K/V changed after ``cache.update`` other than by
-    picking stored heads (:func:`_head_maps`; a latent layer's model expands the contexts its
-    ``update`` returned, new tensors by design), or a layer attending over K/V it did not store
-    (but for a layer sharing another's K/V: Gemma 4)."""
+    ``sliding_window``/``softcap``/``s_aux``/``position_bias`` arguments): a mask of its own (an
+    ALiBi or learned bias: an engine step builds none; the one mask served is the step's own
+    causal mask over its contexts, ``PagedCacheStep.index_mask``, which a model with a
+    sparse-attention indexer passes on beside the indexer's top-k), attention sinks or
+    position-scaled queries under a compiled forward (its op has neither), a position bias under
+    a compiled forward or one not over a single request's whole context
+    (``PagedCacheStep.serves_position_bias``), a latent layer under a compiled forward (whose op
+    stores and attends without returning the contexts), K/V changed after ``cache.update`` other
+    than by picking stored heads (:func:`_head_maps`; a latent layer's model expands the
+    contexts its ``update`` returned, new tensors by design), or a layer attending over K/V it did
+    not store (but for a layer sharing another's K/V: Gemma 4)."""
     layer, head_maps, what = getattr(module, "layer_idx", None), None, None
     error = ValueError
     if attention_mask is not None and not (not compiled and paged_cache.is_index_mask(attention_mask)):
         what = "adds its own attention mask or bias"
     elif compiled and kwargs.get("s_aux") is not None:
         what = "passes attention sinks (s_aux), which a compiled forward does not serve"
+    elif compiled and kwargs.get("position_bias") is not None:
+        what = "adds a position bias (position_bias), which a compiled forward does not serve"
+    elif kwargs.get("position_bias") is not None and not paged_cache.serves_position_bias(kwargs["position_bias"]):
+        # Inkling's relative position bias: a dense [B, H, T, S] tensor the model computes from the
+        # cache's query offset and mask sizes, which mean one request's context (the recurrent
+        # runner's one-request forwards); over a flattened batch it would align with no request.
+        what = "adds a position bias (position_bias) that is not over one request's whole context"
     elif compiled and _temperature_tuning(module) is not None:
         what = "scales its queries by position (attention temperature tuning), which a compiled forward does not serve"
         error = CompiledAttentionUnserved  # served eagerly: ``CompiledForward`` falls back

@@ -33,9 +33,24 @@ def _with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None, head_shape: tu
     return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
-def _attend(q, k, v, mask, scale: float, softcap: float | None, is_causal: bool = False, sinks=None):
+def _attend(q, k, v, mask, scale: float, softcap: float | None, is_causal: bool = False, sinks=None, bias=None):
     """q ``[B, H, Lq, D]``, k/v ``[B, KVH, Lk, D]``, mask bool broadcastable to ``[B, H, Lq, Lk]``;
-    ``sinks`` ``[H]`` or None (see :func:`_with_sinks`)."""
+    ``sinks`` ``[H]`` or None (see :func:`_with_sinks`); ``bias`` float ``[B, H, Lq, Lk]`` added to
+    the scaled (and soft-capped) scores of the visible keys, or None."""
+    if bias is not None and softcap is None and sinks is None:
+        # The call transformers' SDPA attention makes for a model passing ``position_bias``: K/V
+        # heads repeated, the bias where keys are visible and the dtype's minimum elsewhere, as one
+        # additive mask.
+        if mask is None and is_causal:
+            lq, lk = q.shape[-2], k.shape[-2]
+            mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        bias = bias.to(q.dtype)
+        additive = bias if mask is None else torch.where(mask, bias, torch.finfo(q.dtype).min)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=additive, scale=scale)
     if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
             q,
@@ -53,6 +68,8 @@ def _attend(q, k, v, mask, scale: float, softcap: float | None, is_causal: bool 
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
+    if bias is not None:
+        scores = scores + bias
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     elif is_causal:
@@ -204,6 +221,7 @@ def torch_paged_attention(
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
     head_maps: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+    position_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged context.
 
@@ -242,9 +260,17 @@ def torch_paged_attention(
             ``len(key_heads)`` KV heads, the ``j``-th reading pool head ``key_heads[j]`` for its
             keys and ``value_heads[j]`` for its values. The CPU kernels have no maps: with them
             every row takes the torch path.
+        position_bias: float ``[H, T, S]``, a model's own bias added to the scaled scores (Inkling's
+            relative position bias), for a step of one request whose ``T`` rows attend over its
+            context of ``S`` tokens (positions ``0..S-1``); its rows, decodes included, are then
+            computed as transformers' SDPA attention computes them with a ``position_bias``
+            (``_attend``). The CPU kernels have none: with one every row takes the torch path.
 
     Returns:
         ``[T, H, Dv]`` in the query dtype.
+
+    Raises:
+        ValueError: ``position_bias`` with a step of more than one request, or of another shape.
     """
     num_tokens, num_heads, head_dim = query.shape
     kvh, v_dim = k_pool.shape[2], v_pool.shape[3]
@@ -254,10 +280,19 @@ def torch_paged_attention(
     quantized = k_scale is not None
     scales = {"k_scale": k_scale, "v_scale": v_scale} if quantized else {}
 
+    if position_bias is not None and (
+        meta.num_requests != 1 or tuple(position_bias.shape) != (num_heads, num_tokens, meta.seq_lens_cpu[0])
+    ):
+        raise ValueError(
+            f"a position bias of shape {tuple(position_bias.shape)} for a step of {meta.num_requests} requests "
+            f"({num_tokens} query rows, {num_heads} heads): one request's [H, T, S] is served"
+        )
+
     def serves(kernel) -> bool:
         return (
             kernel is not None
             and sinks is None
+            and position_bias is None
             and chunk_size is None
             and head_maps is None
             and (kernel.can_serve_int8 if quantized else kernel.can_serve)(query, k_pool, v_pool)
@@ -277,7 +312,9 @@ def torch_paged_attention(
         out[:nd] = decoded
     else:
         out = query.new_empty((num_tokens, num_heads, v_dim))
-    if nd and not in_kernel:
+    # With a position bias the one request's rows, a decode's too, take the loop below.
+    first = nd if position_bias is None else 0
+    if nd and not in_kernel and position_bias is None:
         groups = num_heads // heads
         plans = meta.derived(
             ("decode", sliding_window, kvh, groups, chunk_size, head_maps),
@@ -311,7 +348,7 @@ def torch_paged_attention(
         return prefill_kernel(query, k_pool, v_pool, meta, scale, softcap, sliding_window, out=out, **scales)
     flat_k, flat_v = k_pool.view(-1, kvh, head_dim), v_pool.view(-1, kvh, v_dim)
     flat_ks, flat_vs = (k_scale.view(-1, kvh, 1), v_scale.view(-1, kvh, 1)) if quantized else (None, None)
-    for i in range(nd, meta.num_requests):
+    for i in range(first, meta.num_requests):
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         slots, mask = meta.derived(
             ("prefill", i, sliding_window, chunk_size), lambda i=i: _prefill_gather(meta, i, sliding_window, chunk_size)
@@ -328,7 +365,8 @@ def torch_paged_attention(
                 k, v = (x.index_select(1, torch.tensor(m, device=x.device)) for x, m in zip((k, v), head_maps))
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
-        o = _attend(q, k, v, mask, scale, softcap, is_causal=mask is None, sinks=sinks)
+        bias = None if position_bias is None else position_bias[:, start:end].unsqueeze(0)
+        o = _attend(q, k, v, mask, scale, softcap, is_causal=mask is None, sinks=sinks, bias=bias)
         out[start:end] = o[0].transpose(0, 1)
     return out
 
