@@ -41,6 +41,7 @@ def reference_paged_attention(
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
     chunk_size: Optional[int] = None,
+    position_bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of a flattened, unpadded batch over the paged KV cache.
 
@@ -56,6 +57,8 @@ def reference_paged_attention(
         softcap: scores become ``softcap * tanh(scores / softcap)``.
         chunk_size: chunked local attention: a query at position ``pos`` sees keys
             ``(pos // chunk_size) * chunk_size .. pos`` only.
+        position_bias: ``[num_heads, T, max_seq_len]``: ``position_bias[h, t, j]`` is added to query
+            row ``t``'s (scaled, soft-capped) score of its request's key at position ``j``, head ``h``.
 
     Returns:
         ``[T, num_heads, v_head_dim]`` in the query dtype.
@@ -84,6 +87,8 @@ def reference_paged_attention(
             scores = (keys * q).sum(-1) * scale  # [n, num_heads]
             if softcap is not None:
                 scores = softcap * torch.tanh(scores / softcap)
+            if position_bias is not None:
+                scores = scores + position_bias[:, q_begin + i, first : pos + 1].float().transpose(0, 1)
             probs = torch.softmax(scores, dim=0)
             out[q_begin + i] = (probs.unsqueeze(-1) * values).sum(0)
     return out.to(query.dtype)

@@ -68,6 +68,7 @@ FAMILIES = [
     "jamba",  # Mamba and attention layers, MoE every other layer
     "nemotron_h",  # Mamba 2, attention and MLP layers
     "falcon_h1",  # 'hybrid' layers: Mamba 2 and attention side by side in one layer
+    "inkling_text",  # short convolutions over K/V (conv states), a relative position bias (position_bias)
     "deepseek_v2",  # multi-head latent attention: the pool holds transformers' latents (K and V of other sizes)
     "deepseek_v3",  # MLA, interleaved rotary, MoE with grouped routing
     "glm4_moe_lite",  # MLA
@@ -212,7 +213,6 @@ def _meta_model(model_type):
         ("deepseek_v4", "'compressed_sparse_attention'"),  # compressed K/V with sparse selection
         ("bloom", "AttentionInterface"),  # legacy attention with ALiBi biases
         ("doge", "dynamic attention mask"),  # a learned per-key bias from the cached values
-        ("inkling_text", "'hybrid_sliding' (short convolutions over K/V"),
     ],
 )
 def test_unserved_layer_kind_is_refused_in_one_line_before_any_weight_is_touched(model_type, kind):
