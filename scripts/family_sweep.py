@@ -70,6 +70,9 @@ VOCAB = 256
 # config's ``attribute_map`` aliases such as ``n_embd`` -> ``hidden_size`` are covered by listing both).
 SHRINK = {
     "vocab_size": VOCAB,
+    # Inkling 2's LM head has this many rows (its checkpoints pad the embedding to vocab_size): a
+    # wider head would generate ids the shrunken embedding does not have.
+    "unpadded_vocab_size": VOCAB,
     "hidden_size": 64,
     "n_embd": 64,
     "d_model": 64,

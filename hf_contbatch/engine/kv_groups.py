@@ -144,7 +144,9 @@ def layer_kv_shapes(model, num_layers: int, num_kv_heads: int, head_dim: Optiona
       ``head_dim``), KV heads ``k_proj.out_features // head size``, V head size
       ``v_proj.out_features // KV heads`` (no ``v_proj``: Gemma 4's ``attention_k_eq_v`` layers,
       whose V is computed from the K projection: the K head size).
-    - anything else (fused QKV projections, no module found): ``num_kv_heads`` heads of ``head_dim``.
+    - anything else (fused QKV projections, a K projection without ``out_features``, no module
+      found): the module's ``num_key_value_heads`` (Inkling 2), else ``num_kv_heads``, heads of
+      ``head_dim`` (the module's where it has one).
     - a recurrent layer (``STATE_ONLY_LAYER_KINDS`` in ``config.layer_types``): one head of one
       channel for K and V (it stores none).
     - a KV-sharing layer (``is_kv_shared_layer``: Gemma 4's last layers): its source's shape with
@@ -186,7 +188,10 @@ def layer_kv_shapes(model, num_layers: int, num_kv_heads: int, head_dim: Optiona
         if size is None:
             raise ValueError(f"layer {i}: no head size in its attention module or the config")
         if k_out is None:
-            shapes.append(KVLayerShape(num_kv_heads, size, size))
+            # A K projection of the model's own (Inkling 2's conv-and-norm module): the KV heads
+            # the attention module states, else the config's.
+            heads = getattr(module, "num_key_value_heads", None)
+            shapes.append(KVLayerShape(heads if isinstance(heads, int) and heads > 0 else num_kv_heads, size, size))
             continue
         v_out = _out_features(module, "v_proj") or k_out
         heads = k_out // size

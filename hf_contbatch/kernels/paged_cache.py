@@ -371,11 +371,19 @@ class PagedCacheStep(_CBCache):
         request whose ``T`` query rows attend over its whole context of ``S`` tokens, positions
         ``0..S-1`` (what the model computed it over when the cache's ``get_query_offset`` and
         ``get_mask_sizes`` told it that request's positions: ``RecurrentStateStep``)."""
-        meta = self.metadata
-        if meta is None or meta.num_requests != 1 or position_bias.dim() != 4 or position_bias.shape[0] != 1:
+        rows = self.one_request_rows()
+        if rows is None or position_bias.dim() != 4 or position_bias.shape[0] != 1:
             return False
-        num_tokens = meta.query_start_loc_cpu[1] - meta.query_start_loc_cpu[0]
-        return tuple(position_bias.shape[2:]) == (num_tokens, meta.seq_lens_cpu[0])
+        return tuple(position_bias.shape[2:]) == rows
+
+    def one_request_rows(self) -> Optional[tuple[int, int]]:
+        """``(query rows, context length)`` of the step's one request, or None when the step has
+        several (or no metadata): what a model's own per-row attention inputs (a position bias,
+        per-row sinks) can be served over."""
+        meta = self.metadata
+        if meta is None or meta.num_requests != 1:
+            return None
+        return meta.query_start_loc_cpu[1] - meta.query_start_loc_cpu[0], meta.seq_lens_cpu[0]
 
     def is_latent(self, layer_idx: int) -> bool:
         """Whether ``layer_idx``'s update returns whole stored contexts (see :meth:`update`)."""
@@ -405,7 +413,8 @@ class PagedCacheStep(_CBCache):
     ):
         """``query`` ``[1, H, T, Dk]`` over the pool of ``layer_idx`` -> ``[1, T, H, Dv]``;
         ``key``/``value`` ``[1, KVH, T, Dk]`` and ``[1, KVH, T, Dv]`` this step's rows (already
-        stored); ``sinks`` ``[H]`` attention-sink logits (gpt-oss) or None; ``chunk_size`` (tokens)
+        stored); ``sinks`` ``[H]`` attention-sink logits (gpt-oss), ``[T, H]`` per query row (Inkling
+        2; a step of one request) or None; ``chunk_size`` (tokens)
         for a chunked local attention layer (Llama 4: a query sees the earlier keys of its own
         chunk only) or None; ``head_maps`` ``(key_heads, value_heads)``, the pool heads each of
         ``key``'s and ``value``'s heads are (DiffLlama, JetMoE: see

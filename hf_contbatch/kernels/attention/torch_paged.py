@@ -26,16 +26,18 @@ def _with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None, head_shape: tu
     per head, ``sinks`` ``[H]`` viewed as ``head_shape`` (``(H, 1)`` for ``[B, H, Lq, L]``, ``(KVH,
     G)`` for decode's ``[b, KVH, G, L]``): gpt-oss's attention sinks, which take probability mass
     and contribute no value, so their column is dropped after the softmax. Plain softmax where
-    ``sinks`` is None."""
+    ``sinks`` is None. ``sinks`` of more than one dimension are per query row too (Inkling 2's),
+    already shaped to broadcast against ``scores[..., :1]`` (``head_shape`` unused)."""
     if sinks is None:
         return torch.softmax(scores, dim=-1)
-    sink = sinks.to(scores.dtype).view(*head_shape, 1).expand(*scores.shape[:-1], 1)
+    shaped = sinks if sinks.dim() > 1 else sinks.view(*head_shape, 1)
+    sink = shaped.to(scores.dtype).expand(*scores.shape[:-1], 1)
     return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
 def _attend(q, k, v, mask, scale: float, softcap: float | None, is_causal: bool = False, sinks=None, bias=None):
     """q ``[B, H, Lq, D]``, k/v ``[B, KVH, Lk, D]``, mask bool broadcastable to ``[B, H, Lq, Lk]``;
-    ``sinks`` ``[H]`` or None (see :func:`_with_sinks`); ``bias`` float ``[B, H, Lq, Lk]`` added to
+    ``sinks`` ``[H]``, ``[B, H, Lq, 1]`` or None (see :func:`_with_sinks`); ``bias`` float ``[B, H, Lq, Lk]`` added to
     the scaled (and soft-capped) scores of the visible keys, or None."""
     if bias is not None and softcap is None and sinks is None:
         # The call transformers' SDPA attention makes for a model passing ``position_bias``: K/V
@@ -248,7 +250,9 @@ def torch_paged_attention(
             see the same values. ``decode_kernel`` and ``prefill_kernel`` serve them where their
             ``can_serve_int8`` says they can (each dequantizes as it reads: ``q * scale`` in float32).
         sinks: ``[H]`` attention-sink logits (gpt-oss's ``s_aux``): one more softmax logit per head
-            that takes probability mass and adds no value. The CPU kernels have none: with sinks
+            that takes probability mass and adds no value; or ``[T, H]``, one per query row and head
+            (Inkling 2 computes them from each token's hidden state), for a step of one request (as
+            ``position_bias``; its rows then take the per-request path). The CPU kernels have none: with sinks
             every row takes the torch path.
         chunk_size: chunked local attention (Llama 4's ``attention_chunk_size``): a query at
             position ``p`` sees only the keys of its own chunk, positions ``p // chunk_size *
@@ -270,7 +274,8 @@ def torch_paged_attention(
         ``[T, H, Dv]`` in the query dtype.
 
     Raises:
-        ValueError: ``position_bias`` with a step of more than one request, or of another shape.
+        ValueError: ``position_bias`` or per-row ``sinks`` with a step of more than one request, or of
+            another shape.
     """
     num_tokens, num_heads, head_dim = query.shape
     kvh, v_dim = k_pool.shape[2], v_pool.shape[3]
@@ -286,6 +291,13 @@ def torch_paged_attention(
         raise ValueError(
             f"a position bias of shape {tuple(position_bias.shape)} for a step of {meta.num_requests} requests "
             f"({num_tokens} query rows, {num_heads} heads): one request's [H, T, S] is served"
+        )
+
+    row_sinks = sinks is not None and sinks.dim() > 1
+    if row_sinks and (meta.num_requests != 1 or tuple(sinks.shape) != (num_tokens, num_heads)):
+        raise ValueError(
+            f"per-row attention sinks of shape {tuple(sinks.shape)} for a step of {meta.num_requests} requests "
+            f"({num_tokens} query rows, {num_heads} heads): one request's [T, H] are served"
         )
 
     def serves(kernel) -> bool:
@@ -312,9 +324,10 @@ def torch_paged_attention(
         out[:nd] = decoded
     else:
         out = query.new_empty((num_tokens, num_heads, v_dim))
-    # With a position bias the one request's rows, a decode's too, take the loop below.
-    first = nd if position_bias is None else 0
-    if nd and not in_kernel and position_bias is None:
+    # With a position bias or per-row sinks the one request's rows, a decode's too, take the loop below.
+    per_request = position_bias is not None or row_sinks
+    first = 0 if per_request else nd
+    if nd and not in_kernel and not per_request:
         groups = num_heads // heads
         plans = meta.derived(
             ("decode", sliding_window, kvh, groups, chunk_size, head_maps),
@@ -366,7 +379,9 @@ def torch_paged_attention(
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
         bias = None if position_bias is None else position_bias[:, start:end].unsqueeze(0)
-        o = _attend(q, k, v, mask, scale, softcap, is_causal=mask is None, sinks=sinks, bias=bias)
+        # Per-row sinks [T, H] as [1, H, Lq, 1], beside the scores' key dimension.
+        row = sinks[start:end].transpose(0, 1).unsqueeze(0).unsqueeze(-1) if row_sinks else sinks
+        o = _attend(q, k, v, mask, scale, softcap, is_causal=mask is None, sinks=row, bias=bias)
         out[start:end] = o[0].transpose(0, 1)
     return out
 
