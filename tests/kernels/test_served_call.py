@@ -37,6 +37,9 @@ class _Step:
         # As a step of one request with 3 query rows over a context of 3 tokens.
         return tuple(position_bias.shape) == (1, 4, 3, 3)
 
+    def one_request_rows(self):
+        return 3, 3
+
 
 STEP = _Step()
 
@@ -118,6 +121,21 @@ def test_a_position_bias_is_served_over_one_requests_context_only():
     with pytest.raises(ValueError, match="position bias") as err:
         _check_served_call(_Attention(1), key, value, None, stored, batched, STEP, False)
     assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="compiled forward"):
+        _check_served_call(_Attention(1), key, value, None, stored, served, STEP, True)
+
+
+def test_per_query_sinks_are_served_over_one_requests_rows_only():
+    """Inkling 2's ``sinks`` (``[1, H, T, 1]``, one logit per query row and head): passed on for the
+    step's one request, refused in one line otherwise and under a compiled forward."""
+    key, value = _kv()
+    stored = (STEP, 1, key, value)
+    served = {"sinks": torch.zeros(1, 4, 3, 1)}
+    assert _check_served_call(_Attention(1), key, value, None, stored, served, STEP, False) == (1, None)
+    for sinks in (torch.zeros(2, 4, 1, 1), torch.zeros(4)):  # a batch of decodes; per head only
+        with pytest.raises(ValueError, match="attention sinks") as err:
+            _check_served_call(_Attention(1), key, value, None, stored, {"sinks": sinks}, STEP, False)
+        assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="compiled forward"):
         _check_served_call(_Attention(1), key, value, None, stored, served, STEP, True)
 
