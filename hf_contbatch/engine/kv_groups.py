@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 from ..kernels.kv_spec import KVCacheGroup, KVCacheSpec, KVLayerShape
 
-__all__ = ["kv_cache_groups", "layer_kv_shapes", "layer_query_heads", "layer_windows"]
+__all__ = ["cache_layer_sources", "kv_cache_groups", "layer_kv_shapes", "layer_query_heads", "layer_windows"]
 
 _EVERY_LAYER = frozenset({"mistral", "mixtral", "phi3", "qwen3_moe"})
 _BY_LAYER_TYPE = frozenset({"qwen2", "qwen2_moe", "qwen3", "gemma2", "gemma3", "gemma3_text", "smollm3"})
@@ -50,6 +50,22 @@ def layer_windows(config) -> list[Optional[int]]:
     if model_type in _BY_LAYER_TYPE and layer_types is not None:
         return [int(window) if t == "sliding_attention" else None for t in layer_types[:num_layers]]
     return [None] * num_layers
+
+
+def cache_layer_sources(config) -> list[int]:
+    """For each cache layer a model of text config ``config`` stores K/V and recurrent state in, the
+    decoder layer that computes it: ``range(num_hidden_layers)``, then, for a model that runs a span
+    of its layers several times (Inkling 2 Loop: ``loop_num_passes`` passes over layers
+    ``loop_layer_index_start .. loop_layer_index_end - 1``, each pass after the first with cache
+    layers of its own appended after the decoder layers', reached through its ``cache_offset``),
+    that span again for each later pass."""
+    num_layers = config.num_hidden_layers
+    sources = list(range(num_layers))
+    passes = getattr(config, "loop_num_passes", None)
+    start, end = getattr(config, "loop_layer_index_start", None), getattr(config, "loop_layer_index_end", None)
+    if all(isinstance(x, int) for x in (passes, start, end)) and passes > 1 and 0 <= start < end <= num_layers:
+        sources += list(range(start, end)) * (passes - 1)
+    return sources
 
 
 def kv_cache_groups(spec: KVCacheSpec, windows: Sequence[Optional[int]]) -> list[KVCacheGroup]:

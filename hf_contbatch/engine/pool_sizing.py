@@ -23,7 +23,7 @@ from ..kernels.kv_spec import KVCacheSpec, KVLayerShape
 from ..kernels.paged_cache import PagedKVCache
 from ..request import Request, SamplingParams
 from .attention_switch import restore_attention, switch_to_paged_attention
-from .kv_groups import layer_kv_shapes, layer_query_heads
+from .kv_groups import cache_layer_sources, layer_kv_shapes, layer_query_heads
 from .runner import ModelRunner
 from .sampler import Sampler
 
@@ -70,7 +70,9 @@ class KVGeometry:
     """The model's shape as the KV pool sees it (read from the text model's config).
 
     Attributes:
-        num_layers: decoder layers (each has its slice of every block).
+        num_layers: cache layers (each has its slice of every block): the decoder layers, and
+            for a model running a span of them several times its later passes' (see
+            ``engine.kv_groups.cache_layer_sources``).
         num_heads: query heads (layer 0's where its module's differ from the config's, see ``of``).
         num_kv_heads: key/value heads (fewer than ``num_heads`` under grouped-query attention); layer
             0's where ``layer_shapes`` differ.
@@ -115,7 +117,9 @@ class KVGeometry:
             config_head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
             config_head_dim = None
-        shapes = tuple(layer_kv_shapes(model, cfg.num_hidden_layers, kvh, config_head_dim))
+        shapes = layer_kv_shapes(model, cfg.num_hidden_layers, kvh, config_head_dim)
+        # A cache layer of a later loop pass (Inkling 2 Loop) is shaped as the layer it repeats.
+        shapes = tuple(shapes[s] for s in cache_layer_sources(cfg))
         num_heads = cfg.num_attention_heads
         if num_heads % shapes[0].num_kv_heads:
             # Layer 0's heads are not the config's (Inkling's sliding layers: 64 query heads over 16
@@ -125,7 +129,7 @@ class KVGeometry:
             if num_heads is None or num_heads % shapes[0].num_kv_heads:
                 num_heads = shapes[0].num_kv_heads
         return cls(
-            num_layers=cfg.num_hidden_layers,
+            num_layers=len(shapes),
             num_heads=num_heads,
             num_kv_heads=shapes[0].num_kv_heads,
             head_dim=shapes[0].head_size,

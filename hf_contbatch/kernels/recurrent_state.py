@@ -192,6 +192,11 @@ class RecurrentStateStep(PagedCacheStep):
         self.previous = has_previous_state
         self._slot_index: dict[torch.device, torch.Tensor] = {}  # ``slots`` on each state device, built once
         self._working: dict[tuple[int, str, int], torch.Tensor] = {}
+        # transformers' ``Cache.layers``, one entry per cache layer of the pool (no per-layer
+        # objects: the pools and slots hold their contents). Read for its length: Inkling 2 Loop
+        # appends its later passes' layers to a cache holding only its decoder layers' (the pool
+        # already has them, ``engine.kv_groups.cache_layer_sources``).
+        self.layers = [None] * cache.num_layers
 
     # --- the recurrent part of transformers.Cache -------------------------------------------------
     def has_previous_state(self, layer_idx: Optional[int] = None, state_idx: Optional[int] = None) -> bool:

@@ -6,7 +6,8 @@ recurrent model (Mamba) and hybrids (Qwen3-Next: gated delta-net and full attent
 convolutions and attention; Zamba 2: Mamba layers with a shared attention block; Falcon-H1: Mamba 2
 and attention side by side in each layer; Inkling: short convolutions over K, V and each block's
 output, a relative position bias and log-scaled queries computed from the cache's positions; Inkling 2:
-per-query attention sinks too), several requests
+per-query attention sinks too; Inkling 2 Loop: a layer run in two passes, each with its cache layer),
+several requests
 of different lengths at once, one at a time, and under forced preemption (recompute, including a
 resumed request longer than one step's token budget). Slots are given back, blocks too; what the
 engine cannot serve for such a model is refused in one line.
@@ -70,17 +71,19 @@ def _tiny_inkling():
     return model
 
 
-def _tiny_inkling2():
+def _tiny_inkling2(model_type="inkling2_text"):
     """Inkling 2 as :func:`_tiny_inkling` sets Inkling up (a 6-token bias reach, log-scaled queries
     and relative states from position 4, 4 sliding heads of 16), with its per-query attention sinks
     (one logit per token and head from its hidden state) and bias profiles scaled up from their
-    near-zero random values: without either, most greedy tokens of a prompt's forward change."""
+    near-zero random values: without either, most greedy tokens of a prompt's forward change.
+    ``inkling2_loop_text``: the sweep's three layers, the middle one run in two passes, the second
+    with cache layers of its own."""
     from transformers import AutoModelForCausalLM
 
-    cfg = family_sweep.tiny_config("inkling2_text")
+    cfg = family_sweep.tiny_config(model_type)
     cfg.rel_extent, cfg.log_scaling_n_floor, cfg.log_scaling_alpha = 6, 4, 0.5
     cfg.swa_num_attention_heads, cfg.swa_num_key_value_heads, cfg.swa_head_dim = 4, 2, 16
-    assert cfg.layer_types == ["hybrid_sliding", "hybrid"] and cfg.sliding_window_size == 8
+    assert "hybrid" in cfg.layer_types and "hybrid_sliding" in cfg.layer_types and cfg.sliding_window_size == 8
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -90,11 +93,25 @@ def _tiny_inkling2():
     return model
 
 
-_HAND_BUILT = {"inkling_text": _tiny_inkling, "inkling2_text": _tiny_inkling2}
+_HAND_BUILT = {
+    "inkling_text": _tiny_inkling,
+    "inkling2_text": _tiny_inkling2,
+    "inkling2_loop_text": lambda: _tiny_inkling2("inkling2_loop_text"),
+}
 
 
 @pytest.fixture(
-    scope="module", params=["mamba", "qwen3_next", "lfm2", "zamba2", "falcon_h1", "inkling_text", "inkling2_text"]
+    scope="module",
+    params=[
+        "mamba",
+        "qwen3_next",
+        "lfm2",
+        "zamba2",
+        "falcon_h1",
+        "inkling_text",
+        "inkling2_text",
+        "inkling2_loop_text",
+    ],
 )
 def model_and_refs(request):
     build = _HAND_BUILT.get(request.param)
