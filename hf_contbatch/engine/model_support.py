@@ -21,10 +21,10 @@ touched, so a refusal comes before any packing or pool is built):
   refusal: recurrent layers whose state is not in transformers' ``Cache`` (RWKV, xLSTM,
   RecurrentGemma), ALiBi biases, Doge's dynamic masks. Indexed (sparse) attention is served: its
   indexer's keys in a pool per layer, its top-k read by the torch attention path. Attention sinks
-  (gpt-oss's ``s_aux``), K/V heads of different sizes and a model's own position bias over one
-  request's context (Inkling's relative position bias, ``position_bias``: its decodes run one
-  request per forward, ``engine.recurrent_runner``) are served by the torch attention path; the C
-  and Triton kernels step aside to it for such layers.
+  (gpt-oss's ``s_aux``; Inkling 2's per query row, ``sinks``), K/V heads of different sizes and a
+  model's own position bias over one request's context (Inkling's relative position bias,
+  ``position_bias``: its decodes run one request per forward, ``engine.recurrent_runner``) are
+  served by the torch attention path; the C and Triton kernels step aside to it for such layers.
 """
 
 from __future__ import annotations
