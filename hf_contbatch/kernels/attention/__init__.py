@@ -330,9 +330,9 @@ def _check_served_call(module, key, value, attention_mask, stored, kwargs, paged
     sparse-attention indexer passes on beside the indexer's top-k), attention sinks or
     position-scaled queries under a compiled forward (its op has neither), a position bias or
     per-query sinks (``sinks``) under a compiled forward or not over a single request's rows and
-    whole context (``PagedCacheStep.serves_position_bias``, ``one_request_rows``), a latent layer under a compiled forward (whose op
-    stores and attends without returning the contexts), K/V changed after ``cache.update`` other
-    than by picking stored heads (:func:`_head_maps`; a latent layer's model expands the
+    whole context (``PagedCacheStep.serves_position_bias``, ``one_request_rows``), a latent layer
+    under a compiled forward (whose op stores and attends without returning the contexts), K/V
+    changed after ``cache.update`` other than by picking stored heads (:func:`_head_maps`; a latent layer's model expands the
     contexts its ``update`` returned, new tensors by design), or a layer attending over K/V it did
     not store (but for a layer sharing another's K/V: Gemma 4)."""
     layer, head_maps, what = getattr(module, "layer_idx", None), None, None

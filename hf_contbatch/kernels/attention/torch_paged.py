@@ -37,8 +37,8 @@ def _with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None, head_shape: tu
 
 def _attend(q, k, v, mask, scale: float, softcap: float | None, is_causal: bool = False, sinks=None, bias=None):
     """q ``[B, H, Lq, D]``, k/v ``[B, KVH, Lk, D]``, mask bool broadcastable to ``[B, H, Lq, Lk]``;
-    ``sinks`` ``[H]``, ``[B, H, Lq, 1]`` or None (see :func:`_with_sinks`); ``bias`` float ``[B, H, Lq, Lk]`` added to
-    the scaled (and soft-capped) scores of the visible keys, or None."""
+    ``sinks`` ``[H]``, ``[B, H, Lq, 1]`` or None (see :func:`_with_sinks`); ``bias`` float
+    ``[B, H, Lq, Lk]`` added to the scaled (and soft-capped) scores of the visible keys, or None."""
     if bias is not None and softcap is None and sinks is None:
         # The call transformers' SDPA attention makes for a model passing ``position_bias``: K/V
         # heads repeated, the bias where keys are visible and the dtype's minimum elsewhere, as one
@@ -252,8 +252,8 @@ def torch_paged_attention(
         sinks: ``[H]`` attention-sink logits (gpt-oss's ``s_aux``): one more softmax logit per head
             that takes probability mass and adds no value; or ``[T, H]``, one per query row and head
             (Inkling 2 computes them from each token's hidden state), for a step of one request (as
-            ``position_bias``; its rows then take the per-request path). The CPU kernels have none: with sinks
-            every row takes the torch path.
+            ``position_bias``; its rows then take the per-request path). The CPU kernels have
+            none: with sinks every row takes the torch path.
         chunk_size: chunked local attention (Llama 4's ``attention_chunk_size``): a query at
             position ``p`` sees only the keys of its own chunk, positions ``p // chunk_size *
             chunk_size .. p``. The CPU kernels have no such mask: with a chunk every row takes the
@@ -274,8 +274,8 @@ def torch_paged_attention(
         ``[T, H, Dv]`` in the query dtype.
 
     Raises:
-        ValueError: ``position_bias`` or per-row ``sinks`` with a step of more than one request, or of
-            another shape.
+        ValueError: ``position_bias`` or per-row ``sinks`` with a step of more than one request,
+            or of another shape.
     """
     num_tokens, num_heads, head_dim = query.shape
     kvh, v_dim = k_pool.shape[2], v_pool.shape[3]
