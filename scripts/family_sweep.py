@@ -70,6 +70,9 @@ VOCAB = 256
 # config's ``attribute_map`` aliases such as ``n_embd`` -> ``hidden_size`` are covered by listing both).
 SHRINK = {
     "vocab_size": VOCAB,
+    # Inkling 2's LM head has this many rows (its checkpoints pad the embedding to vocab_size): a
+    # wider head would generate ids the shrunken embedding does not have.
+    "unpadded_vocab_size": VOCAB,
     "hidden_size": 64,
     "n_embd": 64,
     "d_model": 64,
@@ -303,6 +306,11 @@ def tiny_config(model_type: str):
             else:
                 # Two layers of different kinds where the stack mixes kinds (sliding and full, attention and recurrent).
                 kw[key] = [kinds[0], next((k for k in kinds if k != kinds[0]), kinds[0])]
+    if model_type == "inkling2_loop_text":
+        # Three layers, the middle one run in two passes (the second with cache layers of its own):
+        # the defaults loop layers 6-17, which two layers never reach.
+        kw.update(num_hidden_layers=3, n_layers_per_attn_res_block=1, loop_layer_index_start=1)
+        kw.update(loop_layer_index_end=2, loop_num_passes=2, layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"])
     if "full_attn_idxs" in names:
         kw["full_attn_idxs"], kw["layer_types"] = [1], ["conv", "full_attention"]  # LFM2: a convolution layer too
     for key, value in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):

@@ -41,6 +41,8 @@ def reference_paged_attention(
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
     chunk_size: Optional[int] = None,
+    position_bias: Optional[torch.Tensor] = None,
+    row_sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of a flattened, unpadded batch over the paged KV cache.
 
@@ -56,6 +58,10 @@ def reference_paged_attention(
         softcap: scores become ``softcap * tanh(scores / softcap)``.
         chunk_size: chunked local attention: a query at position ``pos`` sees keys
             ``(pos // chunk_size) * chunk_size .. pos`` only.
+        position_bias: ``[num_heads, T, max_seq_len]``: ``position_bias[h, t, j]`` is added to query
+            row ``t``'s (scaled, soft-capped) score of its request's key at position ``j``, head ``h``.
+        row_sinks: ``[T, num_heads]``: one more logit in row ``t``'s softmax, head ``h``, with no value
+            (an attention sink per query row).
 
     Returns:
         ``[T, num_heads, v_head_dim]`` in the query dtype.
@@ -84,6 +90,12 @@ def reference_paged_attention(
             scores = (keys * q).sum(-1) * scale  # [n, num_heads]
             if softcap is not None:
                 scores = softcap * torch.tanh(scores / softcap)
-            probs = torch.softmax(scores, dim=0)
+            if position_bias is not None:
+                scores = scores + position_bias[:, q_begin + i, first : pos + 1].float().transpose(0, 1)
+            if row_sinks is not None:
+                with_sink = torch.cat([scores, row_sinks[q_begin + i].float().unsqueeze(0)], dim=0)
+                probs = torch.softmax(with_sink, dim=0)[:-1]
+            else:
+                probs = torch.softmax(scores, dim=0)
             out[q_begin + i] = (probs.unsqueeze(-1) * values).sum(0)
     return out.to(query.dtype)

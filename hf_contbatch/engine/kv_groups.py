@@ -31,7 +31,14 @@ from typing import Optional, Sequence
 from ..kernels.kv_spec import KVCacheGroup, KVCacheSpec, KVLayerShape
 from .dynamic_mask import key_bias_heads
 
-__all__ = ["kv_cache_groups", "layer_kv_shapes", "layer_windows", "own_cache_kinds"]
+__all__ = [
+    "cache_layer_sources",
+    "kv_cache_groups",
+    "layer_kv_shapes",
+    "layer_query_heads",
+    "layer_windows",
+    "own_cache_kinds",
+]
 
 _EVERY_LAYER = frozenset({"mistral", "mixtral", "phi3", "qwen3_moe"})
 _BY_LAYER_TYPE = frozenset({"qwen2", "qwen2_moe", "qwen3", "gemma2", "gemma3", "gemma3_text", "smollm3"})
@@ -51,6 +58,22 @@ def layer_windows(config) -> list[Optional[int]]:
     if model_type in _BY_LAYER_TYPE and layer_types is not None:
         return [int(window) if t == "sliding_attention" else None for t in layer_types[:num_layers]]
     return [None] * num_layers
+
+
+def cache_layer_sources(config) -> list[int]:
+    """For each cache layer a model of text config ``config`` stores K/V and recurrent state in, the
+    decoder layer that computes it: ``range(num_hidden_layers)``, then, for a model that runs a span
+    of its layers several times (Inkling 2 Loop: ``loop_num_passes`` passes over layers
+    ``loop_layer_index_start .. loop_layer_index_end - 1``, each pass after the first with cache
+    layers of its own appended after the decoder layers', reached through its ``cache_offset``),
+    that span again for each later pass."""
+    num_layers = config.num_hidden_layers
+    sources = list(range(num_layers))
+    passes = getattr(config, "loop_num_passes", None)
+    start, end = getattr(config, "loop_layer_index_start", None), getattr(config, "loop_layer_index_end", None)
+    if all(isinstance(x, int) for x in (passes, start, end)) and passes > 1 and 0 <= start < end <= num_layers:
+        sources += list(range(start, end)) * (passes - 1)
+    return sources
 
 
 def kv_cache_groups(spec: KVCacheSpec, windows: Sequence[Optional[int]]) -> list[KVCacheGroup]:
@@ -81,8 +104,10 @@ def kv_cache_groups(spec: KVCacheSpec, windows: Sequence[Optional[int]]) -> list
 # (``get_conv_state``, ``update_recurrent_state``...), served by ``kernels.recurrent_state`` and the
 # ``engine.recurrent_runner`` (whole prefills, no prefix caching, no drafts, preemption recomputes).
 # "hybrid" (Zamba 2): a Mamba layer that also runs a shared attention block (it keeps both a state
-# and K/V).
-RECURRENT_LAYER_KINDS = frozenset({"linear_attention", "conv", "mamba", "hybrid"})
+# and K/V). Inkling names its layers "hybrid" (full attention) and "hybrid_sliding" (sliding-window
+# attention): attention whose K and V, output and MLP output pass through short causal convolutions
+# (four conv states per layer, transformers' ``update_conv_state``), so they keep both too.
+RECURRENT_LAYER_KINDS = frozenset({"linear_attention", "conv", "mamba", "hybrid", "hybrid_sliding"})
 STATE_ONLY_LAYER_KINDS = frozenset({"linear_attention", "conv", "mamba"})
 """The recurrent kinds without attention in the layer: they store no K/V (their pools keep one
 channel of one head, see :func:`layer_kv_shapes`)."""
@@ -128,6 +153,13 @@ def _attention_modules(model, num_layers: int) -> dict:
     return found
 
 
+def layer_query_heads(model, num_layers: int, layer: int) -> Optional[int]:
+    """The query heads of decoder layer ``layer``'s attention module as it states them
+    (``num_heads``), or None where it states none (most families: the config's count then)."""
+    heads = getattr(_attention_modules(model, num_layers).get(layer), "num_heads", None)
+    return heads if isinstance(heads, int) and heads > 0 else None
+
+
 def _out_features(module, name: str) -> Optional[int]:
     out = getattr(getattr(module, name, None), "out_features", None)
     return out if isinstance(out, int) else None
@@ -164,8 +196,10 @@ def layer_kv_shapes(model, num_layers: int, num_kv_heads: int, head_dim: Optiona
       ``head_dim``), KV heads ``k_proj.out_features // head size``, V head size
       ``v_proj.out_features // KV heads`` (no ``v_proj``: Gemma 4's ``attention_k_eq_v`` layers,
       whose V is computed from the K projection: the K head size).
-    - anything else (fused QKV projections, no module found): the module's ``num_kv_heads`` where it
-      has one (Falcon's), else ``num_kv_heads``, heads of ``head_dim``.
+    - anything else (fused QKV projections, a K projection without ``out_features``, no module
+      found): the module's own KV head count where it keeps one (``num_key_value_heads``: Inkling 2;
+      ``num_kv_heads``: Falcon's), else ``num_kv_heads``, heads of ``head_dim`` (the module's where
+      it has one).
     - a recurrent layer (``STATE_ONLY_LAYER_KINDS`` in ``config.layer_types``): one head of one
       channel for K and V (it stores none).
     - every layer of a model with a kind of its own cache (:func:`own_cache_kinds`): one
@@ -213,11 +247,17 @@ def layer_kv_shapes(model, num_layers: int, num_kv_heads: int, head_dim: Optiona
         if size is None:
             raise ValueError(f"layer {i}: no head size in its attention module or the config")
         if k_out is None:
-            # Fused QKV projections: the module's own KV head count where it keeps one (Falcon's
-            # ``num_kv_heads`` follows new_decoder_architecture, which the config's multi_query does not).
-            own = getattr(module, "num_kv_heads", None) if module is not None else None
-            heads = own if isinstance(own, int) and own > 0 else num_kv_heads
-            shapes.append(KVLayerShape(heads, size, size))
+            # Fused QKV projections or a K projection of the model's own: the module's own KV head
+            # count where it keeps one (Inkling 2's conv-and-norm K projection: ``num_key_value_heads``;
+            # Falcon's ``num_kv_heads`` follows new_decoder_architecture, which the config's
+            # multi_query does not), else the config's.
+            heads = None
+            for name in ("num_key_value_heads", "num_kv_heads"):
+                own = getattr(module, name, None) if module is not None else None
+                if isinstance(own, int) and own > 0:
+                    heads = own
+                    break
+            shapes.append(KVLayerShape(heads or num_kv_heads, size, size))
             continue
         v_out = _out_features(module, "v_proj") or k_out
         heads = k_out // size

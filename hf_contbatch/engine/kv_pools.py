@@ -15,7 +15,7 @@ from ..core.plan import StepPlan
 from ..kernels.attention.backends import AttentionBackend, select_backend
 from ..kernels.kv_spec import KVCacheGroup, KVCacheSpec
 from ..kernels.paged_cache import PagedKVCache
-from .kv_groups import kv_cache_groups, layer_windows
+from .kv_groups import cache_layer_sources, kv_cache_groups, layer_windows
 from .pool_sizing import KVGeometry, KVPoolSizer, PoolSizes, layer_devices, text_config
 from .runner import ModelRunner
 
@@ -62,10 +62,11 @@ class KVPools:
         geometry = KVGeometry.of(model)
         device = model.get_input_embeddings().weight.device
         cache_cfg = config.cache
-        windows = layer_windows(text_config(model))
+        sources = cache_layer_sources(text_config(model))  # the decoder layer of each cache layer
+        windows = [layer_windows(text_config(model))[s] for s in sources]
         groups = kv_cache_groups(cache_spec(cache_cfg, geometry, next(model.parameters()).dtype), windows)
         spec = groups[0].spec
-        devices = layer_devices(model, geometry.num_layers)
+        devices = [layer_devices(model, text_config(model).num_hidden_layers)[s] for s in sources]
         backend = select_backend(config.attention_backend, device, spec, geometry.num_heads, devices)
         sizes = KVPoolSizer(model, config, geometry, device=device, backend=backend, runner_class=runner_class).size(
             devices, spec

@@ -17,7 +17,7 @@ touched, so a refusal comes before any packing or pool is built):
   the config, the torch path masks it), layers without attention (an MLP or MoE block listed in
   ``layer_types``), and recurrent layers
   (``RECURRENT_LAYER_KINDS``: Mamba mixers, gated delta-net and other linear attention, short
-  convolutions, Zamba 2's hybrid layers), whose per-request state lives in a slot of
+  convolutions, Zamba 2's and Inkling's hybrid layers), whose per-request state lives in a slot of
   ``kernels.recurrent_state`` (served by ``engine.recurrent_runner``: whole prefills, no prefix
   caching, no prompt-lookup drafts, preemption by recompute), and layer kinds whose cache layer
   class the model's own modeling module defines (DeepSeek V4's compressed attention, which pools
@@ -33,9 +33,12 @@ touched, so a refusal comes before any packing or pool is built):
   ``cache.update`` (OpenAI GPT, XLNet, XLM, CPM-Ant: :func:`cache_update_refusal` says why). Indexed
   (sparse) attention is served: its indexer's keys in a pool per layer, its top-k read by the torch
   attention path; so is Doge's dynamic mask attention: the bias it computes per key from the key's
-  value in a pool per layer, applied with its top-k by the torch attention path (``engine.dynamic_mask``). Attention sinks
-  (gpt-oss's ``s_aux``) and K/V heads of different sizes are served by the torch attention path;
-  the C and Triton kernels step aside to it for such layers.
+  value in a pool per layer, applied with its top-k by the torch attention path
+  (``engine.dynamic_mask``). Attention sinks (gpt-oss's ``s_aux``; Inkling 2's per query row,
+  ``sinks``), K/V heads of different sizes and a model's own position bias over one request's
+  context (Inkling's relative position bias, ``position_bias``: its decodes run one request per
+  forward, ``engine.recurrent_runner``) are served by the torch attention path; the C and Triton
+  kernels step aside to it for such layers.
 """
 
 from __future__ import annotations
@@ -60,13 +63,7 @@ SERVED_LAYER_KINDS = frozenset(
 
 # What an unserved ``layer_types`` kind needs that the paged KV cache lacks, where the kind's name
 # alone does not say (the refusal names both).
-_KIND_NEEDS = {
-    # Inkling: K and V pass through short causal convolutions whose state is per request, and
-    # attention adds a learned relative-position bias (``position_bias``) the kernels do not take.
-    # (Its "hybrid" layers share the name of Zamba 2's served Mamba-plus-attention kind; the
-    # "hybrid_sliding" ones are what refuses it.)
-    "hybrid_sliding": "short convolutions over K/V (a per-request state) and a relative position bias",
-}
+_KIND_NEEDS: dict[str, str] = {}
 
 
 def _layer_kinds(cfg) -> list[str]:

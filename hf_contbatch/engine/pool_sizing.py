@@ -23,7 +23,7 @@ from ..kernels.kv_spec import KVCacheSpec, KVLayerShape
 from ..kernels.paged_cache import PagedKVCache
 from ..request import Request, SamplingParams
 from .attention_switch import restore_attention, switch_to_paged_attention
-from .kv_groups import layer_kv_shapes, own_cache_kinds
+from .kv_groups import cache_layer_sources, layer_kv_shapes, layer_query_heads, own_cache_kinds
 from .runner import ModelRunner
 from .sampler import Sampler
 
@@ -70,8 +70,10 @@ class KVGeometry:
     """The model's shape as the KV pool sees it (read from the text model's config).
 
     Attributes:
-        num_layers: decoder layers (each has its slice of every block).
-        num_heads: query heads.
+        num_layers: cache layers (each has its slice of every block): the decoder layers, and
+            for a model running a span of them several times its later passes' (see
+            ``engine.kv_groups.cache_layer_sources``).
+        num_heads: query heads (layer 0's where its module's differ from the config's, see ``of``).
         num_kv_heads: key/value heads (fewer than ``num_heads`` under grouped-query attention); layer
             0's where ``layer_shapes`` differ.
         head_dim: channels per head (layer 0's K heads where ``layer_shapes`` differ).
@@ -115,10 +117,20 @@ class KVGeometry:
             config_head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
             config_head_dim = None
-        shapes = tuple(layer_kv_shapes(model, cfg.num_hidden_layers, kvh, config_head_dim))
+        shapes = layer_kv_shapes(model, cfg.num_hidden_layers, kvh, config_head_dim)
+        # A cache layer of a later loop pass (Inkling 2 Loop) is shaped as the layer it repeats.
+        shapes = tuple(shapes[s] for s in cache_layer_sources(cfg))
+        num_heads = cfg.num_attention_heads
+        if num_heads % shapes[0].num_kv_heads:
+            # Layer 0's heads are not the config's (Inkling's sliding layers: 64 query heads over 16
+            # KV heads beside the config's 4 over 2): its module's count, so that the geometry the
+            # backend is chosen and timed for is one layer's (the C kernels divide by the groups).
+            num_heads = layer_query_heads(model, cfg.num_hidden_layers, 0)
+            if num_heads is None or num_heads % shapes[0].num_kv_heads:
+                num_heads = shapes[0].num_kv_heads
         return cls(
-            num_layers=cfg.num_hidden_layers,
-            num_heads=cfg.num_attention_heads,
+            num_layers=len(shapes),
+            num_heads=num_heads,
             num_kv_heads=shapes[0].num_kv_heads,
             head_dim=shapes[0].head_size,
             max_model_len=getattr(cfg, "max_position_embeddings", None),

@@ -7,6 +7,9 @@ run instead as separate forwards, each a shape transformers' own layers serve ex
 
 - the step's decodes together, as a ``[B, 1]`` batch (row ``i`` the request in state slot
   ``slots[i]``; the layers take their one-token path, updating the gathered states in place);
+  for a model that reads its positions from the cache (Inkling: ``cache.get_query_offset``, one
+  number per forward, from which it computes a dense relative position bias), each decode alone
+  as a ``[1, 1]`` forward, whose cache view tells the request's own positions;
 - each prefill alone, ``[1, T]``, from position 0 (the layers' whole-sequence path, which starts
   from an empty state and leaves the final one);
 - a request resuming a prefill it could not run whole (a recomputed request whose tokens exceed
@@ -26,7 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
+import sys
 
 import torch
 
@@ -35,7 +40,7 @@ from ..core.plan import RunnerOutput, ScheduledRequest, StepPlan
 from ..kernels.recurrent_state import RecurrentStatePool, RecurrentStateStep, step_class_for
 from .runner import ModelRunner, StepInputs
 
-__all__ = ["RecurrentModelRunner", "recurrent_engine_config"]
+__all__ = ["RecurrentModelRunner", "reads_positions_from_cache", "recurrent_engine_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +104,7 @@ class RecurrentModelRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.states = RecurrentStatePool(num_state_slots)
         self._step_class = step_class_for(self.model)  # RecurrentStateStep, or one MiniMax accepts
+        self._decode_alone = reads_positions_from_cache(self.model)
         # Tokens each request's state has consumed: a row must start there (checked, never assumed).
         self._consumed: dict[int, int] = {}
         self._views: dict[tuple[int, ...], RecurrentStateStep] = {}  # this step's, by their rows' requests
@@ -134,6 +140,8 @@ class RecurrentModelRunner(ModelRunner):
                 raise RuntimeError("prompt-lookup drafts reached a model with recurrent layers")
             if s.start_position == 0:
                 parts.append(([s], False))
+            elif s.num_new_tokens == 1 and self._decode_alone:
+                parts.append(([_one_token(s, 0, s.samples)], True))
             elif s.num_new_tokens == 1:
                 decodes.append(_one_token(s, 0, s.samples))
             else:  # a prefill continued: one token at a time, as generate computed these tokens
@@ -202,6 +210,17 @@ class RecurrentModelRunner(ModelRunner):
             return logits[:, -1].index_select(0, rows)
         logits = logits[0]
         return logits if self._supports_logits_to_keep else logits.index_select(0, rows)
+
+
+def reads_positions_from_cache(model) -> bool:
+    """Whether ``model``'s modeling module asks the cache for its query positions
+    (``get_query_offset``: Inkling's relative position bias and log-scaled queries), a single
+    number per forward that means one request's positions: its decodes then run one per forward."""
+    module = sys.modules.get(type(model).__module__)
+    try:
+        return module is not None and "get_query_offset(" in inspect.getsource(module)
+    except (OSError, TypeError):
+        return False
 
 
 def _one_token(s: ScheduledRequest, i: int, samples: bool) -> ScheduledRequest:

@@ -429,6 +429,26 @@ class PagedCacheStep(_CBCache):
         spec = self.cache.spec
         return isinstance(layer_idx, int) and 0 <= layer_idx < spec.num_layers and spec.owner(layer_idx) != layer_idx
 
+    def serves_position_bias(self, position_bias: torch.Tensor) -> bool:
+        """Whether :meth:`attend` can add ``position_bias`` (a model's own additive bias,
+        ``[1, H, T, S]``: Inkling's relative position bias) to its scores: only where the step is one
+        request whose ``T`` query rows attend over its whole context of ``S`` tokens, positions
+        ``0..S-1`` (what the model computed it over when the cache's ``get_query_offset`` and
+        ``get_mask_sizes`` told it that request's positions: ``RecurrentStateStep``)."""
+        rows = self.one_request_rows()
+        if rows is None or position_bias.dim() != 4 or position_bias.shape[0] != 1:
+            return False
+        return tuple(position_bias.shape[2:]) == rows
+
+    def one_request_rows(self) -> Optional[tuple[int, int]]:
+        """``(query rows, context length)`` of the step's one request, or None when the step has
+        several (or no metadata): what a model's own per-row attention inputs (a position bias,
+        per-row sinks) can be served over."""
+        meta = self.metadata
+        if meta is None or meta.num_requests != 1:
+            return None
+        return meta.query_start_loc_cpu[1] - meta.query_start_loc_cpu[0], meta.seq_lens_cpu[0]
+
     def is_latent(self, layer_idx: int) -> bool:
         """Whether ``layer_idx``'s update returns whole stored contexts (see :meth:`update`)."""
         return layer_idx in self.cache.latent_layers
@@ -454,10 +474,12 @@ class PagedCacheStep(_CBCache):
         head_maps=None,
         selected=None,
         key_bias=None,
+        position_bias=None,
     ):
         """``query`` ``[1, H, T, Dk]`` over the pool of ``layer_idx`` -> ``[1, T, H, Dv]``;
         ``key``/``value`` ``[1, KVH, T, Dk]`` and ``[1, KVH, T, Dv]`` this step's rows (already
-        stored); ``sinks`` ``[H]`` attention-sink logits (gpt-oss) or None; ``chunk_size`` (tokens)
+        stored); ``sinks`` ``[H]`` attention-sink logits (gpt-oss), ``[T, H]`` per query row (Inkling
+        2; a step of one request) or None; ``chunk_size`` (tokens)
         for a chunked local attention layer (Llama 4: a query sees the earlier keys of its own
         chunk only) or None; ``head_maps`` ``(key_heads, value_heads)``, the pool heads each of
         ``key``'s and ``value``'s heads are (DiffLlama, JetMoE: see
@@ -472,11 +494,16 @@ class PagedCacheStep(_CBCache):
         or None for dense attention. ``key_bias``: ``(keep, dtype)`` from :meth:`key_bias_call`
         for a layer whose per-key biases this step stored (``store_key_bias``), read by the torch
         path (``torch_paged.key_biased_attention``, with the step's ``prompt_lens``), or None.
+        ``position_bias``: float ``[1, H, T, S]`` added to the scaled scores of the step's one
+        request over its whole context (see :meth:`serves_position_bias`; Inkling's relative
+        position bias), or None; a call with one takes the torch path.
 
         Raises:
             RuntimeError: a view without metadata (no step to attend for), or ``key_bias`` without
                 the step's ``prompt_lens``.
-            ValueError: ``key_bias`` with sinks, a chunk or head maps (the path has none of them).
+            ValueError: ``key_bias`` with sinks, a chunk, head maps or a position bias (the path has
+                none of them); a ``position_bias`` that :meth:`serves_position_bias` refuses, or one
+                on a latent layer.
         """
         if self.metadata is None:
             raise RuntimeError("PagedCacheStep.attend called on a view without step metadata")
@@ -484,6 +511,13 @@ class PagedCacheStep(_CBCache):
         k_pool, v_pool = cache.key_cache[layer_idx], cache.value_cache[layer_idx]
         meta = self.metadata.to(k_pool.device)
         q = query[0].transpose(0, 1)  # [T, H, D]
+        if position_bias is not None and (
+            layer_idx in cache.latent_layers or not self.serves_position_bias(position_bias)
+        ):
+            raise ValueError(
+                f"layer {layer_idx}: a position bias of shape {tuple(position_bias.shape)} is not over one request's "
+                "whole context (or the layer is latent)"
+            )
         if layer_idx in cache.latent_layers:
             from .attention.torch_paged import context_attention
 
@@ -496,8 +530,10 @@ class PagedCacheStep(_CBCache):
 
             if self.prompt_lens is None:
                 raise RuntimeError("PagedCacheStep.attend: a per-key bias needs the step's prompt_lens")
-            if sinks is not None or chunk_size is not None or head_maps is not None:
-                raise ValueError("PagedCacheStep.attend: a per-key bias with sinks, a chunk or head maps is not served")
+            if sinks is not None or chunk_size is not None or head_maps is not None or position_bias is not None:
+                raise ValueError(
+                    "PagedCacheStep.attend: a per-key bias with sinks, a chunk, head maps or a position bias is not served"
+                )
             keep, bias_dtype = key_bias
             out = key_biased_attention(
                 q,
@@ -514,8 +550,11 @@ class PagedCacheStep(_CBCache):
                 **cache.scales(layer_idx),
             )
             return out.unsqueeze(0)
-        if sinks is not None:
-            attend, extra = self._sinks_attention(), {"sinks": sinks, "chunk_size": chunk_size, "head_maps": head_maps}
+        if sinks is not None or position_bias is not None:
+            # The torch path alone adds sinks and position biases (the C and Triton kernels have neither).
+            attend, extra = self._torch_attention(), {"sinks": sinks, "chunk_size": chunk_size, "head_maps": head_maps}
+            if position_bias is not None:
+                extra["position_bias"] = position_bias[0].to(q.device)
         elif chunk_size is not None or head_maps is not None:
             from .attention.torch_paged import torch_paged_attention
 
@@ -537,10 +576,11 @@ class PagedCacheStep(_CBCache):
         )
         return out.unsqueeze(0)
 
-    def _sinks_attention(self):
-        """The attention function of a layer with attention sinks: the torch path's, the only one
-        that has them (the C kernels and Triton do not). Every backend's pools have the torch path's
-        layout, so a Triton engine's sink layers step aside to it (on the GPU, reading the same pools)."""
+    def _torch_attention(self):
+        """The attention function of a layer with attention sinks or a position bias: the torch
+        path's, the only one that has them (the C kernels and Triton do not). Every backend's pools
+        have the torch path's layout, so a Triton engine's such layers step aside to it (on the GPU,
+        reading the same pools)."""
         from .attention.torch_paged import torch_paged_attention
 
         return torch_paged_attention

@@ -192,6 +192,11 @@ class RecurrentStateStep(PagedCacheStep):
         self.previous = has_previous_state
         self._slot_index: dict[torch.device, torch.Tensor] = {}  # ``slots`` on each state device, built once
         self._working: dict[tuple[int, str, int], torch.Tensor] = {}
+        # transformers' ``Cache.layers``, one entry per cache layer of the pool (no per-layer
+        # objects: the pools and slots hold their contents). Read for its length: Inkling 2 Loop
+        # appends its later passes' layers to a cache holding only its decoder layers' (the pool
+        # already has them, ``engine.kv_groups.cache_layer_sources``).
+        self.layers = [None] * cache.num_layers
 
     # --- the recurrent part of transformers.Cache -------------------------------------------------
     def has_previous_state(self, layer_idx: Optional[int] = None, state_idx: Optional[int] = None) -> bool:
@@ -277,6 +282,30 @@ class RecurrentStateStep(PagedCacheStep):
         for key, state in self._working.items():
             self.pool.write(key, self.slots, state, self._index_on(state.device))
         self._working.clear()
+
+    # --- positions, for a model that reads them from the cache (Inkling) -------------------------
+    def _one_request(self) -> Optional[tuple[int, int]]:
+        """``(context length, query rows)`` of this forward's one request, or None when it has
+        several (a ``[B, 1]`` batch of decodes) or no metadata."""
+        meta = self.metadata
+        if meta is None or meta.num_requests != 1:
+            return None
+        return meta.seq_lens_cpu[0], meta.query_start_loc_cpu[1] - meta.query_start_loc_cpu[0]
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        """The position of this forward's first query row, for a forward of one request (its
+        tokens before this forward); 0 otherwise, as :class:`PagedCacheStep`. Inkling computes its
+        relative position bias and its log-scaled queries from it."""
+        one = self._one_request()
+        return 0 if one is None else one[0] - one[1]
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """``(kv_length, kv_offset)``: for a forward of one request its whole context from
+        position 0, this forward's rows included (the paged kernels attend over it, masking a
+        sliding window themselves, so a sliding layer gets it whole too); ``(query_length, 0)``
+        otherwise, as :class:`PagedCacheStep`."""
+        one = self._one_request()
+        return (query_length, 0) if one is None else (one[0], 0)
 
     # --- attention layers of a hybrid model over a [B, 1] batch of decodes -----------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):

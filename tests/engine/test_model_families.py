@@ -68,6 +68,9 @@ FAMILIES = [
     "jamba",  # Mamba and attention layers, MoE every other layer
     "nemotron_h",  # Mamba 2, attention and MLP layers
     "falcon_h1",  # 'hybrid' layers: Mamba 2 and attention side by side in one layer
+    "inkling_text",  # short convolutions over K/V (conv states), a relative position bias (position_bias)
+    "inkling2_text",  # per-query attention sinks (sinks), dynamic convolutions, K/V projections of its own
+    "inkling2_loop_text",  # a layer run in two passes, the second with cache layers of its own
     "deepseek_v2",  # multi-head latent attention: the pool holds transformers' latents (K and V of other sizes)
     "deepseek_v3",  # MLA, interleaved rotary, MoE with grouped routing
     "glm4_moe_lite",  # MLA
@@ -212,7 +215,6 @@ def _meta_model(model_type):
     [
         ("rwkv", "AttentionInterface"),  # recurrent layers with a state outside transformers' Cache
         ("xlnet", "AttentionInterface"),  # legacy attention over a memory of its own (mems), no KV cache
-        ("inkling_text", "'hybrid_sliding' (short convolutions over K/V"),
     ],
 )
 def test_unserved_layer_kind_is_refused_in_one_line_before_any_weight_is_touched(model_type, kind):

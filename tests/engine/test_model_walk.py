@@ -53,8 +53,6 @@ TRANSFORMERS_FAILS_TINY = {
     "falcon_h1": "AttributeError: property 'layers_block_type'",
     "gemma3n_text": "ValueError: The set of layer types producing a cache",
     "granitemoehybrid": "StrictDataclassClassValidationError",
-    "inkling2_loop_text": "IndexError: index out of range",
-    "inkling2_text": "IndexError: index out of range",
     "jamba": "ValueError: `get_seq_length` can only be called on Attention layers",
     "lfm2_moe": "TypeError: 'NoneType' object is not subscriptable",
     "longcat_flash": "RuntimeError: The size of tensor a",

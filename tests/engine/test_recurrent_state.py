@@ -4,7 +4,10 @@ request in a slot, served exactly.
 Greedy tokens equal transformers' own ``generate`` on each prompt alone (float32, CPU), for a pure
 recurrent model (Mamba) and hybrids (Qwen3-Next: gated delta-net and full attention; LFM2: short
 convolutions and attention; Zamba 2: Mamba layers with a shared attention block; Falcon-H1: Mamba 2
-and attention side by side in each layer), several requests
+and attention side by side in each layer; Inkling: short convolutions over K, V and each block's
+output, a relative position bias and log-scaled queries computed from the cache's positions; Inkling 2:
+per-query attention sinks too; Inkling 2 Loop: a layer run in two passes, each with its cache layer),
+several requests
 of different lengths at once, one at a time, and under forced preemption (recompute, including a
 resumed request longer than one step's token budget). Slots are given back, blocks too; what the
 engine cannot serve for such a model is refused in one line.
@@ -40,9 +43,79 @@ def _prompts(lengths=LENGTHS):
     return [torch.randint(3, family_sweep.VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-@pytest.fixture(scope="module", params=["mamba", "qwen3_next", "lfm2", "zamba2", "falcon_h1"])
+def _tiny_inkling():
+    """Inkling with the sweep's tiny sizes, where position matters within the test's contexts (3 to
+    38 tokens): the full-attention layer's relative position bias reaches back 6 tokens (beyond, it
+    is 0) and its queries and bias are log-scaled from position 4 on; the sliding layer's window (8
+    tokens) bounds its bias too. Sliding layers of 4 heads of 16 over 2 KV heads (the config's
+    default 64 of 128 would only slow the test). The random weights would leave attention nearly
+    uniform, the bias near 0 and attention's share of the residual stream small (RMS-normed Q and K
+    at a 1/d scale, weights of std 0.02): the Q/K norm weights, the bias profiles and the output
+    projection are scaled up, so that without the bias about half the greedy tokens of a prompt's
+    forward change."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = family_sweep.tiny_config("inkling_text")
+    cfg.rel_extent, cfg.log_scaling_n_floor, cfg.log_scaling_alpha = 6, 4, 0.5
+    cfg.swa_num_attention_heads, cfg.swa_num_key_value_heads, cfg.swa_head_dim = 4, 2, 16
+    assert cfg.layer_types == ["hybrid_sliding", "hybrid"] and cfg.sliding_window_size == 8
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            attn.q_norm.weight.fill_(4.0)
+            attn.k_norm.weight.fill_(4.0)
+            attn.rel_logits_proj.proj.normal_(0.0, 3.0)
+            attn.o_proj.weight.mul_(30.0)
+    return model
+
+
+def _tiny_inkling2(model_type="inkling2_text"):
+    """Inkling 2 as :func:`_tiny_inkling` sets Inkling up (a 6-token bias reach, log-scaled queries
+    and relative states from position 4, 4 sliding heads of 16), with its per-query attention sinks
+    (one logit per token and head from its hidden state) and bias profiles scaled up from their
+    near-zero random values: without either, most greedy tokens of a prompt's forward change.
+    ``inkling2_loop_text``: the sweep's three layers, the middle one run in two passes, the second
+    with cache layers of its own."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = family_sweep.tiny_config(model_type)
+    cfg.rel_extent, cfg.log_scaling_n_floor, cfg.log_scaling_alpha = 6, 4, 0.5
+    cfg.swa_num_attention_heads, cfg.swa_num_key_value_heads, cfg.swa_head_dim = 4, 2, 16
+    assert "hybrid" in cfg.layer_types and "hybrid_sliding" in cfg.layer_types and cfg.sliding_window_size == 8
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sink_proj.weight.normal_(0.0, 1.0)
+            layer.self_attn.relative_position_bias.proj.normal_(0.0, 3.0)
+    return model
+
+
+_HAND_BUILT = {
+    "inkling_text": _tiny_inkling,
+    "inkling2_text": _tiny_inkling2,
+    "inkling2_loop_text": lambda: _tiny_inkling2("inkling2_loop_text"),
+}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        "mamba",
+        "qwen3_next",
+        "lfm2",
+        "zamba2",
+        "falcon_h1",
+        "inkling_text",
+        "inkling2_text",
+        "inkling2_loop_text",
+    ],
+)
 def model_and_refs(request):
-    model = family_sweep.build_tiny(request.param)
+    build = _HAND_BUILT.get(request.param)
+    model = build() if build is not None else family_sweep.build_tiny(request.param)
     prompts = _prompts()
     return request.param, model, prompts, [reference_greedy(model, p, NEW) for p in prompts]
 

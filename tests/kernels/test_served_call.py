@@ -33,6 +33,13 @@ class _Step:
     def is_index_mask(self, mask) -> bool:
         return mask is self.index_mask
 
+    def serves_position_bias(self, position_bias) -> bool:
+        # As a step of one request with 3 query rows over a context of 3 tokens.
+        return tuple(position_bias.shape) == (1, 4, 3, 3)
+
+    def one_request_rows(self):
+        return 3, 3
+
 
 STEP = _Step()
 
@@ -101,6 +108,70 @@ def test_calls_the_kernels_cannot_serve_are_refused_in_one_line(case, what):
     with pytest.raises(ValueError) as err:
         _check_served_call(module, given_key, value, mask, stored, {}, STEP, False)
     assert what in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_position_bias_is_served_over_one_requests_context_only():
+    """Inkling's ``position_bias``: passed on where the step view serves it (one request, its whole
+    context), refused in one line elsewhere and under a compiled forward (whose op takes none)."""
+    key, value = _kv()
+    stored = (STEP, 1, key, value)
+    served = {"position_bias": torch.zeros(1, 4, 3, 3)}
+    assert _check_served_call(_Attention(1), key, value, None, stored, served, STEP, False) == (1, None)
+    batched = {"position_bias": torch.zeros(2, 4, 1, 3)}  # a [B, 1] batch of decodes: no one request's positions
+    with pytest.raises(ValueError, match="position bias") as err:
+        _check_served_call(_Attention(1), key, value, None, stored, batched, STEP, False)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="compiled forward"):
+        _check_served_call(_Attention(1), key, value, None, stored, served, STEP, True)
+
+
+def test_per_query_sinks_are_served_over_one_requests_rows_only():
+    """Inkling 2's ``sinks`` (``[1, H, T, 1]``, one logit per query row and head): passed on for the
+    step's one request, refused in one line otherwise and under a compiled forward."""
+    key, value = _kv()
+    stored = (STEP, 1, key, value)
+    served = {"sinks": torch.zeros(1, 4, 3, 1)}
+    assert _check_served_call(_Attention(1), key, value, None, stored, served, STEP, False) == (1, None)
+    for sinks in (torch.zeros(2, 4, 1, 1), torch.zeros(4)):  # a batch of decodes; per head only
+        with pytest.raises(ValueError, match="attention sinks") as err:
+            _check_served_call(_Attention(1), key, value, None, stored, {"sinks": sinks}, STEP, False)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="compiled forward"):
+        _check_served_call(_Attention(1), key, value, None, stored, served, STEP, True)
+
+
+@pytest.mark.parametrize(
+    "seq_lens, query_rows, shape, served",
+    [
+        ([9], [9], (1, 4, 9, 9), True),  # a prompt
+        ([9], [1], (1, 4, 1, 9), True),  # a decode over its context
+        ([9], [1], (1, 4, 1, 1), False),  # a bias over the new token only (a cache reporting no past)
+        ([9, 4], [1, 1], (1, 4, 2, 9), False),  # two requests
+        ([9], [1], (2, 4, 1, 9), False),  # a batch dimension
+    ],
+)
+def test_the_step_view_serves_a_position_bias_over_its_one_requests_whole_context(seq_lens, query_rows, shape, served):
+    from hf_contbatch.kernels.paged_cache import AttentionMetadata, PagedCacheStep
+
+    starts = [0]
+    for n in query_rows:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.long),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.zeros(len(seq_lens), 3, dtype=torch.int32),
+        num_decodes=sum(n == 1 for n in query_rows),
+        max_query_len=max(query_rows),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens,
+        block_size=4,
+        num_kv_heads=2,
+    )
+    view = PagedCacheStep.__new__(PagedCacheStep)  # the check reads the metadata alone
+    view.metadata = meta
+    assert view.serves_position_bias(torch.zeros(shape)) is served
 
 
 @pytest.mark.timeout(120)

@@ -123,3 +123,56 @@ def test_head_maps_read_the_picked_pool_heads(head_maps):
     picked_k, picked_v = k_pool[:, :, list(head_maps[0])], v_pool[:, :, list(head_maps[1])]
     want = reference_for(query, picked_k, picked_v, meta, scale)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sliding_window", [None, 5])
+@pytest.mark.parametrize("request_shape", [(7, 7), (3, 20), (1, 9), (1, 1)], ids=["prompt", "chunk", "decode", "first"])
+def test_a_position_bias_over_one_requests_context_matches_reference(request_shape, sliding_window):
+    """A model's own additive bias (Inkling's relative position bias, ``[H, T, S]``) over a step of
+    one request: added to each row's scaled scores of the visible keys, in a prompt, a chunk after a
+    cached prefix, a decode row (which then takes the per-request path) and a one-token context."""
+    decode = request_shape[0] == 1 and request_shape[1] > 1
+    query, k_pool, v_pool, meta = _batch(
+        [request_shape[1]] if decode else [], [] if decode else [request_shape], seed=6
+    )
+    heads, q_len, seq_len = query.shape[1], request_shape[0], request_shape[1]
+    bias = torch.randn(heads, q_len, seq_len, generator=torch.Generator().manual_seed(7))
+    scale = 0.3
+    got = torch_paged_attention(query, k_pool, v_pool, meta, scale, sliding_window, position_bias=bias)
+    want = reference_for(query, k_pool, v_pool, meta, scale, sliding_window=sliding_window, position_bias=bias)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    without = reference_for(query, k_pool, v_pool, meta, scale, sliding_window=sliding_window)
+    assert not torch.allclose(got, without, atol=1e-3) or seq_len == 1  # the bias did change the output
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("request_shape", [(7, 7), (3, 20), (1, 9)], ids=["prompt", "chunk", "decode"])
+def test_per_row_sinks_over_one_requests_context_match_reference(request_shape, with_bias):
+    """Inkling 2's attention sinks, one logit per query row and head (``[T, H]``), alone and with
+    its position bias, in a prompt, a chunk after a cached prefix and a decode row."""
+    decode = request_shape[0] == 1
+    query, k_pool, v_pool, meta = _batch(
+        [request_shape[1]] if decode else [], [] if decode else [request_shape], seed=9
+    )
+    heads, q_len, seq_len = query.shape[1], request_shape[0], request_shape[1]
+    g = torch.Generator().manual_seed(10)
+    sinks = torch.randn(q_len, heads, generator=g) * 2
+    bias = torch.randn(heads, q_len, seq_len, generator=g) if with_bias else None
+    got = torch_paged_attention(query, k_pool, v_pool, meta, 0.3, sinks=sinks, position_bias=bias)
+    want = reference_for(query, k_pool, v_pool, meta, 0.3, position_bias=bias, row_sinks=sinks)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, reference_for(query, k_pool, v_pool, meta, 0.3, position_bias=bias), atol=1e-3)
+
+
+@pytest.mark.timeout(60)
+def test_a_position_bias_over_a_step_of_several_requests_is_refused():
+    """A dense ``[H, T, S]`` bias aligns with one request's context only: a step of two is refused
+    rather than biasing a request's keys with another's positions."""
+    query, k_pool, v_pool, meta = _batch([4], [(5, 5)], seed=8)
+    bias = torch.zeros(query.shape[1], query.shape[0], 5)
+    with pytest.raises(ValueError, match="one request's"):
+        torch_paged_attention(query, k_pool, v_pool, meta, 0.3, position_bias=bias)
+    with pytest.raises(ValueError, match="one request's"):  # per-row sinks likewise
+        torch_paged_attention(query, k_pool, v_pool, meta, 0.3, sinks=torch.zeros(query.shape[0], query.shape[1]))

@@ -133,6 +133,9 @@ def paged_attention_forward(
     if tuning is not None:
         query = _retuned_query(query, paged_cache.metadata.to(query.device), *tuning)
     sinks = kwargs.get("s_aux")
+    if sinks is None and kwargs.get("sinks") is not None:
+        # Per-query sinks (Inkling 2: [1, H, T, 1], from each token's hidden state) as [T, H].
+        sinks = kwargs["sinks"][0, :, :, 0].transpose(0, 1)
     # A sparse-attention indexer's top-k (DeepSeek V3.2's DSA), passed by its model as ``indices``.
     selected = kwargs.get("indices") if attention_mask is not None else None
     # A per-key bias the layer stored this step (Doge's dynamic mask), its stand-in as the mask.
@@ -150,6 +153,7 @@ def paged_attention_forward(
         head_maps,
         selected=selected,
         key_bias=key_bias,
+        position_bias=kwargs.get("position_bias"),
     )
     return out, None
 
@@ -307,6 +311,19 @@ def paged_cache_is_latent(module) -> bool:
     return isinstance(rank, int) and rank > 0
 
 
+def _one_request_sinks(sinks, paged_cache) -> bool:
+    """Whether ``sinks`` (a model's ``sinks`` keyword) are one sink logit per query row and head of
+    the step's one request, ``[1, H, T, 1]`` (Inkling 2), the only per-row sinks the torch path takes."""
+    rows = paged_cache.one_request_rows()
+    return (
+        isinstance(sinks, torch.Tensor)
+        and rows is not None
+        and sinks.dim() == 4
+        and sinks.shape[0] == 1
+        and tuple(sinks.shape[2:]) == (rows[0], 1)
+    )
+
+
 def _check_served_call(module, key, value, attention_mask, stored, kwargs, paged_cache, compiled: bool):
     """The layer whose pool the call reads and the head maps it reads them through (None: the
     stored heads as they are), from the K/V the step's last ``update`` stored (``stored``):
@@ -316,16 +333,18 @@ def _check_served_call(module, key, value, attention_mask, stored, kwargs, paged
 
     Raises ``ValueError`` where the model asks attention for something the paged kernels would
     silently not do (they read the step's context from the pool and mask causally, with the
-    ``sliding_window``/``softcap``/``s_aux`` arguments): a mask of its own (an ALiBi or learned
-    bias: an engine step builds none; the masks served are the step's own causal mask over its
-    contexts, ``PagedCacheStep.index_mask``, which a model with a sparse-attention indexer passes on
-    beside the indexer's top-k, and the stand-in ``PagedCacheStep.store_key_bias`` returns for a
-    per-key bias the layer stored in its pool), attention sinks or position-scaled queries under a compiled
-    forward (its op has neither), a latent layer under a compiled forward (whose op stores and
-    attends without returning the contexts), K/V changed after ``cache.update`` other than by
-    picking stored heads (:func:`_head_maps`; a latent layer's model expands the contexts its
-    ``update`` returned, new tensors by design), or a layer attending over K/V it did not store
-    (but for a layer sharing another's K/V: Gemma 4)."""
+    ``sliding_window``/``softcap``/``s_aux``/``position_bias`` arguments): a mask of its own (an
+    ALiBi or learned bias: an engine step builds none; the masks served are the step's own causal
+    mask over its contexts, ``PagedCacheStep.index_mask``, which a model with a sparse-attention
+    indexer passes on beside the indexer's top-k, and the stand-in ``PagedCacheStep.store_key_bias``
+    returns for a per-key bias the layer stored in its pool), attention sinks or position-scaled
+    queries under a compiled forward (its op has neither), a position bias or per-query sinks
+    (``sinks``) under a compiled forward or not over a single request's rows and whole context
+    (``PagedCacheStep.serves_position_bias``, ``one_request_rows``), a latent layer under a compiled
+    forward (whose op stores and attends without returning the contexts), K/V changed after
+    ``cache.update`` other than by picking stored heads (:func:`_head_maps`; a latent layer's model
+    expands the contexts its ``update`` returned, new tensors by design), or a layer attending over
+    K/V it did not store (but for a layer sharing another's K/V: Gemma 4)."""
     layer, head_maps, what = getattr(module, "layer_idx", None), None, None
     error = ValueError
     if attention_mask is not None and not (
@@ -338,6 +357,17 @@ def _check_served_call(module, key, value, attention_mask, stored, kwargs, paged
         what = "adds its own attention mask or bias"
     elif compiled and kwargs.get("s_aux") is not None:
         what = "passes attention sinks (s_aux), which a compiled forward does not serve"
+    elif compiled and kwargs.get("sinks") is not None:
+        what = "passes per-query attention sinks (sinks), which a compiled forward does not serve"
+    elif kwargs.get("sinks") is not None and not _one_request_sinks(kwargs["sinks"], paged_cache):
+        what = "passes attention sinks (sinks) that are not one request's per query row and head"
+    elif compiled and kwargs.get("position_bias") is not None:
+        what = "adds a position bias (position_bias), which a compiled forward does not serve"
+    elif kwargs.get("position_bias") is not None and not paged_cache.serves_position_bias(kwargs["position_bias"]):
+        # Inkling's relative position bias: a dense [B, H, T, S] tensor the model computes from the
+        # cache's query offset and mask sizes, which mean one request's context (the recurrent
+        # runner's one-request forwards); over a flattened batch it would align with no request.
+        what = "adds a position bias (position_bias) that is not over one request's whole context"
     elif compiled and _temperature_tuning(module) is not None:
         what = "scales its queries by position (attention temperature tuning), which a compiled forward does not serve"
         error = CompiledAttentionUnserved  # served eagerly: ``CompiledForward`` falls back

@@ -26,16 +26,33 @@ def _with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None, head_shape: tu
     per head, ``sinks`` ``[H]`` viewed as ``head_shape`` (``(H, 1)`` for ``[B, H, Lq, L]``, ``(KVH,
     G)`` for decode's ``[b, KVH, G, L]``): gpt-oss's attention sinks, which take probability mass
     and contribute no value, so their column is dropped after the softmax. Plain softmax where
-    ``sinks`` is None."""
+    ``sinks`` is None. ``sinks`` of more than one dimension are per query row too (Inkling 2's),
+    already shaped to broadcast against ``scores[..., :1]`` (``head_shape`` unused)."""
     if sinks is None:
         return torch.softmax(scores, dim=-1)
-    sink = sinks.to(scores.dtype).view(*head_shape, 1).expand(*scores.shape[:-1], 1)
+    shaped = sinks if sinks.dim() > 1 else sinks.view(*head_shape, 1)
+    sink = shaped.to(scores.dtype).expand(*scores.shape[:-1], 1)
     return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
-def _attend(q, k, v, mask, scale: float, softcap: float | None, is_causal: bool = False, sinks=None):
+def _attend(q, k, v, mask, scale: float, softcap: float | None, is_causal: bool = False, sinks=None, bias=None):
     """q ``[B, H, Lq, D]``, k/v ``[B, KVH, Lk, D]``, mask bool broadcastable to ``[B, H, Lq, Lk]``;
-    ``sinks`` ``[H]`` or None (see :func:`_with_sinks`)."""
+    ``sinks`` ``[H]``, ``[B, H, Lq, 1]`` or None (see :func:`_with_sinks`); ``bias`` float
+    ``[B, H, Lq, Lk]`` added to the scaled (and soft-capped) scores of the visible keys, or None."""
+    if bias is not None and softcap is None and sinks is None:
+        # The call transformers' SDPA attention makes for a model passing ``position_bias``: K/V
+        # heads repeated, the bias where keys are visible and the dtype's minimum elsewhere, as one
+        # additive mask.
+        if mask is None and is_causal:
+            lq, lk = q.shape[-2], k.shape[-2]
+            mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        bias = bias.to(q.dtype)
+        additive = bias if mask is None else torch.where(mask, bias, torch.finfo(q.dtype).min)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=additive, scale=scale)
     if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
             q,
@@ -53,6 +70,8 @@ def _attend(q, k, v, mask, scale: float, softcap: float | None, is_causal: bool 
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
+    if bias is not None:
+        scores = scores + bias
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     elif is_causal:
@@ -204,6 +223,7 @@ def torch_paged_attention(
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
     head_maps: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+    position_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged context.
 
@@ -230,8 +250,10 @@ def torch_paged_attention(
             see the same values. ``decode_kernel`` and ``prefill_kernel`` serve them where their
             ``can_serve_int8`` says they can (each dequantizes as it reads: ``q * scale`` in float32).
         sinks: ``[H]`` attention-sink logits (gpt-oss's ``s_aux``): one more softmax logit per head
-            that takes probability mass and adds no value. The CPU kernels have none: with sinks
-            every row takes the torch path.
+            that takes probability mass and adds no value; or ``[T, H]``, one per query row and head
+            (Inkling 2 computes them from each token's hidden state), for a step of one request (as
+            ``position_bias``; its rows then take the per-request path). The CPU kernels have
+            none: with sinks every row takes the torch path.
         chunk_size: chunked local attention (Llama 4's ``attention_chunk_size``): a query at
             position ``p`` sees only the keys of its own chunk, positions ``p // chunk_size *
             chunk_size .. p``. The CPU kernels have no such mask: with a chunk every row takes the
@@ -242,9 +264,18 @@ def torch_paged_attention(
             ``len(key_heads)`` KV heads, the ``j``-th reading pool head ``key_heads[j]`` for its
             keys and ``value_heads[j]`` for its values. The CPU kernels have no maps: with them
             every row takes the torch path.
+        position_bias: float ``[H, T, S]``, a model's own bias added to the scaled scores (Inkling's
+            relative position bias), for a step of one request whose ``T`` rows attend over its
+            context of ``S`` tokens (positions ``0..S-1``); its rows, decodes included, are then
+            computed as transformers' SDPA attention computes them with a ``position_bias``
+            (``_attend``). The CPU kernels have none: with one every row takes the torch path.
 
     Returns:
         ``[T, H, Dv]`` in the query dtype.
+
+    Raises:
+        ValueError: ``position_bias`` or per-row ``sinks`` with a step of more than one request,
+            or of another shape.
     """
     num_tokens, num_heads, head_dim = query.shape
     kvh, v_dim = k_pool.shape[2], v_pool.shape[3]
@@ -254,10 +285,26 @@ def torch_paged_attention(
     quantized = k_scale is not None
     scales = {"k_scale": k_scale, "v_scale": v_scale} if quantized else {}
 
+    if position_bias is not None and (
+        meta.num_requests != 1 or tuple(position_bias.shape) != (num_heads, num_tokens, meta.seq_lens_cpu[0])
+    ):
+        raise ValueError(
+            f"a position bias of shape {tuple(position_bias.shape)} for a step of {meta.num_requests} requests "
+            f"({num_tokens} query rows, {num_heads} heads): one request's [H, T, S] is served"
+        )
+
+    row_sinks = sinks is not None and sinks.dim() > 1
+    if row_sinks and (meta.num_requests != 1 or tuple(sinks.shape) != (num_tokens, num_heads)):
+        raise ValueError(
+            f"per-row attention sinks of shape {tuple(sinks.shape)} for a step of {meta.num_requests} requests "
+            f"({num_tokens} query rows, {num_heads} heads): one request's [T, H] are served"
+        )
+
     def serves(kernel) -> bool:
         return (
             kernel is not None
             and sinks is None
+            and position_bias is None
             and chunk_size is None
             and head_maps is None
             and (kernel.can_serve_int8 if quantized else kernel.can_serve)(query, k_pool, v_pool)
@@ -277,7 +324,10 @@ def torch_paged_attention(
         out[:nd] = decoded
     else:
         out = query.new_empty((num_tokens, num_heads, v_dim))
-    if nd and not in_kernel:
+    # With a position bias or per-row sinks the one request's rows, a decode's too, take the loop below.
+    per_request = position_bias is not None or row_sinks
+    first = 0 if per_request else nd
+    if nd and not in_kernel and not per_request:
         groups = num_heads // heads
         plans = meta.derived(
             ("decode", sliding_window, kvh, groups, chunk_size, head_maps),
@@ -311,7 +361,7 @@ def torch_paged_attention(
         return prefill_kernel(query, k_pool, v_pool, meta, scale, softcap, sliding_window, out=out, **scales)
     flat_k, flat_v = k_pool.view(-1, kvh, head_dim), v_pool.view(-1, kvh, v_dim)
     flat_ks, flat_vs = (k_scale.view(-1, kvh, 1), v_scale.view(-1, kvh, 1)) if quantized else (None, None)
-    for i in range(nd, meta.num_requests):
+    for i in range(first, meta.num_requests):
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         slots, mask = meta.derived(
             ("prefill", i, sliding_window, chunk_size), lambda i=i: _prefill_gather(meta, i, sliding_window, chunk_size)
@@ -328,7 +378,10 @@ def torch_paged_attention(
                 k, v = (x.index_select(1, torch.tensor(m, device=x.device)) for x, m in zip((k, v), head_maps))
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
-        o = _attend(q, k, v, mask, scale, softcap, is_causal=mask is None, sinks=sinks)
+        bias = None if position_bias is None else position_bias[:, start:end].unsqueeze(0)
+        # Per-row sinks [T, H] as [1, H, Lq, 1], beside the scores' key dimension.
+        row = sinks[start:end].transpose(0, 1).unsqueeze(0).unsqueeze(-1) if row_sinks else sinks
+        o = _attend(q, k, v, mask, scale, softcap, is_causal=mask is None, sinks=row, bias=bias)
         out[start:end] = o[0].transpose(0, 1)
     return out
 
