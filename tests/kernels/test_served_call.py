@@ -40,6 +40,9 @@ class _Step:
     def one_request_rows(self):
         return 3, 3
 
+    def key_bias_call(self, layer_idx, attention_mask):
+        return None  # no layer stored a per-key bias (Doge's) this step
+
 
 STEP = _Step()
 
