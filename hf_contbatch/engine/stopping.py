@@ -106,8 +106,10 @@ class StopStringCheckers:
         self._lock = threading.Lock()
 
     def checker(self, stop_strings: "str | Sequence[str] | None") -> Optional[StopChecker]:
-        """A check for ``LLMEngine.submit``/``build_request(stop_checker=...)``: True once the request's new tokens end
-        with one of ``stop_strings``; None when there are none.
+        """A check for ``LLMEngine.submit``/``build_request(stop_checker=...)``: True once the request's tokens
+        (prompt and new tokens, as transformers' ``generate`` checks them) end with one of ``stop_strings``, checked
+        after each new token; None when there are none. A stop string may so begin in the prompt and end in the
+        first new tokens.
 
         Raises:
             ValueError: ``stop_strings`` is not a non-empty string or a list of them.
@@ -133,7 +135,10 @@ class StopStringCheckers:
         tail = max(len(s) for s in stop_strings) + 8
 
         def check(req: Request) -> bool:
-            ids = torch.tensor([req.output_token_ids[-tail:]])
+            out = req.output_token_ids[-tail:]
+            # generate's StopStringCriteria reads the whole sequence: a stop string may start in the prompt.
+            lead = req.prompt_token_ids[-(tail - len(out)) :] if len(out) < tail else []
+            ids = torch.tensor([[*lead, *out]])
             return bool(criteria(ids, None)[0])
 
         return check

@@ -69,6 +69,25 @@ def test_stop_strings_stop_where_transformers_generate_stops(pipe):
 
 
 @pytest.mark.timeout(600)
+def test_stop_string_beginning_in_the_prompt_stops_where_generate_stops(pipe):
+    # generate's StopStringCriteria reads prompt and new tokens: a stop string made of the prompt's
+    # last character and the first new token's text stops after that token.
+    model = transformers.AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
+    tok = pipe.tokenizer
+    ids = tok(PROMPTS[1], return_tensors="pt")
+    n = ids["input_ids"].shape[1]
+    free = model.generate(**ids, do_sample=False, max_new_tokens=8)[0, n:]
+    first = tok.decode(free[:1])
+    stop = PROMPTS[1][-1] + first
+    assert stop not in tok.decode(free[1:])  # only the span across the prompt's end can match
+    ref = model.generate(**ids, do_sample=False, max_new_tokens=8, stop_strings=[stop], tokenizer=tok)[0, n:]
+    assert ref.tolist() == free[:1].tolist()
+    got = pipe(PROMPTS[1], do_sample=False, max_new_tokens=8, stop_strings=[stop], return_full_text=False)
+    assert got[0]["generated_text"] == tok.decode(ref, skip_special_tokens=True)
+    assert pipe.stats().num_free_blocks == pipe.stats().num_blocks
+
+
+@pytest.mark.timeout(600)
 def test_submit_streams_deltas_that_join_to_the_result(pipe):
     handle = pipe.submit(PROMPTS[2], do_sample=False, max_new_tokens=16, return_full_text=False)
     deltas = list(handle)
