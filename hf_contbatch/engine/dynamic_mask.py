@@ -21,21 +21,42 @@ last one to close (:func:`acquire_dynamic_masks`).
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Optional
 
 import torch
 
+from ..config import EngineConfig
 from ..kernels.attention import peek_stored
 from ..kernels.paged_cache import PagedCacheStep
 from . import model_users
 
 _USERS = "_hf_contbatch_dynamic_masks"  # model.__dict__ key: [DynamicMasks, engines using them]
 
+logger = logging.getLogger(__name__)
+
 
 def dynamic_mask_modules(model) -> list[torch.nn.Module]:
     """The model's attention modules with a dynamic mask: a ``prepare_dynamic_mask`` method on their
     class (transformers' Doge), in module order."""
     return [m for m in model.modules() if callable(getattr(type(m), "prepare_dynamic_mask", None))]
+
+
+def no_prefix_cache_engine_config(config: EngineConfig, model_type) -> EngineConfig:
+    """``config`` with prefix caching off, as an engine serving a dynamic mask runs it. Where biases
+    tie at the top-k's cut, which keys ``torch.topk`` keeps in a prompt row depends on the row's
+    length, the prompt's: ``generate``'s hidden states at a prefix's positions, and so the next
+    layers' K/V there, depend on the whole prompt, and K/V cached from a prompt of another length
+    are not the ones ``generate`` computes. Logs when it turned prefix caching off."""
+    if not config.cache.enable_prefix_caching:
+        return config
+    logger.info(
+        "model type %r has dynamic mask attention (a prefix's K/V depend on the prompt's length "
+        "where biases tie): prefix caching off",
+        model_type,
+    )
+    return dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False))
 
 
 def key_bias_heads(module) -> int:

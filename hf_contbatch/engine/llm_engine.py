@@ -42,6 +42,7 @@ from ..request import Request, RequestStatus, SamplingParams
 from .cross_token_routers import cross_token_router_modules, whole_prompt_engine_config
 from .dense_runner import DenseContextRunner, dense_context_engine_config
 from .driver import Cancel, EngineDriver, InboxItem
+from .dynamic_mask import dynamic_mask_modules, no_prefix_cache_engine_config
 from .handles import EngineError, HandleRegistry, RequestHandle, RequestOutput
 from .kv_pools import KVPools, move_blocks
 from .lora_adapters import LoraAdapters, is_peft_model
@@ -131,6 +132,9 @@ class LLMEngine:
         cross_token = bool(cross_token_router_modules(model))
         if cross_token:
             self.config = cfg = whole_prompt_engine_config(cfg, model_type)
+        # Doge's dynamic mask: a prefix's K/V depend on the prompt's length where biases tie.
+        if dynamic_mask_modules(model):
+            self.config = cfg = no_prefix_cache_engine_config(cfg, model_type)
         # Attention computed by the model's own code over what cache.update returns (Bloom, Falcon,
         # GPT-Neo, MPT, XGLM...): served through the cache object (engine.dense_runner).
         dense = not recurrent and attends_through_cache_update(model)

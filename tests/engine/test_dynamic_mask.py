@@ -84,7 +84,7 @@ def test_the_top_k_changes_what_generate_gives():
 def test_tied_biases_are_cut_as_generate_cuts_them(budget, blocks, mode):
     """Every key's bias ties (1.0): which ``keep`` keys a row keeps is where ``torch.topk`` cuts a row
     laid out as ``generate``'s, prompt rows the prompt long, generated rows their window long. Chunked
-    prefills, decodes batched with other requests, prefix-cache hits, and requests preempted
+    prefills, decodes batched with other requests, and requests preempted
     (recomputed, or swapped out with their biases and back) give ``generate``'s tokens."""
     model = _doge()
     prompts = _prompts()
@@ -96,6 +96,33 @@ def test_tied_biases_are_cut_as_generate_cuts_them(budget, blocks, mode):
     assert outs == refs
     if blocks < 64:
         assert stats.num_preemptions > 0, "the pool was meant to force preemption"
+
+
+@pytest.mark.timeout(300)
+def test_a_prompt_sharing_another_lengths_prefix_is_cut_as_generate_cuts_it():
+    """Where biases tie, which keys ``torch.topk`` keeps in a prompt row depends on how long the
+    prompt's rows are, so ``generate``'s hidden states at a prefix's positions (and the next layers'
+    K/V there) depend on the whole prompt's length: K/V cached from a prompt of another length are
+    not those ``generate`` computes. The 23-token prompt, served after a 30-token one sharing its
+    first 20 tokens (5 whole blocks; sequentially, so they are cached by then), gives ``generate``'s
+    tokens: the engine serving a dynamic mask keeps no prefix cache."""
+    model = _doge()
+    long = _prompts()[1]
+    first = long[:20] + [7, 9, 11, 13, 17, 19, 23, 29, 31, 37]
+    refs = [reference_greedy(model, p, NEW) for p in (first, long)]
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=64)))
+    try:
+        outs = [
+            eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)).result(240).output_token_ids
+            for p in (first, long)
+        ]
+        assert eng.wait_idle(10)
+        stats = eng.stats()
+    finally:
+        eng.close()
+    assert outs == refs
+    assert stats.prefix_cache_hit_tokens == 0
+    assert stats.num_free_blocks == stats.num_blocks, "blocks leaked"
 
 
 @pytest.mark.timeout(300)
