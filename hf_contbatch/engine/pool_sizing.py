@@ -36,6 +36,14 @@ def text_config(model):
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
+def model_context(cfg) -> Optional[int]:
+    """The model's context in tokens from its (text) config: ``max_position_embeddings``, else
+    MPT's ``max_seq_len`` (its ALiBi bias is built that long: a longer sequence fails in the model's
+    own forward, in ``generate`` too); None where the config sets neither (no limit known)."""
+    context = getattr(cfg, "max_position_embeddings", None)
+    return context if context is not None else getattr(cfg, "max_seq_len", None)
+
+
 def layer_devices(model, num_layers: int) -> list[torch.device]:
     """Device of each decoder layer (``device_map`` models spread over several)."""
     device_map = getattr(model, "hf_device_map", None)
@@ -77,7 +85,7 @@ class KVGeometry:
         num_kv_heads: key/value heads (fewer than ``num_heads`` under grouped-query attention); layer
             0's where ``layer_shapes`` differ.
         head_dim: channels per head (layer 0's K heads where ``layer_shapes`` differ).
-        max_model_len: the model's context in tokens (``max_position_embeddings``); None if unset.
+        max_model_len: the model's context in tokens (:func:`model_context`); None if unset.
         layer_shapes: each layer's K/V shape (``engine.kv_groups.layer_kv_shapes``); empty when the
             geometry was built by hand (every layer ``num_kv_heads`` x ``head_dim`` for K and V).
     """
@@ -106,7 +114,7 @@ class KVGeometry:
                 num_heads=1,
                 num_kv_heads=1,
                 head_dim=1,
-                max_model_len=getattr(cfg, "max_position_embeddings", None),
+                max_model_len=model_context(cfg),
             )
         # GPT-BigCode's multi-query attention has one KV head and no num_key_value_heads.
         kvh = (
@@ -133,7 +141,7 @@ class KVGeometry:
             num_heads=num_heads,
             num_kv_heads=shapes[0].num_kv_heads,
             head_dim=shapes[0].head_size,
-            max_model_len=getattr(cfg, "max_position_embeddings", None),
+            max_model_len=model_context(cfg),
             layer_shapes=shapes,
         )
 

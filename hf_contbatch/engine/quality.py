@@ -226,11 +226,11 @@ def quality_report(
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
-    from .pool_sizing import text_config
+    from .pool_sizing import model_context, text_config
 
     # Positions past the model's context are never scored: the engine refuses such a prompt, and
     # transformers' forward would score positions the model was not trained on.
-    context = getattr(text_config(model), "max_position_embeddings", None)
+    context = model_context(text_config(model))
     clamped = context if context is not None and max_tokens > context else None
     if clamped is not None:
         max_tokens = clamped

@@ -378,3 +378,29 @@ def test_prompt_log_probs_equal_the_models_own_forward():
     finally:
         eng.close()
     assert got == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.timeout(300)
+def test_mpt_context_is_its_max_seq_len():
+    """MPT's config has no ``max_position_embeddings``: its context is ``max_seq_len`` (the ALiBi bias
+    its forward builds is that long; transformers' own ``generate`` fails feeding more). A prompt of the
+    whole context is refused in one line naming it, and a request reaching it finishes "length"
+    with ``generate``'s tokens up to it (28 prompt tokens of 32: 4 new tokens), its blocks freed."""
+    model = _tiny("mpt", max_seq_len=32)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, family_sweep.VOCAB, (28,), generator=g).tolist()
+    with pytest.raises(RuntimeError):
+        reference_greedy(model, prompt, 6)  # the model's own forward of 33 tokens, past max_seq_len
+    ref = reference_greedy(model, prompt, 4)
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=64)))
+    try:
+        with pytest.raises(ValueError, match="prompt of 32 tokens \\+ 1 new token exceeds the model's context of 32"):
+            eng.submit(prompt + prompt[:4], SamplingParams(max_new_tokens=2))
+        out = eng.submit(prompt, SamplingParams(max_new_tokens=10, ignore_eos=True)).result(120)
+        assert eng.wait_idle(10)
+        stats = eng.stats()
+    finally:
+        eng.close()
+    assert out.output_token_ids == ref
+    assert out.finish_reason == "length"
+    assert stats.num_free_blocks == stats.num_blocks
