@@ -105,11 +105,12 @@ class StopStringCheckers:
         self._criteria: "OrderedDict[tuple, object]" = OrderedDict()
         self._lock = threading.Lock()
 
-    def checker(self, stop_strings: "str | Sequence[str] | None") -> Optional[StopChecker]:
+    def checker(self, stop_strings: "str | Sequence[str] | None", over_prompt: bool = True) -> Optional[StopChecker]:
         """A check for ``LLMEngine.submit``/``build_request(stop_checker=...)``: True once the request's tokens
-        (prompt and new tokens, as transformers' ``generate`` checks them) end with one of ``stop_strings``, checked
-        after each new token; None when there are none. A stop string may so begin in the prompt and end in the
-        first new tokens.
+        end with one of ``stop_strings``, checked after each new token; None when there are none. With
+        ``over_prompt`` (transformers' ``generate``: its ``StopStringCriteria`` reads the whole sequence) a
+        stop string may begin in the prompt and end in the first new tokens; without it (lm-eval's ``hf``
+        backend) only the new tokens are matched.
 
         Raises:
             ValueError: ``stop_strings`` is not a non-empty string or a list of them.
@@ -137,7 +138,7 @@ class StopStringCheckers:
         def check(req: Request) -> bool:
             out = req.output_token_ids[-tail:]
             # generate's StopStringCriteria reads the whole sequence: a stop string may start in the prompt.
-            lead = req.prompt_token_ids[-(tail - len(out)) :] if len(out) < tail else []
+            lead = req.prompt_token_ids[-(tail - len(out)) :] if over_prompt and len(out) < tail else []
             ids = torch.tensor([[*lead, *out]])
             return bool(criteria(ids, None)[0])
 

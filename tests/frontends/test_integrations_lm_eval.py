@@ -347,3 +347,43 @@ def test_results_reach_the_cache_as_they_finish_and_a_rerun_computes_only_the_mi
         rerun.dbdict.close()
     finally:
         lm.close()
+
+
+@pytest.mark.timeout(600)
+def test_generate_until_matches_stop_sequences_in_the_new_tokens_only_as_hf():
+    """lm-eval's ``hf`` backend stops on a stop sequence found in the new tokens only
+    (``MultiTokenEOSCriteria`` looks past the prompt), unlike transformers' ``StopStringCriteria``:
+    a stop sequence made of the prompt's last character and the first new token's text does not stop
+    the generation, which runs its full length (expected: the free greedy continuation from
+    ``generate`` called as ``hf`` calls it, in which the stop sequence does not occur)."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.utils_hf import MultiTokenEOSCriteria
+    from transformers import AutoModelForCausalLM
+
+    from hf_contbatch.integrations.lm_eval import ContinuousBatchingLM
+
+    prompt, new = "A class is a", 8
+    lm = ContinuousBatchingLM(dtype="float32", device="cpu", num_blocks=64)
+    try:
+        tok = lm.tokenizer
+        ids = tok(prompt, return_tensors="pt")
+        model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
+        # hf's call (HFLM._model_generate): max_length; the model's generation_config sets max_new_tokens,
+        # which generate's length resolution prefers, as for our engine.
+        n = ids["input_ids"].shape[1]
+        full = model.generate(**ids, do_sample=False, max_length=n + new)[0]
+        free = full[n:]
+        stop = prompt[-1] + tok.decode(free[:1])
+        text = tok.decode(free)
+        assert stop not in text
+        hf_stops = MultiTokenEOSCriteria(stop, tok, n, 1)
+        assert not any(hf_stops(full[None, : n + k], None) for k in range(1, len(free) + 1))
+        request = Instance(
+            request_type="generate_until",
+            doc={},
+            idx=0,
+            arguments=(prompt, {"until": [stop], "max_gen_toks": new, "do_sample": False}),
+        )
+        assert lm.generate_until([request], disable_tqdm=True) == [text]
+    finally:
+        lm.close()

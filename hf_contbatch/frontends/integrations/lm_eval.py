@@ -248,7 +248,8 @@ class ContinuousBatchingLM(HFLM):
             ids, _ = self.tok_batch_encode([context], left_truncate_len=max_ctx_len, truncation=self.truncation)
             prompt = ids[0].tolist()
             sp = self._sampling_for(kwargs, prompt, max_gen_toks)
-            checker = self._stop_checkers.checker([u for u in until if u])
+            # lm-eval's hf backend matches stop sequences in the new tokens only (MultiTokenEOSCriteria).
+            checker = self._stop_checkers.checker([u for u in until if u], over_prompt=False)
             built.append(self.engine.build_request(prompt, sp, stop_checker=checker))
             untils.append(until)
         # Every request validated before any is queued; the wait cancels them all if interrupted.
