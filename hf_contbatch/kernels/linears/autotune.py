@@ -11,9 +11,12 @@ do, and keeps per shape:
 
 - the candidate with the lowest geometric mean of its time relative to the fastest one over the
   buckets (``F.linear`` included: a shape it wins is not packed), and
-- where another packed backend is at least :data:`DUAL_MARGIN` faster at two or more buckets, or at
-  one row, and memory allows a second packed copy, both, each serving the buckets it wins
-  (:class:`~hf_contbatch.kernels.linears.dispatch_gemm.DispatchGEMM`).
+- where another backend is at least :data:`DUAL_MARGIN` faster at two or more buckets, or at one
+  row, and memory allows a second copy, both, each serving the buckets it wins
+  (:class:`~hf_contbatch.kernels.linears.dispatch_gemm.DispatchGEMM`). ``F.linear`` may be that
+  second one (not for int8 weights): over one module's own weight it needs no copy and
+  :data:`FREE_DUAL_MARGIN` is enough; over fused siblings it reads their concatenated weight. On
+  some CPUs it streams one row fastest (a vendor GEMV) and loses from a few rows on.
 
 Each choice is a :class:`KernelChoice` (kernel names per bucket, never a joined string to split).
 
