@@ -447,7 +447,7 @@ def test_the_timing_pool_is_twice_the_last_level_cache_within_bounds():
     # Each of 3 candidates holds a third of 960 MiB: 335,544,320 bytes over a 960x5120 float32
     # weight (19,660,800 bytes) is 17.07: 18 copies.
     assert copies_per_candidate(960 * 5120 * 4, 3, 960 * mib) == 18
-    assert copies_per_candidate(64 * 64 * 4, 3, 960 * mib) == 256  # tiny weights: at most 256 calls a pass
+    assert copies_per_candidate(960 * 960 * 2, 4, 960 * mib) == 64  # small weights: at most 64 calls a pass
     assert copies_per_candidate(2 * 2**30, 3, 960 * mib) == 1  # a weight larger than its share: one
 
 

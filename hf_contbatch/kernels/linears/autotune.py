@@ -71,7 +71,10 @@ unknown (:func:`timing_pool_bytes`)."""
 _POOL_CAP = 2**30
 """The most weight bytes all candidates hold together while timed (the copies are freed after each
 shape): a 1.4 GB model's step streams more, but a pool twice a 480 MiB cache already misses it."""
-_MAX_COPIES = 256  # tiny weights: call overhead dominates, and such a model fits a cache anyway
+# At most this many calls a pass: small weights then add up to less than the pool. Under load every
+# call can wait for a scheduler tick (its threads' barrier), so the tuning time grows with the calls
+# (256 copies of a 960x960 bf16 weight took 54 s to re-time one bucket with other jobs running).
+_MAX_COPIES = 64
 # The cache key's part naming how timings are taken: changed when a change to the timing makes
 # cached figures wrong (2: the pool sized from the last-level cache, not a fixed 96 MiB).
 _TIMING_VERSION = 2
@@ -137,7 +140,7 @@ def timing_pool_bytes(llc_bytes: Optional[int]) -> int:
 def copies_per_candidate(weight_bytes: int, candidates: int, pool_bytes: int) -> int:
     """How many copies of a ``weight_bytes`` weight each of ``candidates`` kernels is timed over:
     its even share of ``pool_bytes`` (:func:`timing_pool_bytes`), at least one, at most
-    :data:`_MAX_COPIES` (tiny weights: the calls would take longer than the streaming)."""
+    :data:`_MAX_COPIES` (small weights: the calls, not the bytes, would set the tuning time)."""
     share = pool_bytes / max(1, candidates)
     return max(1, min(_MAX_COPIES, math.ceil(share / max(1, weight_bytes))))
 
