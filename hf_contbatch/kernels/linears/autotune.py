@@ -329,7 +329,8 @@ class KernelTuner:
                     far = rows >= _STRIKE_FROM and seconds > _TIMEOUT_RATIO * fastest
                     strikes[name] = strikes[name] + 1 if far else 0
                     ratio = seconds / fastest if fastest > 0 else 0.0
-                    if ratio >= _HOPELESS_RATIO and last_ratio[name] and ratio >= last_ratio[name]:
+                    # (no closer: rounding in the summed seconds of many calls aside)
+                    if ratio >= _HOPELESS_RATIO and last_ratio[name] and ratio >= last_ratio[name] * (1 - 1e-9):
                         hopeless.add(name)
                     last_ratio[name] = ratio if ratio >= _HOPELESS_RATIO else 0.0
                 # Far slower twice in a row: no contender, unless the kernel says its relative speed
