@@ -498,3 +498,17 @@ def test_a_fused_group_served_by_f_linear_at_one_row_computes_its_siblings_outpu
                 assert (a.rows == []) == (rows == 1), (rows, a.rows)  # F.linear served the one row
     finally:
         packed.restore()
+
+
+def test_a_candidate_far_slower_a_call_is_timed_over_fewer_copies_and_the_same_seconds_a_call():
+    # A 64x32 float32 weight (8 KiB): 64 copies each (the most a pass makes). "slow" takes 10x the
+    # fast one's time a call: its pass is cut to about twice the fastest pass, ceil(2 * 64 / 10) = 13
+    # calls; each call still counts once (seconds per call unchanged).
+    tuner = _costly_tuner(fast=_affine(1.0, 0.0), slow=_affine(10.0, 0.0), torch=_affine(1.0, 0.0))
+    calls = {}
+    for name, kernel in tuner.candidates.items():
+        kernel.cost = lambda rows, name=name, c=kernel.cost: calls.update({name: calls.get(name, 0) + 1}) or c(rows)
+    times = tuner.measure(64, 32, torch.float32, [1])
+    assert times["slow"] == {1: pytest.approx(10.0)} and times["fast"] == {1: pytest.approx(1.0)}
+    # warm-up, the probe of the time a call, then 5 rounds
+    assert calls["slow"] == 2 + 5 * 13 and calls["fast"] == 2 + 5 * 64

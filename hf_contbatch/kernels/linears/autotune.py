@@ -90,6 +90,7 @@ _COMPUTE_ROWS = 256
 # fewer, calls take microseconds to a few ms and one disturbed bucket pair (load elsewhere) dropped a
 # kernel that was fastest at every prefill bucket it was then never timed at.
 _STRIKE_FROM = 64
+_PASS_SPREAD = 2.0  # a candidate's timed pass takes at most about this many times the fastest's
 _TIMEOUT_RATIO = 4.0  # a candidate this much slower than the best stops being timed at larger buckets
 # At any rows, a candidate this much slower at two buckets in a row, and no closer at the second,
 # is no contender either: its cost grows with the rows faster than the best one's (torch's int8
@@ -311,12 +312,24 @@ class KernelTuner:
                 x = torch.randn(rows, in_features, generator=g).to(dtype)
                 for name in alive:  # warm-up: primitives built, threads started
                     self.candidates[name].linear(x, packs[name][0], None, out_features)
+                # From _COMPUTE_ROWS rows on the GEMM is compute-bound: one copy is enough. Below, a
+                # candidate far slower a call than the fastest one's whole pass (dequant-float,
+                # torch's int8 kernel) is compute-bound too: its pass is cut to about
+                # _PASS_SPREAD times the fastest pass. Its copies still come from memory, as the
+                # others' passes stream the pool between two of its rounds.
+                use = dict.fromkeys(alive, 1)
+                if rows < _COMPUTE_ROWS and alive:
+                    call = {}
+                    for name in alive:
+                        t0 = self.timer()
+                        self.candidates[name].linear(x, packs[name][0], None, out_features)
+                        call[name] = max(self.timer() - t0, 1e-9)
+                    budget = _PASS_SPREAD * min(call[n] * len(packs[n]) for n in alive)
+                    use = {n: max(1, min(len(packs[n]), math.ceil(budget / call[n]))) for n in alive}
 
-                def one_pass(name: str, x=x, rows=rows):
-                    # The path an engine step takes (arguments checked once a step, not per call);
-                    # from _COMPUTE_ROWS rows on the GEMM is compute-bound: one copy is enough.
-                    run, packed = self.candidates[name].linear_verified, packs[name]
-                    packed = packed if rows < _COMPUTE_ROWS else packed[:1]
+                def one_pass(name: str, x=x, use=use):
+                    # The path an engine step takes (arguments checked once a step, not per call).
+                    run, packed = self.candidates[name].linear_verified, packs[name][: use[name]]
                     for p in packed:
                         run(x, p, None, out_features)
                     return len(packed)
