@@ -17,10 +17,13 @@ from hf_contbatch.kernels.linears.autotune import (
     KernelTuner,
     bucket_index,
     buckets_up_to,
+    copies_per_candidate,
     deciding_buckets,
     implausible_buckets,
+    last_level_cache_bytes,
     robust_seconds,
     time_interleaved,
+    timing_pool_bytes,
 )
 from hf_contbatch.kernels.linears.dispatch_gemm import DispatchGEMM
 from hf_contbatch.kernels.linears.gemm_kernel import PackedWeight
@@ -409,3 +412,103 @@ def test_disturbed_figures_are_re_timed_even_when_just_measured():
     choice = tuner.choose(64, 32, torch.float32, max_rows=4, allow_dual=False)
     assert calls == [(1, 2, 4), (1,)]
     assert choice.kernels == ("a",) and choice.seconds["a"][1] == 0.2
+
+
+def _sysfs_cache(root, entries):
+    """A fake ``/sys/devices/system/cpu/cpu0``: ``entries`` is ``[(level, type, size), ...]``."""
+    for i, (level, kind, size) in enumerate(entries):
+        d = root / "cache" / f"index{i}"
+        d.mkdir(parents=True)
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    return str(root)
+
+
+def test_the_last_level_cache_size_is_read_from_sysfs(tmp_path):
+    # The 2-core Xeon this was written on: L1d 48K, L1i 64K, L2 2048K, L3 480 MiB (one instance).
+    cpu = _sysfs_cache(
+        tmp_path / "xeon",
+        [(1, "Data", "48K"), (1, "Instruction", "64K"), (2, "Unified", "2048K"), (3, "Unified", "491520K")],
+    )
+    assert last_level_cache_bytes(cpu) == 480 * 2**20
+    # No L3: the L2 is the last level; an instruction cache is never it; "M" sizes read too.
+    assert last_level_cache_bytes(_sysfs_cache(tmp_path / "l2", [(1, "Data", "32K"), (2, "Unified", "1M")])) == 2**20
+    assert last_level_cache_bytes(_sysfs_cache(tmp_path / "i", [(1, "Instruction", "64K")])) is None
+    assert last_level_cache_bytes(str(tmp_path / "nothing")) is None  # no sysfs: unknown
+
+
+def test_the_timing_pool_is_twice_the_last_level_cache_within_bounds():
+    mib = 2**20
+    assert timing_pool_bytes(480 * mib) == 960 * mib  # 480 MiB L3: a 96 MiB pass stayed cached
+    assert timing_pool_bytes(32 * mib) == 96 * mib  # never less than the former fixed pass
+    assert timing_pool_bytes(None) == 96 * mib  # unknown size: the former fixed pass
+    assert timing_pool_bytes(1536 * mib) == 1024 * mib  # bounded memory: at most 1 GiB of copies
+    # Each of 3 candidates holds a third of 960 MiB: 335,544,320 bytes over a 960x5120 float32
+    # weight (19,660,800 bytes) is 17.07: 18 copies.
+    assert copies_per_candidate(960 * 5120 * 4, 3, 960 * mib) == 18
+    assert copies_per_candidate(960 * 960 * 2, 4, 960 * mib) == 64  # small weights: at most 64 calls a pass
+    assert copies_per_candidate(2 * 2**30, 3, 960 * mib) == 1  # a weight larger than its share: one
+
+
+def test_f_linear_serves_the_buckets_it_wins_beside_a_packed_kernel():
+    # One module: F.linear reads the module's own weight (no copy), so 5% faster is enough.
+    near = {b: (0.94 if b == 1 else 3.0) for b in ROW_BUCKETS}
+    tuner = _tuner({"a": 1.0, "b": 2.0, "torch": near})
+    choice = tuner.choose(64, 64, torch.float32, max_rows=1024)
+    assert choice.kernels == ("a", "torch") and choice.per_bucket == ("torch",) + ("a",) * 10
+    gemm = tuner.kernel(choice)
+    assert isinstance(gemm, DispatchGEMM) and gemm.names == ("a", "torch")
+    assert tuner.choose(64, 64, torch.float32, max_rows=1024, allow_dual=False).kernels == ("a",)
+    noise = _tuner({"a": 1.0, "b": 2.0, "torch": {b: (0.97 if b == 1 else 3.0) for b in ROW_BUCKETS}})
+    assert noise.choose(64, 64, torch.float32, max_rows=1024).kernels == ("a",)  # 3%: noise-sized
+    # Fused siblings: F.linear needs the concatenated weight, a copy: 15% like any second kernel.
+    fused = _tuner({"a": 1.0, "b": 2.0, "torch": near})
+    assert fused.choose(64, 192, torch.float32, 1024, packed_only=True).kernels == ("a",)
+    far = {b: (0.8 if b == 1 else 3.0) for b in ROW_BUCKETS}
+    fused = _tuner({"a": 1.0, "b": 2.0, "torch": far})
+    choice = fused.choose(64, 192, torch.float32, 1024, packed_only=True, unpacked_partner=True)
+    assert choice.kernels == ("a", "torch") and choice.per_bucket[:2] == ("torch", "a")
+    # int8 weights (unpacked_partner False, the default with packed_only): F.linear never serves.
+    assert fused.choose(64, 192, torch.float32, 1024, packed_only=True).kernels == ("a",)
+
+
+def test_a_fused_group_served_by_f_linear_at_one_row_computes_its_siblings_outputs():
+    model = build_model("llama")
+    a = _Recording("a")
+    h = model.config.hidden_size
+    attn = model.model.layers[0].self_attn
+    qkv = attn.q_proj.out_features + attn.k_proj.out_features + attn.v_proj.out_features
+
+    def measure(i, o, d, buckets):  # the fused q/k/v: F.linear 30% faster at one row only
+        torch_times = {b: (0.7 if (i, o) == (h, qkv) and b == 1 else 3.0) for b in buckets}
+        return {"a": dict.fromkeys(buckets, 1.0), "torch": torch_times}
+
+    tuner = KernelTuner({"a": a}, cache_path=None, measure=measure)
+    packed = pack_linears(model, "auto", fuse=True, max_rows=64, tuner=tuner)
+    try:
+        group = attn.q_proj.forward.group
+        assert isinstance(group.kernel, DispatchGEMM) and group.kernel.names == ("a", "torch")
+        with torch.no_grad():
+            for rows in (1, 3):
+                x = torch.randn(rows, h)
+                a.rows.clear()
+                for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                    torch.testing.assert_close(proj(x), torch.nn.functional.linear(x, proj.weight))
+                assert (a.rows == []) == (rows == 1), (rows, a.rows)  # F.linear served the one row
+    finally:
+        packed.restore()
+
+
+def test_a_candidate_far_slower_a_call_is_timed_over_fewer_copies_and_the_same_seconds_a_call():
+    # A 64x32 float32 weight (8 KiB): 64 copies each (the most a pass makes). "slow" takes 10x the
+    # fast one's time a call: its pass is cut to about twice the fastest pass, ceil(2 * 64 / 10) = 13
+    # calls; each call still counts once (seconds per call unchanged).
+    tuner = _costly_tuner(fast=_affine(1.0, 0.0), slow=_affine(10.0, 0.0), torch=_affine(1.0, 0.0))
+    calls = {}
+    for name, kernel in tuner.candidates.items():
+        kernel.cost = lambda rows, name=name, c=kernel.cost: calls.update({name: calls.get(name, 0) + 1}) or c(rows)
+    times = tuner.measure(64, 32, torch.float32, [1])
+    assert times["slow"] == {1: pytest.approx(10.0)} and times["fast"] == {1: pytest.approx(1.0)}
+    # warm-up, the probe of the time a call, then 5 rounds
+    assert calls["slow"] == 2 + 5 * 13 and calls["fast"] == 2 + 5 * 64

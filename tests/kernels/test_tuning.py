@@ -31,12 +31,13 @@ def test_a_fixed_workload_keeps_its_fastest_candidate_measured_once_and_cached(t
     assert Tuner(("kernel", "torch"), None).fastest("x", lambda: {"kernel": 1.0, "torch": 1.0})[0] == "kernel"
 
 
-def test_the_gemm_tuner_is_the_one_tuner_and_keeps_its_cache_file_name(tmp_path, monkeypatch):
+def test_the_gemm_tuner_is_the_one_tuner_and_its_cache_file_names_how_timings_are_taken(tmp_path, monkeypatch):
     monkeypatch.setattr(native_build, "cache_dir", lambda: tmp_path)
     tuner = KernelTuner({}, measure=lambda i, o, d, bs: {"torch": dict.fromkeys(bs, 1.0)})
     assert isinstance(tuner.tuner, Tuner)
-    # The name the GEMM timings had before the one tuner: sha256 of CPU, torch, builds, threads.
-    text = "|".join([native_build.cpu_id(), torch.__version__, "torch:", str(torch.get_num_threads())])
+    # sha256 of CPU, torch, builds, threads and the timing's version: 2 since the weights timed
+    # add up to twice the last-level cache (figures timed over a fixed 96 MiB are not read).
+    text = "|".join([native_build.cpu_id(), torch.__version__, "torch:", str(torch.get_num_threads()), "timing:2"])
     assert tuner.cache_path == str(tmp_path / f"gemm_timings_{hashlib.sha256(text.encode()).hexdigest()[:16]}.json")
     tuner.choose(8, 4, torch.float32, 1)
     assert native_build.read_json(tuner.cache_path)["8x4:float32"] == {"torch": {"1": 1.0}}

@@ -33,7 +33,8 @@ class LinearChoices:
         allow_dual: whether a second kernel's packed copy per shape fits in memory.
         by_unit: per unit index, its :class:`~hf_contbatch.kernels.linears.autotune.KernelChoice`.
         packed_only: ``F.linear`` is no candidate for any unit (int8 weights: the float weight
-            would give other numbers).
+            would give other numbers); else it may serve a fused unit's buckets it wins beside a
+            packed kernel (``KernelTuner.choose``'s ``unpacked_partner``).
     """
 
     tuner: KernelTuner
@@ -47,7 +48,11 @@ class LinearChoices:
         """(Re)choose every unit with the tuner's current candidates (timings from its cache)."""
         self.by_unit = {
             i: self.tuner.choose(
-                *unit_shape(u), max_rows=r, allow_dual=self.allow_dual, packed_only=self.packed_only or len(u) > 1
+                *unit_shape(u),
+                max_rows=r,
+                allow_dual=self.allow_dual,
+                packed_only=self.packed_only or len(u) > 1,
+                unpacked_partner=not self.packed_only,
             )
             for i, (u, r) in enumerate(zip(self.units, self.rows))
         }
