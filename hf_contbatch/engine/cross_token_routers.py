@@ -33,7 +33,7 @@ from . import model_users
 
 logger = logging.getLogger(__name__)
 
-_USERS = "_hf_contbatch_cross_token_routers"  # model.__dict__ key: [CrossTokenRouters, engines using them]
+_USERS = "_hf_contbatch_cross_token_routers"  # model.__dict__ key: [their InstanceOverrides, engines using them]
 
 
 def cross_token_router_modules(model) -> list[torch.nn.Module]:
@@ -131,28 +131,18 @@ class _PerRequestRows:
         return torch.cat(outs, dim=1)
 
 
-class CrossTokenRouters:
-    """The per-request forwards of one model's cross-token router blocks, shared by the engines serving it."""
-
-    def __init__(self, modules: list[torch.nn.Module]) -> None:
-        self.modules = modules
-        for m in modules:
-            m.__dict__["forward"] = _PerRequestRows(m)
-
-    def remove(self) -> None:
-        """Give each block its class's forward back."""
-        for m in self.modules:
-            if isinstance(m.__dict__.get("forward"), _PerRequestRows):
-                del m.__dict__["forward"]
-
-
-def acquire_cross_token_routers(model) -> Optional[CrossTokenRouters]:
-    """The model's ``CrossTokenRouters``, installed by the first engine on it and shared by the later
+def acquire_cross_token_routers(model) -> Optional[model_users.InstanceOverrides]:
+    """The per-request forwards of the model's cross-token router blocks
+    (``model_users.InstanceOverrides``), installed by the first engine on it and shared by the later
     ones; None for a model without such a block."""
     return model_users.acquire(
         model,
         _USERS,
-        lambda: CrossTokenRouters(modules) if (modules := cross_token_router_modules(model)) else None,
+        lambda: (
+            model_users.InstanceOverrides(modules, "forward", _PerRequestRows)
+            if (modules := cross_token_router_modules(model))
+            else None
+        ),
     )
 
 

@@ -32,7 +32,7 @@ from ..kernels.attention import peek_stored
 from ..kernels.paged_cache import PagedCacheStep
 from . import model_users
 
-_USERS = "_hf_contbatch_dynamic_masks"  # model.__dict__ key: [DynamicMasks, engines using them]
+_USERS = "_hf_contbatch_dynamic_masks"  # model.__dict__ key: [their InstanceOverrides, engines using them]
 
 logger = logging.getLogger(__name__)
 
@@ -89,26 +89,18 @@ class _StoredBiasMask:
         return stored[0].store_key_bias(stored[1], dt_states, keep_window_size)
 
 
-class DynamicMasks:
-    """The per-instance ``prepare_dynamic_mask`` of one model's modules, shared by the engines serving it."""
-
-    def __init__(self, modules: list[torch.nn.Module]) -> None:
-        self.modules = modules
-        for m in modules:
-            m.__dict__["prepare_dynamic_mask"] = _StoredBiasMask(m)
-
-    def remove(self) -> None:
-        """Give each module its class's method back."""
-        for m in self.modules:
-            if isinstance(m.__dict__.get("prepare_dynamic_mask"), _StoredBiasMask):
-                del m.__dict__["prepare_dynamic_mask"]
-
-
-def acquire_dynamic_masks(model) -> Optional[DynamicMasks]:
-    """The model's ``DynamicMasks``, installed by the first engine on it and shared by the later
+def acquire_dynamic_masks(model) -> Optional[model_users.InstanceOverrides]:
+    """The stored-bias ``prepare_dynamic_mask`` of the model's modules
+    (``model_users.InstanceOverrides``), installed by the first engine on it and shared by the later
     ones; None for a model without dynamic mask attention."""
     return model_users.acquire(
-        model, _USERS, lambda: DynamicMasks(modules) if (modules := dynamic_mask_modules(model)) else None
+        model,
+        _USERS,
+        lambda: (
+            model_users.InstanceOverrides(modules, "prepare_dynamic_mask", _StoredBiasMask)
+            if (modules := dynamic_mask_modules(model))
+            else None
+        ),
     )
 
 

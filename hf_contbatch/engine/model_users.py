@@ -8,7 +8,7 @@ under a key of the caller's, so two models never share one and nothing is proces
 
 from __future__ import annotations
 
-from typing import Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 T = TypeVar("T")
 
@@ -38,3 +38,22 @@ def release(model, key: str, undo: Callable[[T], None] = lambda obj: obj.remove(
     if entry[1] <= 0:
         undo(entry[0])
         del model.__dict__[key]
+
+
+class InstanceOverrides:
+    """Method ``name`` of each of ``modules`` served by an instance attribute ``wrap(module)`` (the
+    per-request forwards of sparse-attention indexers and cross-token routers, Doge's stored-bias
+    ``prepare_dynamic_mask``), set in the module's ``__dict__`` so the class, and every other
+    instance of it, are untouched. :meth:`remove` gives each module its class's method back, unless
+    something else has replaced the attribute since."""
+
+    def __init__(self, modules: list, name: str, wrap: Callable[[Any], Callable]) -> None:
+        self.modules, self.name = modules, name
+        self.installed = [(m, wrap(m)) for m in modules]
+        for m, method in self.installed:
+            m.__dict__[name] = method
+
+    def remove(self) -> None:
+        for m, method in self.installed:
+            if m.__dict__.get(self.name) is method:
+                del m.__dict__[self.name]

@@ -33,7 +33,7 @@ import torch
 from ..kernels.paged_cache import PagedCacheStep
 from . import model_users
 
-_USERS = "_hf_contbatch_sparse_indexers"  # model.__dict__ key: [SparseIndexers, engines using them]
+_USERS = "_hf_contbatch_sparse_indexers"  # model.__dict__ key: [their InstanceOverrides, engines using them]
 
 
 def _indexer_modules(model) -> list[torch.nn.Module]:
@@ -114,26 +114,18 @@ class _PerRequestForward:
         return out
 
 
-class SparseIndexers:
-    """The per-request forwards of one model's indexers, shared by the engines serving it."""
-
-    def __init__(self, modules: list[torch.nn.Module]) -> None:
-        self.modules = modules
-        for m in modules:
-            m.__dict__["forward"] = _PerRequestForward(m)
-
-    def remove(self) -> None:
-        """Give each indexer its class's forward back."""
-        for m in self.modules:
-            if isinstance(m.__dict__.get("forward"), _PerRequestForward):
-                del m.__dict__["forward"]
-
-
-def acquire_sparse_indexers(model) -> Optional[SparseIndexers]:
-    """The model's ``SparseIndexers``, installed by the first engine on it and shared by the later
-    ones; None for a model without a sparse-attention indexer."""
+def acquire_sparse_indexers(model) -> Optional[model_users.InstanceOverrides]:
+    """The per-request forwards of the model's indexers (``model_users.InstanceOverrides``),
+    installed by the first engine on it and shared by the later ones; None for a model without a
+    sparse-attention indexer."""
     return model_users.acquire(
-        model, _USERS, lambda: SparseIndexers(modules) if (modules := _indexer_modules(model)) else None
+        model,
+        _USERS,
+        lambda: (
+            model_users.InstanceOverrides(modules, "forward", _PerRequestForward)
+            if (modules := _indexer_modules(model))
+            else None
+        ),
     )
 
 
