@@ -169,11 +169,12 @@ def test_greedy_equals_generate_under_forced_preemption(model_and_refs):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("model_type", ["mamba", "qwen3_next"])
+@pytest.mark.parametrize("model_type", ["mamba", "qwen3_next", "deepseek_v4"])
 def test_a_request_resumed_with_more_tokens_than_a_step_holds_continues_one_token_at_a_time(model_type):
     """A 26-token prompt preempted after about 14 tokens comes back with 40 tokens under a 30-token
     budget: its first 30 run as a prefill, the next 10 one per forward from the state the prefill
-    left (the path ``generate`` took for them), and its tokens still equal ``generate``'s."""
+    left (the path ``generate`` took for them; DeepSeek V4: the cache it left), and its tokens still
+    equal ``generate``'s."""
     model = family_sweep.build_tiny(model_type)
     short, long = _prompts((3, 26))
     refs = [reference_greedy(model, short, 30), reference_greedy(model, long, 20)]
@@ -199,6 +200,8 @@ def test_a_request_resumed_with_more_tokens_than_a_step_holds_continues_one_toke
         assert eng.wait_idle(10)
         assert eng.stats().num_preemptions > 0
         assert eng.runner.states.num_held == 0
+        # A model keeping its own caches (OwnCacheModelRunner) gives every request's cache back too.
+        assert getattr(eng.runner, "_caches", {}) == {}
     finally:
         eng.close()
     assert outs == refs
