@@ -159,6 +159,45 @@ def reference_greedy(model, prompt, max_new_tokens: int):
     return out[0, len(prompt) :].tolist()
 
 
+def load_family_sweep(name: str = "family_sweep"):
+    """``scripts/family_sweep.py`` (the model-type sweep: ``tiny_config``, ``build_tiny``, ``prompts``,
+    ``reference``...) loaded as a fresh module called ``name``. Fresh per call, because scripts/ is
+    not a package and some test files change the module's globals for their own runs."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "family_sweep.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def serve_greedy(model, prompts, config, max_new_tokens: int, check=None, timeout: float = 120):
+    """Serve ``prompts`` (token-id lists) greedy, EOS ignored, queued one after another on a new
+    ``LLMEngine(model, config)``, closed afterwards; returns ``(outputs, stats)``: each prompt's new
+    token ids and the engine's ``EngineStats`` once idle.
+
+    Asserts the block manager's invariants and that every KV block came back (no leak).
+    ``check(engine)``: further assertions made while the engine is still open (its runner's state).
+    """
+    from hf_contbatch import LLMEngine
+    from hf_contbatch.request import SamplingParams
+
+    engine = LLMEngine(model, config)
+    try:
+        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+        handles = [engine.submit(p, params) for p in prompts]
+        outputs = [h.result(timeout=timeout).output_token_ids for h in handles]
+        assert engine.wait_idle(10)
+        stats = engine.stats()
+        engine.block_manager.check_invariants()
+        assert stats.num_free_blocks == stats.num_blocks, "blocks leaked"
+        if check is not None:
+            check(engine)
+    finally:
+        engine.close()
+    return outputs, stats
+
+
 @pytest.fixture
 def sigint_raises():
     """SIGINT raises ``KeyboardInterrupt`` in the main thread during the test, as in a terminal or

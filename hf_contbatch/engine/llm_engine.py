@@ -39,31 +39,24 @@ from ..core.phases import PhaseTimer
 from ..core.plan import StepResult
 from ..core.scheduler import Scheduler
 from ..request import Request, RequestStatus, SamplingParams
-from .cross_token_routers import cross_token_router_modules, whole_prompt_engine_config
-from .dense_runner import DenseContextRunner, dense_context_engine_config
 from .driver import Cancel, EngineDriver, InboxItem
-from .dynamic_mask import dynamic_mask_modules, no_prefix_cache_engine_config
 from .handles import EngineError, HandleRegistry, RequestHandle, RequestOutput
 from .kv_pools import KVPools, move_blocks
 from .lora_adapters import LoraAdapters, is_peft_model
 from .model_patches import ModelPatches
 from .model_support import (
     SERVED_LAYER_KINDS,
-    attends_through_cache_update,
     check_supported_model,
-    has_recurrent_layers,
-    keeps_own_cache,
     vocab_widths,
 )
 from .output_processor import OutputProcessor, log_failure
-from .own_cache_runner import OwnCacheModelRunner, own_cache_engine_config
+from .own_cache_runner import OwnCacheModelRunner
 from .per_request_processors import RequestProcessors
-from .pool_sizing import text_config
-from .recurrent_runner import RecurrentModelRunner, recurrent_engine_config
+from .recurrent_runner import RecurrentModelRunner
 from .reliability import execute_isolating_failures
 from .request_factory import RequestFactory
-from .runner import ModelRunner
 from .sampler import Sampler
+from .serving_mode import serving_mode
 from .stats import EngineCounters, EngineStats
 from .structured import GrammarCompilation, GrammarMatchers
 
@@ -121,31 +114,10 @@ class LLMEngine:
         self.adapters = LoraAdapters(model) if is_peft_model(model) else None
         model = model if self.adapters is None else self.adapters.model
         check_supported_model(model)
-        own_cache = keeps_own_cache(model)  # DeepSeek V4: each request keeps transformers' own cache
-        recurrent = own_cache or has_recurrent_layers(model)
-        model_type = getattr(text_config(model), "model_type", None)
-        if own_cache:  # a cache per request: whole prefills, no prefix caching, recompute
-            self.config = cfg = own_cache_engine_config(cfg, model_type)
-        elif recurrent:  # a state per request: whole prefills, no prefix caching, recompute
-            self.config = cfg = recurrent_engine_config(cfg, model_type)
-        # A router mixing a forward's tokens (Doge's CDMoE): whole prefills, no prefix caching.
-        cross_token = bool(cross_token_router_modules(model))
-        if cross_token:
-            self.config = cfg = whole_prompt_engine_config(cfg, model_type)
-        # Doge's dynamic mask: a prefix's K/V depend on the prompt's length where biases tie.
-        if dynamic_mask_modules(model):
-            self.config = cfg = no_prefix_cache_engine_config(cfg, model_type)
-        # Attention computed by the model's own code over what cache.update returns (Bloom, Falcon,
-        # GPT-Neo, MPT, XGLM...): served through the cache object (engine.dense_runner).
-        dense = not recurrent and attends_through_cache_update(model)
-        if dense:
-            if self.adapters is not None:
-                raise ValueError(
-                    f"model type {model_type!r} computes attention in its own code: per-request LoRA adapters "
-                    "are not served for it"
-                )
-            self.config = cfg = dense_context_engine_config(cfg, model_type)
-        pools = KVPools.for_model(model, cfg, runner_class=DenseContextRunner if dense else ModelRunner)
+        # Which runner and which scheduling rules the model's layers call for (engine.serving_mode).
+        self.serving_mode = mode = serving_mode(model, cfg, has_adapters=self.adapters is not None)
+        self.config = cfg = mode.config
+        pools = KVPools.for_model(model, cfg, runner_class=mode.profile_runner_class)
         g, sizes = pools.geometry, pools.sizes
         self.num_layers, self.num_kv_heads, self.head_dim = g.num_layers, g.num_kv_heads, g.head_dim
         self.max_model_len, self.device, self.backend = g.max_model_len, pools.device, pools.backend
@@ -173,14 +145,7 @@ class LLMEngine:
             bm.block_size,
             cfg.scheduler.max_num_batched_tokens,
         )
-        if own_cache:
-            self.runner = OwnCacheModelRunner(*runner_args, num_state_slots=cfg.scheduler.max_num_seqs)
-        elif recurrent:
-            self.runner = RecurrentModelRunner(*runner_args, num_state_slots=cfg.scheduler.max_num_seqs)
-        elif dense:
-            self.runner = DenseContextRunner(*runner_args)
-        else:
-            self.runner = ModelRunner(*runner_args)
+        self.runner = mode.build_runner(*runner_args)
         self.patches = ModelPatches(model, cfg, self.cache, self.runner)  # linears, attention, compiled forward
         # Whatever ends the engine gives the model back: close() calls this, and so does garbage
         # collection of an engine nobody closed (its float weights would otherwise stay spilled
@@ -198,13 +163,9 @@ class LLMEngine:
             self.adapters,
             self.grammars.compilation,
             kv_variant=None if self.patches.rotary_variants is None else self.patches.rotary_variants.prefix_key,
-            whole_prefill_tokens=cfg.scheduler.max_num_batched_tokens if recurrent or cross_token else None,
-            whole_prefill_why=(
-                "a model with a state per request (recurrent layers, or layers keeping their own cache)"
-                if recurrent
-                else "a model whose router mixes tokens"
-            ),
-            drafts_served=not recurrent,
+            whole_prefill_tokens=cfg.scheduler.max_num_batched_tokens if mode.whole_prefill_why else None,
+            whole_prefill_why=mode.whole_prefill_why or "",
+            drafts_served=mode.drafts_served,
         )
         self._closed = False
         # Guards the scheduler's and block managers' state: held by the driving thread while it

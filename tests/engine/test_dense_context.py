@@ -14,9 +14,6 @@ refused in one line before any weight is touched.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -29,12 +26,9 @@ from hf_contbatch.kernels.dense_context import DenseContextStep
 from hf_contbatch.kernels.kv_spec import KVCacheSpec
 from hf_contbatch.kernels.paged_cache import PagedKVCache
 
-from conftest import reference_greedy
+from conftest import load_family_sweep, reference_greedy, serve_greedy
 
-_SWEEP = Path(__file__).resolve().parents[2] / "scripts" / "family_sweep.py"
-_spec = importlib.util.spec_from_file_location("family_sweep_dense", _SWEEP)
-family_sweep = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(family_sweep)
+family_sweep = load_family_sweep("family_sweep_dense")
 
 NEW = 10
 PREFIX = 13  # tokens the last two prompts share (prefix caching hits them)
@@ -59,19 +53,13 @@ def _prompts():
 
 
 def _serve(model, prompts, cfg):
-    """Greedy outputs of ``prompts`` queued together; checks every block came back."""
-    eng = LLMEngine(model, cfg)
-    try:
-        handles = [eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
-        outs = [h.result(timeout=120).output_token_ids for h in handles]
-        assert eng.wait_idle(10)
-        stats = eng.stats()
-        eng.block_manager.check_invariants()
-        assert stats.num_free_blocks == stats.num_blocks, "blocks leaked"
-        assert isinstance(eng.runner, DenseContextRunner)
-    finally:
-        eng.close()
-    return outs, stats
+    """Greedy outputs of ``prompts`` queued together, and the stats; checks every block came back
+    and that the dense-context runner served them."""
+
+    def served_dense(engine):
+        assert isinstance(engine.runner, DenseContextRunner)
+
+    return serve_greedy(model, prompts, cfg, NEW, check=served_dense)
 
 
 MODELS = {

@@ -5,20 +5,14 @@ Expected tokens are transformers' ``generate`` on the same tiny random model."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 
-from conftest import reference_greedy
+from conftest import load_family_sweep, reference_greedy
 
-_SWEEP = Path(__file__).resolve().parents[2] / "scripts" / "family_sweep.py"
-_spec = importlib.util.spec_from_file_location("family_sweep_doge", _SWEEP)
-family_sweep = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(family_sweep)
+family_sweep = load_family_sweep("family_sweep_doge")
 
 NEW = 16
 

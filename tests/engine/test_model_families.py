@@ -17,20 +17,14 @@ the first step instead of giving a wrong token (``tests/kernels/test_served_call
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 
-from conftest import reference_greedy
+from conftest import load_family_sweep, reference_greedy, serve_greedy
 
-_SWEEP = Path(__file__).resolve().parents[2] / "scripts" / "family_sweep.py"
-_spec = importlib.util.spec_from_file_location("family_sweep", _SWEEP)
-family_sweep = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(family_sweep)
+family_sweep = load_family_sweep()
 
 FAMILIES = [
     "gpt2",  # Conv1D linears (transposed weights), learned absolute positions
@@ -96,26 +90,13 @@ FAMILIES = [
 NEW = 16
 
 
-def _serve(model, prompts, cfg):
-    eng = LLMEngine(model, cfg)
-    try:
-        handles = [eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
-        outs = [h.result(timeout=120).output_token_ids for h in handles]
-        assert eng.wait_idle(10)
-        stats = eng.stats()
-        eng.block_manager.check_invariants()
-        return outs, stats
-    finally:
-        eng.close()
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_family_greedy_equals_generate(model_type):
     model = family_sweep.build_tiny(model_type)
     prompts = family_sweep.prompts()  # 5 and 23 tokens: the 23-token one spans two blocks of 16
     refs = [reference_greedy(model, p, NEW) for p in prompts]
-    outs, stats = _serve(model, prompts, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=32)))
+    outs, stats = serve_greedy(model, prompts, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=32)), NEW)
     assert outs == refs
     assert stats.num_free_blocks == stats.num_blocks, "blocks leaked"
 
@@ -144,7 +125,7 @@ def test_family_greedy_equals_generate_under_preemption_and_chunked_prefill(mode
         cache=CacheConfig(block_size=4, num_blocks=14),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12),
     )
-    outs, stats = _serve(model, prompts, cfg)
+    outs, stats = serve_greedy(model, prompts, cfg, NEW)
     assert outs == refs
     assert stats.num_preemptions > 0, "the pool was meant to force preemption"
     assert stats.num_free_blocks == stats.num_blocks
@@ -159,7 +140,7 @@ def test_qk_norm_families_one_request_at_a_time(model_type):
     prompts = family_sweep.prompts()
     refs = [reference_greedy(model, p, NEW) for p in prompts]
     cfg = EngineConfig(cache=CacheConfig(block_size=16, num_blocks=32), scheduler=SchedulerConfig(max_num_seqs=1))
-    outs, _ = _serve(model, prompts, cfg)
+    outs, _ = serve_greedy(model, prompts, cfg, NEW)
     assert outs == refs
 
 
@@ -194,7 +175,7 @@ def test_chunked_local_attention_llama4_text_equals_generate(cfg):
     model = _tiny_llama4_text()
     prompts = family_sweep.prompts() * (2 if cfg.scheduler.max_num_batched_tokens == 12 else 1)
     refs = [reference_greedy(model, p, NEW) for p in prompts]
-    outs, stats = _serve(model, prompts, cfg)
+    outs, stats = serve_greedy(model, prompts, cfg, NEW)
     assert outs == refs
     assert stats.num_free_blocks == stats.num_blocks, "blocks leaked"
     if cfg.scheduler.max_num_batched_tokens == 12:

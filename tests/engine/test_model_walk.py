@@ -28,17 +28,13 @@ that way in transformers itself, not in the engine.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from hf_contbatch.engine.llm_engine import EngineError
 
-_SWEEP = Path(__file__).resolve().parents[2] / "scripts" / "family_sweep.py"
-_spec = importlib.util.spec_from_file_location("family_sweep_walk", _SWEEP)
-family_sweep = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(family_sweep)
+from conftest import load_family_sweep
+
+family_sweep = load_family_sweep("family_sweep_walk")
 
 # Types transformers 5.24 cannot build from the sweep's shrunken config, or whose own generate fails
 # on it (from `scripts/family_sweep.py`'s "skip" rows): {type: the start of what transformers raises}.

@@ -13,9 +13,6 @@ slots and blocks are given back; a step's forwards change no request's cache unt
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -23,12 +20,9 @@ from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, S
 from hf_contbatch.engine.kv_groups import own_cache_kinds
 from hf_contbatch.engine.own_cache_runner import _copied
 
-from conftest import enqueue_at_once, reference_greedy
+from conftest import enqueue_at_once, load_family_sweep, reference_greedy, serve_greedy
 
-_SWEEP = Path(__file__).resolve().parents[2] / "scripts" / "family_sweep.py"
-_spec = importlib.util.spec_from_file_location("family_sweep", _SWEEP)
-family_sweep = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(family_sweep)
+family_sweep = load_family_sweep()
 
 NEW = 12
 LENGTHS = (17, 23, 26, 33)
@@ -66,20 +60,17 @@ def test_own_cache_kinds_are_those_whose_cache_class_the_models_module_defines()
         assert own_cache_kinds(_meta_model(model_type)) == []
 
 
+def _caches_given_back(engine):
+    """Every request's own transformers cache and recurrent state slot was given back."""
+    assert engine.runner._caches == {} and engine.runner.states.num_held == 0
+
+
 @pytest.mark.timeout(300)
 def test_greedy_equals_generate_for_requests_at_once_and_every_cache_is_given_back(model_and_refs):
     model, prompts, refs = model_and_refs
-    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=64)))
-    try:
-        handles = [eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
-        outs = [h.result(timeout=120).output_token_ids for h in handles]
-        assert eng.wait_idle(10)
-        stats = eng.stats()
-        eng.block_manager.check_invariants()
-        assert stats.num_free_blocks == stats.num_blocks, "blocks leaked"
-        assert eng.runner._caches == {} and eng.runner.states.num_held == 0
-    finally:
-        eng.close()
+    outs, _ = serve_greedy(
+        model, prompts, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=64)), NEW, check=_caches_given_back
+    )
     assert outs == refs
 
 
@@ -91,17 +82,8 @@ def test_greedy_equals_generate_under_forced_preemption(model_and_refs):
         cache=CacheConfig(block_size=4, num_blocks=14),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=34),
     )
-    eng = LLMEngine(model, cfg)
-    try:
-        handles = [eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
-        outs = [h.result(timeout=120).output_token_ids for h in handles]
-        assert eng.wait_idle(10)
-        stats = eng.stats()
-        assert stats.num_preemptions > 0, "the pool was meant to force preemption"
-        assert stats.num_free_blocks == stats.num_blocks, "blocks leaked"
-        assert eng.runner._caches == {} and eng.runner.states.num_held == 0
-    finally:
-        eng.close()
+    outs, stats = serve_greedy(model, prompts, cfg, NEW, check=_caches_given_back)
+    assert stats.num_preemptions > 0, "the pool was meant to force preemption"
     assert outs == refs
 
 

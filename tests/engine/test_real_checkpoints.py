@@ -26,9 +26,9 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from hf_contbatch import CacheConfig, EngineConfig, SchedulerConfig
 
-from conftest import build_model, random_prompts, reference_greedy
+from conftest import build_model, random_prompts, reference_greedy, serve_greedy
 
 NEW = 12
 LENGTHS = (5, 23)
@@ -41,17 +41,8 @@ def _serve(model, prompts, num_blocks=32, block_size=16):
     cfg = EngineConfig(
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks), scheduler=SchedulerConfig(max_num_seqs=4)
     )
-    eng = LLMEngine(model, cfg)
-    try:
-        handles = [eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
-        outs = [h.result(timeout=120).output_token_ids for h in handles]
-        assert eng.wait_idle(10)
-        stats = eng.stats()
-        eng.block_manager.check_invariants()
-        assert stats.num_free_blocks == stats.num_blocks, "blocks leaked"
-        return outs, stats.num_preemptions
-    finally:
-        eng.close()
+    outs, stats = serve_greedy(model, prompts, cfg, NEW)
+    return outs, stats.num_preemptions
 
 
 @pytest.fixture(scope="module", params=["float16", "bfloat16"])

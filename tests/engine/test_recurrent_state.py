@@ -15,9 +15,6 @@ engine cannot serve for such a model is refused in one line.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -27,12 +24,9 @@ from hf_contbatch.core.scheduler import Scheduler
 from hf_contbatch.kernels.recurrent_state import RecurrentStatePool
 from hf_contbatch.request import Request
 
-from conftest import reference_greedy
+from conftest import load_family_sweep, reference_greedy
 
-_SWEEP = Path(__file__).resolve().parents[2] / "scripts" / "family_sweep.py"
-_spec = importlib.util.spec_from_file_location("family_sweep", _SWEEP)
-family_sweep = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(family_sweep)
+family_sweep = load_family_sweep()
 
 NEW = 12
 LENGTHS = (3, 9, 17, 26)

@@ -17,7 +17,7 @@ import torch
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from hf_contbatch.config import resolve_compile_model
 
-from conftest import build_model, enqueue_at_once, random_prompts, reference_greedy
+from conftest import build_model, enqueue_at_once, load_family_sweep, random_prompts, reference_greedy
 
 LENGTHS = [1, 5, 17, 33, 64, 40, 9]
 NEW = 12
@@ -156,13 +156,8 @@ def test_model_the_attention_op_cannot_store_for_falls_back_to_eager():
     compiled op, which stores K/V itself, would store a half of V over the pool; it refuses the
     second store of a layer in a step and the forward runs eagerly from then on (one warning),
     where the attention function reads the heads the model picked: greedy equals generate."""
-    import importlib.util
-    from pathlib import Path
 
-    sweep = Path(__file__).resolve().parents[2] / "scripts" / "family_sweep.py"
-    spec = importlib.util.spec_from_file_location("family_sweep", sweep)
-    family_sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(family_sweep)
+    family_sweep = load_family_sweep()
     model = family_sweep.build_tiny("diffllama")
     prompts = family_sweep.prompts()
     refs = [reference_greedy(model, p, NEW) for p in prompts]

@@ -25,6 +25,8 @@ from hf_contbatch.kernels.attention.backends import (  # noqa: E402
     TritonAttentionBackend,
 )
 
+from conftest import load_family_sweep  # noqa: E402
+
 INTERPRETED = os.environ["TRITON_INTERPRET"] not in ("", "0")
 if not INTERPRETED and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
@@ -91,16 +93,12 @@ def test_triton_engine_serves_latent_per_layer_and_sink_layers_exactly(model_typ
     """A Triton engine never refuses these models: latent layers store their latents (K and V of
     other sizes) through the torch path and attend over the expanded contexts, Gemma 4's 512-channel
     global layers and MiMo's sink layers step aside to the torch path; the rest run the kernels."""
-    import importlib.util
 
     from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 
     from conftest import reference_greedy
 
-    sweep_path = Path(__file__).resolve().parents[2] / "scripts" / "family_sweep.py"
-    spec = importlib.util.spec_from_file_location("family_sweep", sweep_path)
-    family_sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(family_sweep)
+    family_sweep = load_family_sweep()
     model = family_sweep.build_tiny(model_type)
     prompts = family_sweep.prompts()
     refs = [reference_greedy(model, p, 6) for p in prompts]

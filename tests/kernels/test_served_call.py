@@ -9,6 +9,8 @@ import torch
 
 from hf_contbatch.kernels.attention import _check_served_call, _head_maps
 
+from conftest import load_family_sweep
+
 
 class _Attention(torch.nn.Module):
     def __init__(self, layer_idx: int) -> None:
@@ -184,17 +186,12 @@ def test_no_record_of_stored_kv_outlives_a_step():
     the step's view and so the pools (an engine driven on this thread and then closed would
     otherwise keep its pools alive)."""
     import gc
-    import importlib.util
     import weakref
-    from pathlib import Path
 
     from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams
     from hf_contbatch.kernels import attention
 
-    sweep = Path(__file__).resolve().parents[2] / "scripts" / "family_sweep.py"
-    spec = importlib.util.spec_from_file_location("family_sweep", sweep)
-    family_sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(family_sweep)
+    family_sweep = load_family_sweep()
     model = family_sweep.build_tiny("diffllama")
     eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=8)))
     pool = weakref.ref(eng.cache.key_cache[0])

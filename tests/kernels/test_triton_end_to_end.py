@@ -8,7 +8,7 @@ import pytest
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from hf_contbatch.kernels.attention.triton_kernels import TRITON_AVAILABLE
 
-from conftest import build_model, random_prompts, reference_greedy
+from conftest import build_model, load_family_sweep, random_prompts, reference_greedy
 
 pytestmark = pytest.mark.skipif(not TRITON_AVAILABLE, reason="triton is not installed on this platform")
 
@@ -43,16 +43,11 @@ def test_triton_engine_steps_aside_for_chunks_and_head_maps(model_type):
     """A Triton engine serves the layers its kernels have no mask or head map for through the torch
     path (plain torch on the kernels' device): Llama 4's chunked layers (a chunk of 8 tokens here)
     and JetMoE's K/V repeated per expert, greedy equal to generate."""
-    import importlib.util
-    from pathlib import Path
 
     import torch
     from transformers import AutoModelForCausalLM
 
-    sweep = Path(__file__).resolve().parents[2] / "scripts" / "family_sweep.py"
-    spec = importlib.util.spec_from_file_location("family_sweep", sweep)
-    family_sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(family_sweep)
+    family_sweep = load_family_sweep()
     cfg = family_sweep.tiny_config(model_type)
     if model_type == "llama4_text":
         cfg.attention_chunk_size = 8
