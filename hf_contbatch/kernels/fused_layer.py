@@ -42,6 +42,7 @@ import torch
 
 from .attention import _layer_chunk_size, _mask_only_window, _temperature_tuning, is_paged_attention
 from .fused_ops import (
+    FusedMLPForward,
     FusedNormForward,
     add_rms_norm,
     fits,
@@ -204,6 +205,8 @@ class FusedLayerForward:
             m.up_proj,
             m.down_proj,
         )
+        # Those whose forwards it does the work of instead of calling them.
+        self.skipped = (layer.input_layernorm, layer.post_attention_layernorm, a, m)
 
     def original(self, *args, **kwargs):
         return type(self.layer).forward(self.layer, *args, **kwargs)
@@ -244,6 +247,14 @@ class FusedLayerForward:
             return None
         if _global_hooks() or any(getattr(m, d) for m in self.bypassed for d in _HOOK_DICTS):
             return None
+        # Forwards replaced since (accelerate's offload wraps ``forward`` and keeps ``_hf_hook``):
+        # the modules whose forwards the fast path does not call must still be the class's or ours.
+        for m in self.skipped:
+            fwd = m.__dict__.get("forward")
+            if (
+                fwd is not None and not isinstance(fwd, (FusedNormForward, FusedMLPForward))
+            ) or "_hf_hook" in m.__dict__:
+                return None
         idx = attn.layer_idx
         if not step.plain_layer(idx) or _layer_chunk_size(attn) is not None or _temperature_tuning(attn) is not None:
             return None
@@ -286,13 +297,20 @@ class FusedLayerForward:
         value = v[0].view(rows, -1, d)
         out = step.store_and_attend(attn.layer_idx, query, key, value, attn.scaling, self._window())
         out = attn.o_proj.forward(out.reshape(1, rows, -1).contiguous())
+        if out.dtype != hidden_states.dtype or out.shape != hidden_states.shape:
+            # An o_proj of another output dtype (torch would promote the sum): the layer's own ops.
+            total = hidden_states + out
+            return total + self.layer.mlp(self.layer.post_attention_layernorm(total))
         total, h = add_rms_norm(out, hidden_states, self.post_norm.scale(), self.post_norm.eps, True)
         gate, up = mlp.gate_proj.forward(h), mlp.up_proj.forward(h)
         if fits(gate) and fits(up) and gate.shape == up.shape and gate.dtype == up.dtype:
             act = silu_mul(gate, up)
         else:
             act = mlp.act_fn(gate) * up
-        return total.add_(mlp.down_proj.forward(act))  # total is ours: residual + MLP in place
+        down = mlp.down_proj.forward(act)
+        if down.dtype != total.dtype or down.shape != total.shape:
+            return total + down  # as the layer adds them (dtype promotion, broadcasting)
+        return total.add_(down)  # total is ours: the residual add in place
 
 
 class FusedLayers:

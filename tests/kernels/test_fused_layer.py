@@ -158,6 +158,30 @@ def test_a_hooked_module_runs_the_layers_own_forward(monkeypatch):
     assert seen  # the hook saw the engine's steps
 
 
+@pytest.mark.timeout(600)
+def test_a_forward_replaced_after_install_runs_the_layers_own_forward(monkeypatch):
+    # What accelerate's offload does (a wrapper as the instance's forward): the fused step, which
+    # does the MLP's work without calling its forward, steps aside for that layer.
+    model = build_model("llama")
+    prompts = random_prompts([7, 30], seed=9)
+    refs = [reference_greedy(model, p, NEW) for p in prompts]
+    calls = []
+    served = []
+    real = PagedCacheStep.store_and_attend
+    monkeypatch.setattr(PagedCacheStep, "store_and_attend", lambda self, i, *a: served.append(i) or real(self, i, *a))
+    eng = LLMEngine(model, _PLAIN)
+    try:
+        mlp = model.model.layers[0].mlp
+        own = mlp.forward
+        mlp.forward = lambda x: calls.append(x.shape) or own(x)
+        handles = [eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
+        assert [h.result(timeout=600).output_token_ids for h in handles] == refs
+    finally:
+        eng.close()
+        del mlp.forward
+    assert calls and served and set(served) == {1}
+
+
 def test_outside_an_engine_step_the_layer_runs_its_own_forward():
     # The user's own generate while an engine serves the model: no paged step, the layer's forward.
     model = build_model("llama")
