@@ -217,3 +217,27 @@ def test_no_fused_layers_without_fuse_model_ops_or_under_compile_model():
         assert not any("forward" in m.__dict__ for m in model.model.layers)
     finally:
         eng.close()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_tokens_equal_the_layers_own_forward(dtype, monkeypatch):
+    # generate's bfloat16 tokens may differ from any paged attention's; the layer's own forward in
+    # the same engine (same attention kernels, same pool) is the reference for the fused step.
+    _dtype_or_skip(dtype)
+    model = build_model("llama").to(dtype)
+    prompts = random_prompts([3, 17, 40, 60], seed=2)
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=64)))
+    try:
+        tokens = {}
+        for mode in ("own", "fused"):
+            if mode == "own":
+                monkeypatch.setattr(FusedLayerForward, "fits", lambda self, *args: None)
+            else:
+                monkeypatch.undo()
+            handles = [eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
+            tokens[mode] = [h.result(timeout=600).output_token_ids for h in handles]
+        assert eng.patches.fused_layers is not None and len(eng.patches.fused_layers.installed) == 2
+    finally:
+        eng.close()
+    assert tokens["fused"] == tokens["own"]
