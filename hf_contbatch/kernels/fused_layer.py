@@ -161,9 +161,6 @@ def layer_form(layer, texts: Optional[dict] = None) -> Optional[tuple]:
     return (_ATTENTION_FORMS[text(type(attn).forward)],)
 
 
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-
-
 def _global_hooks() -> bool:
     """Whether torch has module hooks registered for every module (``register_module_forward_hook``...)."""
     mod = torch.nn.modules.module
@@ -207,6 +204,7 @@ class FusedLayerForward:
         )
         # Those whose forwards it does the work of instead of calling them.
         self.skipped = (layer.input_layernorm, layer.post_attention_layernorm, a, m)
+        self.norms = (layer.input_layernorm, layer.post_attention_layernorm)
 
     def original(self, *args, **kwargs):
         return type(self.layer).forward(self.layer, *args, **kwargs)
@@ -235,9 +233,9 @@ class FusedLayerForward:
         if layer.training or attn.training or not is_paged_attention(attn.config._attn_implementation):
             return None
         dtype, width = hidden_states.dtype, hidden_states.shape[-1]
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            w = norm.weight
-            if w.dtype != dtype or w.device.type != "cpu" or w.shape != (width,):
+        for norm in self.norms:
+            w = norm._parameters.get("weight")  # the dict, not nn.Module.__getattr__: per layer and step
+            if w is None or w.dtype != dtype or not w.is_cpu or w.shape != (width,):
                 return None
         pos = kwargs.get("position_embeddings")
         shape = (1, hidden_states.shape[1], attn.head_dim)
@@ -245,7 +243,10 @@ class FusedLayerForward:
             return None
         if any(not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or not t.is_cpu for t in pos):
             return None
-        if _global_hooks() or any(getattr(m, d) for m in self.bypassed for d in _HOOK_DICTS):
+        if _global_hooks() or any(
+            m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+            for m in self.bypassed
+        ):
             return None
         # Forwards replaced since (accelerate's offload wraps ``forward`` and keeps ``_hf_hook``):
         # the modules whose forwards the fast path does not call must still be the class's or ours.
@@ -274,11 +275,16 @@ class FusedLayerForward:
         if step is None:
             return self.original(hidden_states, *args, **kwargs)
         attn, mlp = self.attn, self.mlp
+        # The projections looked up in the modules' dicts (nn.Module.__getattr__ costs about 0.5 us
+        # a lookup), current ones each call: a wrapper swapped in since (LoRA) is the one called.
+        projections, mlp_projections = attn._modules, mlp._modules
         rows, d = hidden_states.shape[1], attn.head_dim
         h = rms_norm(hidden_states, self.input_norm.scale(), self.input_norm.eps, True)
         # Called as the modules' __call__ would (no hooks: checked), so packed, fused, int8 and
         # LoRA forwards run as they do under the layer's own forward.
-        q, k, v = attn.q_proj.forward(h), attn.k_proj.forward(h), attn.v_proj.forward(h)
+        q = projections["q_proj"].forward(h)
+        k = projections["k_proj"].forward(h)
+        v = projections["v_proj"].forward(h)
         if (
             q.dim() != 3
             or q.shape[-1] % d
@@ -296,18 +302,18 @@ class FusedLayerForward:
         key = rotary(k[0], cos[0], sin[0], d)  # [T, KVH, D]
         value = v[0].view(rows, -1, d)
         out = step.store_and_attend(attn.layer_idx, query, key, value, attn.scaling, self._window())
-        out = attn.o_proj.forward(out.reshape(1, rows, -1).contiguous())
+        out = projections["o_proj"].forward(out.reshape(1, rows, -1).contiguous())
         if out.dtype != hidden_states.dtype or out.shape != hidden_states.shape:
             # An o_proj of another output dtype (torch would promote the sum): the layer's own ops.
             total = hidden_states + out
             return total + self.layer.mlp(self.layer.post_attention_layernorm(total))
         total, h = add_rms_norm(out, hidden_states, self.post_norm.scale(), self.post_norm.eps, True)
-        gate, up = mlp.gate_proj.forward(h), mlp.up_proj.forward(h)
+        gate, up = mlp_projections["gate_proj"].forward(h), mlp_projections["up_proj"].forward(h)
         if fits(gate) and fits(up) and gate.shape == up.shape and gate.dtype == up.dtype:
             act = silu_mul(gate, up)
         else:
             act = mlp.act_fn(gate) * up
-        down = mlp.down_proj.forward(act)
+        down = mlp_projections["down_proj"].forward(act)
         if down.dtype != total.dtype or down.shape != total.shape:
             return total + down  # as the layer adds them (dtype promotion, broadcasting)
         return total.add_(down)  # total is ours: the residual add in place
