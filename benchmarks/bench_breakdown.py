@@ -9,7 +9,7 @@ time and tok/s that count) and once with timers around each part of a step:
 
 - ``scheduler``: the rest of ``LLMEngine.step`` (reap, budget, admit, preempt, KV block moves, stats);
 - ``inputs``: ``ModelRunner.build_metadata`` (flattened ids, positions, slot mapping, metadata);
-- ``linears``: every ``nn.Linear`` module call (packed or not, fused groups counted per member; "Linear mods" is their number per step), LM head included;
+- ``linears``: every ``nn.Linear`` forward call (timed by wrapping its forward, not by hooks, which would turn the fused decoder-layer step off; packed or not, fused groups counted per member; "Linear mods" is their number per step), LM head included;
   with ``compile_model=True`` (the modules run inside the compiled graph) the C call of our GEMM
   only, one per fused group (the custom op's Python around it goes to ``model other``);
 - ``attention``: the paged attention function (reads the pool);
