@@ -1,5 +1,7 @@
 """Fused RMSNorm and SiLU-and-mul (``fused_ops.c``), built with the system C compiler and called
-through ctypes; see the C file for the arithmetic and its sources.
+through ctypes; see the C file for the arithmetic and its sources. The same library has the rotary
+embedding (:func:`rotary`) and the residual add + RMSNorm (:func:`add_rms_norm`) that the fused
+decoder-layer step (``kernels.fused_layer``) calls.
 
 :func:`rms_norm` and :func:`silu_mul` take what transformers' modules take and return what they
 return (float32, bfloat16, or float16 where the compiler has ``_Float16``: CPU tensors); anything else (another dtype or device, autograd) is the
