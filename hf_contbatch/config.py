@@ -286,8 +286,13 @@ class EngineConfig:
         fuse_model_ops: on CPU, run the model's RMSNorms and gated SiLU MLPs' ``silu(gate) * up``
             with our C kernels (one pass each instead of transformers' 5-7 ops) where they time
             faster than the modules' own ops on this CPU, as per-instance forwards removed on close
-            (``hf_contbatch.kernels.fused_ops``); not with ``compile_model``. Outputs may differ
-            from the modules' in the last bit of a float32 value (rounding order).
+            (``hf_contbatch.kernels.fused_ops``); and run each decoder layer of the Llama form
+            (Llama, SmolLM, Mistral, Qwen2 and any family whose layer, attention, MLP, RMSNorm and
+            rotary code read the same) as one fused step: input RMSNorm, the q/k/v GEMM, rotary in
+            C, the paged attention, o_proj, residual add + RMSNorm in one C pass, gate/up GEMM,
+            SiLU-and-mul, down_proj (``hf_contbatch.kernels.fused_layer``; the layer's own forward
+            for any call it does not serve exactly). Not with ``compile_model``. Outputs may differ
+            from the modules' in the last bit of a float32 value (the RMSNorms' rounding order).
         drive_in_caller: a blocking call (``pipe(...)``, ``handle.result()``) runs the engine's
             iterations in the calling thread while the background thread leaves, so one thread's
             OpenMP team runs torch instead of two competing for the cores. False keeps all work on the

@@ -30,6 +30,7 @@ from .rotary_variants import acquire_rotary_variants, release_rotary_variants
 from .sparse_indexer import acquire_sparse_indexers, release_sparse_indexers
 
 _FUSED_OPS_USERS = "_hf_contbatch_fused_ops"  # on the model: [FusedModelOps, open engines using it]
+_FUSED_LAYERS_USERS = "_hf_contbatch_fused_layers"  # on the model: [FusedLayers, open engines using it]
 _WEIGHT_FORMAT_USERS = "_hf_contbatch_weight_format"  # on the model: WeightFormatUsers
 
 
@@ -51,6 +52,10 @@ class ModelPatches:
         lora_layers: the model's ``LoraLayers`` (None without LoRA layers), shared by the engines
             serving the model (``lora_adapters.acquire_lora_layers``).
         compiled_forward: the ``CompiledForward`` (None unless ``compile_model``).
+        fused_ops, fused_layers: under ``fuse_model_ops`` on CPU (not with ``compile_model``), the
+            model's ``FusedModelOps`` (RMSNorms, SiLU-and-mul) and ``FusedLayers`` (Llama-form
+            decoder layers as one fused step, ``kernels.fused_layer``), shared by the engines on
+            the model; else None.
         previous_attention: the model's own attention implementation, restored by ``undo``.
         rotary_variants: the model's ``RotaryVariants`` (LongRoPE factors per request, shared by the
             engines on the model), or None for a rotary that needs none.
@@ -158,9 +163,10 @@ class ModelPatches:
         if self.unquantized is not None and self.unquantized.names:
             warnings.warn(self.unquantized.describe(scheme.label), FloatWeightsWarning, stacklevel=3)
         model.eval()
-        self.fused_ops = None
+        self.fused_ops = self.fused_layers = None
         if config.fuse_model_ops and not compile_model:
             self.fused_ops = acquire_fused_ops(model, layout)
+            self.fused_layers = acquire_fused_layers(model, layout)
         self.compiled_forward = None
         if compile_model:
             from ..kernels.compiled_forward import CompiledForward
@@ -236,6 +242,9 @@ class ModelPatches:
         if self.fused_ops is not None:
             release_fused_ops(self.model)
             self.fused_ops = None
+        if self.fused_layers is not None:
+            release_fused_layers(self.model)
+            self.fused_layers = None
 
 
 # --- the weight format of the linears: one per model object, the last close restores them
@@ -336,6 +345,28 @@ def acquire_fused_ops(model, layout=None):
 def release_fused_ops(model) -> None:
     """One engine fewer on ``model``; the last one removes the fused forwards."""
     model_users.release(model, _FUSED_OPS_USERS, undo=lambda ops: ops.restore())
+
+
+def acquire_fused_layers(model, layout=None):
+    """The model's ``FusedLayers`` (kernels.fused_layer: its Llama-form decoder layers as one fused
+    step each), installed by the first engine on it and shared by the later ones; None where the
+    model is not on CPU or has no such layer. ``layout``: the engine's walk of the model."""
+
+    def build():
+        param = next(model.parameters(), None)
+        if param is None or param.device.type != "cpu":
+            return None
+        from ..kernels.fused_layer import FusedLayers
+
+        layers = FusedLayers(model, layout=layout)
+        return layers if layers.installed else None
+
+    return model_users.acquire(model, _FUSED_LAYERS_USERS, build)
+
+
+def release_fused_layers(model) -> None:
+    """One engine fewer on ``model``; the last one removes the fused layer forwards."""
+    model_users.release(model, _FUSED_LAYERS_USERS, undo=lambda layers: layers.restore())
 
 
 def model_device(model) -> str:

@@ -1,5 +1,6 @@
 /* The small element-wise operations around a decoder layer's GEMMs, one pass each: RMSNorm (sum of
- * squares, reciprocal square root, scale) and SiLU-and-mul (silu(gate) * up), float32 and bfloat16.
+ * squares, reciprocal square root, scale), SiLU-and-mul (silu(gate) * up), the rotary embedding of
+ * q and k, and a residual add with the RMSNorm after it; float32, bfloat16 and float16.
  *
  * Built on first use by hf_contbatch/kernels/fused_ops.py with the system C compiler (-O3
  * -march=native -fopenmp, no -ffast-math) and called through ctypes on torch's own OpenMP runtime.
@@ -190,6 +191,98 @@ void hf_contbatch_silu_mul_f32(const float *gate, const float *up, int64_t rows,
 SILU_MUL_HALF(bf16, bf16_to_f32, f32_to_bf16, round_bf16)
 #if HAS_F16
 SILU_MUL_HALF(f16, f16_to_f32, f32_to_f16, round_f16)
+#endif
+
+/* Rotary position embedding (Su et al., "RoFormer", 2021) in transformers' rotate-half form, as its
+ * eager apply_rotary_pos_emb computes it on one head's d features at one position:
+ *   y = x * cos + rotate_half(x) * sin,   rotate_half(x) = cat(-x[h:], x[:h]),  h = d / 2 (floor)
+ * i.e. with m = d - h, rot[k] = -x[h + k] for k < m, x[k - m] after. Each product is rounded, then
+ * the sum (no fused multiply-add: the file is built with -ffp-contract=off), so float32 gives
+ * torch's bits; in bfloat16/float16 each op's result is rounded to the dtype as torch's eager ops
+ * round it (neg is exact). Negating before the product equals torch's neg-then-mul bit for bit.
+ *
+ * x: rows (positions) of `heads` heads of d features, row stride x_stride elements (a column slice
+ * of a fused q/k/v GEMM output); cos, sin: [rows][d] at row stride cs_stride; y: [rows][heads][d]
+ * contiguous, the [T, H, D] layout the paged attention reads (the transpose is folded in). */
+void hf_contbatch_rotary_f32(const float *x, int64_t rows, int64_t heads, int64_t d, int64_t x_stride,
+                             const float *cos, const float *sin, int64_t cs_stride, float *y, int32_t threads) {
+#pragma omp parallel for num_threads(threads) if (rows * heads * d >= PARALLEL_MIN && threads > 1) schedule(static)
+    for (int64_t i = 0; i < rows; ++i) {
+        const int64_t h = d / 2, m = d - h;
+        const float *c = cos + i * cs_stride, *s = sin + i * cs_stride;
+        for (int64_t j = 0; j < heads; ++j) {
+            const float *restrict xi = x + i * x_stride + j * d;
+            float *restrict yi = y + (i * heads + j) * d;
+            for (int64_t k = 0; k < m; ++k) yi[k] = xi[k] * c[k] + (-xi[h + k]) * s[k];
+            for (int64_t k = m; k < d; ++k) yi[k] = xi[k] * c[k] + xi[k - m] * s[k];
+        }
+    }
+}
+
+#define ROTARY_HALF(NAME, TO_F32, FROM_F32, ROUND)                                                      \
+    void hf_contbatch_rotary_##NAME(const uint16_t *x, int64_t rows, int64_t heads, int64_t d,          \
+                                    int64_t x_stride, const uint16_t *cos, const uint16_t *sin,         \
+                                    int64_t cs_stride, uint16_t *y, int32_t threads) {                  \
+        _Pragma("omp parallel for num_threads(threads) if (rows * heads * d >= PARALLEL_MIN && threads > 1) schedule(static)") \
+        for (int64_t i = 0; i < rows; ++i) {                                                                  \
+            const int64_t h = d / 2, m = d - h;                                                               \
+            for (int64_t j = 0; j < heads; ++j) {                                                             \
+                const uint16_t *xi = x + i * x_stride + j * d;                                                \
+                const uint16_t *c = cos + i * cs_stride, *s = sin + i * cs_stride;                            \
+                uint16_t *yi = y + (i * heads + j) * d;                                                       \
+                for (int64_t k = 0; k < d; ++k) {                                                             \
+                    float rot = k < m ? -TO_F32(xi[h + k]) : TO_F32(xi[k - m]);                               \
+                    float a = ROUND(TO_F32(xi[k]) * TO_F32(c[k])), b = ROUND(rot * TO_F32(s[k]));             \
+                    yi[k] = FROM_F32(a + b);                                                                  \
+                }                                                                                         \
+            }                                                                                             \
+        }                                                                                                 \
+    }
+ROTARY_HALF(bf16, bf16_to_f32, f32_to_bf16, round_bf16)
+#if HAS_F16
+ROTARY_HALF(f16, f16_to_f32, f32_to_f16, round_f16)
+#endif
+
+/* A decoder layer's residual add and the RMSNorm after it, one pass over each row:
+ *   sum = residual + x            (rounded to the dtype, as torch's add)
+ *   y   = RMSNorm(sum)            (as hf_contbatch_rms_norm_*, round_first as there)
+ * x and residual [rows][n] at their own row strides; sum and y [rows][n] contiguous. */
+void hf_contbatch_add_rms_norm_f32(const float *x, const float *res, int64_t rows, int64_t n, int64_t x_stride,
+                                   int64_t r_stride, const float *scale, float eps, float *sum, float *y,
+                                   int32_t threads) {
+#pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN && threads > 1) schedule(static)
+    for (int64_t i = 0; i < rows; ++i) {
+        const float *restrict xi = x + i * x_stride, *restrict ri = res + i * r_stride;
+        float *restrict si = sum + i * n, *restrict yi = y + i * n;
+        for (int64_t k = 0; k < n; ++k) si[k] = ri[k] + xi[k];
+        float r = inv_rms(si, n, eps);
+        for (int64_t k = 0; k < n; ++k) yi[k] = scale[k] * (si[k] * r);
+    }
+}
+
+#define ADD_RMS_NORM_HALF(NAME, TO_F32, FROM_F32, ROUND)                                                \
+    void hf_contbatch_add_rms_norm_##NAME(const uint16_t *x, const uint16_t *res, int64_t rows, int64_t n, \
+                                          int64_t x_stride, int64_t r_stride, const float *scale, float eps, \
+                                          int32_t round_first, uint16_t *sum, uint16_t *y, int32_t threads) { \
+        _Pragma("omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN && threads > 1) schedule(static)") \
+        for (int64_t i = 0; i < rows; ++i) {                                                             \
+            const uint16_t *xi = x + i * x_stride, *ri = res + i * r_stride;                             \
+            uint16_t *si = sum + i * n, *yi = y + i * n;                                                 \
+            float buf[n > 0 ? n : 1];                                                                    \
+            for (int64_t k = 0; k < n; ++k) {                                                            \
+                si[k] = FROM_F32(TO_F32(ri[k]) + TO_F32(xi[k]));                                         \
+                buf[k] = TO_F32(si[k]);                                                                  \
+            }                                                                                            \
+            float r = inv_rms(buf, n, eps);                                                              \
+            if (round_first)                                                                             \
+                for (int64_t k = 0; k < n; ++k) yi[k] = FROM_F32(scale[k] * ROUND(buf[k] * r));          \
+            else                                                                                         \
+                for (int64_t k = 0; k < n; ++k) yi[k] = FROM_F32(scale[k] * (buf[k] * r));              \
+        }                                                                                                \
+    }
+ADD_RMS_NORM_HALF(bf16, bf16_to_f32, f32_to_bf16, round_bf16)
+#if HAS_F16
+ADD_RMS_NORM_HALF(f16, f16_to_f32, f32_to_f16, round_f16)
 #endif
 
 int hf_contbatch_fused_has_f16(void) { return HAS_F16; }

@@ -1,5 +1,7 @@
 """Fused RMSNorm and SiLU-and-mul (``fused_ops.c``), built with the system C compiler and called
-through ctypes; see the C file for the arithmetic and its sources.
+through ctypes; see the C file for the arithmetic and its sources. The same library has the rotary
+embedding (:func:`rotary`) and the residual add + RMSNorm (:func:`add_rms_norm`) that the fused
+decoder-layer step (``kernels.fused_layer``) calls.
 
 :func:`rms_norm` and :func:`silu_mul` take what transformers' modules take and return what they
 return (float32, bfloat16, or float16 where the compiler has ``_Float16``: CPU tensors); anything else (another dtype or device, autograd) is the
@@ -43,8 +45,14 @@ class FusedLibrary:
     rms_norm_bf16: Callable
     silu_mul_f32: Callable
     silu_mul_bf16: Callable
+    rotary_f32: Callable
+    rotary_bf16: Callable
+    add_rms_norm_f32: Callable
+    add_rms_norm_bf16: Callable
     rms_norm_f16: Optional[Callable] = None
     silu_mul_f16: Optional[Callable] = None
+    rotary_f16: Optional[Callable] = None
+    add_rms_norm_f16: Optional[Callable] = None
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:
@@ -64,12 +72,18 @@ def _load() -> tuple[Optional[FusedLibrary], Optional[str]]:
     lib.hf_contbatch_rms_norm_bf16.argtypes = [ptr, i64, i64, i64, ptr, f32, i32, ptr, i64, i32]
     lib.hf_contbatch_silu_mul_f32.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, i32]
     lib.hf_contbatch_silu_mul_bf16.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, i32]
+    rotary = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, i32]
+    lib.hf_contbatch_rotary_f32.argtypes = lib.hf_contbatch_rotary_bf16.argtypes = rotary
+    lib.hf_contbatch_add_rms_norm_f32.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, f32, ptr, ptr, i32]
+    lib.hf_contbatch_add_rms_norm_bf16.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, f32, i32, ptr, ptr, i32]
     has_f16 = bool(lib.hf_contbatch_fused_has_f16())
     if has_f16:
-        lib.hf_contbatch_rms_norm_f16.argtypes = lib.hf_contbatch_rms_norm_bf16.argtypes
-        lib.hf_contbatch_silu_mul_f16.argtypes = lib.hf_contbatch_silu_mul_bf16.argtypes
-    for name in ("rms_norm_f32", "rms_norm_bf16", "silu_mul_f32", "silu_mul_bf16", "rms_norm_f16", "silu_mul_f16"):
-        if has_f16 or not name.endswith("f16"):
+        for op in ("rms_norm", "silu_mul", "rotary", "add_rms_norm"):
+            getattr(lib, f"hf_contbatch_{op}_f16").argtypes = getattr(lib, f"hf_contbatch_{op}_bf16").argtypes
+    ops = ("rms_norm", "silu_mul", "rotary", "add_rms_norm")
+    names = [f"{op}_{t}" for op in ops for t in ("f32", "bf16", "f16")]
+    for name in names:
+        if has_f16 or not name.endswith("_f16"):
             getattr(lib, f"hf_contbatch_{name}").restype = None
     lib.hf_contbatch_fused_isa.restype = ctypes.c_char_p
     return (
@@ -80,8 +94,14 @@ def _load() -> tuple[Optional[FusedLibrary], Optional[str]]:
             rms_norm_bf16=lib.hf_contbatch_rms_norm_bf16,
             silu_mul_f32=lib.hf_contbatch_silu_mul_f32,
             silu_mul_bf16=lib.hf_contbatch_silu_mul_bf16,
+            rotary_f32=lib.hf_contbatch_rotary_f32,
+            rotary_bf16=lib.hf_contbatch_rotary_bf16,
+            add_rms_norm_f32=lib.hf_contbatch_add_rms_norm_f32,
+            add_rms_norm_bf16=lib.hf_contbatch_add_rms_norm_bf16,
             rms_norm_f16=lib.hf_contbatch_rms_norm_f16 if has_f16 else None,
             silu_mul_f16=lib.hf_contbatch_silu_mul_f16 if has_f16 else None,
+            rotary_f16=lib.hf_contbatch_rotary_f16 if has_f16 else None,
+            add_rms_norm_f16=lib.hf_contbatch_add_rms_norm_f16 if has_f16 else None,
         ),
         None,
     )
@@ -203,6 +223,101 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         fn = {torch.float32: lib.silu_mul_f32, torch.bfloat16: lib.silu_mul_bf16}.get(gate.dtype, lib.silu_mul_f16)
         fn(gate.data_ptr(), up.data_ptr(), rows, n, g_stride, u_stride, y.data_ptr(), torch.get_num_threads())
     return y
+
+
+def _kernel(lib: FusedLibrary, op: str, dtype: torch.dtype) -> Callable:
+    return getattr(lib, f"{op}_{_SUFFIX[dtype]}")
+
+
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The rotary embedding ``x * cos + rotate_half(x) * sin`` of every head of ``x`` ``[T, heads *
+    head_dim]`` (rows of unit-stride features at one row stride: a column slice of a fused q/k/v
+    GEMM output will do) at the rows' positions, ``cos``/``sin`` ``[T, head_dim]`` (unit stride
+    along the features) in ``x``'s dtype, as transformers' ``apply_rotary_pos_emb`` computes it
+    (float32: the same bits; bfloat16/float16: each op rounded to the dtype as torch's eager ops).
+    Returns a new contiguous ``[T, heads, head_dim]`` tensor: the layout paged attention reads.
+
+    Raises:
+        RuntimeError: the kernels cannot be built here, the dtype is not one of the build's, or the
+            shapes, dtypes or strides do not fit.
+    """
+    lib = _library_for(x.dtype)
+    rows, width = x.shape if x.dim() == 2 else (-1, -1)
+    if (
+        head_dim <= 0
+        or width % head_dim
+        or cos.shape != (rows, head_dim)
+        or sin.shape != cos.shape
+        or cos.dtype != x.dtype
+        or sin.dtype != x.dtype
+        or cos.stride() != sin.stride()
+        or (head_dim > 1 and (cos.stride(1) != 1 or x.stride(1) != 1))
+    ):
+        raise RuntimeError(
+            f"rotary: x {tuple(x.shape)} {x.dtype}, cos {tuple(cos.shape)} {cos.dtype}, sin {tuple(sin.shape)} "
+            f"{sin.dtype} do not fit heads of {head_dim} features"
+        )
+    heads = width // head_dim
+    y = torch.empty((rows, heads, head_dim), dtype=x.dtype)
+    if rows and width:
+        _kernel(lib, "rotary", x.dtype)(
+            x.data_ptr(),
+            rows,
+            heads,
+            head_dim,
+            x.stride(0),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            cos.stride(0),
+            y.data_ptr(),
+            torch.get_num_threads(),
+        )
+    return y
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, eps: float, round_first: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = residual + x`` and :func:`rms_norm` of ``s`` in one pass: a decoder layer's residual add
+    and the RMSNorm after it. ``x`` and ``residual`` ``[..., n]`` of one shape and dtype (float32,
+    bfloat16 or float16, CPU), ``scale`` float32 ``[n]``, ``eps`` and ``round_first`` as in
+    :func:`rms_norm`. Returns ``(s, normed)``, new contiguous tensors of ``x``'s shape and dtype;
+    ``s`` is exactly torch's ``residual + x``, ``normed`` what :func:`rms_norm` gives for ``s``.
+
+    Raises:
+        RuntimeError: the kernels cannot be built here, the dtype is not one of the build's, or the
+            shapes, dtypes or scale do not fit.
+    """
+    lib = _library_for(x.dtype)
+    n = x.shape[-1]
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise RuntimeError(
+            f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} {residual.dtype} differ"
+        )
+    if scale.dtype != torch.float32 or scale.shape != (n,) or not scale.is_contiguous():
+        raise RuntimeError(f"add_rms_norm: scale {tuple(scale.shape)} {scale.dtype} does not fit {n} float32 features")
+    xv, rv = _rows_view(x), _rows_view(residual)
+    if xv is None:
+        x = x.contiguous()
+        xv = _rows_view(x)
+    if rv is None:
+        residual = residual.contiguous()
+        rv = _rows_view(residual)
+    (rows, x_stride), (_, r_stride) = xv, rv
+    total = torch.empty(x.shape, dtype=x.dtype)
+    y = torch.empty(x.shape, dtype=x.dtype)
+    if rows and n:
+        fn, threads = _kernel(lib, "add_rms_norm", x.dtype), torch.get_num_threads()
+        if x.dtype == torch.float32:
+            fn(x.data_ptr(), residual.data_ptr(), rows, n, x_stride, r_stride, scale.data_ptr(), eps,
+               total.data_ptr(), y.data_ptr(), threads)  # fmt: skip
+        else:
+            fn(x.data_ptr(), residual.data_ptr(), rows, n, x_stride, r_stride, scale.data_ptr(), eps,
+               int(round_first), total.data_ptr(), y.data_ptr(), threads)  # fmt: skip
+    return total, y
 
 
 # --- per-instance forwards of transformers' RMSNorm and gated-MLP modules ------------------------

@@ -449,6 +449,45 @@ class PagedCacheStep(_CBCache):
             return None
         return meta.query_start_loc_cpu[1] - meta.query_start_loc_cpu[0], meta.seq_lens_cpu[0]
 
+    def plain_layer(self, layer_idx: int) -> bool:
+        """Whether :meth:`store_and_attend` serves ``layer_idx`` as ``update`` and ``attend`` would:
+        the view has metadata, and the layer stores its own K/V and reads them as they are (not a
+        latent layer, not one sharing another's K/V, no per-key bias stored this step)."""
+        return (
+            self.metadata is not None
+            and layer_idx not in self.cache.latent_layers
+            and not self.shares_kv(layer_idx)
+            and layer_idx not in self._key_bias_calls
+        )
+
+    def store_and_attend(
+        self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, sliding_window
+    ) -> torch.Tensor:
+        """Store this step's ``key``/``value`` ``[T, KVH, D]`` into their slots and attend ``query``
+        ``[T, H, D]`` over the layer's pool -> ``[T, H, D]``: what :meth:`update` then :meth:`attend`
+        do for a :meth:`plain_layer` without sinks, chunk, head maps or bias, called with one
+        decoder layer's tensors already in the backend's layout (``kernels.fused_layer``).
+        ``sliding_window``: tokens, or None. The thread's record of the stored K/V
+        (``attention.note_stored``) is not written: no attention function call follows."""
+        cache = self.cache
+        k_pool, v_pool = cache.key_cache[layer_idx], cache.value_cache[layer_idx]
+        meta = self.metadata.to(k_pool.device)
+        scales = cache.scales(layer_idx)
+        cache.backend.store_kv(key, value, k_pool, v_pool, meta, **scales)
+        # The backends take the step's own K/V as [KVH, T, D] (``attend``'s ``key[0]``).
+        return cache.backend.attend(
+            query,
+            k_pool,
+            v_pool,
+            meta,
+            scale,
+            sliding_window,
+            None,
+            key=key.transpose(0, 1),
+            value=value.transpose(0, 1),
+            **scales,
+        )
+
     def is_latent(self, layer_idx: int) -> bool:
         """Whether ``layer_idx``'s update returns whole stored contexts (see :meth:`update`)."""
         return layer_idx in self.cache.latent_layers

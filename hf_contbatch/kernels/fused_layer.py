@@ -1,0 +1,354 @@
+"""A decoder layer of the Llama form as one per-instance forward: a few native calls per layer
+instead of transformers' Python around the GEMMs.
+
+Why: on CPU, a decode step of a small batch spends 15-40% of its time in the Python between the
+GEMMs (about 13 ``nn.Module`` calls a layer, their decorators, rotary's 14 small eager ops,
+residual adds, views and transposes, the attention interface's plumbing). :class:`FusedLayerForward`
+runs the same arithmetic as the layer's own forward:
+
+1. input RMSNorm (``fused_ops.rms_norm``);
+2. the q/k/v projections through their own forwards, called directly (no ``nn.Module.__call__``:
+   the layer checks that no hook is registered; packed linears of one fused group run one GEMM
+   and return column views of it, ``kernels.linears.fused``);
+3. rotary embedding of q and k in C from the ``position_embeddings`` (cos, sin) the model computed
+   once per forward (``fused_ops.rotary``: the same bits as transformers' eager
+   ``q * cos + rotate_half(q) * sin``), written in the ``[T, heads, head_dim]`` layout attention reads;
+4. K/V stored and attention over the paged pool through the step's backend
+   (``PagedCacheStep.store_and_attend``), as the registered attention function would call it;
+5. ``o_proj``; 6. residual add and post-attention RMSNorm in one C pass (``fused_ops.add_rms_norm``);
+7. ``gate_proj``/``up_proj`` (one fused GEMM), ``silu(gate) * up`` in C, ``down_proj``;
+8. residual add.
+
+Which layers: recognized by the text of their code, never by model type (:func:`layer_form`): the
+decoder layer's, attention's and MLP's forwards, the RMSNorms' and the attention module's
+``apply_rotary_pos_emb``/``rotate_half`` must read as Llama's do (attention may pass a sliding
+window as Mistral or Qwen2 do). So Llama, SmolLM, Mistral, Qwen2 and every family whose code reads
+the same get it; every other family keeps its own forward. Per call, anything the fast path does
+not do exactly as the layer would (see :meth:`FusedLayerForward.fits`) runs the layer's own forward.
+
+Installed per instance (``module.forward``; the class and other instances untouched) by the first
+engine on the model and removed by the last ``close`` (``engine.model_patches``).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import sys
+import textwrap
+from typing import Optional
+
+import torch
+
+from .attention import _layer_chunk_size, _mask_only_window, _temperature_tuning, is_paged_attention
+from .fused_ops import (
+    FusedMLPForward,
+    FusedNormForward,
+    add_rms_norm,
+    fits,
+    fused_library,
+    mlp_form,
+    norm_form,
+    rms_norm,
+    rotary,
+    silu_mul,
+)
+from .model_layout import ModelLayout
+from .paged_cache import PagedCacheStep
+
+
+def code_text(fn) -> str:
+    """The statements of function ``fn``'s body (docstring dropped) as ``ast.unparse`` writes them:
+    comments, formatting and the signature left out; "" where the source cannot be read. Decorators
+    are looked through (``inspect.unwrap``): the caller checks what they may change."""
+    try:
+        src = textwrap.dedent(inspect.getsource(inspect.unwrap(fn)))
+        node = ast.parse(src).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return ""
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return ""
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return ast.unparse(ast.Module(body=body, type_ignores=[]))
+
+
+# The code the fast path reproduces, as transformers 5 writes it (a family whose code reads
+# otherwise keeps its own forward; these texts are checked, never derived from transformers' Llama,
+# so a change in Llama's code turns the fast path off rather than making it wrong).
+_LAYER = """residual = hidden_states
+hidden_states = self.input_layernorm(hidden_states)
+hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+hidden_states = residual + hidden_states
+residual = hidden_states
+hidden_states = self.post_attention_layernorm(hidden_states)
+hidden_states = self.mlp(hidden_states)
+hidden_states = residual + hidden_states
+return hidden_states"""
+_ATTENTION = """input_shape = hidden_states.shape[:-1]
+hidden_shape = (*input_shape, -1, self.head_dim)
+query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+cos, sin = position_embeddings
+query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+if cache is not None:
+    key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+attn_output, attn_weights = attention_interface(self, query_states, key_states, value_states, attention_mask, dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling{window}, **kwargs)
+attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+attn_output = self.o_proj(attn_output)
+return (attn_output, attn_weights)"""
+# Attention's sliding-window argument -> where its value comes from: None (Llama: no argument, the
+# attention function reads a mask-only window from the config), "config" (Mistral), "module" (Qwen2).
+_ATTENTION_FORMS = {
+    _ATTENTION.format(window=""): None,
+    _ATTENTION.format(window=", sliding_window=getattr(self.config, 'sliding_window', None)"): "config",
+    _ATTENTION.format(window=", sliding_window=self.sliding_window"): "module",
+}
+_ROTARY = """cos = cos.unsqueeze(unsqueeze_dim)
+sin = sin.unsqueeze(unsqueeze_dim)
+q_embed = q * cos + rotate_half(q) * sin
+k_embed = k * cos + rotate_half(k) * sin
+return (q_embed, k_embed)"""
+_ROTATE_HALF = """x1 = x[..., :x.shape[-1] // 2]
+x2 = x[..., x.shape[-1] // 2:]
+return torch.cat((-x2, x1), dim=-1)"""
+# The keyword arguments a Llama-form model passes its decoder layers in an engine step (anything
+# else, e.g. a request for attention weights, runs the layer's own forward).
+_LAYER_KWARGS = frozenset(
+    {"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "position_embeddings", "paged_cache"}
+)
+
+
+def _plain_function(fn, text: str) -> bool:
+    """Whether ``fn`` is a plain (undecorated) function whose body reads ``text``."""
+    return inspect.isfunction(fn) and not hasattr(fn, "__wrapped__") and code_text(fn) == text
+
+
+def layer_form(layer, texts: Optional[dict] = None) -> Optional[tuple]:
+    """``(window_source,)`` when ``layer`` is a decoder layer of the Llama form the fast path
+    reproduces (module docstring), else None. ``window_source``: where attention's sliding window
+    comes from (None, "config" or "module"; see ``_ATTENTION_FORMS``). ``texts``: a memo of
+    :func:`code_text` by function, shared over a model's layers."""
+    memo = {} if texts is None else texts
+
+    def text(fn) -> str:
+        if fn not in memo:
+            memo[fn] = code_text(fn)
+        return memo[fn]
+
+    children = layer.__dict__.get("_modules", {})
+    attn, mlp = children.get("self_attn"), children.get("mlp")
+    norms = children.get("input_layernorm"), children.get("post_attention_layernorm")
+    if attn is None or mlp is None or None in norms or text(type(layer).forward) != _LAYER:
+        return None
+    if "forward" in attn.__dict__ or text(type(attn).forward) not in _ATTENTION_FORMS:
+        return None  # an instance forward someone installed on attention: theirs
+    scope = vars(sys.modules.get(type(attn).__module__, object))
+    if not (
+        _plain_function(scope.get("apply_rotary_pos_emb"), _ROTARY)
+        and _plain_function(scope.get("rotate_half"), _ROTATE_HALF)
+    ):
+        return None
+    if any(norm_form(n) != (True, False) for n in norms) or mlp_form(mlp) != "gate_up":
+        return None
+    if not all(isinstance(getattr(attn, a, None), torch.nn.Module) for a in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return None
+    if not (isinstance(attn.__dict__.get("head_dim"), int) and isinstance(attn.__dict__.get("layer_idx"), int)):
+        return None
+    return (_ATTENTION_FORMS[text(type(attn).forward)],)
+
+
+def _global_hooks() -> bool:
+    """Whether torch has module hooks registered for every module (``register_module_forward_hook``...)."""
+    mod = torch.nn.modules.module
+    return any(
+        getattr(mod, name, None)
+        for name in (
+            "_global_forward_hooks",
+            "_global_forward_pre_hooks",
+            "_global_backward_hooks",
+            "_global_backward_pre_hooks",
+        )
+    )
+
+
+class FusedLayerForward:
+    """``layer.forward`` for a decoder layer :func:`layer_form` recognizes (see the module docstring):
+    ``hidden_states`` ``[1, T, hidden]`` -> ``[1, T, hidden]`` in its dtype, in an eager engine step
+    over the paged cache; the layer's own forward otherwise."""
+
+    def __init__(self, layer, window_source: Optional[str]) -> None:
+        self.layer = layer
+        self.attn, self.mlp = layer.self_attn, layer.mlp
+        self.window_source = window_source
+        self.input_norm = FusedNormForward(layer.input_layernorm, True, False)
+        self.post_norm = FusedNormForward(layer.post_attention_layernorm, True, False)
+        a, m = self.attn, self.mlp
+        # The modules whose forwards the fast path calls (or replaces) without their __call__:
+        # any hook on them (accelerate's offload, transformers' output capture) runs the layer's own.
+        self.bypassed = (
+            layer.input_layernorm,
+            layer.post_attention_layernorm,
+            a,
+            a.q_proj,
+            a.k_proj,
+            a.v_proj,
+            a.o_proj,
+            m,
+            m.gate_proj,
+            m.up_proj,
+            m.down_proj,
+        )
+        # Those whose forwards it does the work of instead of calling them.
+        self.skipped = (layer.input_layernorm, layer.post_attention_layernorm, a, m)
+        self.norms = (layer.input_layernorm, layer.post_attention_layernorm)
+
+    def original(self, *args, **kwargs):
+        return type(self.layer).forward(self.layer, *args, **kwargs)
+
+    def fits(self, hidden_states, args, kwargs) -> Optional[PagedCacheStep]:
+        """The step's cache view when this call is one the fast path serves exactly, else None: an
+        eager engine step (the runner's ``PagedCacheStep`` as ``cache`` and ``paged_cache``, with
+        metadata; no mask; the model's paged attention registered; no keyword argument beyond
+        :data:`_LAYER_KWARGS`), no autograd, one CPU row ``[1, T, hidden]`` of a dtype the C
+        kernels have, norm weights of that dtype, cos/sin ``[1, T, head_dim]`` of it, no module
+        hooks, evaluation mode, and a layer whose K/V are stored and read as they are (not latent,
+        not shared, no per-key bias, chunk or position-scaled queries)."""
+        if args or not kwargs.keys() <= _LAYER_KWARGS or kwargs.get("attention_mask") is not None:
+            return None
+        step = kwargs.get("paged_cache")
+        if type(step) is not PagedCacheStep or kwargs.get("cache", kwargs.get("past_key_values")) is not step:
+            return None
+        if (
+            torch.is_grad_enabled()
+            or not fits(hidden_states)
+            or hidden_states.dim() != 3
+            or hidden_states.shape[0] != 1
+        ):
+            return None
+        layer, attn = self.layer, self.attn
+        if layer.training or attn.training or not is_paged_attention(attn.config._attn_implementation):
+            return None
+        dtype, width = hidden_states.dtype, hidden_states.shape[-1]
+        for norm in self.norms:
+            w = norm._parameters.get("weight")  # the dict, not nn.Module.__getattr__: per layer and step
+            if w is None or w.dtype != dtype or not w.is_cpu or w.shape != (width,):
+                return None
+        pos = kwargs.get("position_embeddings")
+        shape = (1, hidden_states.shape[1], attn.head_dim)
+        if not (isinstance(pos, tuple) and len(pos) == 2):
+            return None
+        if any(not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or not t.is_cpu for t in pos):
+            return None
+        if _global_hooks() or any(
+            m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+            for m in self.bypassed
+        ):
+            return None
+        # Forwards replaced since (accelerate's offload wraps ``forward`` and keeps ``_hf_hook``):
+        # the modules whose forwards the fast path does not call must still be the class's or ours.
+        for m in self.skipped:
+            fwd = m.__dict__.get("forward")
+            if (
+                fwd is not None and not isinstance(fwd, (FusedNormForward, FusedMLPForward))
+            ) or "_hf_hook" in m.__dict__:
+                return None
+        idx = attn.layer_idx
+        if not step.plain_layer(idx) or _layer_chunk_size(attn) is not None or _temperature_tuning(attn) is not None:
+            return None
+        return step
+
+    def _window(self) -> Optional[int]:
+        """The sliding window attention passes the attention function (as its forward computes it)."""
+        attn = self.attn
+        if self.window_source == "config":
+            return getattr(attn.config, "sliding_window", None)
+        if self.window_source == "module":
+            return attn.sliding_window
+        return _mask_only_window(attn)
+
+    def __call__(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        step = self.fits(hidden_states, args, kwargs)
+        if step is None:
+            return self.original(hidden_states, *args, **kwargs)
+        attn, mlp = self.attn, self.mlp
+        # The projections looked up in the modules' dicts (nn.Module.__getattr__ costs about 0.5 us
+        # a lookup), current ones each call: a wrapper swapped in since (LoRA) is the one called.
+        projections, mlp_projections = attn._modules, mlp._modules
+        rows, d = hidden_states.shape[1], attn.head_dim
+        h = rms_norm(hidden_states, self.input_norm.scale(), self.input_norm.eps, True)
+        # Called as the modules' __call__ would (no hooks: checked), so packed, fused, int8 and
+        # LoRA forwards run as they do under the layer's own forward.
+        q = projections["q_proj"].forward(h)
+        k = projections["k_proj"].forward(h)
+        v = projections["v_proj"].forward(h)
+        if (
+            q.dim() != 3
+            or q.shape[-1] % d
+            or k.shape != v.shape
+            or k.shape[-1] % d
+            or q.dtype != hidden_states.dtype
+            or not (fits(q) and fits(k) and fits(v))
+            or q.stride(-1) != 1
+            or k.stride(-1) != 1
+            or v.stride(-1) != 1
+        ):
+            return self.original(hidden_states, *args, **kwargs)  # projections of another shape or dtype
+        cos, sin = kwargs["position_embeddings"]
+        query = rotary(q[0], cos[0], sin[0], d)  # [T, H, D]
+        key = rotary(k[0], cos[0], sin[0], d)  # [T, KVH, D]
+        value = v[0].view(rows, -1, d)
+        out = step.store_and_attend(attn.layer_idx, query, key, value, attn.scaling, self._window())
+        out = projections["o_proj"].forward(out.reshape(1, rows, -1).contiguous())
+        if out.dtype != hidden_states.dtype or out.shape != hidden_states.shape:
+            # An o_proj of another output dtype (torch would promote the sum): the layer's own ops.
+            total = hidden_states + out
+            return total + self.layer.mlp(self.layer.post_attention_layernorm(total))
+        total, h = add_rms_norm(out, hidden_states, self.post_norm.scale(), self.post_norm.eps, True)
+        gate, up = mlp_projections["gate_proj"].forward(h), mlp_projections["up_proj"].forward(h)
+        if fits(gate) and fits(up) and gate.shape == up.shape and gate.dtype == up.dtype:
+            act = silu_mul(gate, up)
+        else:
+            act = mlp.act_fn(gate) * up
+        down = mlp_projections["down_proj"].forward(act)
+        if down.dtype != total.dtype or down.shape != total.shape:
+            return total + down  # as the layer adds them (dtype promotion, broadcasting)
+        return total.add_(down)  # total is ours: the residual add in place
+
+
+class FusedLayers:
+    """The fused decoder-layer forwards installed on one model: every layer :func:`layer_form`
+    recognizes whose weights are of a dtype the C kernels have (none where they cannot be built)."""
+
+    def __init__(self, model, layout: Optional[ModelLayout] = None) -> None:
+        self.installed: list[tuple] = []
+        self.recognized = 0
+        lib = fused_library()
+        if lib is None:
+            return
+        texts: dict = {}
+        for _, module in (layout or ModelLayout.of(model)).modules:
+            if "forward" in module.__dict__ or not hasattr(module, "self_attn"):
+                continue
+            form = layer_form(module, texts)
+            if form is None:
+                continue
+            self.recognized += 1
+            if module.input_layernorm.weight.dtype in lib.dtypes:
+                fwd = FusedLayerForward(module, *form)
+                module.forward = fwd
+                self.installed.append((module, fwd))
+
+    def restore(self) -> None:
+        """Remove the installed forwards (the layers' class forwards serve again)."""
+        for module, fwd in self.installed:
+            if module.__dict__.get("forward") is fwd:
+                del module.forward
+        self.installed = []
+
+    def report(self) -> str:
+        """One line: how many decoder layers run the fused step."""
+        return f"fused decoder layers: {len(self.installed)} of {self.recognized} Llama-form layers"

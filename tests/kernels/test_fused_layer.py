@@ -1,0 +1,243 @@
+"""The fused decoder-layer step (``kernels/fused_layer``): its C rotary embedding and residual-add +
+RMSNorm against transformers' eager code, and installed by an engine on Llama-form layers: greedy
+tokens equal transformers' generate (also under preemption and chunked prefill, no block leaked),
+other families keep their own forwards, hooks and unserved calls run the layer's own forward, and
+the last close removes the forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from hf_contbatch.kernels.fused_layer import FusedLayerForward, layer_form
+from hf_contbatch.kernels.fused_ops import add_rms_norm, fused_library, rotary
+from hf_contbatch.kernels.paged_cache import PagedCacheStep
+
+from conftest import build_model, random_prompts, reference_greedy
+
+pytestmark = pytest.mark.skipif(fused_library() is None, reason="no C compiler")
+
+NEW = 10
+
+
+def _dtype_or_skip(dtype):
+    if dtype not in fused_library().dtypes:
+        assert dtype == torch.float16  # float32 and bfloat16 always; float16 needs the compiler's _Float16
+        pytest.skip("this compiler has no _Float16")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 16, 7])
+def test_rotary_equals_transformers_eager_bit_for_bit_on_fused_qkv_slices(dtype, head_dim):
+    _dtype_or_skip(dtype)
+    g = torch.Generator().manual_seed(head_dim)
+    rows, heads, kv_heads = 37, 4, 2
+    # q, k: column slices of one fused q/k/v GEMM output, as the layer gets them.
+    qkv = (torch.randn(1, rows, (heads + 2 * kv_heads) * head_dim, generator=g) * 4).to(dtype)
+    q, k = qkv[..., : heads * head_dim], qkv[..., heads * head_dim : (heads + kv_heads) * head_dim]
+    cos, sin = (torch.randn(1, rows, head_dim, generator=g).to(dtype) for _ in range(2))
+    as_heads = lambda t: t.view(1, rows, -1, head_dim).transpose(1, 2)  # noqa: E731 - the module's view
+    want_q, want_k = apply_rotary_pos_emb(as_heads(q), as_heads(k), cos, sin)
+    got_q, got_k = rotary(q[0], cos[0], sin[0], head_dim), rotary(k[0], cos[0], sin[0], head_dim)
+    assert got_q.shape == (rows, heads, head_dim) and got_q.is_contiguous() and got_q.dtype == dtype
+    assert torch.equal(got_q, want_q[0].transpose(0, 1))
+    assert torch.equal(got_k, want_k[0].transpose(0, 1))
+
+
+def test_rotary_refuses_what_does_not_fit():
+    x = torch.randn(3, 32)
+    with pytest.raises(RuntimeError, match="rotary"):
+        rotary(x, torch.randn(3, 8), torch.randn(3, 8), 16)  # cos of another width
+    with pytest.raises(RuntimeError, match="rotary"):
+        rotary(x, torch.randn(3, 16).double(), torch.randn(3, 16).double(), 16)  # another dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_residual_add_and_rms_norm_match_the_layer_ops(dtype):
+    _dtype_or_skip(dtype)
+    g = torch.Generator().manual_seed(3)
+    width = 300
+    both = torch.randn(2, 7, 2 * width, generator=g).to(dtype)
+    x = both[..., width:]  # a column slice: rows at a stride of 2 * width
+    residual = torch.randn(2, 7, width, generator=g).to(dtype)
+    norm = LlamaRMSNorm(width, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(width, generator=g))
+    norm = norm.to(dtype)
+    total, normed = add_rms_norm(x, residual, norm.weight.float(), 1e-5, round_first=True)
+    assert torch.equal(total, residual + x)  # the layer's residual add, exactly
+    with torch.no_grad():
+        want = norm(residual + x)
+    # torch sums the squares in another order: an ulp of the dtype at most.
+    rtol = {torch.float32: 2e-7, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(normed, want, rtol=rtol, atol=1e-6)
+    assert normed.dtype == dtype and normed.shape == x.shape
+
+
+def _serve(model, prompts, cfg, monkeypatch=None):
+    """Greedy tokens of ``prompts`` through an engine, the fast path's calls counted."""
+    served = []
+    if monkeypatch is not None:
+        real = PagedCacheStep.store_and_attend
+
+        def counted(self, layer_idx, *args):
+            served.append(layer_idx)
+            return real(self, layer_idx, *args)
+
+        monkeypatch.setattr(PagedCacheStep, "store_and_attend", counted)
+    eng = LLMEngine(model, cfg)
+    try:
+        handles = [eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
+        outs = [h.result(timeout=600).output_token_ids for h in handles]
+        assert eng.wait_idle(10)
+        stats = eng.stats()
+        eng.block_manager.check_invariants()
+        layers = eng.patches.fused_layers
+        fused = 0 if layers is None else len(layers.installed)  # before close removes them
+    finally:
+        eng.close()
+    return outs, stats, fused, served
+
+
+_PLAIN = EngineConfig(cache=CacheConfig(block_size=16, num_blocks=32))
+# 14 blocks of 4 tokens for 4 requests of up to 45 tokens and a 12-token budget: preemption and chunks.
+_TIGHT = EngineConfig(
+    cache=CacheConfig(block_size=4, num_blocks=14),
+    scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12),
+)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("family", ["llama", "llama-mqa", "mistral", "qwen2"])
+@pytest.mark.parametrize("cfg", [_PLAIN, _TIGHT], ids=["batched", "preempted-chunked"])
+def test_llama_form_layers_take_the_fused_step_and_keep_greedy_tokens_equal_to_generate(family, cfg, monkeypatch):
+    model = build_model(family)
+    prompts = random_prompts([1, 7, 30, 45], seed=5)
+    refs = [reference_greedy(model, p, NEW) for p in prompts]
+    outs, stats, fused, served = _serve(model, prompts, cfg, monkeypatch)
+    assert outs == refs
+    n = model.config.num_hidden_layers
+    assert fused == n
+    assert served and set(served) == set(range(n))  # every layer took the fused step
+    assert stats.num_free_blocks == stats.num_blocks, "blocks leaked"
+    if cfg is _TIGHT and family != "mistral":  # Mistral's 8-token window gives blocks back: no pressure
+        assert stats.num_preemptions > 0, "the pool was meant to force preemption"
+    assert not any("forward" in m.__dict__ for m in model.modules())  # all removed by close
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family", ["qwen3", "gemma", "phi3"])
+def test_other_families_keep_their_own_layer_forward(family, monkeypatch):
+    # Qwen3 normalizes q and k, Gemma's norm adds one to its weight, Phi-3 projects q/k/v as one
+    # linear: their code reads otherwise, so no fused step, and generate's tokens all the same.
+    model = build_model(family)
+    assert not any(layer_form(m) for m in model.modules())
+    prompts = random_prompts([7, 30], seed=6)
+    refs = [reference_greedy(model, p, NEW) for p in prompts]
+    outs, _, fused, served = _serve(model, prompts, _PLAIN, monkeypatch)
+    assert outs == refs and fused == 0 and not served
+
+
+@pytest.mark.timeout(600)
+def test_a_hooked_module_runs_the_layers_own_forward(monkeypatch):
+    model = build_model("llama")
+    seen = []
+    handle = model.model.layers[1].self_attn.o_proj.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    try:
+        prompts = random_prompts([7, 30], seed=7)
+        refs = [reference_greedy(model, p, NEW) for p in prompts]
+        seen.clear()
+        outs, _, fused, served = _serve(model, prompts, _PLAIN, monkeypatch)
+    finally:
+        handle.remove()
+    assert outs == refs
+    assert fused == 2
+    assert served and set(served) == {0}  # layer 1's hook ran on every step: its own forward served it
+    assert seen  # the hook saw the engine's steps
+
+
+@pytest.mark.timeout(600)
+def test_a_forward_replaced_after_install_runs_the_layers_own_forward(monkeypatch):
+    # What accelerate's offload does (a wrapper as the instance's forward): the fused step, which
+    # does the MLP's work without calling its forward, steps aside for that layer.
+    model = build_model("llama")
+    prompts = random_prompts([7, 30], seed=9)
+    refs = [reference_greedy(model, p, NEW) for p in prompts]
+    calls = []
+    served = []
+    real = PagedCacheStep.store_and_attend
+    monkeypatch.setattr(PagedCacheStep, "store_and_attend", lambda self, i, *a: served.append(i) or real(self, i, *a))
+    eng = LLMEngine(model, _PLAIN)
+    try:
+        mlp = model.model.layers[0].mlp
+        own = mlp.forward
+        mlp.forward = lambda x: calls.append(x.shape) or own(x)
+        handles = [eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
+        assert [h.result(timeout=600).output_token_ids for h in handles] == refs
+    finally:
+        eng.close()
+        del mlp.forward
+    assert calls and served and set(served) == {1}
+
+
+def test_outside_an_engine_step_the_layer_runs_its_own_forward():
+    # The user's own generate while an engine serves the model: no paged step, the layer's forward.
+    model = build_model("llama")
+    prompt = random_prompts([9], seed=8)[0]
+    ref = reference_greedy(model, prompt, NEW)
+    eng = LLMEngine(model, _PLAIN)
+    try:
+        assert all(isinstance(m.__dict__.get("forward"), FusedLayerForward) for m in model.model.layers)
+        assert reference_greedy(model, prompt, NEW) == ref
+    finally:
+        eng.close()
+
+
+def test_two_engines_share_the_forwards_and_the_last_close_removes_them():
+    model = build_model("llama")
+    cfg = EngineConfig(cache=CacheConfig(block_size=16, num_blocks=8))
+    a, b = LLMEngine(model, cfg), LLMEngine(model, cfg)
+    layers = a.patches.fused_layers
+    assert layers is not None and b.patches.fused_layers is layers
+    assert "fused decoder layers: 2 of 2" in layers.report()
+    a.close()
+    assert all(m.__dict__.get("forward") is f for m, f in layers.installed)
+    b.close()
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert "_hf_contbatch_fused_layers" not in model.__dict__
+
+
+def test_no_fused_layers_without_fuse_model_ops_or_under_compile_model():
+    model = build_model("llama")
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=8), fuse_model_ops=False))
+    try:
+        assert eng.patches.fused_layers is None
+        assert not any("forward" in m.__dict__ for m in model.model.layers)
+    finally:
+        eng.close()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_tokens_equal_the_layers_own_forward(dtype, monkeypatch):
+    # generate's bfloat16 tokens may differ from any paged attention's; the layer's own forward in
+    # the same engine (same attention kernels, same pool) is the reference for the fused step.
+    _dtype_or_skip(dtype)
+    model = build_model("llama").to(dtype)
+    prompts = random_prompts([3, 17, 40, 60], seed=2)
+    eng = LLMEngine(model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=64)))
+    try:
+        tokens = {}
+        for mode in ("own", "fused"):
+            if mode == "own":
+                monkeypatch.setattr(FusedLayerForward, "fits", lambda self, *args: None)
+            else:
+                monkeypatch.undo()
+            handles = [eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
+            tokens[mode] = [h.result(timeout=600).output_token_ids for h in handles]
+        assert eng.patches.fused_layers is not None and len(eng.patches.fused_layers.installed) == 2
+    finally:
+        eng.close()
+    assert tokens["fused"] == tokens["own"]
