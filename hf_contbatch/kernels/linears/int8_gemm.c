@@ -14,10 +14,11 @@
  * multiply-adds per byte of the float32 GEMM (cpu_gemm.c). The weights are dequantized in registers
  * (as in weight-only kernels such as torch's _weight_int8pack_mm and llama.cpp's): the NR int8
  * weights of one input feature of a panel come in one load (64 bytes with AVX-512) and are widened to
- * four int32 vectors by shifts (load_panel; measured as fast as VPMOVSXBD's load-and-widen here,
- * portable to every ISA), converted to float32 (VCVTDQ2PS) and multiplied into float32 accumulators
- * with FMA, x broadcast from memory. The
- * per-channel scale is applied once per output, after the sum.
+ * four int32 vectors by shifts (load_panel_shift: the faster on Zen 5) or by VPMOVSXBD's
+ * load-and-widen (load_panel_movsx: the faster on Intel Xeon, 15-20% at one row, where 512-bit shifts
+ * share port 0 with the conversions; the tuner times both, NativeInt8GEMM and NativeInt8MovsxGEMM),
+ * converted to float32 (VCVTDQ2PS) and multiplied into float32 accumulators with FMA, x broadcast
+ * from memory. The per-channel scale is applied once per output, after the sum.
  *
  * Layout: W is packed once into panels of NR = 4 vectors of output columns (64 with AVX-512, 32
  * with 256-bit vectors), [ceil(N/NR)][K][NR] (zero columns pad the last panel), columns interleaved
@@ -35,8 +36,9 @@
  *
  * Blocking (the BLIS/GotoBLAS loop nest as in cpu_gemm.c): rows in blocks of MB, the panels in
  * slices of KC input features (16 KB of int8 with AVX-512) that stay in L1 while each row tile passes
- * over them; accumulators live in a per-block buffer between slices. Threads take (panel group, row
- * block) units, so each weight byte is read by one thread at decode.
+ * over them; accumulators live in a per-block buffer between slices. At decode (one row block) each
+ * thread takes a contiguous range of panels of near-equal count; with more rows, (panel group, row
+ * block) units; either way each weight byte is read by one thread per row block.
  *
  * Exactness: each output's sum is one in-order FMA chain over k = 0..K-1 (no -ffast-math; a slice
  * boundary stores and reloads the accumulator, which rounds nothing), so a row's result does not
@@ -359,6 +361,13 @@ void hf_contbatch_int8_gemm(const float *x, int64_t m, int64_t k, const int8_t *
  * tile prefetching its share of the next weight slice. Tried without a measurable gain (left out):
  * x bytes grouped per row tile (one stream a tile instead of six rows), a software prefetch of the
  * next tile's x, prefetching the next slice to L2 only, 8 KB slices.
+ *
+ * One row (decode; Xeon with AVX512-VNNI, 2026-12-05, one thread's CPU time): in L1 a 960 x 960 call
+ * takes 10 us where the weight-only kernel takes 31-38 us, so the time is the memory's. One panel
+ * stream a thread with the next slice prefetched read SmolLM2-360M's shapes at 56-89% of the copy
+ * bandwidth; prefetching 2 KB ahead in the stream instead, and two panels a tile (two streams,
+ * qtile_pair), at 90-114% (the k/v projection's five panels, one call of 20 us, at about 60%: a
+ * call's fixed costs). Prefetching the next panel a whole panel ahead was worse.
  *
  * Paths: AVX512-VNNI (_mm512_dpbusd_epi32, 16 columns a vector), AVX-VNNI (_mm256_dpbusd_avx_epi32,
  * 8), else portable C with the same layout and results (exact integer sums), for CPUs without VNNI:
