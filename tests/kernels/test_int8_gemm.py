@@ -206,6 +206,27 @@ def test_dispatch_serves_native_int8_at_few_rows_and_dequant_float_at_many():
     torch.testing.assert_close(whole, _reference(x, w, b), rtol=1e-5, atol=1e-4)
 
 
+def test_the_two_widenings_dispatched_share_one_int8_copy():
+    from hf_contbatch.kernels.linears.autotune import ROW_BUCKETS
+    from hf_contbatch.kernels.linears.dispatch_gemm import DispatchGEMM
+
+    shift, movsx = NativeInt8GEMM(), NativeInt8MovsxGEMM()
+    table = [1 if b == 1 else 0 for b in ROW_BUCKETS]  # movsx at one row, the shifts beyond
+    dispatch = DispatchGEMM([shift, movsx], table, ROW_BUCKETS)
+    g = torch.Generator().manual_seed(8)
+    w, b = torch.randn(130, 70, generator=g), torch.randn(130, generator=g)
+    packed = dispatch.pack(w)
+    assert packed.data[0] is packed.data[1] and packed.nbytes == shift.pack(w).nbytes
+    for rows in (1, 2, 7, 16):
+        x = torch.randn(rows, 70, generator=g)
+        got = dispatch.linear(x, packed, dispatch.step_bias(b), 130)
+        torch.testing.assert_close(got, _reference(x, w, b), rtol=1e-5, atol=1e-5 * float(got.abs().max()))
+        assert torch.equal(got, shift.linear(x, packed.data[0], b, 130))
+    # Copies of another layout or build are not adopted (packed again instead).
+    assert shift.adopt(DequantFloatGEMM().pack(w)) is None and shift.adopt(W8A8GEMM().pack(w)) is None
+    assert shift.adopt(TorchInt8GEMM().pack(w)) is None
+
+
 def test_int8_auto_can_choose_dequant_float_beside_native_int8():
     from hf_contbatch.kernels.linears.autotune import KernelTuner
 

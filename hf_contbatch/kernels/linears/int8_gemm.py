@@ -166,6 +166,21 @@ class NativeInt8GEMM(_CInt8Kernel):
         lib.pack(q.data_ptr(), n, k, out.data_ptr())
         return PackedWeight(out, (n, k), torch.float32, scales=s.contiguous())
 
+    def adopt(self, packed: PackedWeight) -> Optional[PackedWeight]:
+        """``packed`` itself when it is a copy this kernel reads as it is (another native-int8
+        kernel's panels of this build's width: :class:`NativeInt8GEMM` and
+        :class:`NativeInt8MovsxGEMM` share the layout), else None: a ``DispatchGEMM`` of the two
+        then holds one int8 weight, not two."""
+        data, scales, nr = packed.data, packed.scales, self._lib.nr
+        if not isinstance(data, torch.Tensor) or data.dtype != torch.int8 or data.dim() != 3:
+            return None
+        n, k = packed.shape
+        if packed.dtype != torch.float32 or packed.zero_points is not None or scales is None:
+            return None
+        if tuple(data.shape) != (-(-n // nr), k, nr) or scales.dtype != torch.float32 or tuple(scales.shape) != (n,):
+            return None
+        return packed
+
     def linear(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
         """``x`` ``[..., in]`` float32 CPU → ``[..., out_features]``; RuntimeError when ``x`` or
         ``bias`` does not fit the packed weight (the C kernel trusts its arguments)."""
