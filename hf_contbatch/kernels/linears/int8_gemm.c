@@ -138,8 +138,9 @@ void hf_contbatch_int8_pack(const int8_t *w, int64_t n, int64_t k, int8_t *out) 
 /* The NR = 4 x VW int8 weights of one input feature of a panel -> 4 vectors of VW floats, from one
  * NR-byte load (64 bytes with AVX-512): pack puts column v * VW + i in byte v of 32-bit lane i, so
  * vector v is (lane << (24 - 8v)) >> 24 (arithmetic shift: sign-extended), converted with
- * VCVTDQ2PS. Shifts run on more ports than VPMOVSXBD's cross-lane shuffle, which (one per 16
- * weights) capped the one-row kernel at about half its memory bandwidth; and GCC 12 compiles a
+ * VCVTDQ2PS. On Zen 5 shifts run on more ports than VPMOVSXBD's cross-lane shuffle, which (one per
+ * 16 weights) capped the one-row kernel there at about half its memory bandwidth (on Intel Xeon it
+ * is the other way: load_panel_movsx); and GCC 12 compiles a
  * direct int8 -> float __builtin_convertvector to one scalar conversion a lane (the old kernel's
  * bottleneck). */
 static inline void load_panel_shift(const int8_t *p, vf out[NV]) {
