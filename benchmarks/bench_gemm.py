@@ -11,9 +11,14 @@ oneDNN's and ``F.linear``'s time to ours. No model forward, no engine: the GEMMs
 
     python benchmarks/bench_gemm.py --int8 --rows 1,4,16,64,256   # int8 kernels against float ones
 
-With ``--int8``, per layer shape (all layers, so weights stream from memory) and row count: our
+    python benchmarks/bench_gemm.py --int8 --model medium --rows 1 --kv --head --no-float   # decode
+    python benchmarks/bench_gemm.py --int8 --model medium --rows 1 --kv --head --threads 1 --cpu-time
+
+With ``--int8``, per layer shape (``--kv``: also the unfused k/v projection; ``--head``: the LM head;
+copies of each until the int8 ones pass 256 MB, so weights stream from memory) and row count: our
 float32 GEMM, our bfloat16 one (AVX512-BF16 CPUs), ``native-int8`` (weight-only, dequantized in
-registers) and ``w8a8`` (int8 activations, VNNI), interleaved with a copy (``Tensor.copy_``) of as many bytes as
+registers), ``native-int8-movsx`` (the same, widened by VPMOVSXBD; x86) and ``w8a8`` (int8
+activations, VNNI), interleaved with a copy (``Tensor.copy_``) of as many bytes as
 each weight format holds (float32, bf16, int8). Each kernel's weight GB/s is given as a share of the
 copy bandwidth of its own byte count (copy GB/s counts the bytes read and written, as
 ``cpu_peak.copy_bandwidth_gbs``), and its GFLOP/s (for ``w8a8``: int8 multiply-adds, two ops each).
@@ -47,59 +52,76 @@ def layer_shapes(size: str) -> list[tuple[int, int]]:
 
 def int8_table(args) -> None:
     """The ``--int8`` table: per shape and row count, float32/bf16/int8 kernels and copies, interleaved."""
-    from hf_contbatch.kernels.linears.int8_gemm import W8A8GEMM, NativeInt8GEMM
+    from hf_contbatch.kernels.linears.int8_gemm import W8A8GEMM, NativeInt8GEMM, NativeInt8MovsxGEMM
 
+    c = MODEL_SIZES[args.model]
     shapes = layer_shapes(args.model)
-    layers = MODEL_SIZES[args.model]["num_hidden_layers"]
+    if args.kv:
+        shapes.append((c["hidden_size"], c["num_key_value_heads"] * c["hidden_size"] // c["num_attention_heads"]))
+    if args.head:
+        shapes.append((c["hidden_size"], c["vocab_size"]))
+    layers = c["num_hidden_layers"]
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     g = torch.Generator().manual_seed(0)
     fp32 = NativeGEMM()
-    kernels = {"fp32": (fp32, torch.float32, 4)}
-    if torch.bfloat16 in fp32.dtypes:
+    kernels = {} if args.no_float else {"fp32": (fp32, torch.float32, 4)}
+    if not args.no_float and torch.bfloat16 in fp32.dtypes:
         kernels["bf16"] = (fp32, torch.bfloat16, 2)
     kernels["native-int8"] = (NativeInt8GEMM(), torch.float32, 1)
+    try:
+        kernels["native-int8-movsx"] = (NativeInt8MovsxGEMM(), torch.float32, 1)
+    except RuntimeError as exc:
+        print(f"native-int8-movsx: {exc}")
     kernels["w8a8"] = (W8A8GEMM(), torch.float32, 1)
     print(
-        f"{args.model}: {layers} layers per shape, {torch.get_num_threads()} threads; int8 ISA "
-        f"{kernels['native-int8'][0].isa}, w8a8 ISA {kernels['w8a8'][0].isa}; "
-        "GB/s of weights read, % of a copy of the same bytes (read + written), GFLOP/s (w8a8: int8 GOP/s)"
+        f"{args.model}: up to {layers} copies per shape, {torch.get_num_threads()} threads, "
+        f"{'thread CPU' if args.cpu_time else 'wall'} time, {'fastest' if args.best else 'median'} of "
+        f"{args.repeats} interleaved rounds; int8 ISA {kernels['native-int8'][0].isa}, w8a8 ISA "
+        f"{kernels['w8a8'][0].isa}; GB/s of weights read, % of a copy of the same bytes (GB/s counting read + "
+        "written, as cpu_peak.copy_bandwidth_gbs), GFLOP/s (w8a8: int8 GOP/s)"
     )
     for k, n in shapes:
-        ws = [torch.randn(n, k, generator=g) * 0.02 for _ in range(layers)]
+        # Copies (each layer its own weight, as in a model) until the int8 ones pass 256 MB: weights
+        # stream from memory as in a step (the LM head: two copies).
+        copies = max(2, min(layers, -(-256 * 2**20 // (n * k))))
+        ws = [torch.randn(n, k, generator=g) * 0.02 for _ in range(copies)]
         packed = {name: [kern.pack(w.to(dt)) for w in ws] for name, (kern, dt, _) in kernels.items()}
+        del ws
         # Copies into a buffer allocated once (a fresh clone's page faults would slow the copy).
-        copies = {
+        buffers = {
             size: (
-                torch.ones(layers * n * k * size, dtype=torch.uint8),
-                torch.empty(layers * n * k * size, dtype=torch.uint8),
+                torch.ones(copies * n * k * size, dtype=torch.uint8),
+                torch.empty(copies * n * k * size, dtype=torch.uint8),
             )
             for size in sorted({s for *_, s in kernels.values()})
         }
-        print(f"shape in={k} out={n}: {layers * n * k / 1e6:.1f} M weights")
+        print(f"shape in={k} out={n}: {copies} copies, {copies * n * k / 1e6:.1f} M weights")
         for m in [int(r) for r in args.rows.split(",")]:
             xs = {dt: torch.randn(m, k, generator=g).to(dt) for dt in (torch.float32, torch.bfloat16)}
             runs = {}
             for name, (kern, dt, _) in kernels.items():
                 runs[name] = lambda kern=kern, x=xs[dt], ps=packed[name], n=n: [kern.linear(x, p, None, n) for p in ps]
-            for size, (src, dst) in copies.items():
+            for size, (src, dst) in buffers.items():
                 runs[f"copy{size}"] = lambda src=src, dst=dst: dst.copy_(src)
             times = {name: [] for name in runs}
             for f in runs.values():
                 f()
             for _ in range(args.repeats):
                 for name, f in runs.items():
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     f()
-                    times[name].append(time.perf_counter() - t0)
+                    times[name].append(clock() - t0)
             med = {name: (min if args.best else statistics.median)(t) for name, t in times.items()}
             parts = []
             for name, (_, _, size) in kernels.items():
-                gbs = layers * n * k * size / med[name] / 1e9
-                copy_gbs = 2 * layers * n * k * size / med[f"copy{size}"] / 1e9
-                gf = 2 * m * layers * n * k / med[name] / 1e9
+                gbs = copies * n * k * size / med[name] / 1e9
+                copy_gbs = 2 * copies * n * k * size / med[f"copy{size}"] / 1e9
+                gf = 2 * m * copies * n * k / med[name] / 1e9
                 parts.append(
-                    f"{name} {med[name] * 1e3:6.2f} ms {gbs:5.1f} GB/s {100 * gbs / copy_gbs:4.0f}% {gf:6.0f} GF/s"
+                    f"{name} {med[name] / copies * 1e6:7.1f} us {gbs:5.1f} GB/s {100 * gbs / copy_gbs:4.0f}% {gf:5.0f} GF/s"
                 )
-            print(f"  rows {m:>4}: " + " | ".join(parts))
+            copy1 = 2 * copies * n * k / med["copy1"] / 1e9
+            print(f"  rows {m:>4}: copy1 {copy1:5.1f} GB/s | " + " | ".join(parts))
 
 
 def decode_candidates() -> list[tuple[str, object, torch.dtype]]:
@@ -203,11 +225,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--int8", action="store_true", help="the int8 kernels against the float ones, per shape")
     ap.add_argument("--decode", action="store_true", help="every candidate per shape at decode rows, %% of copy GB/s")
-    ap.add_argument("--head", action="store_true", help="with --decode: the LM head's shape too")
+    ap.add_argument("--head", action="store_true", help="with --decode or --int8: the LM head's shape too")
+    ap.add_argument("--kv", action="store_true", help="with --int8: the unfused k (or v) projection's shape too")
+    ap.add_argument("--no-float", action="store_true", help="with --int8: the int8 kernels only")
+    ap.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="with --threads 1: the calling thread's CPU time (time.thread_time), which leaves out the time "
+        "other processes hold the core on a shared machine (not their cache or memory traffic)",
+    )
     ap.add_argument("--stream-mb", type=int, default=96, help="with --decode: MB of float32 copies per shape")
     ap.add_argument("--threads", type=int, default=None, help="torch (and our kernels') threads; default torch's")
     ap.add_argument("--best", action="store_true", help="report the fastest round, not the median (a shared machine)")
     args = ap.parse_args()
+    if args.cpu_time and args.threads != 1:
+        ap.error("--cpu-time needs --threads 1 (the kernels' other threads are not the calling thread)")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.int8:

@@ -4,6 +4,8 @@
     python benchmarks/bench_w8a8.py                          # the medium anchor's shapes
     python benchmarks/bench_w8a8.py --rows 1,32,1024 --repeats 9
     python benchmarks/bench_w8a8.py --baseline /tmp/old      # also an older int8_gemm.{py,c}
+    python benchmarks/bench_w8a8.py --rows 1 --no-float --weight-only --kv --lm-head --baseline /tmp/old \
+        --threads 1 --cpu-time                               # decode: every int8 kernel, before/after
 
 Per shape (q/k/v fused, o, gate/up fused, down of ``workload.py``'s model; ``--lm-head`` adds the
 tied LM head) and row count, the kernels run interleaved (A, B, C, A, B, C, ...) for ``--repeats``
@@ -19,7 +21,8 @@ AVX512-VNNI, else 256-bit AVX-VNNI) on every thread, 64 (32) multiply-adds an in
 
 ``--baseline DIR``: ``DIR/hf_contbatch/kernels/linears/int8_gemm.{py,c}`` (e.g. ``git archive`` of an
 older commit) is loaded beside the tree's own and timed in the same rounds, for a before/after
-ratio from one command.
+ratio from one command. ``--weight-only`` adds the weight-only kernels (``native-int8`` as "int8",
+``native-int8-movsx``, and the baseline's ``native-int8`` as "int8-base"), fed float32 rows.
 """
 
 from __future__ import annotations
@@ -130,16 +133,18 @@ def load_baseline(root: Path):
         mod = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = mod
         spec.loader.exec_module(mod)
-    return mod.W8A8GEMM
+    return mod
 
 
-def shapes(size: str, lm_head: bool) -> list[tuple[str, int, int]]:
+def shapes(size: str, lm_head: bool, kv_shape: bool = False) -> list[tuple[str, int, int]]:
     """(name, out_features, in_features) of one decoder layer's linears, siblings fused."""
     c = MODEL_SIZES[size]
     h, head_dim = c["hidden_size"], c["hidden_size"] // c["num_attention_heads"]
     kv = c["num_key_value_heads"] * head_dim
     i = c["intermediate_size"]
     out = [("qkv", h + 2 * kv, h), ("o", h, h), ("gate_up", 2 * i, h), ("down", h, i)]
+    if kv_shape:
+        out.append(("k", kv, h))
     if lm_head:
         out.append(("lm_head", c["vocab_size"], h))
     return out
@@ -157,6 +162,13 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated shape names to run (default all)")
     ap.add_argument("--no-float", action="store_true", help="skip the bf16 kernels (int8 kernels only)")
     ap.add_argument(
+        "--weight-only",
+        action="store_true",
+        help="also the weight-only int8 kernels (native-int8, native-int8-movsx; with --baseline, the older "
+        "tree's native-int8), fed float32 activations",
+    )
+    ap.add_argument("--kv", action="store_true", help="also the unfused k (or v) projection's shape")
+    ap.add_argument(
         "--cpu-time",
         action="store_true",
         help="with --threads 1: time the calling thread's CPU time (time.thread_time), which leaves out the "
@@ -170,8 +182,20 @@ def main() -> None:
     dt = getattr(torch, args.dtype)
     peak = vnni_peak_gops(args.threads)
     kernels = {"w8a8": W8A8GEMM()}
-    if args.baseline is not None:
-        kernels["w8a8-base"] = load_baseline(args.baseline)()
+    base = load_baseline(args.baseline) if args.baseline is not None else None
+    if base is not None:
+        kernels["w8a8-base"] = base.W8A8GEMM()
+    weight_only = {}
+    if args.weight_only:
+        from hf_contbatch.kernels.linears.int8_gemm import NativeInt8GEMM, NativeInt8MovsxGEMM
+
+        weight_only["int8"] = NativeInt8GEMM()
+        try:
+            weight_only["int8-movsx"] = NativeInt8MovsxGEMM()
+        except RuntimeError as exc:
+            print(f"native-int8-movsx: {exc}")
+        if base is not None:
+            weight_only["int8-base"] = base.NativeInt8GEMM()
     native = NativeGEMM()
     float_kernels = {} if args.no_float else {"bf16-native": native, "F.linear": None}
     if not args.no_float and torch.bfloat16 not in native.dtypes:
@@ -185,12 +209,13 @@ def main() -> None:
         "GOP/s, % of the VNNI peak, weight GB/s (int8: 1 B, bf16: 2 B a weight)"
     )
     only = set(filter(None, args.only.split(",")))
-    for name, n, k in shapes(args.model, args.lm_head):
+    for name, n, k in shapes(args.model, args.lm_head, kv_shape=args.kv):
         if only and name not in only:
             continue
         copies = max(1, min(MODEL_SIZES[args.model]["num_hidden_layers"], -(-96 * 2**20 // (n * k))))
         ws = [(torch.randn(n, k, generator=g) * 0.02).to(dt) for _ in range(copies)]
         packed = {kn: [kern.pack(w) for w in ws] for kn, kern in kernels.items()}
+        packed.update({kn: [kern.pack(w.float()) for w in ws] for kn, kern in weight_only.items()})
         if "bf16-native" in float_kernels:
             packed["bf16-native"] = [native.pack(w.bfloat16()) for w in ws]
         wbf = [w.bfloat16() for w in ws]
@@ -201,6 +226,9 @@ def main() -> None:
             runs = {}
             for kn, kern in kernels.items():
                 runs[kn] = lambda kern=kern, ps=packed[kn], x=x, n=n: [kern.linear(x, p, None, n) for p in ps]
+            xf = x.float()
+            for kn, kern in weight_only.items():
+                runs[kn] = lambda kern=kern, ps=packed[kn], xf=xf, n=n: [kern.linear(xf, p, None, n) for p in ps]
             if "bf16-native" in float_kernels:
                 runs["bf16-native"] = lambda ps=packed["bf16-native"], xb=xb, n=n: [
                     native.linear(xb, p, None, n) for p in ps
@@ -224,13 +252,18 @@ def main() -> None:
                     continue
                 t = best[kn] / copies
                 gops = 2 * m * n * k / t / 1e9
-                wbytes = 1 if kn.startswith("w8a8") else 2
+                wbytes = 1 if kn.startswith(("w8a8", "int8")) else 2
                 parts.append(
                     f"{kn} {t * 1e3:7.3f} {gops:5.0f} {100 * gops / peak:3.0f}% {n * k * wbytes / t / 1e9:5.1f}"
                 )
             ratios = []
             if "w8a8-base" in best:
                 ratios.append(f"base/new {best['w8a8-base'] / best['w8a8']:.2f}")
+            if "int8-base" in best:
+                ratios.append(
+                    "int8 base/new "
+                    + " ".join(f"{best['int8-base'] / best[kn]:.2f}" for kn in ("int8", "int8-movsx") if kn in best)
+                )
             if "bf16-native" in best:
                 ratios.append(f"bf16/w8a8 {best['bf16-native'] / best['w8a8']:.2f}")
             print(f"  {m:>5} | " + " | ".join(parts) + f" | copy {copy_gbs:4.1f} GB/s | " + " ".join(ratios))

@@ -32,6 +32,12 @@ logger = logging.getLogger(__name__)
 RECHECK_MARGIN = 0.10
 """A re-time overrides a cached winner only when its new winner is faster by more than this."""
 _IMPLAUSIBLE = 3.0  # a bucket timed this much slower than a larger one was disturbed
+# A table reaching this many rows whose fastest time there is less than _FLAT_GROWTH times its fastest
+# at the smallest bucket, every bucket's candidates within _FLAT_SPREAD of each other, is disturbed as
+# a whole (see flat_table).
+_FLAT_FROM = 64
+_FLAT_GROWTH = 2.0
+_FLAT_SPREAD = 0.05
 # The timings file's entry listing, per entry, the buckets whose cached figures a re-time has
 # confirmed (no entry key starts with an underscore).
 _CONFIRMED = "_confirmed"
@@ -80,6 +86,35 @@ def implausible_buckets(seconds: dict[int, float], ratio: float = _IMPLAUSIBLE) 
         if any(c > b and not math.isinf(t) and s > ratio * t for c, t in seconds.items()):
             bad.append(b)
     return sorted(bad)
+
+
+def flat_table(
+    table: Table, from_bucket: int = _FLAT_FROM, growth: float = _FLAT_GROWTH, spread: float = _FLAT_SPREAD
+) -> bool:
+    """Whether a table of two or more candidates over row buckets reads as disturbed as a whole: it
+    reaches ``from_bucket`` rows, the fastest time at its largest bucket is less than ``growth``
+    times the fastest at its smallest (a GEMM of 64 rows does 64 times the arithmetic of one row,
+    which streams the same weight: at least several times longer on any CPU), and at every bucket
+    the candidates' finite times are within ``spread`` of each other. A run where every call waited
+    on the same thing (a scheduler tick of a loaded machine, each call's threads meeting at a
+    barrier) gives such a table, and :func:`implausible_buckets` (a bucket slower than a larger one)
+    misses it. A flat table of few rows (decode: every candidate streaming the weight at the
+    memory's speed) is plausible and never flat here."""
+    finite = {n: t for n, t in table.items() if not all(math.isinf(s) for s in t.values())}
+    buckets = sorted(next(iter(table.values()))) if table else []
+    if len(finite) < 2 or not buckets or buckets[-1] < from_bucket or buckets[0] >= buckets[-1]:
+        return False
+
+    def fastest(b: int) -> float:
+        return min(t[b] for t in finite.values())
+
+    if not fastest(buckets[-1]) < growth * fastest(buckets[0]):
+        return False
+    for b in buckets:
+        times = [t[b] for t in finite.values() if not math.isinf(t[b])]
+        if len(times) >= 2 and max(times) > (1 + spread) * min(times):
+            return False
+    return True
 
 
 def deciding_buckets(times: dict[str, dict[int, float]], most: int = 2) -> list[int]:
@@ -165,7 +200,8 @@ class Tuner:
         ``inf``) and cached. Then, once per entry and tuner, two cheap checks re-time a few buckets:
 
         - disturbed figures (:func:`implausible_buckets`: a candidate far slower at a bucket than at
-          a larger one), fresh or cached: re-timed and replaced;
+          a larger one; :func:`flat_table`: the whole table, every bucket), fresh or cached:
+          re-timed and replaced;
         - with ``recheck``, a choice read from the cache: its :func:`deciding_buckets` re-timed; where
           the re-time names another winner, faster than the cached winner by more than
           :data:`RECHECK_MARGIN`, the re-timed figures replace the cached ones there. A bucket whose
@@ -209,6 +245,8 @@ class Tuner:
     def _check(self, key: str, known: dict, buckets: Sequence[int], measure: MeasureBuckets, fresh: set) -> None:
         table = {n: {b: float(known[n][str(b)]) for b in buckets} for n in self.candidates}
         suspect = sorted({b for t in table.values() for b in implausible_buckets(t)})
+        if flat_table(table):
+            suspect = list(buckets)  # disturbed as a whole: every bucket re-timed
         # A deciding bucket one earlier re-time already confirmed is not re-timed again: the check
         # is meant to catch one noisy first run, and re-timing on every start costs seconds each.
         confirmed = self._timings.setdefault(_CONFIRMED, {}).setdefault(key, [])

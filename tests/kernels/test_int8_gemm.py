@@ -15,6 +15,7 @@ from hf_contbatch.kernels.linears.int8_gemm import (
     W8A8GEMM,
     DequantFloatGEMM,
     NativeInt8GEMM,
+    NativeInt8MovsxGEMM,
     TorchInt8GEMM,
     int8_library,
     vnni_scratch_bytes,
@@ -205,6 +206,27 @@ def test_dispatch_serves_native_int8_at_few_rows_and_dequant_float_at_many():
     torch.testing.assert_close(whole, _reference(x, w, b), rtol=1e-5, atol=1e-4)
 
 
+def test_the_two_widenings_dispatched_share_one_int8_copy():
+    from hf_contbatch.kernels.linears.autotune import ROW_BUCKETS
+    from hf_contbatch.kernels.linears.dispatch_gemm import DispatchGEMM
+
+    shift, movsx = NativeInt8GEMM(), NativeInt8MovsxGEMM()
+    table = [1 if b == 1 else 0 for b in ROW_BUCKETS]  # movsx at one row, the shifts beyond
+    dispatch = DispatchGEMM([shift, movsx], table, ROW_BUCKETS)
+    g = torch.Generator().manual_seed(8)
+    w, b = torch.randn(130, 70, generator=g), torch.randn(130, generator=g)
+    packed = dispatch.pack(w)
+    assert packed.data[0] is packed.data[1] and packed.nbytes == shift.pack(w).nbytes
+    for rows in (1, 2, 7, 16):
+        x = torch.randn(rows, 70, generator=g)
+        got = dispatch.linear(x, packed, dispatch.step_bias(b), 130)
+        torch.testing.assert_close(got, _reference(x, w, b), rtol=1e-5, atol=1e-5 * float(got.abs().max()))
+        assert torch.equal(got, shift.linear(x, packed.data[0], b, 130))
+    # Copies of another layout or build are not adopted (packed again instead).
+    assert shift.adopt(DequantFloatGEMM().pack(w)) is None and shift.adopt(W8A8GEMM().pack(w)) is None
+    assert shift.adopt(TorchInt8GEMM().pack(w)) is None
+
+
 def test_int8_auto_can_choose_dequant_float_beside_native_int8():
     from hf_contbatch.kernels.linears.autotune import KernelTuner
 
@@ -253,12 +275,13 @@ def _build(kind, flags):
         pytest.skip(f"{kind.name} {flags} cannot be built or run here: {exc}")
 
 
+@pytest.mark.parametrize("kind", [NativeInt8GEMM, NativeInt8MovsxGEMM])
 @pytest.mark.parametrize("flags", _BUILDS)
 # K not a multiple of 64 (nor of 4: the VNNI quads), N not a multiple of any panel width; K over one
 # 256-feature slice; one column.
 @pytest.mark.parametrize("n,k", [(70, 77), (130, 300), (1, 5)])
-def test_native_int8_builds_equal_the_dequantized_reference(flags, n, k):
-    kernel = _build(NativeInt8GEMM, flags)
+def test_native_int8_builds_equal_the_dequantized_reference(kind, flags, n, k):
+    kernel = _build(kind, flags)
     g = torch.Generator().manual_seed(n + k + len(flags))
     w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     packed = kernel.pack(w)
@@ -268,6 +291,57 @@ def test_native_int8_builds_equal_the_dequantized_reference(flags, n, k):
     wd = ((w / s).round().clamp(-127, 127) * s).double()
     for rows in [*range(1, 18), 33, 64, 65, 130]:  # every tile height, two panels a tile, row blocks
         _check_native_rows(kernel, packed, torch.randn(rows, k, generator=g), wd, b)
+
+
+@pytest.mark.parametrize("flags", _BUILDS[:2])
+# Panel counts (64 columns a panel with AVX-512, 32 with AVX2) that split unevenly over 2 and 3
+# threads: 5 panels (a 320-column weight), 25, one panel, one column past a panel.
+@pytest.mark.parametrize("n,k", [(320, 96), (1600, 40), (9, 300), (65, 33)])
+def test_native_int8_widenings_and_thread_splits_give_the_same_bits(flags, n, k):
+    shift, movsx = _build(NativeInt8GEMM, flags), _build(NativeInt8MovsxGEMM, flags)
+    g = torch.Generator().manual_seed(n * k)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    s = w.abs().amax(1, keepdim=True) / 127
+    wd = ((w / s).round().clamp(-127, 127) * s).double()
+    packed = shift.pack(w)
+    assert torch.equal(movsx.pack(w).data, packed.data)  # one layout
+    before = torch.get_num_threads()
+    try:
+        for rows in (1, 2, 7, 16):
+            x = torch.randn(rows, k, generator=g)
+            want = torch.nn.functional.linear(x.double(), wd, b.double())
+            results = []
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                results += [shift.linear(x, packed, b, n), movsx.linear(x, packed, b, n)]
+            torch.testing.assert_close(results[0].double(), want, rtol=0, atol=k * 2e-7 * float(want.abs().max() + 1))
+            # Each output one in-order FMA chain, whichever widening, thread or panel pairing.
+            assert all(torch.equal(r, results[0]) for r in results[1:])
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("flags", _W8A8_BUILDS[:2])
+@pytest.mark.parametrize("n,k", [(320, 96), (1600, 40), (9, 301), (65, 33)])
+def test_w8a8_one_row_path_is_exact_at_any_thread_count(flags, n, k):
+    """A single row takes its own path (two panels a tile, panel ranges per thread): the integer
+    sums stay exact, so its bits equal the reference's arithmetic and the row's bits in a batch."""
+    kernel = _build(W8A8GEMM, flags)
+    g = torch.Generator().manual_seed(n + 7 * k)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    packed = kernel.pack(w)
+    x = torch.randn(7, k, generator=g)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            batch = kernel.linear(x, packed, b, n)
+            for i in range(7):
+                one = kernel.linear(x[i : i + 1], packed, b, n)
+                assert torch.equal(one[0], batch[i])
+                _check_w8a8_rows(kernel, packed, x[i : i + 1], w, b)
+    finally:
+        torch.set_num_threads(before)
 
 
 def _check_native_rows(kernel, packed, x, wd, b):

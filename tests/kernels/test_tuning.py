@@ -11,7 +11,7 @@ from hf_contbatch.kernels import native_build
 from hf_contbatch.kernels.attention import decode_choice
 from hf_contbatch.kernels.attention.cpu_kernel import CPUDecodeKernel
 from hf_contbatch.kernels.linears.autotune import KernelTuner
-from hf_contbatch.kernels.tuning import Tuner, attention_choice_key
+from hf_contbatch.kernels.tuning import Tuner, attention_choice_key, flat_table
 
 
 def test_a_fixed_workload_keeps_its_fastest_candidate_measured_once_and_cached(tmp_path):
@@ -55,3 +55,32 @@ def test_the_decode_attention_choice_goes_through_the_tuner(tmp_path, monkeypatc
     (cached,) = tmp_path.glob("attention_timings_*.json")
     key = attention_choice_key("decode", 4, 2, 16, 16, torch.float32)
     assert native_build.read_json(cached)[key] == {"kernel": {"1": 2.0}, "torch": {"1": 1.0}}
+
+
+def test_a_flat_table_is_disturbed_as_a_whole_and_re_timed_at_every_bucket():
+    buckets = (1, 2, 4, 8, 16, 32, 64, 128)
+    # Every call waited on the same scheduler tick: every candidate about 4 ms at every row count.
+    flat = {"ours": dict.fromkeys(buckets, 4.0e-3), "F.linear": {b: 4.1e-3 for b in buckets}}
+    # A GEMM's time grows with the rows (1 row streams the weight; 128 rows do 128x its arithmetic).
+    real = {"ours": {b: 1e-4 * (1 + b / 4) for b in buckets}, "F.linear": {b: 1.3e-4 * (1 + b / 4) for b in buckets}}
+    assert flat_table(flat) and not flat_table(real)
+    # Plausible flat tables: decode buckets only (every candidate at the memory's speed), one candidate.
+    assert not flat_table({n: {b: t[b] for b in (1, 2, 4, 8)} for n, t in flat.items()})
+    assert not flat_table({"ours": flat["ours"]})
+    # Candidates apart at some bucket: the table tells them apart, not flat.
+    apart = {"ours": dict(flat["ours"]), "F.linear": dict(flat["F.linear"])}
+    apart["ours"][64] = 2.0e-3
+    assert not flat_table(apart)
+
+    answers = [flat, real]
+    timed = []
+
+    def measure(bs):
+        timed.append(list(bs))
+        table = answers.pop(0)
+        return {n: {b: t[b] for b in bs} for n, t in table.items()}
+
+    tuner = Tuner(("ours", "F.linear"), None, recheck=False, what="GEMM")
+    got = tuner.timings("960x960 float32", buckets, measure)
+    assert timed == [list(buckets), list(buckets)]  # measured, found flat, every bucket re-timed
+    assert got == real and tuner.rechecked == {"960x960 float32": list(buckets)}

@@ -14,10 +14,11 @@
  * multiply-adds per byte of the float32 GEMM (cpu_gemm.c). The weights are dequantized in registers
  * (as in weight-only kernels such as torch's _weight_int8pack_mm and llama.cpp's): the NR int8
  * weights of one input feature of a panel come in one load (64 bytes with AVX-512) and are widened to
- * four int32 vectors by shifts (load_panel; measured as fast as VPMOVSXBD's load-and-widen here,
- * portable to every ISA), converted to float32 (VCVTDQ2PS) and multiplied into float32 accumulators
- * with FMA, x broadcast from memory. The
- * per-channel scale is applied once per output, after the sum.
+ * four int32 vectors by shifts (load_panel_shift: the faster on Zen 5) or by VPMOVSXBD's
+ * load-and-widen (load_panel_movsx: the faster on Intel Xeon, 15-20% at one row, where 512-bit shifts
+ * share port 0 with the conversions; the tuner times both, NativeInt8GEMM and NativeInt8MovsxGEMM),
+ * converted to float32 (VCVTDQ2PS) and multiplied into float32 accumulators with FMA, x broadcast
+ * from memory. The per-channel scale is applied once per output, after the sum.
  *
  * Layout: W is packed once into panels of NR = 4 vectors of output columns (64 with AVX-512, 32
  * with 256-bit vectors), [ceil(N/NR)][K][NR] (zero columns pad the last panel), columns interleaved
@@ -35,8 +36,9 @@
  *
  * Blocking (the BLIS/GotoBLAS loop nest as in cpu_gemm.c): rows in blocks of MB, the panels in
  * slices of KC input features (16 KB of int8 with AVX-512) that stay in L1 while each row tile passes
- * over them; accumulators live in a per-block buffer between slices. Threads take (panel group, row
- * block) units, so each weight byte is read by one thread at decode.
+ * over them; accumulators live in a per-block buffer between slices. At decode (one row block) each
+ * thread takes a contiguous range of panels of near-equal count; with more rows, (panel group, row
+ * block) units; either way each weight byte is read by one thread per row block.
  *
  * Exactness: each output's sum is one in-order FMA chain over k = 0..K-1 (no -ffast-math; a slice
  * boundary stores and reloads the accumulator, which rounds nothing), so a row's result does not
@@ -51,6 +53,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <omp.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -71,12 +74,17 @@
 
 #define NV 4            /* vectors per panel */
 #define NR (NV * VW)    /* output columns per panel */
-#define KC 256          /* input features per slice: KC x NR bytes (16 KB / 8 KB) stay in L1 */
+/* KC, PF (and KCQ, QPF of part 2) may be set with -D for A/B builds in one process (benchmarks) */
+#ifndef KC
+#define KC 256 /* input features per slice: KC x NR bytes (16 KB / 8 KB) stay in L1 */
+#endif
 #define MB 64           /* rows per block: MB x NR float accumulators (16 KB / 8 KB) */
 /* bytes ahead in a panel's stream to prefetch: 4 KB read 1-4 rows at 64-107% of the copy bandwidth
  * where 1 KB read them at 62-104% (one thread, SmolLM2-360M's shapes, A/B in one process; 16 KB no
  * better) */
+#ifndef PF
 #define PF 4096
+#endif
 #if VW == 16
 #define RMAX1 6 /* rows of a one-panel tile: 24 of 32 registers accumulate */
 #define RMAX2 3 /* rows of a two-panel tile: 24 accumulators */
@@ -130,11 +138,12 @@ void hf_contbatch_int8_pack(const int8_t *w, int64_t n, int64_t k, int8_t *out) 
 /* The NR = 4 x VW int8 weights of one input feature of a panel -> 4 vectors of VW floats, from one
  * NR-byte load (64 bytes with AVX-512): pack puts column v * VW + i in byte v of 32-bit lane i, so
  * vector v is (lane << (24 - 8v)) >> 24 (arithmetic shift: sign-extended), converted with
- * VCVTDQ2PS. Shifts run on more ports than VPMOVSXBD's cross-lane shuffle, which (one per 16
- * weights) capped the one-row kernel at about half its memory bandwidth; and GCC 12 compiles a
+ * VCVTDQ2PS. On Zen 5 shifts run on more ports than VPMOVSXBD's cross-lane shuffle, which (one per
+ * 16 weights) capped the one-row kernel there at about half its memory bandwidth (on Intel Xeon it
+ * is the other way: load_panel_movsx); and GCC 12 compiles a
  * direct int8 -> float __builtin_convertvector to one scalar conversion a lane (the old kernel's
  * bottleneck). */
-static inline void load_panel(const int8_t *p, vf out[NV]) {
+static inline void load_panel_shift(const int8_t *p, vf out[NV]) {
     vw32 raw;
     memcpy(&raw, p, sizeof(raw));
     out[0] = __builtin_convertvector((raw << 24) >> 24, vf);
@@ -143,10 +152,39 @@ static inline void load_panel(const int8_t *p, vf out[NV]) {
     out[3] = __builtin_convertvector(raw >> 24, vf);
 }
 
+/* The same NR bytes widened by VPMOVSXBD, VW consecutive bytes a vector (load and widen in one
+ * instruction): vector v lane i holds byte b = v * VW + i, i.e. column (b % 4) * VW + b / 4 of the
+ * panel, so the accumulators hold the columns permuted and the store un-permutes them (MOVSX_COL).
+ * The same packed layout as the shifts, the same in-order FMA chain per column: the same bits.
+ * Which is faster depends on the CPU (Intel's 512-bit shifts and conversions share one port, where
+ * VPMOVSXBD takes the shuffle port; on Zen 5 the shifts won), so both are candidates the tuner times
+ * (NativeInt8MovsxGEMM). */
+#if defined(__AVX512F__)
+#define HAS_MOVSX 1
+static inline void load_panel_movsx(const int8_t *p, vf out[NV]) {
+    for (int v = 0; v < NV; v++)
+        out[v] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + v * VW))));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HAS_MOVSX 1
+static inline void load_panel_movsx(const int8_t *p, vf out[NV]) {
+    for (int v = 0; v < NV; v++)
+        out[v] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + v * VW))));
+}
+#else
+#define HAS_MOVSX 0
+#define load_panel_movsx load_panel_shift /* never called: hf_contbatch_int8_has_movsx() is 0 */
+#endif
+/* Where column j of a panel sits in load_panel_movsx's accumulators: byte 4 * (j % VW) + j / VW. */
+#define MOVSX_COL(j) (4 * ((j) % VW) + (j) / VW)
+
+/* 1 when this build has the VPMOVSXBD path (x86 with AVX2 or AVX-512). */
+int hf_contbatch_int8_has_movsx(void) { return HAS_MOVSX; }
+
 /* acc[r][g*NR + 0..NR-1] += sum over kk < kc of x[r][kk] * w_g[kk][0..NR-1], r < R, g < G; panel g's
  * slice at w + g * pstride. acc rows are G*NR floats apart. */
-#define TILE(R, G)                                                                                   \
-    static inline void tile_##R##_##G(const float *x, int64_t ldx, const int8_t *w, int64_t pstride, \
+#define TILE(R, G, L)                                                                                \
+    static inline void tile_##R##_##G##_##L(const float *x, int64_t ldx, const int8_t *w, int64_t pstride, \
                                       int64_t kc, float *acc) {                                      \
         vf a[R][G][NV];                                                                              \
         for (int r = 0; r < R; r++)                                                                  \
@@ -157,7 +195,7 @@ static inline void load_panel(const int8_t *p, vf out[NV]) {
             for (int g = 0; g < G; g++) {                                                            \
                 const int8_t *wg = w + g * pstride + kk * NR;                                        \
                 __builtin_prefetch((const void *)((uintptr_t)wg + PF));                              \
-                load_panel(wg, wv[g]);                                                               \
+                load_panel_##L(wg, wv[g]);                                                           \
             }                                                                                        \
             for (int r = 0; r < R; r++) {                                                            \
                 const float xv = x[r * ldx + kk];                                                    \
@@ -169,82 +207,130 @@ static inline void load_panel(const int8_t *p, vf out[NV]) {
             for (int g = 0; g < G; g++)                                                              \
                 for (int v = 0; v < NV; v++) memcpy(acc + (r * G + g) * NR + v * VW, &a[r][g][v], sizeof(vf)); \
     }
-TILE(1, 1)
-TILE(2, 1)
-TILE(3, 1)
 #if RMAX1 > 3
-TILE(4, 1)
-TILE(5, 1)
-TILE(6, 1)
+#define TILES(L) TILE(1, 1, L) TILE(2, 1, L) TILE(3, 1, L) TILE(4, 1, L) TILE(5, 1, L) TILE(6, 1, L)
+#else
+#define TILES(L) TILE(1, 1, L) TILE(2, 1, L) TILE(3, 1, L)
 #endif
-TILE(1, 2)
 #if RMAX2 > 1
-TILE(2, 2)
-TILE(3, 2)
+#define TILES2(L) TILE(1, 2, L) TILE(2, 2, L) TILE(3, 2, L)
+#else
+#define TILES2(L) TILE(1, 2, L)
+#endif
+TILES(shift)
+TILES2(shift)
+#if HAS_MOVSX
+TILES(movsx)
+TILES2(movsx)
 #endif
 
-static void run_tile(int64_t h, int64_t g, const float *x, int64_t ldx, const int8_t *w, int64_t pstride,
-                     int64_t kc, float *acc) {
-    if (g == 2) {
-        switch (h) {
-            case 1: tile_1_2(x, ldx, w, pstride, kc, acc); return;
+#define RUN_TILE(L)                                                                                  \
+    static void run_tile_##L(int64_t h, int64_t g, const float *x, int64_t ldx, const int8_t *w,    \
+                             int64_t pstride, int64_t kc, float *acc) {                              \
+        if (g == 2) {                                                                                \
+            if (h == 1 || RMAX2 == 1) { tile_1_2_##L(x, ldx, w, pstride, kc, acc); return; }         \
+            RUN_TILE2_REST(L)                                                                        \
+        }                                                                                            \
+        switch (h) {                                                                                 \
+            case 1: tile_1_1_##L(x, ldx, w, pstride, kc, acc); return;                               \
+            case 2: tile_2_1_##L(x, ldx, w, pstride, kc, acc); return;                               \
+            RUN_TILE1_REST(L)                                                                        \
+        }                                                                                            \
+    }
 #if RMAX2 > 1
-            case 2: tile_2_2(x, ldx, w, pstride, kc, acc); return;
-            default: tile_3_2(x, ldx, w, pstride, kc, acc); return;
+#define RUN_TILE2_REST(L)                                                                            \
+    if (h == 2) tile_2_2_##L(x, ldx, w, pstride, kc, acc);                                           \
+    else tile_3_2_##L(x, ldx, w, pstride, kc, acc);                                                  \
+    return;
 #else
-            default: tile_1_2(x, ldx, w, pstride, kc, acc); return;
+#define RUN_TILE2_REST(L)
 #endif
+#if RMAX1 > 3
+#define RUN_TILE1_REST(L)                                                                            \
+    case 3: tile_3_1_##L(x, ldx, w, pstride, kc, acc); return;                                       \
+    case 4: tile_4_1_##L(x, ldx, w, pstride, kc, acc); return;                                       \
+    case 5: tile_5_1_##L(x, ldx, w, pstride, kc, acc); return;                                       \
+    default: tile_6_1_##L(x, ldx, w, pstride, kc, acc); return;
+#else
+#define RUN_TILE1_REST(L) default: tile_3_1_##L(x, ldx, w, pstride, kc, acc); return;
+#endif
+RUN_TILE(shift)
+#if HAS_MOVSX
+RUN_TILE(movsx)
+#endif
+
+/* Panels p0 .. p0 + np - 1 (np <= G) for rows row0 .. row0 + rows - 1 (rows <= MB): the slices of KC
+ * features, row tiles of near-equal height, then the scales (and bias) per output. */
+static void gemm_unit(const float *x, int64_t k, const int8_t *packed, int64_t n, const float *scales, const float *bias, float *y, int64_t p0, int64_t np,
+                      int64_t row0, int64_t rows, int64_t rmax, int movsx) {
+    float acc[MB * 2 * NR] __attribute__((aligned(64)));
+    const int64_t tiles = (rows + rmax - 1) / rmax;
+    memset(acc, 0, sizeof(float) * (size_t)(rows * np * NR));
+    for (int64_t k0 = 0; k0 < k; k0 += KC) {
+        const int64_t kc = k - k0 < KC ? k - k0 : KC;
+        const int8_t *w = packed + (p0 * k + k0) * NR;
+        int64_t r0 = 0;
+        for (int64_t t = 0; t < tiles; t++) { /* tiles of near-equal height */
+            const int64_t left = rows - r0, h = (left + (tiles - t) - 1) / (tiles - t);
+            const float *xt = x + (row0 + r0) * k + k0;
+#if HAS_MOVSX
+            if (movsx)
+                run_tile_movsx(h, np, xt, k, w, k * NR, kc, acc + r0 * np * NR);
+            else
+#endif
+                run_tile_shift(h, np, xt, k, w, k * NR, kc, acc + r0 * np * NR);
+            r0 += h;
         }
     }
-    switch (h) {
-        case 1: tile_1_1(x, ldx, w, pstride, kc, acc); return;
-        case 2: tile_2_1(x, ldx, w, pstride, kc, acc); return;
-#if RMAX1 > 3
-        case 3: tile_3_1(x, ldx, w, pstride, kc, acc); return;
-        case 4: tile_4_1(x, ldx, w, pstride, kc, acc); return;
-        case 5: tile_5_1(x, ldx, w, pstride, kc, acc); return;
-        default: tile_6_1(x, ldx, w, pstride, kc, acc); return;
-#else
-        default: tile_3_1(x, ldx, w, pstride, kc, acc); return;
-#endif
-    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < np; g++) {
+            const int64_t col0 = (p0 + g) * NR, cols = n - col0 < NR ? n - col0 : NR;
+            const float *ar = acc + (r * np + g) * NR, *s = scales + col0;
+            float *yr = y + (row0 + r) * n + col0;
+            float v[NR];
+            if (movsx)
+                for (int64_t j = 0; j < cols; j++) v[j] = ar[MOVSX_COL(j)];
+            else
+                memcpy(v, ar, sizeof(float) * (size_t)cols);
+            if (bias)
+                for (int64_t j = 0; j < cols; j++) yr[j] = v[j] * s[j] + bias[col0 + j];
+            else
+                for (int64_t j = 0; j < cols; j++) yr[j] = v[j] * s[j];
+        }
 }
 
-/* y[m][n] = (x[m][k] . W^T) * scales[n] + bias[n]; packed from hf_contbatch_int8_pack. */
+/* y[m][n] = (x[m][k] . W^T) * scales[n] + bias[n]; packed from hf_contbatch_int8_pack; movsx: widen
+ * with VPMOVSXBD (only where hf_contbatch_int8_has_movsx(); the same results).
+ *
+ * Threads: with one row block (m <= MB: decode and small prefills) each thread takes a contiguous
+ * range of panels of near-equal count (the ranges differ by at most one panel), walked G at a time;
+ * units of G panels dealt out whole would give one thread a G-panel unit more than the other (a
+ * 960 x 320 weight's five panels: 4 against 1; 1,600 columns: 14 against 11). With more row blocks,
+ * (panel group, row block) units, so each weight byte is still read by one thread per block row. */
 void hf_contbatch_int8_gemm(const float *x, int64_t m, int64_t k, const int8_t *packed, int64_t n,
-                            const float *scales, const float *bias, float *y, int64_t threads) {
+                            const float *scales, const float *bias, float *y, int64_t threads, int64_t movsx) {
     const int64_t panels = (n + NR - 1) / NR;
     /* Two panels a tile where the rows alone give too few independent FMA chains. */
     const int64_t G = m <= RMAX2 ? 2 : 1, rmax = G == 2 ? RMAX2 : RMAX1;
+    const int mv = HAS_MOVSX && movsx;
+    if (m <= MB) {
+        const int64_t team = threads < panels ? threads : panels;
+#pragma omp parallel num_threads(team) if (team > 1)
+        {
+            const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+            const int64_t pb = t * panels / nt, pe = (t + 1) * panels / nt;
+            for (int64_t p0 = pb; p0 < pe; p0 += G)
+                gemm_unit(x, k, packed, n, scales, bias, y, p0, pe - p0 < G ? pe - p0 : G, 0, m, rmax, mv);
+        }
+        return;
+    }
     const int64_t groups = (panels + G - 1) / G, blocks = (m + MB - 1) / MB, units = groups * blocks;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && units > 1)
     for (int64_t u = 0; u < units; u++) {
-        float acc[MB * 2 * NR] __attribute__((aligned(64)));
         const int64_t gi = u / blocks, row0 = (u % blocks) * MB;
         const int64_t p0 = gi * G, np = panels - p0 < G ? panels - p0 : G;
         const int64_t rows = m - row0 < MB ? m - row0 : MB;
-        const int64_t tiles = (rows + rmax - 1) / rmax;
-        memset(acc, 0, sizeof(float) * (size_t)(rows * np * NR));
-        for (int64_t k0 = 0; k0 < k; k0 += KC) {
-            const int64_t kc = k - k0 < KC ? k - k0 : KC;
-            const int8_t *w = packed + (p0 * k + k0) * NR;
-            int64_t r0 = 0;
-            for (int64_t t = 0; t < tiles; t++) { /* tiles of near-equal height */
-                const int64_t left = rows - r0, h = (left + (tiles - t) - 1) / (tiles - t);
-                run_tile(h, np, x + (row0 + r0) * k + k0, k, w, k * NR, kc, acc + r0 * np * NR);
-                r0 += h;
-            }
-        }
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t g = 0; g < np; g++) {
-                const int64_t col0 = (p0 + g) * NR, cols = n - col0 < NR ? n - col0 : NR;
-                const float *ar = acc + (r * np + g) * NR, *s = scales + col0;
-                float *yr = y + (row0 + r) * n + col0;
-                if (bias)
-                    for (int64_t j = 0; j < cols; j++) yr[j] = ar[j] * s[j] + bias[col0 + j];
-                else
-                    for (int64_t j = 0; j < cols; j++) yr[j] = ar[j] * s[j];
-            }
+        gemm_unit(x, k, packed, n, scales, bias, y, p0, np, row0, rows, rmax, mv);
     }
 }
 
@@ -277,6 +363,13 @@ void hf_contbatch_int8_gemm(const float *x, int64_t m, int64_t k, const int8_t *
  * x bytes grouped per row tile (one stream a tile instead of six rows), a software prefetch of the
  * next tile's x, prefetching the next slice to L2 only, 8 KB slices.
  *
+ * One row (decode; Xeon with AVX512-VNNI, 2026-12-05, one thread's CPU time): in L1 a 960 x 960 call
+ * takes 10 us where the weight-only kernel takes 31-38 us, so the time is the memory's. One panel
+ * stream a thread with the next slice prefetched read SmolLM2-360M's shapes at 56-89% of the copy
+ * bandwidth; prefetching 2 KB ahead in the stream instead, and two panels a tile (two streams,
+ * qtile_pair), at 90-114% (the k/v projection's five panels, one call of 20 us, at about 60%: a
+ * call's fixed costs). Prefetching the next panel a whole panel ahead was worse.
+ *
  * Paths: AVX512-VNNI (_mm512_dpbusd_epi32, 16 columns a vector), AVX-VNNI (_mm256_dpbusd_avx_epi32,
  * 8), else portable C with the same layout and results (exact integer sums), for CPUs without VNNI:
  * correct but slow, so the tuner never picks it there. */
@@ -308,7 +401,17 @@ static inline vi dpbusd(vi acc, vi u, vi w) {
 }
 #endif
 #define NRQ (NV * QW) /* output columns per panel */
-#define KCQ 64        /* quads (4 input features) per slice: KCQ x NRQ x 4 bytes */
+/* bytes ahead in a panel's stream that a one-tile (decode) call prefetches: 2 KB read one row at
+ * 69-104% of the one-thread copy bandwidth (copy GB/s counting read + written) where the next-slice
+ * prefetch (16 KB ahead) read it at 56-89%; 1-3 KB within noise of each other, 4 KB and 8 KB worse
+ * (SmolLM2-360M's shapes, one thread's CPU time, A/B in one process, Xeon with AVX512-VNNI,
+ * 2026-12-05, shared machine) */
+#ifndef QPF
+#define QPF 2048
+#endif
+#ifndef KCQ
+#define KCQ 64 /* quads (4 input features) per slice: KCQ x NRQ x 4 bytes */
+#endif
 
 int64_t hf_contbatch_int8_vnni_nr(void) { return NRQ; }
 const char *hf_contbatch_int8_vnni_isa(void) { return VNNI_ISA; }
@@ -493,6 +596,32 @@ static void run_qtile(int64_t h, const uint8_t *xu, int64_t ldx, const int8_t *w
     }
 }
 
+/* One row, two panels at once (wa, wb: their slices of kq quads), 2 x NV int32 accumulators (acc: wa's
+ * NRQ then wb's): twice the independent VPDPBUSD chains of qtile_1 and, above all, two weight streams
+ * in flight with QPF bytes prefetched ahead in each (one stream a thread read a decode row at about
+ * 80% of what two did). */
+static inline void qtile_pair(const uint8_t *xu, const int8_t *wa, const int8_t *wb, int64_t kq, int32_t *acc) {
+    vi a[2][NV];
+    for (int s = 0; s < 2; s++)
+        for (int v = 0; v < NV; v++) memcpy(&a[s][v], acc + s * NRQ + v * QW, sizeof(vi));
+    for (int64_t q = 0; q < kq; q++) {
+        int32_t quad;
+        memcpy(&quad, xu + 4 * q, 4);
+        const vi u = (vi){0} + quad;
+        for (int s = 0; s < 2; s++) {
+            const int8_t *w = (s ? wb : wa) + q * NRQ * 4;
+            for (int v = 0; v < NV; v++) {
+                vi wv;
+                memcpy(&wv, w + v * QW * 4, sizeof(vi));
+                a[s][v] = dpbusd(a[s][v], u, wv);
+            }
+            for (int i = 0; i < NRQ * 4 / 64; i++) __builtin_prefetch(w + QPF + i * 64);
+        }
+    }
+    for (int s = 0; s < 2; s++)
+        for (int v = 0; v < NV; v++) memcpy(acc + s * NRQ + v * QW, &a[s][v], sizeof(vi));
+}
+
 /* Bytes of scratch hf_contbatch_int8_vnni_gemm needs for m rows of k features. */
 int64_t hf_contbatch_int8_vnni_scratch(int64_t m, int64_t k) { return m * ((k + 3) / 4) * 4 + m * 4 + 64; }
 
@@ -527,6 +656,38 @@ void hf_contbatch_int8_vnni_gemm(const void *x, int64_t m, int64_t k, const int8
     uint8_t *xu = (uint8_t *)(sx + m);
     const int64_t blocks = (m + MB - 1) / MB, units = panels * blocks;
     const int64_t panel_bytes = k4 * NRQ * 4, lines_per_quad = NRQ * 4 / 64;
+    if (m == 1) {
+        /* Decode: the row quantized once here (no barrier), then each thread a contiguous range of
+         * panels of near-equal count, two panels at a time (qtile_pair). */
+        quantize_rows(x, (int)bf16, 1, k, k4, xu, sx);
+        const int64_t team = threads < panels ? threads : panels;
+#pragma omp parallel num_threads(team) if (team > 1)
+        {
+            const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+            const int64_t pb = t * panels / nt, pe = (t + 1) * panels / nt;
+            for (int64_t p = pb; p < pe; p += 2) {
+                int32_t acc[2 * NRQ] __attribute__((aligned(64)));
+                const int64_t np = pe - p < 2 ? pe - p : 2;
+                const int8_t *panel = packed + p * panel_bytes;
+                memset(acc, 0, sizeof(acc));
+                for (int64_t q0 = 0; q0 < k4; q0 += KCQ) {
+                    const int64_t kq = k4 - q0 < KCQ ? k4 - q0 : KCQ;
+                    const int8_t *w = panel + q0 * NRQ * 4;
+                    if (np == 2)
+                        qtile_pair(xu + 4 * q0, w, w + panel_bytes, kq, acc);
+                    else
+                        run_qtile(1, xu + 4 * q0, k4 * 4, w, kq, acc, (const char *)w + QPF, NRQ * 4,
+                                  (int)lines_per_quad);
+                }
+                for (int64_t g = 0; g < np; g++) {
+                    const int64_t col0 = (p + g) * NRQ, cols = n - col0 < NRQ ? n - col0 : NRQ;
+                    store_row(acc + g * NRQ, colsum + col0, scales + col0, bias ? bias + col0 : NULL, sx[0], cols,
+                              (char *)y + (size_t)col0 * esize, (int)bf16);
+                }
+            }
+        }
+        return;
+    }
     /* One parallel region (each costs a fork and a join, microseconds against a decode call's tens):
      * the rows' quantization, the implicit barrier, then the units. */
 #pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
@@ -546,9 +707,13 @@ void hf_contbatch_int8_vnni_gemm(const void *x, int64_t m, int64_t k, const int8
             for (int64_t q0 = 0; q0 < k4; q0 += KCQ) {
                 const int64_t kq = k4 - q0 < KCQ ? k4 - q0 : KCQ;
                 const int8_t *w = panel + q0 * NRQ * 4;
-                /* the next slice this thread reads: this panel's next, else (after its last) the next row
-                 * block's first (the same panel, in cache) or the next panel's first */
-                const char *next = (const char *)(q0 + KCQ < k4 ? w + kq * NRQ * 4
+                /* what this thread reads next, prefetched by the tiles: with one row tile (decode),
+                 * QPF bytes ahead in this panel's stream (nothing else runs from this slice while a
+                 * whole next slice would stream in); else the next slice: this panel's next, or
+                 * (after its last) the next row block's first (the same panel, in cache) or the next
+                 * panel's first */
+                const char *next = (const char *)(tiles == 1 ? w + QPF
+                                                  : q0 + KCQ < k4 ? w + kq * NRQ * 4
                                                   : row0 + MB < m ? panel : panel + panel_bytes);
                 int64_t r0 = 0;
                 for (int64_t t = 0; t < tiles; t++) {

@@ -25,13 +25,15 @@ _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "
 @dataclass(frozen=True)
 class Int8Library:
     """The compiled ``int8_gemm.c``: its functions, panel widths and vector ISAs (weight-only:
-    ``nr``, ``isa``; int8 activations: ``vnni_nr``, ``vnni_isa``, "generic" without VNNI)."""
+    ``nr``, ``isa``, ``has_movsx``: the VPMOVSXBD widening is built (x86 with AVX2 or AVX-512); int8
+    activations: ``vnni_nr``, ``vnni_isa``, "generic" without VNNI)."""
 
     path: str
     pack: Callable
     gemm: Callable
     nr: int
     isa: str
+    has_movsx: bool
     vnni_pack: Callable
     vnni_gemm: Callable
     vnni_scratch: Callable
@@ -51,7 +53,7 @@ def _load_library(extra_flags: tuple[str, ...] = ()):
         return None, RuntimeError("the CPU lacks the vector instructions the int8 GEMM was built for")
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.hf_contbatch_int8_pack.argtypes, lib.hf_contbatch_int8_pack.restype = [ptr, i64, i64, ptr], None
-    lib.hf_contbatch_int8_gemm.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, i64]
+    lib.hf_contbatch_int8_gemm.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, i64, i64]
     lib.hf_contbatch_int8_gemm.restype = None
     lib.hf_contbatch_int8_vnni_pack.argtypes = [ptr, i64, i64, ptr, ptr]
     lib.hf_contbatch_int8_vnni_pack.restype = None
@@ -69,6 +71,7 @@ def _load_library(extra_flags: tuple[str, ...] = ()):
             lib.hf_contbatch_int8_gemm,
             int(lib.hf_contbatch_int8_nr()),
             lib.hf_contbatch_int8_isa().decode(),
+            bool(lib.hf_contbatch_int8_has_movsx()),
             lib.hf_contbatch_int8_vnni_pack,
             lib.hf_contbatch_int8_vnni_gemm,
             lib.hf_contbatch_int8_vnni_scratch,
@@ -88,9 +91,13 @@ def int8_library(extra_flags: tuple[str, ...] = ()) -> Int8Library:
     return library
 
 
-def native_int8_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias, out_features: int, lib=None):
+def native_int8_gemm(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias, out_features: int, lib=None, movsx: bool = False
+):
     """``NativeInt8GEMM``'s product: ``x [..., k]`` float32, the packed int8 panels, float32 scales,
-    float32 bias or None -> ``[..., out_features]`` float32 (the C kernel trusts its arguments)."""
+    float32 bias or None -> ``[..., out_features]`` float32 (the C kernel trusts its arguments).
+    ``movsx``: widen the weights with VPMOVSXBD (``NativeInt8MovsxGEMM``; the same layout and bits;
+    only where ``lib.has_movsx``)."""
     k = x.shape[-1]
     if not x.is_contiguous():
         x = x.contiguous()
@@ -109,6 +116,7 @@ def native_int8_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
             None if bias is None else bias.data_ptr(),
             y.data_ptr(),
             torch.get_num_threads(),
+            movsx,
         )
     return y
 
@@ -159,6 +167,14 @@ def _native_int8_op(x, packed, scales, zero_points, bias, out_features: int) -> 
 
 
 register_linear_op("native_int8_linear", _native_int8_op)
+
+
+def _native_int8_movsx_op(x, packed, scales, zero_points, bias, out_features: int) -> torch.Tensor:
+    bias = None if bias is None else bias.to(torch.float32).contiguous()
+    return native_int8_gemm(x, packed, scales, bias, out_features, movsx=True)
+
+
+register_linear_op("native_int8_movsx_linear", _native_int8_movsx_op)
 
 
 def _w8a8_op(x, packed, scales, zero_points, bias, out_features: int) -> torch.Tensor:

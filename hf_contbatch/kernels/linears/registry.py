@@ -13,7 +13,7 @@ import logging
 
 from ...config import LINEAR_BACKENDS, QUANT_SCHEMES, TORCHAO_INT8, QuantScheme
 from .gemm_kernel import GemmKernel
-from .int8_gemm import W8A8GEMM, DequantFloatGEMM, NativeInt8GEMM, TorchInt8GEMM
+from .int8_gemm import W8A8GEMM, DequantFloatGEMM, NativeInt8GEMM, NativeInt8MovsxGEMM, TorchInt8GEMM
 from .native_gemm import NativeGEMM, NativeWidenGEMM
 from .onednn_gemm import OneDNNGEMM
 from .torch_linear import TorchLinear
@@ -29,7 +29,9 @@ UNPACKED = TorchLinear.name
 KERNELS: dict[str, type] = {k.name: k for k in (NativeGEMM, OneDNNGEMM, TorchLinear)}
 """Kernel class by ``linear_backend`` name; packed kernels first, in the order "auto" prefers them."""
 
-INT8_KERNELS: dict[str, type] = {k.name: k for k in (NativeInt8GEMM, DequantFloatGEMM, TorchInt8GEMM)}
+INT8_KERNELS: dict[str, type] = {
+    k.name: k for k in (NativeInt8GEMM, NativeInt8MovsxGEMM, DequantFloatGEMM, TorchInt8GEMM)
+}
 """Weight-only int8 kernel class by name (``quantization="int8"``, and torchao int8 weight-only
 models): the activations stay in the model's dtype."""
 W8A8_KERNELS: dict[str, type] = {k.name: k for k in (W8A8GEMM, TorchW8A8GEMM)}
