@@ -344,8 +344,10 @@ static int64_t paged_decode(const float *q, const void *k_pool, const void *v_po
     const int64_t row = num_kv_heads * head_dim; /* elements per token in a page */
     const int64_t pf = PART_FLOATS(num_heads, D);
     if (num_threads < 1) num_threads = omp_get_max_threads();
-    /* first[s]: sequence s's first partition in the batch's numbering; first[num_seqs]: all of them. */
-    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
+    /* first[s]: sequence s's first partition in the batch's numbering; first[num_seqs]: all of them
+     * (on the stack for a usual batch: this runs once per layer per step). */
+    int64_t on_stack[256];
+    int64_t *first = num_seqs < 256 ? on_stack : (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
     if (!first) return 1;
     first[0] = 0;
     int64_t longest = 0;
@@ -357,17 +359,21 @@ static int64_t paged_decode(const float *q, const void *k_pool, const void *v_po
     }
     const int64_t total = first[num_seqs];
     /* Fewer sequences than a few per thread leave threads idle (and one long context on one thread):
-     * split each sequence's partitions into tasks; if that is still too few, split by KV head too. */
+     * split each sequence's partitions into tasks; if that is still too few, split by KV head too
+     * (unless the whole batch is one partition: too little work to wake another thread for). */
     const int64_t busy = 4 * num_threads;
     if (split_context < 0) split_context = num_seqs < busy && longest > 1;
-    if (split_heads < 0) split_heads = (split_context ? total : num_seqs) < busy;
+    if (split_heads < 0) split_heads = (split_context ? total : num_seqs) < busy && total > 1;
     const int64_t splits = split_heads ? num_kv_heads : 1;
     const int64_t nh = num_heads / splits;
     const int64_t units = split_context ? total : num_seqs;
+    /* No more threads than tasks: waking a thread with nothing to do costs more than a short task
+     * (and, on a busy machine, waiting for a core to run it on). */
+    if (num_threads > units * splits) num_threads = units * splits > 0 ? units * splits : 1;
     /* Split by partition: every partition's results, combined after the barrier. */
     float *parts = split_context ? (float *)malloc(sizeof(float) * (size_t)(total * pf)) : NULL;
     if (split_context && total > 0 && !parts) {
-        free(first);
+        if (first != on_stack) free(first);
         return 1;
     }
     int64_t failed = 0;
@@ -433,7 +439,7 @@ static int64_t paged_decode(const float *q, const void *k_pool, const void *v_po
         }
     }
     free(parts);
-    free(first);
+    if (first != on_stack) free(first);
     return failed;
 }
 

@@ -269,8 +269,11 @@ class CPUDecodeKernel:
         lib = self._kernel.get()
         # Conversions only where needed: this runs once per layer per step.
         q = query if query.dtype == torch.float32 and query.is_contiguous() else query.to(torch.float32).contiguous()
-        tables = block_tables if _is_int32_dense(block_tables) else block_tables.to(torch.int32).contiguous()
-        lens = seq_lens if _is_int32_dense(seq_lens) else seq_lens.to(torch.int32).contiguous()
+        tables, lens = block_tables, seq_lens
+        if tables.dtype != torch.int32 or not tables.is_contiguous():
+            tables = tables.to(torch.int32).contiguous()
+        if lens.dtype != torch.int32 or not lens.is_contiguous():
+            lens = lens.to(torch.int32).contiguous()
         b, num_heads, head_dim = q.shape
         _, block_size, kvh, _ = k_pool.shape
         out = torch.empty((b, num_heads, head_dim))
@@ -303,10 +306,6 @@ class CPUDecodeKernel:
         if failed:
             raise MemoryError("paged decode attention: the kernel could not allocate its scratch")
         return out if query.dtype == torch.float32 else out.to(query.dtype)
-
-
-def _is_int32_dense(t: torch.Tensor) -> bool:
-    return t.dtype == torch.int32 and t.is_contiguous()
 
 
 def _tristate(flag: Optional[bool]) -> int:
