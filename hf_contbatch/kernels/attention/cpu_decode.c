@@ -44,7 +44,7 @@
  * runtime dimension and a scalar tail. The pool dtype is a constant too (always-inline functions
  * called with a literal flag), so each combination compiles to its own loop.
  */
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__AVX__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <math.h>
@@ -89,10 +89,20 @@ int hf_contbatch_decode_has_f16(void) { return HAS_F16; }
  * waking the team and, on a busy machine, waiting for a core cost about as much as the work). */
 #define STORE_PAR_ELEMS 131072
 
+/* The sum of x's lanes as a tree of vector adds (log2(VW) steps): it runs once per key and query
+ * head, and the plain loop compiled to a chain of scalar adds as long as the vector. */
 INLINE float hsum(vf x) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)x);
+#elif defined(__AVX__)
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128((__m256)x), _mm256_extractf128_ps((__m256)x, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+#else
     float s = 0.f;
     for (int i = 0; i < VW / 2; i++) s += x[i] + x[i + VW / 2];
     return s;
+#endif
 }
 
 /* VW int8 as floats (exact). GCC scalarises __builtin_convertvector from int8 to float, so the
