@@ -137,6 +137,35 @@ def test_a_sequence_gets_the_same_bits_whatever_the_work_split_and_the_batch(ker
             assert torch.equal(alone[0], results[0][i]), (i, c, h)
 
 
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_engine_on_the_kernel_generates_greedy_tokens_equal_to_generate(llama_model, kernel, monkeypatch, threads):
+    # The kernel serves every decode step, whatever the timing would pick on this machine; a few
+    # requests with contexts of several 64-key partitions, so the steps' decodes run one task per
+    # partition (and KV head): greedy tokens must stay transformers' own.
+    from hf_contbatch.kernels.attention import backends
+
+    monkeypatch.setattr(backends.CPUKernelAttentionBackend, "setup", lambda self, spec, num_heads: "kernel forced")
+    calls = []
+    call = CPUDecodeKernel.__call__
+    monkeypatch.setattr(
+        CPUDecodeKernel, "__call__", lambda self, *a, **kw: calls.append(a[0].shape[0]) or call(self, *a, **kw)
+    )
+    prompts = random_prompts([5, 70, 150], seed=12)
+    refs = [reference_greedy(llama_model, p, 40) for p in prompts]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=64)))
+    try:
+        assert eng.cache.backend.decode_kernel.available
+        handles = [eng.submit(p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for p in prompts]
+        assert [h.result(600).output_token_ids for h in handles] == refs
+        assert calls and max(calls) == 3  # the decode steps went through the kernel, three rows at most
+    finally:
+        eng.close()
+        torch.set_num_threads(before)
+
+
 def test_kernel_serves_dense_float32_bfloat16_or_float16_cpu_pools_only(kernel):
     q = torch.zeros(2, 4, 8)
     pool = torch.zeros(3, 4, 2, 8)
