@@ -277,16 +277,7 @@ class CPUDecodeKernel:
         b, num_heads, head_dim = q.shape
         _, block_size, kvh, _ = k_pool.shape
         out = torch.empty((b, num_heads, head_dim))
-        if k_scale is not None:
-            fn = lib[2]
-            k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()  # held until the call returns
-            pools = (k_pool.data_ptr(), v_pool.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr())
-        else:
-            fn = lib[0]
-            pools = (k_pool.data_ptr(), v_pool.data_ptr(), _POOL_KIND[k_pool.dtype])
-        failed = fn(
-            q.data_ptr(),
-            *pools,
+        sizes = (
             tables.data_ptr(),
             lens.data_ptr(),
             b,
@@ -298,16 +289,18 @@ class CPUDecodeKernel:
             float(scale),
             float(softcap) if softcap else 0.0,
             int(sliding_window) if sliding_window else 0,
-            _tristate(split_heads),
-            _tristate(split_context),
+            -1 if split_heads is None else int(split_heads),  # -1: the kernel decides
+            -1 if split_context is None else int(split_context),
             torch.get_num_threads(),
             out.data_ptr(),
         )
+        if k_scale is None:
+            failed = lib[0](q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), _POOL_KIND[k_pool.dtype], *sizes)
+        else:
+            k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()  # held until the call returns
+            failed = lib[2](
+                q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(), *sizes
+            )
         if failed:
             raise MemoryError("paged decode attention: the kernel could not allocate its scratch")
         return out if query.dtype == torch.float32 else out.to(query.dtype)
-
-
-def _tristate(flag: Optional[bool]) -> int:
-    """The kernel's encoding of a work-split choice: -1 (the kernel decides), 0 or 1."""
-    return -1 if flag is None else int(bool(flag))
