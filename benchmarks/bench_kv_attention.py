@@ -225,7 +225,7 @@ def main() -> None:
     ap.add_argument("--tail", action="store_true", help="the decode tail instead (1, 2, 4 sequences, long contexts)")
     ap.add_argument("--geometries", default="medium,tiny", help="--tail: comma-separated, of " + ",".join(GEOMETRIES))
     ap.add_argument("--dtypes", default="float32,bfloat16,int8", help="--tail: pool dtypes, comma-separated")
-    ap.add_argument("--pool-mib", type=int, default=256, help="--tail: the per-layer pools cycled over, at most")
+    ap.add_argument("--pool-mib", type=int, default=128, help="--tail: the per-layer pools cycled over, at most")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.tail:
