@@ -38,7 +38,8 @@
  * pass over its value rows accumulating every head's weighted values. Rows are walked in order, so
  * within a page the reads are sequential; at each row the same row of the next page is
  * prefetched, which hides the jump between pages. split_heads / split_context < 0: chosen here
- * from the batch (paged_decode).
+ * from the batch (paged_decode). num_threads: the most threads to run on (the caller passes torch's
+ * thread count; < 1: OpenMP's default), never more than there are tasks.
  * head_dim 32, 64 and 128 get code with the dimension as a constant (loops fully unrolled into
  * vectors of VW floats: 16 with AVX-512, else 8); any other head_dim runs the same code with a
  * runtime dimension and a scalar tail. The pool dtype is a constant too (always-inline functions
