@@ -31,7 +31,7 @@
  * and whatever else is in the batch.
  *
  * Work split: one OpenMP task per sequence (its partitions in turn, combined in the task), or with
- * split_context != 0 one task per partition (the combine after a barrier, per sequence), so that
+ * split_context != 0 one task per partition (the task finishing a sequence combines it), so that
  * one long sequence is spread over all threads; with split_heads != 0 each of those tasks is cut
  * further into one per KV head. A task makes one pass over its key rows computing the scores of
  * all its query heads (each row loaded once for all of them), the exponentials per head, then one
@@ -387,6 +387,24 @@ static int64_t paged_decode(const float *q, const void *k_pool, const void *v_po
         if (first != on_stack) free(first);
         return 1;
     }
+    /* Split by partition: tasks of a sequence done so far; the one that completes the sequence
+     * combines it, so the team meets only once, at the end (on a busy machine every barrier can wait
+     * for a thread that is not running). A sequence with nothing attended has no task: zeros here. */
+    int64_t done_on_stack[256];
+    int64_t *done = NULL;
+    if (split_context) {
+        done = num_seqs < 256 ? done_on_stack : (int64_t *)malloc(sizeof(int64_t) * (size_t)num_seqs);
+        if (!done) {
+            free(parts);
+            if (first != on_stack) free(first);
+            return 1;
+        }
+        for (int64_t s = 0; s < num_seqs; s++) {
+            done[s] = 0;
+            if (first[s + 1] == first[s])
+                for (int64_t x = 0; x < num_heads * D; x++) out[s * num_heads * D + x] = 0.f;
+        }
+    }
     int64_t failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -397,7 +415,7 @@ static int64_t paged_decode(const float *q, const void *k_pool, const void *v_po
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
         for (int64_t t = 0; t < units * splits; t++) {
             if (!scratch) continue;
             const int64_t u = t / splits, g0 = (t % splits) * (num_kv_heads / splits), h0 = g0 * groups;
@@ -432,23 +450,15 @@ static int64_t paged_decode(const float *q, const void *k_pool, const void *v_po
                             scale, softcap, scratch, res + h0 * D, res + num_heads * D + h0,
                             res + num_heads * D + num_heads + h0, dt);
             }
-            if (!split_context) combine(mine, np, num_heads, h0, nh, D, o);
+            if (!split_context)
+                combine(mine, np, num_heads, h0, nh, D, o);
+            /* release: this task's results; acquire: every other task's, for the last one */
+            else if (__atomic_add_fetch(&done[s], 1, __ATOMIC_ACQ_REL) == np * splits)
+                combine(mine, np, num_heads, 0, num_heads, D, out + s * num_heads * D);
         }
         free(scratch);
-        int64_t any_failed; /* read after the loop's barrier: every thread sees the same value */
-#pragma omp atomic read
-        any_failed = failed;
-        if (split_context && !any_failed) {
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t s = 0; s < num_seqs; s++) {
-                float *o = out + s * num_heads * D;
-                if (first[s + 1] > first[s])
-                    combine(parts + first[s] * pf, first[s + 1] - first[s], num_heads, 0, num_heads, D, o);
-                else /* nothing attended (an empty context), so no task: zeros */
-                    for (int64_t x = 0; x < num_heads * D; x++) o[x] = 0.f;
-            }
-        }
     }
+    if (done && done != done_on_stack) free(done);
     free(parts);
     if (first != on_stack) free(first);
     return failed;
