@@ -50,15 +50,22 @@ def test_kernel_matches_the_reference_with_prefills_in_the_same_batch(
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+WORK_SPLITS = [(False, False), (False, True), (True, False), (True, True)]
+WORK_SPLIT_IDS = ["task-per-sequence", "task-per-kv-head", "task-per-partition", "task-per-partition-and-kv-head"]
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("split_heads", [False, True], ids=["task-per-sequence", "task-per-kv-head"])
-@pytest.mark.parametrize("decode_lens", [[300], [7, 150, 33], DECODE_LENS], ids=["one", "three", "fourteen"])
+@pytest.mark.parametrize("split_context,split_heads", WORK_SPLITS, ids=WORK_SPLIT_IDS)
+@pytest.mark.parametrize(
+    "decode_lens", [[300], [7, 150, 33], DECODE_LENS, [1000, 64]], ids=["one", "three", "fourteen", "long"]
+)
 @pytest.mark.parametrize("heads,kvh,dim", [(12, 4, 64), (8, 4, 32), (6, 2, 20)], ids=["d64", "d32", "d20"])
-def test_both_work_splits_match_the_reference(kernel, split_heads, decode_lens, heads, kvh, dim):
-    # The kernel picks per-(sequence, KV head) tasks for a few sequences and per-sequence tasks for
-    # many; both are forced here, whatever this machine's thread count would pick.
+def test_every_work_split_matches_the_reference(kernel, split_context, split_heads, decode_lens, heads, kvh, dim):
+    # The kernel picks per-partition tasks (cut by KV head too when still few) for a few sequences
+    # and per-sequence tasks for many; every combination is forced here, whatever this machine's
+    # thread count would pick. Windows of 40 and 100 start mid-partition (partitions are 64 keys).
     query, k_pool, v_pool, meta = _batch(decode_lens, [], block_size=16, kvh=kvh, heads=heads, dim=dim, seed=3)
-    for sliding_window, softcap in [(None, None), (40, 25.0)]:
+    for sliding_window, softcap in [(None, None), (40, 25.0), (100, None)]:
         got = kernel(
             query,
             k_pool,
@@ -69,9 +76,94 @@ def test_both_work_splits_match_the_reference(kernel, split_heads, decode_lens, 
             softcap,
             sliding_window,
             split_heads=split_heads,
+            split_context=split_context,
         )
         want = reference_for(query, k_pool, v_pool, meta, 0.2, sliding_window=sliding_window, softcap=softcap)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("block_size", [1, 4, 16, 48])
+@pytest.mark.parametrize("split_context", [False, True], ids=["task-per-sequence", "task-per-partition"])
+def test_partitions_across_block_sizes_match_the_reference(kernel, block_size, split_context):
+    # Partitions of 64 keys against pages of 1, 4, 16 and 48 tokens (a partition ending mid-page),
+    # sequences of one partition, of several and of a short last one; with a window too.
+    query, k_pool, v_pool, meta = _batch(
+        [1, 63, 64, 65, 129, 200], [], block_size=block_size, kvh=2, heads=6, dim=32, seed=4
+    )
+    for sliding_window, softcap in [(None, None), (70, 30.0)]:
+        got = kernel(
+            query,
+            k_pool,
+            v_pool,
+            meta.block_tables,
+            meta.seq_lens,
+            0.25,
+            softcap,
+            sliding_window,
+            split_context=split_context,
+        )
+        want = reference_for(query, k_pool, v_pool, meta, 0.25, sliding_window=sliding_window, softcap=softcap)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sequence_gets_the_same_bits_whatever_the_work_split_and_the_batch(kernel, dtype):
+    """A sequence's keys are cut into partitions by its own length only, and partitions are combined
+    in order by one function: alone or in a batch, in one task or spread over many, by KV head or
+    not, its output is the same bits (greedy tokens then never depend on what else is running)."""
+    lens = [300, 7, 150, 33, 1000, 64, 65]
+    query, k_pool, v_pool, meta = _batch(lens, [], block_size=16, kvh=4, heads=12, dim=64, seed=6)
+    query, k_pool, v_pool = query.to(dtype), k_pool.to(dtype), v_pool.to(dtype)
+    results = [
+        kernel(query, k_pool, v_pool, meta.block_tables, meta.seq_lens, 0.2, split_heads=h, split_context=c)
+        for c, h in WORK_SPLITS
+    ]
+    for other in results[1:]:
+        assert torch.equal(other, results[0])
+    for i in range(len(lens)):
+        for c, h in WORK_SPLITS:
+            alone = kernel(
+                query[i : i + 1],
+                k_pool,
+                v_pool,
+                meta.block_tables[i : i + 1],
+                meta.seq_lens[i : i + 1],
+                0.2,
+                split_heads=h,
+                split_context=c,
+            )
+            assert torch.equal(alone[0], results[0][i]), (i, c, h)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_engine_on_the_kernel_generates_greedy_tokens_equal_to_generate(llama_model, kernel, monkeypatch, threads):
+    # The kernel serves every decode step, whatever the timing would pick on this machine; a few
+    # requests with contexts of several 64-key partitions, so the steps' decodes run one task per
+    # partition (and KV head): greedy tokens must stay transformers' own.
+    from hf_contbatch.kernels.attention import backends
+
+    monkeypatch.setattr(backends.CPUKernelAttentionBackend, "setup", lambda self, spec, num_heads: "kernel forced")
+    calls = []
+    call = CPUDecodeKernel.__call__
+    monkeypatch.setattr(
+        CPUDecodeKernel, "__call__", lambda self, *a, **kw: calls.append(a[0].shape[0]) or call(self, *a, **kw)
+    )
+    prompts = random_prompts([5, 70, 150], seed=12)
+    refs = [reference_greedy(llama_model, p, 40) for p in prompts]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    eng = LLMEngine(llama_model, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=64)))
+    try:
+        assert eng.cache.backend.decode_kernel.available
+        handles = [eng.submit(p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for p in prompts]
+        assert [h.result(600).output_token_ids for h in handles] == refs
+        assert calls and max(calls) == 3  # the decode steps went through the kernel, three rows at most
+    finally:
+        eng.close()
+        torch.set_num_threads(before)
 
 
 def test_kernel_serves_dense_float32_bfloat16_or_float16_cpu_pools_only(kernel):

@@ -178,9 +178,10 @@ def test_int8_attention_matches_the_reference_on_dequantized_kv(
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("split_context", [False, True], ids=["task-per-sequence", "task-per-partition"])
 @pytest.mark.parametrize("split_heads", [False, True])
 @pytest.mark.parametrize("heads,kvh,dim", [(12, 4, 64), (16, 2, 32), (6, 3, 128)])
-def test_c_kernel_int8_decode_matches_the_torch_int8_path(cpu_backend, split_heads, heads, kvh, dim):
+def test_c_kernel_int8_decode_matches_the_torch_int8_path(cpu_backend, split_context, split_heads, heads, kvh, dim):
     query, _, _, meta, (k_pool, v_pool, k_scale, v_scale) = _int8_case(
         [300, 7, 150, 33], [], 16, kvh, heads, dim, cpu_backend, seed=3
     )
@@ -195,6 +196,7 @@ def test_c_kernel_int8_decode_matches_the_torch_int8_path(cpu_backend, split_hea
         25.0,
         40,
         split_heads=split_heads,
+        split_context=split_context,
         k_scale=k_scale,
         v_scale=v_scale,
     )
@@ -384,7 +386,7 @@ def test_the_narrow_and_portable_builds_store_and_decode_int8_like_the_torch_pat
         want_q, want_s = reference_quantize(k_float)
         torch.testing.assert_close(k_scale, want_s, rtol=1e-6, atol=0)
         assert (k_pool.int() - want_q.int()).abs().max() <= 1
-        for split in (False, True):
+        for split in (False, True):  # by KV head or not; by partition where the other is not
             got = backend.decode_kernel(
                 query,
                 k_pool,
@@ -395,6 +397,7 @@ def test_the_narrow_and_portable_builds_store_and_decode_int8_like_the_torch_pat
                 None,
                 None,
                 split_heads=split,
+                split_context=not split,
                 k_scale=k_scale,
                 v_scale=v_scale,
             )
@@ -419,8 +422,9 @@ def test_the_narrow_and_portable_builds_store_and_decode_int8_like_the_torch_pat
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
 def test_an_int8_decode_row_does_not_depend_on_its_batch(cpu_backend, query_dtype):
-    """A sequence's decode output through the int8 backend is the same bits alone, in a batch of
-    many (the kernel then splits by sequence, not by KV head), and beside prefill chunks."""
+    """A sequence's decode output through the int8 backend is the same bits alone (the kernel then
+    spreads its partitions over the threads), in a batch of many (one task per sequence), and beside
+    prefill chunks."""
     query, _, _, meta, (k_pool, v_pool, k_scale, v_scale) = _int8_case(
         [70, 300, 7, 150, 33, 64, 90, 200, 11, 5, 250], [(9, 60), (33, 33)], 16, 5, 15, 64, cpu_backend, seed=8
     )

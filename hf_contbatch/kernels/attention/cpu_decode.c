@@ -21,19 +21,31 @@
  * sliding_window <= 0: none, else only the last sliding_window positions are attended (keys
  * with position > seq_len - 1 - sliding_window, as the torch path masks them).
  *
- * Work split: one OpenMP task per sequence, or with split_heads != 0 one per (sequence, KV head),
- * so that a step of a few long sequences (the decode tail) still keeps every thread busy. A task
- * makes one pass over its key rows computing the scores of all its query heads (each row loaded
- * once for all of them), a float32 softmax per head, then one pass over its value rows
- * accumulating every head's output. Rows are walked in order, so within a page the reads are
- * sequential; at each row the same row of the next page is prefetched, which hides the jump
- * between pages.
+ * Partitions: a sequence's attended positions [start, len) are cut into partitions of PARTITION
+ * tokens counted from `start` (the last one shorter). Each partition gives, per query head, its
+ * largest score m, the sum l of exp(score - m) over its keys and the values weighted by those
+ * exponentials (unnormalised); one combine then rescales every partition to the largest m of the
+ * sequence and divides by the rescaled sum (flash-decoding / split-K: Tri Dao et al., "Flash-Decoding
+ * for long-context inference", 2023). The cut depends on the sequence alone, and the combine walks
+ * partitions in order, so a sequence's output has the same bits whichever work split computed it
+ * and whatever else is in the batch.
+ *
+ * Work split: one OpenMP task per sequence (its partitions in turn, combined in the task), or with
+ * split_context != 0 one task per partition (the task finishing a sequence combines it), so that
+ * one long sequence is spread over all threads; with split_heads != 0 each of those tasks is cut
+ * further into one per KV head. A task makes one pass over its key rows computing the scores of
+ * all its query heads (each row loaded once for all of them), the exponentials per head, then one
+ * pass over its value rows accumulating every head's weighted values. Rows are walked in order, so
+ * within a page the reads are sequential; at each row the same row of the next page is
+ * prefetched, which hides the jump between pages. split_heads / split_context < 0: chosen here
+ * from the batch (paged_decode). num_threads: the most threads to run on (the caller passes torch's
+ * thread count; < 1: OpenMP's default), never more than there are tasks.
  * head_dim 32, 64 and 128 get code with the dimension as a constant (loops fully unrolled into
  * vectors of VW floats: 16 with AVX-512, else 8); any other head_dim runs the same code with a
  * runtime dimension and a scalar tail. The pool dtype is a constant too (always-inline functions
  * called with a literal flag), so each combination compiles to its own loop.
  */
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__AVX__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <math.h>
@@ -78,10 +90,20 @@ int hf_contbatch_decode_has_f16(void) { return HAS_F16; }
  * waking the team and, on a busy machine, waiting for a core cost about as much as the work). */
 #define STORE_PAR_ELEMS 131072
 
+/* The sum of x's lanes as a tree of vector adds (log2(VW) steps): it runs once per key and query
+ * head, and the plain loop compiled to a chain of scalar adds as long as the vector. */
 INLINE float hsum(vf x) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)x);
+#elif defined(__AVX__)
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128((__m256)x), _mm256_extractf128_ps((__m256)x, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+#else
     float s = 0.f;
     for (int i = 0; i < VW / 2; i++) s += x[i] + x[i + VW / 2];
     return s;
+#endif
 }
 
 /* VW int8 as floats (exact). GCC scalarises __builtin_convertvector from int8 to float, so the
@@ -156,21 +178,22 @@ static inline void prefetch_span(const void *p, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)p + b);
 }
 
-/* Softmax in place over each of nh rows of n scores (softcap > 0: capped first). */
-INLINE void softmax_rows(float *scores, int64_t nh, int64_t n, float softcap) {
+/* Each of nh rows of n scores (softcap > 0: capped first) replaced by exp(score - m), m the row's
+ * largest score, written to m[h], and the sum of the exponentials to l[h]. */
+INLINE void exp_rows(float *scores, int64_t nh, int64_t n, float softcap, float *m, float *l) {
     for (int64_t h = 0; h < nh; h++) {
         float *sc = scores + h * n;
         if (softcap > 0.f)
             for (int64_t j = 0; j < n; j++) sc[j] = softcap * tanhf(sc[j] / softcap);
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < n; j++) mx = sc[j] > mx ? sc[j] : mx;
+        float mx = sc[0];
+        for (int64_t j = 1; j < n; j++) mx = sc[j] > mx ? sc[j] : mx;
 #pragma omp simd
         for (int64_t j = 0; j < n; j++) sc[j] = expf(sc[j] - mx);
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < n; j++) sum += sc[j];
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        for (int64_t j = 0; j < n; j++) sc[j] *= inv;
+        m[h] = mx;
+        l[h] = sum;
     }
 }
 
@@ -182,19 +205,21 @@ INLINE float row_scale(const float *scales, const int32_t *table, int64_t pos, i
     return scales[((int64_t)table[pos / block_size] * block_size + pos % block_size) * kvh + g];
 }
 
-/* One task: nh query heads (qs, o: [nh][D]) over positions [start, len) of one sequence; k_pool and
- * v_pool (and, for int8 pools, ks/vs: the scales) already offset to the task's first KV head; kvh:
- * KV heads per token (the scales' row); scores: nh * (len - start) floats of scratch; dt: the pool's
- * element kind (DT_F32, DT_BF16, DT_I8).
+/* One partition: nh query heads (qs, o: [nh][D]) over positions [start, len) of one sequence; k_pool
+ * and v_pool (and, for int8 pools, ks/vs: the scales) already offset to the task's first KV head;
+ * kvh: KV heads per token (the scales' row); scores: nh * (len - start) floats of scratch; dt: the
+ * pool's element kind (DT_F32, DT_BF16, DT_I8); seq_len: the sequence's length (the next page is
+ * prefetched up to there, across the partition's end). Writes each head's largest score to m[h], its sum of
+ * exponentials to l[h] and its exponential-weighted values, unnormalised, to o (see "Partitions").
  * Each key (value) row of a KV head is loaded once for all the query heads of its group. With D a
  * multiple of VW up to 128 (a constant for 32, 64 and 128) the row is widened into D / VW vector
  * registers (bf16 and int8 conversions are exact); any other D goes through dot() / axpy() per query
  * head, with a scalar tail. An int8 row's token-head scale multiplies each dot product once (each value's
  * weight p once), never the channels. */
 INLINE void attend(const float *qs, const void *k_pool, const void *v_pool, const float *ks, const float *vs,
-                   const int32_t *table, int64_t start, int64_t len, int64_t nh, int64_t groups, int64_t row,
-                   int64_t kvh, const int64_t D, int64_t block_size, float scale, float softcap, float *scores,
-                   float *o, const int dt) {
+                   const int32_t *table, int64_t start, int64_t len, int64_t seq_len, int64_t nh, int64_t groups,
+                   int64_t row, int64_t kvh, const int64_t D, int64_t block_size, float scale, float softcap,
+                   float *scores, float *o, float *m, float *l, const int dt) {
     enum { MAXV = 128 / VW };
     const int in_regs = D % VW == 0 && D <= 128; /* a constant wherever D is */
     const int64_t NV = D / VW, nkv = nh / groups, page = block_size * row, n = len - start;
@@ -202,7 +227,7 @@ INLINE void attend(const float *qs, const void *k_pool, const void *v_pool, cons
     int64_t i = 0;
     for (int64_t pos = start; pos < len; pos++, i++) {
         const int64_t blk = pos / block_size, off = (pos % block_size) * row;
-        if (pos + block_size < len) prefetch_span(at(k_pool, (int64_t)table[blk + 1] * page + off, dt), span);
+        if (pos + block_size < seq_len) prefetch_span(at(k_pool, (int64_t)table[blk + 1] * page + off, dt), span);
         const void *kr = at(k_pool, (int64_t)table[blk] * page + off, dt);
         for (int64_t g = 0; g < nkv; g++) {
             const float sg = scale * row_scale(ks, table, pos, block_size, kvh, g, dt);
@@ -221,12 +246,12 @@ INLINE void attend(const float *qs, const void *k_pool, const void *v_pool, cons
             }
         }
     }
-    softmax_rows(scores, nh, n, softcap);
+    exp_rows(scores, nh, n, softcap, m, l);
     for (int64_t x = 0; x < nh * D; x++) o[x] = 0.f;
     i = 0;
     for (int64_t pos = start; pos < len; pos++, i++) {
         const int64_t blk = pos / block_size, off = (pos % block_size) * row;
-        if (pos + block_size < len) prefetch_span(at(v_pool, (int64_t)table[blk + 1] * page + off, dt), span);
+        if (pos + block_size < seq_len) prefetch_span(at(v_pool, (int64_t)table[blk + 1] * page + off, dt), span);
         const void *vr = at(v_pool, (int64_t)table[blk] * page + off, dt);
         for (int64_t g = 0; g < nkv; g++) {
             const float sg = row_scale(vs, table, pos, block_size, kvh, g, dt);
@@ -246,13 +271,14 @@ INLINE void attend(const float *qs, const void *k_pool, const void *v_pool, cons
     }
 }
 
-/* One task with the head dimension (32, 64, 128: constants) and the pool dtype specialised. */
+/* One partition with the head dimension (32, 64, 128: constants) and the pool dtype specialised. */
 static void attend_task(const float *qs, const void *kp, const void *vp, const float *ks, const float *vs,
-                        const int32_t *table, int64_t start, int64_t len, int64_t nh, int64_t groups, int64_t row,
-                        int64_t kvh, int64_t D, int64_t block_size, float scale, float softcap, float *scores,
-                        float *o, int dt) {
-#define ATTEND(DIM, DT) \
-    attend(qs, kp, vp, ks, vs, table, start, len, nh, groups, row, kvh, DIM, block_size, scale, softcap, scores, o, DT)
+                        const int32_t *table, int64_t start, int64_t len, int64_t seq_len, int64_t nh,
+                        int64_t groups, int64_t row, int64_t kvh, int64_t D, int64_t block_size, float scale,
+                        float softcap, float *scores, float *o, float *m, float *l, int dt) {
+#define ATTEND(DIM, DT)                                                                                            \
+    attend(qs, kp, vp, ks, vs, table, start, len, seq_len, nh, groups, row, kvh, DIM, block_size, scale, softcap, \
+           scores, o, m, l, DT)
 #define ATTEND_DIMS(DT)                     \
     switch (D) {                            \
         case 32: ATTEND(32, DT); break;     \
@@ -275,39 +301,166 @@ static void attend_task(const float *qs, const void *kp, const void *vp, const f
 #undef ATTEND
 }
 
+/* Tokens per partition (see "Partitions"): a multiple of the usual block sizes, long enough that a
+ * partition's combine (nh * (D + 2) floats) is small beside its keys and values, short enough that
+ * one sequence of a few hundred tokens still spreads over the threads. */
+#define PARTITION 64
+
+/* One partition's results in a scratch row of num_heads * (D + 2) floats: the weighted values
+ * [num_heads][D], then m [num_heads], then l [num_heads]. */
+#define PART_FLOATS(num_heads, D) ((num_heads) * ((D) + 2))
+
+/* A sequence's output for heads [h0, h0 + nh): its nparts partitions' rows (parts, PART_FLOATS(num_heads,
+ * D) floats apart) rescaled to the largest m and summed in partition order, over the rescaled sum of
+ * exponentials. One partition: its values over its l. Not inlined: both work splits then run the same
+ * instructions, hence give the same bits. */
+__attribute__((noinline)) static void combine(const float *parts, int64_t nparts, int64_t num_heads, int64_t h0,
+                                              int64_t nh, int64_t D, float *out) {
+    const int64_t stride = PART_FLOATS(num_heads, D);
+    const float *m = parts + num_heads * D, *l = m + num_heads;
+    for (int64_t h = h0; h < h0 + nh; h++) {
+        float *oh = out + (h - h0) * D;
+        float mx = m[h];
+        for (int64_t p = 1; p < nparts; p++) mx = m[p * stride + h] > mx ? m[p * stride + h] : mx;
+        float sum = 0.f;
+        for (int64_t d = 0; d < D; d++) oh[d] = 0.f;
+        for (int64_t p = 0; p < nparts; p++) {
+            const float w = nparts == 1 ? 1.f : expf(m[p * stride + h] - mx);
+            sum += w * l[p * stride + h];
+            const float *op = parts + p * stride + h * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) oh[d] += w * op[d];
+        }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) oh[d] *= inv;
+    }
+}
+
+/* Positions [*start, *len) sequence s attends (sliding_window > 0: the last sliding_window), and
+ * their number of partitions (0 when there are none). */
+static int64_t sequence_span(const int32_t *seq_lens, int64_t s, int64_t sliding_window, int64_t *start,
+                             int64_t *len) {
+    *len = seq_lens[s];
+    *start = (sliding_window > 0 && *len > sliding_window) ? *len - sliding_window : 0;
+    return *len > *start ? (*len - *start + PARTITION - 1) / PARTITION : 0;
+}
+
 static int64_t paged_decode(const float *q, const void *k_pool, const void *v_pool, const float *k_scale,
                             const float *v_scale, int dt, const int32_t *block_tables, const int32_t *seq_lens,
                             int64_t num_seqs, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, int64_t block_size, float scale, float softcap, int64_t sliding_window,
-                            int64_t split_heads, float *out) {
-    const int64_t groups = num_heads / num_kv_heads;
+                            int64_t split_heads, int64_t split_context, int64_t num_threads, float *out) {
+    const int64_t groups = num_heads / num_kv_heads, D = head_dim;
     const int64_t row = num_kv_heads * head_dim; /* elements per token in a page */
+    const int64_t pf = PART_FLOATS(num_heads, D);
+    if (num_threads < 1) num_threads = omp_get_max_threads();
+    /* first[s]: sequence s's first partition in the batch's numbering; first[num_seqs]: all of them
+     * (on the stack for a usual batch: this runs once per layer per step). */
+    int64_t on_stack[256];
+    int64_t *first = num_seqs < 256 ? on_stack : (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
+    if (!first) return 1;
+    first[0] = 0;
+    int64_t longest = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        int64_t start, len;
+        const int64_t np = sequence_span(seq_lens, s, sliding_window, &start, &len);
+        first[s + 1] = first[s] + np;
+        longest = np > longest ? np : longest;
+    }
+    const int64_t total = first[num_seqs];
+    /* Fewer sequences than a few per thread leave threads idle (and one long context on one thread):
+     * split each sequence's partitions into tasks; if that is still too few, split by KV head too
+     * (unless the whole batch is one partition: too little work to wake another thread for). */
+    const int64_t busy = 4 * num_threads;
+    if (split_context < 0) split_context = num_seqs < busy && longest > 1;
+    if (split_heads < 0) split_heads = (split_context ? total : num_seqs) < busy && total > 1;
     const int64_t splits = split_heads ? num_kv_heads : 1;
     const int64_t nh = num_heads / splits;
-    int64_t failed = 0;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t t = 0; t < num_seqs * splits; t++) {
-        const int64_t s = t / splits, g0 = (t % splits) * (num_kv_heads / splits);
-        const int64_t len = seq_lens[s];
-        const int64_t start = (sliding_window > 0 && len > sliding_window) ? len - sliding_window : 0;
-        const int64_t n = len - start;
-        const int64_t q_at = (s * num_heads + g0 * groups) * head_dim;
-        if (n <= 0) {
-            for (int64_t x = 0; x < nh * head_dim; x++) out[q_at + x] = 0.f;
-            continue;
+    const int64_t units = split_context ? total : num_seqs;
+    /* No more threads than tasks: waking a thread with nothing to do costs more than a short task
+     * (and, on a busy machine, waiting for a core to run it on). */
+    if (num_threads > units * splits) num_threads = units * splits > 0 ? units * splits : 1;
+    /* Split by partition: every partition's results, combined after the barrier. */
+    float *parts = split_context ? (float *)malloc(sizeof(float) * (size_t)(total * pf)) : NULL;
+    if (split_context && total > 0 && !parts) {
+        if (first != on_stack) free(first);
+        return 1;
+    }
+    /* Split by partition: tasks of a sequence done so far; the one that completes the sequence
+     * combines it, so the team meets only once, at the end (on a busy machine every barrier can wait
+     * for a thread that is not running). A sequence with nothing attended has no task: zeros here. */
+    int64_t done_on_stack[256];
+    int64_t *done = NULL;
+    if (split_context) {
+        done = num_seqs < 256 ? done_on_stack : (int64_t *)malloc(sizeof(int64_t) * (size_t)num_seqs);
+        if (!done) {
+            free(parts);
+            if (first != on_stack) free(first);
+            return 1;
         }
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(nh * n));
-        if (!scores) {
+        for (int64_t s = 0; s < num_seqs; s++) {
+            done[s] = 0;
+            if (first[s + 1] == first[s])
+                for (int64_t x = 0; x < num_heads * D; x++) out[s * num_heads * D + x] = 0.f;
+        }
+    }
+    int64_t failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        /* This thread's scratch: a partition's scores, and (one task per sequence) every partition's
+         * results, the longest sequence's many. */
+        float *scratch = (float *)malloc(sizeof(float) * (size_t)(nh * PARTITION + (split_context ? 0 : longest * pf)));
+        if (!scratch) {
 #pragma omp atomic write
             failed = 1;
-            continue;
         }
-        attend_task(q + q_at, at(k_pool, g0 * head_dim, dt), at(v_pool, g0 * head_dim, dt),
-                    k_scale ? k_scale + g0 : NULL, v_scale ? v_scale + g0 : NULL, block_tables + s * max_blocks,
-                    start, len, nh, groups, row, num_kv_heads, head_dim, block_size, scale, softcap, scores,
-                    out + q_at, dt);
-        free(scores);
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t t = 0; t < units * splits; t++) {
+            if (!scratch) continue;
+            const int64_t u = t / splits, g0 = (t % splits) * (num_kv_heads / splits), h0 = g0 * groups;
+            /* The sequence and its partitions [p0, p1) this task computes. */
+            int64_t s = u, p0 = 0, p1;
+            if (split_context) {
+                int64_t lo = 0, hi = num_seqs - 1; /* the last s with first[s] <= u */
+                while (lo < hi) {
+                    const int64_t mid = (lo + hi + 1) / 2;
+                    if (first[mid] <= u) lo = mid;
+                    else hi = mid - 1;
+                }
+                s = lo;
+                p0 = u - first[s];
+                p1 = p0 + 1;
+            }
+            int64_t start, len;
+            const int64_t np = sequence_span(seq_lens, s, sliding_window, &start, &len);
+            if (!split_context) p1 = np;
+            float *o = out + (s * num_heads + h0) * D;
+            if (np == 0) { /* nothing attended (an empty context): zeros */
+                for (int64_t x = 0; x < nh * D; x++) o[x] = 0.f;
+                continue;
+            }
+            float *mine = split_context ? parts + first[s] * pf : scratch + nh * PARTITION;
+            for (int64_t p = p0; p < p1; p++) {
+                const int64_t a = start + p * PARTITION, b = a + PARTITION < len ? a + PARTITION : len;
+                float *res = mine + p * pf;
+                attend_task(q + (s * num_heads + h0) * D, at(k_pool, g0 * D, dt), at(v_pool, g0 * D, dt),
+                            k_scale ? k_scale + g0 : NULL, v_scale ? v_scale + g0 : NULL,
+                            block_tables + s * max_blocks, a, b, len, nh, groups, row, num_kv_heads, D, block_size,
+                            scale, softcap, scratch, res + h0 * D, res + num_heads * D + h0,
+                            res + num_heads * D + num_heads + h0, dt);
+            }
+            if (!split_context)
+                combine(mine, np, num_heads, h0, nh, D, o);
+            /* release: this task's results; acquire: every other task's, for the last one */
+            else if (__atomic_add_fetch(&done[s], 1, __ATOMIC_ACQ_REL) == np * splits)
+                combine(mine, np, num_heads, 0, num_heads, D, out + s * num_heads * D);
+        }
+        free(scratch);
     }
+    if (done && done != done_on_stack) free(done);
+    free(parts);
+    if (first != on_stack) free(first);
     return failed;
 }
 
@@ -318,11 +471,11 @@ int64_t hf_contbatch_paged_decode(const float *q, const void *k_pool, const void
                                   const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs,
                                   int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                   int64_t block_size, float scale, float softcap, int64_t sliding_window,
-                                  int64_t split_heads, float *out) {
+                                  int64_t split_heads, int64_t split_context, int64_t num_threads, float *out) {
     const int dt = pool_kind == DT_BF16 ? DT_BF16 : (HAS_F16 && pool_kind == DT_F16) ? DT_F16 : DT_F32;
     return paged_decode(q, k_pool, v_pool, NULL, NULL, dt, block_tables, seq_lens,
                         num_seqs, max_blocks, num_heads, num_kv_heads, head_dim, block_size, scale, softcap,
-                        sliding_window, split_heads, out);
+                        sliding_window, split_heads, split_context, num_threads, out);
 }
 
 /* int8 pools with float32 scales [num_blocks, block_size, num_kv_heads] for K and for V; otherwise as
@@ -331,10 +484,11 @@ int64_t hf_contbatch_paged_decode_q8(const float *q, const int8_t *k_pool, const
                                      const float *v_scale, const int32_t *block_tables, const int32_t *seq_lens,
                                      int64_t num_seqs, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
                                      int64_t head_dim, int64_t block_size, float scale, float softcap,
-                                     int64_t sliding_window, int64_t split_heads, float *out) {
+                                     int64_t sliding_window, int64_t split_heads, int64_t split_context,
+                                     int64_t num_threads, float *out) {
     return paged_decode(q, k_pool, v_pool, k_scale, v_scale, DT_I8, block_tables, seq_lens, num_seqs, max_blocks,
                         num_heads, num_kv_heads, head_dim, block_size, scale, softcap, sliding_window, split_heads,
-                        out);
+                        split_context, num_threads, out);
 }
 
 /* Store one step's K and V rows into their slots: key/value element (h, t, d) at

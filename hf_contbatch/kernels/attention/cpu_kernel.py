@@ -2,10 +2,12 @@
 with the system C compiler.
 
 Why: the plain-torch decode path gathers every request's keys out of the pool each layer and runs
-small batched matmuls (two query rows per KV head). The kernel reads keys and values in place, one
-OpenMP task per request (or per KV head when there are few requests), each key and value row
-loaded once for all its query heads, with the head dimension a compile-time constant and the next
-page prefetched; outputs are unchanged (``benchmarks/bench_breakdown.py`` compares the two paths,
+small batched matmuls (two query rows per KV head). The kernel reads keys and values in place, each
+key and value row loaded once for all its query heads, with the head dimension a compile-time
+constant and the next page prefetched. A request's keys are cut into partitions of 64 tokens whose
+partial softmax results are combined at the end (split-K, as flash-decoding): with many requests
+one OpenMP task per request, with few one per partition (and KV head), so that one long context
+spreads over every thread. Outputs are unchanged (``benchmarks/bench_breakdown.py`` compares the two paths,
 variants ``default;tree=PATH``). The kernel (``cpu_decode.c``) is plain C with no torch headers, so
 it compiles quickly (``cc -O3 -march=native -ffast-math -fopenmp``), is cached per source, compiler
 and CPU (``hf_contbatch.kernels.native_build``), and runs on torch's own OpenMP runtime. Without a C
@@ -39,13 +41,16 @@ def _load(path: Path):
     lib = ctypes.CDLL(str(path))
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     fn = lib.hf_contbatch_paged_decode
-    fn.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, f32, i64, i64, ptr]
+    # (q, pools..., tables, lens, seqs, max blocks, heads, KV heads, head dim, block, scale, softcap,
+    # window, split heads, split context, threads, out): cpu_decode.c's order.
+    sizes = [i64] * 6 + [f32, f32] + [i64] * 4
+    fn.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, *sizes, ptr]
     fn.restype = i64
     store = lib.hf_contbatch_store_kv
     store.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64]
     store.restype = None
     fn_q8 = lib.hf_contbatch_paged_decode_q8
-    fn_q8.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, f32, i64, i64, ptr]
+    fn_q8.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, *sizes, ptr]
     fn_q8.restype = i64
     store_q8 = lib.hf_contbatch_store_kv_q8
     store_q8.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
@@ -238,12 +243,20 @@ class CPUDecodeKernel:
         split_heads: Optional[bool] = None,
         k_scale: Optional[torch.Tensor] = None,
         v_scale: Optional[torch.Tensor] = None,
+        split_context: Optional[bool] = None,
     ) -> torch.Tensor:
         """Decode attention of ``query`` ``[b, H, D]`` over the paged pools ``[blocks, block_size,
-        KVH, D]`` (float32), with int32 ``block_tables`` ``[b, max_blocks]`` and ``seq_lens``
-        ``[b]``; ``scale`` multiplies q.k, ``softcap``/``sliding_window`` as in the torch path.
-        ``split_heads``: one task per (sequence, KV head) instead of per sequence; default: when
-        there are fewer than four sequences per thread (the decode tail), so all threads work.
+        KVH, D]``, with ``block_tables`` ``[b, max_blocks]`` and ``seq_lens`` ``[b]`` (int32 and
+        contiguous is what the kernel reads; other integer tensors are converted per call);
+        ``scale`` multiplies q.k, ``softcap``/``sliding_window`` as in the torch path.
+
+        Each sequence's attended keys are cut into partitions of 64 tokens whose partial softmax
+        results are combined (``cpu_decode.c``, "Partitions"), so a sequence's output has the same
+        bits whichever work split ran and whatever else is in the batch. Work split, chosen by the
+        kernel from the batch and ``torch.get_num_threads()`` where None: ``split_context``, one
+        task per partition instead of per sequence (default: fewer than four sequences per thread,
+        so one long context spreads over the threads); ``split_heads``, each task cut further into
+        one per KV head (default: still fewer than four tasks per thread).
         Pools float32, bfloat16 or float16; or int8 with float32 ``k_scale``/``v_scale`` ``[blocks,
         block_size, KVH, 1]`` (contiguous; each key's dot product and each value's weight times
         its token-head scale). The query is computed with in float32 and the result returned
@@ -251,26 +264,20 @@ class CPUDecodeKernel:
         there is no kernel to call and this raises ``TypeError``).
 
         Raises:
-            MemoryError: the kernel's scratch (``H * seq_len`` floats per task) could not be allocated.
+            MemoryError: the kernel's scratch (a few KB per task) could not be allocated.
         """
-        fn = self._kernel.get()[0]
-        q = query.to(torch.float32).contiguous()
-        tables = block_tables.to(torch.int32).contiguous()
-        lens = seq_lens.to(torch.int32).contiguous()
+        lib = self._kernel.get()
+        # Conversions only where needed: this runs once per layer per step.
+        q = query if query.dtype == torch.float32 and query.is_contiguous() else query.to(torch.float32).contiguous()
+        tables, lens = block_tables, seq_lens
+        if tables.dtype != torch.int32 or not tables.is_contiguous():
+            tables = tables.to(torch.int32).contiguous()
+        if lens.dtype != torch.int32 or not lens.is_contiguous():
+            lens = lens.to(torch.int32).contiguous()
         b, num_heads, head_dim = q.shape
         _, block_size, kvh, _ = k_pool.shape
-        out = torch.empty_like(q)
-        if split_heads is None:
-            split_heads = b < 4 * torch.get_num_threads()
-        if k_scale is not None:
-            fn = self._kernel.get()[2]
-            k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()  # held until the call returns
-            pools = (k_pool.data_ptr(), v_pool.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr())
-        else:
-            pools = (k_pool.data_ptr(), v_pool.data_ptr(), _POOL_KIND[k_pool.dtype])
-        failed = fn(
-            q.data_ptr(),
-            *pools,
+        out = torch.empty((b, num_heads, head_dim))
+        sizes = (
             tables.data_ptr(),
             lens.data_ptr(),
             b,
@@ -282,9 +289,18 @@ class CPUDecodeKernel:
             float(scale),
             float(softcap) if softcap else 0.0,
             int(sliding_window) if sliding_window else 0,
-            int(bool(split_heads)),
+            -1 if split_heads is None else int(split_heads),  # -1: the kernel decides
+            -1 if split_context is None else int(split_context),
+            torch.get_num_threads(),
             out.data_ptr(),
         )
+        if k_scale is None:
+            failed = lib[0](q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), _POOL_KIND[k_pool.dtype], *sizes)
+        else:
+            k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()  # held until the call returns
+            failed = lib[2](
+                q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(), *sizes
+            )
         if failed:
-            raise MemoryError("paged decode attention: the kernel could not allocate its score scratch")
+            raise MemoryError("paged decode attention: the kernel could not allocate its scratch")
         return out if query.dtype == torch.float32 else out.to(query.dtype)
