@@ -26,7 +26,8 @@ shares are what to compare. Variants are ``;``-separated lists of ``EngineConfig
 assignments (``key=value,key=value``; "default" for none; ``cache.FIELD=value`` sets a
 ``CacheConfig`` field, e.g. ``cache.dtype=int8``); the key ``tree=PATH`` runs that
 variant with ``PYTHONPATH=PATH`` (another checkout of hf_contbatch, e.g. ``tree=/work/main``), for
-before/after comparisons in one command.
+before/after comparisons in one command. ``--emulate-cpu no-bf16`` runs every variant's process as on
+a CPU without native bf16 (``emulate_cpu.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+import emulate_cpu
+
 from workload import build_model, workload_for
 
 PARTS = ("scheduler", "inputs", "linears", "attention", "kv store", "model other", "sampling", "outputs")
@@ -317,6 +320,7 @@ def main(argv=None) -> int:
         "on a shared machine the CPU time is far less noisy); wall and CPU seconds of the "
         "whole workload are reported either way",
     )
+    emulate_cpu.add_argument(ap)
     ap.add_argument("--json", default=None)
     ap.add_argument("--single", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -359,12 +363,15 @@ def main(argv=None) -> int:
                         args.clock,
                     ]
                     tree = _parse_variant(v).get("tree")
-                    env = dict(os.environ, PYTHONPATH=tree) if tree else None
+                    env = emulate_cpu.child_env(args.emulate_cpu)
+                    if tree:
+                        env["PYTHONPATH"] = tree
                     subprocess.run(cmd, check=True, env=env)
                     with open(tmp.name) as f:
                         runs[v].append(json.load(f))
         num_requests = len(runs[variants[0]][0]["outputs"])
-        print(f"\n== {model}: {num_requests} requests, {args.threads} threads, {args.repeats} round(s) ==")
+        emulated = f", emulating {args.emulate_cpu}" if args.emulate_cpu else ""
+        print(f"\n== {model}: {num_requests} requests, {args.threads} threads, {args.repeats} round(s){emulated} ==")
         header = f"{'part':>12} " + " ".join(f"{v[:22]:>24}" for v in variants)
         print(header)
         rows = {}

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..native_build import build_library
+from ..native_build import EMULATIONS, build_library
 from .gemm_kernel import PackedWeight
 from .linear_op import register_linear_op
 
@@ -65,9 +65,10 @@ class GemmLibrary:
 def _load_native_library(bf16: bool = True):
     """(GemmLibrary, None) or (None, the exception that prevented it): built once per process, a
     failure too (no compiler: every later engine falls back at once instead of retrying the build).
-    ``bf16=False``: the build of a CPU without AVX512-BF16 (float32 only), on any CPU."""
+    ``bf16=False``: the build of a CPU without native half precision (``native_build.EMULATIONS["no-bf16"]``:
+    bfloat16 weights widened), on any CPU."""
     try:
-        path = build_library(_GEMM_SOURCE, _GEMM_FLAGS if bf16 else [*_GEMM_FLAGS, "-mno-avx512bf16"])
+        path = build_library(_GEMM_SOURCE, _GEMM_FLAGS if bf16 else [*_GEMM_FLAGS, *EMULATIONS["no-bf16"]])
         lib = ctypes.CDLL(str(path))
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:  # no/broken compiler, dlopen failed
         return None, exc
@@ -105,7 +106,8 @@ def _load_native_library(bf16: bool = True):
 
 def native_library(bf16: bool = True) -> GemmLibrary:
     """The compiled GEMM, shared by the process like any loaded library; ``bf16=False``: the
-    float32-only build a CPU without AVX512-BF16 gets (its float32 kernel is the same code).
+    build a CPU without AVX512-BF16 gets (no VDPBF16PS kernel: bfloat16 weights widened; its float32
+    kernel is the same code).
 
     Raises:
         RuntimeError: the kernel cannot be built here (see ``native_build``); the message names why.
