@@ -26,7 +26,8 @@ shares are what to compare. Variants are ``;``-separated lists of ``EngineConfig
 assignments (``key=value,key=value``; "default" for none; ``cache.FIELD=value`` sets a
 ``CacheConfig`` field, e.g. ``cache.dtype=int8``); the key ``tree=PATH`` runs that
 variant with ``PYTHONPATH=PATH`` (another checkout of hf_contbatch, e.g. ``tree=/work/main``), for
-before/after comparisons in one command.
+before/after comparisons in one command. ``--emulate-cpu no-bf16`` runs every variant's process as on
+a CPU without native bf16 (``emulate_cpu.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+import emulate_cpu
+
 from workload import build_model, workload_for
 
 PARTS = ("scheduler", "inputs", "linears", "attention", "kv store", "model other", "sampling", "outputs")
@@ -319,7 +322,8 @@ def main(argv=None) -> int:
         "on a shared machine the CPU time is far less noisy); wall and CPU seconds of the "
         "whole workload are reported either way",
     )
-    ap.add_argument("--json", default=None)
+    emulate_cpu.add_argument(ap)
+    ap.add_argument("--json", default=None, help="write the median runs' figures and greedy outputs here")
     ap.add_argument("--single", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.single:
@@ -361,12 +365,15 @@ def main(argv=None) -> int:
                         args.clock,
                     ]
                     tree = _parse_variant(v).get("tree")
-                    env = dict(os.environ, PYTHONPATH=tree) if tree else None
+                    env = emulate_cpu.child_env(args.emulate_cpu)
+                    if tree:
+                        env["PYTHONPATH"] = tree
                     subprocess.run(cmd, check=True, env=env)
                     with open(tmp.name) as f:
                         runs[v].append(json.load(f))
         num_requests = len(runs[variants[0]][0]["outputs"])
-        print(f"\n== {model}: {num_requests} requests, {args.threads} threads, {args.repeats} round(s) ==")
+        emulated = f", emulating {args.emulate_cpu}" if args.emulate_cpu else ""
+        print(f"\n== {model}: {num_requests} requests, {args.threads} threads, {args.repeats} round(s){emulated} ==")
         header = f"{'part':>12} " + " ".join(f"{v[:22]:>24}" for v in variants)
         print(header)
         rows = {}
@@ -408,7 +415,8 @@ def main(argv=None) -> int:
                 f"{v}: {med(walls[base]) / med(walls[v]):.2f}x (wall), {med(cpus[base]) / med(cpus[v]):.2f}x (cpu) "
                 f"vs {base}; identical outputs {same}/{num_requests}"
             )
-        report[model] = {v: {k: val for k, val in rows[v].items() if k != "outputs"} for v in variants}
+        # Outputs kept too: runs of other dtypes or machines compare their greedy tokens from these files.
+        report[model] = {v: dict(rows[v]) for v in variants}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

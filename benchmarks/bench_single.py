@@ -22,7 +22,8 @@ quantization of its own to compare the int8 rows with. "same tokens" compares th
 greedy tokens on every repeat's prompt (fp32 must match; bf16 may drift where two logits tie within
 bf16's rounding).
 
-Models: ``--model tiny|small|medium`` (``workload.MODEL_SIZES``: random-weight Llamas; medium is
+``--emulate-cpu no-bf16`` reruns the command in a child process as on a CPU without native bf16
+(``emulate_cpu.py``). Models: ``--model tiny|small|medium`` (``workload.MODEL_SIZES``: random-weight Llamas; medium is
 SmolLM2-360M's shape) or a saved model's path. Timing on a shared machine is noisy: quote figures
 with the machine's load (printed at the end) and rerun on a quiet one.
 """
@@ -34,12 +35,15 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+import emulate_cpu  # noqa: E402
+
 from workload import build_model, build_tokenizer  # noqa: E402
 
 #: precision -> (model dtype, EngineConfig.quantization, CacheConfig.dtype or None for the default)
@@ -174,6 +178,7 @@ def print_header(args) -> None:
     print(
         f"\none request: {args.prompt_tokens} prompt tokens + {args.new_tokens} new tokens, greedy, EOS ignored, "
         f"model {args.model}, {torch.get_num_threads()} threads, median of {args.repeats}"
+        + (f", emulating {args.emulate_cpu}" if args.emulate_cpu else "")
     )
     head = (
         f"{'precision':<10}{'engine':<10}{'TTFT ms':>10}{'ITL ms':>10}{'tok/s':>9}{'wall s':>9}   ours/generate tok/s"
@@ -214,7 +219,12 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--no-generate", action="store_true", help="ours only")
     ap.add_argument("--json", help="also write the figures (every run's, and the medians) here")
+    emulate_cpu.add_argument(ap)
     args = ap.parse_args(argv)
+    if not emulate_cpu.emulating(args.emulate_cpu):  # the same command again, as on the emulated CPU
+        argv = sys.argv[1:] if argv is None else list(argv)
+        env = emulate_cpu.child_env(args.emulate_cpu)
+        return subprocess.run([sys.executable, __file__, *argv], env=env).returncode
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
     unknown = [p for p in precisions if p not in PRECISIONS]
     if unknown:

@@ -5,6 +5,12 @@ A library is compiled once per source text, compiler, flags and CPU (``-march=na
 loaded with ctypes and runs on torch's own OpenMP runtime (the same ``libgomp.so.1``). Used by
 ``hf_contbatch.kernels.attention.cpu_kernel`` (paged decode attention) and ``hf_contbatch.kernels.linears.native_gemm``
 (the packed GEMM).
+
+``HF_CONTBATCH_EMULATE_CPU=no-bf16`` (read when a library is built or looked up, so set it before
+the process's first engine; :func:`emulation_flags`) builds every one of them as for a CPU without
+native half precision (no AVX512-BF16, AVX512-FP16, AMX or AVX-VNNI instructions: an AVX-512 Xeon of
+the Cascade Lake / Ice Lake kind), whatever this CPU has: benchmarks and tests run the code such a
+CPU gets. Never a default.
 """
 
 from __future__ import annotations
@@ -32,14 +38,50 @@ def cache_dir() -> Path:
     return Path(base) / "hf_contbatch"
 
 
+EMULATE_CPU_ENV = "HF_CONTBATCH_EMULATE_CPU"
+"""The environment variable naming a narrower CPU our C libraries are built for (:data:`EMULATIONS`)."""
+EMULATIONS: dict[str, tuple[str, ...]] = {
+    # After -march=native: the CPU's other extensions stay (AVX-512, VNNI, F16C conversions).
+    "no-bf16": (
+        "-mno-avx512bf16",
+        "-mno-avx512fp16",
+        "-mno-amx-tile",
+        "-mno-amx-bf16",
+        "-mno-amx-int8",
+        "-mno-avxvnni",
+    ),
+}
+"""Emulated CPU name -> the compiler flags that take its missing instructions out of a build."""
+ONEDNN_ISA_ENV = "ONEDNN_MAX_CPU_ISA"
+"""oneDNN's documented cap on the instructions it uses (torch's bf16 matmuls); part of :func:`cpu_id`
+because it changes what torch's candidates measure."""
+
+
+def emulation_flags() -> list[str]:
+    """The flags :func:`build_library` appends for ``$HF_CONTBATCH_EMULATE_CPU`` (empty when unset).
+
+    Raises:
+        ValueError: the variable names no entry of :data:`EMULATIONS`.
+    """
+    name = os.environ.get(EMULATE_CPU_ENV, "").strip()
+    if not name:
+        return []
+    if name not in EMULATIONS:
+        raise ValueError(f"${EMULATE_CPU_ENV}={name!r}: expected one of {sorted(EMULATIONS)} or unset")
+    return list(EMULATIONS[name])
+
+
 def cpu_id() -> str:
-    """The machine and its CPU flags: what a build or a measurement made on this CPU depends on."""
+    """The machine and its CPU flags as our kernels and torch see them: what a build or a
+    measurement made on this CPU depends on (an emulated narrower CPU, :func:`emulation_flags`, and
+    oneDNN's ``$ONEDNN_MAX_CPU_ISA`` are part of it, so their builds and timings are kept apart)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return platform.machine() + flags
+    limits = [f"{v}={os.environ[v]}" for v in (EMULATE_CPU_ENV, ONEDNN_ISA_ENV) if os.environ.get(v, "").strip()]
+    return platform.machine() + flags + "".join(f" |{limit}" for limit in limits)
 
 
 def _fingerprint(path: Path | str) -> dict[str, Any]:
@@ -72,13 +114,16 @@ def build_library(source: Path, flags: list[str]) -> Path:
     """Path of the shared library compiled from ``source`` with ``flags``, compiling it when this
     source/compiler/flags/CPU has none yet, or when the cached one does not match the size and
     SHA-256 recorded beside it (``<name>.so.sha256.json``) at its build: a damaged library is
-    rebuilt, never loaded.
+    rebuilt, never loaded. ``$HF_CONTBATCH_EMULATE_CPU``'s flags (:func:`emulation_flags`) follow
+    ``flags``.
 
     Raises:
+        ValueError: ``$HF_CONTBATCH_EMULATE_CPU`` names no known CPU.
         RuntimeError: no C compiler (``$CC``, which may carry arguments, else ``cc``, ``gcc`` or
             ``clang``), or the compile failed (the message ends with the compiler's error output).
         OSError, subprocess.CalledProcessError: ``$CC`` names no runnable program.
     """
+    flags = [*flags, *emulation_flags()]
     found = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     # $CC may carry arguments ("ccache gcc", "gcc -m64"), as make and setuptools allow.
     cc = shlex.split(os.environ["CC"]) if os.environ.get("CC", "").strip() else [found] if found else None

@@ -284,7 +284,7 @@ def _half_or_skip(build, dtype):
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 10, 11, 97])  # 1-3: the narrow path; 10-11: one and two tiles
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 10, 11, 48, 97])  # 1-3: narrow; 10-11: one and two tiles; 48+: widened once
 @pytest.mark.parametrize(("k", "n"), [(1, 1), (7, 3), (130, 65), (960, 100)])
 def test_widened_half_weights_give_the_float32_kernels_bits_on_their_widened_copy(widening, dtype, m, k, n):
     # Widening (bf16: a 16-bit shift, fp16: VCVTPH2PS) is exact, so the widening kernel computes the

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..native_build import build_library
+from ..native_build import EMULATIONS, build_library
 from .gemm_kernel import PackedWeight
 from .linear_op import register_linear_op
 
@@ -65,9 +65,10 @@ class GemmLibrary:
 def _load_native_library(bf16: bool = True):
     """(GemmLibrary, None) or (None, the exception that prevented it): built once per process, a
     failure too (no compiler: every later engine falls back at once instead of retrying the build).
-    ``bf16=False``: the build of a CPU without AVX512-BF16 (float32 only), on any CPU."""
+    ``bf16=False``: the build of a CPU without native half precision (``native_build.EMULATIONS["no-bf16"]``:
+    bfloat16 weights widened), on any CPU."""
     try:
-        path = build_library(_GEMM_SOURCE, _GEMM_FLAGS if bf16 else [*_GEMM_FLAGS, "-mno-avx512bf16"])
+        path = build_library(_GEMM_SOURCE, _GEMM_FLAGS if bf16 else [*_GEMM_FLAGS, *EMULATIONS["no-bf16"]])
         lib = ctypes.CDLL(str(path))
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:  # no/broken compiler, dlopen failed
         return None, exc
@@ -105,7 +106,8 @@ def _load_native_library(bf16: bool = True):
 
 def native_library(bf16: bool = True) -> GemmLibrary:
     """The compiled GEMM, shared by the process like any loaded library; ``bf16=False``: the
-    float32-only build a CPU without AVX512-BF16 gets (its float32 kernel is the same code).
+    build a CPU without AVX512-BF16 gets (no VDPBF16PS kernel: bfloat16 weights widened; its float32
+    kernel is the same code).
 
     Raises:
         RuntimeError: the kernel cannot be built here (see ``native_build``); the message names why.
@@ -130,12 +132,17 @@ def _fits(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> bool:
 
 
 def native_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out_features: int,
+    library: Optional[GemmLibrary] = None,
 ) -> torch.Tensor:
     """``x @ W.T + b`` with our GEMM: ``x`` ``[..., in]`` CPU, of the packed weight's dtype
     (float32, bfloat16, or float16 where the build has it), ``packed`` the ``data`` of :meth:`NativeGEMM.pack`,
     ``bias`` ``[out]`` (any float dtype, added in float32) or None; returns ``[..., out]`` in
-    ``x``'s dtype.
+    ``x``'s dtype. ``library``: the build that runs it (that of the :class:`NativeGEMM` that packed;
+    default :func:`native_library`'s).
 
     Raises:
         RuntimeError: ``x`` or ``bias`` of another dtype, device or size than the packed weight
@@ -155,11 +162,15 @@ def native_linear(
                 f"{out_features} CPU outputs"
             )
         bias = bias.to(torch.float32).contiguous()  # kept in a local: the kernel reads it after this line
-    return _native_gemm(x, packed, bias, out_features)
+    return _native_gemm(x, packed, bias, out_features, library)
 
 
 def _native_gemm(
-    x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out_features: int,
+    library: Optional[GemmLibrary] = None,
 ) -> torch.Tensor:
     """:func:`native_linear` without its argument checks, for callers that made them already
     (``x`` CPU with the packed weight's dtype and input size, ``bias`` dense float32 ``[out]``)."""
@@ -173,7 +184,7 @@ def _native_gemm(
         return y.zero_() if bias is None else y.copy_(bias.expand_as(y))
     m = x.numel() // k
     if m:
-        lib = native_library()
+        lib = library or native_library()
         if x.dtype == torch.float32:
             gemm = lib.gemm_f32
         elif packed.dim() == 4:  # the VDPBF16PS layout
@@ -298,14 +309,19 @@ class NativeGEMM:
         """``x`` ``[..., in]`` → ``[..., out_features]`` (``x``'s dtype) through ``packed`` (from
         :meth:`pack`), plus ``bias`` ``[out_features]`` if given. Raises RuntimeError when ``x`` or
         ``bias`` does not fit the packed weight (see :func:`native_linear`)."""
-        return native_linear(x, packed.data, bias, out_features)
+        return native_linear(x, packed.data, bias, out_features, self._own_library())
+
+    def _own_library(self) -> Optional[GemmLibrary]:
+        """The build that packed, where it is not the default one (``bf16=False``): the same build
+        multiplies (None: the default, looked up by the kernel call itself)."""
+        return None if self._bf16 else self.library
 
     def linear_verified(self, x, packed, bias, out_features: int) -> torch.Tensor:
         """:meth:`linear` for arguments already checked (see ``PackedLinears.verified_step``);
         ``bias`` dense float32."""
         if torch.compiler.is_compiling():
             return torch.ops.hf_contbatch.native_linear(x, packed.data, None, None, bias, out_features)
-        return _native_gemm(x, packed.data, bias, out_features)
+        return _native_gemm(x, packed.data, bias, out_features, self._own_library())
 
     @staticmethod
     def step_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
