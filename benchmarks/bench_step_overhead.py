@@ -5,9 +5,10 @@
 
 One request decodes ``--tokens`` tokens; over its decode steps (after ``--skip`` untimed ones) every
 call the fused layer step (``kernels.fused_layer.FusedLayerForward``) makes is timed with
-``time.perf_counter_ns`` by wrapping it (the layer's ``__call__`` and ``fits``, the C wrappers the
-layer module calls by name, ``PagedCacheStep.store_and_attend``, and the packed linears'
-``PackedForward.__call__``, GEMM included). Figures are µs per layer per decode step, inclusive;
+``time.perf_counter_ns`` by wrapping it (the layer's ``__call__`` and ``fits``, the C wrappers it
+calls (``fused_ops.rms_norm``... by name in older trees, ``UncheckedKernels``' methods now), ``PagedCacheStep.store_and_attend``, and the packed linears'
+``PackedForward.__call__``, GEMM included), inside the layer's calls only (the LM head is not
+counted). Figures are µs per layer per decode step, inclusive;
 ``layer rest`` is the layer's time outside the timed calls (its own Python). Each wrapper adds
 about 0.2 µs to its caller's figure, the same in every tree. ``step`` is the mean wall time of a
 whole decode step (engine step, sampling included) in a separate untimed pass.
@@ -35,51 +36,65 @@ from workload import build_model
 
 # The names in kernels.fused_layer's namespace that the layer calls: the C wrappers (older and newer
 # trees; the ones a tree lacks are skipped).
-LAYER_NAMES = ("rms_norm", "rotary", "rotary_qk", "add_rms_norm", "silu_mul", "fits")
+LAYER_NAMES = ("rms_norm", "rotary", "add_rms_norm", "silu_mul", "fits")
 
 
 def _wrap(fn, name, totals, counts, on):
+    """``fn`` timed into ``totals[name]`` while ``on`` says so: a decode step is timed
+    (``on[0]``) and, but for the layer itself, a fused layer's call is running (``on[1]``)."""
     clock = time.perf_counter_ns
+    is_layer = name == "layer"
 
     def timed(*args, **kwargs):
-        if not on[0]:
+        if not on[0] or not (on[1] or is_layer):
             return fn(*args, **kwargs)
+        if is_layer:
+            on[1] = True
         t0 = clock()
         try:
             return fn(*args, **kwargs)
         finally:
             totals[name] += clock() - t0
             counts[name] += 1
+            if is_layer:
+                on[1] = False
 
     return timed
 
 
 def run_one(args) -> dict:
     from hf_contbatch import EngineConfig, LLMEngine, SamplingParams
-    from hf_contbatch.kernels import fused_layer
+    from hf_contbatch.kernels import fused_layer, fused_ops
     from hf_contbatch.kernels.linears import packed_forward
     from hf_contbatch.kernels.paged_cache import PagedCacheStep
 
     torch.set_num_threads(args.threads)
     model = build_model(args.model, dtype=getattr(torch, args.dtype))
     engine = LLMEngine(model, EngineConfig(**({"quantization": args.quantization} if args.quantization else {})))
-    totals, counts, on = defaultdict(int), defaultdict(int), [False]
+    totals, counts, on = defaultdict(int), defaultdict(int), [False, False]
     patched = []
 
     def patch(owner, attr, name):
         fn = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
         patched.append((owner, attr, fn))
-        setattr(owner, attr, _wrap(fn, name, totals, counts, on))
+        if isinstance(fn, staticmethod):
+            setattr(owner, attr, staticmethod(_wrap(fn.__func__, name, totals, counts, on)))
+        else:
+            setattr(owner, attr, _wrap(fn, name, totals, counts, on))
 
     layer_cls = fused_layer.FusedLayerForward
     patch(layer_cls, "__call__", "layer")
     patch(layer_cls, "fits", "layer.fits")
-    for attr in ("step_fits", "_step_check"):  # newer trees' per-step part, where present
+    for attr in ("_forward_fits",):  # newer trees' per-forward part, where present
         if attr in layer_cls.__dict__:
             patch(layer_cls, attr, f"layer.{attr}")
     for name in LAYER_NAMES:
         if name in vars(fused_layer) and name != "fits":
-            patch(fused_layer, name, name)
+            patch(fused_layer, name, name)  # older trees: the checked wrappers, called by name
+    unchecked = getattr(fused_ops, "UncheckedKernels", None)
+    for name in ("rms_norm", "rotary", "add_rms_norm", "silu_mul"):
+        if unchecked is not None and name in unchecked.__dict__:
+            patch(unchecked, name, name)
     if "fits" in vars(fused_layer):
         patch(fused_layer, "fits", "fused_ops.fits")
     patch(PagedCacheStep, "store_and_attend", "store_and_attend")
@@ -106,7 +121,6 @@ def run_one(args) -> dict:
         # Timed pass: every layer call of the decode steps.
         layers_per_step = sum(1 for _ in engine.model.modules() if isinstance(_.__dict__.get("forward"), layer_cls))
         h = engine.submit(prompt, params)
-        first = [True]
         orig_step2 = engine.step
 
         def instrumented_step(*a, **k):
@@ -119,7 +133,6 @@ def run_one(args) -> dict:
                 return orig_step2(*a, **k)
             finally:
                 on[0] = False
-                first[0] = False
 
         engine.step = instrumented_step
         h.result()
@@ -131,7 +144,8 @@ def run_one(args) -> dict:
     n_layer_calls = max(1, counts["layer"])
     per_layer = {k: totals[k] / n_layer_calls / 1e3 for k in totals}
     calls = {k: counts[k] / n_layer_calls for k in counts if k in totals}
-    direct = [k for k in totals if k not in ("layer", "fused_ops.fits")]
+    # The layer's direct callees (fused_ops.fits and _forward_fits run inside layer.fits too).
+    direct = [k for k in totals if k not in ("layer", "fused_ops.fits", "layer._forward_fits")]
     per_layer["layer rest"] = per_layer.get("layer", 0.0) - sum(per_layer[k] for k in direct)
     return {
         "per_layer_us": per_layer,
