@@ -51,6 +51,7 @@ from .fused_ops import (
     norm_form,
     unchecked_kernels,
 )
+from .linears.packed_forward import PackedForward
 from .model_layout import ModelLayout
 from .paged_cache import PagedCacheStep
 
@@ -323,9 +324,13 @@ class FusedLayerForward:
         h = kernels.rms_norm(hidden_states, norm.scale(), norm.eps, True)
         # Called as the modules' __call__ would (no hooks: checked), so packed, fused, int8 and
         # LoRA forwards run as they do under the layer's own forward.
-        q = projections["q_proj"].forward(h)
-        k = projections["k_proj"].forward(h)
-        v = projections["v_proj"].forward(h)
+        qkv = _group_outputs(projections, ("q_proj", "k_proj", "v_proj"), h)
+        if qkv is None:
+            q = projections["q_proj"].forward(h)
+            k = projections["k_proj"].forward(h)
+            v = projections["v_proj"].forward(h)
+        else:
+            q, k, v = qkv
         lead = hidden_states.shape[:-1]
         if (
             q.shape[:-1] != lead
@@ -363,7 +368,11 @@ class FusedLayerForward:
             out = out.contiguous()
         norm = self.post_norm
         total, h = kernels.add_rms_norm(out, hidden_states, norm.scale(), norm.eps, True)
-        gate, up = mlp_projections["gate_proj"].forward(h), mlp_projections["up_proj"].forward(h)
+        gate_up = _group_outputs(mlp_projections, ("gate_proj", "up_proj"), h)
+        if gate_up is None:
+            gate, up = mlp_projections["gate_proj"].forward(h), mlp_projections["up_proj"].forward(h)
+        else:
+            gate, up = gate_up
         if (
             gate.shape == up.shape
             and gate.shape[:-1] == lead
@@ -381,6 +390,23 @@ class FusedLayerForward:
         if down.dtype != total.dtype or down.shape != total.shape:
             return total + down  # as the layer adds them (dtype promotion, broadcasting)
         return total.add_(down)  # total is ours: the residual add in place
+
+
+def _group_outputs(modules: dict, names: tuple[str, ...], x: torch.Tensor) -> Optional[tuple[torch.Tensor, ...]]:
+    """The outputs for ``x`` of the projections ``names`` (children in ``modules``) from one call of
+    their fused group (``FusedGroup.outputs_verified``: one GEMM, its column views) when their
+    current forwards are, in order, exactly the packed members of one group (no wrapper, LoRA say,
+    swapped in since) verified for this step; else None (the caller calls each forward)."""
+    first = modules[names[0]].__dict__.get("forward")
+    if type(first) is not PackedForward or first.group is None:
+        return None
+    members = first.group.members
+    if len(members) != len(names):
+        return None
+    for f, name in zip(members, names):
+        if modules[name].__dict__.get("forward") is not f:
+            return None
+    return first.group.outputs_verified(x)
 
 
 class FusedLayers:

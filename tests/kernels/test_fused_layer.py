@@ -23,6 +23,7 @@ from hf_contbatch.kernels.fused_ops import (
     silu_mul,
     unchecked_kernels,
 )
+from hf_contbatch.kernels.linears.fused import FusedGroup
 from hf_contbatch.kernels.paged_cache import PagedCacheStep
 
 from conftest import build_model, random_prompts, reference_greedy
@@ -293,7 +294,8 @@ def test_unchecked_kernels_give_the_checked_functions_bits(dtype, rows):
 @pytest.mark.parametrize("family", ["llama", "llama-mqa"])
 def test_one_request_decodes_with_one_rotary_call_per_layer_and_generates_tokens(family, monkeypatch):
     """A one-request decode step is one row: q and k (adjacent columns of the fused q/k/v GEMM's
-    output) are rotated in one C call, and the tokens stay transformers' generate's."""
+    output) are rotated in one C call; each fused group's outputs come from one call; and the
+    tokens stay transformers' generate's."""
     model = build_model(family)
     prompt = random_prompts([9], seed=8)[0]
     ref = reference_greedy(model, prompt, NEW)
@@ -305,9 +307,20 @@ def test_one_request_decodes_with_one_rotary_call_per_layer_and_generates_tokens
         return real(self, x, rows, heads, *args)
 
     monkeypatch.setattr(UncheckedKernels, "rotary", counted)
+    grouped = []
+    real_outputs = FusedGroup.outputs_verified
+
+    def counted_outputs(self, x):
+        out = real_outputs(self, x)
+        grouped.append(out is not None and len(out))
+        return out
+
+    monkeypatch.setattr(FusedGroup, "outputs_verified", counted_outputs)
     outs, stats, fused, served = _serve(model, [prompt], _PLAIN, monkeypatch)
     assert outs == [ref]
     n, cfg = model.config.num_hidden_layers, model.config
+    # Every forward (the prefill and each decode) takes q/k/v and gate/up from one group call a layer.
+    assert sorted(grouped) == sorted([3, 2] * n * NEW)
     both = cfg.num_attention_heads + cfg.num_key_value_heads
     # The prefill's 9 rows: q and k apart (2 calls a layer); every decode step's one row: one call.
     assert calls.count((1, both)) == n * (NEW - 1)
