@@ -487,7 +487,11 @@ class FusedNormForward:
         return type(self.module).forward(self.module, hidden_states)
 
     def scale(self) -> torch.Tensor:
-        w = self.module.weight
+        """The float32 scale ``[n]`` of the module's current weight (``1 + weight`` for Gemma's form)."""
+        # The parameter dict first: nn.Module.__getattr__ costs about a microsecond, per layer and step.
+        w = self.module._parameters.get("weight")
+        if w is None:
+            w = self.module.weight
         key = (id(w), w.data_ptr(), w._version, w.dtype)
         if key != self._key:
             with torch.no_grad():
