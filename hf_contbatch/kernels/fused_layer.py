@@ -6,18 +6,25 @@ GEMMs (about 13 ``nn.Module`` calls a layer, their decorators, rotary's 14 small
 residual adds, views and transposes, the attention interface's plumbing). :class:`FusedLayerForward`
 runs the same arithmetic as the layer's own forward:
 
-1. input RMSNorm (``fused_ops.rms_norm``);
+1. input RMSNorm (``fused_ops.rms_norm``'s kernel);
 2. the q/k/v projections through their own forwards, called directly (no ``nn.Module.__call__``:
-   the layer checks that no hook is registered; packed linears of one fused group run one GEMM
-   and return column views of it, ``kernels.linears.fused``);
+   the layer checks that no hook is registered); when they are the verified packed members of one
+   fused group (``kernels.linears.fused``), one call of the group gives all three (one GEMM, its
+   column views);
 3. rotary embedding of q and k in C from the ``position_embeddings`` (cos, sin) the model computed
-   once per forward (``fused_ops.rotary``: the same bits as transformers' eager
-   ``q * cos + rotate_half(q) * sin``), written in the ``[T, heads, head_dim]`` layout attention reads;
+   once per forward (``fused_ops.rotary``'s kernel: the same bits as transformers' eager
+   ``q * cos + rotate_half(q) * sin``), written in the ``[T, heads, head_dim]`` layout attention
+   reads; at one row (a one-request decode) q and k, adjacent in the fused GEMM's output, in one call;
 4. K/V stored and attention over the paged pool through the step's backend
    (``PagedCacheStep.store_and_attend``), as the registered attention function would call it;
-5. ``o_proj``; 6. residual add and post-attention RMSNorm in one C pass (``fused_ops.add_rms_norm``);
+5. ``o_proj``; 6. residual add and post-attention RMSNorm in one C pass (``fused_ops.add_rms_norm``'s kernel);
 7. ``gate_proj``/``up_proj`` (one fused GEMM), ``silu(gate) * up`` in C, ``down_proj``;
 8. residual add.
+
+The C kernels are called through ``fused_ops.UncheckedKernels`` (no per-call argument checks):
+:meth:`FusedLayerForward.fits` and the call check what they need once. What is the same for every
+layer of a forward (position embeddings, the hidden state's dtype and shape, the attention
+implementation) is checked by its first layer and kept on the step (``PagedCacheStep.layer_checks``).
 
 Which layers: recognized by the text of their code, never by model type (:func:`layer_form`): the
 decoder layer's, attention's and MLP's forwards, the RMSNorms' and the attention module's
