@@ -99,6 +99,10 @@ def run_one(args) -> dict:
         patch(fused_layer, "fits", "fused_ops.fits")
     patch(PagedCacheStep, "store_and_attend", "store_and_attend")
     patch(packed_forward.PackedForward, "__call__", "projection")
+    from hf_contbatch.kernels.linears import fused
+
+    if "outputs_verified" in fused.FusedGroup.__dict__:  # newer trees: a fused group's outputs in one call
+        patch(fused.FusedGroup, "outputs_verified", "projection")
     try:
         prompt = list(range(5, 5 + args.prompt))
         params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
