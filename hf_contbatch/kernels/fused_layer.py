@@ -6,18 +6,25 @@ GEMMs (about 13 ``nn.Module`` calls a layer, their decorators, rotary's 14 small
 residual adds, views and transposes, the attention interface's plumbing). :class:`FusedLayerForward`
 runs the same arithmetic as the layer's own forward:
 
-1. input RMSNorm (``fused_ops.rms_norm``);
+1. input RMSNorm (``fused_ops.rms_norm``'s kernel);
 2. the q/k/v projections through their own forwards, called directly (no ``nn.Module.__call__``:
-   the layer checks that no hook is registered; packed linears of one fused group run one GEMM
-   and return column views of it, ``kernels.linears.fused``);
+   the layer checks that no hook is registered); when they are the verified packed members of one
+   fused group (``kernels.linears.fused``), one call of the group gives all three (one GEMM, its
+   column views);
 3. rotary embedding of q and k in C from the ``position_embeddings`` (cos, sin) the model computed
-   once per forward (``fused_ops.rotary``: the same bits as transformers' eager
-   ``q * cos + rotate_half(q) * sin``), written in the ``[T, heads, head_dim]`` layout attention reads;
+   once per forward (``fused_ops.rotary``'s kernel: the same bits as transformers' eager
+   ``q * cos + rotate_half(q) * sin``), written in the ``[T, heads, head_dim]`` layout attention
+   reads; at one row (a one-request decode) q and k, adjacent in the fused GEMM's output, in one call;
 4. K/V stored and attention over the paged pool through the step's backend
    (``PagedCacheStep.store_and_attend``), as the registered attention function would call it;
-5. ``o_proj``; 6. residual add and post-attention RMSNorm in one C pass (``fused_ops.add_rms_norm``);
+5. ``o_proj``; 6. residual add and post-attention RMSNorm in one C pass (``fused_ops.add_rms_norm``'s kernel);
 7. ``gate_proj``/``up_proj`` (one fused GEMM), ``silu(gate) * up`` in C, ``down_proj``;
 8. residual add.
+
+The C kernels are called through ``fused_ops.UncheckedKernels`` (no per-call argument checks):
+:meth:`FusedLayerForward.fits` and the call check what they need once. What is the same for every
+layer of a forward (position embeddings, the hidden state's dtype and shape, the attention
+implementation) is checked by its first layer and kept on the step (``PagedCacheStep.layer_checks``).
 
 Which layers: recognized by the text of their code, never by model type (:func:`layer_form`): the
 decoder layer's, attention's and MLP's forwards, the RMSNorms' and the attention module's
@@ -44,15 +51,14 @@ from .attention import _layer_chunk_size, _mask_only_window, _temperature_tuning
 from .fused_ops import (
     FusedMLPForward,
     FusedNormForward,
-    add_rms_norm,
+    UncheckedKernels,
     fits,
     fused_library,
     mlp_form,
     norm_form,
-    rms_norm,
-    rotary,
-    silu_mul,
+    unchecked_kernels,
 )
+from .linears.packed_forward import PackedForward
 from .model_layout import ModelLayout
 from .paged_cache import PagedCacheStep
 
@@ -209,45 +215,58 @@ class FusedLayerForward:
     def original(self, *args, **kwargs):
         return type(self.layer).forward(self.layer, *args, **kwargs)
 
-    def fits(self, hidden_states, args, kwargs) -> Optional[PagedCacheStep]:
-        """The step's cache view when this call is one the fast path serves exactly, else None: an
-        eager engine step (the runner's ``PagedCacheStep`` as ``cache`` and ``paged_cache``, with
-        metadata; no mask; the model's paged attention registered; no keyword argument beyond
-        :data:`_LAYER_KWARGS`), no autograd, one CPU row ``[1, T, hidden]`` of a dtype the C
-        kernels have, norm weights of that dtype, cos/sin ``[1, T, head_dim]`` of it, no module
-        hooks, evaluation mode, and a layer whose K/V are stored and read as they are (not latent,
-        not shared, no per-key bias, chunk or position-scaled queries)."""
+    def fits(self, hidden_states, args, kwargs) -> Optional[tuple[PagedCacheStep, UncheckedKernels]]:
+        """The step's cache view and the dtype's :class:`~.fused_ops.UncheckedKernels` when this
+        call is one the fast path serves exactly, else None: an eager engine step (the runner's
+        ``PagedCacheStep`` as ``cache`` and ``paged_cache``, with metadata; no mask; the model's
+        paged attention registered; no keyword argument beyond :data:`_LAYER_KWARGS`), no autograd,
+        one contiguous CPU row ``[1, T, hidden]`` (T >= 1) of a dtype the C kernels have, norm
+        weights of that dtype, contiguous cos/sin ``[1, T, head_dim]`` of it, no module hooks,
+        evaluation mode, and a layer whose K/V are stored and read as they are (not latent, not
+        shared, no per-key bias, chunk or position-scaled queries).
+
+        What is the same for every layer of one forward (the position embeddings, the hidden
+        state's dtype and shape, the attention implementation) is checked by the first layer and
+        kept in the step's ``layer_checks``: the others compare identities (:meth:`_forward_fits`)."""
         if args or not kwargs.keys() <= _LAYER_KWARGS or kwargs.get("attention_mask") is not None:
             return None
         step = kwargs.get("paged_cache")
         if type(step) is not PagedCacheStep or kwargs.get("cache", kwargs.get("past_key_values")) is not step:
             return None
-        if (
-            torch.is_grad_enabled()
-            or not fits(hidden_states)
-            or hidden_states.dim() != 3
-            or hidden_states.shape[0] != 1
-        ):
+        if torch.is_grad_enabled():
             return None
         layer, attn = self.layer, self.attn
-        if layer.training or attn.training or not is_paged_attention(attn.config._attn_implementation):
+        pos, config, d = kwargs.get("position_embeddings"), attn.config, attn.head_dim
+        key = (id(config), d)
+        checked = step.layer_checks.get(key)
+        if (
+            checked is None
+            or checked[0] is not pos
+            or checked[1] is not hidden_states.dtype
+            or checked[2] != hidden_states.shape
+            or checked[3] is not config
+        ):
+            checked = (
+                pos,
+                hidden_states.dtype,
+                hidden_states.shape,
+                config,
+                self._forward_fits(hidden_states, pos, config, d),
+            )
+            step.layer_checks[key] = checked
+        kernels = checked[4]
+        if kernels is None or not hidden_states.is_contiguous() or layer.training or attn.training:
             return None
         dtype, width = hidden_states.dtype, hidden_states.shape[-1]
         for norm in self.norms:
             w = norm._parameters.get("weight")  # the dict, not nn.Module.__getattr__: per layer and step
             if w is None or w.dtype != dtype or not w.is_cpu or w.shape != (width,):
                 return None
-        pos = kwargs.get("position_embeddings")
-        shape = (1, hidden_states.shape[1], attn.head_dim)
-        if not (isinstance(pos, tuple) and len(pos) == 2):
+        if _global_hooks():
             return None
-        if any(not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or not t.is_cpu for t in pos):
-            return None
-        if _global_hooks() or any(
-            m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-            for m in self.bypassed
-        ):
-            return None
+        for m in self.bypassed:
+            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+                return None
         # Forwards replaced since (accelerate's offload wraps ``forward`` and keeps ``_hf_hook``):
         # the modules whose forwards the fast path does not call must still be the class's or ours.
         for m in self.skipped:
@@ -259,7 +278,35 @@ class FusedLayerForward:
         idx = attn.layer_idx
         if not step.plain_layer(idx) or _layer_chunk_size(attn) is not None or _temperature_tuning(attn) is not None:
             return None
-        return step
+        return step, kernels
+
+    @staticmethod
+    def _forward_fits(hidden_states, pos, config, head_dim: int) -> Optional[UncheckedKernels]:
+        """The per-forward part of :meth:`fits`, the same for every layer of one forward with this
+        attention ``config`` and ``head_dim`` (the caller keys it by them): the kernels of the
+        hidden state's dtype when it fits, ``pos`` is a (cos, sin) pair of contiguous CPU tensors
+        ``[1, T, head_dim]`` of that dtype and the config's attention is ours; else None."""
+        if (
+            not fits(hidden_states)
+            or hidden_states.dim() != 3
+            or hidden_states.shape[0] != 1
+            or not hidden_states.shape[1]
+            or not hidden_states.shape[2]
+            or not is_paged_attention(config._attn_implementation)
+            or not (isinstance(pos, tuple) and len(pos) == 2)
+        ):
+            return None
+        dtype, shape = hidden_states.dtype, (1, hidden_states.shape[1], head_dim)
+        for t in pos:
+            if (
+                not isinstance(t, torch.Tensor)
+                or t.shape != shape
+                or t.dtype != dtype
+                or not t.is_cpu
+                or not t.is_contiguous()
+            ):
+                return None
+        return unchecked_kernels(dtype)
 
     def _window(self) -> Optional[int]:
         """The sliding window attention passes the attention function (as its forward computes it)."""
@@ -271,52 +318,102 @@ class FusedLayerForward:
         return _mask_only_window(attn)
 
     def __call__(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        step = self.fits(hidden_states, args, kwargs)
-        if step is None:
+        fit = self.fits(hidden_states, args, kwargs)
+        if fit is None:
             return self.original(hidden_states, *args, **kwargs)
+        step, kernels = fit
         attn, mlp = self.attn, self.mlp
         # The projections looked up in the modules' dicts (nn.Module.__getattr__ costs about 0.5 us
         # a lookup), current ones each call: a wrapper swapped in since (LoRA) is the one called.
         projections, mlp_projections = attn._modules, mlp._modules
-        rows, d = hidden_states.shape[1], attn.head_dim
-        h = rms_norm(hidden_states, self.input_norm.scale(), self.input_norm.eps, True)
+        dtype, rows, d = hidden_states.dtype, hidden_states.shape[1], attn.head_dim
+        norm = self.input_norm
+        h = kernels.rms_norm(hidden_states, norm.scale(), norm.eps, True)
         # Called as the modules' __call__ would (no hooks: checked), so packed, fused, int8 and
         # LoRA forwards run as they do under the layer's own forward.
-        q = projections["q_proj"].forward(h)
-        k = projections["k_proj"].forward(h)
-        v = projections["v_proj"].forward(h)
+        qkv = _group_outputs(projections, ("q_proj", "k_proj", "v_proj"), h)
+        if qkv is None:
+            q = projections["q_proj"].forward(h)
+            k = projections["k_proj"].forward(h)
+            v = projections["v_proj"].forward(h)
+        else:
+            q, k, v = qkv
+        lead = hidden_states.shape[:-1]
         if (
-            q.dim() != 3
-            or q.shape[-1] % d
+            q.shape[:-1] != lead
             or k.shape != v.shape
+            or k.shape[:-1] != lead
+            or q.shape[-1] % d
             or k.shape[-1] % d
-            or q.dtype != hidden_states.dtype
-            or not (fits(q) and fits(k) and fits(v))
+            or q.dtype is not dtype
+            or k.dtype is not dtype
+            or v.dtype is not dtype
+            or not (q.is_cpu and k.is_cpu and v.is_cpu)
             or q.stride(-1) != 1
             or k.stride(-1) != 1
             or v.stride(-1) != 1
         ):
             return self.original(hidden_states, *args, **kwargs)  # projections of another shape or dtype
         cos, sin = kwargs["position_embeddings"]
-        query = rotary(q[0], cos[0], sin[0], d)  # [T, H, D]
-        key = rotary(k[0], cos[0], sin[0], d)  # [T, KVH, D]
+        heads, kv_heads = q.shape[-1] // d, k.shape[-1] // d
+        if rows == 1 and k.data_ptr() == q.data_ptr() + q.shape[-1] * q.element_size():
+            # One row whose k follows q in memory (a fused q/k/v GEMM's output): one rotary call
+            # over both heads; the two views of its output are contiguous (one row).
+            both = kernels.rotary(q, 1, heads + kv_heads, d, 0, cos, sin)
+            query, key = both[:, :heads], both[:, heads:]
+        else:
+            query = kernels.rotary(q, rows, heads, d, q.stride(1), cos, sin)  # [T, H, D]
+            key = kernels.rotary(k, rows, kv_heads, d, k.stride(1), cos, sin)  # [T, KVH, D]
         value = v[0].view(rows, -1, d)
         out = step.store_and_attend(attn.layer_idx, query, key, value, attn.scaling, self._window())
         out = projections["o_proj"].forward(out.reshape(1, rows, -1).contiguous())
-        if out.dtype != hidden_states.dtype or out.shape != hidden_states.shape:
+        if out.dtype is not dtype or out.shape != hidden_states.shape or not out.is_cpu:
             # An o_proj of another output dtype (torch would promote the sum): the layer's own ops.
             total = hidden_states + out
             return total + self.layer.mlp(self.layer.post_attention_layernorm(total))
-        total, h = add_rms_norm(out, hidden_states, self.post_norm.scale(), self.post_norm.eps, True)
-        gate, up = mlp_projections["gate_proj"].forward(h), mlp_projections["up_proj"].forward(h)
-        if fits(gate) and fits(up) and gate.shape == up.shape and gate.dtype == up.dtype:
-            act = silu_mul(gate, up)
+        if not out.is_contiguous():
+            out = out.contiguous()
+        norm = self.post_norm
+        total, h = kernels.add_rms_norm(out, hidden_states, norm.scale(), norm.eps, True)
+        gate_up = _group_outputs(mlp_projections, ("gate_proj", "up_proj"), h)
+        if gate_up is None:
+            gate, up = mlp_projections["gate_proj"].forward(h), mlp_projections["up_proj"].forward(h)
+        else:
+            gate, up = gate_up
+        if (
+            gate.shape == up.shape
+            and gate.shape[:-1] == lead
+            and gate.dtype is dtype
+            and up.dtype is dtype
+            and gate.is_cpu
+            and up.is_cpu
+            and gate.stride(-1) == 1
+            and up.stride(-1) == 1
+        ):
+            act = kernels.silu_mul(gate, up, gate.stride(1), up.stride(1))
         else:
             act = mlp.act_fn(gate) * up
         down = mlp_projections["down_proj"].forward(act)
         if down.dtype != total.dtype or down.shape != total.shape:
             return total + down  # as the layer adds them (dtype promotion, broadcasting)
         return total.add_(down)  # total is ours: the residual add in place
+
+
+def _group_outputs(modules: dict, names: tuple[str, ...], x: torch.Tensor) -> Optional[tuple[torch.Tensor, ...]]:
+    """The outputs for ``x`` of the projections ``names`` (children in ``modules``) from one call of
+    their fused group (``FusedGroup.outputs_verified``: one GEMM, its column views) when their
+    current forwards are, in order, exactly the packed members of one group (no wrapper, LoRA say,
+    swapped in since) verified for this step; else None (the caller calls each forward)."""
+    first = modules[names[0]].__dict__.get("forward")
+    if type(first) is not PackedForward or first.group is None:
+        return None
+    members = first.group.members
+    if len(members) != len(names):
+        return None
+    for f, name in zip(members, names):
+        if modules[name].__dict__.get("forward") is not f:
+            return None
+    return first.group.outputs_verified(x)
 
 
 class FusedLayers:

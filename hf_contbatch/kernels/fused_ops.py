@@ -320,6 +320,94 @@ def add_rms_norm(
     return total, y
 
 
+class UncheckedKernels:
+    """The kernels of one dtype for a caller that made or checked its tensors itself (the fused
+    decoder-layer step, ``kernels.fused_layer``, once per step): the ctypes functions bound once,
+    no argument checks, no re-derived strides or dtypes, outputs made with ``torch.empty_like``.
+    The checked functions above cost 5-20 µs a call in a decode step; most of it is what these skip.
+
+    Every tensor must be a CPU tensor of :attr:`dtype` with at least one row and one feature;
+    ``scale`` float32, contiguous ``[n]``. Arguments that break this read or write out of bounds:
+    anything not known to fit goes to the checked functions.
+
+    Args:
+        lib: the built library (:func:`fused_library`).
+        dtype: one of ``lib.dtypes``.
+    """
+
+    def __init__(self, lib: FusedLibrary, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.float32 = dtype == torch.float32
+        self._rms_norm = _kernel(lib, "rms_norm", dtype)
+        self._silu_mul = _kernel(lib, "silu_mul", dtype)
+        self._rotary = _kernel(lib, "rotary", dtype)
+        self._add_rms_norm = _kernel(lib, "add_rms_norm", dtype)
+
+    def rms_norm(self, x: torch.Tensor, scale: torch.Tensor, eps: float, round_first: bool) -> torch.Tensor:
+        """:func:`rms_norm` of a contiguous ``x`` ``[..., n]``: a new contiguous tensor like it."""
+        n = x.shape[-1]
+        y = torch.empty_like(x)
+        if self.float32:
+            self._rms_norm(x.data_ptr(), x.numel() // n, n, n, scale.data_ptr(), eps, y.data_ptr(), n,
+                           torch.get_num_threads())  # fmt: skip
+        else:
+            self._rms_norm(x.data_ptr(), x.numel() // n, n, n, scale.data_ptr(), eps, int(round_first),
+                           y.data_ptr(), n, torch.get_num_threads())  # fmt: skip
+        return y
+
+    def rotary(
+        self,
+        x: torch.Tensor,
+        rows: int,
+        heads: int,
+        head_dim: int,
+        row_stride: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """:func:`rotary` of ``rows`` rows of ``heads * head_dim`` unit-stride features starting at
+        ``x``'s first element, ``row_stride`` elements apart; ``cos``/``sin`` contiguous ``[rows,
+        head_dim]`` (any leading size-1 dims). Returns a new contiguous ``[rows, heads, head_dim]``."""
+        y = x.new_empty((rows, heads, head_dim))
+        self._rotary(x.data_ptr(), rows, heads, head_dim, row_stride, cos.data_ptr(), sin.data_ptr(), head_dim,
+                     y.data_ptr(), torch.get_num_threads())  # fmt: skip
+        return y
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, gate_stride: int, up_stride: int) -> torch.Tensor:
+        """:func:`silu_mul` of ``gate`` and ``up`` ``[1, T, n]``, each rows of unit-stride features
+        at its own row stride in elements (a column slice of one fused gate/up GEMM output, or a
+        contiguous tensor: ``n``). Returns a new contiguous ``[1, T, n]``."""
+        rows, n = gate.shape[1], gate.shape[2]
+        y = gate.new_empty((1, rows, n))
+        self._silu_mul(gate.data_ptr(), up.data_ptr(), rows, n, gate_stride, up_stride, y.data_ptr(),
+                       torch.get_num_threads())  # fmt: skip
+        return y
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, eps: float, round_first: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`add_rms_norm` of contiguous ``x`` and ``residual`` of one shape: ``(residual + x,
+        RMSNorm of it)``, new contiguous tensors like ``x``."""
+        n = x.shape[-1]
+        rows = x.numel() // n
+        total, y = torch.empty_like(x), torch.empty_like(x)
+        if self.float32:
+            self._add_rms_norm(x.data_ptr(), residual.data_ptr(), rows, n, n, n, scale.data_ptr(), eps,
+                               total.data_ptr(), y.data_ptr(), torch.get_num_threads())  # fmt: skip
+        else:
+            self._add_rms_norm(x.data_ptr(), residual.data_ptr(), rows, n, n, n, scale.data_ptr(), eps,
+                               int(round_first), total.data_ptr(), y.data_ptr(), torch.get_num_threads())  # fmt: skip
+        return total, y
+
+
+@functools.cache
+def unchecked_kernels(dtype: torch.dtype) -> Optional[UncheckedKernels]:
+    """The :class:`UncheckedKernels` of ``dtype`` (one per process and dtype: they hold only the
+    library's functions), or None where the library cannot be built or has no ``dtype`` kernels."""
+    lib = fused_library()
+    return UncheckedKernels(lib, dtype) if lib is not None and dtype in lib.dtypes else None
+
+
 # --- per-instance forwards of transformers' RMSNorm and gated-MLP modules ------------------------
 
 _PLAIN_TEXT = str.maketrans("", "", " \n\t")
@@ -399,7 +487,11 @@ class FusedNormForward:
         return type(self.module).forward(self.module, hidden_states)
 
     def scale(self) -> torch.Tensor:
-        w = self.module.weight
+        """The float32 scale ``[n]`` of the module's current weight (``1 + weight`` for Gemma's form)."""
+        # The parameter dict first: nn.Module.__getattr__ costs about a microsecond, per layer and step.
+        w = self.module._parameters.get("weight")
+        if w is None:
+            w = self.module.weight
         key = (id(w), w.data_ptr(), w._version, w.dtype)
         if key != self._key:
             with torch.no_grad():

@@ -62,6 +62,9 @@ class PagedKVCache:
         self.latent_layers = frozenset(i for i in range(spec.num_layers) if spec.layer(i).latent)
         # Layers with pools of their own; a layer sharing another's K/V (Gemma 4) gets its tensors.
         self.owning_layers = [i for i in range(spec.num_layers) if spec.owner(i) == i]
+        # Layers that store their own K/V and read them as they are (neither latent nor shared):
+        # fixed by the spec, so ``PagedCacheStep.plain_layer`` reads a set instead of the spec.
+        self.own_kv_layers = frozenset(i for i in self.owning_layers if i not in self.latent_layers)
         n = num_blocks + spec.num_null_blocks
         self.key_cache = _per_layer(
             spec, lambda i: torch.zeros(spec.layer_shape(n, i), dtype=spec.dtype, device=layer_devices[i])
@@ -280,6 +283,10 @@ class PagedCacheStep(_CBCache):
         # Layers whose per-key bias this step stored (``store_key_bias``): layer -> (top-k width,
         # the dtype the model computed the bias in).
         self._key_bias_calls: dict[int, tuple[int, torch.dtype]] = {}
+        # What the fused decoder-layer step (``kernels.fused_layer``) checked once for this step and
+        # every layer of it (the forward's position embeddings, dtype, shape, attention): it lives
+        # and dies with this view, so a later step checks again.
+        self.layer_checks: dict = {}
         take_stored()  # a record a failed step left on this thread is not this step's
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -455,8 +462,7 @@ class PagedCacheStep(_CBCache):
         latent layer, not one sharing another's K/V, no per-key bias stored this step)."""
         return (
             self.metadata is not None
-            and layer_idx not in self.cache.latent_layers
-            and not self.shares_kv(layer_idx)
+            and layer_idx in self.cache.own_kv_layers
             and layer_idx not in self._key_bias_calls
         )
 

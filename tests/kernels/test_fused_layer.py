@@ -1,6 +1,8 @@
 """The fused decoder-layer step (``kernels/fused_layer``): its C rotary embedding and residual-add +
 RMSNorm against transformers' eager code, and installed by an engine on Llama-form layers: greedy
-tokens equal transformers' generate (also under preemption and chunked prefill, no block leaked),
+tokens equal transformers' generate (also under preemption and chunked prefill, no block leaked;
+a one-request decode with q and k rotated in one call), the unchecked kernel entries give the
+checked functions' bits,
 other families keep their own forwards, hooks and unserved calls run the layer's own forward, and
 the last close removes the forwards."""
 
@@ -12,7 +14,16 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from hf_contbatch.kernels.fused_layer import FusedLayerForward, layer_form
-from hf_contbatch.kernels.fused_ops import add_rms_norm, fused_library, rotary
+from hf_contbatch.kernels.fused_ops import (
+    UncheckedKernels,
+    add_rms_norm,
+    fused_library,
+    rms_norm,
+    rotary,
+    silu_mul,
+    unchecked_kernels,
+)
+from hf_contbatch.kernels.linears.fused import FusedGroup
 from hf_contbatch.kernels.paged_cache import PagedCacheStep
 
 from conftest import build_model, random_prompts, reference_greedy
@@ -241,3 +252,77 @@ def test_half_precision_tokens_equal_the_layers_own_forward(dtype, monkeypatch):
     finally:
         eng.close()
     assert tokens["fused"] == tokens["own"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_unchecked_kernels_give_the_checked_functions_bits(dtype, rows):
+    """The fused layer's unchecked entries (``UncheckedKernels``) on the layouts it passes them
+    (column slices of one fused GEMM output, q and k rotated in one call) equal the checked
+    functions, which the tests above hold to transformers' eager ops."""
+    _dtype_or_skip(dtype)
+    g = torch.Generator().manual_seed(11)
+    kernels = unchecked_kernels(dtype)
+    d, heads, kv_heads, width = 16, 4, 2, 96
+    qkv = torch.randn(1, rows, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    q, k = qkv[..., : heads * d], qkv[..., heads * d : (heads + kv_heads) * d]
+    cos, sin = (torch.randn(1, rows, d, generator=g).to(dtype) for _ in range(2))
+    want_q, want_k = rotary(q[0], cos[0], sin[0], d), rotary(k[0], cos[0], sin[0], d)
+    assert torch.equal(kernels.rotary(q, rows, heads, d, q.stride(1), cos, sin), want_q)
+    assert torch.equal(kernels.rotary(k, rows, kv_heads, d, k.stride(1), cos, sin), want_k)
+    if rows == 1:  # one call over q and the k after it, as the layer makes at a one-row decode
+        both = kernels.rotary(q, 1, heads + kv_heads, d, 0, cos, sin)
+        assert torch.equal(both[:, :heads], want_q) and torch.equal(both[:, heads:], want_k)
+    x = torch.randn(1, rows, width, generator=g).to(dtype)
+    residual = torch.randn(1, rows, width, generator=g).to(dtype)
+    scale = torch.randn(width, generator=g)
+    for round_first in (True, False):
+        assert torch.equal(kernels.rms_norm(x, scale, 1e-5, round_first), rms_norm(x, scale, 1e-5, round_first))
+        got, want = (
+            kernels.add_rms_norm(x, residual, scale, 1e-5, round_first),
+            add_rms_norm(x, residual, scale, 1e-5, round_first),
+        )
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    gate_up = torch.randn(1, rows, 2 * width, generator=g).to(dtype)
+    gate, up = gate_up[..., :width], gate_up[..., width:]
+    assert torch.equal(kernels.silu_mul(gate, up, gate.stride(1), up.stride(1)), silu_mul(gate, up))
+    alone = up.contiguous()
+    assert torch.equal(kernels.silu_mul(gate, alone, gate.stride(1), width), silu_mul(gate, alone))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family", ["llama", "llama-mqa"])
+def test_one_request_decodes_with_one_rotary_call_per_layer_and_generates_tokens(family, monkeypatch):
+    """A one-request decode step is one row: q and k (adjacent columns of the fused q/k/v GEMM's
+    output) are rotated in one C call; each fused group's outputs come from one call; and the
+    tokens stay transformers' generate's."""
+    model = build_model(family)
+    prompt = random_prompts([9], seed=8)[0]
+    ref = reference_greedy(model, prompt, NEW)
+    calls = []
+    real = UncheckedKernels.rotary
+
+    def counted(self, x, rows, heads, *args):
+        calls.append((rows, heads))
+        return real(self, x, rows, heads, *args)
+
+    monkeypatch.setattr(UncheckedKernels, "rotary", counted)
+    grouped = []
+    real_outputs = FusedGroup.outputs_verified
+
+    def counted_outputs(self, x):
+        out = real_outputs(self, x)
+        grouped.append(out is not None and len(out))
+        return out
+
+    monkeypatch.setattr(FusedGroup, "outputs_verified", counted_outputs)
+    outs, stats, fused, served = _serve(model, [prompt], _PLAIN, monkeypatch)
+    assert outs == [ref]
+    n, cfg = model.config.num_hidden_layers, model.config
+    # Every forward (the prefill and each decode) takes q/k/v and gate/up from one group call a layer.
+    assert sorted(grouped) == sorted([3, 2] * n * NEW)
+    both = cfg.num_attention_heads + cfg.num_key_value_heads
+    # The prefill's 9 rows: q and k apart (2 calls a layer); every decode step's one row: one call.
+    assert calls.count((1, both)) == n * (NEW - 1)
+    assert len(calls) == 2 * n + n * (NEW - 1)
+    assert stats.num_free_blocks == stats.num_blocks, "blocks leaked"

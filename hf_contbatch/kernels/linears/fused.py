@@ -20,6 +20,7 @@ use. The outputs are column slices of one buffer (views, not copies).
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Optional
 
 import torch
@@ -209,6 +210,23 @@ class FusedGroup:
         untaken[index] = False
         self._pending = (x, out, untaken)
         return out.narrow(-1, self.offsets[index], self.sizes[index])
+
+    def outputs_verified(self, x: torch.Tensor) -> Optional[tuple[torch.Tensor, ...]]:
+        """Every member's output for ``x`` from one call, in member order: one GEMM and its column
+        views, what calling each member's forward with ``x`` returns inside
+        ``PackedLinears.verified_step`` (the members' per-call Python and the group's bookkeeping
+        of untaken slices skipped: a decoder layer takes its q/k/v or gate/up at once). None,
+        nothing computed, unless every member is verified for this thread and takes ``x`` as its
+        verified path would (dtype, CPU, input features): the caller then calls them one by one."""
+        thread = threading.get_ident()
+        if not x.is_cpu or not x.dim():
+            return None
+        width, dtype = x.shape[-1], x.dtype
+        for f in self.members:
+            if f.verified_thread != thread or f.dtype != dtype or f.module.in_features != width:
+                return None
+        out = self.kernel.linear_verified(x, self.packed, self.bias, self.total)
+        return out.split_with_sizes(self.sizes, -1)  # one call for all views: a third of the narrows' cost
 
 
 def _concatenable(weight: torch.Tensor) -> bool:
