@@ -9,10 +9,10 @@ import copy
 import pytest
 import torch
 
-from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from hf_contbatch import CacheConfig, EngineConfig, LLMEngine, SchedulerConfig
 from hf_contbatch.kernels.linears.registry import INT8_KERNELS
 
-from conftest import build_model, random_prompts, reference_greedy
+from conftest import build_model, random_prompts, reference_greedy, serve_greedy
 
 NEW = 12
 LENGTHS = [1, 5, 17, 33, 40, 9]
@@ -34,20 +34,17 @@ def dequantized_copy(model):
 
 
 def _serve(model, prompts, cfg):
-    eng = LLMEngine(model, cfg)
-    try:
-        handles = [eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
-        outs = [h.result(timeout=600).output_token_ids for h in handles]
-        assert eng.wait_idle(10)
-        stats = eng.stats()
-        eng.block_manager.check_invariants()
-        assert stats.num_free_blocks == stats.num_blocks, "blocks leaked"
-        packed = eng.packed_linears
+    """Greedy tokens (no block leaked), the packed linears (collection, count, modules) and the weight format."""
+    seen = {}
+
+    def read_linears(engine):
+        packed = engine.packed_linears
         # (modules and count read while open: close() empties the collection)
-        info = None if packed is None else (packed, len(packed), list(packed.modules))
-        return outs, info, eng.patches.weight_format
-    finally:
-        eng.close()
+        seen["info"] = None if packed is None else (packed, len(packed), list(packed.modules))
+        seen["format"] = engine.patches.weight_format
+
+    outs, _ = serve_greedy(model, prompts, cfg, NEW, check=read_linears, timeout=600)
+    return outs, seen["info"], seen["format"]
 
 
 @pytest.mark.timeout(1500)

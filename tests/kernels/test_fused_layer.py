@@ -26,7 +26,7 @@ from hf_contbatch.kernels.fused_ops import (
 from hf_contbatch.kernels.linears.fused import FusedGroup
 from hf_contbatch.kernels.paged_cache import PagedCacheStep
 
-from conftest import build_model, random_prompts, reference_greedy
+from conftest import build_model, random_prompts, reference_greedy, serve_greedy
 
 pytestmark = pytest.mark.skipif(fused_library() is None, reason="no C compiler")
 
@@ -88,7 +88,7 @@ def test_residual_add_and_rms_norm_match_the_layer_ops(dtype):
 
 
 def _serve(model, prompts, cfg, monkeypatch=None):
-    """Greedy tokens of ``prompts`` through an engine, the fast path's calls counted."""
+    """Greedy tokens of ``prompts`` through an engine (no block leaked), the fast path's calls counted."""
     served = []
     if monkeypatch is not None:
         real = PagedCacheStep.store_and_attend
@@ -98,18 +98,14 @@ def _serve(model, prompts, cfg, monkeypatch=None):
             return real(self, layer_idx, *args)
 
         monkeypatch.setattr(PagedCacheStep, "store_and_attend", counted)
-    eng = LLMEngine(model, cfg)
-    try:
-        handles = [eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
-        outs = [h.result(timeout=600).output_token_ids for h in handles]
-        assert eng.wait_idle(10)
-        stats = eng.stats()
-        eng.block_manager.check_invariants()
-        layers = eng.patches.fused_layers
-        fused = 0 if layers is None else len(layers.installed)  # before close removes them
-    finally:
-        eng.close()
-    return outs, stats, fused, served
+    seen = {}
+
+    def count_fused(engine):
+        layers = engine.patches.fused_layers
+        seen["fused"] = 0 if layers is None else len(layers.installed)  # before close removes them
+
+    outs, stats = serve_greedy(model, prompts, cfg, NEW, check=count_fused, timeout=600)
+    return outs, stats, seen["fused"], served
 
 
 _PLAIN = EngineConfig(cache=CacheConfig(block_size=16, num_blocks=32))
