@@ -56,6 +56,7 @@ from .fused_ops import (
     fused_library,
     mlp_form,
     norm_form,
+    remove_forwards,
     unchecked_kernels,
 )
 from .linears.packed_forward import PackedForward
@@ -441,9 +442,7 @@ class FusedLayers:
 
     def restore(self) -> None:
         """Remove the installed forwards (the layers' class forwards serve again)."""
-        for module, fwd in self.installed:
-            if module.__dict__.get("forward") is fwd:
-                del module.forward
+        remove_forwards(self.installed)
         self.installed = []
 
     def report(self) -> str:

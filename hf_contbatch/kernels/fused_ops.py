@@ -151,6 +151,25 @@ def _rows_view(x: torch.Tensor) -> Optional[tuple[int, int]]:
     return rows, n if stride is None else stride
 
 
+def _as_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``(x, rows, row stride)`` for the kernels: ``x`` itself where :func:`_rows_view` takes it,
+    else a contiguous copy of it."""
+    view = _rows_view(x)
+    if view is None:
+        x = x.contiguous()
+        view = _rows_view(x)
+    return x, *view
+
+
+def remove_forwards(installed) -> None:
+    """Take each ``(module, forward)`` of ``installed`` off its module, where that forward is still
+    the module's instance ``forward`` (something installed since keeps its own); the class's
+    ``forward`` serves again."""
+    for module, fwd in installed:
+        if module.__dict__.get("forward") is fwd:
+            del module.forward
+
+
 def fits(x: torch.Tensor) -> bool:
     """Whether the kernels take ``x``: a CPU tensor of a dtype the build has (float32, bfloat16,
     float16), no autograd graph wanted."""
@@ -179,11 +198,7 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float, round_first: bool
     n = x.shape[-1]
     if scale.dtype != torch.float32 or scale.shape != (n,) or not scale.is_contiguous():
         raise RuntimeError(f"rms_norm: scale {tuple(scale.shape)} {scale.dtype} does not fit {n} float32 features")
-    view = _rows_view(x)
-    if view is None:
-        x = x.contiguous()
-        view = _rows_view(x)
-    rows, stride = view
+    x, rows, stride = _as_rows(x)
     y = torch.empty(x.shape, dtype=x.dtype)
     if rows and n:
         threads = torch.get_num_threads()
@@ -209,14 +224,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(
             f"silu_mul: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} differ"
         )
-    gv, uv = _rows_view(gate), _rows_view(up)
-    if gv is None:
-        gate = gate.contiguous()
-        gv = _rows_view(gate)
-    if uv is None:
-        up = up.contiguous()
-        uv = _rows_view(up)
-    (rows, g_stride), (_, u_stride) = gv, uv
+    gate, rows, g_stride = _as_rows(gate)
+    up, _, u_stride = _as_rows(up)
     n = gate.shape[-1]
     y = torch.empty(gate.shape, dtype=gate.dtype)
     if rows and n:
@@ -299,14 +308,8 @@ def add_rms_norm(
         )
     if scale.dtype != torch.float32 or scale.shape != (n,) or not scale.is_contiguous():
         raise RuntimeError(f"add_rms_norm: scale {tuple(scale.shape)} {scale.dtype} does not fit {n} float32 features")
-    xv, rv = _rows_view(x), _rows_view(residual)
-    if xv is None:
-        x = x.contiguous()
-        xv = _rows_view(x)
-    if rv is None:
-        residual = residual.contiguous()
-        rv = _rows_view(residual)
-    (rows, x_stride), (_, r_stride) = xv, rv
+    x, rows, x_stride = _as_rows(x)
+    residual, _, r_stride = _as_rows(residual)
     total = torch.empty(x.shape, dtype=x.dtype)
     y = torch.empty(x.shape, dtype=x.dtype)
     if rows and n:
@@ -639,9 +642,7 @@ class FusedModelOps:
 
     def restore(self) -> None:
         """Remove the installed forwards (the modules' class forwards serve again)."""
-        for module, fwd in self.installed:
-            if module.__dict__.get("forward") is fwd:
-                del module.forward
+        remove_forwards(self.installed)
         self.installed = []
 
     def report(self) -> str:
