@@ -43,6 +43,7 @@ import ast
 import inspect
 import sys
 import textwrap
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -107,17 +108,61 @@ attn_output, attn_weights = attention_interface(self, query_states, key_states, 
 attn_output = attn_output.reshape(*input_shape, -1).contiguous()
 attn_output = self.o_proj(attn_output)
 return (attn_output, attn_weights)"""
+# Phi-3's layer: the same with dropouts on the two residual branches (identity in evaluation mode).
+_DROPOUT_LAYER = (
+    _LAYER.replace("hidden_states, _ = self.self_attn", "hidden_states, self_attn_weights = self.self_attn")
+    .replace("residual + hidden_states\nresidual", "residual + self.resid_attn_dropout(hidden_states)\nresidual")
+    .replace("residual + hidden_states\nreturn", "residual + self.resid_mlp_dropout(hidden_states)\nreturn")
+)
+_LAYER_FORMS = {_LAYER: False, _DROPOUT_LAYER: True}  # text -> residual dropouts
+_Q_K = """query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+"""
+# Qwen3: a per-head RMSNorm of q and of k before the transpose (and rotary).
+_Q_K_NORMED = """query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+"""
+# Phi-3: one q/k/v linear, its output's column ranges (query heads from the config).
+_PACKED_QKV = """qkv = self.qkv_proj(hidden_states)
+query_pos = self.config.num_attention_heads * self.head_dim
+query_states = qkv[..., :query_pos]
+key_states = qkv[..., query_pos:query_pos + self.num_key_value_heads * self.head_dim]
+value_states = qkv[..., query_pos + self.num_key_value_heads * self.head_dim:]
+query_states = query_states.view(hidden_shape).transpose(1, 2)
+key_states = key_states.view(hidden_shape).transpose(1, 2)
+value_states = value_states.view(hidden_shape).transpose(1, 2)
+"""
+_V = "value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)\n"
 # Attention's sliding-window argument -> where its value comes from: None (Llama: no argument, the
 # attention function reads a mask-only window from the config), "config" (Mistral), "module" (Qwen2).
+_WINDOWS = {
+    "": None,
+    ", sliding_window=getattr(self.config, 'sliding_window', None)": "config",
+    ", sliding_window=self.sliding_window": "module",
+}
+# How q/k/v are made -> (qk_norm, packed_qkv).
+_PROJECTIONS = {_Q_K + _V: (False, False), _Q_K_NORMED + _V: (True, False), _PACKED_QKV: (False, True)}
+# Attention's text -> (window source, qk_norm, packed_qkv): every projection form with every window.
 _ATTENTION_FORMS = {
-    _ATTENTION.format(window=""): None,
-    _ATTENTION.format(window=", sliding_window=getattr(self.config, 'sliding_window', None)"): "config",
-    _ATTENTION.format(window=", sliding_window=self.sliding_window"): "module",
+    _ATTENTION.replace(_Q_K + _V, proj).format(window=arg): (source, *how)
+    for proj, how in _PROJECTIONS.items()
+    for arg, source in _WINDOWS.items()
 }
 _ROTARY = """cos = cos.unsqueeze(unsqueeze_dim)
 sin = sin.unsqueeze(unsqueeze_dim)
 q_embed = q * cos + rotate_half(q) * sin
 k_embed = k * cos + rotate_half(k) * sin
+return (q_embed, k_embed)"""
+# Phi-3's: rotary over cos's width, the rest of each head passed through. The fast path takes cos/sin
+# only as wide as the head (checked per forward), where q_pass/k_pass are empty and the result is
+# Llama's bit for bit (a cat with an empty tensor copies); partial rotary runs the layer's own forward.
+_PARTIAL_ROTARY = """cos = cos.unsqueeze(unsqueeze_dim)
+sin = sin.unsqueeze(unsqueeze_dim)
+rotary_dim = cos.shape[-1]
+q_rot, q_pass = (q[..., :rotary_dim], q[..., rotary_dim:])
+k_rot, k_pass = (k[..., :rotary_dim], k[..., rotary_dim:])
+q_embed = torch.cat([q_rot * cos + rotate_half(q_rot) * sin, q_pass], dim=-1)
+k_embed = torch.cat([k_rot * cos + rotate_half(k_rot) * sin, k_pass], dim=-1)
 return (q_embed, k_embed)"""
 _ROTATE_HALF = """x1 = x[..., :x.shape[-1] // 2]
 x2 = x[..., x.shape[-1] // 2:]
@@ -129,16 +174,57 @@ _LAYER_KWARGS = frozenset(
 )
 
 
+_DROPOUTS = ("resid_attn_dropout", "resid_mlp_dropout")
+_QK_NORMS = ("q_norm", "k_norm")
+_QKV = ("q_proj", "k_proj", "v_proj")
+_QKV_PACKED = ("qkv_proj",)
+
+
 def _plain_function(fn, text: str) -> bool:
     """Whether ``fn`` is a plain (undecorated) function whose body reads ``text``."""
     return inspect.isfunction(fn) and not hasattr(fn, "__wrapped__") and code_text(fn) == text
 
 
-def layer_form(layer, texts: Optional[dict] = None) -> Optional[tuple]:
-    """``(window_source,)`` when ``layer`` is a decoder layer of the Llama form the fast path
-    reproduces (module docstring), else None. ``window_source``: where attention's sliding window
-    comes from (None, "config" or "module"; see ``_ATTENTION_FORMS``). ``texts``: a memo of
-    :func:`code_text` by function, shared over a model's layers."""
+@dataclass(frozen=True)
+class LayerForm:
+    """How a recognized decoder layer varies from Llama's (each field read from its code's text,
+    :func:`layer_form`); the fast path does each variation's arithmetic exactly as its code does.
+
+    Attributes:
+        window_source: where attention's sliding window comes from: None (no argument: a mask-only
+            window from the config, Llama), "config" (Mistral, Phi-3) or "module" (Qwen2, Qwen3).
+        qk_norm: a per-head RMSNorm ``q_norm``/``k_norm`` of q and k before rotary (Qwen3).
+        packed_qkv: one ``qkv_proj`` linear whose output's columns are q, k, v (Phi-3).
+        packed_gate_up: one ``gate_up_proj`` linear, ``chunk(2)`` into gate and up (Phi-3).
+        dropouts: ``resid_attn_dropout``/``resid_mlp_dropout`` on the residual branches (Phi-3;
+            ``nn.Dropout`` in evaluation mode: the identity).
+    """
+
+    window_source: Optional[str] = None
+    qk_norm: bool = False
+    packed_qkv: bool = False
+    packed_gate_up: bool = False
+    dropouts: bool = False
+
+    def name(self) -> str:
+        """A short label for reports: "llama" or its variations joined by "+"."""
+        parts = [
+            label
+            for label, on in (
+                ("qk-norm", self.qk_norm),
+                ("packed-qkv", self.packed_qkv),
+                ("packed-gate-up", self.packed_gate_up),
+                ("dropouts", self.dropouts),
+            )
+            if on
+        ]
+        return "+".join(parts) or "llama"
+
+
+def layer_form(layer, texts: Optional[dict] = None) -> Optional[LayerForm]:
+    """The :class:`LayerForm` of ``layer`` when it is a decoder layer the fast path reproduces
+    (module docstring: Llama's code, or one of the variations :class:`LayerForm` describes), else
+    None. ``texts``: a memo of :func:`code_text` by function, shared over a model's layers."""
     memo = {} if texts is None else texts
 
     def text(fn) -> str:
@@ -149,23 +235,40 @@ def layer_form(layer, texts: Optional[dict] = None) -> Optional[tuple]:
     children = layer.__dict__.get("_modules", {})
     attn, mlp = children.get("self_attn"), children.get("mlp")
     norms = children.get("input_layernorm"), children.get("post_attention_layernorm")
-    if attn is None or mlp is None or None in norms or text(type(layer).forward) != _LAYER:
+    if attn is None or mlp is None or None in norms:
+        return None
+    dropouts = _LAYER_FORMS.get(text(type(layer).forward))
+    if dropouts is None:
+        return None
+    if dropouts and not all(type(children.get(n)) is torch.nn.Dropout for n in _DROPOUTS):
         return None
     if "forward" in attn.__dict__ or text(type(attn).forward) not in _ATTENTION_FORMS:
         return None  # an instance forward someone installed on attention: theirs
+    window_source, qk_norm, packed_qkv = _ATTENTION_FORMS[text(type(attn).forward)]
     scope = vars(sys.modules.get(type(attn).__module__, object))
+    rotary = scope.get("apply_rotary_pos_emb")
     if not (
-        _plain_function(scope.get("apply_rotary_pos_emb"), _ROTARY)
+        (_plain_function(rotary, _ROTARY) or _plain_function(rotary, _PARTIAL_ROTARY))
         and _plain_function(scope.get("rotate_half"), _ROTATE_HALF)
     ):
         return None
-    if any(norm_form(n) != (True, False) for n in norms) or mlp_form(mlp) != "gate_up":
+    if any(norm_form(n) != (True, False) for n in norms):
         return None
-    if not all(isinstance(getattr(attn, a, None), torch.nn.Module) for a in ("q_proj", "k_proj", "v_proj", "o_proj")):
+    kind = mlp_form(mlp)
+    if kind not in ("gate_up", "fused_gate_up"):
+        return None
+    if qk_norm:
+        qk_norms = tuple(attn.__dict__["_modules"].get(n) for n in _QK_NORMS)
+        if any(n is None or norm_form(n) != (True, False) for n in qk_norms):
+            return None
+    projections = _QKV_PACKED if packed_qkv else _QKV
+    if not all(isinstance(getattr(attn, a, None), torch.nn.Module) for a in (*projections, "o_proj")):
         return None
     if not (isinstance(attn.__dict__.get("head_dim"), int) and isinstance(attn.__dict__.get("layer_idx"), int)):
         return None
-    return (_ATTENTION_FORMS[text(type(attn).forward)],)
+    if packed_qkv and not isinstance(attn.__dict__.get("num_key_value_heads"), int):
+        return None
+    return LayerForm(window_source, qk_norm, packed_qkv, kind == "fused_gate_up", dropouts)
 
 
 def _global_hooks() -> bool:
@@ -187,31 +290,32 @@ class FusedLayerForward:
     ``hidden_states`` ``[1, T, hidden]`` -> ``[1, T, hidden]`` in its dtype, in an eager engine step
     over the paged cache; the layer's own forward otherwise."""
 
-    def __init__(self, layer, window_source: Optional[str]) -> None:
+    def __init__(self, layer, form: LayerForm) -> None:
         self.layer = layer
         self.attn, self.mlp = layer.self_attn, layer.mlp
-        self.window_source = window_source
+        self.form = form
+        self.window_source = form.window_source
         self.input_norm = FusedNormForward(layer.input_layernorm, True, False)
         self.post_norm = FusedNormForward(layer.post_attention_layernorm, True, False)
         a, m = self.attn, self.mlp
+        self.qkv_names = _QKV_PACKED if form.packed_qkv else _QKV
+        self.gate_up_names = ("gate_up_proj",) if form.packed_gate_up else ("gate_proj", "up_proj")
+        qk_norms = tuple(getattr(a, n) for n in _QK_NORMS) if form.qk_norm else ()
+        self.qk_norms = tuple(FusedNormForward(n, True, False) for n in qk_norms)
+        dropouts = tuple(getattr(layer, n) for n in _DROPOUTS) if form.dropouts else ()
+        # Those whose forwards it does the work of instead of calling them.
+        self.skipped = (layer.input_layernorm, layer.post_attention_layernorm, a, m, *qk_norms, *dropouts)
         # The modules whose forwards the fast path calls (or replaces) without their __call__:
         # any hook on them (accelerate's offload, transformers' output capture) runs the layer's own.
         self.bypassed = (
-            layer.input_layernorm,
-            layer.post_attention_layernorm,
-            a,
-            a.q_proj,
-            a.k_proj,
-            a.v_proj,
-            a.o_proj,
-            m,
-            m.gate_proj,
-            m.up_proj,
-            m.down_proj,
+            *self.skipped,
+            *(getattr(a, n) for n in (*self.qkv_names, "o_proj")),
+            *(getattr(m, n) for n in (*self.gate_up_names, "down_proj")),
         )
-        # Those whose forwards it does the work of instead of calling them.
-        self.skipped = (layer.input_layernorm, layer.post_attention_layernorm, a, m)
-        self.norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        # Each RMSNorm with the width its weight must have: hidden, or head_dim for q/k norms.
+        self.norms = ((layer.input_layernorm, None), (layer.post_attention_layernorm, None))
+        self.norms += tuple((n, a.head_dim) for n in qk_norms)
+        self.dropouts = dropouts
 
     def original(self, *args, **kwargs):
         return type(self.layer).forward(self.layer, *args, **kwargs)
@@ -259,9 +363,12 @@ class FusedLayerForward:
         if kernels is None or not hidden_states.is_contiguous() or layer.training or attn.training:
             return None
         dtype, width = hidden_states.dtype, hidden_states.shape[-1]
-        for norm in self.norms:
+        for norm, n in self.norms:
             w = norm._parameters.get("weight")  # the dict, not nn.Module.__getattr__: per layer and step
-            if w is None or w.dtype != dtype or not w.is_cpu or w.shape != (width,):
+            if w is None or w.dtype != dtype or not w.is_cpu or w.shape != (n or width,):
+                return None
+        for dropout in self.dropouts:  # the identity only in evaluation mode
+            if dropout.training:
                 return None
         if _global_hooks():
             return None
@@ -332,13 +439,20 @@ class FusedLayerForward:
         h = kernels.rms_norm(hidden_states, norm.scale(), norm.eps, True)
         # Called as the modules' __call__ would (no hooks: checked), so packed, fused, int8 and
         # LoRA forwards run as they do under the layer's own forward.
-        qkv = _group_outputs(projections, ("q_proj", "k_proj", "v_proj"), h)
-        if qkv is None:
-            q = projections["q_proj"].forward(h)
-            k = projections["k_proj"].forward(h)
-            v = projections["v_proj"].forward(h)
+        if self.form.packed_qkv:
+            # As the attention slices its one linear's output: query heads from the config.
+            qkv = projections["qkv_proj"].forward(h)
+            q_end = attn.config.num_attention_heads * d
+            k_end = q_end + attn.num_key_value_heads * d
+            q, k, v = qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
         else:
-            q, k, v = qkv
+            qkv = _group_outputs(projections, _QKV, h)
+            if qkv is None:
+                q = projections["q_proj"].forward(h)
+                k = projections["k_proj"].forward(h)
+                v = projections["v_proj"].forward(h)
+            else:
+                q, k, v = qkv
         lead = hidden_states.shape[:-1]
         if (
             q.shape[:-1] != lead
@@ -357,7 +471,12 @@ class FusedLayerForward:
             return self.original(hidden_states, *args, **kwargs)  # projections of another shape or dtype
         cos, sin = kwargs["position_embeddings"]
         heads, kv_heads = q.shape[-1] // d, k.shape[-1] // d
-        if rows == 1 and k.data_ptr() == q.data_ptr() + q.shape[-1] * q.element_size():
+        if self.qk_norms:
+            # Qwen3: each head RMS-normalized (q_norm's, k_norm's weight and eps), then rotary: one pass.
+            qn, kn = self.qk_norms
+            query = kernels.rms_norm_rotary(q, rows, heads, d, q.stride(1), qn.scale(), qn.eps, True, cos, sin)
+            key = kernels.rms_norm_rotary(k, rows, kv_heads, d, k.stride(1), kn.scale(), kn.eps, True, cos, sin)
+        elif rows == 1 and k.data_ptr() == q.data_ptr() + q.shape[-1] * q.element_size():
             # One row whose k follows q in memory (a fused q/k/v GEMM's output): one rotary call
             # over both heads; the two views of its output are contiguous (one row).
             both = kernels.rotary(q, 1, heads + kv_heads, d, 0, cos, sin)
@@ -376,11 +495,14 @@ class FusedLayerForward:
             out = out.contiguous()
         norm = self.post_norm
         total, h = kernels.add_rms_norm(out, hidden_states, norm.scale(), norm.eps, True)
-        gate_up = _group_outputs(mlp_projections, ("gate_proj", "up_proj"), h)
-        if gate_up is None:
-            gate, up = mlp_projections["gate_proj"].forward(h), mlp_projections["up_proj"].forward(h)
+        if self.form.packed_gate_up:
+            gate, up = mlp_projections["gate_up_proj"].forward(h).chunk(2, dim=-1)
         else:
-            gate, up = gate_up
+            gate_up = _group_outputs(mlp_projections, ("gate_proj", "up_proj"), h)
+            if gate_up is None:
+                gate, up = mlp_projections["gate_proj"].forward(h), mlp_projections["up_proj"].forward(h)
+            else:
+                gate, up = gate_up
         if (
             gate.shape == up.shape
             and gate.shape[:-1] == lead
@@ -392,6 +514,8 @@ class FusedLayerForward:
             and up.stride(-1) == 1
         ):
             act = kernels.silu_mul(gate, up, gate.stride(1), up.stride(1))
+        elif self.form.packed_gate_up:
+            act = up * mlp.activation_fn(gate)  # Phi-3's order of operands
         else:
             act = mlp.act_fn(gate) * up
         down = mlp_projections["down_proj"].forward(act)
@@ -436,7 +560,7 @@ class FusedLayers:
                 continue
             self.recognized += 1
             if module.input_layernorm.weight.dtype in lib.dtypes:
-                fwd = FusedLayerForward(module, *form)
+                fwd = FusedLayerForward(module, form)
                 module.forward = fwd
                 self.installed.append((module, fwd))
 
@@ -445,6 +569,14 @@ class FusedLayers:
         remove_forwards(self.installed)
         self.installed = []
 
+    def forms(self) -> dict[str, int]:
+        """``{form name: installed layers}`` (:meth:`LayerForm.name`: "llama", "qk-norm", ...)."""
+        counts: dict[str, int] = {}
+        for _, fwd in self.installed:
+            counts[fwd.form.name()] = counts.get(fwd.form.name(), 0) + 1
+        return counts
+
     def report(self) -> str:
-        """One line: how many decoder layers run the fused step."""
-        return f"fused decoder layers: {len(self.installed)} of {self.recognized} Llama-form layers"
+        """One line: how many decoder layers run the fused step, and of which forms."""
+        forms = ", ".join(f"{name} {n}" for name, n in self.forms().items())
+        return f"fused decoder layers: {len(self.installed)} of {self.recognized} recognized layers ({forms or 'none'})"

@@ -49,10 +49,13 @@ class FusedLibrary:
     rotary_bf16: Callable
     add_rms_norm_f32: Callable
     add_rms_norm_bf16: Callable
+    rms_norm_rotary_f32: Callable
+    rms_norm_rotary_bf16: Callable
     rms_norm_f16: Optional[Callable] = None
     silu_mul_f16: Optional[Callable] = None
     rotary_f16: Optional[Callable] = None
     add_rms_norm_f16: Optional[Callable] = None
+    rms_norm_rotary_f16: Optional[Callable] = None
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:
@@ -76,11 +79,13 @@ def _load() -> tuple[Optional[FusedLibrary], Optional[str]]:
     lib.hf_contbatch_rotary_f32.argtypes = lib.hf_contbatch_rotary_bf16.argtypes = rotary
     lib.hf_contbatch_add_rms_norm_f32.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, f32, ptr, ptr, i32]
     lib.hf_contbatch_add_rms_norm_bf16.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, f32, i32, ptr, ptr, i32]
+    norm_rotary = [ptr, i64, i64, i64, i64, ptr, f32, i32, ptr, ptr, i64, ptr, i32]
+    lib.hf_contbatch_rms_norm_rotary_f32.argtypes = lib.hf_contbatch_rms_norm_rotary_bf16.argtypes = norm_rotary
     has_f16 = bool(lib.hf_contbatch_fused_has_f16())
+    ops = ("rms_norm", "silu_mul", "rotary", "add_rms_norm", "rms_norm_rotary")
     if has_f16:
-        for op in ("rms_norm", "silu_mul", "rotary", "add_rms_norm"):
+        for op in ops:
             getattr(lib, f"hf_contbatch_{op}_f16").argtypes = getattr(lib, f"hf_contbatch_{op}_bf16").argtypes
-    ops = ("rms_norm", "silu_mul", "rotary", "add_rms_norm")
     names = [f"{op}_{t}" for op in ops for t in ("f32", "bf16", "f16")]
     for name in names:
         if has_f16 or not name.endswith("_f16"):
@@ -98,10 +103,13 @@ def _load() -> tuple[Optional[FusedLibrary], Optional[str]]:
             rotary_bf16=lib.hf_contbatch_rotary_bf16,
             add_rms_norm_f32=lib.hf_contbatch_add_rms_norm_f32,
             add_rms_norm_bf16=lib.hf_contbatch_add_rms_norm_bf16,
+            rms_norm_rotary_f32=lib.hf_contbatch_rms_norm_rotary_f32,
+            rms_norm_rotary_bf16=lib.hf_contbatch_rms_norm_rotary_bf16,
             rms_norm_f16=lib.hf_contbatch_rms_norm_f16 if has_f16 else None,
             silu_mul_f16=lib.hf_contbatch_silu_mul_f16 if has_f16 else None,
             rotary_f16=lib.hf_contbatch_rotary_f16 if has_f16 else None,
             add_rms_norm_f16=lib.hf_contbatch_add_rms_norm_f16 if has_f16 else None,
+            rms_norm_rotary_f16=lib.hf_contbatch_rms_norm_rotary_f16 if has_f16 else None,
         ),
         None,
     )
@@ -323,6 +331,55 @@ def add_rms_norm(
     return total, y
 
 
+def rms_norm_rotary(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    round_first: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_dim: int,
+) -> torch.Tensor:
+    """A per-head RMSNorm of ``x`` ``[T, heads * head_dim]`` (rows of unit-stride features at one
+    row stride, as :func:`rotary` takes them) over each head's ``head_dim`` features, then the rotary
+    embedding of the result: Qwen3's ``q_norm``/``k_norm`` and ``apply_rotary_pos_emb`` in one pass.
+    ``scale`` float32 ``[head_dim]``, ``eps`` and ``round_first`` as in :func:`rms_norm`; ``cos``/``sin``
+    as in :func:`rotary`. Returns a new contiguous ``[T, heads, head_dim]`` tensor of ``x``'s dtype,
+    bit for bit :func:`rotary` of :func:`rms_norm` of ``x`` viewed as ``[T, heads, head_dim]``.
+
+    Raises:
+        RuntimeError: the kernels cannot be built here, the dtype is not one of the build's, or the
+            shapes, dtypes, strides or scale do not fit.
+    """
+    lib = _library_for(x.dtype)
+    rows, width = x.shape if x.dim() == 2 else (-1, -1)
+    if (
+        head_dim <= 0
+        or width % head_dim
+        or scale.dtype != torch.float32
+        or scale.shape != (head_dim,)
+        or not scale.is_contiguous()
+        or cos.shape != (rows, head_dim)
+        or sin.shape != cos.shape
+        or cos.dtype != x.dtype
+        or sin.dtype != x.dtype
+        or cos.stride() != sin.stride()
+        or (head_dim > 1 and (cos.stride(1) != 1 or x.stride(1) != 1))
+    ):
+        raise RuntimeError(
+            f"rms_norm_rotary: x {tuple(x.shape)} {x.dtype}, scale {tuple(scale.shape)} {scale.dtype}, cos "
+            f"{tuple(cos.shape)} {cos.dtype}, sin {tuple(sin.shape)} {sin.dtype} do not fit heads of {head_dim} features"
+        )
+    heads = width // head_dim
+    y = torch.empty((rows, heads, head_dim), dtype=x.dtype)
+    if rows and width:
+        _kernel(lib, "rms_norm_rotary", x.dtype)(
+            x.data_ptr(), rows, heads, head_dim, x.stride(0), scale.data_ptr(), eps, int(round_first),
+            cos.data_ptr(), sin.data_ptr(), cos.stride(0), y.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+    return y
+
+
 class UncheckedKernels:
     """The kernels of one dtype for a caller that made or checked its tensors itself (the fused
     decoder-layer step, ``kernels.fused_layer``, once per step): the ctypes functions bound once,
@@ -345,6 +402,7 @@ class UncheckedKernels:
         self._silu_mul = _kernel(lib, "silu_mul", dtype)
         self._rotary = _kernel(lib, "rotary", dtype)
         self._add_rms_norm = _kernel(lib, "add_rms_norm", dtype)
+        self._rms_norm_rotary = _kernel(lib, "rms_norm_rotary", dtype)
 
     def rms_norm(self, x: torch.Tensor, scale: torch.Tensor, eps: float, round_first: bool) -> torch.Tensor:
         """:func:`rms_norm` of a contiguous ``x`` ``[..., n]``: a new contiguous tensor like it."""
@@ -374,6 +432,27 @@ class UncheckedKernels:
         y = x.new_empty((rows, heads, head_dim))
         self._rotary(x.data_ptr(), rows, heads, head_dim, row_stride, cos.data_ptr(), sin.data_ptr(), head_dim,
                      y.data_ptr(), torch.get_num_threads())  # fmt: skip
+        return y
+
+    def rms_norm_rotary(
+        self,
+        x: torch.Tensor,
+        rows: int,
+        heads: int,
+        head_dim: int,
+        row_stride: int,
+        scale: torch.Tensor,
+        eps: float,
+        round_first: bool,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """:func:`rms_norm_rotary` of ``rows`` rows laid out as :meth:`rotary` takes them, ``scale``
+        float32 contiguous ``[head_dim]``. Returns a new contiguous ``[rows, heads, head_dim]``."""
+        y = x.new_empty((rows, heads, head_dim))
+        self._rms_norm_rotary(x.data_ptr(), rows, heads, head_dim, row_stride, scale.data_ptr(), eps,
+                              int(round_first), cos.data_ptr(), sin.data_ptr(), head_dim, y.data_ptr(),
+                              torch.get_num_threads())  # fmt: skip
         return y
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, gate_stride: int, up_stride: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ from hf_contbatch.kernels.fused_ops import (
     add_rms_norm,
     fused_library,
     rms_norm,
+    rms_norm_rotary,
     rotary,
     silu_mul,
     unchecked_kernels,
@@ -55,6 +56,44 @@ def test_rotary_equals_transformers_eager_bit_for_bit_on_fused_qkv_slices(dtype,
     assert got_q.shape == (rows, heads, head_dim) and got_q.is_contiguous() and got_q.dtype == dtype
     assert torch.equal(got_q, want_q[0].transpose(0, 1))
     assert torch.equal(got_k, want_k[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [128, 16, 7])
+def test_per_head_rms_norm_and_rotary_equal_qwen3s_q_norm_then_rotary(dtype, head_dim):
+    """Qwen3's ``q_norm(q.view(..., heads, head_dim))`` then ``apply_rotary_pos_emb``, from one C
+    pass over column slices of a fused q/k/v output: in bfloat16/float16 torch's bits; in float32
+    within an ulp (the sum of squares is added in another order, as ``rms_norm``'s), and always
+    bit for bit ``rotary`` of ``rms_norm`` (the kernels the other tests hold to torch)."""
+    _dtype_or_skip(dtype)
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb as qwen3_rotary
+
+    g = torch.Generator().manual_seed(head_dim)
+    rows, heads, kv_heads = 9, 4, 2
+    qkv = (torch.randn(1, rows, (heads + 2 * kv_heads) * head_dim, generator=g) * 3).to(dtype)
+    q = qkv[..., : heads * head_dim]
+    cos, sin = (torch.randn(1, rows, head_dim, generator=g).to(dtype) for _ in range(2))
+    norm = Qwen3RMSNorm(head_dim, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(head_dim, generator=g))
+        norm = norm.to(dtype)
+        normed = norm(q.view(1, rows, heads, head_dim)).transpose(1, 2)
+        want = qwen3_rotary(normed, normed, cos, sin)[0][0].transpose(0, 1)
+    scale = norm.weight.float()
+    got = rms_norm_rotary(q[0], scale, 1e-6, True, cos[0], sin[0], head_dim)
+    assert got.shape == (rows, heads, head_dim) and got.is_contiguous() and got.dtype == dtype
+    two_passes = rms_norm(q[0].reshape(rows * heads, head_dim), scale, 1e-6, True).view(rows, -1)
+    assert torch.equal(got, rotary(two_passes, cos[0], sin[0], head_dim))
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(got, want)
+    kernels = unchecked_kernels(dtype)
+    unchecked = kernels.rms_norm_rotary(q, rows, heads, head_dim, q.stride(1), scale, 1e-6, True, cos, sin)
+    assert torch.equal(unchecked, got)
+    with pytest.raises(RuntimeError, match="rms_norm_rotary"):
+        rms_norm_rotary(q[0], scale[:-1].contiguous(), 1e-6, True, cos[0], sin[0], head_dim)  # scale too short
 
 
 def test_rotary_refuses_what_does_not_fit():
@@ -102,7 +141,7 @@ def _serve(model, prompts, cfg, monkeypatch=None):
 
     def count_fused(engine):
         layers = engine.patches.fused_layers
-        seen["fused"] = 0 if layers is None else len(layers.installed)  # before close removes them
+        seen["fused"] = {} if layers is None else layers.forms()  # before close removes them
 
     outs, stats = serve_greedy(model, prompts, cfg, NEW, check=count_fused, timeout=600)
     return outs, stats, seen["fused"], served
@@ -116,17 +155,28 @@ _TIGHT = EngineConfig(
 )
 
 
+# Each family's layer form as FusedLayers.forms names it (LayerForm.name).
+_FORMS = {
+    "llama": "llama",
+    "llama-mqa": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "qwen3": "qk-norm",
+    "phi3": "packed-qkv+packed-gate-up+dropouts",
+}
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("family", ["llama", "llama-mqa", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", list(_FORMS))
 @pytest.mark.parametrize("cfg", [_PLAIN, _TIGHT], ids=["batched", "preempted-chunked"])
-def test_llama_form_layers_take_the_fused_step_and_keep_greedy_tokens_equal_to_generate(family, cfg, monkeypatch):
+def test_recognized_layers_take_the_fused_step_and_keep_greedy_tokens_equal_to_generate(family, cfg, monkeypatch):
     model = build_model(family)
     prompts = random_prompts([1, 7, 30, 45], seed=5)
     refs = [reference_greedy(model, p, NEW) for p in prompts]
     outs, stats, fused, served = _serve(model, prompts, cfg, monkeypatch)
     assert outs == refs
     n = model.config.num_hidden_layers
-    assert fused == n
+    assert fused == {_FORMS[family]: n}
     assert served and set(served) == set(range(n))  # every layer took the fused step
     assert stats.num_free_blocks == stats.num_blocks, "blocks leaked"
     if cfg is _TIGHT and family != "mistral":  # Mistral's 8-token window gives blocks back: no pressure
@@ -135,16 +185,28 @@ def test_llama_form_layers_take_the_fused_step_and_keep_greedy_tokens_equal_to_g
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("family", ["qwen3", "gemma", "phi3"])
+@pytest.mark.parametrize("family", ["gemma", "gemma2"])
 def test_other_families_keep_their_own_layer_forward(family, monkeypatch):
-    # Qwen3 normalizes q and k, Gemma's norm adds one to its weight, Phi-3 projects q/k/v as one
-    # linear: their code reads otherwise, so no fused step, and generate's tokens all the same.
+    # Gemma's norm adds one to its weight and its MLP is GELU; Gemma 2 adds post-norms and
+    # soft-capping: their code reads otherwise, so no fused step, and generate's tokens all the same.
     model = build_model(family)
     assert not any(layer_form(m) for m in model.modules())
     prompts = random_prompts([7, 30], seed=6)
     refs = [reference_greedy(model, p, NEW) for p in prompts]
     outs, _, fused, served = _serve(model, prompts, _PLAIN, monkeypatch)
-    assert outs == refs and fused == 0 and not served
+    assert outs == refs and fused == {} and not served
+
+
+@pytest.mark.timeout(600)
+def test_phi3_with_partial_rotary_runs_its_own_layer_forward(monkeypatch):
+    # Phi-3's rotary leaves a head's last features unrotated when cos is narrower than the head:
+    # the layers are recognized (their code reads as the fast path's), but every call steps aside.
+    model = build_model("phi3", partial_rotary_factor=0.5)
+    assert all(layer_form(layer) is not None for layer in model.model.layers)
+    prompts = random_prompts([7, 30], seed=6)
+    refs = [reference_greedy(model, p, NEW) for p in prompts]
+    outs, _, fused, served = _serve(model, prompts, _PLAIN, monkeypatch)
+    assert outs == refs and fused == {"packed-qkv+packed-gate-up+dropouts": 2} and not served
 
 
 @pytest.mark.timeout(600)
@@ -160,7 +222,7 @@ def test_a_hooked_module_runs_the_layers_own_forward(monkeypatch):
     finally:
         handle.remove()
     assert outs == refs
-    assert fused == 2
+    assert fused == {"llama": 2}
     assert served and set(served) == {0}  # layer 1's hook ran on every step: its own forward served it
     assert seen  # the hook saw the engine's steps
 
