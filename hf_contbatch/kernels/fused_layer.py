@@ -169,8 +169,20 @@ x2 = x[..., x.shape[-1] // 2:]
 return torch.cat((-x2, x1), dim=-1)"""
 # The keyword arguments a Llama-form model passes its decoder layers in an engine step (anything
 # else, e.g. a request for attention weights, runs the layer's own forward).
+# ``output_router_logits``: what a mixture-of-experts model (Qwen3-MoE) passes every layer; a dense
+# layer's code only hands it on to the attention function, which does not read it (router logits
+# are collected by hooks on the routers, which a dense layer has none of).
 _LAYER_KWARGS = frozenset(
-    {"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "position_embeddings", "paged_cache"}
+    {
+        "attention_mask",
+        "position_ids",
+        "cache",
+        "past_key_values",
+        "use_cache",
+        "position_embeddings",
+        "paged_cache",
+        "output_router_logits",
+    }
 )
 
 

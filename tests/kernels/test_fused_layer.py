@@ -198,6 +198,27 @@ def test_other_families_keep_their_own_layer_forward(family, monkeypatch):
 
 
 @pytest.mark.timeout(600)
+def test_qwen3_moe_dense_layers_take_the_fused_step_and_its_sparse_layers_keep_their_forward(monkeypatch):
+    # Qwen3-MoE's layer and attention read as Qwen3's; a layer listed in mlp_only_layers has the
+    # gated SiLU MLP (fused), the others a sparse MoE block (their own forward).
+    import transformers as tf
+
+    from conftest import _common
+
+    torch.manual_seed(0)
+    cfg = tf.Qwen3MoeConfig(
+        **_common(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0])
+    )
+    model = tf.Qwen3MoeForCausalLM(cfg).eval()
+    prompts = random_prompts([1, 7, 30, 45], seed=5)
+    refs = [reference_greedy(model, p, NEW) for p in prompts]
+    outs, stats, fused, served = _serve(model, prompts, _TIGHT, monkeypatch)
+    assert outs == refs
+    assert fused == {"qk-norm": 1} and served and set(served) == {0}
+    assert stats.num_free_blocks == stats.num_blocks, "blocks leaked"
+
+
+@pytest.mark.timeout(600)
 def test_phi3_with_partial_rotary_runs_its_own_layer_forward(monkeypatch):
     # Phi-3's rotary leaves a head's last features unrotated when cos is narrower than the head:
     # the layers are recognized (their code reads as the fast path's), but every call steps aside.
