@@ -108,19 +108,48 @@ attn_output, attn_weights = attention_interface(self, query_states, key_states, 
 attn_output = attn_output.reshape(*input_shape, -1).contiguous()
 attn_output = self.o_proj(attn_output)
 return (attn_output, attn_weights)"""
-# Phi-3's layer: the same with dropouts on the two residual branches (identity in evaluation mode).
+# The layer's variations: its text -> the LayerForm fields it sets.
+# Phi-3: dropouts on the two residual branches (identity in evaluation mode).
 _DROPOUT_LAYER = (
     _LAYER.replace("hidden_states, _ = self.self_attn", "hidden_states, self_attn_weights = self.self_attn")
     .replace("residual + hidden_states\nresidual", "residual + self.resid_attn_dropout(hidden_states)\nresidual")
     .replace("residual + hidden_states\nreturn", "residual + self.resid_mlp_dropout(hidden_states)\nreturn")
 )
-_LAYER_FORMS = {_LAYER: False, _DROPOUT_LAYER: True}  # text -> residual dropouts
+# Granite: each branch scaled by the config's residual multiplier before the residual add.
+_MULTIPLIER_LAYER = _LAYER.replace(
+    "residual + hidden_states\n", "residual + hidden_states * self.residual_multiplier\n"
+)
+# OLMo2: no norm before attention or the MLP; their outputs normalized before the residual adds.
+_POST_NORM_LAYER = """residual = hidden_states
+hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+hidden_states = self.post_attention_layernorm(hidden_states)
+hidden_states = residual + hidden_states
+residual = hidden_states
+hidden_states = self.mlp(hidden_states)
+hidden_states = self.post_feedforward_layernorm(hidden_states)
+hidden_states = residual + hidden_states
+return hidden_states"""
+_LAYER_FORMS = {
+    _LAYER: {},
+    _DROPOUT_LAYER: {"dropouts": True},
+    _MULTIPLIER_LAYER: {"residual_multiplier": True},
+    _POST_NORM_LAYER: {"post_norms": True},
+}
 _Q_K = """query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 """
+_V = "value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)\n"
 # Qwen3: a per-head RMSNorm of q and of k before the transpose (and rotary).
-_Q_K_NORMED = """query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+_Q_K_HEAD_NORMED = """query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
 key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+"""
+# OLMo2: an RMSNorm of the whole q and k projections (all heads' features together).
+_Q_K_V_NORMED = """query_states = self.q_norm(self.q_proj(hidden_states))
+key_states = self.k_norm(self.k_proj(hidden_states))
+value_states = self.v_proj(hidden_states)
+query_states = query_states.view(hidden_shape).transpose(1, 2)
+key_states = key_states.view(hidden_shape).transpose(1, 2)
+value_states = value_states.view(hidden_shape).transpose(1, 2)
 """
 # Phi-3: one q/k/v linear, its output's column ranges (query heads from the config).
 _PACKED_QKV = """qkv = self.qkv_proj(hidden_states)
@@ -132,7 +161,13 @@ query_states = query_states.view(hidden_shape).transpose(1, 2)
 key_states = key_states.view(hidden_shape).transpose(1, 2)
 value_states = value_states.view(hidden_shape).transpose(1, 2)
 """
-_V = "value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)\n"
+# How attention makes q/k/v -> the LayerForm fields it sets.
+_PROJECTIONS = {
+    _Q_K + _V: {},
+    _Q_K_HEAD_NORMED + _V: {"qk_norm": "head"},
+    _Q_K_V_NORMED: {"qk_norm": "all"},
+    _PACKED_QKV: {"packed_qkv": True},
+}
 # Attention's sliding-window argument -> where its value comes from: None (Llama: no argument, the
 # attention function reads a mask-only window from the config), "config" (Mistral), "module" (Qwen2).
 _WINDOWS = {
@@ -140,12 +175,10 @@ _WINDOWS = {
     ", sliding_window=getattr(self.config, 'sliding_window', None)": "config",
     ", sliding_window=self.sliding_window": "module",
 }
-# How q/k/v are made -> (qk_norm, packed_qkv).
-_PROJECTIONS = {_Q_K + _V: (False, False), _Q_K_NORMED + _V: (True, False), _PACKED_QKV: (False, True)}
-# Attention's text -> (window source, qk_norm, packed_qkv): every projection form with every window.
+# Attention's text -> the LayerForm fields it sets: every projection form with every window.
 _ATTENTION_FORMS = {
-    _ATTENTION.replace(_Q_K + _V, proj).format(window=arg): (source, *how)
-    for proj, how in _PROJECTIONS.items()
+    _ATTENTION.replace(_Q_K + _V, proj).format(window=arg): {**fields, "window_source": source}
+    for proj, fields in _PROJECTIONS.items()
     for arg, source in _WINDOWS.items()
 }
 _ROTARY = """cos = cos.unsqueeze(unsqueeze_dim)
@@ -164,6 +197,11 @@ k_rot, k_pass = (k[..., :rotary_dim], k[..., rotary_dim:])
 q_embed = torch.cat([q_rot * cos + rotate_half(q_rot) * sin, q_pass], dim=-1)
 k_embed = torch.cat([k_rot * cos + rotate_half(k_rot) * sin, k_pass], dim=-1)
 return (q_embed, k_embed)"""
+# OLMo2's: Llama's with the results cast back to q's and k's dtypes, which cos/sin share (checked per
+# forward): the casts return their input.
+_CAST_ROTARY = """q_type, k_type = (q.dtype, k.dtype)
+""" + _ROTARY.replace("return (q_embed, k_embed)", "return (q_embed.to(q_type), k_embed.to(k_type))")
+_ROTARIES = (_ROTARY, _PARTIAL_ROTARY, _CAST_ROTARY)
 _ROTATE_HALF = """x1 = x[..., :x.shape[-1] // 2]
 x2 = x[..., x.shape[-1] // 2:]
 return torch.cat((-x2, x1), dim=-1)"""
@@ -187,6 +225,8 @@ _LAYER_KWARGS = frozenset(
 
 
 _DROPOUTS = ("resid_attn_dropout", "resid_mlp_dropout")
+_PRE_NORMS = ("input_layernorm", "post_attention_layernorm")
+_POST_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
 _QK_NORMS = ("q_norm", "k_norm")
 _QKV = ("q_proj", "k_proj", "v_proj")
 _QKV_PACKED = ("qkv_proj",)
@@ -205,32 +245,46 @@ class LayerForm:
     Attributes:
         window_source: where attention's sliding window comes from: None (no argument: a mask-only
             window from the config, Llama), "config" (Mistral, Phi-3) or "module" (Qwen2, Qwen3).
-        qk_norm: a per-head RMSNorm ``q_norm``/``k_norm`` of q and k before rotary (Qwen3).
+        qk_norm: an RMSNorm ``q_norm``/``k_norm`` of q and k before rotary: None, "head" (each head's
+            features, Qwen3) or "all" (the whole projection's, OLMo2).
         packed_qkv: one ``qkv_proj`` linear whose output's columns are q, k, v (Phi-3).
         packed_gate_up: one ``gate_up_proj`` linear, ``chunk(2)`` into gate and up (Phi-3).
         dropouts: ``resid_attn_dropout``/``resid_mlp_dropout`` on the residual branches (Phi-3;
             ``nn.Dropout`` in evaluation mode: the identity).
+        residual_multiplier: each branch times the layer's ``residual_multiplier`` before its
+            residual add (Granite).
+        post_norms: no norm before attention and the MLP; ``post_attention_layernorm`` and
+            ``post_feedforward_layernorm`` of their outputs before the residual adds (OLMo2).
     """
 
     window_source: Optional[str] = None
-    qk_norm: bool = False
+    qk_norm: Optional[str] = None
     packed_qkv: bool = False
     packed_gate_up: bool = False
     dropouts: bool = False
+    residual_multiplier: bool = False
+    post_norms: bool = False
 
     def name(self) -> str:
-        """A short label for reports: "llama" or its variations joined by "+"."""
+        """A short label for reports: "llama", or its variations joined by "+" ("qk-norm", ...)."""
         parts = [
             label
             for label, on in (
-                ("qk-norm", self.qk_norm),
+                ("qk-norm", self.qk_norm == "head"),
+                ("qk-norm-all", self.qk_norm == "all"),
                 ("packed-qkv", self.packed_qkv),
                 ("packed-gate-up", self.packed_gate_up),
                 ("dropouts", self.dropouts),
+                ("residual-multiplier", self.residual_multiplier),
+                ("post-norms", self.post_norms),
             )
             if on
         ]
         return "+".join(parts) or "llama"
+
+    def norm_names(self) -> tuple[str, ...]:
+        """The layer's own RMSNorm children (before or after its sublayers)."""
+        return _POST_NORMS if self.post_norms else _PRE_NORMS
 
 
 def layer_form(layer, texts: Optional[dict] = None) -> Optional[LayerForm]:
@@ -246,41 +300,43 @@ def layer_form(layer, texts: Optional[dict] = None) -> Optional[LayerForm]:
 
     children = layer.__dict__.get("_modules", {})
     attn, mlp = children.get("self_attn"), children.get("mlp")
-    norms = children.get("input_layernorm"), children.get("post_attention_layernorm")
-    if attn is None or mlp is None or None in norms:
+    if attn is None or mlp is None:
         return None
-    dropouts = _LAYER_FORMS.get(text(type(layer).forward))
-    if dropouts is None:
-        return None
-    if dropouts and not all(type(children.get(n)) is torch.nn.Dropout for n in _DROPOUTS):
+    layer_fields = _LAYER_FORMS.get(text(type(layer).forward))
+    if layer_fields is None:
         return None
     if "forward" in attn.__dict__ or text(type(attn).forward) not in _ATTENTION_FORMS:
         return None  # an instance forward someone installed on attention: theirs
-    window_source, qk_norm, packed_qkv = _ATTENTION_FORMS[text(type(attn).forward)]
-    scope = vars(sys.modules.get(type(attn).__module__, object))
-    rotary = scope.get("apply_rotary_pos_emb")
-    if not (
-        (_plain_function(rotary, _ROTARY) or _plain_function(rotary, _PARTIAL_ROTARY))
-        and _plain_function(scope.get("rotate_half"), _ROTATE_HALF)
-    ):
-        return None
-    if any(norm_form(n) != (True, False) for n in norms):
-        return None
     kind = mlp_form(mlp)
     if kind not in ("gate_up", "fused_gate_up"):
         return None
-    if qk_norm:
-        qk_norms = tuple(attn.__dict__["_modules"].get(n) for n in _QK_NORMS)
-        if any(n is None or norm_form(n) != (True, False) for n in qk_norms):
-            return None
-    projections = _QKV_PACKED if packed_qkv else _QKV
-    if not all(isinstance(getattr(attn, a, None), torch.nn.Module) for a in (*projections, "o_proj")):
+    form = LayerForm(
+        **layer_fields, **_ATTENTION_FORMS[text(type(attn).forward)], packed_gate_up=kind == "fused_gate_up"
+    )
+    scope = vars(sys.modules.get(type(attn).__module__, object))
+    if not (
+        any(_plain_function(scope.get("apply_rotary_pos_emb"), t) for t in _ROTARIES)
+        and _plain_function(scope.get("rotate_half"), _ROTATE_HALF)
+    ):
+        return None
+    attn_children = attn.__dict__.get("_modules", {})
+    norms = [children.get(n) for n in form.norm_names()]
+    norms += [attn_children.get(n) for n in _QK_NORMS] if form.qk_norm else []
+    # Llama's RMSNorm (the weight times the rounded normalized value) or OLMo2's (one rounding).
+    if any(n is None or norm_form(n) not in ((True, False), (False, False)) for n in norms):
+        return None
+    if form.dropouts and not all(type(children.get(n)) is torch.nn.Dropout for n in _DROPOUTS):
+        return None
+    if form.residual_multiplier and type(layer.__dict__.get("residual_multiplier")) not in (float, int):
+        return None
+    projections = _QKV_PACKED if form.packed_qkv else _QKV
+    if not all(isinstance(attn_children.get(a), torch.nn.Module) for a in (*projections, "o_proj")):
         return None
     if not (isinstance(attn.__dict__.get("head_dim"), int) and isinstance(attn.__dict__.get("layer_idx"), int)):
         return None
-    if packed_qkv and not isinstance(attn.__dict__.get("num_key_value_heads"), int):
+    if form.packed_qkv and not isinstance(attn.__dict__.get("num_key_value_heads"), int):
         return None
-    return LayerForm(window_source, qk_norm, packed_qkv, kind == "fused_gate_up", dropouts)
+    return form
 
 
 def _global_hooks() -> bool:
@@ -307,16 +363,18 @@ class FusedLayerForward:
         self.attn, self.mlp = layer.self_attn, layer.mlp
         self.form = form
         self.window_source = form.window_source
-        self.input_norm = FusedNormForward(layer.input_layernorm, True, False)
-        self.post_norm = FusedNormForward(layer.post_attention_layernorm, True, False)
         a, m = self.attn, self.mlp
+        layer_norms = tuple(getattr(layer, n) for n in form.norm_names())
+        qk_norms = tuple(getattr(a, n) for n in _QK_NORMS) if form.qk_norm else ()
+        # The layer's two norms (input and post-attention; OLMo2: post-attention and post-MLP),
+        # then q's and k's, each with its own rounding order (Llama's or OLMo2's: layer_form).
+        self.layer_norms = tuple(FusedNormForward(n, *norm_form(n)) for n in layer_norms)
+        self.qk_norms = tuple(FusedNormForward(n, *norm_form(n)) for n in qk_norms)
         self.qkv_names = _QKV_PACKED if form.packed_qkv else _QKV
         self.gate_up_names = ("gate_up_proj",) if form.packed_gate_up else ("gate_proj", "up_proj")
-        qk_norms = tuple(getattr(a, n) for n in _QK_NORMS) if form.qk_norm else ()
-        self.qk_norms = tuple(FusedNormForward(n, True, False) for n in qk_norms)
         dropouts = tuple(getattr(layer, n) for n in _DROPOUTS) if form.dropouts else ()
         # Those whose forwards it does the work of instead of calling them.
-        self.skipped = (layer.input_layernorm, layer.post_attention_layernorm, a, m, *qk_norms, *dropouts)
+        self.skipped = (*layer_norms, a, m, *qk_norms, *dropouts)
         # The modules whose forwards the fast path calls (or replaces) without their __call__:
         # any hook on them (accelerate's offload, transformers' output capture) runs the layer's own.
         self.bypassed = (
@@ -324,9 +382,10 @@ class FusedLayerForward:
             *(getattr(a, n) for n in (*self.qkv_names, "o_proj")),
             *(getattr(m, n) for n in (*self.gate_up_names, "down_proj")),
         )
-        # Each RMSNorm with the width its weight must have: hidden, or head_dim for q/k norms.
-        self.norms = ((layer.input_layernorm, None), (layer.post_attention_layernorm, None))
-        self.norms += tuple((n, a.head_dim) for n in qk_norms)
+        # Each RMSNorm with the width its weight must have: None for the hidden size; a per-head
+        # q/k norm's head_dim; 0 for a whole-projection q/k norm (checked against q/k per call).
+        qk_width = a.head_dim if form.qk_norm == "head" else 0
+        self.norms = tuple((n, None) for n in layer_norms) + tuple((n, qk_width) for n in qk_norms)
         self.dropouts = dropouts
 
     def original(self, *args, **kwargs):
@@ -377,7 +436,7 @@ class FusedLayerForward:
         dtype, width = hidden_states.dtype, hidden_states.shape[-1]
         for norm, n in self.norms:
             w = norm._parameters.get("weight")  # the dict, not nn.Module.__getattr__: per layer and step
-            if w is None or w.dtype != dtype or not w.is_cpu or w.shape != (n or width,):
+            if w is None or w.dtype != dtype or not w.is_cpu or w.dim() != 1 or (n != 0 and w.shape[0] != (n or width)):
                 return None
         for dropout in self.dropouts:  # the identity only in evaluation mode
             if dropout.training:
@@ -442,16 +501,19 @@ class FusedLayerForward:
         if fit is None:
             return self.original(hidden_states, *args, **kwargs)
         step, kernels = fit
-        attn, mlp = self.attn, self.mlp
+        form, attn, mlp = self.form, self.attn, self.mlp
         # The projections looked up in the modules' dicts (nn.Module.__getattr__ costs about 0.5 us
         # a lookup), current ones each call: a wrapper swapped in since (LoRA) is the one called.
         projections, mlp_projections = attn._modules, mlp._modules
         dtype, rows, d = hidden_states.dtype, hidden_states.shape[1], attn.head_dim
-        norm = self.input_norm
-        h = kernels.rms_norm(hidden_states, norm.scale(), norm.eps, True)
+        first, second = self.layer_norms
+        if form.post_norms:
+            h = hidden_states  # OLMo2: attention reads the residual stream itself
+        else:
+            h = kernels.rms_norm(hidden_states, first.scale(), first.eps, first.round_first)
         # Called as the modules' __call__ would (no hooks: checked), so packed, fused, int8 and
         # LoRA forwards run as they do under the layer's own forward.
-        if self.form.packed_qkv:
+        if form.packed_qkv:
             # As the attention slices its one linear's output: query heads from the config.
             qkv = projections["qkv_proj"].forward(h)
             q_end = attn.config.num_attention_heads * d
@@ -483,11 +545,21 @@ class FusedLayerForward:
             return self.original(hidden_states, *args, **kwargs)  # projections of another shape or dtype
         cos, sin = kwargs["position_embeddings"]
         heads, kv_heads = q.shape[-1] // d, k.shape[-1] // d
-        if self.qk_norms:
-            # Qwen3: each head RMS-normalized (q_norm's, k_norm's weight and eps), then rotary: one pass.
+        if form.qk_norm is not None:
+            # The RMSNorm of each head (Qwen3) or of the whole projection (OLMo2) with q_norm's and
+            # k_norm's weight and eps, then rotary: one pass each.
             qn, kn = self.qk_norms
-            query = kernels.rms_norm_rotary(q, rows, heads, d, q.stride(1), qn.scale(), qn.eps, True, cos, sin)
-            key = kernels.rms_norm_rotary(k, rows, kv_heads, d, k.stride(1), kn.scale(), kn.eps, True, cos, sin)
+            q_scale, k_scale = qn.scale(), kn.scale()
+            per_head = form.qk_norm == "head"
+            q_group, k_group = (1, 1) if per_head else (heads, kv_heads)
+            if q_scale.shape[0] != q_group * d or k_scale.shape[0] != k_group * d:
+                return self.original(hidden_states, *args, **kwargs)  # norms of another width: theirs fail
+            query = kernels.rms_norm_rotary(
+                q, rows, heads, d, q.stride(1), q_group, q_scale, qn.eps, qn.round_first, cos, sin
+            )
+            key = kernels.rms_norm_rotary(
+                k, rows, kv_heads, d, k.stride(1), k_group, k_scale, kn.eps, kn.round_first, cos, sin
+            )
         elif rows == 1 and k.data_ptr() == q.data_ptr() + q.shape[-1] * q.element_size():
             # One row whose k follows q in memory (a fused q/k/v GEMM's output): one rotary call
             # over both heads; the two views of its output are contiguous (one row).
@@ -501,13 +573,18 @@ class FusedLayerForward:
         out = projections["o_proj"].forward(out.reshape(1, rows, -1).contiguous())
         if out.dtype is not dtype or out.shape != hidden_states.shape or not out.is_cpu:
             # An o_proj of another output dtype (torch would promote the sum): the layer's own ops.
-            total = hidden_states + out
-            return total + self.layer.mlp(self.layer.post_attention_layernorm(total))
+            return self._rest_as_the_layer(hidden_states, out)
         if not out.is_contiguous():
             out = out.contiguous()
-        norm = self.post_norm
-        total, h = kernels.add_rms_norm(out, hidden_states, norm.scale(), norm.eps, True)
-        if self.form.packed_gate_up:
+        if form.post_norms:
+            # OLMo2: residual + post_attention_layernorm(out); the MLP reads the sum itself.
+            total = hidden_states + kernels.rms_norm(out, first.scale(), first.eps, first.round_first)
+            h = total
+        else:
+            if form.residual_multiplier:
+                out = out * self.layer.residual_multiplier  # Granite: the branch scaled, then added
+            total, h = kernels.add_rms_norm(out, hidden_states, second.scale(), second.eps, second.round_first)
+        if form.packed_gate_up:
             gate, up = mlp_projections["gate_up_proj"].forward(h).chunk(2, dim=-1)
         else:
             gate_up = _group_outputs(mlp_projections, ("gate_proj", "up_proj"), h)
@@ -526,14 +603,34 @@ class FusedLayerForward:
             and up.stride(-1) == 1
         ):
             act = kernels.silu_mul(gate, up, gate.stride(1), up.stride(1))
-        elif self.form.packed_gate_up:
+        elif form.packed_gate_up:
             act = up * mlp.activation_fn(gate)  # Phi-3's order of operands
         else:
             act = mlp.act_fn(gate) * up
         down = mlp_projections["down_proj"].forward(act)
-        if down.dtype != total.dtype or down.shape != total.shape:
-            return total + down  # as the layer adds them (dtype promotion, broadcasting)
+        if down.dtype != total.dtype or down.shape != total.shape or not down.is_cpu:
+            return total + self._branch(down, second)  # as the layer adds them (dtype promotion, broadcasting)
+        if form.post_norms:
+            down = kernels.rms_norm(down.contiguous(), second.scale(), second.eps, second.round_first)
+        elif form.residual_multiplier:
+            down = down * self.layer.residual_multiplier
         return total.add_(down)  # total is ours: the residual add in place
+
+    def _branch(self, out: torch.Tensor, post_norm: FusedNormForward) -> torch.Tensor:
+        """A sublayer's output as the layer adds it to the residual stream, in torch's ops (the
+        post-norm's or multiplier's, where the form has one)."""
+        if self.form.post_norms:
+            return post_norm.module(out)
+        if self.form.residual_multiplier:
+            return out * self.layer.residual_multiplier
+        return out
+
+    def _rest_as_the_layer(self, hidden_states: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The layer's code after attention from ``out`` (o_proj's output) on, its own modules called."""
+        first, second = self.layer_norms
+        total = hidden_states + self._branch(out, first)
+        h = total if self.form.post_norms else second.module(total)
+        return total + self._branch(self.mlp(h), second)
 
 
 def _group_outputs(modules: dict, names: tuple[str, ...], x: torch.Tensor) -> Optional[tuple[torch.Tensor, ...]]:
@@ -571,7 +668,7 @@ class FusedLayers:
             if form is None:
                 continue
             self.recognized += 1
-            if module.input_layernorm.weight.dtype in lib.dtypes:
+            if getattr(module, form.norm_names()[0]).weight.dtype in lib.dtypes:
                 fwd = FusedLayerForward(module, form)
                 module.forward = fwd
                 self.installed.append((module, fwd))

@@ -285,36 +285,42 @@ ADD_RMS_NORM_HALF(bf16, bf16_to_f32, f32_to_bf16, round_bf16)
 ADD_RMS_NORM_HALF(f16, f16_to_f32, f32_to_f16, round_f16)
 #endif
 
-/* A per-head RMSNorm of q or k and the rotary embedding after it, one pass over each head (Qwen3's
- * q_norm/k_norm between the projections and rotary):
- *   n = RMSNorm(x_head)           over the head's d features, as hf_contbatch_rms_norm_* (its scale
- *                                 [d], eps, round_first; rounded to the dtype, as the module returns it)
- *   y = n * cos + rotate_half(n) * sin   as hf_contbatch_rotary_*
- * so the result has the bits of rms_norm then rotary on a contiguous copy. x: rows of `heads` heads
- * of d features at row stride x_stride (a column slice of a fused q/k/v output); y [rows][heads][d]. */
+/* An RMSNorm of q or k and the rotary embedding after it, one pass over each row: Qwen3's per-head
+ * q_norm/k_norm (norm_heads = 1: each head normalized over its d features) or OLMo2's over the whole
+ * projection (norm_heads = heads), between the projections and rotary:
+ *   n = RMSNorm(x[g])             over each group g of norm_heads * d features, as
+ *                                 hf_contbatch_rms_norm_* (scale [norm_heads * d], eps, round_first;
+ *                                 rounded to the dtype, as the module returns it)
+ *   y = n * cos + rotate_half(n) * sin   per head, as hf_contbatch_rotary_*
+ * so the result has the bits of rms_norm then rotary. x: rows of `heads` heads of d features at row
+ * stride x_stride (a column slice of a fused q/k/v output); heads a multiple of norm_heads;
+ * y [rows][heads][d]. */
 #define NORM_ROTARY(NAME, T, TO_F32, FROM_F32, ROUND)                                                    \
     void hf_contbatch_rms_norm_rotary_##NAME(const T *x, int64_t rows, int64_t heads, int64_t d,          \
-                                             int64_t x_stride, const float *scale, float eps,            \
-                                             int32_t round_first, const T *cos, const T *sin,            \
+                                             int64_t x_stride, int64_t norm_heads, const float *scale,   \
+                                             float eps, int32_t round_first, const T *cos, const T *sin, \
                                              int64_t cs_stride, T *y, int32_t threads) {                 \
         _Pragma("omp parallel for num_threads(threads) if (rows * heads * d >= PARALLEL_MIN && threads > 1) schedule(static)") \
         for (int64_t i = 0; i < rows; ++i) {                                                             \
-            const int64_t h = d / 2, m = d - h;                                                          \
+            const int64_t h = d / 2, m = d - h, w = norm_heads * d;                                      \
             const T *c = cos + i * cs_stride, *s = sin + i * cs_stride;                                  \
-            float buf[d > 0 ? d : 1], nrm[d > 0 ? d : 1];                                                \
-            for (int64_t j = 0; j < heads; ++j) {                                                        \
-                const T *xi = x + i * x_stride + j * d;                                                  \
-                T *yi = y + (i * heads + j) * d;                                                         \
-                for (int64_t k = 0; k < d; ++k) buf[k] = TO_F32(xi[k]);                                  \
-                const float r = inv_rms(buf, d, eps);                                                    \
+            float buf[w > 0 ? w : 1], nrm[w > 0 ? w : 1];                                                \
+            for (int64_t g = 0; g < heads; g += norm_heads) {                                            \
+                const T *xg = x + i * x_stride + g * d;                                                  \
+                for (int64_t k = 0; k < w; ++k) buf[k] = TO_F32(xg[k]);                                  \
+                const float r = inv_rms(buf, w, eps);                                                    \
                 if (round_first)                                                                         \
-                    for (int64_t k = 0; k < d; ++k) nrm[k] = TO_F32(FROM_F32(scale[k] * ROUND(buf[k] * r))); \
+                    for (int64_t k = 0; k < w; ++k) nrm[k] = TO_F32(FROM_F32(scale[k] * ROUND(buf[k] * r))); \
                 else                                                                                     \
-                    for (int64_t k = 0; k < d; ++k) nrm[k] = TO_F32(FROM_F32(scale[k] * (buf[k] * r)));  \
-                for (int64_t k = 0; k < d; ++k) {                                                        \
-                    float rot = k < m ? -nrm[h + k] : nrm[k - m];                                        \
-                    float a = ROUND(nrm[k] * TO_F32(c[k])), b = ROUND(rot * TO_F32(s[k]));               \
-                    yi[k] = FROM_F32(a + b);                                                             \
+                    for (int64_t k = 0; k < w; ++k) nrm[k] = TO_F32(FROM_F32(scale[k] * (buf[k] * r)));  \
+                for (int64_t j = 0; j < norm_heads; ++j) {                                               \
+                    const float *nj = nrm + j * d;                                                       \
+                    T *yi = y + (i * heads + g + j) * d;                                                 \
+                    for (int64_t k = 0; k < d; ++k) {                                                    \
+                        float rot = k < m ? -nj[h + k] : nj[k - m];                                      \
+                        float a = ROUND(nj[k] * TO_F32(c[k])), b = ROUND(rot * TO_F32(s[k]));            \
+                        yi[k] = FROM_F32(a + b);                                                         \
+                    }                                                                                    \
                 }                                                                                        \
             }                                                                                            \
         }                                                                                                \

@@ -79,7 +79,7 @@ def _load() -> tuple[Optional[FusedLibrary], Optional[str]]:
     lib.hf_contbatch_rotary_f32.argtypes = lib.hf_contbatch_rotary_bf16.argtypes = rotary
     lib.hf_contbatch_add_rms_norm_f32.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, f32, ptr, ptr, i32]
     lib.hf_contbatch_add_rms_norm_bf16.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, f32, i32, ptr, ptr, i32]
-    norm_rotary = [ptr, i64, i64, i64, i64, ptr, f32, i32, ptr, ptr, i64, ptr, i32]
+    norm_rotary = [ptr, i64, i64, i64, i64, i64, ptr, f32, i32, ptr, ptr, i64, ptr, i32]
     lib.hf_contbatch_rms_norm_rotary_f32.argtypes = lib.hf_contbatch_rms_norm_rotary_bf16.argtypes = norm_rotary
     has_f16 = bool(lib.hf_contbatch_fused_has_f16())
     ops = ("rms_norm", "silu_mul", "rotary", "add_rms_norm", "rms_norm_rotary")
@@ -339,13 +339,16 @@ def rms_norm_rotary(
     cos: torch.Tensor,
     sin: torch.Tensor,
     head_dim: int,
+    norm_heads: int = 1,
 ) -> torch.Tensor:
-    """A per-head RMSNorm of ``x`` ``[T, heads * head_dim]`` (rows of unit-stride features at one
-    row stride, as :func:`rotary` takes them) over each head's ``head_dim`` features, then the rotary
-    embedding of the result: Qwen3's ``q_norm``/``k_norm`` and ``apply_rotary_pos_emb`` in one pass.
-    ``scale`` float32 ``[head_dim]``, ``eps`` and ``round_first`` as in :func:`rms_norm`; ``cos``/``sin``
-    as in :func:`rotary`. Returns a new contiguous ``[T, heads, head_dim]`` tensor of ``x``'s dtype,
-    bit for bit :func:`rotary` of :func:`rms_norm` of ``x`` viewed as ``[T, heads, head_dim]``.
+    """An RMSNorm of ``x`` ``[T, heads * head_dim]`` (rows of unit-stride features at one row stride,
+    as :func:`rotary` takes them) over each group of ``norm_heads`` heads' features, then the rotary
+    embedding of the result per head: Qwen3's per-head ``q_norm``/``k_norm`` (``norm_heads=1``) or
+    OLMo2's over the whole projection (``norm_heads=heads``) and ``apply_rotary_pos_emb`` in one pass.
+    ``scale`` float32 ``[norm_heads * head_dim]``, ``eps`` and ``round_first`` as in :func:`rms_norm`;
+    ``cos``/``sin`` as in :func:`rotary`. Returns a new contiguous ``[T, heads, head_dim]`` tensor of
+    ``x``'s dtype, bit for bit :func:`rotary` of :func:`rms_norm` of ``x`` viewed as
+    ``[T, heads / norm_heads, norm_heads * head_dim]``.
 
     Raises:
         RuntimeError: the kernels cannot be built here, the dtype is not one of the build's, or the
@@ -355,9 +358,10 @@ def rms_norm_rotary(
     rows, width = x.shape if x.dim() == 2 else (-1, -1)
     if (
         head_dim <= 0
-        or width % head_dim
+        or norm_heads <= 0
+        or width % (head_dim * norm_heads)
         or scale.dtype != torch.float32
-        or scale.shape != (head_dim,)
+        or scale.shape != (norm_heads * head_dim,)
         or not scale.is_contiguous()
         or cos.shape != (rows, head_dim)
         or sin.shape != cos.shape
@@ -374,7 +378,7 @@ def rms_norm_rotary(
     y = torch.empty((rows, heads, head_dim), dtype=x.dtype)
     if rows and width:
         _kernel(lib, "rms_norm_rotary", x.dtype)(
-            x.data_ptr(), rows, heads, head_dim, x.stride(0), scale.data_ptr(), eps, int(round_first),
+            x.data_ptr(), rows, heads, head_dim, x.stride(0), norm_heads, scale.data_ptr(), eps, int(round_first),
             cos.data_ptr(), sin.data_ptr(), cos.stride(0), y.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
     return y
@@ -441,16 +445,18 @@ class UncheckedKernels:
         heads: int,
         head_dim: int,
         row_stride: int,
+        norm_heads: int,
         scale: torch.Tensor,
         eps: float,
         round_first: bool,
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> torch.Tensor:
-        """:func:`rms_norm_rotary` of ``rows`` rows laid out as :meth:`rotary` takes them, ``scale``
-        float32 contiguous ``[head_dim]``. Returns a new contiguous ``[rows, heads, head_dim]``."""
+        """:func:`rms_norm_rotary` of ``rows`` rows laid out as :meth:`rotary` takes them, ``heads``
+        a multiple of ``norm_heads``, ``scale`` float32 contiguous ``[norm_heads * head_dim]``.
+        Returns a new contiguous ``[rows, heads, head_dim]``."""
         y = x.new_empty((rows, heads, head_dim))
-        self._rms_norm_rotary(x.data_ptr(), rows, heads, head_dim, row_stride, scale.data_ptr(), eps,
+        self._rms_norm_rotary(x.data_ptr(), rows, heads, head_dim, row_stride, norm_heads, scale.data_ptr(), eps,
                               int(round_first), cos.data_ptr(), sin.data_ptr(), head_dim, y.data_ptr(),
                               torch.get_num_threads())  # fmt: skip
         return y

@@ -60,40 +60,49 @@ def test_rotary_equals_transformers_eager_bit_for_bit_on_fused_qkv_slices(dtype,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [128, 16, 7])
-def test_per_head_rms_norm_and_rotary_equal_qwen3s_q_norm_then_rotary(dtype, head_dim):
-    """Qwen3's ``q_norm(q.view(..., heads, head_dim))`` then ``apply_rotary_pos_emb``, from one C
-    pass over column slices of a fused q/k/v output: in bfloat16/float16 torch's bits; in float32
-    within an ulp (the sum of squares is added in another order, as ``rms_norm``'s), and always
-    bit for bit ``rotary`` of ``rms_norm`` (the kernels the other tests hold to torch)."""
+@pytest.mark.parametrize("family", ["qwen3", "olmo2"])
+def test_q_norm_and_rotary_equal_the_modules_norm_then_rotary(family, dtype, head_dim):
+    """Qwen3's per-head ``q_norm(q.view(..., heads, head_dim))`` or OLMo2's ``q_norm(q)`` over all
+    heads, then ``apply_rotary_pos_emb``, from one C pass over column slices of a fused q/k/v
+    output: in bfloat16/float16 torch's bits; in float32 within an ulp (the sum of squares is added
+    in another order, as ``rms_norm``'s), and always bit for bit ``rotary`` of ``rms_norm`` (the
+    kernels the other tests hold to torch)."""
     _dtype_or_skip(dtype)
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
-    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb as qwen3_rotary
+    import importlib
 
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    norm_cls = getattr(module, f"{family.capitalize()}RMSNorm")
     g = torch.Generator().manual_seed(head_dim)
     rows, heads, kv_heads = 9, 4, 2
+    group = 1 if family == "qwen3" else heads  # heads per norm
     qkv = (torch.randn(1, rows, (heads + 2 * kv_heads) * head_dim, generator=g) * 3).to(dtype)
     q = qkv[..., : heads * head_dim]
     cos, sin = (torch.randn(1, rows, head_dim, generator=g).to(dtype) for _ in range(2))
-    norm = Qwen3RMSNorm(head_dim, eps=1e-6)
+    norm = norm_cls(group * head_dim, eps=1e-6)
     with torch.no_grad():
-        norm.weight.copy_(torch.randn(head_dim, generator=g))
+        norm.weight.copy_(torch.randn(group * head_dim, generator=g))
         norm = norm.to(dtype)
-        normed = norm(q.view(1, rows, heads, head_dim)).transpose(1, 2)
-        want = qwen3_rotary(normed, normed, cos, sin)[0][0].transpose(0, 1)
-    scale = norm.weight.float()
-    got = rms_norm_rotary(q[0], scale, 1e-6, True, cos[0], sin[0], head_dim)
+        if family == "qwen3":
+            normed = norm(q.view(1, rows, heads, head_dim)).transpose(1, 2)
+        else:
+            normed = norm(q).view(1, rows, heads, head_dim).transpose(1, 2)
+        want = module.apply_rotary_pos_emb(normed, normed, cos, sin)[0][0].transpose(0, 1)
+    scale, round_first = norm.weight.float(), family == "qwen3"
+    got = rms_norm_rotary(q[0], scale, 1e-6, round_first, cos[0], sin[0], head_dim, group)
     assert got.shape == (rows, heads, head_dim) and got.is_contiguous() and got.dtype == dtype
-    two_passes = rms_norm(q[0].reshape(rows * heads, head_dim), scale, 1e-6, True).view(rows, -1)
+    two_passes = rms_norm(q[0].reshape(rows * heads // group, -1), scale, 1e-6, round_first).view(rows, -1)
     assert torch.equal(got, rotary(two_passes, cos[0], sin[0], head_dim))
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     else:
         assert torch.equal(got, want)
     kernels = unchecked_kernels(dtype)
-    unchecked = kernels.rms_norm_rotary(q, rows, heads, head_dim, q.stride(1), scale, 1e-6, True, cos, sin)
+    unchecked = kernels.rms_norm_rotary(
+        q, rows, heads, head_dim, q.stride(1), group, scale, 1e-6, round_first, cos, sin
+    )
     assert torch.equal(unchecked, got)
     with pytest.raises(RuntimeError, match="rms_norm_rotary"):
-        rms_norm_rotary(q[0], scale[:-1].contiguous(), 1e-6, True, cos[0], sin[0], head_dim)  # scale too short
+        rms_norm_rotary(q[0], scale[:-1].contiguous(), 1e-6, round_first, cos[0], sin[0], head_dim, group)
 
 
 def test_rotary_refuses_what_does_not_fit():
@@ -163,14 +172,35 @@ _FORMS = {
     "qwen2": "llama",
     "qwen3": "qk-norm",
     "phi3": "packed-qkv+packed-gate-up+dropouts",
+    "granite": "residual-multiplier",
+    "olmo2": "qk-norm-all+post-norms",
 }
+
+
+def _build(family: str):
+    """conftest's tiny model of ``family``, or here those it has none of (Granite with multipliers
+    that are not 1, OLMo2)."""
+    import transformers as tf
+
+    from conftest import _common
+
+    if family == "granite":
+        torch.manual_seed(0)
+        cfg = tf.GraniteConfig(
+            **_common(residual_multiplier=0.5, attention_multiplier=0.2, embedding_multiplier=2.0, logits_scaling=1.5)
+        )
+        return tf.GraniteForCausalLM(cfg).eval()
+    if family == "olmo2":
+        torch.manual_seed(0)
+        return tf.Olmo2ForCausalLM(tf.Olmo2Config(**_common())).eval()
+    return build_model(family)
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("family", list(_FORMS))
 @pytest.mark.parametrize("cfg", [_PLAIN, _TIGHT], ids=["batched", "preempted-chunked"])
 def test_recognized_layers_take_the_fused_step_and_keep_greedy_tokens_equal_to_generate(family, cfg, monkeypatch):
-    model = build_model(family)
+    model = _build(family)
     prompts = random_prompts([1, 7, 30, 45], seed=5)
     refs = [reference_greedy(model, p, NEW) for p in prompts]
     outs, stats, fused, served = _serve(model, prompts, cfg, monkeypatch)
