@@ -1,10 +1,12 @@
-"""A decoder layer of the Llama form as one per-instance forward: a few native calls per layer
-instead of transformers' Python around the GEMMs.
+"""A decoder layer of the Llama form, or of a recognized variation of it, as one per-instance
+forward: a few native calls per layer instead of transformers' Python around the GEMMs.
 
 Why: on CPU, a decode step of a small batch spends 15-40% of its time in the Python between the
 GEMMs (about 13 ``nn.Module`` calls a layer, their decorators, rotary's 14 small eager ops,
 residual adds, views and transposes, the attention interface's plumbing). :class:`FusedLayerForward`
 runs the same arithmetic as the layer's own forward:
+
+(for the Llama form; :class:`LayerForm`'s variations below)
 
 1. input RMSNorm (``fused_ops.rms_norm``'s kernel);
 2. the q/k/v projections through their own forwards, called directly (no ``nn.Module.__call__``:
@@ -28,10 +30,26 @@ implementation) is checked by its first layer and kept on the step (``PagedCache
 
 Which layers: recognized by the text of their code, never by model type (:func:`layer_form`): the
 decoder layer's, attention's and MLP's forwards, the RMSNorms' and the attention module's
-``apply_rotary_pos_emb``/``rotate_half`` must read as Llama's do (attention may pass a sliding
-window as Mistral or Qwen2 do). So Llama, SmolLM, Mistral, Qwen2 and every family whose code reads
-the same get it; every other family keeps its own forward. Per call, anything the fast path does
-not do exactly as the layer would (see :meth:`FusedLayerForward.fits`) runs the layer's own forward.
+``apply_rotary_pos_emb``/``rotate_half`` must read as Llama's do or as one of the variations a
+:class:`LayerForm` describes (data: each known text sets some of its fields, and the one forward
+does each field's arithmetic):
+
+- attention's sliding-window argument (Mistral's from the config, Qwen2's from the module);
+- ``qk_norm``: an RMSNorm of q and k before rotary, per head (Qwen3, Qwen3-MoE's dense layers,
+  dots1) or over the whole projection (OLMo2, OLMo3), run in C with the rotary after it
+  (``fused_ops.rms_norm_rotary``);
+- ``packed_qkv``/``packed_gate_up``: Phi-3's one q/k/v linear (its output's column slices) and one
+  gate/up linear (``chunk(2)``); Phi-3's partial-rotary form is recognized but every call with cos
+  narrower than a head runs the layer's own forward;
+- ``dropouts``: Phi-3's residual dropouts (``nn.Dropout`` in evaluation mode: the identity);
+- ``residual_multiplier``: Granite's branches scaled before the residual adds;
+- ``post_norms``: OLMo2's norms after attention and the MLP instead of before.
+
+So Llama, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, Granite, OLMo2 and every family whose code reads
+as one of these get it; every other family keeps its own forward (Gemma's ``1 + weight`` norm and
+GELU-tanh MLP among them: torch's vectorized tanh is not reproduced bit for bit here). Per call,
+anything the fast path does not do exactly as the layer would (see :meth:`FusedLayerForward.fits`)
+runs the layer's own forward.
 
 Installed per instance (``module.forward``; the class and other instances untouched) by the first
 engine on the model and removed by the last ``close`` (``engine.model_patches``).
