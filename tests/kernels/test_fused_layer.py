@@ -249,6 +249,28 @@ def test_qwen3_moe_dense_layers_take_the_fused_step_and_its_sparse_layers_keep_t
 
 
 @pytest.mark.timeout(600)
+def test_a_phi3_layer_with_a_dropout_in_training_mode_runs_its_own_forward(monkeypatch):
+    # The fast path skips Phi-3's residual dropouts as the identity they are in evaluation mode; a
+    # dropout put in training mode after the engine started (p = 0 here, so generate's tokens stay
+    # the reference) is not skipped: that layer runs its own forward.
+    model = build_model("phi3")
+    prompts = random_prompts([7, 30], seed=6)
+    refs = [reference_greedy(model, p, NEW) for p in prompts]
+    served = []
+    real = PagedCacheStep.store_and_attend
+    monkeypatch.setattr(PagedCacheStep, "store_and_attend", lambda self, i, *a: served.append(i) or real(self, i, *a))
+    eng = LLMEngine(model, _PLAIN)
+    try:
+        model.model.layers[0].resid_mlp_dropout.train()
+        handles = [eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
+        assert [h.result(timeout=600).output_token_ids for h in handles] == refs
+        assert eng.patches.fused_layers.forms() == {"packed-qkv+packed-gate-up+dropouts": 2}
+    finally:
+        eng.close()
+    assert served and set(served) == {1}
+
+
+@pytest.mark.timeout(600)
 def test_phi3_with_partial_rotary_runs_its_own_layer_forward(monkeypatch):
     # Phi-3's rotary leaves a head's last features unrotated when cos is narrower than the head:
     # the layers are recognized (their code reads as the fast path's), but every call steps aside.
