@@ -73,7 +73,7 @@ from .fused_ops import (
     UncheckedKernels,
     fits,
     fused_library,
-    mlp_form,
+    gated_mlp_form,
     norm_form,
     remove_forwards,
     unchecked_kernels,
@@ -273,6 +273,9 @@ class LayerForm:
             residual add (Granite).
         post_norms: no norm before attention and the MLP; ``post_attention_layernorm`` and
             ``post_feedforward_layernorm`` of their outputs before the residual adds (OLMo2).
+        module_activation: the MLP's activation is not SiLU (Gemma's GELU-tanh): the module's own
+            ``act_fn`` is called on gate, then ``* up`` in torch, instead of the C ``silu_mul``.
+        one_plus_norms: the RMSNorms scale by ``1 + weight`` in float32 with one rounding (Gemma).
     """
 
     window_source: Optional[str] = None
@@ -282,6 +285,8 @@ class LayerForm:
     dropouts: bool = False
     residual_multiplier: bool = False
     post_norms: bool = False
+    module_activation: bool = False
+    one_plus_norms: bool = False
 
     def name(self) -> str:
         """A short label for reports: "llama", or its variations joined by "+" ("qk-norm", ...)."""
@@ -295,6 +300,8 @@ class LayerForm:
                 ("dropouts", self.dropouts),
                 ("residual-multiplier", self.residual_multiplier),
                 ("post-norms", self.post_norms),
+                ("module-activation", self.module_activation),
+                ("one-plus-norms", self.one_plus_norms),
             )
             if on
         ]
@@ -325,23 +332,33 @@ def layer_form(layer, texts: Optional[dict] = None) -> Optional[LayerForm]:
         return None
     if "forward" in attn.__dict__ or text(type(attn).forward) not in _ATTENTION_FORMS:
         return None  # an instance forward someone installed on attention: theirs
-    kind = mlp_form(mlp)
-    if kind not in ("gate_up", "fused_gate_up"):
+    gated = gated_mlp_form(mlp)
+    if gated is None:
+        return None
+    attn_children = attn.__dict__.get("_modules", {})
+    norms = [children.get(n) for n in _POST_NORMS if layer_fields.get("post_norms")] or [
+        children.get(n) for n in _PRE_NORMS
+    ]
+    norms += (
+        [attn_children.get(n) for n in _QK_NORMS] if _ATTENTION_FORMS[text(type(attn).forward)].get("qk_norm") else []
+    )
+    # Llama's RMSNorm (the weight times the rounded normalized value), OLMo2's (one rounding) or
+    # Gemma's (1 + weight, one rounding): one of them for all the layer's norms.
+    norm_forms = {norm_form(n) if n is not None else None for n in norms}
+    if len(norm_forms) != 1 or next(iter(norm_forms)) not in ((True, False), (False, False), (False, True)):
         return None
     form = LayerForm(
-        **layer_fields, **_ATTENTION_FORMS[text(type(attn).forward)], packed_gate_up=kind == "fused_gate_up"
+        **layer_fields,
+        **_ATTENTION_FORMS[text(type(attn).forward)],
+        packed_gate_up=gated[0] == "fused_gate_up",
+        module_activation=not gated[1],
+        one_plus_norms=norm_forms == {(False, True)},
     )
     scope = vars(sys.modules.get(type(attn).__module__, object))
     if not (
         any(_plain_function(scope.get("apply_rotary_pos_emb"), t) for t in _ROTARIES)
         and _plain_function(scope.get("rotate_half"), _ROTATE_HALF)
     ):
-        return None
-    attn_children = attn.__dict__.get("_modules", {})
-    norms = [children.get(n) for n in form.norm_names()]
-    norms += [attn_children.get(n) for n in _QK_NORMS] if form.qk_norm else []
-    # Llama's RMSNorm (the weight times the rounded normalized value) or OLMo2's (one rounding).
-    if any(n is None or norm_form(n) not in ((True, False), (False, False)) for n in norms):
         return None
     if form.dropouts and not all(type(children.get(n)) is torch.nn.Dropout for n in _DROPOUTS):
         return None
@@ -611,7 +628,8 @@ class FusedLayerForward:
             else:
                 gate, up = gate_up
         if (
-            gate.shape == up.shape
+            not form.module_activation
+            and gate.shape == up.shape
             and gate.shape[:-1] == lead
             and gate.dtype is dtype
             and up.dtype is dtype

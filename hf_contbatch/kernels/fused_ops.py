@@ -552,6 +552,19 @@ def norm_form(module) -> Optional[tuple[bool, bool]]:
     return form if isinstance(eps, float) else None
 
 
+def gated_mlp_form(module) -> Optional[tuple[str, bool]]:
+    """``(kind, silu)`` when ``module``'s forward is a gated MLP ``down(act(gate) * up)`` of one of
+    :func:`mlp_form`'s kinds with any activation module (Gemma's GELU-tanh too), else None; ``silu``:
+    whether the activation is SiLU (what :func:`silu_mul` computes)."""
+    form = _MLP_FORMS.get(_body(type(module)))
+    if form is None:
+        return None
+    act = module.__dict__.get("_modules", {}).get("act_fn" if form == "gate_up" else "activation_fn")
+    if not isinstance(act, torch.nn.Module):
+        return None
+    return form, type(act).__name__ in _SILU
+
+
 def mlp_form(module) -> Optional[str]:
     """ "gate_up" (``gate_proj``/``up_proj``) or "fused_gate_up" (``gate_up_proj``) when ``module``
     is a gated MLP with SiLU that computes ``down(silu(gate) * up)``, else None."""
