@@ -43,11 +43,15 @@ does each field's arithmetic):
   narrower than a head runs the layer's own forward;
 - ``dropouts``: Phi-3's residual dropouts (``nn.Dropout`` in evaluation mode: the identity);
 - ``residual_multiplier``: Granite's branches scaled before the residual adds;
-- ``post_norms``: OLMo2's norms after attention and the MLP instead of before.
+- ``post_norms``: OLMo2's norms after attention and the MLP instead of before;
+- ``one_plus_norms``/``module_activation``: Gemma's RMSNorms (``1 + weight`` in float32, one
+  rounding: ``fused_ops.rms_norm``'s other order) and a gated MLP whose activation is not SiLU
+  (Gemma's GELU-tanh), called as the module's own ``act_fn`` (torch's vectorized tanh is not
+  reproduced in C; calling the module keeps its bits). Gemma's embedding scale is the model's code.
 
-So Llama, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, Granite, OLMo2 and every family whose code reads
-as one of these get it; every other family keeps its own forward (Gemma's ``1 + weight`` norm and
-GELU-tanh MLP among them: torch's vectorized tanh is not reproduced bit for bit here). Per call,
+So Llama, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, Granite, OLMo2, Gemma and every family whose code
+reads as one of these get it; every other family (Gemma 2 and 3 with their four norms a layer and
+soft-capping, GLM, Helium...) keeps its own forward. Per call,
 anything the fast path does not do exactly as the layer would (see :meth:`FusedLayerForward.fits`)
 runs the layer's own forward.
 
