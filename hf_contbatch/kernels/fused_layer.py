@@ -339,13 +339,11 @@ def layer_form(layer, texts: Optional[dict] = None) -> Optional[LayerForm]:
     gated = gated_mlp_form(mlp)
     if gated is None:
         return None
+    attn_fields = _ATTENTION_FORMS[text(type(attn).forward)]
     attn_children = attn.__dict__.get("_modules", {})
-    norms = [children.get(n) for n in _POST_NORMS if layer_fields.get("post_norms")] or [
-        children.get(n) for n in _PRE_NORMS
-    ]
-    norms += (
-        [attn_children.get(n) for n in _QK_NORMS] if _ATTENTION_FORMS[text(type(attn).forward)].get("qk_norm") else []
-    )
+    norms = [children.get(n) for n in (_POST_NORMS if layer_fields.get("post_norms") else _PRE_NORMS)]
+    if attn_fields.get("qk_norm"):
+        norms += [attn_children.get(n) for n in _QK_NORMS]
     # Llama's RMSNorm (the weight times the rounded normalized value), OLMo2's (one rounding) or
     # Gemma's (1 + weight, one rounding): one of them for all the layer's norms.
     norm_forms = {norm_form(n) if n is not None else None for n in norms}
@@ -353,7 +351,7 @@ def layer_form(layer, texts: Optional[dict] = None) -> Optional[LayerForm]:
         return None
     form = LayerForm(
         **layer_fields,
-        **_ATTENTION_FORMS[text(type(attn).forward)],
+        **attn_fields,
         packed_gate_up=gated[0] == "fused_gate_up",
         module_activation=not gated[1],
         one_plus_norms=norm_forms == {(False, True)},
