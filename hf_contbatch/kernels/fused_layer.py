@@ -434,8 +434,9 @@ class FusedLayerForward:
         ``PagedCacheStep`` as ``cache`` and ``paged_cache``, with metadata; no mask; the model's
         paged attention registered; no keyword argument beyond :data:`_LAYER_KWARGS`), no autograd,
         one contiguous CPU row ``[1, T, hidden]`` (T >= 1) of a dtype the C kernels have, norm
-        weights of that dtype, contiguous cos/sin ``[1, T, head_dim]`` of it, no module hooks,
-        evaluation mode, and a layer whose K/V are stored and read as they are (not latent, not
+        weights of that dtype (``[hidden]``; a per-head q/k norm's ``[head_dim]``), contiguous
+        cos/sin ``[1, T, head_dim]`` of it (so no partial rotary), no module hooks, evaluation mode
+        (the layer, attention and any residual dropout), and a layer whose K/V are stored and read as they are (not latent, not
         shared, no per-key bias, chunk or position-scaled queries).
 
         What is the same for every layer of one forward (the position embeddings, the hidden
