@@ -280,6 +280,8 @@ class LayerForm:
         module_activation: the MLP's activation is not SiLU (Gemma's GELU-tanh): the module's own
             ``act_fn`` is called on gate, then ``* up`` in torch, instead of the C ``silu_mul``.
         one_plus_norms: the RMSNorms scale by ``1 + weight`` in float32 with one rounding (Gemma).
+        partial_rotary: rotary over cos's width, the rest of each head copied (Phi-3's code; the
+            same as Llama's where cos is as wide as the head).
     """
 
     window_source: Optional[str] = None
@@ -291,6 +293,7 @@ class LayerForm:
     post_norms: bool = False
     module_activation: bool = False
     one_plus_norms: bool = False
+    partial_rotary: bool = False
 
     def name(self) -> str:
         """A short label for reports: "llama", or its variations joined by "+" ("qk-norm", ...)."""
@@ -306,6 +309,7 @@ class LayerForm:
                 ("post-norms", self.post_norms),
                 ("module-activation", self.module_activation),
                 ("one-plus-norms", self.one_plus_norms),
+                ("partial-rotary", self.partial_rotary),
             )
             if on
         ]
@@ -349,19 +353,18 @@ def layer_form(layer, texts: Optional[dict] = None) -> Optional[LayerForm]:
     norm_forms = {norm_form(n) if n is not None else None for n in norms}
     if len(norm_forms) != 1 or next(iter(norm_forms)) not in ((True, False), (False, False), (False, True)):
         return None
+    scope = vars(sys.modules.get(type(attn).__module__, object))
+    rotary = [t for t in _ROTARIES if _plain_function(scope.get("apply_rotary_pos_emb"), t)]
+    if not rotary or not _plain_function(scope.get("rotate_half"), _ROTATE_HALF):
+        return None
     form = LayerForm(
         **layer_fields,
         **attn_fields,
         packed_gate_up=gated[0] == "fused_gate_up",
         module_activation=not gated[1],
         one_plus_norms=norm_forms == {(False, True)},
+        partial_rotary=rotary[0] is _PARTIAL_ROTARY,
     )
-    scope = vars(sys.modules.get(type(attn).__module__, object))
-    if not (
-        any(_plain_function(scope.get("apply_rotary_pos_emb"), t) for t in _ROTARIES)
-        and _plain_function(scope.get("rotate_half"), _ROTATE_HALF)
-    ):
-        return None
     if form.dropouts and not all(type(children.get(n)) is torch.nn.Dropout for n in _DROPOUTS):
         return None
     if form.residual_multiplier and type(layer.__dict__.get("residual_multiplier")) not in (float, int):
@@ -451,7 +454,8 @@ class FusedLayerForward:
             return None
         layer, attn = self.layer, self.attn
         pos, config, d = kwargs.get("position_embeddings"), attn.config, attn.head_dim
-        key = (id(config), d)
+        partial = self.form.partial_rotary
+        key = (id(config), d, partial)
         checked = step.layer_checks.get(key)
         if (
             checked is None
@@ -465,7 +469,7 @@ class FusedLayerForward:
                 hidden_states.dtype,
                 hidden_states.shape,
                 config,
-                self._forward_fits(hidden_states, pos, config, d),
+                self._forward_fits(hidden_states, pos, config, d, partial),
             )
             step.layer_checks[key] = checked
         kernels = checked[4]
@@ -498,11 +502,12 @@ class FusedLayerForward:
         return step, kernels
 
     @staticmethod
-    def _forward_fits(hidden_states, pos, config, head_dim: int) -> Optional[UncheckedKernels]:
+    def _forward_fits(hidden_states, pos, config, head_dim: int, partial: bool) -> Optional[UncheckedKernels]:
         """The per-forward part of :meth:`fits`, the same for every layer of one forward with this
-        attention ``config`` and ``head_dim`` (the caller keys it by them): the kernels of the
-        hidden state's dtype when it fits, ``pos`` is a (cos, sin) pair of contiguous CPU tensors
-        ``[1, T, head_dim]`` of that dtype and the config's attention is ours; else None."""
+        attention ``config``, ``head_dim`` and rotary form (the caller keys it by them): the kernels
+        of the hidden state's dtype when it fits, ``pos`` is a (cos, sin) pair of contiguous CPU
+        tensors ``[1, T, head_dim]`` of that dtype (``partial``: ``[1, T, r]``, ``0 < r <= head_dim``)
+        and the config's attention is ours; else None."""
         if (
             not fits(hidden_states)
             or hidden_states.dim() != 3
@@ -514,6 +519,8 @@ class FusedLayerForward:
         ):
             return None
         dtype, shape = hidden_states.dtype, (1, hidden_states.shape[1], head_dim)
+        if partial and isinstance(pos[0], torch.Tensor) and pos[0].dim() == 3 and 0 < pos[0].shape[2] <= head_dim:
+            shape = (*shape[:2], pos[0].shape[2])
         for t in pos:
             if (
                 not isinstance(t, torch.Tensor)
@@ -583,7 +590,14 @@ class FusedLayerForward:
             return self.original(hidden_states, *args, **kwargs)  # projections of another shape or dtype
         cos, sin = kwargs["position_embeddings"]
         heads, kv_heads = q.shape[-1] // d, k.shape[-1] // d
-        if form.qk_norm is not None:
+        rot = cos.shape[-1]  # < d only for a partial-rotary form (checked per forward)
+        if rot != d:
+            # Phi-3's partial rotary: each head's first rot features rotated, the rest copied.
+            if form.qk_norm is not None:
+                return self.original(hidden_states, *args, **kwargs)  # no kernel for both: theirs
+            query = kernels.rotary(q, rows, heads, d, q.stride(1), cos, sin, rot)
+            key = kernels.rotary(k, rows, kv_heads, d, k.stride(1), cos, sin, rot)
+        elif form.qk_norm is not None:
             # The RMSNorm of each head (Qwen3) or of the whole projection (OLMo2) with q_norm's and
             # k_norm's weight and eps, then rotary: one pass each.
             qn, kn = self.qk_norms

@@ -201,40 +201,46 @@ SILU_MUL_HALF(f16, f16_to_f32, f32_to_f16, round_f16)
  * torch's bits; in bfloat16/float16 each op's result is rounded to the dtype as torch's eager ops
  * round it (neg is exact). Negating before the product equals torch's neg-then-mul bit for bit.
  *
+ * Partial rotary (Phi-3's form with cos narrower than the head): the first `rot` features of each
+ * head are rotated as above with d = rot, the other d - rot copied (transformers' cat of the rotated
+ * part and the rest); rot = d for the whole head.
+ *
  * x: rows (positions) of `heads` heads of d features, row stride x_stride elements (a column slice
- * of a fused q/k/v GEMM output); cos, sin: [rows][d] at row stride cs_stride; y: [rows][heads][d]
+ * of a fused q/k/v GEMM output); cos, sin: [rows][rot] at row stride cs_stride; y: [rows][heads][d]
  * contiguous, the [T, H, D] layout the paged attention reads (the transpose is folded in). */
-void hf_contbatch_rotary_f32(const float *x, int64_t rows, int64_t heads, int64_t d, int64_t x_stride,
+void hf_contbatch_rotary_f32(const float *x, int64_t rows, int64_t heads, int64_t d, int64_t rot, int64_t x_stride,
                              const float *cos, const float *sin, int64_t cs_stride, float *y, int32_t threads) {
 #pragma omp parallel for num_threads(threads) if (rows * heads * d >= PARALLEL_MIN && threads > 1) schedule(static)
     for (int64_t i = 0; i < rows; ++i) {
-        const int64_t h = d / 2, m = d - h;
+        const int64_t h = rot / 2, m = rot - h;
         const float *c = cos + i * cs_stride, *s = sin + i * cs_stride;
         for (int64_t j = 0; j < heads; ++j) {
             const float *restrict xi = x + i * x_stride + j * d;
             float *restrict yi = y + (i * heads + j) * d;
             for (int64_t k = 0; k < m; ++k) yi[k] = xi[k] * c[k] + (-xi[h + k]) * s[k];
-            for (int64_t k = m; k < d; ++k) yi[k] = xi[k] * c[k] + xi[k - m] * s[k];
+            for (int64_t k = m; k < rot; ++k) yi[k] = xi[k] * c[k] + xi[k - m] * s[k];
+            for (int64_t k = rot; k < d; ++k) yi[k] = xi[k];
         }
     }
 }
 
 #define ROTARY_HALF(NAME, TO_F32, FROM_F32, ROUND)                                                      \
     void hf_contbatch_rotary_##NAME(const uint16_t *x, int64_t rows, int64_t heads, int64_t d,          \
-                                    int64_t x_stride, const uint16_t *cos, const uint16_t *sin,         \
-                                    int64_t cs_stride, uint16_t *y, int32_t threads) {                  \
+                                    int64_t rot, int64_t x_stride, const uint16_t *cos,                 \
+                                    const uint16_t *sin, int64_t cs_stride, uint16_t *y, int32_t threads) { \
         _Pragma("omp parallel for num_threads(threads) if (rows * heads * d >= PARALLEL_MIN && threads > 1) schedule(static)") \
         for (int64_t i = 0; i < rows; ++i) {                                                                  \
-            const int64_t h = d / 2, m = d - h;                                                               \
+            const int64_t h = rot / 2, m = rot - h;                                                           \
             for (int64_t j = 0; j < heads; ++j) {                                                             \
                 const uint16_t *xi = x + i * x_stride + j * d;                                                \
                 const uint16_t *c = cos + i * cs_stride, *s = sin + i * cs_stride;                            \
                 uint16_t *yi = y + (i * heads + j) * d;                                                       \
-                for (int64_t k = 0; k < d; ++k) {                                                             \
-                    float rot = k < m ? -TO_F32(xi[h + k]) : TO_F32(xi[k - m]);                               \
-                    float a = ROUND(TO_F32(xi[k]) * TO_F32(c[k])), b = ROUND(rot * TO_F32(s[k]));             \
+                for (int64_t k = 0; k < rot; ++k) {                                                           \
+                    float r = k < m ? -TO_F32(xi[h + k]) : TO_F32(xi[k - m]);                                 \
+                    float a = ROUND(TO_F32(xi[k]) * TO_F32(c[k])), b = ROUND(r * TO_F32(s[k]));               \
                     yi[k] = FROM_F32(a + b);                                                                  \
                 }                                                                                         \
+                for (int64_t k = rot; k < d; ++k) yi[k] = xi[k];                                          \
             }                                                                                             \
         }                                                                                                 \
     }

@@ -75,7 +75,7 @@ def _load() -> tuple[Optional[FusedLibrary], Optional[str]]:
     lib.hf_contbatch_rms_norm_bf16.argtypes = [ptr, i64, i64, i64, ptr, f32, i32, ptr, i64, i32]
     lib.hf_contbatch_silu_mul_f32.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, i32]
     lib.hf_contbatch_silu_mul_bf16.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, i32]
-    rotary = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, i32]
+    rotary = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr, i32]
     lib.hf_contbatch_rotary_f32.argtypes = lib.hf_contbatch_rotary_bf16.argtypes = rotary
     lib.hf_contbatch_add_rms_norm_f32.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, f32, ptr, ptr, i32]
     lib.hf_contbatch_add_rms_norm_bf16.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, f32, i32, ptr, ptr, i32]
@@ -249,12 +249,16 @@ def _kernel(lib: FusedLibrary, op: str, dtype: torch.dtype) -> Callable:
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+def rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, rotary_dim: Optional[int] = None
+) -> torch.Tensor:
     """The rotary embedding ``x * cos + rotate_half(x) * sin`` of every head of ``x`` ``[T, heads *
     head_dim]`` (rows of unit-stride features at one row stride: a column slice of a fused q/k/v
-    GEMM output will do) at the rows' positions, ``cos``/``sin`` ``[T, head_dim]`` (unit stride
+    GEMM output will do) at the rows' positions, ``cos``/``sin`` ``[T, rotary_dim]`` (unit stride
     along the features) in ``x``'s dtype, as transformers' ``apply_rotary_pos_emb`` computes it
     (float32: the same bits; bfloat16/float16: each op rounded to the dtype as torch's eager ops).
+    ``rotary_dim`` (default ``head_dim``): partial rotary, Phi-3's form: each head's first
+    ``rotary_dim`` features rotated, the rest copied.
     Returns a new contiguous ``[T, heads, head_dim]`` tensor: the layout paged attention reads.
 
     Raises:
@@ -263,15 +267,18 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int)
     """
     lib = _library_for(x.dtype)
     rows, width = x.shape if x.dim() == 2 else (-1, -1)
+    rot = head_dim if rotary_dim is None else rotary_dim
     if (
         head_dim <= 0
+        or not 0 < rot <= head_dim
         or width % head_dim
-        or cos.shape != (rows, head_dim)
+        or cos.shape != (rows, rot)
         or sin.shape != cos.shape
         or cos.dtype != x.dtype
         or sin.dtype != x.dtype
         or cos.stride() != sin.stride()
-        or (head_dim > 1 and (cos.stride(1) != 1 or x.stride(1) != 1))
+        or (rot > 1 and cos.stride(1) != 1)
+        or (head_dim > 1 and x.stride(1) != 1)
     ):
         raise RuntimeError(
             f"rotary: x {tuple(x.shape)} {x.dtype}, cos {tuple(cos.shape)} {cos.dtype}, sin {tuple(sin.shape)} "
@@ -285,6 +292,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int)
             rows,
             heads,
             head_dim,
+            rot,
             x.stride(0),
             cos.data_ptr(),
             sin.data_ptr(),
@@ -429,12 +437,15 @@ class UncheckedKernels:
         row_stride: int,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        rotary_dim: Optional[int] = None,
     ) -> torch.Tensor:
         """:func:`rotary` of ``rows`` rows of ``heads * head_dim`` unit-stride features starting at
         ``x``'s first element, ``row_stride`` elements apart; ``cos``/``sin`` contiguous ``[rows,
-        head_dim]`` (any leading size-1 dims). Returns a new contiguous ``[rows, heads, head_dim]``."""
+        rotary_dim]`` (any leading size-1 dims; ``rotary_dim`` default ``head_dim``: partial rotary
+        below it). Returns a new contiguous ``[rows, heads, head_dim]``."""
+        rot = head_dim if rotary_dim is None else rotary_dim
         y = x.new_empty((rows, heads, head_dim))
-        self._rotary(x.data_ptr(), rows, heads, head_dim, row_stride, cos.data_ptr(), sin.data_ptr(), head_dim,
+        self._rotary(x.data_ptr(), rows, heads, head_dim, rot, row_stride, cos.data_ptr(), sin.data_ptr(), rot,
                      y.data_ptr(), torch.get_num_threads())  # fmt: skip
         return y
 

@@ -171,7 +171,7 @@ _FORMS = {
     "mistral": "llama",
     "qwen2": "llama",
     "qwen3": "qk-norm",
-    "phi3": "packed-qkv+packed-gate-up+dropouts",
+    "phi3": "packed-qkv+packed-gate-up+dropouts+partial-rotary",
     "granite": "residual-multiplier",
     "olmo2": "qk-norm-all+post-norms",
     "gemma": "module-activation+one-plus-norms",
@@ -265,22 +265,46 @@ def test_a_phi3_layer_with_a_dropout_in_training_mode_runs_its_own_forward(monke
         model.model.layers[0].resid_mlp_dropout.train()
         handles = [eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
         assert [h.result(timeout=600).output_token_ids for h in handles] == refs
-        assert eng.patches.fused_layers.forms() == {"packed-qkv+packed-gate-up+dropouts": 2}
+        assert eng.patches.fused_layers.forms() == {"packed-qkv+packed-gate-up+dropouts+partial-rotary": 2}
     finally:
         eng.close()
     assert served and set(served) == {1}
 
 
 @pytest.mark.timeout(600)
-def test_phi3_with_partial_rotary_runs_its_own_layer_forward(monkeypatch):
+@pytest.mark.parametrize("cfg", [_PLAIN, _TIGHT], ids=["batched", "preempted-chunked"])
+def test_phi3_with_partial_rotary_takes_the_fused_step(cfg, monkeypatch):
     # Phi-3's rotary leaves a head's last features unrotated when cos is narrower than the head:
-    # the layers are recognized (their code reads as the fast path's), but every call steps aside.
+    # the C rotary rotates the first half of each head here and copies the rest.
     model = build_model("phi3", partial_rotary_factor=0.5)
-    assert all(layer_form(layer) is not None for layer in model.model.layers)
-    prompts = random_prompts([7, 30], seed=6)
+    prompts = random_prompts([1, 7, 30, 45], seed=6)
     refs = [reference_greedy(model, p, NEW) for p in prompts]
-    outs, _, fused, served = _serve(model, prompts, _PLAIN, monkeypatch)
-    assert outs == refs and fused == {"packed-qkv+packed-gate-up+dropouts": 2} and not served
+    outs, stats, fused, served = _serve(model, prompts, cfg, monkeypatch)
+    assert outs == refs and fused == {"packed-qkv+packed-gate-up+dropouts+partial-rotary": 2}
+    assert served and set(served) == {0, 1}
+    assert stats.num_free_blocks == stats.num_blocks, "blocks leaked"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rotary_dim", [8, 6, 24])
+def test_partial_rotary_equals_phi3s_eager_rotary_bit_for_bit(dtype, rotary_dim):
+    _dtype_or_skip(dtype)
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_rotary
+
+    g = torch.Generator().manual_seed(rotary_dim)
+    rows, heads, kv_heads, head_dim = 5, 4, 2, 32
+    qkv = (torch.randn(1, rows, (heads + 2 * kv_heads) * head_dim, generator=g) * 4).to(dtype)
+    q, k = qkv[..., : heads * head_dim], qkv[..., heads * head_dim : (heads + kv_heads) * head_dim]
+    cos, sin = (torch.randn(1, rows, rotary_dim, generator=g).to(dtype) for _ in range(2))
+    as_heads = lambda t: t.view(1, rows, -1, head_dim).transpose(1, 2)  # noqa: E731 - the module's view
+    want_q, want_k = phi3_rotary(as_heads(q), as_heads(k), cos, sin)
+    assert torch.equal(rotary(q[0], cos[0], sin[0], head_dim, rotary_dim), want_q[0].transpose(0, 1))
+    assert torch.equal(rotary(k[0], cos[0], sin[0], head_dim, rotary_dim), want_k[0].transpose(0, 1))
+    kernels = unchecked_kernels(dtype)
+    got = kernels.rotary(q, rows, heads, head_dim, q.stride(1), cos, sin, rotary_dim)
+    assert torch.equal(got, want_q[0].transpose(0, 1))
+    with pytest.raises(RuntimeError, match="rotary"):
+        rotary(q[0], cos[0], sin[0], head_dim)  # cos narrower than the head without rotary_dim
 
 
 @pytest.mark.timeout(600)
