@@ -39,8 +39,9 @@ does each field's arithmetic):
   dots1) or over the whole projection (OLMo2, OLMo3), run in C with the rotary after it
   (``fused_ops.rms_norm_rotary``);
 - ``packed_qkv``/``packed_gate_up``: Phi-3's one q/k/v linear (its output's column slices) and one
-  gate/up linear (``chunk(2)``); Phi-3's partial-rotary form is recognized but every call with cos
-  narrower than a head runs the layer's own forward;
+  gate/up linear (``chunk(2)``);
+- ``partial_rotary``: Phi-3's rotary over cos's width, the rest of each head copied (the C rotary's
+  ``rotary_dim``);
 - ``dropouts``: Phi-3's residual dropouts (``nn.Dropout`` in evaluation mode: the identity);
 - ``residual_multiplier``: Granite's branches scaled before the residual adds;
 - ``post_norms``: OLMo2's norms after attention and the MLP instead of before;
