@@ -243,7 +243,7 @@ def run_single(args, variant: str) -> dict:
     from hf_contbatch import EngineConfig, LLMEngine, SamplingParams
 
     torch.set_num_threads(args.threads)
-    model = build_model(args.model, dtype=getattr(torch, args.dtype))
+    model = build_model(args.model, dtype=getattr(torch, args.dtype), model_type=args.config_type)
     prompts, new_tokens = workload_for(args.model, model.config.vocab_size, args.seed, args.requests)
     kwargs = _parse_variant(variant)
     kwargs.pop("tree", None)
@@ -310,6 +310,12 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="tiny,small", help="comma-separated: tiny, small, medium, or saved model paths")
     ap.add_argument("--variants", default="default", help="';'-separated EngineConfig kwargs lists")
     ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds over the variants")
+    ap.add_argument(
+        "--config-type",
+        default="llama",
+        help="a transformers model type (qwen3, phi3...) built at --model's sizes from its config class's "
+        "defaults (random weights; --model must be tiny, small or medium)",
+    )
     ap.add_argument("--requests", type=int, default=None, help="default: 64 (medium: 32)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
@@ -361,6 +367,8 @@ def main(argv=None) -> int:
                         str(args.threads),
                         "--dtype",
                         args.dtype,
+                        "--config-type",
+                        args.config_type,
                         "--clock",
                         args.clock,
                     ]
@@ -373,7 +381,9 @@ def main(argv=None) -> int:
                         runs[v].append(json.load(f))
         num_requests = len(runs[variants[0]][0]["outputs"])
         emulated = f", emulating {args.emulate_cpu}" if args.emulate_cpu else ""
-        print(f"\n== {model}: {num_requests} requests, {args.threads} threads, {args.repeats} round(s){emulated} ==")
+        print(
+            f"\n== {model} ({args.config_type}): {num_requests} requests, {args.threads} threads, {args.repeats} round(s){emulated} =="
+        )
         header = f"{'part':>12} " + " ".join(f"{v[:22]:>24}" for v in variants)
         print(header)
         rows = {}

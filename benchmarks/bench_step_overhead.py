@@ -69,7 +69,7 @@ def run_one(args) -> dict:
     from hf_contbatch.kernels.paged_cache import PagedCacheStep
 
     torch.set_num_threads(args.threads)
-    model = build_model(args.model, dtype=getattr(torch, args.dtype))
+    model = build_model(args.model, dtype=getattr(torch, args.dtype), model_type=args.config_type)
     engine = LLMEngine(model, EngineConfig(**({"quantization": args.quantization} if args.quantization else {})))
     totals, counts, on = defaultdict(int), defaultdict(int), [False, False]
     patched = []
@@ -92,7 +92,7 @@ def run_one(args) -> dict:
         if name in vars(fused_layer) and name != "fits":
             patch(fused_layer, name, name)  # older trees: the checked wrappers, called by name
     unchecked = getattr(fused_ops, "UncheckedKernels", None)
-    for name in ("rms_norm", "rotary", "add_rms_norm", "silu_mul"):
+    for name in ("rms_norm", "rotary", "add_rms_norm", "silu_mul", "rms_norm_rotary"):
         if unchecked is not None and name in unchecked.__dict__:
             patch(unchecked, name, name)
     if "fits" in vars(fused_layer):
@@ -165,6 +165,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="medium")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--config-type", default="llama", help="a transformers model type (qwen3, phi3...) at --model's sizes"
+    )
     ap.add_argument("--quantization", default=None, help='e.g. "int8"')
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens")

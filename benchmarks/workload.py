@@ -48,19 +48,24 @@ MODEL_SIZES = {
 WORKLOADS = {"medium": (32, 192, (16, 32, 64, 128))}
 
 
-def build_model(size: str = "tiny", seed: int = 0, dtype=torch.float32):
-    """A random-weight Llama of ``MODEL_SIZES[size]``, or the model saved at the path ``size``."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+def build_model(size: str = "tiny", seed: int = 0, dtype=torch.float32, model_type: str = "llama"):
+    """A random-weight model of ``MODEL_SIZES[size]``, or the model saved at the path ``size``.
+    ``model_type``: a transformers model type (``qwen3``, ``phi3``...): its config class with its own
+    defaults, the sizes (and ``head_dim = hidden / heads``) of ``size``; default a Llama."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     if size not in MODEL_SIZES:
         model = AutoModelForCausalLM.from_pretrained(size, dtype=dtype).eval()
         model.generation_config.eos_token_id = None
         return model
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        **MODEL_SIZES[size], max_position_embeddings=2048, eos_token_id=None, bos_token_id=None, pad_token_id=0
-    )
-    model = LlamaForCausalLM(cfg).to(dtype).eval()
+    sizes = dict(MODEL_SIZES[size], max_position_embeddings=2048, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    if model_type == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**sizes))
+    else:
+        head_dim = sizes["hidden_size"] // sizes["num_attention_heads"]
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, head_dim=head_dim, **sizes))
+    model = model.to(dtype).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model

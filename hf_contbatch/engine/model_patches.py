@@ -53,8 +53,9 @@ class ModelPatches:
             serving the model (``lora_adapters.acquire_lora_layers``).
         compiled_forward: the ``CompiledForward`` (None unless ``compile_model``).
         fused_ops, fused_layers: under ``fuse_model_ops`` on CPU (not with ``compile_model``), the
-            model's ``FusedModelOps`` (RMSNorms, SiLU-and-mul) and ``FusedLayers`` (Llama-form
-            decoder layers as one fused step, ``kernels.fused_layer``), shared by the engines on
+            model's ``FusedModelOps`` (RMSNorms, SiLU-and-mul) and ``FusedLayers`` (decoder
+            layers of the Llama form or a recognized variation of it, ``kernels.fused_layer``'s
+            ``LayerForm``, as one fused step), shared by the engines on
             the model; else None.
         previous_attention: the model's own attention implementation, restored by ``undo``.
         rotary_variants: the model's ``RotaryVariants`` (LongRoPE factors per request, shared by the
@@ -348,8 +349,8 @@ def release_fused_ops(model) -> None:
 
 
 def acquire_fused_layers(model, layout=None):
-    """The model's ``FusedLayers`` (kernels.fused_layer: its Llama-form decoder layers as one fused
-    step each), installed by the first engine on it and shared by the later ones; None where the
+    """The model's ``FusedLayers`` (kernels.fused_layer: its decoder layers of the Llama form or a
+    recognized variation, ``LayerForm``, as one fused step each), installed by the first engine on it and shared by the later ones; None where the
     model is not on CPU or has no such layer. ``layout``: the engine's walk of the model."""
 
     def build():

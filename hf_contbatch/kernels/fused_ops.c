@@ -201,40 +201,46 @@ SILU_MUL_HALF(f16, f16_to_f32, f32_to_f16, round_f16)
  * torch's bits; in bfloat16/float16 each op's result is rounded to the dtype as torch's eager ops
  * round it (neg is exact). Negating before the product equals torch's neg-then-mul bit for bit.
  *
+ * Partial rotary (Phi-3's form with cos narrower than the head): the first `rot` features of each
+ * head are rotated as above with d = rot, the other d - rot copied (transformers' cat of the rotated
+ * part and the rest); rot = d for the whole head.
+ *
  * x: rows (positions) of `heads` heads of d features, row stride x_stride elements (a column slice
- * of a fused q/k/v GEMM output); cos, sin: [rows][d] at row stride cs_stride; y: [rows][heads][d]
+ * of a fused q/k/v GEMM output); cos, sin: [rows][rot] at row stride cs_stride; y: [rows][heads][d]
  * contiguous, the [T, H, D] layout the paged attention reads (the transpose is folded in). */
-void hf_contbatch_rotary_f32(const float *x, int64_t rows, int64_t heads, int64_t d, int64_t x_stride,
+void hf_contbatch_rotary_f32(const float *x, int64_t rows, int64_t heads, int64_t d, int64_t rot, int64_t x_stride,
                              const float *cos, const float *sin, int64_t cs_stride, float *y, int32_t threads) {
 #pragma omp parallel for num_threads(threads) if (rows * heads * d >= PARALLEL_MIN && threads > 1) schedule(static)
     for (int64_t i = 0; i < rows; ++i) {
-        const int64_t h = d / 2, m = d - h;
+        const int64_t h = rot / 2, m = rot - h;
         const float *c = cos + i * cs_stride, *s = sin + i * cs_stride;
         for (int64_t j = 0; j < heads; ++j) {
             const float *restrict xi = x + i * x_stride + j * d;
             float *restrict yi = y + (i * heads + j) * d;
             for (int64_t k = 0; k < m; ++k) yi[k] = xi[k] * c[k] + (-xi[h + k]) * s[k];
-            for (int64_t k = m; k < d; ++k) yi[k] = xi[k] * c[k] + xi[k - m] * s[k];
+            for (int64_t k = m; k < rot; ++k) yi[k] = xi[k] * c[k] + xi[k - m] * s[k];
+            for (int64_t k = rot; k < d; ++k) yi[k] = xi[k];
         }
     }
 }
 
 #define ROTARY_HALF(NAME, TO_F32, FROM_F32, ROUND)                                                      \
     void hf_contbatch_rotary_##NAME(const uint16_t *x, int64_t rows, int64_t heads, int64_t d,          \
-                                    int64_t x_stride, const uint16_t *cos, const uint16_t *sin,         \
-                                    int64_t cs_stride, uint16_t *y, int32_t threads) {                  \
+                                    int64_t rot, int64_t x_stride, const uint16_t *cos,                 \
+                                    const uint16_t *sin, int64_t cs_stride, uint16_t *y, int32_t threads) { \
         _Pragma("omp parallel for num_threads(threads) if (rows * heads * d >= PARALLEL_MIN && threads > 1) schedule(static)") \
         for (int64_t i = 0; i < rows; ++i) {                                                                  \
-            const int64_t h = d / 2, m = d - h;                                                               \
+            const int64_t h = rot / 2, m = rot - h;                                                           \
             for (int64_t j = 0; j < heads; ++j) {                                                             \
                 const uint16_t *xi = x + i * x_stride + j * d;                                                \
                 const uint16_t *c = cos + i * cs_stride, *s = sin + i * cs_stride;                            \
                 uint16_t *yi = y + (i * heads + j) * d;                                                       \
-                for (int64_t k = 0; k < d; ++k) {                                                             \
-                    float rot = k < m ? -TO_F32(xi[h + k]) : TO_F32(xi[k - m]);                               \
-                    float a = ROUND(TO_F32(xi[k]) * TO_F32(c[k])), b = ROUND(rot * TO_F32(s[k]));             \
+                for (int64_t k = 0; k < rot; ++k) {                                                           \
+                    float r = k < m ? -TO_F32(xi[h + k]) : TO_F32(xi[k - m]);                                 \
+                    float a = ROUND(TO_F32(xi[k]) * TO_F32(c[k])), b = ROUND(r * TO_F32(s[k]));               \
                     yi[k] = FROM_F32(a + b);                                                                  \
                 }                                                                                         \
+                for (int64_t k = rot; k < d; ++k) yi[k] = xi[k];                                          \
             }                                                                                             \
         }                                                                                                 \
     }
@@ -283,6 +289,53 @@ void hf_contbatch_add_rms_norm_f32(const float *x, const float *res, int64_t row
 ADD_RMS_NORM_HALF(bf16, bf16_to_f32, f32_to_bf16, round_bf16)
 #if HAS_F16
 ADD_RMS_NORM_HALF(f16, f16_to_f32, f32_to_f16, round_f16)
+#endif
+
+/* An RMSNorm of q or k and the rotary embedding after it, one pass over each row: Qwen3's per-head
+ * q_norm/k_norm (norm_heads = 1: each head normalized over its d features) or OLMo2's over the whole
+ * projection (norm_heads = heads), between the projections and rotary:
+ *   n = RMSNorm(x[g])             over each group g of norm_heads * d features, as
+ *                                 hf_contbatch_rms_norm_* (scale [norm_heads * d], eps, round_first;
+ *                                 rounded to the dtype, as the module returns it)
+ *   y = n * cos + rotate_half(n) * sin   per head, as hf_contbatch_rotary_*
+ * so the result has the bits of rms_norm then rotary. x: rows of `heads` heads of d features at row
+ * stride x_stride (a column slice of a fused q/k/v output); heads a multiple of norm_heads;
+ * y [rows][heads][d]. */
+#define NORM_ROTARY(NAME, T, TO_F32, FROM_F32, ROUND)                                                    \
+    void hf_contbatch_rms_norm_rotary_##NAME(const T *x, int64_t rows, int64_t heads, int64_t d,          \
+                                             int64_t x_stride, int64_t norm_heads, const float *scale,   \
+                                             float eps, int32_t round_first, const T *cos, const T *sin, \
+                                             int64_t cs_stride, T *y, int32_t threads) {                 \
+        _Pragma("omp parallel for num_threads(threads) if (rows * heads * d >= PARALLEL_MIN && threads > 1) schedule(static)") \
+        for (int64_t i = 0; i < rows; ++i) {                                                             \
+            const int64_t h = d / 2, m = d - h, w = norm_heads * d;                                      \
+            const T *c = cos + i * cs_stride, *s = sin + i * cs_stride;                                  \
+            float buf[w > 0 ? w : 1], nrm[w > 0 ? w : 1];                                                \
+            for (int64_t g = 0; g < heads; g += norm_heads) {                                            \
+                const T *xg = x + i * x_stride + g * d;                                                  \
+                for (int64_t k = 0; k < w; ++k) buf[k] = TO_F32(xg[k]);                                  \
+                const float r = inv_rms(buf, w, eps);                                                    \
+                if (round_first)                                                                         \
+                    for (int64_t k = 0; k < w; ++k) nrm[k] = TO_F32(FROM_F32(scale[k] * ROUND(buf[k] * r))); \
+                else                                                                                     \
+                    for (int64_t k = 0; k < w; ++k) nrm[k] = TO_F32(FROM_F32(scale[k] * (buf[k] * r)));  \
+                for (int64_t j = 0; j < norm_heads; ++j) {                                               \
+                    const float *nj = nrm + j * d;                                                       \
+                    T *yi = y + (i * heads + g + j) * d;                                                 \
+                    for (int64_t k = 0; k < d; ++k) {                                                    \
+                        float rot = k < m ? -nj[h + k] : nj[k - m];                                      \
+                        float a = ROUND(nj[k] * TO_F32(c[k])), b = ROUND(rot * TO_F32(s[k]));            \
+                        yi[k] = FROM_F32(a + b);                                                         \
+                    }                                                                                    \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+    }
+static inline float same_f32(float f) { return f; }
+NORM_ROTARY(f32, float, same_f32, same_f32, same_f32)
+NORM_ROTARY(bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+#if HAS_F16
+NORM_ROTARY(f16, uint16_t, f16_to_f32, f32_to_f16, round_f16)
 #endif
 
 int hf_contbatch_fused_has_f16(void) { return HAS_F16; }

@@ -49,10 +49,13 @@ class FusedLibrary:
     rotary_bf16: Callable
     add_rms_norm_f32: Callable
     add_rms_norm_bf16: Callable
+    rms_norm_rotary_f32: Callable
+    rms_norm_rotary_bf16: Callable
     rms_norm_f16: Optional[Callable] = None
     silu_mul_f16: Optional[Callable] = None
     rotary_f16: Optional[Callable] = None
     add_rms_norm_f16: Optional[Callable] = None
+    rms_norm_rotary_f16: Optional[Callable] = None
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:
@@ -72,15 +75,17 @@ def _load() -> tuple[Optional[FusedLibrary], Optional[str]]:
     lib.hf_contbatch_rms_norm_bf16.argtypes = [ptr, i64, i64, i64, ptr, f32, i32, ptr, i64, i32]
     lib.hf_contbatch_silu_mul_f32.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, i32]
     lib.hf_contbatch_silu_mul_bf16.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, i32]
-    rotary = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, i32]
+    rotary = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr, i32]
     lib.hf_contbatch_rotary_f32.argtypes = lib.hf_contbatch_rotary_bf16.argtypes = rotary
     lib.hf_contbatch_add_rms_norm_f32.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, f32, ptr, ptr, i32]
     lib.hf_contbatch_add_rms_norm_bf16.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, f32, i32, ptr, ptr, i32]
+    norm_rotary = [ptr, i64, i64, i64, i64, i64, ptr, f32, i32, ptr, ptr, i64, ptr, i32]
+    lib.hf_contbatch_rms_norm_rotary_f32.argtypes = lib.hf_contbatch_rms_norm_rotary_bf16.argtypes = norm_rotary
     has_f16 = bool(lib.hf_contbatch_fused_has_f16())
+    ops = ("rms_norm", "silu_mul", "rotary", "add_rms_norm", "rms_norm_rotary")
     if has_f16:
-        for op in ("rms_norm", "silu_mul", "rotary", "add_rms_norm"):
+        for op in ops:
             getattr(lib, f"hf_contbatch_{op}_f16").argtypes = getattr(lib, f"hf_contbatch_{op}_bf16").argtypes
-    ops = ("rms_norm", "silu_mul", "rotary", "add_rms_norm")
     names = [f"{op}_{t}" for op in ops for t in ("f32", "bf16", "f16")]
     for name in names:
         if has_f16 or not name.endswith("_f16"):
@@ -98,10 +103,13 @@ def _load() -> tuple[Optional[FusedLibrary], Optional[str]]:
             rotary_bf16=lib.hf_contbatch_rotary_bf16,
             add_rms_norm_f32=lib.hf_contbatch_add_rms_norm_f32,
             add_rms_norm_bf16=lib.hf_contbatch_add_rms_norm_bf16,
+            rms_norm_rotary_f32=lib.hf_contbatch_rms_norm_rotary_f32,
+            rms_norm_rotary_bf16=lib.hf_contbatch_rms_norm_rotary_bf16,
             rms_norm_f16=lib.hf_contbatch_rms_norm_f16 if has_f16 else None,
             silu_mul_f16=lib.hf_contbatch_silu_mul_f16 if has_f16 else None,
             rotary_f16=lib.hf_contbatch_rotary_f16 if has_f16 else None,
             add_rms_norm_f16=lib.hf_contbatch_add_rms_norm_f16 if has_f16 else None,
+            rms_norm_rotary_f16=lib.hf_contbatch_rms_norm_rotary_f16 if has_f16 else None,
         ),
         None,
     )
@@ -241,12 +249,16 @@ def _kernel(lib: FusedLibrary, op: str, dtype: torch.dtype) -> Callable:
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+def rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, rotary_dim: Optional[int] = None
+) -> torch.Tensor:
     """The rotary embedding ``x * cos + rotate_half(x) * sin`` of every head of ``x`` ``[T, heads *
     head_dim]`` (rows of unit-stride features at one row stride: a column slice of a fused q/k/v
-    GEMM output will do) at the rows' positions, ``cos``/``sin`` ``[T, head_dim]`` (unit stride
+    GEMM output will do) at the rows' positions, ``cos``/``sin`` ``[T, rotary_dim]`` (unit stride
     along the features) in ``x``'s dtype, as transformers' ``apply_rotary_pos_emb`` computes it
     (float32: the same bits; bfloat16/float16: each op rounded to the dtype as torch's eager ops).
+    ``rotary_dim`` (default ``head_dim``): partial rotary, Phi-3's form: each head's first
+    ``rotary_dim`` features rotated, the rest copied.
     Returns a new contiguous ``[T, heads, head_dim]`` tensor: the layout paged attention reads.
 
     Raises:
@@ -255,15 +267,18 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int)
     """
     lib = _library_for(x.dtype)
     rows, width = x.shape if x.dim() == 2 else (-1, -1)
+    rot = head_dim if rotary_dim is None else rotary_dim
     if (
         head_dim <= 0
+        or not 0 < rot <= head_dim
         or width % head_dim
-        or cos.shape != (rows, head_dim)
+        or cos.shape != (rows, rot)
         or sin.shape != cos.shape
         or cos.dtype != x.dtype
         or sin.dtype != x.dtype
         or cos.stride() != sin.stride()
-        or (head_dim > 1 and (cos.stride(1) != 1 or x.stride(1) != 1))
+        or (rot > 1 and cos.stride(1) != 1)
+        or (head_dim > 1 and x.stride(1) != 1)
     ):
         raise RuntimeError(
             f"rotary: x {tuple(x.shape)} {x.dtype}, cos {tuple(cos.shape)} {cos.dtype}, sin {tuple(sin.shape)} "
@@ -277,6 +292,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int)
             rows,
             heads,
             head_dim,
+            rot,
             x.stride(0),
             cos.data_ptr(),
             sin.data_ptr(),
@@ -323,6 +339,59 @@ def add_rms_norm(
     return total, y
 
 
+def rms_norm_rotary(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    round_first: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_dim: int,
+    norm_heads: int = 1,
+) -> torch.Tensor:
+    """An RMSNorm of ``x`` ``[T, heads * head_dim]`` (rows of unit-stride features at one row stride,
+    as :func:`rotary` takes them) over each group of ``norm_heads`` heads' features, then the rotary
+    embedding of the result per head: Qwen3's per-head ``q_norm``/``k_norm`` (``norm_heads=1``) or
+    OLMo2's over the whole projection (``norm_heads=heads``) and ``apply_rotary_pos_emb`` in one pass.
+    ``scale`` float32 ``[norm_heads * head_dim]``, ``eps`` and ``round_first`` as in :func:`rms_norm`;
+    ``cos``/``sin`` as in :func:`rotary`. Returns a new contiguous ``[T, heads, head_dim]`` tensor of
+    ``x``'s dtype, bit for bit :func:`rotary` of :func:`rms_norm` of ``x`` viewed as
+    ``[T, heads / norm_heads, norm_heads * head_dim]``.
+
+    Raises:
+        RuntimeError: the kernels cannot be built here, the dtype is not one of the build's, or the
+            shapes, dtypes, strides or scale do not fit.
+    """
+    lib = _library_for(x.dtype)
+    rows, width = x.shape if x.dim() == 2 else (-1, -1)
+    if (
+        head_dim <= 0
+        or norm_heads <= 0
+        or width % (head_dim * norm_heads)
+        or scale.dtype != torch.float32
+        or scale.shape != (norm_heads * head_dim,)
+        or not scale.is_contiguous()
+        or cos.shape != (rows, head_dim)
+        or sin.shape != cos.shape
+        or cos.dtype != x.dtype
+        or sin.dtype != x.dtype
+        or cos.stride() != sin.stride()
+        or (head_dim > 1 and (cos.stride(1) != 1 or x.stride(1) != 1))
+    ):
+        raise RuntimeError(
+            f"rms_norm_rotary: x {tuple(x.shape)} {x.dtype}, scale {tuple(scale.shape)} {scale.dtype}, cos "
+            f"{tuple(cos.shape)} {cos.dtype}, sin {tuple(sin.shape)} {sin.dtype} do not fit heads of {head_dim} features"
+        )
+    heads = width // head_dim
+    y = torch.empty((rows, heads, head_dim), dtype=x.dtype)
+    if rows and width:
+        _kernel(lib, "rms_norm_rotary", x.dtype)(
+            x.data_ptr(), rows, heads, head_dim, x.stride(0), norm_heads, scale.data_ptr(), eps, int(round_first),
+            cos.data_ptr(), sin.data_ptr(), cos.stride(0), y.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+    return y
+
+
 class UncheckedKernels:
     """The kernels of one dtype for a caller that made or checked its tensors itself (the fused
     decoder-layer step, ``kernels.fused_layer``, once per step): the ctypes functions bound once,
@@ -345,6 +414,7 @@ class UncheckedKernels:
         self._silu_mul = _kernel(lib, "silu_mul", dtype)
         self._rotary = _kernel(lib, "rotary", dtype)
         self._add_rms_norm = _kernel(lib, "add_rms_norm", dtype)
+        self._rms_norm_rotary = _kernel(lib, "rms_norm_rotary", dtype)
 
     def rms_norm(self, x: torch.Tensor, scale: torch.Tensor, eps: float, round_first: bool) -> torch.Tensor:
         """:func:`rms_norm` of a contiguous ``x`` ``[..., n]``: a new contiguous tensor like it."""
@@ -367,13 +437,39 @@ class UncheckedKernels:
         row_stride: int,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        rotary_dim: Optional[int] = None,
     ) -> torch.Tensor:
         """:func:`rotary` of ``rows`` rows of ``heads * head_dim`` unit-stride features starting at
         ``x``'s first element, ``row_stride`` elements apart; ``cos``/``sin`` contiguous ``[rows,
-        head_dim]`` (any leading size-1 dims). Returns a new contiguous ``[rows, heads, head_dim]``."""
+        rotary_dim]`` (any leading size-1 dims; ``rotary_dim`` default ``head_dim``: partial rotary
+        below it). Returns a new contiguous ``[rows, heads, head_dim]``."""
+        rot = head_dim if rotary_dim is None else rotary_dim
         y = x.new_empty((rows, heads, head_dim))
-        self._rotary(x.data_ptr(), rows, heads, head_dim, row_stride, cos.data_ptr(), sin.data_ptr(), head_dim,
+        self._rotary(x.data_ptr(), rows, heads, head_dim, rot, row_stride, cos.data_ptr(), sin.data_ptr(), rot,
                      y.data_ptr(), torch.get_num_threads())  # fmt: skip
+        return y
+
+    def rms_norm_rotary(
+        self,
+        x: torch.Tensor,
+        rows: int,
+        heads: int,
+        head_dim: int,
+        row_stride: int,
+        norm_heads: int,
+        scale: torch.Tensor,
+        eps: float,
+        round_first: bool,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """:func:`rms_norm_rotary` of ``rows`` rows laid out as :meth:`rotary` takes them, ``heads``
+        a multiple of ``norm_heads``, ``scale`` float32 contiguous ``[norm_heads * head_dim]``.
+        Returns a new contiguous ``[rows, heads, head_dim]``."""
+        y = x.new_empty((rows, heads, head_dim))
+        self._rms_norm_rotary(x.data_ptr(), rows, heads, head_dim, row_stride, norm_heads, scale.data_ptr(), eps,
+                              int(round_first), cos.data_ptr(), sin.data_ptr(), head_dim, y.data_ptr(),
+                              torch.get_num_threads())  # fmt: skip
         return y
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, gate_stride: int, up_stride: int) -> torch.Tensor:
@@ -465,6 +561,19 @@ def norm_form(module) -> Optional[tuple[bool, bool]]:
         return None
     eps = getattr(module, "eps" if form[1] else "variance_epsilon", None)
     return form if isinstance(eps, float) else None
+
+
+def gated_mlp_form(module) -> Optional[tuple[str, bool]]:
+    """``(kind, silu)`` when ``module``'s forward is a gated MLP ``down(act(gate) * up)`` of one of
+    :func:`mlp_form`'s kinds with any activation module (Gemma's GELU-tanh too), else None; ``silu``:
+    whether the activation is SiLU (what :func:`silu_mul` computes)."""
+    form = _MLP_FORMS.get(_body(type(module)))
+    if form is None:
+        return None
+    act = module.__dict__.get("_modules", {}).get("act_fn" if form == "gate_up" else "activation_fn")
+    if not isinstance(act, torch.nn.Module):
+        return None
+    return form, type(act).__name__ in _SILU
 
 
 def mlp_form(module) -> Optional[str]:

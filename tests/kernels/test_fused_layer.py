@@ -19,6 +19,7 @@ from hf_contbatch.kernels.fused_ops import (
     add_rms_norm,
     fused_library,
     rms_norm,
+    rms_norm_rotary,
     rotary,
     silu_mul,
     unchecked_kernels,
@@ -55,6 +56,53 @@ def test_rotary_equals_transformers_eager_bit_for_bit_on_fused_qkv_slices(dtype,
     assert got_q.shape == (rows, heads, head_dim) and got_q.is_contiguous() and got_q.dtype == dtype
     assert torch.equal(got_q, want_q[0].transpose(0, 1))
     assert torch.equal(got_k, want_k[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [128, 16, 7])
+@pytest.mark.parametrize("family", ["qwen3", "olmo2"])
+def test_q_norm_and_rotary_equal_the_modules_norm_then_rotary(family, dtype, head_dim):
+    """Qwen3's per-head ``q_norm(q.view(..., heads, head_dim))`` or OLMo2's ``q_norm(q)`` over all
+    heads, then ``apply_rotary_pos_emb``, from one C pass over column slices of a fused q/k/v
+    output: in bfloat16/float16 torch's bits; in float32 within an ulp (the sum of squares is added
+    in another order, as ``rms_norm``'s), and always bit for bit ``rotary`` of ``rms_norm`` (the
+    kernels the other tests hold to torch)."""
+    _dtype_or_skip(dtype)
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    norm_cls = getattr(module, f"{family.capitalize()}RMSNorm")
+    g = torch.Generator().manual_seed(head_dim)
+    rows, heads, kv_heads = 9, 4, 2
+    group = 1 if family == "qwen3" else heads  # heads per norm
+    qkv = (torch.randn(1, rows, (heads + 2 * kv_heads) * head_dim, generator=g) * 3).to(dtype)
+    q = qkv[..., : heads * head_dim]
+    cos, sin = (torch.randn(1, rows, head_dim, generator=g).to(dtype) for _ in range(2))
+    norm = norm_cls(group * head_dim, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(group * head_dim, generator=g))
+        norm = norm.to(dtype)
+        if family == "qwen3":
+            normed = norm(q.view(1, rows, heads, head_dim)).transpose(1, 2)
+        else:
+            normed = norm(q).view(1, rows, heads, head_dim).transpose(1, 2)
+        want = module.apply_rotary_pos_emb(normed, normed, cos, sin)[0][0].transpose(0, 1)
+    scale, round_first = norm.weight.float(), family == "qwen3"
+    got = rms_norm_rotary(q[0], scale, 1e-6, round_first, cos[0], sin[0], head_dim, group)
+    assert got.shape == (rows, heads, head_dim) and got.is_contiguous() and got.dtype == dtype
+    two_passes = rms_norm(q[0].reshape(rows * heads // group, -1), scale, 1e-6, round_first).view(rows, -1)
+    assert torch.equal(got, rotary(two_passes, cos[0], sin[0], head_dim))
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(got, want)
+    kernels = unchecked_kernels(dtype)
+    unchecked = kernels.rms_norm_rotary(
+        q, rows, heads, head_dim, q.stride(1), group, scale, 1e-6, round_first, cos, sin
+    )
+    assert torch.equal(unchecked, got)
+    with pytest.raises(RuntimeError, match="rms_norm_rotary"):
+        rms_norm_rotary(q[0], scale[:-1].contiguous(), 1e-6, round_first, cos[0], sin[0], head_dim, group)
 
 
 def test_rotary_refuses_what_does_not_fit():
@@ -102,7 +150,7 @@ def _serve(model, prompts, cfg, monkeypatch=None):
 
     def count_fused(engine):
         layers = engine.patches.fused_layers
-        seen["fused"] = 0 if layers is None else len(layers.installed)  # before close removes them
+        seen["fused"] = {} if layers is None else layers.forms()  # before close removes them
 
     outs, stats = serve_greedy(model, prompts, cfg, NEW, check=count_fused, timeout=600)
     return outs, stats, seen["fused"], served
@@ -116,17 +164,50 @@ _TIGHT = EngineConfig(
 )
 
 
+# Each family's layer form as FusedLayers.forms names it (LayerForm.name).
+_FORMS = {
+    "llama": "llama",
+    "llama-mqa": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "qwen3": "qk-norm",
+    "phi3": "packed-qkv+packed-gate-up+dropouts+partial-rotary",
+    "granite": "residual-multiplier",
+    "olmo2": "qk-norm-all+post-norms",
+    "gemma": "module-activation+one-plus-norms",
+}
+
+
+def _build(family: str):
+    """conftest's tiny model of ``family``, or here those it has none of (Granite with multipliers
+    that are not 1, OLMo2)."""
+    import transformers as tf
+
+    from conftest import _common
+
+    if family == "granite":
+        torch.manual_seed(0)
+        cfg = tf.GraniteConfig(
+            **_common(residual_multiplier=0.5, attention_multiplier=0.2, embedding_multiplier=2.0, logits_scaling=1.5)
+        )
+        return tf.GraniteForCausalLM(cfg).eval()
+    if family == "olmo2":
+        torch.manual_seed(0)
+        return tf.Olmo2ForCausalLM(tf.Olmo2Config(**_common())).eval()
+    return build_model(family)
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("family", ["llama", "llama-mqa", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", list(_FORMS))
 @pytest.mark.parametrize("cfg", [_PLAIN, _TIGHT], ids=["batched", "preempted-chunked"])
-def test_llama_form_layers_take_the_fused_step_and_keep_greedy_tokens_equal_to_generate(family, cfg, monkeypatch):
-    model = build_model(family)
+def test_recognized_layers_take_the_fused_step_and_keep_greedy_tokens_equal_to_generate(family, cfg, monkeypatch):
+    model = _build(family)
     prompts = random_prompts([1, 7, 30, 45], seed=5)
     refs = [reference_greedy(model, p, NEW) for p in prompts]
     outs, stats, fused, served = _serve(model, prompts, cfg, monkeypatch)
     assert outs == refs
     n = model.config.num_hidden_layers
-    assert fused == n
+    assert fused == {_FORMS[family]: n}
     assert served and set(served) == set(range(n))  # every layer took the fused step
     assert stats.num_free_blocks == stats.num_blocks, "blocks leaked"
     if cfg is _TIGHT and family != "mistral":  # Mistral's 8-token window gives blocks back: no pressure
@@ -135,16 +216,95 @@ def test_llama_form_layers_take_the_fused_step_and_keep_greedy_tokens_equal_to_g
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("family", ["qwen3", "gemma", "phi3"])
+@pytest.mark.parametrize("family", ["gemma2"])
 def test_other_families_keep_their_own_layer_forward(family, monkeypatch):
-    # Qwen3 normalizes q and k, Gemma's norm adds one to its weight, Phi-3 projects q/k/v as one
-    # linear: their code reads otherwise, so no fused step, and generate's tokens all the same.
+    # Gemma 2 norms before and after each sublayer (four norms a layer) and soft-caps attention:
+    # its code reads otherwise, so no fused step, and generate's tokens all the same.
     model = build_model(family)
     assert not any(layer_form(m) for m in model.modules())
     prompts = random_prompts([7, 30], seed=6)
     refs = [reference_greedy(model, p, NEW) for p in prompts]
     outs, _, fused, served = _serve(model, prompts, _PLAIN, monkeypatch)
-    assert outs == refs and fused == 0 and not served
+    assert outs == refs and fused == {} and not served
+
+
+@pytest.mark.timeout(600)
+def test_qwen3_moe_dense_layers_take_the_fused_step_and_its_sparse_layers_keep_their_forward(monkeypatch):
+    # Qwen3-MoE's layer and attention read as Qwen3's; a layer listed in mlp_only_layers has the
+    # gated SiLU MLP (fused), the others a sparse MoE block (their own forward).
+    import transformers as tf
+
+    from conftest import _common
+
+    torch.manual_seed(0)
+    cfg = tf.Qwen3MoeConfig(
+        **_common(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0])
+    )
+    model = tf.Qwen3MoeForCausalLM(cfg).eval()
+    prompts = random_prompts([1, 7, 30, 45], seed=5)
+    refs = [reference_greedy(model, p, NEW) for p in prompts]
+    outs, stats, fused, served = _serve(model, prompts, _TIGHT, monkeypatch)
+    assert outs == refs
+    assert fused == {"qk-norm": 1} and served and set(served) == {0}
+    assert stats.num_free_blocks == stats.num_blocks, "blocks leaked"
+
+
+@pytest.mark.timeout(600)
+def test_a_phi3_layer_with_a_dropout_in_training_mode_runs_its_own_forward(monkeypatch):
+    # The fast path skips Phi-3's residual dropouts as the identity they are in evaluation mode; a
+    # dropout put in training mode after the engine started (p = 0 here, so generate's tokens stay
+    # the reference) is not skipped: that layer runs its own forward.
+    model = build_model("phi3")
+    prompts = random_prompts([7, 30], seed=6)
+    refs = [reference_greedy(model, p, NEW) for p in prompts]
+    served = []
+    real = PagedCacheStep.store_and_attend
+    monkeypatch.setattr(PagedCacheStep, "store_and_attend", lambda self, i, *a: served.append(i) or real(self, i, *a))
+    eng = LLMEngine(model, _PLAIN)
+    try:
+        model.model.layers[0].resid_mlp_dropout.train()
+        handles = [eng.submit(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
+        assert [h.result(timeout=600).output_token_ids for h in handles] == refs
+        assert eng.patches.fused_layers.forms() == {"packed-qkv+packed-gate-up+dropouts+partial-rotary": 2}
+    finally:
+        eng.close()
+    assert served and set(served) == {1}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("cfg", [_PLAIN, _TIGHT], ids=["batched", "preempted-chunked"])
+def test_phi3_with_partial_rotary_takes_the_fused_step(cfg, monkeypatch):
+    # Phi-3's rotary leaves a head's last features unrotated when cos is narrower than the head:
+    # the C rotary rotates the first half of each head here and copies the rest.
+    model = build_model("phi3", partial_rotary_factor=0.5)
+    prompts = random_prompts([1, 7, 30, 45], seed=6)
+    refs = [reference_greedy(model, p, NEW) for p in prompts]
+    outs, stats, fused, served = _serve(model, prompts, cfg, monkeypatch)
+    assert outs == refs and fused == {"packed-qkv+packed-gate-up+dropouts+partial-rotary": 2}
+    assert served and set(served) == {0, 1}
+    assert stats.num_free_blocks == stats.num_blocks, "blocks leaked"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rotary_dim", [8, 6, 24])
+def test_partial_rotary_equals_phi3s_eager_rotary_bit_for_bit(dtype, rotary_dim):
+    _dtype_or_skip(dtype)
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_rotary
+
+    g = torch.Generator().manual_seed(rotary_dim)
+    rows, heads, kv_heads, head_dim = 5, 4, 2, 32
+    qkv = (torch.randn(1, rows, (heads + 2 * kv_heads) * head_dim, generator=g) * 4).to(dtype)
+    q, k = qkv[..., : heads * head_dim], qkv[..., heads * head_dim : (heads + kv_heads) * head_dim]
+    cos, sin = (torch.randn(1, rows, rotary_dim, generator=g).to(dtype) for _ in range(2))
+    as_heads = lambda t: t.view(1, rows, -1, head_dim).transpose(1, 2)  # noqa: E731 - the module's view
+    want_q, want_k = phi3_rotary(as_heads(q), as_heads(k), cos, sin)
+    assert torch.equal(rotary(q[0], cos[0], sin[0], head_dim, rotary_dim), want_q[0].transpose(0, 1))
+    assert torch.equal(rotary(k[0], cos[0], sin[0], head_dim, rotary_dim), want_k[0].transpose(0, 1))
+    kernels = unchecked_kernels(dtype)
+    got = kernels.rotary(q, rows, heads, head_dim, q.stride(1), cos, sin, rotary_dim)
+    assert torch.equal(got, want_q[0].transpose(0, 1))
+    with pytest.raises(RuntimeError, match="rotary"):
+        rotary(q[0], cos[0], sin[0], head_dim)  # cos narrower than the head without rotary_dim
 
 
 @pytest.mark.timeout(600)
@@ -160,7 +320,7 @@ def test_a_hooked_module_runs_the_layers_own_forward(monkeypatch):
     finally:
         handle.remove()
     assert outs == refs
-    assert fused == 2
+    assert fused == {"llama": 2}
     assert served and set(served) == {0}  # layer 1's hook ran on every step: its own forward served it
     assert seen  # the hook saw the engine's steps
 
