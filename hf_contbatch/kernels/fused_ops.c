@@ -63,9 +63,13 @@ static inline uint16_t f32_to_bf16(float f) {
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
-/* float16 through the compiler's _Float16 (F16C's VCVTPH2PS/VCVTPS2PH where the CPU has them, NEON's
- * conversions on arm64): exact widening, round to nearest even as c10::Half. */
-#if defined(__FLT16_MAX__)
+/* float16 <-> float32, exact widening and round to nearest even as c10::Half (NaN kept a NaN).
+ * Where the CPU computes in float16 (AVX512-FP16) or converts it in NEON's vectors, through the
+ * compiler's _Float16. Elsewhere on x86 (no AVX512-FP16: Ice Lake, Zen 4 and older) GCC converts
+ * _Float16 one value at a time (F16C's scalar VCVTPH2PS, or a libgcc call), which kept the float16
+ * loops from vectorizing: 5-10x slower than float32 (benchmarks/bench_half_ops.py, emulated); there
+ * the conversions are integer and float selects that vectorize like bfloat16's. */
+#if defined(__FLT16_MAX__) && (defined(__AVX512FP16__) || defined(__ARM_NEON))
 #define HAS_F16 1
 static inline float f16_to_f32(uint16_t h) {
     _Float16 v;
@@ -79,8 +83,59 @@ static inline uint16_t f32_to_f16(float f) {
     return h;
 }
 static inline float round_f16(float f) { return (float)(_Float16)f; }
+#elif defined(__x86_64__) || defined(__i386__)
+#define HAS_F16 1
+/* Sign, then by class: subnormal or zero (exponent 0: the mantissa times 2^-24, exact in float32),
+ * infinity or NaN (exponent 31: float32's exponent 255, payload kept, made quiet as torch and F16C
+ * do), normal
+ * (exponent rebiased from 15 to 127: + 112 << 23 on the shifted bits). */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t mag = h & 0x7fffu;
+    const float sub = (float)(int32_t)mag * 0x1p-24f; /* signed: converts in vectors without branches */
+    uint32_t sub_bits;
+    memcpy(&sub_bits, &sub, 4);
+    const uint32_t normal_bits = (mag << 13) + (112u << 23);
+    const uint32_t special_bits = (mag << 13) | 0x7f800000u | (mag > 0x7c00u ? 0x400000u : 0u); /* NaN: quiet */
+    /* Blended by masks, not selected: with a select GCC 12 moves the float product into the
+     * subnormal branch only, and then (trapping math) will not vectorize the loop. */
+    const uint32_t is_sub = 0u - (uint32_t)(mag < 0x400u);
+    const uint32_t other = mag >= 0x7c00u ? special_bits : normal_bits;
+    const uint32_t bits = (sub_bits & is_sub) | (other & ~is_sub) | (uint32_t)(h & 0x8000u) << 16;
+    float v;
+    memcpy(&v, &bits, 4);
+    return v;
+}
+/* |f| >= 65536 (2^16, past the largest float16 65504 and the halfway point 65520 that rounds up)
+ * or infinite: infinity; NaN: the quiet NaN 0x7e00; |f| >= 2^-14 (normal float16): exponent
+ * rebiased, the 13 dropped mantissa bits rounded to nearest even by adding 0xfff plus the kept
+ * last bit (a carry into the exponent is the right result, up to infinity at 65520); below it
+ * (subnormal float16 or zero): |f| * 2^24, exact, rounded to an integer by the 1.5 * 2^23 shifter
+ * (the default rounding mode, nearest even; 0x400 when it rounds up into the smallest normal). */
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    const uint32_t sign = (bits >> 16) & 0x8000u, mag = bits & 0x7fffffffu;
+    const uint32_t rebased = mag - (112u << 23);
+    const uint32_t normal = (rebased + 0xfffu + ((rebased >> 13) & 1u)) >> 13;
+    float a;
+    memcpy(&a, &mag, 4);
+    const uint32_t sub = (uint32_t)(int32_t)((a * 0x1p24f + 12582912.0f) - 12582912.0f); /* < 2^22 when used */
+    const uint32_t out = mag > 0x7f800000u ? 0x7e00u : (mag >= 0x47800000u ? 0x7c00u : (mag >= 0x38800000u ? normal : sub));
+    return (uint16_t)(sign | out);
+}
+static inline float round_f16(float f) { return f16_to_f32(f32_to_f16(f)); }
 #else
 #define HAS_F16 0
+#endif
+
+/* The conversions above over arrays, for tests (against torch's, every float16 value). */
+#if HAS_F16
+void hf_contbatch_fused_f16_to_f32(const uint16_t *x, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) y[i] = f16_to_f32(x[i]);
+}
+void hf_contbatch_fused_f32_to_f16(const float *x, uint16_t *y, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) y[i] = f32_to_f16(x[i]);
+}
 #endif
 
 /* exp(x) for float32: Cephes expf (S. L. Moshier), branch-free so loops vectorize. */

@@ -115,3 +115,50 @@ def test_engines_share_the_forwards_and_the_last_close_removes_them():
 def test_fuse_model_ops_must_be_a_bool():
     with pytest.raises(ValueError, match="fuse_model_ops"):
         EngineConfig(fuse_model_ops="yes")
+
+
+def _conversion_builds():
+    """This CPU's build, and on x86 the build a CPU without AVX512-FP16 gets (its float16
+    conversions are integer code there: ``fused_ops.c``)."""
+    import ctypes
+    import platform
+
+    from hf_contbatch.kernels.fused_ops import _FLAGS, _SOURCE
+    from hf_contbatch.kernels.native_build import EMULATIONS, build_library
+
+    builds = {"this CPU": ctypes.CDLL(fused_library().path)}
+    if platform.machine() in ("x86_64", "AMD64"):
+        builds["no AVX512-FP16"] = ctypes.CDLL(str(build_library(_SOURCE, [*_FLAGS, *EMULATIONS["no-bf16"]])))
+    return builds
+
+
+def test_float16_conversions_are_torchs_for_every_value_in_every_build():
+    # Widening: every one of the 65,536 float16 bit patterns, bit for bit (NaNs made quiet, payload
+    # kept, as c10::Half does). Narrowing (round to nearest even, overflow to infinity, subnormals):
+    # every float16 value, the midpoints between neighbours and the floats either side of them, and
+    # random float32 bit patterns, bit for bit; a NaN stays a NaN.
+    import ctypes
+
+    _dtype_or_skip(torch.float16)
+    halves = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    values = halves.float()
+    finite = values[torch.isfinite(values)].unique()
+    mid = ((finite[1:].double() + finite[:-1].double()) / 2).float()
+    up = torch.nextafter(mid, torch.tensor(float("inf")))
+    down = torch.nextafter(mid, torch.tensor(-float("inf")))
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=g, dtype=torch.int64).to(torch.int32)
+    floats = torch.cat([values, mid, up, down, noise.view(torch.float32), torch.tensor([65519.996, 65520.0, 1e-45])])
+    nan = torch.isnan(floats)
+    ptr = ctypes.c_void_p
+    for name, lib in _conversion_builds().items():
+        widened = torch.empty(65536)
+        lib.hf_contbatch_fused_f16_to_f32(ptr(halves.data_ptr()), ptr(widened.data_ptr()), ctypes.c_int64(65536))
+        assert torch.equal(widened.view(torch.int32), values.view(torch.int32)), name
+        narrowed = torch.empty(floats.numel(), dtype=torch.float16)
+        lib.hf_contbatch_fused_f32_to_f16(
+            ptr(floats.data_ptr()), ptr(narrowed.data_ptr()), ctypes.c_int64(floats.numel())
+        )
+        want = floats.half()
+        assert torch.equal(narrowed[~nan].view(torch.int16), want[~nan].view(torch.int16)), name
+        assert torch.isnan(narrowed[nan]).all(), name
