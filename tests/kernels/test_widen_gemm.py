@@ -153,3 +153,12 @@ def test_it_is_a_candidate_of_auto_for_half_precision_weights_only(widen):
     assert isinstance(kernels.get("widen-f32"), WidenF32GEMM)
     assert kernels["widen-f32"].supports(torch.zeros(8, 8, dtype=torch.bfloat16))
     assert not kernels["widen-f32"].supports(torch.zeros(8, 8))
+
+
+def test_under_torch_compile_it_traces_as_plain_ops_within_the_same_bound(widen):
+    # Traced (dynamo; the eager backend keeps the test fast), the pointer-taking C widening is not
+    # called: the whole weight is widened by tensor ops instead, the same float32 products.
+    w, x, b = torch.randn(70, 33).bfloat16(), torch.randn(9, 33).bfloat16(), torch.randn(70)
+    packed = widen.pack(w)
+    compiled = torch.compile(lambda x: widen.linear_verified(x, packed, b, 70), backend="eager", fullgraph=True)
+    _check_against_float64(compiled(x), x, w, b, torch.bfloat16)

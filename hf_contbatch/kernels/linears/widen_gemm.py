@@ -72,10 +72,6 @@ def widened_linear(
     """
     k = x.shape[-1]
     lead = x.shape[:-1]
-    if torch.compiler.is_compiling():
-        # Traced as plain ops (no in-place writes into slices): the whole weight widened once.
-        w32 = panels.permute(0, 2, 1).reshape(-1, k)[:out_features].to(torch.float32)
-        return torch.nn.functional.linear(x.to(torch.float32), w32, bias).to(x.dtype)
     m = x.numel() // k if k else lead.numel()
     x32 = x.reshape(m, k).to(torch.float32)  # exact, a small share of the bytes
     y32 = x32.new_empty((m, out_features))
@@ -104,6 +100,13 @@ def widened_linear(
     elif bias is not None:
         y32.copy_(bias.expand_as(y32))
     return y32.to(x.dtype).reshape(*lead, out_features)
+
+
+def _traced_linear(x: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Tensor], out_features: int):
+    """:func:`widened_linear` as plain tensor ops, for ``torch.compile`` (no pointers to pass to C,
+    no writes into slices): the whole weight widened at once, the same float32 products."""
+    w32 = panels.permute(0, 2, 1).reshape(-1, panels.shape[1])[:out_features].to(torch.float32)
+    return torch.nn.functional.linear(x.to(torch.float32), w32, bias).to(x.dtype)
 
 
 class WidenF32GEMM(NativeGEMM):
@@ -173,8 +176,12 @@ class WidenF32GEMM(NativeGEMM):
                     f"{out_features} CPU outputs"
                 )
             bias = bias.to(torch.float32)
+        if torch.compiler.is_compiling():
+            return _traced_linear(x, data, bias, out_features)
         return widened_linear(x, data, bias, out_features, self.library)
 
     def linear_verified(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
         """:meth:`linear` for arguments already checked; ``bias`` float32 (:meth:`step_bias`)."""
+        if torch.compiler.is_compiling():
+            return _traced_linear(x, packed.data, bias, out_features)
         return widened_linear(x, packed.data, bias, out_features, self.library)
