@@ -138,6 +138,35 @@ void hf_contbatch_fused_f32_to_f16(const float *x, uint16_t *y, int64_t n) {
 }
 #endif
 
+/* x86 without AVX512-FP16 but with F16C (every AVX2 CPU): the float16 ops below run on blocks of
+ * float32 values, converted 8 at a time by F16C's vectors (VCVTPH2PS exact, VCVTPS2PH round to
+ * nearest even: the conversions above, 8 at a time): element-wise conversions, even vectorized,
+ * cost more than the ops themselves (each float16 op converts 3-8 times an element). */
+#if HAS_F16 && defined(__F16C__) && !defined(__AVX512FP16__) && (defined(__x86_64__) || defined(__i386__))
+#include <immintrin.h>
+#define F16_BLOCKS 1
+#define F16_BLOCK 256 /* float32 values per block: a few KiB of stack */
+static inline void f16_load(const uint16_t *src, float *dst, int64_t n) {
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) _mm256_storeu_ps(dst + k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + k))));
+    for (; k < n; ++k) dst[k] = f16_to_f32(src[k]);
+}
+static inline void f16_store(const float *src, uint16_t *dst, int64_t n) {
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8)
+        _mm_storeu_si128((__m128i *)(dst + k), _mm256_cvtps_ph(_mm256_loadu_ps(src + k), _MM_FROUND_TO_NEAREST_INT));
+    for (; k < n; ++k) dst[k] = f32_to_f16(src[k]);
+}
+static inline void f16_round(float *x, int64_t n) { /* each value rounded to float16 and back */
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8)
+        _mm256_storeu_ps(x + k, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(x + k), _MM_FROUND_TO_NEAREST_INT)));
+    for (; k < n; ++k) x[k] = round_f16(x[k]);
+}
+#else
+#define F16_BLOCKS 0
+#endif
+
 /* exp(x) for float32: Cephes expf (S. L. Moshier), branch-free so loops vectorize. */
 
 static inline __attribute__((always_inline)) float exp_f32(float x) {
@@ -212,7 +241,7 @@ void hf_contbatch_rms_norm_f32(const float *x, int64_t rows, int64_t n, int64_t 
         }                                                                                                \
     }
 RMS_NORM_HALF(bf16, bf16_to_f32, f32_to_bf16, round_bf16)
-#if HAS_F16
+#if HAS_F16 && !F16_BLOCKS
 RMS_NORM_HALF(f16, f16_to_f32, f32_to_f16, round_f16)
 #endif
 
@@ -244,7 +273,7 @@ void hf_contbatch_silu_mul_f32(const float *gate, const float *up, int64_t rows,
         }                                                                                                \
     }
 SILU_MUL_HALF(bf16, bf16_to_f32, f32_to_bf16, round_bf16)
-#if HAS_F16
+#if HAS_F16 && !F16_BLOCKS
 SILU_MUL_HALF(f16, f16_to_f32, f32_to_f16, round_f16)
 #endif
 
@@ -294,7 +323,7 @@ void hf_contbatch_rotary_f32(const float *x, int64_t rows, int64_t heads, int64_
         }                                                                                                 \
     }
 ROTARY_HALF(bf16, bf16_to_f32, f32_to_bf16, round_bf16)
-#if HAS_F16
+#if HAS_F16 && !F16_BLOCKS
 ROTARY_HALF(f16, f16_to_f32, f32_to_f16, round_f16)
 #endif
 
@@ -336,8 +365,94 @@ void hf_contbatch_add_rms_norm_f32(const float *x, const float *res, int64_t row
         }                                                                                                \
     }
 ADD_RMS_NORM_HALF(bf16, bf16_to_f32, f32_to_bf16, round_bf16)
-#if HAS_F16
+#if HAS_F16 && !F16_BLOCKS
 ADD_RMS_NORM_HALF(f16, f16_to_f32, f32_to_f16, round_f16)
+#endif
+
+#if F16_BLOCKS
+/* The float16 ops in blocks of float32 values (F16_BLOCKS above): the same operations and roundings
+ * as the element-wise macros, so the same bits. */
+void hf_contbatch_rms_norm_f16(const uint16_t *x, int64_t rows, int64_t n, int64_t x_stride, const float *scale,
+                               float eps, int32_t round_first, uint16_t *y, int64_t y_stride, int32_t threads) {
+#pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN && threads > 1) schedule(static)
+    for (int64_t i = 0; i < rows; ++i) {
+        float buf[n > 0 ? n : 1], t[F16_BLOCK];
+        f16_load(x + i * x_stride, buf, n);
+        const float r = inv_rms(buf, n, eps);
+        for (int64_t k0 = 0; k0 < n; k0 += F16_BLOCK) {
+            const int64_t len = n - k0 < F16_BLOCK ? n - k0 : F16_BLOCK;
+            for (int64_t k = 0; k < len; ++k) t[k] = buf[k0 + k] * r;
+            if (round_first) f16_round(t, len);
+            for (int64_t k = 0; k < len; ++k) t[k] = scale[k0 + k] * t[k];
+            f16_store(t, y + i * y_stride + k0, len);
+        }
+    }
+}
+
+void hf_contbatch_silu_mul_f16(const uint16_t *gate, const uint16_t *up, int64_t rows, int64_t n, int64_t g_stride,
+                               int64_t u_stride, uint16_t *y, int32_t threads) {
+#pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN && threads > 1) schedule(static)
+    for (int64_t i = 0; i < rows; ++i) {
+        float g[F16_BLOCK], u[F16_BLOCK];
+        for (int64_t k0 = 0; k0 < n; k0 += F16_BLOCK) {
+            const int64_t len = n - k0 < F16_BLOCK ? n - k0 : F16_BLOCK;
+            f16_load(gate + i * g_stride + k0, g, len);
+            f16_load(up + i * u_stride + k0, u, len);
+            for (int64_t k = 0; k < len; ++k) g[k] = silu_f32(g[k]);
+            f16_round(g, len); /* silu rounded to float16, then the product, as torch */
+            for (int64_t k = 0; k < len; ++k) g[k] = g[k] * u[k];
+            f16_store(g, y + i * n + k0, len);
+        }
+    }
+}
+
+void hf_contbatch_rotary_f16(const uint16_t *x, int64_t rows, int64_t heads, int64_t d, int64_t x_stride,
+                             const uint16_t *cos, const uint16_t *sin, int64_t cs_stride, uint16_t *y,
+                             int32_t threads) {
+#pragma omp parallel for num_threads(threads) if (rows * heads * d >= PARALLEL_MIN && threads > 1) schedule(static)
+    for (int64_t i = 0; i < rows; ++i) {
+        const int64_t h = d / 2, m = d - h, w = d > 0 ? d : 1;
+        float c[w], s[w], xf[w], a[w], b[w];
+        f16_load(cos + i * cs_stride, c, d);
+        f16_load(sin + i * cs_stride, s, d);
+        for (int64_t j = 0; j < heads; ++j) {
+            f16_load(x + i * x_stride + j * d, xf, d);
+            for (int64_t k = 0; k < d; ++k) {
+                a[k] = xf[k] * c[k];
+                b[k] = (k < m ? -xf[h + k] : xf[k - m]) * s[k];
+            }
+            f16_round(a, d);
+            f16_round(b, d);
+            for (int64_t k = 0; k < d; ++k) a[k] = a[k] + b[k];
+            f16_store(a, y + (i * heads + j) * d, d);
+        }
+    }
+}
+
+void hf_contbatch_add_rms_norm_f16(const uint16_t *x, const uint16_t *res, int64_t rows, int64_t n, int64_t x_stride,
+                                   int64_t r_stride, const float *scale, float eps, int32_t round_first, uint16_t *sum,
+                                   uint16_t *y, int32_t threads) {
+#pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN && threads > 1) schedule(static)
+    for (int64_t i = 0; i < rows; ++i) {
+        float buf[n > 0 ? n : 1], t[F16_BLOCK];
+        for (int64_t k0 = 0; k0 < n; k0 += F16_BLOCK) {
+            const int64_t len = n - k0 < F16_BLOCK ? n - k0 : F16_BLOCK;
+            f16_load(res + i * r_stride + k0, buf + k0, len);
+            f16_load(x + i * x_stride + k0, t, len);
+            for (int64_t k = 0; k < len; ++k) buf[k0 + k] = buf[k0 + k] + t[k];
+            f16_round(buf + k0, len); /* the sum as torch's float16 add leaves it */
+            f16_store(buf + k0, sum + i * n + k0, len);
+        }
+        const float r = inv_rms(buf, n, eps);
+        for (int64_t k0 = 0; k0 < n; k0 += F16_BLOCK) {
+            const int64_t len = n - k0 < F16_BLOCK ? n - k0 : F16_BLOCK;
+            for (int64_t k = 0; k < len; ++k) t[k] = buf[k0 + k] * r;
+            if (round_first) f16_round(t, len);
+            for (int64_t k = 0; k < len; ++k) t[k] = scale[k0 + k] * t[k];
+            f16_store(t, y + i * n + k0, len);
+        }
+    }
+}
 #endif
 
 int hf_contbatch_fused_has_f16(void) { return HAS_F16; }

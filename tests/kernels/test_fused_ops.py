@@ -162,3 +162,45 @@ def test_float16_conversions_are_torchs_for_every_value_in_every_build():
         want = floats.half()
         assert torch.equal(narrowed[~nan].view(torch.int16), want[~nan].view(torch.int16)), name
         assert torch.isnan(narrowed[nan]).all(), name
+
+
+def test_float16_ops_give_the_same_bits_in_every_build():
+    # Where the CPU has AVX512-FP16 its build converts element by element through _Float16; the build
+    # of a CPU without it converts blocks by F16C's vectors (fused_ops.c, F16_BLOCKS). Both promise the
+    # same operations and roundings (each op rounded to float16 as torch's eager ops), so the same bits.
+    import ctypes
+
+    _dtype_or_skip(torch.float16)
+    builds = _conversion_builds()
+    if len(builds) < 2:
+        pytest.skip("one build here (not x86)")
+    g = torch.Generator().manual_seed(3)
+    rows, n, heads, d = 7, 300, 3, 66  # n past one 256-value block, d not a multiple of 8
+    x, res = (torch.randn(rows, n, generator=g) * 4).half(), torch.randn(rows, n, generator=g).half()
+    scale = torch.rand(n, generator=g) + 0.5
+    gate_up = (torch.randn(rows, 2 * n, generator=g) * 6).half()
+    qk = torch.randn(rows, heads * d + 5, generator=g).half()  # a column slice at a row stride
+    cos, sin = torch.randn(rows, d, generator=g).half(), torch.randn(rows, d, generator=g).half()
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+    outs = {}
+    for name, lib in builds.items():
+        got = []
+        for round_first in (0, 1):
+            y = torch.empty(rows, n, dtype=torch.float16)
+            lib.hf_contbatch_rms_norm_f16(p(x.data_ptr()), i64(rows), i64(n), i64(n), p(scale.data_ptr()), f32(1e-6),
+                                          i32(round_first), p(y.data_ptr()), i64(n), i32(1))  # fmt: skip
+            s, y2 = torch.empty_like(y), torch.empty_like(y)
+            lib.hf_contbatch_add_rms_norm_f16(p(x.data_ptr()), p(res.data_ptr()), i64(rows), i64(n), i64(n), i64(n),
+                                              p(scale.data_ptr()), f32(1e-6), i32(round_first), p(s.data_ptr()),
+                                              p(y2.data_ptr()), i32(1))  # fmt: skip
+            got += [y, s, y2]
+        y = torch.empty(rows, n, dtype=torch.float16)
+        lib.hf_contbatch_silu_mul_f16(p(gate_up.data_ptr()), p(gate_up.data_ptr() + 2 * n), i64(rows), i64(n),
+                                      i64(2 * n), i64(2 * n), p(y.data_ptr()), i32(1))  # fmt: skip
+        r = torch.empty(rows, heads, d, dtype=torch.float16)
+        lib.hf_contbatch_rotary_f16(p(qk.data_ptr()), i64(rows), i64(heads), i64(d), i64(heads * d + 5),
+                                    p(cos.data_ptr()), p(sin.data_ptr()), i64(d), p(r.data_ptr()), i32(1))  # fmt: skip
+        outs[name] = [*got, y, r]
+    first, second = outs.values()
+    for a, b in zip(first, second):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
