@@ -26,7 +26,10 @@ shares are what to compare. Variants are ``;``-separated lists of ``EngineConfig
 assignments (``key=value,key=value``; "default" for none; ``cache.FIELD=value`` sets a
 ``CacheConfig`` field, e.g. ``cache.dtype=int8``); the key ``tree=PATH`` runs that
 variant with ``PYTHONPATH=PATH`` (another checkout of hf_contbatch, e.g. ``tree=/work/main``), for
-before/after comparisons in one command. ``--emulate-cpu no-bf16`` runs every variant's process as on
+before/after comparisons in one command; the key ``dtype=bfloat16`` (or ``float32``) overrides
+``--dtype`` for that variant, so float32 and bfloat16 run interleaved in one command
+(``--variants "dtype=float32;dtype=bfloat16"``: "identical outputs" is then bf16's greedy agreement
+with float32). ``--emulate-cpu no-bf16`` runs every variant's process as on
 a CPU without native bf16 (``emulate_cpu.py``).
 """
 
@@ -243,10 +246,11 @@ def run_single(args, variant: str) -> dict:
     from hf_contbatch import EngineConfig, LLMEngine, SamplingParams
 
     torch.set_num_threads(args.threads)
-    model = build_model(args.model, dtype=getattr(torch, args.dtype), model_type=args.config_type)
-    prompts, new_tokens = workload_for(args.model, model.config.vocab_size, args.seed, args.requests)
     kwargs = _parse_variant(variant)
     kwargs.pop("tree", None)
+    dtype = kwargs.pop("dtype", args.dtype)  # "dtype=bfloat16": this variant's weights
+    model = build_model(args.model, dtype=getattr(torch, dtype), model_type=args.config_type)
+    prompts, new_tokens = workload_for(args.model, model.config.vocab_size, args.seed, args.requests)
     cache = {k.removeprefix("cache."): kwargs.pop(k) for k in list(kwargs) if k.startswith("cache.")}
     if cache:  # "cache.dtype=int8": a CacheConfig field
         from hf_contbatch import CacheConfig

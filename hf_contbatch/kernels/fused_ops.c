@@ -63,9 +63,13 @@ static inline uint16_t f32_to_bf16(float f) {
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
-/* float16 through the compiler's _Float16 (F16C's VCVTPH2PS/VCVTPS2PH where the CPU has them, NEON's
- * conversions on arm64): exact widening, round to nearest even as c10::Half. */
-#if defined(__FLT16_MAX__)
+/* float16 <-> float32, exact widening and round to nearest even as c10::Half (NaN kept a NaN).
+ * Where the CPU computes in float16 (AVX512-FP16) or converts it in NEON's vectors, through the
+ * compiler's _Float16. Elsewhere on x86 (no AVX512-FP16: Ice Lake, Zen 4 and older) GCC converts
+ * _Float16 one value at a time (F16C's scalar VCVTPH2PS, or a libgcc call), which kept the float16
+ * loops from vectorizing: 5-10x slower than float32 (benchmarks/bench_half_ops.py, emulated); there
+ * the conversions are integer and float selects that vectorize like bfloat16's. */
+#if defined(__FLT16_MAX__) && (defined(__AVX512FP16__) || defined(__ARM_NEON))
 #define HAS_F16 1
 static inline float f16_to_f32(uint16_t h) {
     _Float16 v;
@@ -79,8 +83,88 @@ static inline uint16_t f32_to_f16(float f) {
     return h;
 }
 static inline float round_f16(float f) { return (float)(_Float16)f; }
+#elif defined(__x86_64__) || defined(__i386__)
+#define HAS_F16 1
+/* Sign, then by class: subnormal or zero (exponent 0: the mantissa times 2^-24, exact in float32),
+ * infinity or NaN (exponent 31: float32's exponent 255, payload kept, made quiet as torch and F16C
+ * do), normal
+ * (exponent rebiased from 15 to 127: + 112 << 23 on the shifted bits). */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t mag = h & 0x7fffu;
+    const float sub = (float)(int32_t)mag * 0x1p-24f; /* signed: converts in vectors without branches */
+    uint32_t sub_bits;
+    memcpy(&sub_bits, &sub, 4);
+    const uint32_t normal_bits = (mag << 13) + (112u << 23);
+    const uint32_t special_bits = (mag << 13) | 0x7f800000u | (mag > 0x7c00u ? 0x400000u : 0u); /* NaN: quiet */
+    /* Blended by masks, not selected: with a select GCC 12 moves the float product into the
+     * subnormal branch only, and then (trapping math) will not vectorize the loop. */
+    const uint32_t is_sub = 0u - (uint32_t)(mag < 0x400u);
+    const uint32_t other = mag >= 0x7c00u ? special_bits : normal_bits;
+    const uint32_t bits = (sub_bits & is_sub) | (other & ~is_sub) | (uint32_t)(h & 0x8000u) << 16;
+    float v;
+    memcpy(&v, &bits, 4);
+    return v;
+}
+/* |f| >= 65536 (2^16, past the largest float16 65504 and the halfway point 65520 that rounds up)
+ * or infinite: infinity; NaN: the quiet NaN 0x7e00; |f| >= 2^-14 (normal float16): exponent
+ * rebiased, the 13 dropped mantissa bits rounded to nearest even by adding 0xfff plus the kept
+ * last bit (a carry into the exponent is the right result, up to infinity at 65520); below it
+ * (subnormal float16 or zero): |f| * 2^24, exact, rounded to an integer by the 1.5 * 2^23 shifter
+ * (the default rounding mode, nearest even; 0x400 when it rounds up into the smallest normal). */
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    const uint32_t sign = (bits >> 16) & 0x8000u, mag = bits & 0x7fffffffu;
+    const uint32_t rebased = mag - (112u << 23);
+    const uint32_t normal = (rebased + 0xfffu + ((rebased >> 13) & 1u)) >> 13;
+    float a;
+    memcpy(&a, &mag, 4);
+    const uint32_t sub = (uint32_t)(int32_t)((a * 0x1p24f + 12582912.0f) - 12582912.0f); /* < 2^22 when used */
+    const uint32_t out = mag > 0x7f800000u ? 0x7e00u : (mag >= 0x47800000u ? 0x7c00u : (mag >= 0x38800000u ? normal : sub));
+    return (uint16_t)(sign | out);
+}
+static inline float round_f16(float f) { return f16_to_f32(f32_to_f16(f)); }
 #else
 #define HAS_F16 0
+#endif
+
+/* The conversions above over arrays, for tests (against torch's, every float16 value). */
+#if HAS_F16
+void hf_contbatch_fused_f16_to_f32(const uint16_t *x, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) y[i] = f16_to_f32(x[i]);
+}
+void hf_contbatch_fused_f32_to_f16(const float *x, uint16_t *y, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) y[i] = f32_to_f16(x[i]);
+}
+#endif
+
+/* x86 without AVX512-FP16 but with F16C (every AVX2 CPU): the float16 ops below run on blocks of
+ * float32 values, converted 8 at a time by F16C's vectors (VCVTPH2PS exact, VCVTPS2PH round to
+ * nearest even: the conversions above, 8 at a time): element-wise conversions, even vectorized,
+ * cost more than the ops themselves (each float16 op converts 3-8 times an element). */
+#if HAS_F16 && defined(__F16C__) && !defined(__AVX512FP16__) && (defined(__x86_64__) || defined(__i386__))
+#include <immintrin.h>
+#define F16_BLOCKS 1
+#define F16_BLOCK 256 /* float32 values per block: a few KiB of stack */
+static inline void f16_load(const uint16_t *src, float *dst, int64_t n) {
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) _mm256_storeu_ps(dst + k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + k))));
+    for (; k < n; ++k) dst[k] = f16_to_f32(src[k]);
+}
+static inline void f16_store(const float *src, uint16_t *dst, int64_t n) {
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8)
+        _mm_storeu_si128((__m128i *)(dst + k), _mm256_cvtps_ph(_mm256_loadu_ps(src + k), _MM_FROUND_TO_NEAREST_INT));
+    for (; k < n; ++k) dst[k] = f32_to_f16(src[k]);
+}
+static inline void f16_round(float *x, int64_t n) { /* each value rounded to float16 and back */
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8)
+        _mm256_storeu_ps(x + k, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(x + k), _MM_FROUND_TO_NEAREST_INT)));
+    for (; k < n; ++k) x[k] = round_f16(x[k]);
+}
+#else
+#define F16_BLOCKS 0
 #endif
 
 /* exp(x) for float32: Cephes expf (S. L. Moshier), branch-free so loops vectorize. */
@@ -157,7 +241,7 @@ void hf_contbatch_rms_norm_f32(const float *x, int64_t rows, int64_t n, int64_t 
         }                                                                                                \
     }
 RMS_NORM_HALF(bf16, bf16_to_f32, f32_to_bf16, round_bf16)
-#if HAS_F16
+#if HAS_F16 && !F16_BLOCKS
 RMS_NORM_HALF(f16, f16_to_f32, f32_to_f16, round_f16)
 #endif
 
@@ -189,7 +273,7 @@ void hf_contbatch_silu_mul_f32(const float *gate, const float *up, int64_t rows,
         }                                                                                                \
     }
 SILU_MUL_HALF(bf16, bf16_to_f32, f32_to_bf16, round_bf16)
-#if HAS_F16
+#if HAS_F16 && !F16_BLOCKS
 SILU_MUL_HALF(f16, f16_to_f32, f32_to_f16, round_f16)
 #endif
 
@@ -245,7 +329,7 @@ void hf_contbatch_rotary_f32(const float *x, int64_t rows, int64_t heads, int64_
         }                                                                                                 \
     }
 ROTARY_HALF(bf16, bf16_to_f32, f32_to_bf16, round_bf16)
-#if HAS_F16
+#if HAS_F16 && !F16_BLOCKS
 ROTARY_HALF(f16, f16_to_f32, f32_to_f16, round_f16)
 #endif
 
@@ -287,7 +371,7 @@ void hf_contbatch_add_rms_norm_f32(const float *x, const float *res, int64_t row
         }                                                                                                \
     }
 ADD_RMS_NORM_HALF(bf16, bf16_to_f32, f32_to_bf16, round_bf16)
-#if HAS_F16
+#if HAS_F16 && !F16_BLOCKS
 ADD_RMS_NORM_HALF(f16, f16_to_f32, f32_to_f16, round_f16)
 #endif
 
@@ -336,6 +420,95 @@ NORM_ROTARY(f32, float, same_f32, same_f32, same_f32)
 NORM_ROTARY(bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
 #if HAS_F16
 NORM_ROTARY(f16, uint16_t, f16_to_f32, f32_to_f16, round_f16)
+#endif
+
+#if F16_BLOCKS
+/* The float16 ops in blocks of float32 values (F16_BLOCKS above): the same operations and roundings
+ * as the element-wise macros, so the same bits. */
+void hf_contbatch_rms_norm_f16(const uint16_t *x, int64_t rows, int64_t n, int64_t x_stride, const float *scale,
+                               float eps, int32_t round_first, uint16_t *y, int64_t y_stride, int32_t threads) {
+#pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN && threads > 1) schedule(static)
+    for (int64_t i = 0; i < rows; ++i) {
+        float buf[n > 0 ? n : 1], t[F16_BLOCK];
+        f16_load(x + i * x_stride, buf, n);
+        const float r = inv_rms(buf, n, eps);
+        for (int64_t k0 = 0; k0 < n; k0 += F16_BLOCK) {
+            const int64_t len = n - k0 < F16_BLOCK ? n - k0 : F16_BLOCK;
+            for (int64_t k = 0; k < len; ++k) t[k] = buf[k0 + k] * r;
+            if (round_first) f16_round(t, len);
+            for (int64_t k = 0; k < len; ++k) t[k] = scale[k0 + k] * t[k];
+            f16_store(t, y + i * y_stride + k0, len);
+        }
+    }
+}
+
+void hf_contbatch_silu_mul_f16(const uint16_t *gate, const uint16_t *up, int64_t rows, int64_t n, int64_t g_stride,
+                               int64_t u_stride, uint16_t *y, int32_t threads) {
+#pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN && threads > 1) schedule(static)
+    for (int64_t i = 0; i < rows; ++i) {
+        float g[F16_BLOCK], u[F16_BLOCK];
+        for (int64_t k0 = 0; k0 < n; k0 += F16_BLOCK) {
+            const int64_t len = n - k0 < F16_BLOCK ? n - k0 : F16_BLOCK;
+            f16_load(gate + i * g_stride + k0, g, len);
+            f16_load(up + i * u_stride + k0, u, len);
+            for (int64_t k = 0; k < len; ++k) g[k] = silu_f32(g[k]);
+            f16_round(g, len); /* silu rounded to float16, then the product, as torch */
+            for (int64_t k = 0; k < len; ++k) g[k] = g[k] * u[k];
+            f16_store(g, y + i * n + k0, len);
+        }
+    }
+}
+
+void hf_contbatch_rotary_f16(const uint16_t *x, int64_t rows, int64_t heads, int64_t d, int64_t rot,
+                             int64_t x_stride, const uint16_t *cos, const uint16_t *sin, int64_t cs_stride, uint16_t *y,
+                             int32_t threads) {
+#pragma omp parallel for num_threads(threads) if (rows * heads * d >= PARALLEL_MIN && threads > 1) schedule(static)
+    for (int64_t i = 0; i < rows; ++i) {
+        const int64_t h = rot / 2, m = rot - h, w = d > 0 ? d : 1;
+        float c[w], s[w], xf[w], a[w], b[w];
+        f16_load(cos + i * cs_stride, c, rot);
+        f16_load(sin + i * cs_stride, s, rot);
+        for (int64_t j = 0; j < heads; ++j) {
+            const uint16_t *xi = x + i * x_stride + j * d;
+            uint16_t *yi = y + (i * heads + j) * d;
+            f16_load(xi, xf, rot);
+            for (int64_t k = 0; k < rot; ++k) {
+                a[k] = xf[k] * c[k];
+                b[k] = (k < m ? -xf[h + k] : xf[k - m]) * s[k];
+            }
+            f16_round(a, rot);
+            f16_round(b, rot);
+            for (int64_t k = 0; k < rot; ++k) a[k] = a[k] + b[k];
+            f16_store(a, yi, rot);
+            for (int64_t k = rot; k < d; ++k) yi[k] = xi[k]; /* partial rotary: the rest copied */
+        }
+    }
+}
+
+void hf_contbatch_add_rms_norm_f16(const uint16_t *x, const uint16_t *res, int64_t rows, int64_t n, int64_t x_stride,
+                                   int64_t r_stride, const float *scale, float eps, int32_t round_first, uint16_t *sum,
+                                   uint16_t *y, int32_t threads) {
+#pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN && threads > 1) schedule(static)
+    for (int64_t i = 0; i < rows; ++i) {
+        float buf[n > 0 ? n : 1], t[F16_BLOCK];
+        for (int64_t k0 = 0; k0 < n; k0 += F16_BLOCK) {
+            const int64_t len = n - k0 < F16_BLOCK ? n - k0 : F16_BLOCK;
+            f16_load(res + i * r_stride + k0, buf + k0, len);
+            f16_load(x + i * x_stride + k0, t, len);
+            for (int64_t k = 0; k < len; ++k) buf[k0 + k] = buf[k0 + k] + t[k];
+            f16_round(buf + k0, len); /* the sum as torch's float16 add leaves it */
+            f16_store(buf + k0, sum + i * n + k0, len);
+        }
+        const float r = inv_rms(buf, n, eps);
+        for (int64_t k0 = 0; k0 < n; k0 += F16_BLOCK) {
+            const int64_t len = n - k0 < F16_BLOCK ? n - k0 : F16_BLOCK;
+            for (int64_t k = 0; k < len; ++k) t[k] = buf[k0 + k] * r;
+            if (round_first) f16_round(t, len);
+            for (int64_t k = 0; k < len; ++k) t[k] = scale[k0 + k] * t[k];
+            f16_store(t, y + i * n + k0, len);
+        }
+    }
+}
 #endif
 
 int hf_contbatch_fused_has_f16(void) { return HAS_F16; }

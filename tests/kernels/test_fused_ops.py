@@ -115,3 +115,92 @@ def test_engines_share_the_forwards_and_the_last_close_removes_them():
 def test_fuse_model_ops_must_be_a_bool():
     with pytest.raises(ValueError, match="fuse_model_ops"):
         EngineConfig(fuse_model_ops="yes")
+
+
+def _conversion_builds():
+    """This CPU's build, and on x86 the build a CPU without AVX512-FP16 gets (its float16
+    conversions are integer code there: ``fused_ops.c``)."""
+    import ctypes
+    import platform
+
+    from hf_contbatch.kernels.fused_ops import _FLAGS, _SOURCE
+    from hf_contbatch.kernels.native_build import EMULATIONS, build_library
+
+    builds = {"this CPU": ctypes.CDLL(fused_library().path)}
+    if platform.machine() in ("x86_64", "AMD64"):
+        builds["no AVX512-FP16"] = ctypes.CDLL(str(build_library(_SOURCE, [*_FLAGS, *EMULATIONS["no-bf16"]])))
+    return builds
+
+
+def test_float16_conversions_are_torchs_for_every_value_in_every_build():
+    # Widening: every one of the 65,536 float16 bit patterns, bit for bit (NaNs made quiet, payload
+    # kept, as c10::Half does). Narrowing (round to nearest even, overflow to infinity, subnormals):
+    # every float16 value, the midpoints between neighbours and the floats either side of them, and
+    # random float32 bit patterns, bit for bit; a NaN stays a NaN.
+    import ctypes
+
+    _dtype_or_skip(torch.float16)
+    halves = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    values = halves.float()
+    finite = values[torch.isfinite(values)].unique()
+    mid = ((finite[1:].double() + finite[:-1].double()) / 2).float()
+    up = torch.nextafter(mid, torch.tensor(float("inf")))
+    down = torch.nextafter(mid, torch.tensor(-float("inf")))
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=g, dtype=torch.int64).to(torch.int32)
+    floats = torch.cat([values, mid, up, down, noise.view(torch.float32), torch.tensor([65519.996, 65520.0, 1e-45])])
+    nan = torch.isnan(floats)
+    ptr = ctypes.c_void_p
+    for name, lib in _conversion_builds().items():
+        widened = torch.empty(65536)
+        lib.hf_contbatch_fused_f16_to_f32(ptr(halves.data_ptr()), ptr(widened.data_ptr()), ctypes.c_int64(65536))
+        assert torch.equal(widened.view(torch.int32), values.view(torch.int32)), name
+        narrowed = torch.empty(floats.numel(), dtype=torch.float16)
+        lib.hf_contbatch_fused_f32_to_f16(
+            ptr(floats.data_ptr()), ptr(narrowed.data_ptr()), ctypes.c_int64(floats.numel())
+        )
+        want = floats.half()
+        assert torch.equal(narrowed[~nan].view(torch.int16), want[~nan].view(torch.int16)), name
+        assert torch.isnan(narrowed[nan]).all(), name
+
+
+def test_float16_ops_give_the_same_bits_in_every_build():
+    # Where the CPU has AVX512-FP16 its build converts element by element through _Float16; the build
+    # of a CPU without it converts blocks by F16C's vectors (fused_ops.c, F16_BLOCKS). Both promise the
+    # same operations and roundings (each op rounded to float16 as torch's eager ops), so the same bits.
+    import ctypes
+
+    _dtype_or_skip(torch.float16)
+    builds = _conversion_builds()
+    if len(builds) < 2:
+        pytest.skip("one build here (not x86)")
+    g = torch.Generator().manual_seed(3)
+    rows, n, heads, d = 7, 300, 3, 66  # n past one 256-value block, d not a multiple of 8
+    x, res = (torch.randn(rows, n, generator=g) * 4).half(), torch.randn(rows, n, generator=g).half()
+    scale = torch.rand(n, generator=g) + 0.5
+    gate_up = (torch.randn(rows, 2 * n, generator=g) * 6).half()
+    qk = torch.randn(rows, heads * d + 5, generator=g).half()  # a column slice at a row stride
+    cos, sin = torch.randn(rows, d, generator=g).half(), torch.randn(rows, d, generator=g).half()
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+    outs = {}
+    for name, lib in builds.items():
+        got = []
+        for round_first in (0, 1):
+            y = torch.empty(rows, n, dtype=torch.float16)
+            lib.hf_contbatch_rms_norm_f16(p(x.data_ptr()), i64(rows), i64(n), i64(n), p(scale.data_ptr()), f32(1e-6),
+                                          i32(round_first), p(y.data_ptr()), i64(n), i32(1))  # fmt: skip
+            s, y2 = torch.empty_like(y), torch.empty_like(y)
+            lib.hf_contbatch_add_rms_norm_f16(p(x.data_ptr()), p(res.data_ptr()), i64(rows), i64(n), i64(n), i64(n),
+                                              p(scale.data_ptr()), f32(1e-6), i32(round_first), p(s.data_ptr()),
+                                              p(y2.data_ptr()), i32(1))  # fmt: skip
+            got += [y, s, y2]
+        y = torch.empty(rows, n, dtype=torch.float16)
+        lib.hf_contbatch_silu_mul_f16(p(gate_up.data_ptr()), p(gate_up.data_ptr() + 2 * n), i64(rows), i64(n),
+                                      i64(2 * n), i64(2 * n), p(y.data_ptr()), i32(1))  # fmt: skip
+        r = torch.empty(rows, heads, d, dtype=torch.float16)
+        lib.hf_contbatch_rotary_f16(p(qk.data_ptr()), i64(rows), i64(heads), i64(d), i64(heads * d + 5),
+                                    p(cos.data_ptr()), p(sin.data_ptr()), i64(d), p(r.data_ptr()), i32(1))  # fmt: skip
+        outs[name] = [*got, y, r]
+    first, second = outs.values()
+    for a, b in zip(first, second):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))

@@ -456,6 +456,32 @@ HALF_ENTRY(wbf16, 0, OUT_BF16)
 HALF_ENTRY(wf16, 1, OUT_F16)
 #endif
 
+/* Panels p0..p1-1 of a widening layout ([P][k][NR] 16-bit) widened into dst [k][(p1 - p0) * NR]
+ * float32, row-major: the transposed weight columns p0 * NR ... for a float32 GEMM
+ * (widen_gemm.py: prefill's many rows by torch's float32 GEMM, no float32 copy of the weight
+ * kept). Exact (bf16: a shift; fp16: VCVTPH2PS). One pass: each 16-bit value read once, each
+ * float written once, in the order dst is laid out, so a cache-sized dst stays in cache for the
+ * GEMM. is_f16 needs HAS_F16. */
+void hf_contbatch_gemm_widen_panels(const uint16_t *panels, int64_t k, int64_t p0, int64_t p1, int is_f16,
+                                     float *dst, int64_t num_threads) {
+    const int64_t width = (p1 - p0) * NR;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (k * width >= (1 << 18))
+    for (int64_t kk = 0; kk < k; kk++)
+        for (int64_t p = p0; p < p1; p++) {
+            const uint16_t *src = panels + (p * k + kk) * NR;
+            float *out = dst + kk * width + (p - p0) * NR;
+#if HAS_F16
+            if (is_f16) {
+                for (int64_t j = 0; j < NR; j += VW) *(v8 *)(out + j) = load_w_wf16(src + j);
+                continue;
+            }
+#else
+            (void)is_f16;
+#endif
+            for (int64_t j = 0; j < NR; j++) out[j] = bf16_to_f32(src[j]);
+        }
+}
+
 /* ---- bfloat16 with float32 accumulation (AVX512-BF16: VDPBF16PS) ----------------------------------
  *
  * W is packed as for float32 but in pairs of input features: [ceil(N/32)][K/2][32][2] bf16, so one

@@ -41,7 +41,8 @@ class GemmLibrary:
     """The compiled GEMM: its functions, the float32 panel width ``nr`` (output columns), the
     instruction set its vectors compile to (``isa``: "avx512f", "avx2", "neon" or "generic"), the
     widening half-precision functions (``pack_h16``, ``gemm_wbf16``; ``gemm_wf16`` where the CPU
-    converts float16 in vectors, F16C, else None), and the VDPBF16PS bfloat16 functions where the
+    converts float16 in vectors, F16C, else None), ``widen_panels`` (a group of widening-layout
+    panels to float32 for a float32 GEMM: ``widen_gemm``), and the VDPBF16PS bfloat16 functions where the
     CPU has AVX512-BF16 (else None)."""
 
     path: str
@@ -54,6 +55,7 @@ class GemmLibrary:
     pack_h16: Callable
     gemm_wbf16: Callable
     gemm_wf16: Optional[Callable]
+    widen_panels: Callable
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:
@@ -86,6 +88,8 @@ def _load_native_library(bf16: bool = True):
     for name in ("wbf16", "wf16") if has_f16 else ("wbf16",):
         fn = getattr(lib, f"hf_contbatch_gemm_{name}")
         fn.argtypes, fn.restype = [ptr, i64, i64, ptr, i64, ptr, ptr, i64], ctypes.c_int  # -1: out of memory
+    lib.hf_contbatch_gemm_widen_panels.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, i64]
+    lib.hf_contbatch_gemm_widen_panels.restype = None
     lib.hf_contbatch_gemm_nr.restype = i64
     lib.hf_contbatch_gemm_isa.restype = ctypes.c_char_p
     has_bf16 = bool(lib.hf_contbatch_gemm_has_bf16())
@@ -100,6 +104,7 @@ def _load_native_library(bf16: bool = True):
         pack_h16=lib.hf_contbatch_gemm_pack_h16,
         gemm_wbf16=lib.hf_contbatch_gemm_wbf16,
         gemm_wf16=lib.hf_contbatch_gemm_wf16 if has_f16 else None,
+        widen_panels=lib.hf_contbatch_gemm_widen_panels,
     )
     return library, None
 

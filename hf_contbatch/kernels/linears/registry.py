@@ -18,6 +18,7 @@ from .native_gemm import NativeGEMM, NativeWidenGEMM
 from .onednn_gemm import OneDNNGEMM
 from .torch_linear import TorchLinear
 from .w8a8_torch import TorchW8A8GEMM
+from .widen_gemm import WidenF32GEMM
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +93,11 @@ def make_kernel(name: str) -> GemmKernel:
 
 
 def available_kernels() -> dict[str, GemmKernel]:
-    """The packed kernels that work here by name (every registered one but ``F.linear``, and
-    ``"native-widen"`` where the CPU has AVX512-BF16: :class:`~.native_gemm.NativeWidenGEMM`): the
-    candidates of ``linear_backend="auto"`` besides ``F.linear``."""
+    """The packed kernels that work here by name (every registered one but ``F.linear``;
+    ``"native-widen"`` where the CPU has AVX512-BF16: :class:`~.native_gemm.NativeWidenGEMM`; and,
+    where our GEMM builds, ``"widen-f32"`` for half-precision weights:
+    :class:`~.widen_gemm.WidenF32GEMM`): the candidates of ``linear_backend="auto"`` besides
+    ``F.linear``."""
     kernels = {}
     for name in KERNELS:
         if name == UNPACKED:
@@ -108,6 +111,11 @@ def available_kernels() -> dict[str, GemmKernel]:
         # A CPU with AVX512-BF16: bfloat16 weights widened to float32 are a candidate beside
         # VDPBF16PS (timing decides per shape and row count; without AVX512-BF16 "native" widens).
         kernels[NativeWidenGEMM.name] = NativeWidenGEMM()
+    if native is not None:
+        # Half-precision weights widened a group of panels a call for torch's float32 GEMM: on CPUs
+        # whose bf16/fp16 GEMMs are slow (no native half precision), prefill's many rows may run
+        # faster so; timing decides per shape and row count (it only packs bf16 and fp16 weights).
+        kernels[WidenF32GEMM.name] = WidenF32GEMM()
     return kernels
 
 
