@@ -198,9 +198,16 @@ def test_float16_ops_give_the_same_bits_in_every_build():
         lib.hf_contbatch_silu_mul_f16(p(gate_up.data_ptr()), p(gate_up.data_ptr() + 2 * n), i64(rows), i64(n),
                                       i64(2 * n), i64(2 * n), p(y.data_ptr()), i32(1))  # fmt: skip
         r = torch.empty(rows, heads, d, dtype=torch.float16)
-        lib.hf_contbatch_rotary_f16(p(qk.data_ptr()), i64(rows), i64(heads), i64(d), i64(heads * d + 5),
+        lib.hf_contbatch_rotary_f16(p(qk.data_ptr()), i64(rows), i64(heads), i64(d), i64(d), i64(heads * d + 5),
                                     p(cos.data_ptr()), p(sin.data_ptr()), i64(d), p(r.data_ptr()), i32(1))  # fmt: skip
-        outs[name] = [*got, y, r]
+        # Partial rotary (Phi-3's form): the first 40 features of each head rotated, the rest copied.
+        partial = torch.empty(rows, heads, d, dtype=torch.float16)
+        lib.hf_contbatch_rotary_f16(p(qk.data_ptr()), i64(rows), i64(heads), i64(d), i64(40), i64(heads * d + 5),
+                                    p(cos.data_ptr()), p(sin.data_ptr()), i64(d), p(partial.data_ptr()), i32(1))  # fmt: skip
+        outs[name] = [*got, y, r, partial]
     first, second = outs.values()
     for a, b in zip(first, second):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    # The copied features are the input's bits.
+    tail = qk[:, : heads * d].reshape(rows, heads, d)[..., 40:]
+    assert torch.equal(first[-1][..., 40:].view(torch.int16), tail.view(torch.int16))
