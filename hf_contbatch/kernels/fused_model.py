@@ -153,6 +153,12 @@ def decorators(fn) -> Optional[frozenset]:
     return frozenset(names)
 
 
+def _returned_class(fn, name: str):
+    """The class the name ``name`` means in the module of function ``fn`` (decorators looked through):
+    the output class its code (checked text) constructs, as that code would find it."""
+    return inspect.unwrap(fn).__globals__[name]
+
+
 def _hooked(m: torch.nn.Module) -> bool:
     return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
 
@@ -297,6 +303,7 @@ class FusedModelForward:
         self.bypassed = (base, self.embed, self.rotary, self.norm)
         self.served = 0
         self.__signature__ = inspect.signature(type(base).forward.__get__(base))
+        self.output = _returned_class(type(base).forward, "BaseModelOutputWithPast")
 
     def original(self, *args, **kwargs):
         return type(self.base).forward(self.base, *args, **kwargs)
@@ -376,9 +383,7 @@ class FusedModelForward:
         h = None if args else self.hidden(kwargs)
         if h is None:
             return self.original(*args, **kwargs)
-        from transformers.modeling_outputs import BaseModelOutputWithPast
-
-        return BaseModelOutputWithPast(last_hidden_state=h, cache=kwargs["paged_cache"])
+        return self.output(last_hidden_state=h, cache=kwargs["paged_cache"])
 
 
 class FusedCausalLMForward:
@@ -392,6 +397,7 @@ class FusedCausalLMForward:
         self.base_forward = base_forward
         self.lm_head = model._modules["lm_head"]
         self.__signature__ = inspect.signature(type(model).forward.__get__(model))
+        self.output = _returned_class(type(model).forward, "CausalLMOutputWithPast")
 
     def original(self, *args, **kwargs):
         return type(self.model).forward(self.model, *args, **kwargs)
@@ -418,9 +424,7 @@ class FusedCausalLMForward:
             return self.original(*args, logits_to_keep=keep, **kwargs)
         head = self.lm_head
         logits = head(h) if _hooked(head) else head.forward(h)
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        return CausalLMOutputWithPast(logits=logits, cache=kwargs["paged_cache"])
+        return self.output(logits=logits, cache=kwargs["paged_cache"])
 
 
 class FusedModel:
