@@ -212,10 +212,16 @@ class RotaryTable:
 
     def __init__(self, rotary) -> None:
         self.rotary = rotary
-        self._key: Optional[tuple] = None
-        self._cos: Optional[torch.Tensor] = None
-        self._sin: Optional[torch.Tensor] = None
-        self._usable = False
+        # (module state it was made for, cos [n, head_dim], sin [n, head_dim]); cos and sin None
+        # where the table would not give the module's bits. Replaced whole, never changed in place:
+        # engines stepping in two threads read one consistent table (a race only builds twice).
+        self._table: Optional[tuple] = None
+
+    @property
+    def usable(self) -> bool:
+        """Whether the current table serves (gives the module's bits); False before the first call."""
+        t = self._table
+        return t is not None and t[1] is not None
 
     def own(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The module's own forward (its class's, wrappers included) for ``x``'s dtype and device."""
@@ -226,14 +232,12 @@ class RotaryTable:
         scaling = self.rotary.__dict__.get("attention_scaling")
         return (inv, None if inv is None else inv._version, scaling, x.dtype, x.device)
 
-    def _build(self, x: torch.Tensor, rows: int) -> None:
-        """Table of ``rows`` positions for ``x``'s dtype and device; ``_usable`` says whether it
-        gives the module's bits (checked on random positions)."""
-        inv = self.rotary._buffers.get("inv_freq")
-        self._usable = False
-        self._cos = self._sin = None
+    def _build(self, state: tuple, x: torch.Tensor, rows: int) -> tuple:
+        """The table of ``rows`` positions for ``x``'s dtype and device, module state ``state``;
+        cos and sin None where it does not give the module's bits (checked on random positions)."""
+        inv = state[0]
         if inv is None or inv.dim() != 1 or x.device.type != "cpu":
-            return
+            return (state, None, None)
         d = 2 * inv.shape[0]
         chunk = max(1, (_GRAIN // 2) // d)
         cos, sin = [], []
@@ -241,45 +245,43 @@ class RotaryTable:
             c, s = self.own(x, torch.arange(start, min(rows, start + chunk)).unsqueeze(0))
             cos.append(c[0])
             sin.append(s[0])
-        self._cos, self._sin = torch.cat(cos).contiguous(), torch.cat(sin).contiguous()
-        if self._cos.shape != (rows, d) or self._cos.dtype != x.dtype:
-            return
+        table = (state, torch.cat(cos).contiguous(), torch.cat(sin).contiguous())
+        if table[1].shape != (rows, d) or table[1].dtype != x.dtype:
+            return (state, None, None)
         g = torch.Generator().manual_seed(rows)
         for n in (1, 3, 16, 61, min(rows, 256)):
             pos = torch.randint(0, rows, (1, n), generator=g)
-            want = self.own(x, pos)
-            got = self._gather(pos)
+            want, got = self.own(x, pos), _gather(table, pos)
             if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
-                return
-        self._usable = True
-
-    def _gather(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        p = position_ids[0]
-        return self._cos.index_select(0, p).unsqueeze(0), self._sin.index_select(0, p).unsqueeze(0)
+                return (state, None, None)
+        return table
 
     def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[1, T, head_dim]`` in ``x``'s dtype for ``position_ids`` ``[1, T]`` int64 (>= 0),
         as the module's forward gives them."""
         state = self._state(x)
-        T = position_ids.shape[-1]
-        if self._key is not None and (
-            self._key[0] is not state[0] or self._key[1:] != state[1:]
-        ):  # the module changed (inv_freq replaced or written, scaling, dtype, device): rebuild
-            self._key = None
-        if self._key is None:
-            self._key = state
-            self._build(x, 256)
-        if not self._usable or T * self._cos.shape[1] >= _GRAIN:
+        table = self._table
+        if table is None or table[0][0] is not state[0] or table[0][1:] != state[1:]:
+            # First call, or the module changed (inv_freq replaced or written, scaling, dtype, device)
+            table = self._table = self._build(state, x, 256)
+        cos = table[1]
+        if cos is None or position_ids.shape[-1] * cos.shape[1] >= _GRAIN:
             return self.own(x, position_ids)
         top = int(position_ids.max())
-        if top >= self._cos.shape[0]:
-            rows = self._cos.shape[0]
+        if top >= cos.shape[0]:
+            rows = cos.shape[0]
             while rows <= top:
                 rows *= 2
-            self._build(x, rows)
-            if not self._usable:
+            table = self._table = self._build(state, x, rows)
+            if table[1] is None:
                 return self.own(x, position_ids)
-        return self._gather(position_ids)
+        return _gather(table, position_ids)
+
+
+def _gather(table: tuple, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[1, T, head_dim]`` of ``table`` (``RotaryTable``'s) at ``position_ids`` ``[1, T]``."""
+    p = position_ids[0]
+    return table[1].index_select(0, p).unsqueeze(0), table[2].index_select(0, p).unsqueeze(0)
 
 
 class FusedModelForward:

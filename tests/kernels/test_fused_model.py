@@ -52,7 +52,7 @@ def test_rotary_table_gives_the_modules_own_bits_on_random_positions(dtype, head
         for w, t in zip(want, got):
             assert t.shape == (1, n, head_dim) and t.dtype == dtype and t.is_contiguous()
             assert torch.equal(t, w)
-    assert table._usable  # served from the table, not from the module's forward
+    assert table.usable  # served from the table, not from the module's forward
 
 
 def test_rotary_table_is_rebuilt_when_the_module_changes():
@@ -95,7 +95,7 @@ def test_greedy_tokens_equal_generate_with_the_fused_model_forward(family, cfg):
     refs = [reference_greedy(model, p, NEW) for p in prompts]
     outs, stats, fused, served = _serve(model, prompts, cfg)
     assert outs == refs
-    assert fused is not None and fused.base_forward.table._usable  # cos/sin from the table
+    assert fused is not None and fused.base_forward.table.usable  # cos/sin from the table
     assert served >= NEW  # every step (at least one per new token) took the fast path
     assert stats.num_free_blocks == stats.num_blocks, "blocks leaked"
     if cfg is _TIGHT and family != "mistral":  # Mistral's 8-token window gives blocks back: no pressure
