@@ -219,3 +219,18 @@ def test_not_installed_without_fused_layers_or_for_other_forms():
         assert eng.patches.fused_model is None and "forward" not in qwen3.__dict__
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_transformers_builds_no_mask_for_a_paged_step(family):
+    # Why the fast path passes the layers None: the mask functions these models call return None
+    # for a paged cache and no mask given (the paged attention keeps requests apart by metadata).
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    from hf_contbatch.kernels.paged_cache import PagedCacheStep
+
+    model = build_model(family)
+    step = PagedCacheStep.__new__(PagedCacheStep)  # its type is what the mask functions look at
+    emb, pos = torch.zeros(1, 5, model.config.hidden_size), torch.arange(3, 8)[None]
+    for fn in (create_causal_mask, create_sliding_window_causal_mask):
+        assert fn(config=model.config, inputs_embeds=emb, attention_mask=None, cache=step, position_ids=pos) is None
