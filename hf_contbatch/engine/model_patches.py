@@ -31,6 +31,7 @@ from .sparse_indexer import acquire_sparse_indexers, release_sparse_indexers
 
 _FUSED_OPS_USERS = "_hf_contbatch_fused_ops"  # on the model: [FusedModelOps, open engines using it]
 _FUSED_LAYERS_USERS = "_hf_contbatch_fused_layers"  # on the model: [FusedLayers, open engines using it]
+_FUSED_MODEL_USERS = "_hf_contbatch_fused_model"  # on the model: [FusedModel, open engines using it]
 _WEIGHT_FORMAT_USERS = "_hf_contbatch_weight_format"  # on the model: WeightFormatUsers
 
 
@@ -57,6 +58,9 @@ class ModelPatches:
             layers of the Llama form or a recognized variation of it, ``kernels.fused_layer``'s
             ``LayerForm``, as one fused step), shared by the engines on
             the model; else None.
+        fused_model: with ``fused_layers``, the model's ``FusedModel`` (``kernels.fused_model``: the
+            per-forward work around the layers once per step, for Llama-form models whose layers
+            all run the fused step), shared by the engines on the model; else None.
         previous_attention: the model's own attention implementation, restored by ``undo``.
         rotary_variants: the model's ``RotaryVariants`` (LongRoPE factors per request, shared by the
             engines on the model), or None for a rotary that needs none.
@@ -164,10 +168,12 @@ class ModelPatches:
         if self.unquantized is not None and self.unquantized.names:
             warnings.warn(self.unquantized.describe(scheme.label), FloatWeightsWarning, stacklevel=3)
         model.eval()
-        self.fused_ops = self.fused_layers = None
+        self.fused_ops = self.fused_layers = self.fused_model = None
         if config.fuse_model_ops and not compile_model:
             self.fused_ops = acquire_fused_ops(model, layout)
             self.fused_layers = acquire_fused_layers(model, layout)
+            if self.fused_layers is not None:
+                self.fused_model = acquire_fused_model(model, self.fused_layers)
         self.compiled_forward = None
         if compile_model:
             from ..kernels.compiled_forward import CompiledForward
@@ -243,6 +249,9 @@ class ModelPatches:
         if self.fused_ops is not None:
             release_fused_ops(self.model)
             self.fused_ops = None
+        if self.fused_model is not None:
+            release_fused_model(self.model)
+            self.fused_model = None
         if self.fused_layers is not None:
             release_fused_layers(self.model)
             self.fused_layers = None
@@ -368,6 +377,26 @@ def acquire_fused_layers(model, layout=None):
 def release_fused_layers(model) -> None:
     """One engine fewer on ``model``; the last one removes the fused layer forwards."""
     model_users.release(model, _FUSED_LAYERS_USERS, undo=lambda layers: layers.restore())
+
+
+def acquire_fused_model(model, fused_layers):
+    """The model's ``FusedModel`` (kernels.fused_model: the causal LM's and base model's per-forward
+    work once per step), installed by the first engine on it and shared by the later ones; None
+    where the model's code does not read as the Llama form or a layer lacks the fused step.
+    ``fused_layers``: the model's ``FusedLayers`` (``acquire_fused_layers``)."""
+
+    def build():
+        from ..kernels.fused_model import FusedModel
+
+        fused = FusedModel(model, fused_layers)
+        return fused if fused.installed else None
+
+    return model_users.acquire(model, _FUSED_MODEL_USERS, build)
+
+
+def release_fused_model(model) -> None:
+    """One engine fewer on ``model``; the last one removes the fused model forwards."""
+    model_users.release(model, _FUSED_MODEL_USERS, undo=lambda fused: fused.restore())
 
 
 def model_device(model) -> str:
