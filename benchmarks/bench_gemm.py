@@ -31,8 +31,9 @@ With ``--prefill-anchor`` (a ``workload.py`` model size, or a directory holding 
 copy each: a prefill's arithmetic per weight byte keeps it compute-bound), every candidate's GFLOP/s
 and its share of the float32 FMA peak ``cpu_peak.fma_peak_gflops`` measures at the same thread count,
 all in one process, candidates interleaved, the fastest of ``--repeats`` rounds (as the engine's tuner
-keeps, ``tuning.robust_seconds``): our GEMM, its previous prefill path (``ours-unpacked-x``: x read
-in place by 10-row tiles, the C entry ``hf_contbatch_gemm_f32_unpacked_x``), oneDNN and ``F.linear``.
+keeps, ``tuning.robust_seconds``): our GEMM (x read in place by 10-row tiles), ``ours-packx``
+(``NativePackedXGEMM``: x copied into 14-row tiles, the weight walked in L2-sized chunks), oneDNN and
+``F.linear``. ``--cpu-time`` with ``--threads 1``: thread CPU time (a shared machine).
 Row counts (``--rows`` overrides): the engine's token budget (``SchedulerConfig.max_num_batched_tokens``:
 the chunk a step of many prefilling requests fills), the last chunk of the size's standard workload
 (its prompt tokens modulo the budget), and its longest prompt (one request prefilled alone).
@@ -49,7 +50,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from hf_contbatch.kernels.linears import NativeGEMM, OneDNNGEMM, onednn_available
+from hf_contbatch.kernels.linears import NativeGEMM, NativePackedXGEMM, OneDNNGEMM, onednn_available
 from hf_contbatch.kernels.linears.native_gemm import HALF_ISAS
 
 from workload import MODEL_SIZES
@@ -267,7 +268,6 @@ def prefill_rows(anchor: str) -> list[int]:
 
 def prefill_table(args) -> None:
     """The ``--prefill-anchor`` table (see the module docstring)."""
-    import ctypes
 
     from cpu_peak import fma_peak_gflops
 
@@ -278,13 +278,11 @@ def prefill_table(args) -> None:
     threads = torch.get_num_threads()
     clock = time.thread_time if args.cpu_time else time.perf_counter
     peak, lanes = fma_peak_gflops(threads, clock=clock)
-    ours = NativeGEMM()
-    unpacked = getattr(ctypes.CDLL(ours.library.path), "hf_contbatch_gemm_f32_unpacked_x", None)
-    cands: dict[str, object] = {"ours": ours}
-    if unpacked is not None:
-        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        unpacked.argtypes, unpacked.restype = [ptr, i64, i64, ptr, i64, ptr, ptr, i64], None
-        cands["ours-unpacked-x"] = ours
+    cands: dict[str, object] = {"ours": NativeGEMM()}
+    try:
+        cands["ours-packx"] = NativePackedXGEMM()
+    except RuntimeError as exc:  # a build without the packed-x tiles (not AVX-512)
+        print(f"ours-packx: {exc}")
     if onednn_available():
         cands["oneDNN"] = OneDNNGEMM()
     cands["F.linear"] = TorchLinear()
@@ -305,14 +303,7 @@ def prefill_table(args) -> None:
             runs = {}
             with torch.inference_mode():
                 for name, kern in cands.items():
-                    p = packed[name]
-                    if name == "ours-unpacked-x":
-                        y = torch.empty(m, n)
-                        runs[name] = lambda p=p, y=y, x=x, m=m, k=k, n=n: unpacked(
-                            x.data_ptr(), m, k, p.data.data_ptr(), n, None, y.data_ptr(), threads
-                        )
-                    else:
-                        runs[name] = lambda kern=kern, p=p, x=x, n=n: kern.linear_verified(x, p, None, n)
+                    runs[name] = lambda kern=kern, p=packed[name], x=x, n=n: kern.linear_verified(x, p, None, n)
                 for f in runs.values():
                     f()  # warm-up (oneDNN builds its primitive)
                 times = {name: [] for name in names}

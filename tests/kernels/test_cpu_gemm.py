@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 
-from hf_contbatch.kernels.linears import NativeGEMM
+from hf_contbatch.kernels.linears import NativeGEMM, NativePackedXGEMM
 from hf_contbatch.kernels.linears.native_gemm import _GEMM_FLAGS, _GEMM_SOURCE
 from hf_contbatch.kernels.native_build import build_library
 
@@ -112,43 +112,39 @@ def test_rows_past_one_row_block_give_the_bits_they_give_alone_at_any_thread_cou
     _check_against_float64(alone, x, w, None)
 
 
-def _unpacked_x_entry(gemm):
-    """The C entry multiplying through the unpacked row tiles at any row count (the prefill path
-    before x was packed), and the row count from which ``hf_contbatch_gemm_f32`` packs x (0: never)."""
-    lib = ctypes.CDLL(gemm.library.path)
-    fn = lib.hf_contbatch_gemm_f32_unpacked_x
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes, fn.restype = [ptr, i64, i64, ptr, i64, ptr, ptr, i64], None
-    lib.hf_contbatch_gemm_pack_x_rows.restype = i64
-    return fn, lib.hf_contbatch_gemm_pack_x_rows()
-
-
 def test_prefill_rows_with_x_packed_give_the_unpacked_tiles_bits_at_any_thread_count(gemm):
-    # Prefill row counts take x packed into 14-row tiles on AVX-512 builds, the weights walked in
-    # chunks of panels (half of L2) with every row block passing over a chunk: several chunks per
-    # thread (2,000 input features: a few panels a chunk), several row blocks, a last block and a
-    # last tile shorter than the rest, a last panel of fewer columns. Each output is one in-order FMA
-    # chain whichever path runs it, so the bits must equal the unpacked tiles' at 1, 2 and 3 threads,
-    # and stay within the float64 bound of a K-term dot product.
-    unpacked_x, pack_rows = _unpacked_x_entry(gemm)
-    if gemm.library.isa == "avx512f":
-        assert pack_rows > 3  # decode's rows keep the unpacked tiles
+    # NativePackedXGEMM (AVX-512 builds): prefill row counts copy x into 14-row tiles and walk the
+    # weights in chunks of panels (half of L2) with every row block passing over a chunk: several
+    # chunks per thread (2,000 input features: a few panels a chunk), several row blocks, a last
+    # block and a last tile shorter than the rest, a last panel of fewer columns. Each output is one
+    # in-order FMA chain whichever tiles run it, so the bits must equal NativeGEMM's on the same packed
+    # weight at 1, 2 and 3 threads, and stay within the float64 bound of a K-term dot product.
+    if gemm.library.gemm_f32_packed_x is None:
+        with pytest.raises(RuntimeError, match="packed-x"):
+            NativePackedXGEMM()
+        return
+    packx = NativePackedXGEMM()
+    assert packx.dtypes == (torch.float32,) and not packx.supports(torch.randn(4, 4).bfloat16())
     g = torch.Generator().manual_seed(6)
     w, b = torch.randn(333, 2000, generator=g), torch.randn(333, generator=g)
     packed = gemm.pack(w)
-    bias = gemm.step_bias(b)
+    assert packx.adopt(packed) is packed  # one copy serves both
+    assert packx.adopt(NativeGEMM(half_isa="widen").pack(w.bfloat16())) is None
     before = torch.get_num_threads()
     try:
-        for m in (31, 32, 33, 47, 150, 301):
+        for m in (1, 31, 32, 33, 47, 150, 301):  # below the packing threshold (32), at it, past it
             x = torch.randn(m, 2000, generator=g)
-            ref = torch.empty(m, 333)
-            unpacked_x(x.data_ptr(), m, 2000, packed.data.data_ptr(), 333, bias.data_ptr(), ref.data_ptr(), 2)
+            torch.set_num_threads(2)
+            ref = gemm.linear(x, packed, b, 333)
             _check_against_float64(ref, x, w, b)
             for threads in (1, 2, 3):
                 torch.set_num_threads(threads)
-                assert torch.equal(gemm.linear(x, packed, b, 333), ref), (m, threads)
+                assert torch.equal(packx.linear(x, packed, b, 333), ref), (m, threads)
+                assert torch.equal(packx.linear_verified(x, packed, packx.step_bias(b), 333), ref), (m, threads)
     finally:
         torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        packx.linear(torch.randn(40, 1999), packed, None, 333)
 
 
 def test_empty_strided_and_batched_inputs(gemm):

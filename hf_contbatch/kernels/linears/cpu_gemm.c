@@ -560,25 +560,26 @@ static int gemm_f32_packed_x(const float *x, int64_t m, int64_t k, const float *
 #define PACK_X 0
 #endif
 
-/* x [m][k] float32 row-major, packed from hf_contbatch_gemm_pack_f32, bias [n] or NULL, y [m][n]:
- * PACK_X_ROWS rows or more through the packed-x tiles (AVX-512 builds), fewer (and any other build,
- * or no memory for the packed copy) through the unpacked ones: the same bits either way. */
+/* x [m][k] float32 row-major, packed from hf_contbatch_gemm_pack_f32, bias [n] or NULL, y [m][n]
+ * float32 row-major: the unpacked row tiles (and the narrow path for 1-3 rows). */
 void hf_contbatch_gemm_f32(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
                            const float *bias, float *y, int64_t num_threads) {
+    gemm_core_f32(x, m, k, packed, n, bias, y, OUT_F32, num_threads);
+}
+
+/* hf_contbatch_gemm_f32 with x packed (above) from PACK_X_ROWS rows on, on builds that have the packed
+ * tiles (AVX-512); fewer rows, other builds, or no memory for the packed copy: the unpacked tiles.
+ * The same bits either way; which is faster per shape and row count is timed by the engine
+ * (kernels/linears/autotune.py, the "native-packx" candidate). */
+void hf_contbatch_gemm_f32_packed_x(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
+                                    const float *bias, float *y, int64_t num_threads) {
 #if PACK_X
     if (m >= PACK_X_ROWS && k > 0 && gemm_f32_packed_x(x, m, k, packed, n, bias, y, num_threads) == 0) return;
 #endif
     gemm_core_f32(x, m, k, packed, n, bias, y, OUT_F32, num_threads);
 }
 
-/* hf_contbatch_gemm_f32 through the unpacked row tiles at any row count: the previous prefill path,
- * kept for benchmarks/bench_gemm.py's before/after and the tests' bit-for-bit comparison. */
-void hf_contbatch_gemm_f32_unpacked_x(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
-                                      const float *bias, float *y, int64_t num_threads) {
-    gemm_core_f32(x, m, k, packed, n, bias, y, OUT_F32, num_threads);
-}
-
-/* Rows from which hf_contbatch_gemm_f32 packs x (0: this build never does). */
+/* Rows from which hf_contbatch_gemm_f32_packed_x packs x (0: this build never does). */
 int64_t hf_contbatch_gemm_pack_x_rows(void) {
 #if PACK_X
     return PACK_X_ROWS;

@@ -14,7 +14,7 @@ import logging
 from ...config import LINEAR_BACKENDS, QUANT_SCHEMES, TORCHAO_INT8, QuantScheme
 from .gemm_kernel import GemmKernel
 from .int8_gemm import W8A8GEMM, DequantFloatGEMM, NativeInt8GEMM, NativeInt8MovsxGEMM, TorchInt8GEMM
-from .native_gemm import NativeGEMM, NativeWidenGEMM
+from .native_gemm import NativeGEMM, NativePackedXGEMM, NativeWidenGEMM
 from .onednn_gemm import OneDNNGEMM
 from .torch_linear import TorchLinear
 from .w8a8_torch import TorchW8A8GEMM
@@ -93,8 +93,9 @@ def make_kernel(name: str) -> GemmKernel:
 
 def available_kernels() -> dict[str, GemmKernel]:
     """The packed kernels that work here by name (every registered one but ``F.linear``, and
-    ``"native-widen"`` where the CPU has AVX512-BF16: :class:`~.native_gemm.NativeWidenGEMM`): the
-    candidates of ``linear_backend="auto"`` besides ``F.linear``."""
+    ``"native-widen"`` where the CPU has AVX512-BF16: :class:`~.native_gemm.NativeWidenGEMM`;
+    ``"native-packx"`` where the build has the packed-x float32 tiles:
+    :class:`~.native_gemm.NativePackedXGEMM`): the candidates of ``linear_backend="auto"`` besides ``F.linear``."""
     kernels = {}
     for name in KERNELS:
         if name == UNPACKED:
@@ -108,6 +109,10 @@ def available_kernels() -> dict[str, GemmKernel]:
         # A CPU with AVX512-BF16: bfloat16 weights widened to float32 are a candidate beside
         # VDPBF16PS (timing decides per shape and row count; without AVX512-BF16 "native" widens).
         kernels[NativeWidenGEMM.name] = NativeWidenGEMM()
+    if native is not None and native.library.gemm_f32_packed_x is not None:
+        # Float32 prefill rows with x packed into 14-row tiles (AVX-512 builds): timing decides per
+        # shape and row count whether the copy of x pays here (same bits, the same packed weight).
+        kernels[NativePackedXGEMM.name] = NativePackedXGEMM()
     return kernels
 
 
