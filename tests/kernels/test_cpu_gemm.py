@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from hf_contbatch.kernels.linears import NativeGEMM, NativePackedXGEMM
+from hf_contbatch.kernels.linears.dispatch_gemm import DispatchGEMM
 from hf_contbatch.kernels.linears.native_gemm import _GEMM_FLAGS, _GEMM_SOURCE
 from hf_contbatch.kernels.native_build import build_library
 
@@ -145,6 +146,13 @@ def test_prefill_rows_with_x_packed_give_the_unpacked_tiles_bits_at_any_thread_c
         torch.set_num_threads(before)
     with pytest.raises(RuntimeError, match="does not fit"):
         packx.linear(torch.randn(40, 1999), packed, None, 333)
+    # Timed beside NativeGEMM, each serving the row buckets it won: one packed copy for both.
+    buckets = (1, 2, 4, 8, 16, 32, 64)
+    both = DispatchGEMM([gemm, packx], table=(0, 0, 0, 0, 0, 1, 1), buckets=buckets)
+    shared = both.pack(w)
+    assert shared.data[1] is shared.data[0] and shared.nbytes == packed.nbytes
+    x = torch.randn(40, 2000, generator=g)
+    assert torch.equal(both.linear(x, shared, both.step_bias(b), 333), gemm.linear(x, packed, b, 333))
 
 
 def test_empty_strided_and_batched_inputs(gemm):
