@@ -27,9 +27,9 @@ copy bandwidth of its own byte count (copy GB/s counts the bytes read and writte
     python benchmarks/bench_gemm.py --prefill-anchor /tmp/peers/anchor/medium --threads 2
 
 With ``--prefill-anchor`` (a ``workload.py`` model size, or a directory holding a transformers
-``config.json``), per prefill row count and projection shape (fused q/k/v, o, fused gate/up, down; one
-copy each: a prefill's arithmetic per weight byte keeps it compute-bound), every candidate's GFLOP/s
-and its share of the float32 FMA peak ``cpu_peak.fma_peak_gflops`` measures at the same thread count,
+``config.json``), per prefill row count and projection shape (fused q/k/v, o, fused gate/up, down;
+copies of each weight adding up to ``--stream-mb`` per candidate, so weights come from memory as in a
+model's step), every candidate's GFLOP/s and its share of the float32 FMA peak ``cpu_peak.fma_peak_gflops`` measures at the same thread count,
 all in one process, candidates interleaved, the fastest of ``--repeats`` rounds (as the engine's tuner
 keeps, ``tuning.robust_seconds``): our GEMM (x read in place by 10-row tiles), ``ours-packx``
 (``NativePackedXGEMM``: x copied into 14-row tiles, the weight walked in L2-sized chunks), oneDNN and
@@ -297,13 +297,19 @@ def prefill_table(args) -> None:
     flops_total = 0.0
     for m in rows:
         for label, k, n in shapes:
-            w = torch.randn(n, k, generator=g) * 0.02
+            # Copies of the weight adding up to --stream-mb per candidate (each layer of a model has
+            # its own: a step reads them from memory, not from a cache the previous call warmed).
+            copies = max(1, -(-args.stream_mb * 2**20 // (4 * n * k)))
+            ws = [torch.randn(n, k, generator=g) * 0.02 for _ in range(copies)]
             x = torch.randn(m, k, generator=g)
-            packed = {name: kern.pack(w) for name, kern in cands.items()}
+            packed = {name: [kern.pack(w) for w in ws] for name, kern in cands.items()}
+            del ws
             runs = {}
             with torch.inference_mode():
                 for name, kern in cands.items():
-                    runs[name] = lambda kern=kern, p=packed[name], x=x, n=n: kern.linear_verified(x, p, None, n)
+                    runs[name] = lambda kern=kern, ps=packed[name], x=x, n=n: [
+                        kern.linear_verified(x, p, None, n) for p in ps
+                    ]
                 for f in runs.values():
                     f()  # warm-up (oneDNN builds its primitive)
                 times = {name: [] for name in names}
@@ -312,7 +318,8 @@ def prefill_table(args) -> None:
                         name = names[(r + j) % len(names)]
                         t0 = clock()
                         runs[name]()
-                        times[name].append(clock() - t0)
+                        times[name].append((clock() - t0) / copies)
+            del packed, runs
             flops = 2 * m * k * n
             flops_total += flops
             best = {name: min(t) for name, t in times.items()}
@@ -349,7 +356,9 @@ def main() -> None:
         help="with --threads 1: the calling thread's CPU time (time.thread_time), which leaves out the time "
         "other processes hold the core on a shared machine (not their cache or memory traffic)",
     )
-    ap.add_argument("--stream-mb", type=int, default=96, help="with --decode: MB of float32 copies per shape")
+    ap.add_argument(
+        "--stream-mb", type=int, default=96, help="with --decode or --prefill-anchor: MB of float32 copies per shape"
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch (and our kernels') threads; default torch's")
     ap.add_argument("--best", action="store_true", help="report the fastest round, not the median (a shared machine)")
     args = ap.parse_args()
