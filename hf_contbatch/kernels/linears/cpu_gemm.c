@@ -407,7 +407,7 @@ GEMM_CORE(wf16, uint16_t)
 
 /* ---- float32 prefill: x packed into row tiles (AVX-512) -------------------------------------------
  *
- * At prefill row counts the row tiles above run at 65-75% of the FMA peak (benchmarks/bench_gemm.py
+ * At prefill row counts the row tiles above ran at 52-75% of the FMA peak (benchmarks/bench_gemm.py
  * --prefill-anchor): each tile broadcasts its x values from MR rows k floats apart (ten address
  * streams; at k = 2048 all ten rows fall in the same L1 sets, as do the weight slice's lines), and
  * GCC keeps the last row's accumulators in the weight registers, copying them back every step (two
@@ -426,6 +426,11 @@ GEMM_CORE(wf16, uint16_t)
  * memory (a VM's share of L3 holds little) eleven times. With x packed, the whole of it is copied
  * first (one barrier a call: with one per block, a thread the machine had descheduled held the other
  * up at every block).
+ * Measured (bench_gemm.py --prefill-anchor --threads 1 --cpu-time, weights streamed from memory, on a
+ * loaded 2-vCPU VM): 57% of the FMA peak against 52% for the unpacked tiles over SmolLM2-360M's
+ * prefill shapes, 63% against 59% over the small anchor's; oneDNN and F.linear (MKL) 63-73% there. It is
+ * not always faster (the copy of x, the chunk order's passes over x), so it is the timed candidate
+ * "native-packx" (NativePackedXGEMM) beside "native", which keeps the unpacked tiles.
  * Exactness: each output is still one FMA chain over k in order (the FMA intrinsic is the contraction
  * the tiles above get from -ffp-contract=fast), so the bits are those of every other path. */
 #if VW == 16 && defined(__AVX512F__)
