@@ -22,6 +22,21 @@ activations, VNNI), interleaved with a copy (``Tensor.copy_``) of as many bytes 
 each weight format holds (float32, bf16, int8). Each kernel's weight GB/s is given as a share of the
 copy bandwidth of its own byte count (copy GB/s counts the bytes read and written, as
 ``cpu_peak.copy_bandwidth_gbs``), and its GFLOP/s (for ``w8a8``: int8 multiply-adds, two ops each).
+
+    python benchmarks/bench_gemm.py --prefill-anchor small --threads 2   # prefill: % of the FMA peak
+    python benchmarks/bench_gemm.py --prefill-anchor /tmp/peers/anchor/medium --threads 2
+
+With ``--prefill-anchor`` (a ``workload.py`` model size, or a directory holding a transformers
+``config.json``), per prefill row count and projection shape (fused q/k/v, o, fused gate/up, down;
+copies of each weight adding up to ``--stream-mb`` per candidate, so weights come from memory as in a
+model's step), every candidate's GFLOP/s and its share of the float32 FMA peak ``cpu_peak.fma_peak_gflops`` measures at the same thread count,
+all in one process, candidates interleaved, the fastest of ``--repeats`` rounds (as the engine's tuner
+keeps, ``tuning.robust_seconds``): our GEMM (x read in place by 10-row tiles), ``ours-packx``
+(``NativePackedXGEMM``: x copied into 14-row tiles, the weight walked in L2-sized chunks), oneDNN and
+``F.linear``. ``--cpu-time`` with ``--threads 1``: thread CPU time (a shared machine).
+Row counts (``--rows`` overrides): the engine's token budget (``SchedulerConfig.max_num_batched_tokens``:
+the chunk a step of many prefilling requests fills), the last chunk of the size's standard workload
+(its prompt tokens modulo the budget), and its longest prompt (one request prefilled alone).
 """
 
 from __future__ import annotations
@@ -35,7 +50,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from hf_contbatch.kernels.linears import NativeGEMM, OneDNNGEMM, onednn_available
+from hf_contbatch.kernels.linears import NativeGEMM, NativePackedXGEMM, OneDNNGEMM, onednn_available
 from hf_contbatch.kernels.linears.native_gemm import HALF_ISAS
 
 from workload import MODEL_SIZES
@@ -218,11 +233,118 @@ def decode_table(args) -> None:
                 )
 
 
+def anchor_shapes(anchor: str) -> tuple[list[tuple[str, int, int]], dict]:
+    """(projection name, in_features, out_features) per linear of one decoder layer, siblings fused
+    as the engine fuses them (q/k/v, gate/up), and the config dict, for a ``workload.py`` size or a
+    directory with a transformers ``config.json``."""
+    if anchor in MODEL_SIZES:
+        c = dict(MODEL_SIZES[anchor])
+    else:
+        import json
+
+        with open(os.path.join(anchor, "config.json")) as f:
+            c = json.load(f)
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    head_dim = c.get("head_dim") or h // heads
+    q, kv, i = heads * head_dim, c["num_key_value_heads"] * head_dim, c["intermediate_size"]
+    return [("qkv", h, q + 2 * kv), ("o", q, h), ("gate_up", h, 2 * i), ("down", i, h)], c
+
+
+def prefill_rows(anchor: str) -> list[int]:
+    """The prefill row counts of ``anchor``'s standard workload: the token budget, the last chunk
+    (prompt tokens modulo the budget) and the longest prompt (see the module docstring)."""
+    from hf_contbatch.config import SchedulerConfig
+
+    from workload import workload_for
+
+    budget = SchedulerConfig().max_num_batched_tokens
+    # a config directory named after a size (../peers/anchor/medium) takes that size's workload
+    size = anchor if anchor in MODEL_SIZES else os.path.basename(os.path.normpath(anchor))
+    size = size if size in MODEL_SIZES else "small"
+    prompts, _ = workload_for(size, vocab_size=2048)
+    total = sum(len(p) for p in prompts)
+    return sorted({budget, total % budget or budget, max(len(p) for p in prompts)}, reverse=True)
+
+
+def prefill_table(args) -> None:
+    """The ``--prefill-anchor`` table (see the module docstring)."""
+
+    from cpu_peak import fma_peak_gflops
+
+    from hf_contbatch.kernels.linears.torch_linear import TorchLinear
+
+    shapes, _ = anchor_shapes(args.prefill_anchor)
+    rows = [int(r) for r in args.rows.split(",")] if args.rows else prefill_rows(args.prefill_anchor)
+    threads = torch.get_num_threads()
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    peak, lanes = fma_peak_gflops(threads, clock=clock)
+    cands: dict[str, object] = {"ours": NativeGEMM()}
+    try:
+        cands["ours-packx"] = NativePackedXGEMM()
+    except RuntimeError as exc:  # a build without the packed-x tiles (not AVX-512)
+        print(f"ours-packx: {exc}")
+    if onednn_available():
+        cands["oneDNN"] = OneDNNGEMM()
+    cands["F.linear"] = TorchLinear()
+    print(
+        f"prefill {args.prefill_anchor}: {threads} threads, {'thread CPU' if args.cpu_time else 'wall'} time, FMA peak "
+        f"{peak:.0f} GFLOP/s float32 ({lanes} lanes, measured now), fastest of {args.repeats} interleaved rounds; GFLOP/s and % of the peak"
+    )
+    names = list(cands)
+    print(f"{'rows':>5} {'shape':>18} " + " ".join(f"{n:>20}" for n in names))
+    g = torch.Generator().manual_seed(0)
+    totals = {n: 0.0 for n in names}
+    flops_total = 0.0
+    for m in rows:
+        for label, k, n in shapes:
+            # Copies of the weight adding up to --stream-mb per candidate (each layer of a model has
+            # its own: a step reads them from memory, not from a cache the previous call warmed).
+            copies = max(1, -(-args.stream_mb * 2**20 // (4 * n * k)))
+            ws = [torch.randn(n, k, generator=g) * 0.02 for _ in range(copies)]
+            x = torch.randn(m, k, generator=g)
+            packed = {name: [kern.pack(w) for w in ws] for name, kern in cands.items()}
+            del ws
+            runs = {}
+            with torch.inference_mode():
+                for name, kern in cands.items():
+                    runs[name] = lambda kern=kern, ps=packed[name], x=x, n=n: [
+                        kern.linear_verified(x, p, None, n) for p in ps
+                    ]
+                for f in runs.values():
+                    f()  # warm-up (oneDNN builds its primitive)
+                times = {name: [] for name in names}
+                for r in range(args.repeats):
+                    for j in range(len(names)):
+                        name = names[(r + j) % len(names)]
+                        t0 = clock()
+                        runs[name]()
+                        times[name].append((clock() - t0) / copies)
+            del packed, runs
+            flops = 2 * m * k * n
+            flops_total += flops
+            best = {name: min(t) for name, t in times.items()}
+            for name in names:
+                totals[name] += best[name]
+            cells = [f"{flops / best[n] / 1e9:7.0f} {100 * flops / best[n] / 1e9 / peak:4.0f}%" for n in names]
+            print(f"{m:>5} {label:>7} {k:>5}x{n:<5} " + " ".join(f"{c:>20}" for c in cells), flush=True)
+    cells = [f"{flops_total / totals[n] / 1e9:7.0f} {100 * flops_total / totals[n] / 1e9 / peak:4.0f}%" for n in names]
+    print(f"{'all':>5} {'':>18} " + " ".join(f"{c:>20}" for c in cells))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="small", choices=sorted(MODEL_SIZES))
-    ap.add_argument("--rows", default="1,4,8,16,32,64,128,256,1024")
+    ap.add_argument(
+        "--rows",
+        default=None,
+        help="row counts (default 1,4,8,16,32,64,128,256,1024; with --prefill-anchor its chunks)",
+    )
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--prefill-anchor",
+        default=None,
+        help="a workload.py model size or a config.json directory: its prefill shapes, %% of the FMA peak",
+    )
     ap.add_argument("--int8", action="store_true", help="the int8 kernels against the float ones, per shape")
     ap.add_argument("--decode", action="store_true", help="every candidate per shape at decode rows, %% of copy GB/s")
     ap.add_argument("--head", action="store_true", help="with --decode or --int8: the LM head's shape too")
@@ -234,7 +356,9 @@ def main() -> None:
         help="with --threads 1: the calling thread's CPU time (time.thread_time), which leaves out the time "
         "other processes hold the core on a shared machine (not their cache or memory traffic)",
     )
-    ap.add_argument("--stream-mb", type=int, default=96, help="with --decode: MB of float32 copies per shape")
+    ap.add_argument(
+        "--stream-mb", type=int, default=96, help="with --decode or --prefill-anchor: MB of float32 copies per shape"
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch (and our kernels') threads; default torch's")
     ap.add_argument("--best", action="store_true", help="report the fastest round, not the median (a shared machine)")
     args = ap.parse_args()
@@ -242,6 +366,10 @@ def main() -> None:
         ap.error("--cpu-time needs --threads 1 (the kernels' other threads are not the calling thread)")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.prefill_anchor:
+        prefill_table(args)
+        return
+    args.rows = args.rows or "1,4,8,16,32,64,128,256,1024"
     if args.int8:
         int8_table(args)
         return

@@ -17,7 +17,8 @@ import shutil
 import pytest
 import torch
 
-from hf_contbatch.kernels.linears import NativeGEMM
+from hf_contbatch.kernels.linears import NativeGEMM, NativePackedXGEMM
+from hf_contbatch.kernels.linears.dispatch_gemm import DispatchGEMM
 from hf_contbatch.kernels.linears.native_gemm import _GEMM_FLAGS, _GEMM_SOURCE
 from hf_contbatch.kernels.native_build import build_library
 
@@ -110,6 +111,48 @@ def test_rows_past_one_row_block_give_the_bits_they_give_alone_at_any_thread_cou
     finally:
         torch.set_num_threads(before)
     _check_against_float64(alone, x, w, None)
+
+
+def test_prefill_rows_with_x_packed_give_the_unpacked_tiles_bits_at_any_thread_count(gemm):
+    # NativePackedXGEMM (AVX-512 builds): prefill row counts copy x into 14-row tiles and walk the
+    # weights in chunks of panels (half of L2) with every row block passing over a chunk: several
+    # chunks per thread (2,000 input features: a few panels a chunk), several row blocks, a last
+    # block and a last tile shorter than the rest, a last panel of fewer columns. Each output is one
+    # in-order FMA chain whichever tiles run it, so the bits must equal NativeGEMM's on the same packed
+    # weight at 1, 2 and 3 threads, and stay within the float64 bound of a K-term dot product.
+    if gemm.library.gemm_f32_packed_x is None:
+        with pytest.raises(RuntimeError, match="packed-x"):
+            NativePackedXGEMM()
+        return
+    packx = NativePackedXGEMM()
+    assert packx.dtypes == (torch.float32,) and not packx.supports(torch.randn(4, 4).bfloat16())
+    g = torch.Generator().manual_seed(6)
+    w, b = torch.randn(333, 2000, generator=g), torch.randn(333, generator=g)
+    packed = gemm.pack(w)
+    assert packx.adopt(packed) is packed  # one copy serves both
+    assert packx.adopt(NativeGEMM(half_isa="widen").pack(w.bfloat16())) is None
+    before = torch.get_num_threads()
+    try:
+        for m in (1, 31, 32, 33, 47, 150, 301):  # below the packing threshold (32), at it, past it
+            x = torch.randn(m, 2000, generator=g)
+            torch.set_num_threads(2)
+            ref = gemm.linear(x, packed, b, 333)
+            _check_against_float64(ref, x, w, b)
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                assert torch.equal(packx.linear(x, packed, b, 333), ref), (m, threads)
+                assert torch.equal(packx.linear_verified(x, packed, packx.step_bias(b), 333), ref), (m, threads)
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        packx.linear(torch.randn(40, 1999), packed, None, 333)
+    # Timed beside NativeGEMM, each serving the row buckets it won: one packed copy for both.
+    buckets = (1, 2, 4, 8, 16, 32, 64)
+    both = DispatchGEMM([gemm, packx], table=(0, 0, 0, 0, 0, 1, 1), buckets=buckets)
+    shared = both.pack(w)
+    assert shared.data[1] is shared.data[0] and shared.nbytes == packed.nbytes
+    x = torch.randn(40, 2000, generator=g)
+    assert torch.equal(both.linear(x, shared, both.step_bias(b), 333), gemm.linear(x, packed, b, 333))
 
 
 def test_empty_strided_and_batched_inputs(gemm):

@@ -223,6 +223,8 @@ def test_the_real_measurement_times_every_available_kernel_at_every_bucket(tmp_p
     native = tuner.candidates["native"]
     assert native.supports(torch.zeros(80, 96, dtype=torch.bfloat16))
     assert ("native-widen" in tuner.candidates) == (native.half_isa == "avx512_bf16")
+    # float32 prefill rows with x packed: a candidate where the build has those tiles (AVX-512)
+    assert ("native-packx" in tuner.candidates) == (native.library.gemm_f32_packed_x is not None)
     assert tuner.measured_seconds > 0
 
 
@@ -240,7 +242,7 @@ def test_the_registry_names_every_linear_backend_but_auto_and_each_kernel_keeps_
             forced_quantized_kernel(scheme, "onednn")
     for name, kernel in available_kernels().items():
         assert kernel.name == name and isinstance(kernel, GemmKernel)
-        dtype = kernel.dtypes[0]  # float32, or bfloat16 for "native-widen" (bf16 only)
+        dtype = kernel.dtypes[0]  # float32 ("native-packx": only), or bfloat16 for "native-widen" (bf16 only)
         w = torch.randn(40, 24).to(dtype)
         packed = kernel.pack(w)
         size = dtype.itemsize

@@ -39,7 +39,7 @@ from .autotune import KernelChoice, KernelTuner
 from .fused import FUSED_GROUPS, FusedGroup
 from .gemm_kernel import GemmKernel, PackedWeight
 from .linear_choices import LinearChoices, tune_linears
-from .native_gemm import NativeGEMM
+from .native_gemm import NativeGEMM, NativePackedXGEMM
 from .onednn_gemm import OneDNNGEMM, onednn_available, padded_rows
 from .packed_forward import PackedForward
 from .packed_linears import PackedLinears, pack_linears
@@ -55,6 +55,7 @@ __all__ = [
     "KernelTuner",
     "LinearChoices",
     "NativeGEMM",
+    "NativePackedXGEMM",
     "OneDNNGEMM",
     "PackedForward",
     "PackedLinears",

@@ -32,6 +32,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -401,9 +405,192 @@ GEMM_CORE(wbf16, uint16_t)
 GEMM_CORE(wf16, uint16_t)
 #endif
 
+/* ---- float32 prefill: x packed into row tiles (AVX-512) -------------------------------------------
+ *
+ * At prefill row counts the row tiles above ran at 52-75% of the FMA peak (benchmarks/bench_gemm.py
+ * --prefill-anchor): each tile broadcasts its x values from MR rows k floats apart (ten address
+ * streams; at k = 2048 all ten rows fall in the same L1 sets, as do the weight slice's lines), and
+ * GCC keeps the last row's accumulators in the weight registers, copying them back every step (two
+ * vector moves per 20 FMAs). Here x is first copied, by the threads together, into row blocks of
+ * tiles of at most MRP rows laid out [block][k-slice][tile][kk][row] (GotoBLAS's packed A), so a tile reads
+ * its broadcasts from one sequential stream; with one pointer for x the tile has registers for 14 rows
+ * (28 accumulators, 2 weight vectors, 1 broadcast: 31 of 32), which loads each weight vector for 14
+ * rows instead of 10; and the multiply-adds are written as intrinsics, which GCC allocates without the
+ * copies. A tile of 14 rows over a 128-feature slice in L1 ran at 87-89% of one core's FMA peak against
+ * 82-84% for the 10-row tile (one process, thread CPU time).
+ * Loop order: each thread takes a contiguous range of panels and walks it in chunks of panels filling
+ * half of L2; every row block of (packed) x passes over a chunk before the next one is read. So each
+ * weight byte comes from memory once per call, and the x block (a quarter of L2 at most) from L2 for
+ * every panel of the chunk but the first. The row-block-outermost order of the unpacked path reads the
+ * whole weight once per 96-row block instead: a 1,024-row prefill chunk streamed each weight from
+ * memory (a VM's share of L3 holds little) eleven times. With x packed, the whole of it is copied
+ * first (one barrier a call: with one per block, a thread the machine had descheduled held the other
+ * up at every block).
+ * Measured (bench_gemm.py --prefill-anchor --threads 1 --cpu-time, weights streamed from memory, on a
+ * loaded 2-vCPU VM): 57% of the FMA peak against 52% for the unpacked tiles over SmolLM2-360M's
+ * prefill shapes, 63% against 59% over the small anchor's; oneDNN and F.linear (MKL) 63-73% there. It is
+ * not always faster (the copy of x, the chunk order's passes over x), so it is the timed candidate
+ * "native-packx" (NativePackedXGEMM) beside "native", which keeps the unpacked tiles.
+ * Exactness: each output is still one FMA chain over k in order (the FMA intrinsic is the contraction
+ * the tiles above get from -ffp-contract=fast), so the bits are those of every other path. */
+#if VW == 16 && defined(__AVX512F__)
+#define PACK_X 1
+#define MRP 14      /* rows per packed tile */
+#define MBP 112     /* rows per block at most: 8 tiles; their accumulators 14 KB, in L1 */
+#define PACK_X_ROWS 32 /* fewer rows keep the unpacked tiles: the copy of x is then a larger share */
+static inline v8 vfma(float x, v8 w, v8 a) { return (v8)_mm512_fmadd_ps(_mm512_set1_ps(x), (__m512)w, (__m512)a); }
+
+/* acc[r][0..NR-1] += sum over kk < kc of xp[kk][r] * w[kk][0..NR-1], r < ROWS; xp the tile's packed
+ * x (ROWS floats per input feature). Prefetch as TILE's. */
+#define TILEP(ROWS)                                                                                      \
+    static inline void tilep_##ROWS(const float *xp, const float *w, int64_t kc, float *acc) {           \
+        v8 a0[ROWS], a1[ROWS];                                                                           \
+        for (int r = 0; r < ROWS; r++) {                                                                 \
+            a0[r] = *(const v8 *)(acc + r * NR);                                                         \
+            a1[r] = *(const v8 *)(acc + r * NR + VW);                                                    \
+        }                                                                                                \
+        for (int64_t kk = 0; kk < kc; kk++) {                                                            \
+            const v8 w0 = load_w_f32(w + kk * NR), w1 = load_w_f32(w + kk * NR + VW);                    \
+            __builtin_prefetch((const void *)((uintptr_t)w + (uintptr_t)((kk + KC) * NR * sizeof(float)))); \
+            __builtin_prefetch((const void *)((uintptr_t)w + (uintptr_t)((kk + KC) * NR * sizeof(float) + 64))); \
+            for (int r = 0; r < ROWS; r++) {                                                             \
+                a0[r] = vfma(xp[kk * ROWS + r], w0, a0[r]);                                              \
+                a1[r] = vfma(xp[kk * ROWS + r], w1, a1[r]);                                              \
+            }                                                                                            \
+        }                                                                                                \
+        for (int r = 0; r < ROWS; r++) {                                                                 \
+            *(v8 *)(acc + r * NR) = a0[r];                                                               \
+            *(v8 *)(acc + r * NR + VW) = a1[r];                                                          \
+        }                                                                                                \
+    }
+TILEP(1) TILEP(2) TILEP(3) TILEP(4) TILEP(5) TILEP(6) TILEP(7)
+TILEP(8) TILEP(9) TILEP(10) TILEP(11) TILEP(12) TILEP(13) TILEP(14)
+
+/* This CPU's L2 bytes per core as it reports them, 1 MB where it reports none. */
+static int64_t l2_bytes(void) {
+#ifdef _SC_LEVEL2_CACHE_SIZE
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    if (l2 > 0) return l2;
+#endif
+    return 1 << 20;
+}
+
+/* Tile t of `tiles` near-equal ones over `rows` rows: its first row and height (at most MRP). */
+static inline void tile_span(int64_t t, int64_t tiles, int64_t rows, int64_t *r0, int64_t *h) {
+    *r0 = t * rows / tiles;
+    *h = (t + 1) * rows / tiles - *r0;
+}
+
+/* hf_contbatch_gemm_f32 with x packed per row block (see above). Returns 0, or -1 when the packed
+ * copy's buffer cannot be allocated (nothing written then: the caller takes the unpacked path). */
+static int gemm_f32_packed_x(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
+                             const float *bias, float *y, int64_t num_threads) {
+    const int64_t panels = (n + NR - 1) / NR, l2 = l2_bytes();
+    /* row blocks whose x takes a quarter of L2 at most, whole tiles */
+    int64_t mb = l2 / 4 / (4 * k);
+    mb = mb / MRP * MRP;
+    mb = mb > MBP ? MBP : mb < MRP ? MRP : mb;
+    if (m <= mb) mb = m;
+    /* panels per chunk: half of L2 */
+    int64_t chunk = l2 / 2 / (k * NR * (int64_t)sizeof(float));
+    chunk = chunk < 1 ? 1 : chunk;
+    float *xp = (float *)malloc(sizeof(float) * (size_t)(m * k));
+    if (!xp) return -1;
+    const int64_t blocks = (m + mb - 1) / mb, block_tiles = (mb + MRP - 1) / MRP;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float acc[MBP * NR] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < blocks * block_tiles; i++) {
+            const int64_t row0 = i / block_tiles * mb, rows = m - row0 < mb ? m - row0 : mb;
+            const int64_t t = i % block_tiles, tiles = (rows + MRP - 1) / MRP;
+            if (t >= tiles) continue; /* the last block's missing tiles */
+            int64_t r0, h;
+            tile_span(t, tiles, rows, &r0, &h);
+            for (int64_t k0 = 0; k0 < k; k0 += KC) {
+                const int64_t kc = k - k0 < KC ? k - k0 : KC;
+                float *dst = xp + row0 * k + k0 * rows + r0 * kc;
+                const float *src = x + (row0 + r0) * k + k0;
+                /* written in order: h read streams, one write stream */
+                for (int64_t kk = 0; kk < kc; kk++)
+                    for (int64_t r = 0; r < h; r++) dst[kk * h + r] = src[r * k + kk];
+            }
+        }
+        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t p_begin = tid * panels / nth, p_end = (tid + 1) * panels / nth;
+        for (int64_t c0 = p_begin; c0 < p_end; c0 += chunk) {
+            const int64_t c1 = c0 + chunk < p_end ? c0 + chunk : p_end;
+            for (int64_t row0 = 0; row0 < m; row0 += mb) {
+                const int64_t rows = m - row0 < mb ? m - row0 : mb, tiles = (rows + MRP - 1) / MRP;
+                const float *xb = xp + row0 * k;
+                for (int64_t p = c0; p < c1; p++) {
+                    const int64_t col0 = p * NR, cols = n - col0 < NR ? n - col0 : NR;
+                    memset(acc, 0, sizeof(float) * (size_t)(rows * NR));
+                    for (int64_t k0 = 0; k0 < k; k0 += KC) {
+                        const int64_t kc = k - k0 < KC ? k - k0 : KC;
+                        const float *w = packed + (p * k + k0) * NR;
+                        for (int64_t t = 0; t < tiles; t++) {
+                            int64_t r0, h;
+                            tile_span(t, tiles, rows, &r0, &h);
+                            const float *xt = xb + k0 * rows + r0 * kc;
+                            float *at = acc + r0 * NR;
+                            switch (h) {
+                                case 1: tilep_1(xt, w, kc, at); break;
+                                case 2: tilep_2(xt, w, kc, at); break;
+                                case 3: tilep_3(xt, w, kc, at); break;
+                                case 4: tilep_4(xt, w, kc, at); break;
+                                case 5: tilep_5(xt, w, kc, at); break;
+                                case 6: tilep_6(xt, w, kc, at); break;
+                                case 7: tilep_7(xt, w, kc, at); break;
+                                case 8: tilep_8(xt, w, kc, at); break;
+                                case 9: tilep_9(xt, w, kc, at); break;
+                                case 10: tilep_10(xt, w, kc, at); break;
+                                case 11: tilep_11(xt, w, kc, at); break;
+                                case 12: tilep_12(xt, w, kc, at); break;
+                                case 13: tilep_13(xt, w, kc, at); break;
+                                default: tilep_14(xt, w, kc, at); break;
+                            }
+                        }
+                    }
+                    for (int64_t r = 0; r < rows; r++)
+                        store_row(y, OUT_F32, (row0 + r) * n + col0, acc + r * NR, bias, col0, cols);
+                }
+            }
+        }
+    }
+    free(xp);
+    return 0;
+}
+#else
+#define PACK_X 0
+#endif
+
+/* x [m][k] float32 row-major, packed from hf_contbatch_gemm_pack_f32, bias [n] or NULL, y [m][n]
+ * float32 row-major: the unpacked row tiles (and the narrow path for 1-3 rows). */
 void hf_contbatch_gemm_f32(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
                            const float *bias, float *y, int64_t num_threads) {
     gemm_core_f32(x, m, k, packed, n, bias, y, OUT_F32, num_threads);
+}
+
+/* hf_contbatch_gemm_f32 with x packed (above) from PACK_X_ROWS rows on, on builds that have the packed
+ * tiles (AVX-512); fewer rows, other builds, or no memory for the packed copy: the unpacked tiles.
+ * The same bits either way; which is faster per shape and row count is timed by the engine
+ * (kernels/linears/autotune.py, the "native-packx" candidate). */
+void hf_contbatch_gemm_f32_packed_x(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
+                                    const float *bias, float *y, int64_t num_threads) {
+#if PACK_X
+    if (m >= PACK_X_ROWS && k > 0 && gemm_f32_packed_x(x, m, k, packed, n, bias, y, num_threads) == 0) return;
+#endif
+    gemm_core_f32(x, m, k, packed, n, bias, y, OUT_F32, num_threads);
+}
+
+/* Rows from which hf_contbatch_gemm_f32_packed_x packs x (0: this build never does). */
+int64_t hf_contbatch_gemm_pack_x_rows(void) {
+#if PACK_X
+    return PACK_X_ROWS;
+#else
+    return 0;
+#endif
 }
 
 /* Half-precision weights widened in registers (any CPU with vectors; float16 where F16C is):

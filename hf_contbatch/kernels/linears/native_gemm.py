@@ -42,8 +42,9 @@ class GemmLibrary:
     instruction set its vectors compile to (``isa``: "avx512f", "avx2", "neon" or "generic"), the
     widening half-precision functions (``pack_h16``, ``gemm_wbf16``; ``gemm_wf16`` where the CPU
     converts float16 in vectors, F16C, else None), ``widen_panels`` (a group of widening-layout
-    panels to float32 for a float32 GEMM: ``widen_gemm``), and the VDPBF16PS bfloat16 functions where the
-    CPU has AVX512-BF16 (else None)."""
+    panels to float32 for a float32 GEMM: ``widen_gemm``), the VDPBF16PS bfloat16 functions where the
+    CPU has AVX512-BF16 (else None), and the float32 GEMM packing x into row tiles at prefill row
+    counts where the build has those tiles (AVX-512; else None: :class:`NativePackedXGEMM`)."""
 
     path: str
     pack_f32: Callable
@@ -56,6 +57,7 @@ class GemmLibrary:
     gemm_wbf16: Callable
     gemm_wf16: Optional[Callable]
     widen_panels: Callable
+    gemm_f32_packed_x: Optional[Callable] = None
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:
@@ -91,6 +93,10 @@ def _load_native_library(bf16: bool = True):
     lib.hf_contbatch_gemm_widen_panels.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, i64]
     lib.hf_contbatch_gemm_widen_panels.restype = None
     lib.hf_contbatch_gemm_nr.restype = i64
+    lib.hf_contbatch_gemm_pack_x_rows.restype = i64
+    packed_x = lib.hf_contbatch_gemm_f32_packed_x if lib.hf_contbatch_gemm_pack_x_rows() > 0 else None
+    if packed_x is not None:
+        packed_x.argtypes, packed_x.restype = [ptr, i64, i64, ptr, i64, ptr, ptr, i64], None
     lib.hf_contbatch_gemm_isa.restype = ctypes.c_char_p
     has_bf16 = bool(lib.hf_contbatch_gemm_has_bf16())
     library = GemmLibrary(
@@ -105,6 +111,7 @@ def _load_native_library(bf16: bool = True):
         gemm_wbf16=lib.hf_contbatch_gemm_wbf16,
         gemm_wf16=lib.hf_contbatch_gemm_wf16 if has_f16 else None,
         widen_panels=lib.hf_contbatch_gemm_widen_panels,
+        gemm_f32_packed_x=packed_x,
     )
     return library, None
 
@@ -142,12 +149,14 @@ def native_linear(
     bias: Optional[torch.Tensor],
     out_features: int,
     library: Optional[GemmLibrary] = None,
+    packed_x: bool = False,
 ) -> torch.Tensor:
     """``x @ W.T + b`` with our GEMM: ``x`` ``[..., in]`` CPU, of the packed weight's dtype
     (float32, bfloat16, or float16 where the build has it), ``packed`` the ``data`` of :meth:`NativeGEMM.pack`,
     ``bias`` ``[out]`` (any float dtype, added in float32) or None; returns ``[..., out]`` in
     ``x``'s dtype. ``library``: the build that runs it (that of the :class:`NativeGEMM` that packed;
-    default :func:`native_library`'s).
+    default :func:`native_library`'s). ``packed_x``: float32 through the packed-x tiles at prefill
+    row counts (:class:`NativePackedXGEMM`; the build must have them: ``gemm_f32_packed_x``).
 
     Raises:
         RuntimeError: ``x`` or ``bias`` of another dtype, device or size than the packed weight
@@ -167,7 +176,7 @@ def native_linear(
                 f"{out_features} CPU outputs"
             )
         bias = bias.to(torch.float32).contiguous()  # kept in a local: the kernel reads it after this line
-    return _native_gemm(x, packed, bias, out_features, library)
+    return _native_gemm(x, packed, bias, out_features, library, packed_x)
 
 
 def _native_gemm(
@@ -176,9 +185,12 @@ def _native_gemm(
     bias: Optional[torch.Tensor],
     out_features: int,
     library: Optional[GemmLibrary] = None,
+    packed_x: bool = False,
 ) -> torch.Tensor:
     """:func:`native_linear` without its argument checks, for callers that made them already
-    (``x`` CPU with the packed weight's dtype and input size, ``bias`` dense float32 ``[out]``)."""
+    (``x`` CPU with the packed weight's dtype and input size, ``bias`` dense float32 ``[out]``).
+    ``packed_x``: float32 through ``GemmLibrary.gemm_f32_packed_x`` (the caller checked the build
+    has it)."""
     k = x.shape[-1]
     # A contiguous [..., in] tensor is already the [rows, in] matrix the kernel reads: no reshape
     # (each costs more than the check, and a decode step makes dozens of these calls).
@@ -191,7 +203,7 @@ def _native_gemm(
     if m:
         lib = library or native_library()
         if x.dtype == torch.float32:
-            gemm = lib.gemm_f32
+            gemm = lib.gemm_f32_packed_x if packed_x else lib.gemm_f32
         elif packed.dim() == 4:  # the VDPBF16PS layout
             gemm = lib.gemm_bf16
         else:
@@ -358,6 +370,60 @@ class NativeWidenGEMM(NativeGEMM):
     def supports(self, weight: torch.Tensor) -> bool:
         """Whether ``weight`` is a 2-D bfloat16 CPU weight."""
         return weight.dtype == torch.bfloat16 and super().supports(weight)
+
+
+class NativePackedXGEMM(NativeGEMM):
+    """:class:`NativeGEMM` for float32 weights whose calls of many rows (prefill) copy ``x`` into
+    tiles of 14 rows first and walk the weight in chunks of panels sized to L2 (``cpu_gemm.c``,
+    "float32 prefill"); fewer rows take :class:`NativeGEMM`'s tiles. The same packed weight and the
+    same bits: "auto"'s candidate beside it, so timing decides per shape and row count whether
+    packing ``x`` pays on the CPU at hand. Where both serve one shape, this one reads the other's
+    packed copy (:meth:`adopt`): no second copy of the weight.
+
+    Raises:
+        RuntimeError: on construction, when the kernel cannot be built, or its build has no
+            packed-x tiles (only AVX-512 builds have them).
+    """
+
+    name = "native-packx"
+
+    def __init__(self) -> None:
+        super().__init__()
+        if self.library.gemm_f32_packed_x is None:
+            raise RuntimeError(f"our GEMM's {self.isa} build has no packed-x float32 tiles (AVX-512 only)")
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        """float32 only (half-precision weights take :class:`NativeGEMM`)."""
+        return (torch.float32,)
+
+    def supports(self, weight: torch.Tensor) -> bool:
+        """Whether ``weight`` is a 2-D float32 CPU weight."""
+        return weight.dtype == torch.float32 and super().supports(weight)
+
+    def adopt(self, packed: PackedWeight) -> Optional[PackedWeight]:
+        """``packed`` itself where it is :class:`NativeGEMM`'s float32 copy (the layout this kernel
+        reads), else None; ``DispatchGEMM.pack`` then shares one copy between the two."""
+        data = packed.data
+        if (
+            packed.dtype != torch.float32
+            or not isinstance(data, torch.Tensor)
+            or data.dtype != torch.float32
+            or data.dim() != 3
+            or tuple(data.shape) != (-(-packed.shape[0] // self.library.nr), packed.shape[1], self.library.nr)
+        ):
+            return None
+        return packed
+
+    def linear(self, x, packed, bias, out_features: int) -> torch.Tensor:
+        """:meth:`NativeGEMM.linear` through the packed-x tiles at prefill row counts."""
+        return native_linear(x, packed.data, bias, out_features, packed_x=True)
+
+    def linear_verified(self, x, packed, bias, out_features: int) -> torch.Tensor:
+        """:meth:`linear` for arguments already checked; ``bias`` dense float32."""
+        if torch.compiler.is_compiling():
+            return super().linear_verified(x, packed, bias, out_features)
+        return _native_gemm(x, packed.data, bias, out_features, packed_x=True)
 
 
 register_linear_op("native_linear", _native_op)

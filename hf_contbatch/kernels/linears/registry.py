@@ -14,7 +14,7 @@ import logging
 from ...config import LINEAR_BACKENDS, QUANT_SCHEMES, TORCHAO_INT8, QuantScheme
 from .gemm_kernel import GemmKernel
 from .int8_gemm import W8A8GEMM, DequantFloatGEMM, NativeInt8GEMM, NativeInt8MovsxGEMM, TorchInt8GEMM
-from .native_gemm import NativeGEMM, NativeWidenGEMM
+from .native_gemm import NativeGEMM, NativePackedXGEMM, NativeWidenGEMM
 from .onednn_gemm import OneDNNGEMM
 from .torch_linear import TorchLinear
 from .w8a8_torch import TorchW8A8GEMM
@@ -94,10 +94,11 @@ def make_kernel(name: str) -> GemmKernel:
 
 def available_kernels() -> dict[str, GemmKernel]:
     """The packed kernels that work here by name (every registered one but ``F.linear``;
-    ``"native-widen"`` where the CPU has AVX512-BF16: :class:`~.native_gemm.NativeWidenGEMM`; and,
-    where our GEMM builds, ``"widen-f32"`` for half-precision weights:
-    :class:`~.widen_gemm.WidenF32GEMM`): the candidates of ``linear_backend="auto"`` besides
-    ``F.linear``."""
+    ``"native-widen"`` where the CPU has AVX512-BF16: :class:`~.native_gemm.NativeWidenGEMM`;
+    ``"native-packx"`` where the build has the packed-x float32 tiles:
+    :class:`~.native_gemm.NativePackedXGEMM`; and, where our GEMM builds, ``"widen-f32"`` for
+    half-precision weights: :class:`~.widen_gemm.WidenF32GEMM`): the candidates of
+    ``linear_backend="auto"`` besides ``F.linear``."""
     kernels = {}
     for name in KERNELS:
         if name == UNPACKED:
@@ -116,6 +117,10 @@ def available_kernels() -> dict[str, GemmKernel]:
         # whose bf16/fp16 GEMMs are slow (no native half precision), prefill's many rows may run
         # faster so; timing decides per shape and row count (it only packs bf16 and fp16 weights).
         kernels[WidenF32GEMM.name] = WidenF32GEMM()
+    if native is not None and native.library.gemm_f32_packed_x is not None:
+        # Float32 prefill rows with x packed into 14-row tiles (AVX-512 builds): timing decides per
+        # shape and row count whether the copy of x pays here (same bits, the same packed weight).
+        kernels[NativePackedXGEMM.name] = NativePackedXGEMM()
     return kernels
 
 
