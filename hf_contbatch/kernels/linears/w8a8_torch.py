@@ -17,11 +17,14 @@ count and serves the faster one (``autotune``).
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
 from typing import Optional
 
 import torch
 
 from .gemm_kernel import PackedWeight
+from .int8_library import int8_library
 from .int8_weights import Int8Kernel, int8_parts, is_plain_tensor, is_torchao_int8_weight_only
 
 QMAX = 127
@@ -91,7 +94,8 @@ class TorchW8A8GEMM(Int8Kernel):
 
     @staticmethod
     def step_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        return None if bias is None else bias.detach().float()
+        # contiguous: IntMMW8A8GEMM's C pass reads it (a no-op for a module's bias)
+        return None if bias is None else bias.detach().float().contiguous()
 
     def linear_verified(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
         n, k = packed.shape
@@ -107,3 +111,70 @@ class TorchW8A8GEMM(Int8Kernel):
             if bias is not None:
                 y.add_(bias)
         return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+class IntMMW8A8GEMM(TorchW8A8GEMM):
+    """:class:`TorchW8A8GEMM`'s scheme, packing and bits with its two elementwise passes in C
+    (``int8_gemm.c`` part 3): the rows quantized in one read of ``x`` (bfloat16 read as it is, no
+    float32 copy) and the int32 sums scaled into the output in one pass, ``((acc * sx) * s) + b`` each
+    rounded to float32 in that order as torch's ops do, then once to ``x``'s dtype. The int8 buffers
+    and the int32 sums go to this thread's reused scratch (fresh multi-MB tensors a call cost page
+    faults). At prefill row counts torch's passes cost more than ``torch._int_mm`` itself (oneDNN's
+    AMX-int8 / VNNI); here the GEMM is most of the call. A compiled forward traces the torch passes
+    (the same bits).
+
+    Raises:
+        RuntimeError: on construction, when this torch has no CPU ``torch._int_mm`` or our int8
+            library cannot be built or run here.
+    """
+
+    name = "intmm-w8a8"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lib = int8_library()
+        # One scratch per thread: an engine's scheduler thread and a tuning or test thread may share
+        # this object.
+        self._local = threading.local()
+
+    @property
+    def build_id(self) -> str:
+        return Path(self._lib.path).stem
+
+    def _scratch(self, m: int, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This thread's ``(xq int8 [m, k], sx float32 [m], acc int32 [m, n])`` views of reused
+        buffers (grown, never shrunk)."""
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None or bufs[0].numel() < m * k or bufs[1].numel() < m or bufs[2].numel() < m * n:
+            old = bufs or (torch.empty(0, dtype=torch.int8), torch.empty(0), torch.empty(0, dtype=torch.int32))
+            bufs = self._local.bufs = (
+                torch.empty(max(m * k, old[0].numel()), dtype=torch.int8),
+                torch.empty(max(m, old[1].numel()), dtype=torch.float32),
+                torch.empty(max(m * n, old[2].numel()), dtype=torch.int32),
+            )
+        return bufs[0][: m * k].view(m, k), bufs[1][:m], bufs[2][: m * n].view(m, n)
+
+    def linear_verified(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
+        n, k = packed.shape
+        m = x.numel() // k if k else 0
+        if not m or not k or torch.compiler.is_compiling():
+            return super().linear_verified(x, packed, bias, out_features)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        xq, sx, acc = self._scratch(m, k, n)
+        threads, bf16 = torch.get_num_threads(), x.dtype == torch.bfloat16
+        self._lib.quantize_s8(x.data_ptr(), m, k, bf16, xq.data_ptr(), sx.data_ptr(), threads)
+        torch._int_mm(xq, packed.data, out=acc)
+        y = x.new_empty((*x.shape[:-1], n))
+        self._lib.scale_out(
+            acc.data_ptr(),
+            m,
+            n,
+            sx.data_ptr(),
+            packed.scales.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            bf16,
+            threads,
+        )
+        return y
