@@ -131,3 +131,18 @@ def test_intmm_w8a8_refuses_what_does_not_fit_by_name():
         kernel.linear(torch.randn(2, 31), packed, None, 16)
     with pytest.raises(RuntimeError, match="bias"):
         kernel.linear(torch.randn(2, 32), packed, torch.randn(15), 16)
+
+
+def test_intmm_w8a8_shares_torch_w8a8s_packed_weight_in_a_dispatch():
+    """A ``DispatchGEMM`` of the two holds one int8 weight (the same layout), and each part serves
+    the bits its kernel gives alone."""
+    from hf_contbatch.kernels.linears.dispatch_gemm import DispatchGEMM
+
+    torchs, ours = TorchW8A8GEMM(), IntMMW8A8GEMM()
+    w = torch.randn(40, 24)
+    assert ours.adopt(torchs.pack(w)) is not None
+    assert ours.adopt(W8A8GEMM().pack(w)) is None
+    parts = DispatchGEMM([torchs, ours], [0, 1], (1, 64)).pack(w).data
+    assert parts[0] is parts[1]
+    x = torch.randn(3, 24)
+    assert torch.equal(ours.linear(x, parts[1], None, 40), torchs.linear(x, torchs.pack(w), None, 40))

@@ -1,4 +1,5 @@
-"""W8A8 through torch's own int8 matrix multiply: :class:`TorchW8A8GEMM` (``"torch-w8a8"``).
+"""W8A8 through torch's own int8 matrix multiply: :class:`TorchW8A8GEMM` (``"torch-w8a8"``) and
+:class:`IntMMW8A8GEMM` (``"intmm-w8a8"``: the same with its elementwise passes in C).
 
 The scheme is :class:`~hf_contbatch.kernels.linears.int8_gemm.W8A8GEMM`'s (``quantization="w8a8"``):
 the weight int8 with one scale per output channel (``s = absmax(W[j, :]) / 127``), each row of the
@@ -11,8 +12,14 @@ them), the quantization and the scaling by torch's elementwise ops. The int32 su
 row's result does not depend on the batch it runs in, and both W8A8 kernels compute the same sums;
 only the float rounding of the final scaling can differ between them.
 
-It is the library path beside our C kernel: ``linear_backend="auto"`` times both per shape and row
-count and serves the faster one (``autotune``).
+They are the library paths beside our C kernel: ``linear_backend="auto"`` times the three per shape
+and row count and serves the fastest (``autotune``). Where the time went (SmolLM2-360M's shapes,
+bfloat16, one thread's CPU time, A/B in one process, Xeon with AMX-int8, 2026-12-05, shared
+machine): ``_int_mm`` alone ran at 750-1,350 GOPS from 256 rows, torch-w8a8 whole at 180-440, our
+VNNI kernel at about 150; torch's quantization passes (float32 copy, abs, amax, division, round,
+clamp, cast) took as long as the GEMM or longer, its scaling passes half as long, and its fresh
+multi-MB temporaries page faults. intmm-w8a8 ran at 470-780 GOPS, bf16 ``F.linear`` (oneDNN AMX) at
+600-1,040.
 """
 
 from __future__ import annotations
@@ -147,6 +154,20 @@ class IntMMW8A8GEMM(TorchW8A8GEMM):
     @property
     def build_id(self) -> str:
         return Path(self._lib.path).stem
+
+    def adopt(self, packed: PackedWeight) -> Optional[PackedWeight]:
+        """``packed`` itself when it is a :class:`TorchW8A8GEMM` copy (the same layout: int8
+        ``[in, out]`` viewed from a row-major ``[out, in]``, float32 scales ``[out]``), else None: a
+        ``DispatchGEMM`` of the two then holds one int8 weight, not two."""
+        data, scales = packed.data, packed.scales
+        if not isinstance(data, torch.Tensor) or data.dtype != torch.int8 or data.dim() != 2:
+            return None
+        k, n = packed.shape[1], packed.shape[0]
+        if tuple(data.shape) != (k, n) or data.stride() != (1, k) or packed.zero_points is not None:
+            return None
+        if scales is None or scales.dtype != torch.float32 or tuple(scales.shape) != (n,) or not scales.is_contiguous():
+            return None
+        return packed
 
     def _scratch(self, m: int, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This thread's ``(xq int8 [m, k], sx float32 [m], acc int32 [m, n])`` views of reused
