@@ -18,8 +18,9 @@ bfloat16, one thread's CPU time, A/B in one process, Xeon with AMX-int8, 2026-12
 machine): ``_int_mm`` alone ran at 750-1,350 GOPS from 256 rows, torch-w8a8 whole at 180-440, our
 VNNI kernel at about 150; torch's quantization passes (float32 copy, abs, amax, division, round,
 clamp, cast) took as long as the GEMM or longer, its scaling passes half as long, and its fresh
-multi-MB temporaries page faults. intmm-w8a8 ran at 470-780 GOPS, bf16 ``F.linear`` (oneDNN AMX) at
-600-1,040.
+multi-MB temporaries page faults. intmm-w8a8 ran at 490-1,000 GOPS (1.5-2.7x torch-w8a8), bf16
+``F.linear`` (oneDNN AMX-bf16) at 400-1,200 GFLOP/s: intmm-w8a8 faster at 64 rows, 0.7-1.1x its
+speed at 256-1,024 (the two C passes still cost a third of the call there).
 """
 
 from __future__ import annotations
