@@ -46,7 +46,11 @@ def _w8a8_copy(model):
 
 
 def test_w8a8_is_a_quantization_with_its_own_kernels_and_bad_names_are_refused():
-    assert set(available_quantized_kernels(quant_scheme("w8a8"))) <= set(W8A8_KERNELS) == {"w8a8", "torch-w8a8"}
+    assert (
+        set(available_quantized_kernels(quant_scheme("w8a8")))
+        <= set(W8A8_KERNELS)
+        == {"w8a8", "intmm-w8a8", "torch-w8a8"}
+    )
     assert not set(W8A8_KERNELS) & set(
         available_quantized_kernels(quant_scheme("int8"))
     )  # weight-only "auto" never rounds x

@@ -730,3 +730,55 @@ void hf_contbatch_int8_vnni_gemm(const void *x, int64_t m, int64_t k, const int8
         }
     }
 }
+
+/* ---- 3. The passes around a library int8 GEMM (torch._int_mm: oneDNN's VNNI / AMX-int8) -----------
+ *
+ * w8a8_torch.IntMMW8A8GEMM runs the scheme above as three calls: rows quantized here to signed int8
+ * (xq [m][k], sx [m]), the int32 sums by torch._int_mm, and the sums scaled here into the output.
+ * torch's elementwise version of the two passes (float32 copy of x, abs, amax, where, div, round,
+ * clamp, cast; then float, two multiplies, bias, cast) cost more than the AMX GEMM at prefill row
+ * counts (SmolLM2-360M's shapes, 64-1,024 rows, one thread, 2026-12-05): one read of x and one write
+ * of y each here. */
+
+/* xq [m][k] = rint(x / sx) in [-127, 127], sx [m] = absmax(x[r]) / 127 (1 for a zero row): the bytes
+ * of quantize_row (the part-2 kernel's, offset by 128 there) and of w8a8_torch.quantize_rows (same
+ * float32 division, round half to even, clamp). x float32 (bf16 = 0) or bfloat16 (bf16 = 1). */
+void hf_contbatch_int8_quantize_s8(const void *x, int64_t m, int64_t k, int64_t bf16, int8_t *xq, float *sx,
+                                   int64_t threads) {
+    const size_t esize = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m > 1)
+    for (int64_t r = 0; r < m; r++) {
+        uint8_t *u = (uint8_t *)xq + r * k;
+        quantize_row((const char *)x + (size_t)(r * k) * esize, (int)bf16, k, u, sx + r);
+        for (int64_t i = 0; i < k; i++) u[i] ^= 0x80; /* xq + 128 -> xq (two's complement) */
+    }
+}
+
+/* y[r][j] = ((float)acc[r][j] * sx[r]) * s[j] (+ bias[j]), each operation rounded to float32 in that
+ * order (torch's acc.float().mul_(sx).mul_(s).add_(bias): no fused multiply-add, hence the attribute
+ * against the build's -ffp-contract=fast), then rounded once to bfloat16 (nearest even) where
+ * bf16 = 1. The order differs from part 2's (acc * (sx * s)): the two W8A8 paths share their int32
+ * sums, not always their last float bit. */
+__attribute__((optimize("fp-contract=off"))) void hf_contbatch_int8_scale_out(
+    const int32_t *acc, int64_t m, int64_t n, const float *sx, const float *s, const float *bias, void *y,
+    int64_t bf16, int64_t threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m > 1)
+    for (int64_t r = 0; r < m; r++) {
+        const int32_t *restrict ar = acc + r * n;
+        const float sr = sx[r];
+        for (int64_t j0 = 0; j0 < n; j0 += 256) {
+            const int64_t cols = n - j0 < 256 ? n - j0 : 256;
+            float v[256];
+            for (int64_t j = 0; j < cols; j++) v[j] = (float)ar[j0 + j] * sr;
+            for (int64_t j = 0; j < cols; j++) v[j] = v[j] * s[j0 + j];
+            if (bias)
+                for (int64_t j = 0; j < cols; j++) v[j] = v[j] + bias[j0 + j];
+            if (bf16) {
+                uint16_t *restrict yb = (uint16_t *)y + r * n + j0;
+                for (int64_t j = 0; j < cols; j++) yb[j] = f32_to_bf16_bits(v[j]);
+            } else {
+                memcpy((float *)y + r * n + j0, v, sizeof(float) * (size_t)cols);
+            }
+        }
+    }
+}

@@ -27,7 +27,7 @@ scales), timed per shape by ``autotune`` like the float ones:
   where the two above, built for streaming the weight at few rows, fall behind.
 - :class:`W8A8GEMM` (``"w8a8"``, ``int8_gemm.c`` part 2): activations quantized to int8 too (per row),
   int8 dot products (VNNI). Not the weight-only scheme: a candidate of ``quantization="w8a8"``
-  only (``registry.W8A8_KERNELS``, beside ``w8a8_torch.TorchW8A8GEMM``).
+  only (``registry.W8A8_KERNELS``, beside ``w8a8_torch.TorchW8A8GEMM`` and ``IntMMW8A8GEMM``).
 
 None can give the float weight back (``exact_unpack`` False), so the module keeps its float
 weight while packed (``close()`` restores the model exactly); only the int8 copy is read in steps.

@@ -26,7 +26,8 @@ _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "
 class Int8Library:
     """The compiled ``int8_gemm.c``: its functions, panel widths and vector ISAs (weight-only:
     ``nr``, ``isa``, ``has_movsx``: the VPMOVSXBD widening is built (x86 with AVX2 or AVX-512); int8
-    activations: ``vnni_nr``, ``vnni_isa``, "generic" without VNNI)."""
+    activations: ``vnni_nr``, ``vnni_isa``, "generic" without VNNI; the passes around
+    ``torch._int_mm``: ``quantize_s8``, ``scale_out``, part 3)."""
 
     path: str
     pack: Callable
@@ -39,6 +40,8 @@ class Int8Library:
     vnni_scratch: Callable
     vnni_nr: int
     vnni_isa: str
+    quantize_s8: Callable
+    scale_out: Callable
 
 
 @functools.cache
@@ -60,6 +63,10 @@ def _load_library(extra_flags: tuple[str, ...] = ()):
     lib.hf_contbatch_int8_vnni_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64]
     lib.hf_contbatch_int8_vnni_gemm.restype = None
     lib.hf_contbatch_int8_vnni_scratch.argtypes, lib.hf_contbatch_int8_vnni_scratch.restype = [i64, i64], i64
+    lib.hf_contbatch_int8_quantize_s8.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64]
+    lib.hf_contbatch_int8_quantize_s8.restype = None
+    lib.hf_contbatch_int8_scale_out.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64]
+    lib.hf_contbatch_int8_scale_out.restype = None
     for f in ("hf_contbatch_int8_nr", "hf_contbatch_int8_vnni_nr"):
         getattr(lib, f).restype = i64
     for f in ("hf_contbatch_int8_isa", "hf_contbatch_int8_vnni_isa"):
@@ -77,6 +84,8 @@ def _load_library(extra_flags: tuple[str, ...] = ()):
             lib.hf_contbatch_int8_vnni_scratch,
             int(lib.hf_contbatch_int8_vnni_nr()),
             lib.hf_contbatch_int8_vnni_isa().decode(),
+            lib.hf_contbatch_int8_quantize_s8,
+            lib.hf_contbatch_int8_scale_out,
         ),
         None,
     )

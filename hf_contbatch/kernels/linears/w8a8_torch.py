@@ -1,4 +1,5 @@
-"""W8A8 through torch's own int8 matrix multiply: :class:`TorchW8A8GEMM` (``"torch-w8a8"``).
+"""W8A8 through torch's own int8 matrix multiply: :class:`TorchW8A8GEMM` (``"torch-w8a8"``) and
+:class:`IntMMW8A8GEMM` (``"intmm-w8a8"``: the same with its elementwise passes in C).
 
 The scheme is :class:`~hf_contbatch.kernels.linears.int8_gemm.W8A8GEMM`'s (``quantization="w8a8"``):
 the weight int8 with one scale per output channel (``s = absmax(W[j, :]) / 127``), each row of the
@@ -11,17 +12,27 @@ them), the quantization and the scaling by torch's elementwise ops. The int32 su
 row's result does not depend on the batch it runs in, and both W8A8 kernels compute the same sums;
 only the float rounding of the final scaling can differ between them.
 
-It is the library path beside our C kernel: ``linear_backend="auto"`` times both per shape and row
-count and serves the faster one (``autotune``).
+They are the library paths beside our C kernel: ``linear_backend="auto"`` times the three per shape
+and row count and serves the fastest (``autotune``). Where the time went (SmolLM2-360M's shapes,
+bfloat16, one thread's CPU time, A/B in one process, Xeon with AMX-int8, 2026-12-05, shared
+machine): ``_int_mm`` alone ran at 750-1,350 GOPS from 256 rows, torch-w8a8 whole at 180-440, our
+VNNI kernel at about 150; torch's quantization passes (float32 copy, abs, amax, division, round,
+clamp, cast) took as long as the GEMM or longer, its scaling passes half as long, and its fresh
+multi-MB temporaries page faults. intmm-w8a8 ran at 490-1,000 GOPS (1.5-2.7x torch-w8a8), bf16
+``F.linear`` (oneDNN AMX-bf16) at 400-1,200 GFLOP/s: intmm-w8a8 faster at 64 rows, 0.7-1.1x its
+speed at 256-1,024 (the two C passes still cost a third of the call there).
 """
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
 from typing import Optional
 
 import torch
 
 from .gemm_kernel import PackedWeight
+from .int8_library import int8_library
 from .int8_weights import Int8Kernel, int8_parts, is_plain_tensor, is_torchao_int8_weight_only
 
 QMAX = 127
@@ -91,7 +102,8 @@ class TorchW8A8GEMM(Int8Kernel):
 
     @staticmethod
     def step_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        return None if bias is None else bias.detach().float()
+        # contiguous: IntMMW8A8GEMM's C pass reads it (a no-op for a module's bias)
+        return None if bias is None else bias.detach().float().contiguous()
 
     def linear_verified(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
         n, k = packed.shape
@@ -107,3 +119,89 @@ class TorchW8A8GEMM(Int8Kernel):
             if bias is not None:
                 y.add_(bias)
         return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+ROW_BLOCK = 256
+"""Rows :class:`IntMMW8A8GEMM` runs through its three passes at a time: a block's int32 sums (1-5 MB
+at SmolLM2-360M's widths) are scaled while still in cache. 1,024-row calls took 10-25% less time in
+blocks of 256 rows than whole (128 about as fast; 32 and 64 slower: ``_int_mm`` calls too small);
+one thread's CPU time, A/B in one process, Xeon with AMX, 2026-12-05, shared machine."""
+
+
+class IntMMW8A8GEMM(TorchW8A8GEMM):
+    """:class:`TorchW8A8GEMM`'s scheme, packing and bits with its two elementwise passes in C
+    (``int8_gemm.c`` part 3): the rows quantized in one read of ``x`` (bfloat16 read as it is, no
+    float32 copy) and the int32 sums scaled into the output in one pass, ``((acc * sx) * s) + b`` each
+    rounded to float32 in that order as torch's ops do, then once to ``x``'s dtype. The int8 buffers
+    and the int32 sums go to this thread's reused scratch (fresh multi-MB tensors a call cost page
+    faults); rows in blocks of :data:`ROW_BLOCK`. At prefill row counts torch's passes cost more than ``torch._int_mm`` itself (oneDNN's
+    AMX-int8 / VNNI); here the GEMM is most of the call. A compiled forward traces the torch passes
+    (the same bits).
+
+    Raises:
+        RuntimeError: on construction, when this torch has no CPU ``torch._int_mm`` or our int8
+            library cannot be built or run here.
+    """
+
+    name = "intmm-w8a8"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lib = int8_library()
+        # One scratch per thread: an engine's scheduler thread and a tuning or test thread may share
+        # this object.
+        self._local = threading.local()
+
+    @property
+    def build_id(self) -> str:
+        return Path(self._lib.path).stem
+
+    def adopt(self, packed: PackedWeight) -> Optional[PackedWeight]:
+        """``packed`` itself when it is a :class:`TorchW8A8GEMM` copy (the same layout: int8
+        ``[in, out]`` viewed from a row-major ``[out, in]``, float32 scales ``[out]``), else None: a
+        ``DispatchGEMM`` of the two then holds one int8 weight, not two."""
+        data, scales = packed.data, packed.scales
+        if not isinstance(data, torch.Tensor) or data.dtype != torch.int8 or data.dim() != 2:
+            return None
+        k, n = packed.shape[1], packed.shape[0]
+        if tuple(data.shape) != (k, n) or data.stride() != (1, k) or packed.zero_points is not None:
+            return None
+        if scales is None or scales.dtype != torch.float32 or tuple(scales.shape) != (n,) or not scales.is_contiguous():
+            return None
+        return packed
+
+    def _scratch(self, m: int, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This thread's ``(xq int8 [m, k], sx float32 [m], acc int32 [m, n])`` views of reused
+        buffers (grown, never shrunk)."""
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None or bufs[0].numel() < m * k or bufs[1].numel() < m or bufs[2].numel() < m * n:
+            old = bufs or (torch.empty(0, dtype=torch.int8), torch.empty(0), torch.empty(0, dtype=torch.int32))
+            bufs = self._local.bufs = (
+                torch.empty(max(m * k, old[0].numel()), dtype=torch.int8),
+                torch.empty(max(m, old[1].numel()), dtype=torch.float32),
+                torch.empty(max(m * n, old[2].numel()), dtype=torch.int32),
+            )
+        return bufs[0][: m * k].view(m, k), bufs[1][:m], bufs[2][: m * n].view(m, n)
+
+    def linear_verified(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
+        n, k = packed.shape
+        m = x.numel() // k if k else 0
+        if not m or not k or torch.compiler.is_compiling():
+            return super().linear_verified(x, packed, bias, out_features)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        x2 = x.view(m, k)
+        y = x.new_empty((*x.shape[:-1], n))
+        y2 = y.view(m, n)
+        xq, sx, acc = self._scratch(min(m, ROW_BLOCK), k, n)
+        threads, bf16 = torch.get_num_threads(), x.dtype == torch.bfloat16
+        bias_ptr = None if bias is None else bias.data_ptr()
+        for r0 in range(0, m, ROW_BLOCK):
+            h = min(ROW_BLOCK, m - r0)
+            q, a = xq[:h], acc[:h]
+            self._lib.quantize_s8(x2[r0].data_ptr(), h, k, bf16, q.data_ptr(), sx.data_ptr(), threads)
+            torch._int_mm(q, packed.data, out=a)
+            self._lib.scale_out(
+                a.data_ptr(), h, n, sx.data_ptr(), packed.scales.data_ptr(), bias_ptr, y2[r0].data_ptr(), bf16, threads
+            )
+        return y
