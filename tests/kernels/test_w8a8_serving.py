@@ -49,7 +49,7 @@ def test_w8a8_is_a_quantization_with_its_own_kernels_and_bad_names_are_refused()
     assert (
         set(available_quantized_kernels(quant_scheme("w8a8")))
         <= set(W8A8_KERNELS)
-        == {"w8a8", "intmm-w8a8", "torch-w8a8"}
+        == {"w8a8", "intmm-w8a8", "torch-w8a8", "widen-w8a8"}
     )
     assert not set(W8A8_KERNELS) & set(
         available_quantized_kernels(quant_scheme("int8"))

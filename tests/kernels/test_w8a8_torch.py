@@ -10,7 +10,14 @@ import torch
 
 from hf_contbatch.kernels.linears.int8_gemm import W8A8GEMM
 from hf_contbatch.kernels.linears.int8_library import int8_library
-from hf_contbatch.kernels.linears.w8a8_torch import ROW_BLOCK, IntMMW8A8GEMM, TorchW8A8GEMM, quantize_rows
+from hf_contbatch.kernels.linears.w8a8_torch import (
+    K_CHUNK,
+    ROW_BLOCK,
+    IntMMW8A8GEMM,
+    TorchW8A8GEMM,
+    WidenW8A8GEMM,
+    quantize_rows,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -35,7 +42,7 @@ def test_quantize_rows_rounds_half_to_even_and_keeps_zero_rows():
     assert xq.tolist() == [[127, 0, 2, -2, -127], [0, 0, 0, 0, 0]]
 
 
-@pytest.mark.parametrize("kind", [TorchW8A8GEMM, IntMMW8A8GEMM])
+@pytest.mark.parametrize("kind", [TorchW8A8GEMM, IntMMW8A8GEMM, WidenW8A8GEMM])
 @pytest.mark.parametrize("n,k", [(70, 77), (130, 300), (1, 5), (96, 2), (64, 64)])
 def test_torch_w8a8_equals_the_quantized_reference_for_any_rows(kind, n, k):
     kernel = kind()
@@ -103,12 +110,13 @@ def test_the_c_quantizer_gives_quantize_rows_bytes():
             assert torch.equal(xq, want_q) and torch.equal(sx, want_s.flatten())
 
 
-def test_intmm_w8a8_gives_torch_w8a8_bits():
+@pytest.mark.parametrize("kind", [IntMMW8A8GEMM, WidenW8A8GEMM])
+def test_intmm_w8a8_gives_torch_w8a8_bits(kind):
     """The same arithmetic in the same order (``((acc * sx) * s) + b`` in float32, then one rounding
     to the output dtype): bit-identical outputs, float32 and bfloat16, with and without bias, at row
     counts on both sides of a row block, for a non-contiguous input too; and a row's bits do not
     depend on the block it runs in."""
-    ours, torchs = IntMMW8A8GEMM(), TorchW8A8GEMM()
+    ours, torchs = kind(), TorchW8A8GEMM()
     g = torch.Generator().manual_seed(11)
     for dtype in (torch.float32, torch.bfloat16):
         w, b = torch.randn(300, 200, generator=g).to(dtype), torch.randn(300, generator=g).to(dtype)
@@ -122,6 +130,26 @@ def test_intmm_w8a8_gives_torch_w8a8_bits():
         xt = torch.randn(200, 6, generator=g).to(dtype).t()  # non-contiguous [6, 200]
         assert torch.equal(ours.linear(xt, packed, b, 300), torchs.linear(xt, packed, b, 300))
         assert ours.linear(torch.zeros(0, 200, dtype=dtype), packed, b, 300).shape == (0, 300)
+
+
+def test_widen_w8a8_sums_exactly_past_float32s_integers():
+    """Sums far past 2**24 (float32's last exact integer): rows and weights at the int8 extremes
+    (every product +-127 x 127), over inputs both inside one float32 chunk and across several
+    (``K_CHUNK``): the int32 sums, computed here in int64 by arithmetic, and torch-w8a8's bits."""
+    widen, torchs = WidenW8A8GEMM(), TorchW8A8GEMM()
+    g = torch.Generator().manual_seed(17)
+    for k in (K_CHUNK - 1, K_CHUNK, K_CHUNK + 1, 2 * K_CHUNK + 300):
+        sign = torch.where(torch.rand(40, k, generator=g) < 0.9, 1.0, -1.0)
+        w = sign * 3.0  # one scale per row, every int8 value +-127
+        x = torch.ones(5, k) * 2.0
+        x[1] = -x[1]
+        x[2, ::3] = 0.5  # 0.5 / (2 / 127) = 31.75: quantized to 32
+        packed = torchs.pack(w)
+        xq, _ = quantize_rows(x)
+        want = xq.long() @ packed.data.long()  # exact, in int64
+        assert int(want.abs().max()) > 2**24 or k <= K_CHUNK + 1
+        assert torch.equal(widen.int_sums(xq, packed).long(), want)
+        assert torch.equal(widen.linear(x, packed, None, 40), torchs.linear(x, packed, None, 40))
 
 
 def test_intmm_w8a8_refuses_what_does_not_fit_by_name():

@@ -17,7 +17,7 @@ from .int8_gemm import W8A8GEMM, DequantFloatGEMM, NativeInt8GEMM, NativeInt8Mov
 from .native_gemm import NativeGEMM, NativePackedXGEMM, NativeWidenGEMM
 from .onednn_gemm import OneDNNGEMM
 from .torch_linear import TorchLinear
-from .w8a8_torch import IntMMW8A8GEMM, TorchW8A8GEMM
+from .w8a8_torch import IntMMW8A8GEMM, TorchW8A8GEMM, WidenW8A8GEMM
 from .widen_gemm import WidenF32GEMM
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ INT8_KERNELS: dict[str, type] = {
 }
 """Weight-only int8 kernel class by name (``quantization="int8"``, and torchao int8 weight-only
 models): the activations stay in the model's dtype."""
-W8A8_KERNELS: dict[str, type] = {k.name: k for k in (W8A8GEMM, IntMMW8A8GEMM, TorchW8A8GEMM)}
+W8A8_KERNELS: dict[str, type] = {k.name: k for k in (W8A8GEMM, IntMMW8A8GEMM, TorchW8A8GEMM, WidenW8A8GEMM)}
 """Int8-weight, int8-activation kernel class by name (``quantization="w8a8"``): each input row is
 quantized to int8 on the fly and the products summed in int32."""
 QUANTIZED_KERNELS: dict[tuple, dict[str, type]] = {

@@ -105,6 +105,12 @@ class TorchW8A8GEMM(Int8Kernel):
         # contiguous: IntMMW8A8GEMM's C pass reads it (a no-op for a module's bias)
         return None if bias is None else bias.detach().float().contiguous()
 
+    @staticmethod
+    def int_sums(xq: torch.Tensor, packed: PackedWeight, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``xq`` int8 ``[m, k]`` times the packed int8 weight: the exact int32 sums ``[m, n]``
+        (into ``out`` when given)."""
+        return torch._int_mm(xq, packed.data) if out is None else torch._int_mm(xq, packed.data, out=out)
+
     def linear_verified(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
         n, k = packed.shape
         x2 = x.reshape(-1, k)
@@ -114,7 +120,7 @@ class TorchW8A8GEMM(Int8Kernel):
             y = y if bias is None else y + bias
         else:
             xq, sx = quantize_rows(x2)
-            acc = torch._int_mm(xq, packed.data)
+            acc = self.int_sums(xq, packed)
             y = acc.float().mul_(sx).mul_(packed.scales)
             if bias is not None:
                 y.add_(bias)
@@ -200,8 +206,51 @@ class IntMMW8A8GEMM(TorchW8A8GEMM):
             h = min(ROW_BLOCK, m - r0)
             q, a = xq[:h], acc[:h]
             self._lib.quantize_s8(x2[r0].data_ptr(), h, k, bf16, q.data_ptr(), sx.data_ptr(), threads)
-            torch._int_mm(q, packed.data, out=a)
+            self.int_sums(q, packed, out=a)
             self._lib.scale_out(
                 a.data_ptr(), h, n, sx.data_ptr(), packed.scales.data_ptr(), bias_ptr, y2[r0].data_ptr(), bf16, threads
             )
         return y
+
+
+K_CHUNK = 1024
+"""Inputs :class:`WidenW8A8GEMM` sums in one float32 GEMM: every partial sum of 1,024 products of
+int8 values in ``[-127, 127]`` is an integer of magnitude at most 1,024 x 127 x 127 = 16,516,096 <
+2**24, so float32 holds each exactly, in whatever order or blocking the GEMM adds them."""
+
+
+class WidenW8A8GEMM(IntMMW8A8GEMM):
+    """:class:`IntMMW8A8GEMM` with the int8 products summed by torch's float32 GEMM instead of
+    ``torch._int_mm``: the quantized rows and the int8 weight widened to float32 (exact), one
+    ``torch.mm`` per :data:`K_CHUNK` inputs (exact: every partial sum stays below 2**24), the chunk
+    sums converted to int32 and added. The same int32 sums, so the bits of ``torch-w8a8``.
+
+    For CPUs without VNNI (AVX2 only, e.g. AMD Zen 3), where int8 x int8 products have no
+    instruction of their own and oneDNN's and our int8 GEMMs ran at 7-55 GOP/s against the float32
+    GEMM's 160 GFLOP/s (2 cores, 2026-12-05): widening the weight each call (``n x k`` bytes read,
+    four times that written and read back) costs a tenth of a 256-row GEMM, and the tuner serves it
+    only at the row counts where it wins. Nothing is kept widened: the weight stays int8 in memory.
+    """
+
+    name = "widen-w8a8"
+
+    def __init__(self) -> None:
+        # No torch._int_mm needed: only our C passes and torch's float32 GEMM.
+        self._lib = int8_library()
+        self._local = threading.local()
+
+    @staticmethod
+    def int_sums(xq: torch.Tensor, packed: PackedWeight, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        k = xq.shape[1]
+        xf, w = xq.float(), packed.data.t()  # w: the int8 weight as its row-major [n, k]
+        acc = out
+        for c0 in range(0, k, K_CHUNK):
+            c1 = min(k, c0 + K_CHUNK)
+            part = torch.mm(xf[:, c0:c1], w[:, c0:c1].float().t()).to(torch.int32)
+            if acc is None:
+                acc = part
+            elif c0 == 0:
+                acc.copy_(part)
+            else:
+                acc.add_(part)
+        return acc
