@@ -46,6 +46,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--quantization", default=None, help="EngineConfig(quantization=...), e.g. int8")
     ap.add_argument("--kv-dtype", default=None, help="CacheConfig(dtype=...), e.g. int8")
+    ap.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="CacheConfig(enable_prefix_caching=False): does a slowdown follow the prefix cache's evictions?",
+    )
     ap.add_argument("--json", default=None, help="write the per-repeat figures here")
     args = ap.parse_args(argv)
 
@@ -55,8 +60,8 @@ def main(argv=None) -> int:
     model = build_model(args.model, dtype=getattr(torch, args.dtype))
     prompts, new_tokens = workload_for(args.model, model.config.vocab_size, 0, args.requests)
     cfg = EngineConfig(**({"quantization": args.quantization} if args.quantization else {}))
-    if args.kv_dtype:
-        cfg.cache = CacheConfig(dtype=args.kv_dtype)
+    if args.kv_dtype or args.no_prefix_caching:
+        cfg.cache = CacheConfig(dtype=args.kv_dtype, enable_prefix_caching=not args.no_prefix_caching)
     engine = LLMEngine(model, cfg)
     repeats = []
     try:
