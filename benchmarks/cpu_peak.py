@@ -4,7 +4,8 @@
 
 The FMA peak runs a register-only loop of independent fused multiply-adds at the widest vector the
 compiler targets with ``-march=native`` (512-bit where ``__AVX512F__``, else 256-bit), 16 independent
-accumulators per OpenMP thread (12 with 256-bit vectors, so that they stay in the 16 ymm registers): what "FMA width x FMA units x cores x clock" comes to on this machine,
+accumulators per OpenMP thread (12 with 256-bit vectors, so that they stay in the 16 ymm registers):
+what "FMA width x FMA units x cores x clock" comes to on this machine,
 measured instead of read from a data sheet. The copy bandwidth is ``dst.copy_(src)`` of 512 MiB
 float32 tensors, counted as bytes read plus bytes written. Other benchmarks (``bench_breakdown.py``)
 quote their GEMM GFLOP/s and weight GB/s against these.

@@ -121,7 +121,8 @@ def test_intmm_w8a8_gives_torch_w8a8_bits(kind):
     for dtype in (torch.float32, torch.bfloat16):
         w, b = torch.randn(300, 200, generator=g).to(dtype), torch.randn(300, generator=g).to(dtype)
         packed = torchs.pack(w)
-        for rows in (1, 5, ROW_BLOCK - 1, ROW_BLOCK, 2 * ROW_BLOCK + 7):
+        block = kind.row_block
+        for rows in (1, 5, block - 1, block, 2 * block + 7):
             x = (torch.randn(rows, 200, generator=g) * 4).to(dtype)
             for bias in (None, b):
                 got = ours.linear(x, packed, bias, 300)
