@@ -248,6 +248,11 @@ class WidenW8A8GEMM(IntMMW8A8GEMM):
 
     @staticmethod
     def int_sums(xq: torch.Tensor, packed: PackedWeight, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``xq`` int8 ``[m, k]`` times the packed int8 weight (``[k, n]`` viewed from a row-major
+        ``[n, k]``): the exact int32 sums ``[m, n]`` (into ``out``, int32 ``[m, n]``, when given),
+        ``ceil(k / K_CHUNK)`` float32 GEMMs over a float32 copy of the rows and of each weight chunk
+        (``4 n min(k, K_CHUNK)`` bytes at a time). Raises what ``torch.mm`` raises for mismatched
+        shapes."""
         k = xq.shape[1]
         xf, w = xq.float(), packed.data.t()  # w: the int8 weight as its row-major [n, k]
         acc = out
