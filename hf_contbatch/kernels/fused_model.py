@@ -40,6 +40,7 @@ from typing import Optional
 
 import torch
 
+from .decode_program import DecodeProgram
 from .fused_layer import FusedLayerForward, _global_hooks, code_text
 from .fused_ops import FusedNormForward, fused_library, norm_form, remove_forwards, unchecked_kernels
 from .paged_cache import PagedCacheStep
@@ -301,6 +302,8 @@ class FusedModelForward:
         self.embed, self.rotary, self.norm = c["embed_tokens"], c["rotary_emb"], c["norm"]
         self.table = RotaryTable(self.rotary)
         self.final_norm = FusedNormForward(self.norm, True, False)
+        # Every layer of a float32 decode step in one native call, where it serves (decode_program).
+        self.program = DecodeProgram(layers)
         # The modules whose __call__ (and forwards, but the layers') the fast path does without.
         self.bypassed = (base, self.embed, self.rotary, self.norm)
         self.served = 0
@@ -353,7 +356,8 @@ class FusedModelForward:
         self.served += 1
         h = self.embed.forward(ids)
         position_embeddings = self.table(h, pos)
-        for layer, fused in self.layers:
+        out = self.program.run(h, position_embeddings, pos, step) if self.program.usable else None
+        for layer, fused in self.layers if out is None else ():
             call = layer if _hooked(layer) else fused
             h = call(
                 h,
@@ -364,6 +368,8 @@ class FusedModelForward:
                 use_cache=True,
                 paged_cache=step,
             )
+        if out is not None:
+            h = out
         if isinstance(keep, torch.Tensor):
             h = h.index_select(1, keep)  # RMSNorm is per row: norming the kept rows only is exact
         elif isinstance(keep, int) and keep:

@@ -512,3 +512,100 @@ void hf_contbatch_add_rms_norm_f16(const uint16_t *x, const uint16_t *res, int64
 #endif
 
 int hf_contbatch_fused_has_f16(void) { return HAS_F16; }
+
+/* ---- A decode step's decoder layers in one call ------------------------------------------------
+ *
+ * Why: at a decode step of a small model (or of any model at a few requests) the layer's work is
+ * a dozen short native calls (the RMSNorms, three GEMMs of packed fused weights, rotary, the K/V
+ * store, paged attention, SiLU-and-mul); from Python each costs a ctypes call, a tensor
+ * allocation and a few checks, and the weights streaming through the caches between calls evict
+ * the interpreter's own working set, so each costs 10-15 us where a loop of the same call costs
+ * 5 (benchmarks/bench_decode_program.py). This runs every layer of one step from C, calling the
+ * same kernels in the same order with the same arguments as kernels/fused_layer.py's float32 step
+ * for the plain pre-norm form (Llama, Mistral, Qwen2): the same bits.
+ *
+ * The GEMM, K/V store and decode attention live in other libraries (cpu_gemm.c, cpu_decode.c):
+ * the caller passes their entry points. */
+typedef void (*hf_gemm_f32_fn)(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
+                               const float *bias, float *y, int64_t num_threads);
+typedef void (*hf_store_kv_fn)(const void *key, const void *value, int64_t k_stride_t, int64_t k_stride_h,
+                               int64_t v_stride_t, int64_t v_stride_h, void *k_pool, void *v_pool,
+                               const int64_t *slots, int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim,
+                               int64_t elem_bytes);
+typedef int64_t (*hf_decode_fn)(const float *q, const void *k_pool, const void *v_pool, int64_t pool_kind,
+                                const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs,
+                                int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                int64_t block_size, float scale, float softcap, int64_t sliding_window,
+                                int64_t split_heads, int64_t split_context, int64_t num_threads, float *out);
+
+/* One layer: float32 norm scales [hidden]; each projection's GEMM entry point, packed weight
+ * (cpu_gemm.c's float32 panels) and float32 bias or NULL; q/k/v one fused weight [q; k; v], gate
+ * and up one [gate; up]; the layer's float32 pools [blocks, block_size, KVH, D]. */
+typedef struct {
+    const float *norm1, *norm2;
+    hf_gemm_f32_fn qkv_gemm, o_gemm, gate_up_gemm, down_gemm;
+    const float *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    void *k_pool, *v_pool;
+    float eps1, eps2, scale;
+    int64_t sliding_window; /* tokens; 0: none */
+} hf_decode_layer;
+
+/* The step: `rows` decoding requests (one query row each), cos/sin [rows][head_dim], slots [rows],
+ * block tables [rows][max_blocks] and context lengths [rows] (int32, as the decode kernel reads
+ * them), the store and decode attention entry points, and scratch of
+ * hf_contbatch_decode_scratch_floats() floats. */
+typedef struct {
+    int64_t rows, hidden, heads, kv_heads, head_dim, intermediate, max_blocks, block_size, threads;
+    const float *cos, *sin;
+    const int64_t *slots;
+    const int32_t *tables, *lens;
+    hf_store_kv_fn store;
+    hf_decode_fn attend;
+    float *scratch;
+} hf_decode_step;
+
+int64_t hf_contbatch_decode_scratch_floats(int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads,
+                                           int64_t head_dim, int64_t intermediate) {
+    const int64_t q = heads * head_dim, kv = kv_heads * head_dim;
+    /* h, qkv, rotated q, rotated k, attention out, o_proj out, the other residual buffer, gate/up,
+     * activation, down_proj out */
+    return rows * (hidden + (q + 2 * kv) + q + kv + q + hidden + hidden + 2 * intermediate + intermediate + hidden);
+}
+
+/* Runs n_layers layers over hidden_in [rows][hidden] into hidden_out [rows][hidden] (not aliasing
+ * hidden_in). Returns 0, or 1 when the decode attention could not allocate its scratch (the
+ * caller raises MemoryError; the pools then hold this step's K/V of the layers run so far, which
+ * the step's retry overwrites). */
+int64_t hf_contbatch_decode_layers_f32(const hf_decode_step *s, const hf_decode_layer *layers, int64_t n_layers,
+                                       const float *hidden_in, float *hidden_out) {
+    const int64_t rows = s->rows, H = s->hidden, nh = s->heads, kvh = s->kv_heads, D = s->head_dim;
+    const int64_t I = s->intermediate, qn = nh * D, kvn = kvh * D, n_qkv = qn + 2 * kvn;
+    const int32_t threads = (int32_t)s->threads;
+    float *h = s->scratch, *qkv = h + rows * H, *q = qkv + rows * n_qkv, *k = q + rows * qn;
+    float *att = k + rows * kvn, *o = att + rows * qn, *other = o + rows * H, *gu = other + rows * H;
+    float *act = gu + rows * 2 * I, *dn = act + rows * I;
+    const float *x = hidden_in;
+    float *total = hidden_out;
+    for (int64_t l = 0; l < n_layers; ++l) {
+        const hf_decode_layer *L = layers + l;
+        /* The residual stream alternates between two buffers (add_rms_norm's sum must not alias its
+         * input); the last layer writes hidden_out. */
+        total = ((n_layers - 1 - l) % 2 == 0) ? hidden_out : other;
+        hf_contbatch_rms_norm_f32(x, rows, H, H, L->norm1, L->eps1, h, H, threads);
+        L->qkv_gemm(h, rows, H, L->qkv, n_qkv, L->qkv_bias, qkv, threads);
+        hf_contbatch_rotary_f32(qkv, rows, nh, D, D, n_qkv, s->cos, s->sin, D, q, threads);
+        hf_contbatch_rotary_f32(qkv + qn, rows, kvh, D, D, n_qkv, s->cos, s->sin, D, k, threads);
+        s->store(k, qkv + qn + kvn, kvn, D, n_qkv, D, L->k_pool, L->v_pool, s->slots, rows, kvh, D, 4);
+        if (s->attend(q, L->k_pool, L->v_pool, 0, s->tables, s->lens, rows, s->max_blocks, nh, kvh, D, s->block_size,
+                      L->scale, 0.0f, L->sliding_window, -1, -1, threads, att))
+            return 1;
+        L->o_gemm(att, rows, qn, L->o, H, L->o_bias, o, threads);
+        hf_contbatch_add_rms_norm_f32(o, x, rows, H, H, H, L->norm2, L->eps2, total, h, threads);
+        L->gate_up_gemm(h, rows, H, L->gate_up, 2 * I, L->gate_up_bias, gu, threads);
+        hf_contbatch_silu_mul_f32(gu, gu + I, rows, I, 2 * I, 2 * I, act, threads);
+        L->down_gemm(act, rows, I, L->down, H, L->down_bias, dn, threads);
+        for (int64_t i = 0; i < rows * H; ++i) total[i] = total[i] + dn[i]; /* torch's add_: one rounding */
+        x = total;
+    }
+    return 0;
+}

@@ -101,6 +101,15 @@ class CPUDecodeKernel:
         lib = self._kernel.get()
         return lib is not None and dtype in POOL_DTYPES and (dtype != torch.float16 or lib[4])
 
+    def entry_points(self) -> Optional[tuple[int, int]]:
+        """Addresses of the built float-pool decode attention and K/V store functions (the C entry
+        points ``hf_contbatch_paged_decode`` and ``hf_contbatch_store_kv``), for native callers
+        (``kernels.decode_program``); None where the kernel is not :attr:`available`."""
+        lib = self._kernel.get() if self.enabled else None
+        if lib is None:
+            return None
+        return ctypes.cast(lib[0], ctypes.c_void_p).value, ctypes.cast(lib[1], ctypes.c_void_p).value
+
     def can_serve(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
         """CPU tensors, the query float32 or of the pools' dtype, pools of a dtype the kernel
         :meth:`reads` (float32, bfloat16, float16), both contiguous and of one shape (the kernel
