@@ -26,7 +26,15 @@ from typing import Optional
 import torch
 
 from ..model_layout import ModelLayout
-from .packed_forward import PackedForward, check_packable, is_placeholder, release_weight, watch_loads, weight_key
+from .packed_forward import (
+    PackedForward,
+    check_packable,
+    is_placeholder,
+    module_tensor,
+    release_weight,
+    watch_loads,
+    weight_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -122,11 +130,12 @@ class FusedGroup:
         self.release_weights()
 
     def _bias_keys(self) -> tuple:
-        return tuple(None if f.module.bias is None else weight_key(f.module.bias) for f in self.members)
+        biases = [module_tensor(f.module, "bias") for f in self.members]
+        return tuple(None if b is None else weight_key(b) for b in biases)
 
     def _current(self) -> bool:
         mods = [f.module for f in self.members]
-        if self.packed is None or self.keys != tuple(weight_key(m.weight) for m in mods):
+        if self.packed is None or self.keys != tuple(weight_key(module_tensor(m, "weight")) for m in mods):
             return False
         return self.bias_keys == self._bias_keys()  # also a bias added or removed since packing
 

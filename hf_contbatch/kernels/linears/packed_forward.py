@@ -34,6 +34,16 @@ def weight_key(weight: torch.Tensor) -> tuple:
     return (id(weight), weight.data_ptr(), weight._version, weight.dtype)
 
 
+def module_tensor(module: torch.nn.Module, name: str):
+    """``module.<name>`` (its weight or bias) without ``nn.Module.__getattr__`` (about a
+    microsecond; the per-step checks read dozens) where that is what it returns: a plain
+    ``nn.Linear``'s registered parameter; anything else by attribute lookup."""
+    params = module._parameters
+    if type(module) is torch.nn.Linear and name in params and name not in module.__dict__:
+        return params[name]
+    return getattr(module, name)
+
+
 def placeholder_like(weight: torch.Tensor) -> torch.Tensor:
     """A tensor of ``weight``'s shape, dtype and device holding one element (NaN), all strides 0."""
     return torch.full((), float("nan"), dtype=weight.dtype, device=weight.device).expand(weight.shape)
@@ -98,6 +108,9 @@ class PackedForward:
         # per-call checks, and the step's bias (detached, dense).
         self.verified_thread: Optional[int] = None
         self.verified_bias: Optional[torch.Tensor] = None
+        # (bias key, the bias, its step bias) of the last verify: the bias converted again only
+        # when it changed (the bias is held so that its id() in the key cannot be reused).
+        self._step_bias: Optional[tuple] = None
         self.weight_ref = None
         # Whether this module's float weight may be released while packed (PackedLinears sets it
         # where the weight is not shared), and whether it is now.
@@ -161,7 +174,7 @@ class PackedForward:
         self.materialize()
         unwatch_loads(self.module)
         self.active, self.packed, self.weight_ref, self.weight_key = False, None, None, None
-        self.verified_thread = self.verified_bias = None
+        self.verified_thread = self.verified_bias = self._step_bias = None
         if self.group is not None:
             self.group.release()
             self.group = None
@@ -187,6 +200,7 @@ class PackedForward:
             "group_index": self.group_index,
             "verified_thread": None,
             "verified_bias": None,
+            "_step_bias": None,
         }
 
     def _f_linear(self, x: torch.Tensor) -> torch.Tensor:
@@ -198,7 +212,7 @@ class PackedForward:
         """Repack when the module's weight changed since packing (follow its current weights). If
         that fails (out of memory; a copy unpickled where our GEMM cannot be built), this module
         runs ``F.linear`` from then on, with one warning."""
-        if self.weight_key != weight_key(self.module.weight):
+        if self.weight_key != weight_key(module_tensor(self.module, "weight")):
             try:
                 self._pack()
             except RuntimeError as exc:
@@ -210,12 +224,20 @@ class PackedForward:
         (packed, or its group's fused weight, for the current weights: :meth:`PackedLinears.refresh`
         ran just before), CPU weight and bias of the packed dtype. Sets the step's bias. Called by
         :meth:`PackedLinears.verified_step`."""
-        weight, bias = self.module.weight, self.module.bias
+        module = self.module
+        weight, bias = module_tensor(module, "weight"), module_tensor(module, "bias")
         if not self.active or weight.dtype != self.dtype or not weight.is_cpu:
             return False
-        if bias is not None and (bias.dtype != self.dtype or not bias.is_cpu or bias.shape != weight.shape[:1]):
+        if bias is None:
+            self.verified_bias = None
+            return True
+        if bias.dtype != self.dtype or not bias.is_cpu or bias.shape != weight.shape[:1]:
             return False
-        self.verified_bias = self.kernel.step_bias(bias)
+        key = (weight_key(bias), self.kernel)
+        cached = self._step_bias
+        if cached is None or cached[0] != key:
+            cached = self._step_bias = (key, bias, self.kernel.step_bias(bias))
+        self.verified_bias = cached[2]
         return True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
