@@ -1,5 +1,5 @@
-"""Every decoder layer of a float32 decode step in one native call (``fused_ops.c``,
-``hf_contbatch_decode_layers_f32``).
+"""Every decoder layer of a float32 or bfloat16 decode step in one native call (``fused_ops.c``,
+``hf_contbatch_decode_layers_f32`` and ``_bf16``).
 
 At a decode step the fused layer step (``kernels.fused_layer``) makes about a dozen short native
 calls per layer from Python: two RMSNorms, three GEMMs of fused packed weights, two rotary passes,
@@ -13,16 +13,16 @@ from C, once per step: the same bits as the layer-by-layer path.
 It serves a step only when every one of these holds (otherwise the layers run one by one, as
 before; nothing changes but the speed):
 
-- float32 hidden states and every row a decode (one query row per request);
+- float32 or bfloat16 hidden states and every row a decode (one query row per request);
 - every layer is of the plain pre-norm form (Llama, Mistral, Qwen2: no q/k norms, no post-norms,
   no residual multiplier, no partial rotary, separate q/k/v and gate/up projections) and its fused
   step would serve it (``FusedLayerForward.fits``: no hooks, evaluation mode, a plain paged layer);
 - q/k/v and gate/up are each one fused group of packed linears, o and down packed linears,
   verified for this step (``PackedLinears.verified_step``: no LoRA wrapper or other forward
-  swapped in), and the GEMM serving this step's row count is our float32 kernel
-  (``NativeGEMM``);
+  swapped in), and the GEMM serving this step's row count is our kernel (``NativeGEMM``: float32,
+  or bfloat16 widened in registers or by VDPBF16PS);
 - the attention backend is the CPU kernels' with the compiled decode attention chosen, and the
-  layer's pools float32 and contiguous (not quantized).
+  layer's pools of the model's dtype and contiguous (not quantized).
 """
 
 from __future__ import annotations
@@ -64,6 +64,12 @@ class DecodeLayer(ctypes.Structure):
         ("eps2", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("sliding_window", ctypes.c_int64),
+        ("qkv_kind", ctypes.c_int64),
+        ("o_kind", ctypes.c_int64),
+        ("gate_up_kind", ctypes.c_int64),
+        ("down_kind", ctypes.c_int64),
+        ("round_first1", ctypes.c_int64),
+        ("round_first2", ctypes.c_int64),
     ]
 
 
@@ -91,25 +97,32 @@ class DecodeStep(ctypes.Structure):
     ]
 
 
-def _gemm_address(kernel: NativeGEMM, cache: dict) -> int:
-    """Address of the float32 GEMM entry point of the build ``kernel`` packs with."""
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _gemm_entry(kernel: NativeGEMM, data: torch.Tensor, dtype: torch.dtype, cache: dict) -> tuple[int, int]:
+    """(address, kind) of the GEMM entry point ``_native_gemm`` calls for inputs of ``dtype`` over
+    ``data`` packed by ``kernel``'s build: kind 0 returns nothing (float32; bfloat16 by
+    VDPBF16PS, a 4-D packing), kind 1 returns -1 when out of memory (bfloat16 widened)."""
     lib = kernel._own_library() or native_library()
-    fn = cache.get(lib.path)
-    if fn is None:
-        fn = cache[lib.path] = ctypes.cast(lib.gemm_f32, ctypes.c_void_p).value
-    return fn
+    name = "gemm_f32" if dtype == torch.float32 else "gemm_bf16" if data.dim() == 4 else "gemm_wbf16"
+    entry = cache.get((lib.path, name))
+    if entry is None:
+        fn = getattr(lib, name)
+        entry = cache[(lib.path, name)] = (ctypes.cast(fn, ctypes.c_void_p).value, int(name == "gemm_wbf16"))
+    return entry
 
 
-def _native_part(kernel, packed, bias, rows: int):
-    """The (NativeGEMM, packed float32 panels, dense float32 bias or None) that serve a call of
-    ``rows`` rows, or None when our float32 kernel does not serve it."""
+def _native_part(kernel, packed, bias, rows: int, dtype: torch.dtype):
+    """The (NativeGEMM, packed panels, dense float32 bias or None) that serve a call of ``rows``
+    rows of ``dtype``, or None when our kernel does not serve it."""
     if type(kernel) is DispatchGEMM:
         i = kernel.table[bucket_of(rows, kernel.buckets)]
         kernel, packed, bias = kernel.kernels[i], packed.data[i], None if bias is None else bias[i]
     if type(kernel) is not NativeGEMM or packed is None:
         return None
     data = packed.data
-    if not isinstance(data, torch.Tensor) or data.dtype != torch.float32:
+    if not isinstance(data, torch.Tensor) or data.element_size() != (4 if dtype == torch.float32 else 2):
         return None
     return kernel, data, bias
 
@@ -128,7 +141,7 @@ class DecodeProgram:
     def __init__(self, layers: list) -> None:
         self.layers = layers
         self.served = 0
-        self._gemms: dict = {}  # GEMM build path -> entry point address
+        self._gemms: dict = {}  # (GEMM build path, function name) -> (entry point address, kind)
         form_ok = all(
             not (f.form.post_norms or f.form.residual_multiplier or f.form.packed_qkv or f.form.packed_gate_up)
             and f.form.qk_norm is None
@@ -147,7 +160,8 @@ class DecodeProgram:
         Raises:
             MemoryError: the decode attention could not allocate its scratch.
         """
-        if not self.usable or h.dtype != torch.float32 or not h.is_contiguous():
+        dtype = h.dtype
+        if not self.usable or dtype not in _DTYPES or not h.is_contiguous():
             return None
         meta = step.metadata
         rows = h.shape[1]
@@ -184,36 +198,36 @@ class DecodeProgram:
             ):
                 return None  # hooks to run, or the layer's fused step removed since: one by one
             fit = fused.fits(h, (), kwargs)
-            if fit is None or not fit[1].float32:
+            if fit is None or fit[1].dtype != dtype:
                 return None
             attn, mlp = fused.attn, fused.mlp
-            qkv = self._group(attn._modules, ("q_proj", "k_proj", "v_proj"), rows, thread)
-            gate_up = self._group(mlp._modules, ("gate_proj", "up_proj"), rows, thread)
-            o = self._single(attn._modules.get("o_proj"), rows, thread)
-            down = self._single(mlp._modules.get("down_proj"), rows, thread)
+            qkv = self._group(attn._modules, ("q_proj", "k_proj", "v_proj"), rows, dtype, thread)
+            gate_up = self._group(mlp._modules, ("gate_proj", "up_proj"), rows, dtype, thread)
+            o = self._single(attn._modules.get("o_proj"), rows, dtype, thread)
+            down = self._single(mlp._modules.get("down_proj"), rows, dtype, thread)
             if qkv is None or gate_up is None or o is None or down is None:
                 return None
             idx = attn.layer_idx
             k_pool, v_pool = cache.key_cache[idx], cache.value_cache[idx]
             if (
-                k_pool.dtype != torch.float32
+                k_pool.dtype != dtype
                 or v_pool.shape != k_pool.shape
-                or v_pool.dtype != torch.float32
+                or v_pool.dtype != dtype
                 or not decode_kernel.can_serve(h, k_pool, v_pool)
             ):
                 return None
             d = attn.head_dim
-            q_n, kv_n, kv_n2 = qkv[3]
-            inter = gate_up[3][0]
+            q_n, kv_n, kv_n2 = qkv[4]
+            inter = gate_up[4][0]
             layer_geometry = (d, q_n // d, kv_n // d, inter, k_pool.shape[1])
             if (
                 q_n % d
                 or kv_n % d
                 or kv_n2 != kv_n
-                or gate_up[3][1] != inter
+                or gate_up[4][1] != inter
                 or k_pool.shape[2:] != (kv_n // d, d)
-                or o[3] != (q_n, h.shape[2])
-                or down[3] != (inter, h.shape[2])
+                or o[4] != (q_n, h.shape[2])
+                or down[4] != (inter, h.shape[2])
                 or (geometry is not None and layer_geometry != geometry)
             ):
                 return None
@@ -222,10 +236,11 @@ class DecodeProgram:
             window = fused._window()
             s = structs[i]
             s.norm1, s.norm2 = first.scale().data_ptr(), second.scale().data_ptr()
-            s.qkv_gemm, s.qkv, s.qkv_bias = qkv[:3]
-            s.o_gemm, s.o, s.o_bias = o[:3]
-            s.gate_up_gemm, s.gate_up, s.gate_up_bias = gate_up[:3]
-            s.down_gemm, s.down, s.down_bias = down[:3]
+            s.qkv_gemm, s.qkv_kind, s.qkv, s.qkv_bias = qkv[:4]
+            s.o_gemm, s.o_kind, s.o, s.o_bias = o[:4]
+            s.gate_up_gemm, s.gate_up_kind, s.gate_up, s.gate_up_bias = gate_up[:4]
+            s.down_gemm, s.down_kind, s.down, s.down_bias = down[:4]
+            s.round_first1, s.round_first2 = int(first.round_first), int(second.round_first)
             s.k_pool, s.v_pool = k_pool.data_ptr(), v_pool.data_ptr()
             s.eps1, s.eps2, s.scale = first.eps, second.eps, attn.scaling
             s.sliding_window = int(window) if window else 0
@@ -238,10 +253,10 @@ class DecodeProgram:
         slots = meta.slot_mapping
         if slots.dtype != torch.int64 or not slots.is_contiguous() or not lens.is_contiguous():
             return None
-        if cos.shape != (1, rows, d) or cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
+        if cos.shape != (1, rows, d) or cos.dtype != dtype or not (cos.is_contiguous() and sin.is_contiguous()):
             return None
         lib = fused_library()
-        scratch = h.new_empty(lib.decode_scratch_floats(rows, hidden, heads, kv_heads, d, inter))
+        scratch = torch.empty(lib.decode_scratch_floats(rows, hidden, heads, kv_heads, d, inter), dtype=torch.float32)
         out = torch.empty_like(h)
         st = DecodeStep(
             rows,
@@ -262,16 +277,20 @@ class DecodeProgram:
             entry[0],
             scratch.data_ptr(),
         )
+        run = lib.decode_layers_f32 if dtype == torch.float32 else lib.decode_layers_bf16
         # ctypes releases the GIL for the call: engines in other threads keep running.
-        if lib.decode_layers_f32(ctypes.byref(st), structs, n, h.data_ptr(), out.data_ptr()):
+        status = run(ctypes.byref(st), structs, n, h.data_ptr(), out.data_ptr())
+        if status == 1:
             raise MemoryError("paged decode attention: the kernel could not allocate its scratch")
+        if status:
+            raise MemoryError(f"native linear: no memory for a float32 copy of {rows} rows of inputs")
         self.served += 1
         return out
 
-    def _group(self, modules: dict, names: tuple, rows: int, thread: int):
-        """(GEMM address, packed pointer, bias pointer or None, member sizes) of the fused group
-        whose members are exactly ``names``' current forwards, in order, verified for this
-        thread's step and served by our float32 GEMM at ``rows`` rows; else None."""
+    def _group(self, modules: dict, names: tuple, rows: int, dtype: torch.dtype, thread: int):
+        """(GEMM address, GEMM kind, packed pointer, bias pointer or None, member sizes) of the
+        fused group whose members are exactly ``names``' current forwards, in order, verified for
+        this thread's step and served by our GEMM at ``rows`` rows of ``dtype``; else None."""
         first = modules[names[0]].__dict__.get("forward")
         if type(first) is not PackedForward or first.group is None:
             return None
@@ -281,20 +300,20 @@ class DecodeProgram:
         for f, name in zip(group.members, names):
             if modules[name].__dict__.get("forward") is not f or f.verified_thread != thread:
                 return None
-            if f.dtype != torch.float32:
+            if f.dtype != dtype:
                 return None
-        part = _native_part(group.kernel, group.packed, group.bias, rows)
+        part = _native_part(group.kernel, group.packed, group.bias, rows, dtype)
         if part is None:
             return None
         kernel, data, bias = part
         return (
-            _gemm_address(kernel, self._gemms),
+            *_gemm_entry(kernel, data, dtype, self._gemms),
             data.data_ptr(),
             None if bias is None else bias.data_ptr(),
             tuple(group.sizes),
         )
 
-    def _single(self, module, rows: int, thread: int):
+    def _single(self, module, rows: int, dtype: torch.dtype, thread: int):
         """As :meth:`_group` for one packed linear outside any group; the sizes are
         ``(in_features, out_features)``."""
         if module is None:
@@ -302,15 +321,15 @@ class DecodeProgram:
         f = module.__dict__.get("forward")
         if type(f) is not PackedForward or f.group is not None or f.verified_thread != thread:
             return None
-        if f.dtype != torch.float32 or not f.active:
+        if f.dtype != dtype or not f.active:
             return None
-        part = _native_part(f.kernel, f.packed, f.verified_bias, rows)
+        part = _native_part(f.kernel, f.packed, f.verified_bias, rows, dtype)
         if part is None:
             return None
         kernel, data, bias = part
         m = f.module
         return (
-            _gemm_address(kernel, self._gemms),
+            *_gemm_entry(kernel, data, dtype, self._gemms),
             data.data_ptr(),
             None if bias is None else bias.data_ptr(),
             (m.in_features, m.out_features),

@@ -526,8 +526,13 @@ int hf_contbatch_fused_has_f16(void) { return HAS_F16; }
  *
  * The GEMM, K/V store and decode attention live in other libraries (cpu_gemm.c, cpu_decode.c):
  * the caller passes their entry points. */
-typedef void (*hf_gemm_f32_fn)(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
-                               const float *bias, float *y, int64_t num_threads);
+/* cpu_gemm.c's GEMMs: float32 and VDPBF16PS ones return nothing (kind 0); the widening ones return
+ * -1 when their float32 copy of x cannot be allocated (kind 1). x, packed and y are of the weight's
+ * dtype (float32, or bfloat16 bits). */
+typedef void (*hf_gemm_void_fn)(const void *x, int64_t m, int64_t k, const void *packed, int64_t n,
+                                const float *bias, void *y, int64_t num_threads);
+typedef int (*hf_gemm_int_fn)(const void *x, int64_t m, int64_t k, const void *packed, int64_t n,
+                              const float *bias, void *y, int64_t num_threads);
 typedef void (*hf_store_kv_fn)(const void *key, const void *value, int64_t k_stride_t, int64_t k_stride_h,
                                int64_t v_stride_t, int64_t v_stride_h, void *k_pool, void *v_pool,
                                const int64_t *slots, int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim,
@@ -538,17 +543,27 @@ typedef int64_t (*hf_decode_fn)(const float *q, const void *k_pool, const void *
                                 int64_t block_size, float scale, float softcap, int64_t sliding_window,
                                 int64_t split_heads, int64_t split_context, int64_t num_threads, float *out);
 
-/* One layer: float32 norm scales [hidden]; each projection's GEMM entry point, packed weight
- * (cpu_gemm.c's float32 panels) and float32 bias or NULL; q/k/v one fused weight [q; k; v], gate
- * and up one [gate; up]; the layer's float32 pools [blocks, block_size, KVH, D]. */
+/* One layer: float32 norm scales [hidden]; each projection's GEMM entry point and its kind,
+ * packed weight (cpu_gemm.c's panels) and float32 bias or NULL; q/k/v one fused weight [q; k; v],
+ * gate and up one [gate; up]; the layer's pools [blocks, block_size, KVH, D] of the model's dtype;
+ * the norms' round_first (bfloat16: see the RMSNorm above). */
 typedef struct {
     const float *norm1, *norm2;
-    hf_gemm_f32_fn qkv_gemm, o_gemm, gate_up_gemm, down_gemm;
-    const float *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    void *qkv_gemm, *o_gemm, *gate_up_gemm, *down_gemm;
+    const void *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
     void *k_pool, *v_pool;
     float eps1, eps2, scale;
     int64_t sliding_window; /* tokens; 0: none */
+    int64_t qkv_kind, o_kind, gate_up_kind, down_kind;
+    int64_t round_first1, round_first2;
 } hf_decode_layer;
+
+static int call_gemm(void *fn, int64_t kind, const void *x, int64_t m, int64_t k, const void *packed, int64_t n,
+                     const void *bias, void *y, int64_t threads) {
+    if (kind == 1) return ((hf_gemm_int_fn)fn)(x, m, k, packed, n, (const float *)bias, y, threads);
+    ((hf_gemm_void_fn)fn)(x, m, k, packed, n, (const float *)bias, y, threads);
+    return 0;
+}
 
 /* The step: `rows` decoding requests (one query row each), cos/sin [rows][head_dim], slots [rows],
  * block tables [rows][max_blocks] and context lengths [rows] (int32, as the decode kernel reads
@@ -568,14 +583,15 @@ int64_t hf_contbatch_decode_scratch_floats(int64_t rows, int64_t hidden, int64_t
                                            int64_t head_dim, int64_t intermediate) {
     const int64_t q = heads * head_dim, kv = kv_heads * head_dim;
     /* h, qkv, rotated q, rotated k, attention out, o_proj out, the other residual buffer, gate/up,
-     * activation, down_proj out */
-    return rows * (hidden + (q + 2 * kv) + q + kv + q + hidden + hidden + 2 * intermediate + intermediate + hidden);
+     * activation, down_proj out; and the bfloat16 program's float32 query and attention output */
+    return rows * (hidden + (q + 2 * kv) + q + kv + q + hidden + hidden + 2 * intermediate + intermediate + hidden) +
+           rows * 2 * q;
 }
 
 /* Runs n_layers layers over hidden_in [rows][hidden] into hidden_out [rows][hidden] (not aliasing
- * hidden_in). Returns 0, or 1 when the decode attention could not allocate its scratch (the
- * caller raises MemoryError; the pools then hold this step's K/V of the layers run so far, which
- * the step's retry overwrites). */
+ * hidden_in). Returns 0; 1 when the decode attention could not allocate its scratch, 2 when a
+ * widening GEMM could not (the caller raises MemoryError; the pools then hold this step's K/V of
+ * the layers run so far, which the step's retry overwrites). */
 int64_t hf_contbatch_decode_layers_f32(const hf_decode_step *s, const hf_decode_layer *layers, int64_t n_layers,
                                        const float *hidden_in, float *hidden_out) {
     const int64_t rows = s->rows, H = s->hidden, nh = s->heads, kvh = s->kv_heads, D = s->head_dim;
@@ -592,19 +608,63 @@ int64_t hf_contbatch_decode_layers_f32(const hf_decode_step *s, const hf_decode_
          * input); the last layer writes hidden_out. */
         total = ((n_layers - 1 - l) % 2 == 0) ? hidden_out : other;
         hf_contbatch_rms_norm_f32(x, rows, H, H, L->norm1, L->eps1, h, H, threads);
-        L->qkv_gemm(h, rows, H, L->qkv, n_qkv, L->qkv_bias, qkv, threads);
+        call_gemm(L->qkv_gemm, L->qkv_kind, h, rows, H, L->qkv, n_qkv, L->qkv_bias, qkv, threads);
         hf_contbatch_rotary_f32(qkv, rows, nh, D, D, n_qkv, s->cos, s->sin, D, q, threads);
         hf_contbatch_rotary_f32(qkv + qn, rows, kvh, D, D, n_qkv, s->cos, s->sin, D, k, threads);
         s->store(k, qkv + qn + kvn, kvn, D, n_qkv, D, L->k_pool, L->v_pool, s->slots, rows, kvh, D, 4);
         if (s->attend(q, L->k_pool, L->v_pool, 0, s->tables, s->lens, rows, s->max_blocks, nh, kvh, D, s->block_size,
                       L->scale, 0.0f, L->sliding_window, -1, -1, threads, att))
             return 1;
-        L->o_gemm(att, rows, qn, L->o, H, L->o_bias, o, threads);
+        call_gemm(L->o_gemm, L->o_kind, att, rows, qn, L->o, H, L->o_bias, o, threads);
         hf_contbatch_add_rms_norm_f32(o, x, rows, H, H, H, L->norm2, L->eps2, total, h, threads);
-        L->gate_up_gemm(h, rows, H, L->gate_up, 2 * I, L->gate_up_bias, gu, threads);
+        call_gemm(L->gate_up_gemm, L->gate_up_kind, h, rows, H, L->gate_up, 2 * I, L->gate_up_bias, gu, threads);
         hf_contbatch_silu_mul_f32(gu, gu + I, rows, I, 2 * I, 2 * I, act, threads);
-        L->down_gemm(act, rows, I, L->down, H, L->down_bias, dn, threads);
+        call_gemm(L->down_gemm, L->down_kind, act, rows, I, L->down, H, L->down_bias, dn, threads);
         for (int64_t i = 0; i < rows * H; ++i) total[i] = total[i] + dn[i]; /* torch's add_: one rounding */
+        x = total;
+    }
+    return 0;
+}
+
+/* hf_contbatch_decode_layers_f32 for bfloat16 models, step for step as kernels/fused_layer.py's
+ * bfloat16 step: activations, cos/sin, pools and outputs in bfloat16 (uint16_t bits); the decode
+ * attention reads the query widened to float32 and its float32 output is rounded to bfloat16
+ * (round to nearest even), as CPUDecodeKernel converts them; the residual add in float32, rounded
+ * once (torch's bfloat16 add_). Scratch: hf_contbatch_decode_scratch_floats() floats (more than
+ * enough: every bfloat16 buffer takes half a float32 one, and the float32 query and attention
+ * output take what the float32 program's rotated q and attention buffers take). */
+int64_t hf_contbatch_decode_layers_bf16(const hf_decode_step *s, const hf_decode_layer *layers, int64_t n_layers,
+                                        const uint16_t *hidden_in, uint16_t *hidden_out) {
+    const int64_t rows = s->rows, H = s->hidden, nh = s->heads, kvh = s->kv_heads, D = s->head_dim;
+    const int64_t I = s->intermediate, qn = nh * D, kvn = kvh * D, n_qkv = qn + 2 * kvn;
+    const int32_t threads = (int32_t)s->threads;
+    float *qf = s->scratch, *attf = qf + rows * qn; /* float32 query and attention output */
+    uint16_t *h = (uint16_t *)(attf + rows * qn), *qkv = h + rows * H, *q = qkv + rows * n_qkv, *k = q + rows * qn;
+    uint16_t *att = k + rows * kvn, *o = att + rows * qn, *other = o + rows * H, *gu = other + rows * H;
+    uint16_t *act = gu + rows * 2 * I, *dn = act + rows * I;
+    const uint16_t *x = hidden_in, *cos = (const uint16_t *)s->cos, *sin = (const uint16_t *)s->sin;
+    uint16_t *total = hidden_out;
+    for (int64_t l = 0; l < n_layers; ++l) {
+        const hf_decode_layer *L = layers + l;
+        total = ((n_layers - 1 - l) % 2 == 0) ? hidden_out : other;
+        hf_contbatch_rms_norm_bf16(x, rows, H, H, L->norm1, L->eps1, (int32_t)L->round_first1, h, H, threads);
+        if (call_gemm(L->qkv_gemm, L->qkv_kind, h, rows, H, L->qkv, n_qkv, L->qkv_bias, qkv, threads)) return 2;
+        hf_contbatch_rotary_bf16(qkv, rows, nh, D, D, n_qkv, cos, sin, D, q, threads);
+        hf_contbatch_rotary_bf16(qkv + qn, rows, kvh, D, D, n_qkv, cos, sin, D, k, threads);
+        s->store(k, qkv + qn + kvn, kvn, D, n_qkv, D, L->k_pool, L->v_pool, s->slots, rows, kvh, D, 2);
+        for (int64_t i = 0; i < rows * qn; ++i) qf[i] = bf16_to_f32(q[i]);
+        if (s->attend(qf, L->k_pool, L->v_pool, 1, s->tables, s->lens, rows, s->max_blocks, nh, kvh, D,
+                      s->block_size, L->scale, 0.0f, L->sliding_window, -1, -1, threads, attf))
+            return 1;
+        for (int64_t i = 0; i < rows * qn; ++i) att[i] = f32_to_bf16(attf[i]);
+        if (call_gemm(L->o_gemm, L->o_kind, att, rows, qn, L->o, H, L->o_bias, o, threads)) return 2;
+        hf_contbatch_add_rms_norm_bf16(o, x, rows, H, H, H, L->norm2, L->eps2, (int32_t)L->round_first2, total, h,
+                                       threads);
+        if (call_gemm(L->gate_up_gemm, L->gate_up_kind, h, rows, H, L->gate_up, 2 * I, L->gate_up_bias, gu, threads))
+            return 2;
+        hf_contbatch_silu_mul_bf16(gu, gu + I, rows, I, 2 * I, 2 * I, act, threads);
+        if (call_gemm(L->down_gemm, L->down_kind, act, rows, I, L->down, H, L->down_bias, dn, threads)) return 2;
+        for (int64_t i = 0; i < rows * H; ++i) total[i] = f32_to_bf16(bf16_to_f32(total[i]) + bf16_to_f32(dn[i]));
         x = total;
     }
     return 0;

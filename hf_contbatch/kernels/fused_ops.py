@@ -56,7 +56,8 @@ class FusedLibrary:
     rotary_f16: Optional[Callable] = None
     add_rms_norm_f16: Optional[Callable] = None
     rms_norm_rotary_f16: Optional[Callable] = None
-    decode_layers_f32: Optional[Callable] = None  # (step, layers, n, hidden in, hidden out) -> 0 / 1
+    decode_layers_f32: Optional[Callable] = None  # (step, layers, n, hidden in, hidden out) -> 0 / 1 / 2
+    decode_layers_bf16: Optional[Callable] = None
     decode_scratch_floats: Optional[Callable] = None
 
     @property
@@ -94,8 +95,9 @@ def _load() -> tuple[Optional[FusedLibrary], Optional[str]]:
             getattr(lib, f"hf_contbatch_{name}").restype = None
     lib.hf_contbatch_fused_isa.restype = ctypes.c_char_p
     # The decode program's structs by pointer (kernels/decode_program.py mirrors them).
-    lib.hf_contbatch_decode_layers_f32.argtypes = [ptr, ptr, i64, ptr, ptr]
-    lib.hf_contbatch_decode_layers_f32.restype = i64
+    for name in ("decode_layers_f32", "decode_layers_bf16"):
+        getattr(lib, f"hf_contbatch_{name}").argtypes = [ptr, ptr, i64, ptr, ptr]
+        getattr(lib, f"hf_contbatch_{name}").restype = i64
     lib.hf_contbatch_decode_scratch_floats.argtypes = [i64] * 6
     lib.hf_contbatch_decode_scratch_floats.restype = i64
     return (
@@ -118,6 +120,7 @@ def _load() -> tuple[Optional[FusedLibrary], Optional[str]]:
             add_rms_norm_f16=lib.hf_contbatch_add_rms_norm_f16 if has_f16 else None,
             rms_norm_rotary_f16=lib.hf_contbatch_rms_norm_rotary_f16 if has_f16 else None,
             decode_layers_f32=lib.hf_contbatch_decode_layers_f32,
+            decode_layers_bf16=lib.hf_contbatch_decode_layers_bf16,
             decode_scratch_floats=lib.hf_contbatch_decode_scratch_floats,
         ),
         None,

@@ -1,8 +1,8 @@
-"""The decode program (``kernels/decode_program``): every layer of a float32 decode step in one
+"""The decode program (``kernels/decode_program``): every layer of a decode step in one
 native call. Greedy tokens equal transformers' generate (batched, and under preemption and chunked
 prefill, no block leaked) for the plain pre-norm forms, with the program serving the decode steps;
-its log-probs have the bits of the layer-by-layer fused path; steps it must not serve (a hooked
-projection, bfloat16, forms it does not have) run layer by layer."""
+its log-probs have the bits of the layer-by-layer fused path, in float32 and bfloat16; steps it
+must not serve (a hooked projection, float16, forms it does not have) run layer by layer."""
 
 from __future__ import annotations
 
@@ -78,9 +78,12 @@ def test_greedy_tokens_equal_generate_with_the_decode_program(family, cfg):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_log_probs_have_the_bits_of_the_layer_by_layer_path(family):
-    model = build_model(family)
+@pytest.mark.parametrize(
+    ("family", "dtype"),
+    [("llama", torch.float32), ("qwen2", torch.float32), ("llama", torch.bfloat16), ("qwen2", torch.bfloat16)],
+)
+def test_log_probs_have_the_bits_of_the_layer_by_layer_path(family, dtype):
+    model = build_model(family).to(dtype)
     prompts = random_prompts([3, 11, 26, 40], seed=17)
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True, logprobs=0)
     results = {}
@@ -117,14 +120,14 @@ def test_a_hooked_projection_runs_the_layers_one_by_one():
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    ("family", "dtype"), [("llama", torch.bfloat16), ("qwen3", torch.float32), ("phi3", torch.float32)]
+    ("family", "dtype"), [("llama", torch.float16), ("qwen3", torch.float32), ("phi3", torch.float32)]
 )
 def test_steps_it_does_not_serve_run_the_layers_one_by_one(family, dtype):
     model = build_model(family).to(dtype)
     prompts = random_prompts([5, 19], seed=3)
     refs = [reference_greedy(model, p, NEW) for p in prompts]
     outs, _, served = _serve(model, prompts, _PLAIN)
-    if dtype == torch.float32:  # bfloat16 engine tokens may differ from generate's by rounding
+    if dtype == torch.float32:  # float16 engine tokens may differ from generate's by rounding
         assert outs == refs
     else:
         assert [len(o) for o in outs] == [NEW] * len(prompts)
