@@ -1,8 +1,9 @@
-"""The decode program (``kernels/decode_program``: every layer of a float32 decode step in one
-native call) against the layer-by-layer fused path, in one engine, interleaved.
+"""The decode program (``kernels/decode_program``: every layer of a float32 or bfloat16 decode
+step in one native call) against the layer-by-layer fused path, in one engine, interleaved.
 
     python benchmarks/bench_decode_program.py                        # tiny; 1, 6 and 64 requests
     python benchmarks/bench_decode_program.py --model small --requests 1 8 --tokens 128
+    python benchmarks/bench_decode_program.py --dtype bfloat16
 
 For each request count, ``--rounds`` rounds each run the same decode twice, once with the program
 and once without (``DecodeProgram.usable`` switched off: each layer's fused step, one by one), and
@@ -81,16 +82,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from hf_contbatch import EngineConfig, LLMEngine
 
-    print(f"{cpu_name()}, {args.threads} threads, model {args.model}")
+    print(f"{cpu_name()}, {args.threads} threads, model {args.model} ({args.dtype})")
     cold = cold_call_us()
     if cold:
         timings = ", ".join(f"{v:.1f} with {mb} MB copied between" for mb, v in cold.items())
         print(f"one small native call (fused RMSNorm, 1 x 256), µs: {timings}")
-    model = build_model(args.model, dtype=torch.float32)
+    model = build_model(args.model, dtype=getattr(torch, args.dtype))
     engine = LLMEngine(model, EngineConfig())
     try:
         fused = engine.patches.fused_model
