@@ -157,8 +157,15 @@ class DecodeProgram:
         """The hidden states ``[1, T, hidden]`` after every layer for a step this program serves,
         computed in one native call; None (nothing computed, nothing stored) otherwise.
 
+        Args:
+            h: the embedded input ids, ``[1, T, hidden]``, float32 or bfloat16, contiguous.
+            position_embeddings: ``(cos, sin)``, each ``[1, T, head_dim]`` of ``h``'s dtype.
+            position_ids: int64 ``[1, T]``.
+            step: the step's ``PagedCacheStep``.
+
         Raises:
-            MemoryError: the decode attention could not allocate its scratch.
+            MemoryError: the decode attention could not allocate its scratch, or a widening
+                bfloat16 GEMM its float32 copy of the inputs.
         """
         dtype = h.dtype
         if not self.usable or dtype not in _DTYPES or not h.is_contiguous():
