@@ -132,3 +132,28 @@ def test_steps_it_does_not_serve_run_the_layers_one_by_one(family, dtype):
     else:
         assert [len(o) for o in outs] == [NEW] * len(prompts)
     assert served == 0
+
+
+@pytest.mark.timeout(600)
+def test_weights_changed_in_place_between_requests_are_served_by_the_program():
+    # The program reads each step's packed weights (repacked by the step's verified check after a
+    # write): a write between requests changes the next request's tokens as generate's.
+    model = build_model("qwen2")  # biases too
+    prompts = random_prompts([9, 21], seed=23)
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    engine = _engine(model, _PLAIN)
+    try:
+        program = _program(engine)
+        before = [engine.submit(p, params).result(timeout=600).output_token_ids for p in prompts]
+        served = program.served
+        assert served > 0
+        with torch.no_grad():
+            model.model.layers[0].self_attn.q_proj.weight.mul_(1.5)
+            model.model.layers[1].self_attn.k_proj.bias.add_(0.25)
+            model.model.layers[1].mlp.down_proj.weight.mul_(-1.0)
+        after = [engine.submit(p, params).result(timeout=600).output_token_ids for p in prompts]
+        assert program.served > served
+    finally:
+        engine.close()
+    assert after == [reference_greedy(model, p, NEW) for p in prompts]
+    assert after != before  # the writes changed the tokens: the check above is not vacuous
