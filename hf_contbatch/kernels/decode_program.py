@@ -28,6 +28,7 @@ before; nothing changes but the speed):
 from __future__ import annotations
 
 import ctypes
+import operator
 import threading
 from typing import Optional
 
@@ -127,6 +128,37 @@ def _native_part(kernel, packed, bias, rows: int, dtype: torch.dtype):
     return kernel, data, bias
 
 
+def _layer_key(fused, thread: int) -> Optional[tuple]:
+    """The objects a layer's struct is filled from, read without resolving them (compared by
+    identity): the projections' modules and current forwards (each verified for ``thread``'s
+    step), their groups, packed weights, biases and kernels, the norms' scales and constants. None
+    when a projection is not a verified packed forward (the full resolution then says no)."""
+    attn, mlp = fused.attn, fused.mlp
+    am, mm = attn._modules, mlp._modules
+    key = []
+    for modules, names in ((am, ("q_proj", "k_proj", "v_proj", "o_proj")), (mm, ("gate_proj", "up_proj", "down_proj"))):
+        for name in names:
+            m = modules.get(name)
+            f = None if m is None else m.__dict__.get("forward")
+            if type(f) is not PackedForward or f.verified_thread != thread:
+                return None
+            group = f.group
+            key += (m, f, group, f.kernel, f.packed, f.verified_bias, f.active, f.dtype)
+            if group is not None:
+                key += (group.packed, group.bias, group.kernel)
+    first, second = fused.layer_norms
+    key += (
+        first.scale(),
+        second.scale(),
+        first.eps,
+        second.eps,
+        attn.scaling,
+        attn.head_dim,
+        fused._window(),
+    )
+    return tuple(key)
+
+
 class DecodeProgram:
     """The decode program of one model's fused layers (see the module docstring).
 
@@ -142,6 +174,10 @@ class DecodeProgram:
         self.layers = layers
         self.served = 0
         self._gemms: dict = {}  # (GEMM build path, function name) -> (entry point address, kind)
+        # Per layer: ((rows, dtype, pool addresses, shape, dtype), the objects its struct was filled
+        # from (_layer_key), the struct, the geometry); the struct is reused while every value is
+        # equal and every object the same one.
+        self._layers: list = []
         form_ok = all(
             not (f.form.post_norms or f.form.residual_multiplier or f.form.packed_qkv or f.form.packed_gate_up)
             and f.form.qk_norm is None
@@ -208,14 +244,31 @@ class DecodeProgram:
             if fit is None or fit[1].dtype != dtype:
                 return None
             attn, mlp = fused.attn, fused.mlp
+            key = _layer_key(fused, thread)
+            idx = attn.layer_idx
+            k_pool, v_pool = cache.key_cache[idx], cache.value_cache[idx]
+            # The pools by address, not held: a closed engine's pools must not outlive it here.
+            values = (rows, dtype, k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape, k_pool.dtype)
+            cached = self._layers[i] if i < len(self._layers) else None
+            if (
+                key is not None
+                and cached is not None
+                and cached[0] == values
+                and len(cached[1]) == len(key)
+                and all(map(operator.is_, cached[1], key))
+                and (geometry is None or cached[3] == geometry)
+            ):
+                # The same forwards, packed weights, biases, pools, norm scales and constants as at
+                # the step that filled this layer's struct, at the same row count: its values hold.
+                structs[i] = cached[2]
+                geometry = cached[3]
+                continue
             qkv = self._group(attn._modules, ("q_proj", "k_proj", "v_proj"), rows, dtype, thread)
             gate_up = self._group(mlp._modules, ("gate_proj", "up_proj"), rows, dtype, thread)
             o = self._single(attn._modules.get("o_proj"), rows, dtype, thread)
             down = self._single(mlp._modules.get("down_proj"), rows, dtype, thread)
             if qkv is None or gate_up is None or o is None or down is None:
                 return None
-            idx = attn.layer_idx
-            k_pool, v_pool = cache.key_cache[idx], cache.value_cache[idx]
             if (
                 k_pool.dtype != dtype
                 or v_pool.shape != k_pool.shape
@@ -251,6 +304,12 @@ class DecodeProgram:
             s.k_pool, s.v_pool = k_pool.data_ptr(), v_pool.data_ptr()
             s.eps1, s.eps2, s.scale = first.eps, second.eps, attn.scaling
             s.sliding_window = int(window) if window else 0
+            if key is not None:
+                while len(self._layers) <= i:
+                    self._layers.append(None)
+                copy = DecodeLayer()
+                ctypes.pointer(copy)[0] = s
+                self._layers[i] = (values, key, copy, geometry)
         d, heads, kv_heads, inter, block_size = geometry
         hidden = h.shape[2]
         tables, lens = meta.derived(
