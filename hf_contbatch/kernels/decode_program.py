@@ -8,7 +8,8 @@ allocation and a few checks, and the weights streaming through the caches betwee
 the interpreter's working set, so a call costs 10-15 µs where the same call in a loop costs 5
 (``benchmarks/bench_decode_program.py``). On a small model, or on any model at a few requests, that
 is most of the step. The program runs the same kernels in the same order with the same arguments
-from C, once per step: the same bits as the layer-by-layer path.
+from C, once per step: the same bits as the layer-by-layer path. Each layer's arguments (a ctypes
+struct of pointers) are kept and reused while the objects they were read from are the same ones.
 
 It serves a step only when every one of these holds (otherwise the layers run one by one, as
 before; nothing changes but the speed):

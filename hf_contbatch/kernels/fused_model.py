@@ -302,7 +302,8 @@ class FusedModelForward:
         self.embed, self.rotary, self.norm = c["embed_tokens"], c["rotary_emb"], c["norm"]
         self.table = RotaryTable(self.rotary)
         self.final_norm = FusedNormForward(self.norm, True, False)
-        # Every layer of a float32 decode step in one native call, where it serves (decode_program).
+        # Every layer of a float32 or bfloat16 decode step in one native call, where it serves
+        # (decode_program).
         self.program = DecodeProgram(layers)
         # The modules whose __call__ (and forwards, but the layers') the fast path does without.
         self.bypassed = (base, self.embed, self.rotary, self.norm)
