@@ -149,7 +149,7 @@ def test_widen_w8a8_sums_exactly_past_float32s_integers():
         xq, _ = quantize_rows(x)
         want = xq.long() @ packed.data.long()  # exact, in int64
         assert int(want.abs().max()) > 2**24 or k <= K_CHUNK + 1
-        assert torch.equal(widen.int_sums(xq, packed).long(), want)
+        assert torch.equal(widen.int_sums(xq, packed.data).long(), want)
         assert torch.equal(widen.linear(x, packed, None, 40), torchs.linear(x, packed, None, 40))
 
 

@@ -56,7 +56,8 @@ class TorchW8A8GEMM(Int8Kernel):
     tensor (the column-major right operand oneDNN takes without a copy), ``scales`` float32 ``[out]``.
 
     Raises:
-        RuntimeError: on construction, when this torch has no CPU ``torch._int_mm``.
+        RuntimeError: on construction, when the class's int8 sums (:meth:`int_sums`; here this
+            torch's CPU ``torch._int_mm``) are missing or sum a probe wrongly.
     """
 
     name = "torch-w8a8"
@@ -68,13 +69,14 @@ class TorchW8A8GEMM(Int8Kernel):
     the activation rounding, not only the summation order, separates the two."""
 
     def __init__(self) -> None:
+        # The class's own int8 sums probed (torch._int_mm here; a subclass's replacement in its own).
         try:
             a = torch.ones((1, 8), dtype=torch.int8)
-            ok = torch.equal(torch._int_mm(a, torch.ones((8, 8), dtype=torch.int8)), torch.full((1, 8), 8))
+            ok = torch.equal(self.int_sums(a, torch.ones((8, 8), dtype=torch.int8)), torch.full((1, 8), 8))
         except (RuntimeError, AttributeError, NotImplementedError) as exc:
-            raise RuntimeError(f"torch._int_mm is not available on the CPU here: {exc}") from exc
+            raise RuntimeError(f"{self.name}: its int8 sums are not available on the CPU here: {exc}") from exc
         if not ok:
-            raise RuntimeError("torch._int_mm gave a wrong int32 sum on the CPU here")
+            raise RuntimeError(f"{self.name}: its int8 sums gave a wrong int32 sum on the CPU here")
 
     def supports(self, weight: torch.Tensor) -> bool:
         """float32 or bfloat16 (plain or torchao int8 weight-only) 2-D CPU weights of at least two
@@ -106,10 +108,10 @@ class TorchW8A8GEMM(Int8Kernel):
         return None if bias is None else bias.detach().float().contiguous()
 
     @staticmethod
-    def int_sums(xq: torch.Tensor, packed: PackedWeight, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``xq`` int8 ``[m, k]`` times the packed int8 weight: the exact int32 sums ``[m, n]``
-        (into ``out`` when given)."""
-        return torch._int_mm(xq, packed.data) if out is None else torch._int_mm(xq, packed.data, out=out)
+    def int_sums(xq: torch.Tensor, wq: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``xq`` int8 ``[m, k]`` times ``wq`` int8 ``[k, n]`` (the packed weight's data): the exact
+        int32 sums ``[m, n]`` (into ``out`` when given), by ``torch._int_mm``."""
+        return torch._int_mm(xq, wq) if out is None else torch._int_mm(xq, wq, out=out)
 
     def linear_verified(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
         n, k = packed.shape
@@ -120,7 +122,7 @@ class TorchW8A8GEMM(Int8Kernel):
             y = y if bias is None else y + bias
         else:
             xq, sx = quantize_rows(x2)
-            acc = self.int_sums(xq, packed)
+            acc = self.int_sums(xq, packed.data)
             y = acc.float().mul_(sx).mul_(packed.scales)
             if bias is not None:
                 y.add_(bias)
@@ -209,7 +211,7 @@ class IntMMW8A8GEMM(TorchW8A8GEMM):
             h = min(block, m - r0)
             q, a = xq[:h], acc[:h]
             self._lib.quantize_s8(x2[r0].data_ptr(), h, k, bf16, q.data_ptr(), sx.data_ptr(), threads)
-            self.int_sums(q, packed, out=a)
+            self.int_sums(q, packed.data, out=a)
             self._lib.scale_out(
                 a.data_ptr(), h, n, sx.data_ptr(), packed.scales.data_ptr(), bias_ptr, y2[r0].data_ptr(), bf16, threads
             )
@@ -241,20 +243,15 @@ class WidenW8A8GEMM(IntMMW8A8GEMM):
     one block than in four of 256 (SmolLM2-360M's 960 x 5120 and 2560 x 960, bf16, 2 threads, AMD
     Zen 3, A/B in one process, 2026-12-05)."""
 
-    def __init__(self) -> None:
-        # No torch._int_mm needed: only our C passes and torch's float32 GEMM.
-        self._lib = int8_library()
-        self._local = threading.local()
-
     @staticmethod
-    def int_sums(xq: torch.Tensor, packed: PackedWeight, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``xq`` int8 ``[m, k]`` times the packed int8 weight (``[k, n]`` viewed from a row-major
-        ``[n, k]``): the exact int32 sums ``[m, n]`` (into ``out``, int32 ``[m, n]``, when given),
-        ``ceil(k / K_CHUNK)`` float32 GEMMs over a float32 copy of the rows and of each weight chunk
-        (``4 n min(k, K_CHUNK)`` bytes at a time). Raises what ``torch.mm`` raises for mismatched
-        shapes."""
+    def int_sums(xq: torch.Tensor, wq: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``xq`` int8 ``[m, k]`` times ``wq`` int8 ``[k, n]`` (the packed weight's data, viewed from
+        a row-major ``[n, k]``): the exact int32 sums ``[m, n]`` (into ``out``, int32 ``[m, n]``, when
+        given), ``ceil(k / K_CHUNK)`` float32 GEMMs over a float32 copy of the rows and of each weight
+        chunk (``4 n min(k, K_CHUNK)`` bytes at a time), no ``torch._int_mm``. Raises what
+        ``torch.mm`` raises for mismatched shapes."""
         k = xq.shape[1]
-        xf, w = xq.float(), packed.data.t()  # w: the int8 weight as its row-major [n, k]
+        xf, w = xq.float(), wq.t()  # w: the int8 weight as its row-major [n, k]
         acc = out
         for c0 in range(0, k, K_CHUNK):
             c1 = min(k, c0 + K_CHUNK)
