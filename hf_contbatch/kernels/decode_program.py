@@ -37,8 +37,8 @@ import torch
 
 from .attention.backends import CPUKernelAttentionBackend
 from .fused_ops import fused_library
-from .linears.dispatch_gemm import DispatchGEMM, bucket_of
-from .linears.native_gemm import NativeGEMM, native_library
+from .linears.dispatch_gemm import DispatchGEMM
+from .linears.native_gemm import NativeGEMM, gemm_function, native_library
 from .linears.packed_forward import PackedForward
 
 
@@ -102,24 +102,19 @@ class DecodeStep(ctypes.Structure):
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _gemm_entry(kernel: NativeGEMM, data: torch.Tensor, dtype: torch.dtype, cache: dict) -> tuple[int, int]:
+def _gemm_entry(kernel: NativeGEMM, data: torch.Tensor, dtype: torch.dtype) -> tuple[int, int]:
     """(address, kind) of the GEMM entry point ``_native_gemm`` calls for inputs of ``dtype`` over
-    ``data`` packed by ``kernel``'s build: kind 0 returns nothing (float32; bfloat16 by
-    VDPBF16PS, a 4-D packing), kind 1 returns -1 when out of memory (bfloat16 widened)."""
-    lib = kernel._own_library() or native_library()
-    name = "gemm_f32" if dtype == torch.float32 else "gemm_bf16" if data.dim() == 4 else "gemm_wbf16"
-    entry = cache.get((lib.path, name))
-    if entry is None:
-        fn = getattr(lib, name)
-        entry = cache[(lib.path, name)] = (ctypes.cast(fn, ctypes.c_void_p).value, int(name == "gemm_wbf16"))
-    return entry
+    ``data`` packed by ``kernel``'s build (``native_gemm.gemm_function``): kind 0 returns nothing
+    (float32; bfloat16 by VDPBF16PS), kind 1 returns -1 when out of memory (bfloat16 widened)."""
+    fn = gemm_function(kernel._own_library() or native_library(), dtype, data)
+    return ctypes.cast(fn, ctypes.c_void_p).value, int(fn.restype is ctypes.c_int)
 
 
 def _native_part(kernel, packed, bias, rows: int, dtype: torch.dtype):
     """The (NativeGEMM, packed panels, dense float32 bias or None) that serve a call of ``rows``
     rows of ``dtype``, or None when our kernel does not serve it."""
     if type(kernel) is DispatchGEMM:
-        i = kernel.table[bucket_of(rows, kernel.buckets)]
+        i = kernel.index_for_rows(rows)
         kernel, packed, bias = kernel.kernels[i], packed.data[i], None if bias is None else bias[i]
     if type(kernel) is not NativeGEMM or packed is None:
         return None
@@ -174,7 +169,6 @@ class DecodeProgram:
     def __init__(self, layers: list) -> None:
         self.layers = layers
         self.served = 0
-        self._gemms: dict = {}  # (GEMM build path, function name) -> (entry point address, kind)
         # Per layer: ((rows, dtype, pool addresses, shape, dtype), the objects its struct was filled
         # from (_layer_key), the struct, the geometry); the struct is reused while every value is
         # equal and every object the same one.
@@ -374,7 +368,7 @@ class DecodeProgram:
             return None
         kernel, data, bias = part
         return (
-            *_gemm_entry(kernel, data, dtype, self._gemms),
+            *_gemm_entry(kernel, data, dtype),
             data.data_ptr(),
             None if bias is None else bias.data_ptr(),
             tuple(group.sizes),
@@ -396,7 +390,7 @@ class DecodeProgram:
         kernel, data, bias = part
         m = f.module
         return (
-            *_gemm_entry(kernel, data, dtype, self._gemms),
+            *_gemm_entry(kernel, data, dtype),
             data.data_ptr(),
             None if bias is None else bias.data_ptr(),
             (m.in_features, m.out_features),

@@ -73,10 +73,15 @@ class DispatchGEMM:
     def step_bias(self, bias: Optional[torch.Tensor]):
         return None if bias is None else tuple(k.step_bias(bias) for k in self.kernels)
 
+    def index_for_rows(self, rows: int) -> int:
+        """Index in :attr:`kernels` (and in a packed weight's ``data``) of the kernel serving calls
+        of ``rows`` input rows."""
+        return self.table[bucket_of(rows, self.buckets)]
+
     def _pick(self, x: torch.Tensor) -> int:
         if torch.compiler.is_compiling() or not x.dim() or not x.shape[-1]:
             return 0
-        return self.table[bucket_of(x.numel() // x.shape[-1], self.buckets)]
+        return self.index_for_rows(x.numel() // x.shape[-1])
 
     def linear(self, x, packed: PackedWeight, bias, out_features: int) -> torch.Tensor:
         i = self._pick(x)

@@ -179,6 +179,18 @@ def native_linear(
     return _native_gemm(x, packed, bias, out_features, library, packed_x)
 
 
+def gemm_function(lib: GemmLibrary, dtype: torch.dtype, packed: torch.Tensor, packed_x: bool = False):
+    """The ctypes function of ``lib`` that multiplies inputs of ``dtype`` by ``packed``: float32
+    (``packed_x``: ``gemm_f32_packed_x``), bfloat16 by VDPBF16PS (a 4-D packing), else the widening
+    half-precision kernels, which return -1 when their float32 copy of x cannot be allocated (their
+    ``restype`` is ``c_int``; the others return nothing)."""
+    if dtype == torch.float32:
+        return lib.gemm_f32_packed_x if packed_x else lib.gemm_f32
+    if packed.dim() == 4:  # the VDPBF16PS layout
+        return lib.gemm_bf16
+    return lib.gemm_wbf16 if dtype == torch.bfloat16 else lib.gemm_wf16
+
+
 def _native_gemm(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -201,13 +213,7 @@ def _native_gemm(
         return y.zero_() if bias is None else y.copy_(bias.expand_as(y))
     m = x.numel() // k
     if m:
-        lib = library or native_library()
-        if x.dtype == torch.float32:
-            gemm = lib.gemm_f32_packed_x if packed_x else lib.gemm_f32
-        elif packed.dim() == 4:  # the VDPBF16PS layout
-            gemm = lib.gemm_bf16
-        else:
-            gemm = lib.gemm_wbf16 if x.dtype == torch.bfloat16 else lib.gemm_wf16
+        gemm = gemm_function(library or native_library(), x.dtype, packed, packed_x)
         # ctypes releases the GIL for the call: engines in other threads keep running.
         status = gemm(
             x.data_ptr(),
